@@ -1,0 +1,63 @@
+"""The backend interface (spec A9): what a decode step needs from an array library.
+
+A backend computes the same functions as the NumPy oracle (:mod:`subspace_ref.numpy_backend`)
+on its own arrays. It declares what it accepts, xformers-style, and explains every refusal in
+:meth:`Backend.not_supported_reasons`, so a caller is never left guessing why a call was refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from subspace_ref.state import SubspaceState
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Whether a backend can run on this machine, and if not, why."""
+
+    available: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.available
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Operations of one decode step over a packed state (spec A9).
+
+    ``array_family`` names the array type the backend reads and writes ("numpy", "torch" or
+    "cupy"); a state whose arrays are of that family is read in place, with no conversion.
+    """
+
+    name: str
+    array_family: str
+    devices: tuple[str, ...]
+    dtypes: tuple[str, ...]
+
+    def availability(self) -> Availability:
+        """Whether this machine can run the backend (imports, devices), without raising."""
+
+    def not_supported_reasons(self, q: Any, state: "SubspaceState") -> list[str]:
+        """Every reason this backend refuses ``attend(q, state)``; empty when it accepts."""
+
+    def converter(self, device: Any = None, dtype: Any = None) -> Callable[[Any], Any]:
+        """A function turning any supported array into this backend's family on ``device``;
+        floating arrays are cast to ``dtype`` when given (used by ``SubspaceState.to``)."""
+
+    def append(self, state: "SubspaceState", keys: Any, values: Any) -> None:
+        """Append validated ``keys`` (N, H, n, d) and ``values`` (N, H, n, d_v) to ``state``.
+
+        Follows spec A6/A7/A8 for the state's policy. Arrays stay in the backend's family and
+        on their device. Called only after the state has validated its input, so a failure here
+        is a bug, not bad input.
+        """
+
+    def attend(self, q: Any, state: "SubspaceState", scale: float | None) -> Any:
+        """Coefficient-space attention (spec A2, A3) of ``q`` (N, H_q, d) over ``state``.
+
+        Returns (N, H_q, d_v) in ``q``'s dtype, accumulated in at least float32.
+        """

@@ -1,0 +1,42 @@
+"""Exact softmax attention over a full KV cache (spec A1): the ground truth every method is scored against."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from subspace_ref import _checks
+
+
+def exact_attention(q: Any, K: Any, V: Any, scale: float | None = None) -> np.ndarray:
+    """Softmax attention of queries q (H_q, d) over K (H, T, d), V (H, T, d_v) (spec A1).
+
+    Grouped-query: H_q must be a multiple of H, and query head h_q reads KV head h_q // (H_q/H).
+    ``scale`` defaults to 1/sqrt(d). A leading batch axis on all three is also accepted.
+    The softmax subtracts the row maximum, so logits of any finite size neither overflow nor NaN.
+    Returns (H_q, d_v) in the result dtype of the inputs.
+    """
+    q, K, V = np.asarray(q), np.asarray(K), np.asarray(V)
+    batched = q.ndim == 3
+    if not batched:
+        q, K, V = q[None], K[None], V[None]
+    _checks.shape("q", q, (None, None, None))
+    n, hq, d = q.shape
+    _checks.shape("K", K, (n, None, None, d))
+    _checks.shape("V", V, (n, K.shape[1], K.shape[2], None))
+    h, t = K.shape[1], K.shape[2]
+    if hq % h:
+        raise ValueError(f"q has {hq} heads; expected a multiple of the {h} KV heads")
+    if t == 0:
+        raise ValueError("K has no tokens; attention over an empty cache is undefined")
+    for name, x in (("q", q), ("K", K), ("V", V)):
+        _checks.finite(name, x)
+    s = 1.0 / np.sqrt(d) if scale is None else float(scale)
+    group = hq // h
+    Kq = np.repeat(K, group, axis=1)
+    Vq = np.repeat(V, group, axis=1)
+    logits = s * np.einsum("nhd,nhtd->nht", q, Kq)
+    weights = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    out = np.einsum("nht,nhtv->nhv", weights, Vq) / weights.sum(axis=-1)[..., None]
+    return out if batched else out[0]

@@ -1,0 +1,55 @@
+"""The packed state layout of spec A9: the arrays every backend reads in place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from subspace_ref.arrays import grown
+
+
+def _capacity(needed: int, current: int) -> int:
+    # geometric growth: appending T tokens one by one costs O(T) copies in total
+    return max(needed, 2 * current, 16)
+
+
+@dataclass
+class PackedLayout:
+    """Arrays of one layer for N sequences x H KV heads (spec A9).
+
+    Rows of ``key_coef``/``value_coef`` past ``num_tokens`` and chunks past ``num_chunks`` are
+    spare capacity: allocated, never read.
+    """
+
+    key_coef: Any  # (N, H, T_cap, r)
+    value_coef: Any  # (N, H, T_cap, r_v)
+    key_bases: Any  # (N, H, J_cap, r, d)
+    value_bases: Any  # (N, H, J_cap, r_v, d_v)
+    chunk_starts: Any  # (N, H, J_cap) int64
+    num_chunks: Any  # (N, H) int64
+    gamma: Any  # (H,)
+    num_tokens: int
+
+    ARRAYS = ("key_coef", "value_coef", "key_bases", "value_bases", "chunk_starts", "num_chunks", "gamma")
+
+    def arrays(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.ARRAYS}
+
+    def with_capacity(self, tokens: int, chunks: int) -> "PackedLayout":
+        """A layout holding the same data with room for ``tokens`` tokens and ``chunks`` chunks."""
+        t_cap = self.key_coef.shape[2]
+        j_cap = self.key_bases.shape[2]
+        new_t = t_cap if tokens <= t_cap else _capacity(tokens, t_cap)
+        new_j = j_cap if chunks <= j_cap else _capacity(chunks, j_cap)
+        return replace(
+            self,
+            key_coef=grown(self.key_coef, 2, new_t),
+            value_coef=grown(self.value_coef, 2, new_t),
+            key_bases=grown(self.key_bases, 2, new_j),
+            value_bases=grown(self.value_bases, 2, new_j),
+            chunk_starts=grown(self.chunk_starts, 2, new_j),
+        )
+
+    def map_arrays(self, fn) -> "PackedLayout":
+        """A layout with ``fn`` applied to every array (conversion between families, devices, dtypes)."""
+        return replace(self, **{f.name: fn(f.name, getattr(self, f.name)) for f in fields(self) if f.name in self.ARRAYS})

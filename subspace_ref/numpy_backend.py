@@ -1,0 +1,191 @@
+"""The NumPy oracle: spec A3 and A6-A8 written step by step (also runs on CuPy arrays via ``xp``).
+
+Every accelerated backend is tested against these two functions. They favour a reader holding the
+paper beside them over speed: attention loops over heads and chunks, appends over tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from subspace_ref import frequent_directions as fd
+from subspace_ref.arrays import namespace, to_numpy
+from subspace_ref.backend import Availability
+from subspace_ref.blockwise_softmax import SoftmaxPartial
+
+
+def relative_residual(x: Any, coef: Any) -> Any:
+    """Spec A7 step 2: rho = sqrt(max(|x|^2 - |c|^2, 0)) / |x|, and 0 for x = 0."""
+    xp = namespace(x)
+    norm2 = (x * x).sum(-1)
+    res2 = xp.maximum(norm2 - (coef * coef).sum(-1), 0.0)
+    safe = xp.where(norm2 > 0, norm2, 1.0)
+    return xp.where(norm2 > 0, xp.sqrt(res2 / safe), 0.0)
+
+
+def warmup_row(basis: Any, x: Any) -> Any:
+    """Spec A7 step 0: the unit residual of x against the basis rows, or zero when x is (to
+    rounding) already in their span. basis (..., r, d), x (..., d) -> (..., d)."""
+    xp = namespace(x)
+    residual = x - xp.einsum("...rd,...r->...d", basis, xp.einsum("...rd,...d->...r", basis, x))
+    norm = xp.sqrt((residual * residual).sum(-1, keepdims=True))
+    floor = 10 * np.finfo(np.dtype(str(x.dtype))).eps * xp.sqrt((x * x).sum(-1, keepdims=True))
+    return xp.where(norm > floor, residual / xp.where(norm > 0, norm, 1.0), 0.0)
+
+
+def rank_mask(ranks: tuple[int, ...], width: int, like: Any) -> Any:
+    """(H, width, 1) mask keeping each head's first rank rows: the zero-row padding of spec A9."""
+    xp = namespace(like)
+    mask = np.arange(width)[None, :] < np.asarray(ranks)[:, None]
+    return xp.asarray(mask[:, :, None].astype(np.dtype(str(like.dtype))))
+
+
+def append_reference(state, keys: Any, values: Any) -> None:
+    """Append keys (N, H, n, d), values (N, H, n, d_v) to ``state`` following spec A6/A7/A8.
+
+    Nothing visible changes until the final commit: new rows and chunks are written past the
+    live ranges, and whatever is rewritten (warm-up rows, rotated coefficients) is rewritten in
+    copies that replace the originals at the end.
+    """
+    xp = namespace(keys)
+    policy = state.policy
+    n_new = keys.shape[2]
+    T = state.layout.num_tokens
+    lay = state.layout.with_capacity(T + n_new, int(to_numpy(state.layout.num_chunks).max()) + (n_new if policy.kind == "adaptive" else 0))
+
+    if policy.kind == "static":  # spec A6
+        lay.key_coef[:, :, T : T + n_new] = xp.einsum("nhtd,nhrd->nhtr", keys, lay.key_bases[:, :, 0])
+        lay.value_coef[:, :, T : T + n_new] = xp.einsum("nhtd,nhrd->nhtr", values, lay.value_bases[:, :, 0])
+        state.layout = replace(lay, num_tokens=T + n_new)
+        return
+
+    sk = state.sketches
+    buf_k, filled_k, buf_v, filled_v = sk.keys, sk.filled_k, sk.values, sk.filled_v
+    coef_k, coef_v = lay.key_coef, lay.value_coef
+    num_chunks = lay.num_chunks.copy()
+    chunk_starts = lay.chunk_starts.copy()
+    heads_n, heads_h = xp.meshgrid(xp.arange(lay.key_coef.shape[0]), xp.arange(lay.key_coef.shape[1]), indexing="ij")
+    open_B = lay.key_bases[heads_n, heads_h, num_chunks - 1].copy()  # (N, H, r, d)
+    open_E = lay.value_bases[heads_n, heads_h, num_chunks - 1].copy()
+    mask_k = rank_mask(policy.rank_k, open_B.shape[2], open_B)
+    mask_v = rank_mask(policy.rank_v, open_E.shape[2], open_E)
+    W = policy.warmup
+    warm_B, warm_E = open_B, open_E
+
+    for i in range(n_new):
+        t = T + i
+        k, v = keys[:, :, i], values[:, :, i]
+        if t < W:  # step 0: exact warm-up rows in chunk 0, which is open for every head
+            open_B[:, :, t] = warmup_row(open_B, k)
+            open_E[:, :, t] = warmup_row(open_E, v)
+            warm_B, warm_E = open_B.copy(), open_E.copy()
+        # step 1: coefficients with the open chunk's bases
+        c = xp.einsum("nhrd,nhd->nhr", open_B, k)
+        dv = xp.einsum("nhrd,nhd->nhr", open_E, v)
+        coef_k[:, :, t] = c
+        coef_v[:, :, t] = dv
+        if policy.kind == "adaptive":
+            # step 2: residuals from the coefficients; step 3: the trigger, before the FD update
+            rho_k, rho_v = relative_residual(k, c), relative_residual(v, dv)
+            open_start = xp.take_along_axis(chunk_starts, (num_chunks - 1)[..., None], axis=2)[..., 0]
+            fire = (t >= W) & ((rho_k > policy.tau_k) | (rho_v > policy.tau_v) | (t + 1 - open_start >= policy.max_chunk))
+            if bool(fire.any()):
+                fn, fh = xp.nonzero(fire)
+                new_B = fd.top_directions(buf_k[fn, fh, :filled_k], open_B.shape[2]) * mask_k[fh]
+                new_E = fd.top_directions(buf_v[fn, fh, :filled_v], open_E.shape[2]) * mask_v[fh]
+                j = num_chunks[fn, fh]
+                lay.key_bases[fn, fh, j] = new_B
+                lay.value_bases[fn, fh, j] = new_E
+                chunk_starts[fn, fh, j] = t + 1
+                num_chunks[fn, fh] = j + 1
+                open_B[fn, fh] = new_B
+                open_E[fn, fh] = new_E
+        # step 4 (A7) / step 3 (A8): the FD update
+        buf_k, filled_k = fd.insert(buf_k, filled_k, k[:, :, None], policy.ell_k)
+        buf_v, filled_v = fd.insert(buf_v, filled_v, v[:, :, None], policy.ell_v)
+        if policy.kind == "rotating" and t >= W and (t + 1 - W) % policy.refresh_every == 0:
+            # spec A8 step 4: new basis, and every stored coefficient moved into it by R = B B'^T
+            new_B = fd.top_directions(buf_k, open_B.shape[2]) * mask_k
+            new_E = fd.top_directions(buf_v, open_E.shape[2]) * mask_v
+            coef_k = _rotated(coef_k, t + 1, xp.einsum("nhrd,nhsd->nhrs", open_B, new_B))
+            coef_v = _rotated(coef_v, t + 1, xp.einsum("nhrd,nhsd->nhrs", open_E, new_E))
+            open_B, open_E = new_B, new_E
+
+    if policy.kind == "rotating" or T < W:
+        # the only bases rewritten in place: the single rotating basis, or chunk 0 during warm-up
+        # (chunk 0 stays open until warm-up ends, so open_B then still is chunk 0's basis)
+        key_bases, value_bases = lay.key_bases.copy(), lay.value_bases.copy()
+        key_bases[:, :, 0], value_bases[:, :, 0] = (open_B, open_E) if policy.kind == "rotating" else (warm_B, warm_E)
+        lay = replace(lay, key_bases=key_bases, value_bases=value_bases)
+    state.layout = replace(lay, key_coef=coef_k, value_coef=coef_v, num_chunks=num_chunks, chunk_starts=chunk_starts, num_tokens=T + n_new)
+    state.sketches = replace(sk, keys=buf_k, values=buf_v, filled_k=filled_k, filled_v=filled_v, rows_seen=sk.rows_seen + n_new)
+
+
+def _rotated(coef: Any, upto: int, R: Any) -> Any:
+    out = coef.copy()
+    out[:, :, :upto] = namespace(coef).einsum("nhtr,nhrs->nhts", coef[:, :, :upto], R)
+    return out
+
+
+def attend_reference(q: np.ndarray, state, scale: float | None) -> np.ndarray:
+    """Spec A3 over every chunk of every head: q (N, H_q, d) -> (N, H_q, d_v) in q's dtype.
+
+    Computes in float64 when q and the state are float64, else in float32 (a float16 input is
+    widened, as the accelerated backends accumulate in float32).
+    """
+    lay = state.layout
+    work = np.promote_types(np.promote_types(q.dtype, lay.key_coef.dtype), np.float32)
+    N, Hq, d = q.shape
+    group = Hq // state.heads
+    s = 1.0 / np.sqrt(d) if scale is None else float(scale)
+    out = np.empty((N, Hq, state.d_v), dtype=work)
+    for n in range(N):
+        for hq in range(Hq):
+            h = hq // group
+            qv = q[n, hq].astype(work)
+            partial = SoftmaxPartial.empty(state.d_v, work)
+            for j, (a, b) in enumerate(state.chunk_bounds(h, n)):
+                q_proj = lay.key_bases[n, h, j].astype(work) @ qv  # spec A3 step 2.1
+                logits = work.type(lay.gamma[h] * s) * (lay.key_coef[n, h, a:b].astype(work) @ q_proj)
+                partial.add_chunk(logits, lay.value_coef[n, h, a:b].astype(work), lay.value_bases[n, h, j].astype(work))
+            out[n, hq] = partial.result()
+    return out.astype(q.dtype)
+
+
+class NumpyBackend:
+    """The oracle as a backend: CPU, NumPy arrays, float32 and float64 (float16 widened)."""
+
+    name = "numpy"
+    array_family = "numpy"
+    devices = ("cpu",)
+    dtypes = ("float16", "float32", "float64")
+
+    def availability(self) -> Availability:
+        return Availability(True)
+
+    def not_supported_reasons(self, q: Any, state) -> list[str]:
+        reasons = []
+        if not isinstance(q, np.ndarray):
+            reasons.append(f"q is a {type(q).__module__.split('.')[0]} array; the numpy backend takes NumPy arrays")
+        if not isinstance(state.layout.key_coef, np.ndarray):
+            reasons.append(f"the state holds {state.engine} arrays; convert it with state.to('numpy')")
+        return reasons
+
+    def converter(self, device: Any = None, dtype: Any = None):
+        if device not in (None, "cpu"):
+            raise ValueError(f"device must be None or 'cpu' for the numpy backend, got {device!r}")
+
+        def convert(x):
+            x = np.array(to_numpy(x))
+            return x.astype(dtype) if dtype is not None and x.dtype.kind == "f" else x
+
+        return convert
+
+    def append(self, state, keys, values) -> None:
+        append_reference(state, keys, values)
+
+    def attend(self, q, state, scale):
+        return attend_reference(q, state, scale)

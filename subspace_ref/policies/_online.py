@@ -1,0 +1,34 @@
+"""Checks shared by the two online policies (adaptive and rotating), which both keep FD sketches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from subspace_ref import _checks
+
+
+def per_head_ranks(name: str, rank: Any, heads: int, dim: int) -> tuple[int, ...]:
+    ranks = (rank,) * heads if isinstance(rank, int) else tuple(rank)
+    if len(ranks) != heads:
+        raise ValueError(f"{name} must be one int or {heads} ints (one per head), got {rank!r}")
+    for r in ranks:
+        if not isinstance(r, int) or not 1 <= r <= dim:
+            raise ValueError(f"{name} must lie in [1, {dim}] (the head size), got {r!r}")
+    return ranks
+
+
+def sketch_size(name: str, ell: Any, ranks: tuple[int, ...], rank_name: str) -> int:
+    """ell defaults to 2 * max rank (seed 003: 'sketch size 2r'); it must exceed every rank."""
+    ell = 2 * max(ranks) if ell is None else _checks.positive_int(name, ell)
+    if ell <= max(ranks):
+        raise ValueError(f"{name} = {ell} must be > {rank_name} = {max(ranks)} (FD yields at most ell - 1 directions)")
+    return ell
+
+
+def warmup_length(warmup: Any, rank_k: tuple[int, ...], rank_v: tuple[int, ...]) -> int:
+    limit = min(min(rank_k), min(rank_v))
+    if warmup is None:
+        return limit
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or not 0 <= warmup <= limit:
+        raise ValueError(f"warmup must be an int in [0, {limit}] (the smallest rank), got {warmup!r}")
+    return warmup

@@ -1,0 +1,331 @@
+"""The compressed KV cache of one layer (spec A6-A9)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from subspace_ref import _checks
+from subspace_ref.arrays import array_family, clone, itemsize, numel, to_numpy
+from subspace_ref.calibration import StaticBasis, resolve_gamma
+from subspace_ref.layout import PackedLayout
+from subspace_ref.policies import AdaptivePolicy, RotatingPolicy, StaticPolicy
+from subspace_ref.policies._online import per_head_ranks, sketch_size, warmup_length
+
+Policy = StaticPolicy | AdaptivePolicy | RotatingPolicy
+
+
+@dataclass
+class SketchBuffers:
+    """FD buffers (spec A4) of every head: keys (N, H, 2 ell_k, d), values (N, H, 2 ell_v, d_v).
+
+    All heads see the same number of rows, so one fill count serves them all.
+    """
+
+    keys: Any
+    values: Any
+    filled_k: int
+    filled_v: int
+    rows_seen: int
+
+
+class SubspaceState:
+    """Coefficients and per-chunk bases of one layer's KV cache (spec A9), built by
+    :meth:`static`, :meth:`adaptive` or :meth:`rotating`.
+
+    Unbatched (the default): ``append`` takes (H, d) or (H, n, d). Built with ``batch=N``:
+    (N, H, d) or (N, H, n, d). The arrays live in one family (numpy, torch or cupy; see
+    :meth:`to`), and appends run on the backend of that family, in place on its device.
+    """
+
+    def __init__(self, policy: Policy, layout: PackedLayout, sketches: SketchBuffers | None, batched: bool, engine: str):
+        self.policy = policy
+        self.layout = layout
+        self.sketches = sketches
+        self.batched = batched
+        self.engine = engine
+
+    # ----------------------------------------------------------------- construction
+    @classmethod
+    def static(cls, basis: StaticBasis, *, batch: int | None = None, dtype: Any = None) -> "SubspaceState":
+        """A state over a calibrated basis (spec A6): one chunk per head, nothing else kept."""
+        if not isinstance(basis, StaticBasis):
+            raise TypeError(f"basis must be a StaticBasis (see calibrate or StaticBasis.from_bases), got {type(basis).__name__}")
+        dtype = np.dtype(dtype or basis.B.dtype)
+        n = _batch_size(batch)
+        H, r, d = basis.B.shape
+        r_v, d_v = basis.E.shape[1:]
+        layout = _empty_layout(n, H, r, d, r_v, d_v, dtype)
+        layout.key_bases[:, :, 0] = basis.B
+        layout.value_bases[:, :, 0] = basis.E
+        layout.gamma[:] = basis.gamma
+        layout.num_chunks[:] = 1
+        return cls(StaticPolicy(basis.rank_k, basis.rank_v), layout, None, batch is not None, "numpy")
+
+    @classmethod
+    def adaptive(
+        cls,
+        heads: int,
+        d: int,
+        d_v: int | None = None,
+        *,
+        rank_k: int | tuple[int, ...],
+        rank_v: int | tuple[int, ...],
+        ell_k: int | None = None,
+        ell_v: int | None = None,
+        tau_k: float = 0.2,
+        tau_v: float = 0.2,
+        max_chunk: int = 256,
+        warmup: int | None = None,
+        gamma: Any = "unit",
+        batch: int | None = None,
+        dtype: Any = np.float64,
+    ) -> "SubspaceState":
+        """Online bases from FD sketches with residual-triggered chunking (spec A7, seed 001 §5).
+
+        ``ell_*`` default to 2 x rank; ``warmup`` (default: the smallest rank) tokens are stored
+        exactly before the first trigger can fire; ``warmup=0`` is the paper verbatim.
+        """
+        heads, d, d_v, rk, rv, ek, ev, w = _online_args(heads, d, d_v, rank_k, rank_v, ell_k, ell_v, warmup)
+        policy = AdaptivePolicy(
+            rk, rv, ek, ev,
+            _checks.open_unit_interval("tau_k", tau_k),
+            _checks.open_unit_interval("tau_v", tau_v),
+            _checks.positive_int("max_chunk", max_chunk),
+            w,
+        )
+        return cls._online(policy, heads, d, d_v, gamma, batch, dtype)
+
+    @classmethod
+    def rotating(
+        cls,
+        heads: int,
+        d: int,
+        d_v: int | None = None,
+        *,
+        rank_k: int | tuple[int, ...],
+        rank_v: int | tuple[int, ...],
+        ell_k: int | None = None,
+        ell_v: int | None = None,
+        refresh_every: int = 64,
+        warmup: int | None = None,
+        gamma: Any = "unit",
+        batch: int | None = None,
+        dtype: Any = np.float64,
+    ) -> "SubspaceState":
+        """One basis per head, refreshed from FD every ``refresh_every`` tokens with the stored
+        coefficients rotated by the r x r change of basis (spec A8, seed 003 SubSpace-A)."""
+        heads, d, d_v, rk, rv, ek, ev, w = _online_args(heads, d, d_v, rank_k, rank_v, ell_k, ell_v, warmup)
+        policy = RotatingPolicy(rk, rv, ek, ev, _checks.positive_int("refresh_every", refresh_every), w)
+        return cls._online(policy, heads, d, d_v, gamma, batch, dtype)
+
+    @classmethod
+    def _online(cls, policy, heads, d, d_v, gamma, batch, dtype) -> "SubspaceState":
+        dtype = np.dtype(dtype)
+        if dtype not in (np.float32, np.float64):
+            raise TypeError(f"dtype must be float32 or float64 for a NumPy state, got {dtype}")
+        n = _batch_size(batch)
+        layout = _empty_layout(n, heads, max(policy.rank_k), d, max(policy.rank_v), d_v, dtype)
+        layout.gamma[:] = resolve_gamma(gamma, policy.rank_k, d, dtype)
+        layout.num_chunks[:] = 1
+        sketches = SketchBuffers(
+            keys=np.zeros((n, heads, 2 * policy.ell_k, d), dtype=dtype),
+            values=np.zeros((n, heads, 2 * policy.ell_v, d_v), dtype=dtype),
+            filled_k=0,
+            filled_v=0,
+            rows_seen=0,
+        )
+        return cls(policy, layout, sketches, batch is not None, "numpy")
+
+    # ----------------------------------------------------------------- shape facts
+    @property
+    def kind(self) -> str:
+        return self.policy.kind
+
+    @property
+    def batch(self) -> int:
+        return self.layout.key_coef.shape[0]
+
+    @property
+    def heads(self) -> int:
+        return self.layout.key_coef.shape[1]
+
+    @property
+    def d(self) -> int:
+        return self.layout.key_bases.shape[-1]
+
+    @property
+    def d_v(self) -> int:
+        return self.layout.value_bases.shape[-1]
+
+    @property
+    def dtype(self):
+        return self.layout.key_coef.dtype
+
+    @property
+    def num_tokens(self) -> int:
+        return self.layout.num_tokens
+
+    @property
+    def num_chunks(self) -> np.ndarray:
+        """Chunks per head, the open one included: (H,), or (N, H) for a batched state."""
+        counts = to_numpy(self.layout.num_chunks).astype(np.int64)
+        return counts if self.batched else counts[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the cache really holds: coefficients of the tokens, bases of the chunks in use,
+        gamma, and for online states the FD sketches and chunk offsets. Spare capacity is not
+        counted (see :attr:`allocated_nbytes`)."""
+        lay = self.layout
+        item = itemsize(lay.key_coef)
+        n, h = lay.key_coef.shape[:2]
+        coef = n * h * lay.num_tokens * (lay.key_coef.shape[3] + lay.value_coef.shape[3]) * item
+        chunks = int(to_numpy(lay.num_chunks).sum())
+        per_chunk = lay.key_bases.shape[3] * lay.key_bases.shape[4] + lay.value_bases.shape[3] * lay.value_bases.shape[4]
+        total = coef + chunks * per_chunk * item + h * itemsize(lay.gamma)
+        if self.sketches is not None:
+            total += (numel(self.sketches.keys) + numel(self.sketches.values)) * item
+        if self.kind == "adaptive":
+            total += chunks * 8
+        return total
+
+    @property
+    def basis_nbytes(self) -> int:
+        """Bytes of the bases of the chunks in use plus gamma."""
+        lay = self.layout
+        chunks = int(to_numpy(lay.num_chunks).sum())
+        per_chunk = lay.key_bases.shape[3] * lay.key_bases.shape[4] + lay.value_bases.shape[3] * lay.value_bases.shape[4]
+        return chunks * per_chunk * itemsize(lay.key_bases) + self.heads * itemsize(lay.gamma)
+
+    @property
+    def full_cache_nbytes(self) -> int:
+        """Bytes of the uncompressed K and V these tokens stand for, in the state's dtype."""
+        return self.batch * self.heads * self.num_tokens * (self.d + self.d_v) * itemsize(self.layout.key_coef)
+
+    def chunk_bounds(self, head: int, seq: int = 0) -> list[tuple[int, int]]:
+        """[start, end) token ranges of the chunks of one head (the last may be empty)."""
+        starts = to_numpy(self.layout.chunk_starts[seq, head]).tolist()
+        j = int(to_numpy(self.layout.num_chunks)[seq, head])
+        ends = starts[1:j] + [self.num_tokens]
+        return list(zip(starts[:j], ends))
+
+    # ----------------------------------------------------------------- operations
+    def append(self, keys: Any, values: Any) -> "SubspaceState":
+        """Append one token (H, d) or a block (H, n, d) of keys and values (a leading batch axis
+        for batched states). Checked before anything changes: bad input raises and leaves the
+        state as it was."""
+        k = self._tokens("keys", keys, self.d)
+        v = self._tokens("values", values, self.d_v)
+        if k.shape[2] != v.shape[2]:
+            raise ValueError(f"keys has {k.shape[2]} tokens but values has {v.shape[2]}; expected the same number")
+        if k.shape[2] == 0:
+            return self
+        from subspace_ref.registry import get_backend
+
+        get_backend(self.engine).append(self, k, v)
+        return self
+
+    def reconstruct(self) -> tuple[np.ndarray, np.ndarray]:
+        """(K_hat, V_hat) the state stands for: each token's coefficients mapped through its
+        chunk's bases. (H, T, d) and (H, T, d_v), with a leading N for batched states; NumPy."""
+        lay = self.layout.map_arrays(lambda _, x: to_numpy(x))
+        n, h = lay.key_coef.shape[:2]
+        K = np.zeros((n, h, lay.num_tokens, self.d), dtype=lay.key_coef.dtype)
+        V = np.zeros((n, h, lay.num_tokens, self.d_v), dtype=lay.key_coef.dtype)
+        for s in range(n):
+            for head in range(h):
+                for j, (a, b) in enumerate(self.chunk_bounds(head, s)):
+                    K[s, head, a:b] = lay.key_coef[s, head, a:b] @ lay.key_bases[s, head, j]
+                    V[s, head, a:b] = lay.value_coef[s, head, a:b] @ lay.value_bases[s, head, j]
+        return (K, V) if self.batched else (K[0], V[0])
+
+    def copy(self) -> "SubspaceState":
+        """An independent copy (arrays copied, spare capacity dropped)."""
+        T = self.num_tokens
+        J = int(to_numpy(self.layout.num_chunks).max())
+
+        def cut(name, x):
+            if name in ("key_coef", "value_coef"):
+                return clone(x[:, :, : max(T, 1)])
+            if name in ("key_bases", "value_bases", "chunk_starts"):
+                return clone(x[:, :, :J])
+            return clone(x)
+
+        sketches = None
+        if self.sketches is not None:
+            sketches = replace(self.sketches, keys=clone(self.sketches.keys), values=clone(self.sketches.values))
+        return SubspaceState(self.policy, self.layout.map_arrays(cut), sketches, self.batched, self.engine)
+
+    def to(self, backend: str, device: Any = None, dtype: Any = None) -> "SubspaceState":
+        """A copy whose arrays belong to ``backend``'s array family (e.g. "torch" for the torch and
+        triton backends), on ``device``, with floating arrays cast to ``dtype``. Appends to the
+        copy then run on that family's backend."""
+        from subspace_ref.registry import get_backend
+
+        target = get_backend(backend)
+        convert = target.converter(device=device, dtype=dtype)
+        state = self.copy()
+        state.layout = state.layout.map_arrays(lambda name, x: convert(x))
+        if state.sketches is not None:
+            state.sketches = replace(state.sketches, keys=convert(state.sketches.keys), values=convert(state.sketches.values))
+        state.engine = target.array_family
+        return state
+
+    # ----------------------------------------------------------------- helpers
+    def _tokens(self, name: str, x: Any, dim: int) -> Any:
+        """x as (N, H, n, dim) in the state's family, dtype and device, after every check."""
+        family = array_family(x) if not isinstance(x, (list, tuple)) else "numpy"
+        if family == "numpy":
+            x = np.asarray(x)
+        if family != array_family(self.layout.key_coef):
+            raise TypeError(f"{name} is a {family} array but the state holds {array_family(self.layout.key_coef)} arrays; convert one of them (state.to(...))")
+        _checks.float_dtype(name, x)
+        lead = (self.batch, self.heads) if self.batched else (self.heads,)
+        if x.ndim == len(lead) + 1:
+            x = x[..., None, :]
+        if self.batched:
+            _checks.shape(name, x, (self.batch, self.heads, None, dim))
+        else:
+            _checks.shape(name, x, (self.heads, None, dim))
+            x = x[None]
+        if family == "torch" and x.device != self.layout.key_coef.device:
+            raise ValueError(f"{name} is on {x.device} but the state is on {self.layout.key_coef.device}")
+        _checks.finite(name, x)
+        return x.astype(self.dtype) if family != "torch" else x.to(self.dtype)
+
+    def __repr__(self) -> str:
+        return (
+            f"SubspaceState({self.kind}, heads={self.heads}, d={self.d}, d_v={self.d_v}, "
+            f"tokens={self.num_tokens}, chunks={self.num_chunks.tolist()}, engine={self.engine})"
+        )
+
+
+def _batch_size(batch: int | None) -> int:
+    return 1 if batch is None else _checks.positive_int("batch", batch)
+
+
+def _online_args(heads, d, d_v, rank_k, rank_v, ell_k, ell_v, warmup):
+    heads = _checks.positive_int("heads", heads)
+    d = _checks.positive_int("d", d)
+    d_v = d if d_v is None else _checks.positive_int("d_v", d_v)
+    rk = per_head_ranks("rank_k", rank_k, heads, d)
+    rv = per_head_ranks("rank_v", rank_v, heads, d_v)
+    ek = sketch_size("ell_k", ell_k, rk, "rank_k")
+    ev = sketch_size("ell_v", ell_v, rv, "rank_v")
+    return heads, d, d_v, rk, rv, ek, ev, warmup_length(warmup, rk, rv)
+
+
+def _empty_layout(n: int, H: int, r: int, d: int, r_v: int, d_v: int, dtype) -> PackedLayout:
+    return PackedLayout(
+        key_coef=np.zeros((n, H, 0, r), dtype=dtype),
+        value_coef=np.zeros((n, H, 0, r_v), dtype=dtype),
+        key_bases=np.zeros((n, H, 1, r, d), dtype=dtype),
+        value_bases=np.zeros((n, H, 1, r_v, d_v), dtype=dtype),
+        chunk_starts=np.zeros((n, H, 1), dtype=np.int64),
+        num_chunks=np.zeros((n, H), dtype=np.int64),
+        gamma=np.zeros(H, dtype=dtype),
+        num_tokens=0,
+    )

@@ -242,6 +242,19 @@ class SubspaceState:
                     V[s, head, a:b] = lay.value_coef[s, head, a:b] @ lay.value_bases[s, head, j]
         return (K, V) if self.batched else (K[0], V[0])
 
+    def save(self, path) -> None:
+        """Write the state to ``path`` (safetensors, versioned schema, checksummed, atomic)."""
+        from subspace_ref.persistence import save_state
+
+        save_state(self, path)
+
+    @classmethod
+    def load(cls, path) -> "SubspaceState":
+        """Read a state written by :meth:`save` (NumPy arrays); clear errors for bad files."""
+        from subspace_ref.persistence import load_state
+
+        return load_state(path)
+
     def copy(self) -> "SubspaceState":
         """An independent copy (arrays copied, spare capacity dropped)."""
         T = self.num_tokens

@@ -63,7 +63,7 @@ def append_reference(state, keys: Any, values: Any) -> None:
         return
 
     sk = state.sketches
-    buf_k, filled_k, buf_v, filled_v = sk.keys, sk.filled_k, sk.values, sk.filled_v
+    buf_k, filled_k, buf_v, filled_v = sk.keys.copy(), sk.filled_k, sk.values.copy(), sk.filled_v
     coef_k, coef_v = lay.key_coef, lay.value_coef
     num_chunks = lay.num_chunks.copy()
     chunk_starts = lay.chunk_starts.copy()
@@ -103,6 +103,12 @@ def append_reference(state, keys: Any, values: Any) -> None:
                 num_chunks[fn, fh] = j + 1
                 open_B[fn, fh] = new_B
                 open_E[fn, fh] = new_E
+                if policy.sketch_reset:
+                    # step 3b: forget what the closing chunk summarised, unless it was too short
+                    # to have taught the sketch a full basis (a reset then would thrash)
+                    long = (t + 1 - open_start[fn, fh]) >= max(policy.ell_k, policy.ell_v)
+                    buf_k[fn[long], fh[long]] = 0.0
+                    buf_v[fn[long], fh[long]] = 0.0
         # step 4 (A7) / step 3 (A8): the FD update
         buf_k, filled_k = fd.insert(buf_k, filled_k, k[:, :, None], policy.ell_k)
         buf_v, filled_v = fd.insert(buf_v, filled_v, v[:, :, None], policy.ell_v)

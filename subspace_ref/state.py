@@ -79,6 +79,7 @@ class SubspaceState:
         tau_v: float = 0.2,
         max_chunk: int = 256,
         warmup: int | None = None,
+        sketch_reset: bool = False,
         gamma: Any = "unit",
         batch: int | None = None,
         dtype: Any = np.float64,
@@ -87,6 +88,9 @@ class SubspaceState:
 
         ``ell_*`` default to 2 x rank; ``warmup`` (default: the smallest rank) tokens are stored
         exactly before the first trigger can fire; ``warmup=0`` is the paper verbatim.
+        ``sketch_reset=True`` restarts the sketches at each chunk boundary (spec A7 step 3b): the
+        paper's sketches never forget, and under drift they keep returning the old subspace, so
+        the trigger fires on nearly every token (see tests/test_adaptive_state.py).
         """
         heads, d, d_v, rk, rv, ek, ev, w = _online_args(heads, d, d_v, rank_k, rank_v, ell_k, ell_v, warmup)
         policy = AdaptivePolicy(
@@ -95,6 +99,7 @@ class SubspaceState:
             _checks.open_unit_interval("tau_v", tau_v),
             _checks.positive_int("max_chunk", max_chunk),
             w,
+            bool(sketch_reset),
         )
         return cls._online(policy, heads, d, d_v, gamma, batch, dtype)
 

@@ -9,7 +9,9 @@ from dataclasses import dataclass
 class AdaptivePolicy:
     """FD sketches per head; a new chunk, with bases snapshotted from the sketches, starts after a
     token whose relative residual exceeds ``tau_k``/``tau_v`` or when a chunk reaches ``max_chunk``.
-    The first ``warmup`` tokens are stored exactly (spec A7 step 0)."""
+    The first ``warmup`` tokens are stored exactly (spec A7 step 0). With ``sketch_reset`` the
+    sketches restart at every chunk boundary (spec A7 step 3b), so each snapshot summarises the
+    chunk that just closed instead of the whole history."""
 
     rank_k: tuple[int, ...]
     rank_v: tuple[int, ...]
@@ -19,5 +21,6 @@ class AdaptivePolicy:
     tau_v: float
     max_chunk: int
     warmup: int
+    sketch_reset: bool = False
 
     kind = "adaptive"

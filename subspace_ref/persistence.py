@@ -1,0 +1,425 @@
+"""Saving and loading a :class:`~subspace_ref.state.SubspaceState` (schema: ``spec/persistence.md``).
+
+The file is a safetensors file: a JSON header followed by raw little-endian array bytes. Nothing in
+it is executed on load (no pickle), so loading an untrusted file can at worst raise
+:class:`StateFileError`. Every array is stored cut to its live range, every hyper-parameter goes
+into the header's metadata as JSON, and a SHA-256 checksum over both catches corruption.
+
+Round trips are bit-exact. A state saved from torch (or cupy) arrays loads as a NumPy state of the
+same dtype, except bfloat16, which NumPy lacks: its bits are stored as uint16 and load as float32
+holding exactly the same values (``state.to("torch", dtype=torch.bfloat16)`` gets the original
+back). Continue on another backend with :meth:`SubspaceState.to`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from typing import Any
+
+import numpy as np
+
+from subspace_ref import _checks
+from subspace_ref.arrays import array_family, to_numpy
+
+FORMAT_NAME = "subspace_ref.state"
+FORMAT_VERSION = 1
+
+#: Tensor names in checksum order; the sketch tensors are present for online states only.
+LAYOUT_TENSORS = ("key_coef", "value_coef", "key_bases", "value_bases", "chunk_starts", "num_chunks", "gamma")
+SKETCH_TENSORS = ("sketch_keys", "sketch_values")
+TENSOR_ORDER = LAYOUT_TENSORS + SKETCH_TENSORS
+
+_FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+_POLICY_FIELDS = {
+    "static": ("rank_k", "rank_v"),
+    "adaptive": ("rank_k", "rank_v", "ell_k", "ell_v", "tau_k", "tau_v", "max_chunk", "warmup"),
+    "rotating": ("rank_k", "rank_v", "ell_k", "ell_v", "refresh_every", "warmup"),
+}
+_WRITE_BLOCK = 1 << 20
+
+
+class StateFileError(ValueError):
+    """A file that is not a valid saved state: not safetensors, truncated, corrupted, of another
+    format or version, or with arrays inconsistent with each other or with the hyper-parameters."""
+
+
+# --------------------------------------------------------------------------------------- saving
+def save_state(state, path) -> None:
+    """Write ``state`` to ``path`` atomically (temp file in the same directory, fsync, rename).
+
+    A failure at any point (including a crash) leaves a previous file at ``path`` untouched.
+    """
+    from subspace_ref.state import SubspaceState
+
+    if not isinstance(state, SubspaceState):
+        raise TypeError(f"state must be a SubspaceState, got {type(state).__name__}")
+    path = os.fspath(path)
+    tensors, dtype_name = _tensors_of(state)
+    header = _state_header(state, dtype_name)
+    metadata = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "state": _canonical_json(header)}
+    metadata["checksum"] = checksum(tensors, metadata)
+    data = _serialize(tensors, metadata)
+    _write_atomic(path, data)
+
+
+def _serialize(tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> bytes:
+    """The safetensors encoding (a module attribute so tests can make it fail)."""
+    import safetensors.numpy
+
+    return safetensors.numpy.save(tensors, metadata=metadata)
+
+
+def _write_all(fh, data: bytes) -> None:
+    """Write ``data`` in blocks (a module attribute so tests can make a write fail midway)."""
+    view = memoryview(data)
+    for start in range(0, len(view), _WRITE_BLOCK):
+        fh.write(view[start : start + _WRITE_BLOCK])
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    mode = os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o644
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            _write_all(fh, data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    try:  # make the rename itself durable; not every platform can open a directory
+        dir_fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(dir_fd)
+
+
+def _dtype_name(x: Any) -> str:
+    return str(x.dtype).removeprefix("torch.")
+
+
+def _host(x: Any) -> np.ndarray:
+    """A C-contiguous little-endian NumPy copy of x; bfloat16 as its raw bits in uint16."""
+    if array_family(x) == "torch" and _dtype_name(x) == "bfloat16":
+        import torch
+
+        out = x.detach().cpu().contiguous().view(torch.int16).numpy().view(np.uint16)
+    else:
+        out = to_numpy(x)
+    out = np.ascontiguousarray(out)
+    return out.astype(out.dtype.newbyteorder("<"), copy=True)
+
+
+def _tensors_of(state) -> tuple[dict[str, np.ndarray], str]:
+    lay = state.layout
+    dtype_name = _dtype_name(lay.key_coef)
+    if dtype_name not in _FLOAT_DTYPES:
+        raise TypeError(f"cannot save a state of dtype {dtype_name}; expected one of {', '.join(_FLOAT_DTYPES)}")
+    T = lay.num_tokens
+    J = int(to_numpy(lay.num_chunks).max())
+    cut = {
+        "key_coef": lay.key_coef[:, :, :T],
+        "value_coef": lay.value_coef[:, :, :T],
+        "key_bases": lay.key_bases[:, :, :J],
+        "value_bases": lay.value_bases[:, :, :J],
+        "chunk_starts": lay.chunk_starts[:, :, :J],
+        "num_chunks": lay.num_chunks,
+        "gamma": lay.gamma,
+    }
+    if state.sketches is not None:
+        cut["sketch_keys"] = state.sketches.keys
+        cut["sketch_values"] = state.sketches.values
+    tensors = {}
+    for name, x in cut.items():
+        host = _host(x)
+        if name in ("chunk_starts", "num_chunks"):
+            host = host.astype("<i8")
+        elif _dtype_name(x) != dtype_name:
+            raise TypeError(f"cannot save: {name} has dtype {_dtype_name(x)} but key_coef has {dtype_name}")
+        tensors[name] = host
+    return tensors, dtype_name
+
+
+def _state_header(state, dtype_name: str) -> dict[str, Any]:
+    policy = state.policy
+    fields = {}
+    for name in _POLICY_FIELDS[policy.kind]:
+        value = getattr(policy, name)
+        fields[name] = list(value) if isinstance(value, tuple) else value
+    lay = state.layout
+    sk = state.sketches
+    return {
+        "kind": policy.kind,
+        "policy": fields,
+        "batched": bool(state.batched),
+        "num_tokens": int(lay.num_tokens),
+        "dtype": dtype_name,
+        "sketch": None if sk is None else {"filled_k": int(sk.filled_k), "filled_v": int(sk.filled_v), "rows_seen": int(sk.rows_seen)},
+        "saved_from": state.engine,
+    }
+
+
+def _canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def checksum(tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> str:
+    """``"sha256:" + hex`` of the metadata (``checksum`` left out) and the tensors, as
+    spec/persistence.md §3 describes: the same bytes give the same digest on every machine."""
+    h = hashlib.sha256()
+    h.update(_canonical_json({k: v for k, v in metadata.items() if k != "checksum"}).encode())
+    for name in TENSOR_ORDER:
+        if name not in tensors:
+            continue
+        x = np.ascontiguousarray(tensors[name])
+        x = x.astype(x.dtype.newbyteorder("<"), copy=False)
+        h.update(b"\0" + name.encode() + b"\0" + x.dtype.str.encode() + b"\0" + _canonical_json(list(x.shape)).encode() + b"\0")
+        h.update(x.tobytes())
+    return "sha256:" + h.hexdigest()
+
+
+# -------------------------------------------------------------------------------------- loading
+def load_state(path):
+    """Read a state written by :func:`save_state` as a NumPy state (engine "numpy").
+
+    Raises :class:`StateFileError` naming the problem for a file that is not safetensors, is
+    truncated or corrupted, has another format name or version, or holds inconsistent arrays.
+    """
+    with open(os.fspath(path), "rb") as fh:
+        data = fh.read()
+    metadata, entries = _read_header(data, path)
+    _check_format(metadata, path)
+    tensors = _decode(data, entries, path)
+    expected = checksum(tensors, metadata)
+    if metadata.get("checksum") != expected:
+        raise StateFileError(
+            f"{path}: checksum mismatch (stored {metadata.get('checksum')!r}, computed {expected!r}); the file is corrupted"
+        )
+    try:
+        header = json.loads(metadata["state"])
+    except (json.JSONDecodeError, TypeError) as err:
+        raise StateFileError(f"{path}: metadata 'state' is not valid JSON ({err})") from None
+    return _build_state(header, tensors, path)
+
+
+def _read_header(data: bytes, path) -> tuple[dict[str, str], dict[str, Any]]:
+    if len(data) < 8:
+        raise StateFileError(f"{path}: not a safetensors file ({len(data)} bytes; a safetensors file starts with an 8-byte header length)")
+    n = int.from_bytes(data[:8], "little")
+    if n > len(data) - 8:
+        if n > 100_000_000:
+            raise StateFileError(f"{path}: not a safetensors file (header length field reads {n} bytes)")
+        raise StateFileError(f"{path}: file is truncated: the header alone needs {n + 8} bytes, the file has {len(data)}")
+    try:
+        header = json.loads(data[8 : 8 + n].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise StateFileError(f"{path}: not a safetensors file, or its header is corrupted (header is not JSON: {err})") from None
+    if not isinstance(header, dict):
+        raise StateFileError(f"{path}: not a safetensors file (header is not a JSON object)")
+    metadata = header.pop("__metadata__", None)
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise StateFileError(f"{path}: no subspace_ref metadata in the safetensors header (not a saved SubspaceState)")
+    payload = len(data) - 8 - n
+    try:
+        needed = max((int(e["data_offsets"][1]) for e in header.values()), default=0)
+    except (TypeError, KeyError, IndexError, ValueError):
+        raise StateFileError(f"{path}: safetensors header is corrupted (bad tensor entry)") from None
+    if needed > payload:
+        raise StateFileError(f"{path}: file is truncated: the header describes {needed} bytes of array data, the file holds {payload}")
+    return metadata, header
+
+
+def _check_format(metadata: dict[str, str], path) -> None:
+    if metadata.get("format") != FORMAT_NAME:
+        raise StateFileError(f"{path}: format is {metadata.get('format')!r}, expected {FORMAT_NAME!r} (not a saved SubspaceState)")
+    version = metadata.get("format_version")
+    if version != str(FORMAT_VERSION):
+        raise StateFileError(
+            f"{path}: format_version is {version!r}; this version of subspace_ref reads version {FORMAT_VERSION} only"
+        )
+
+
+def _decode(data: bytes, entries: dict[str, Any], path) -> dict[str, np.ndarray]:
+    import safetensors.numpy
+    from safetensors import SafetensorError
+
+    try:
+        tensors = safetensors.numpy.load(data)
+    except (SafetensorError, ValueError, TypeError) as err:
+        raise StateFileError(f"{path}: corrupted safetensors file ({err})") from None
+    unknown = sorted(set(tensors) - set(TENSOR_ORDER))
+    if unknown:
+        raise StateFileError(f"{path}: unexpected arrays {unknown}; a saved state holds only {list(TENSOR_ORDER)}")
+    return tensors
+
+
+# ------------------------------------------------------------------------------ validation, build
+def _fail(path, message: str):
+    raise StateFileError(f"{path}: {message}")
+
+
+def _policy_from(header: dict[str, Any], path):
+    from subspace_ref.policies import AdaptivePolicy, RotatingPolicy, StaticPolicy
+    from subspace_ref.policies._online import per_head_ranks, sketch_size, warmup_length
+
+    kind = header.get("kind")
+    if kind not in _POLICY_FIELDS:
+        _fail(path, f"kind is {kind!r}; expected one of {sorted(_POLICY_FIELDS)}")
+    fields = header.get("policy")
+    if not isinstance(fields, dict) or set(fields) != set(_POLICY_FIELDS[kind]):
+        _fail(path, f"policy fields are {sorted(fields) if isinstance(fields, dict) else fields!r}; a {kind} state has {sorted(_POLICY_FIELDS[kind])}")
+    try:
+        rank_k = tuple(fields["rank_k"])
+        rank_v = tuple(fields["rank_v"])
+        for name, ranks in (("rank_k", rank_k), ("rank_v", rank_v)):
+            if not ranks or not all(type(r) is int and r >= 0 for r in ranks):
+                raise ValueError(f"{name} must be a list of non-negative ints, got {fields[name]!r}")
+        if kind == "static":
+            return StaticPolicy(rank_k, rank_v)
+        if min(rank_k + rank_v) < 1:
+            raise ValueError(f"ranks of an online state must be >= 1, got {list(rank_k)}/{list(rank_v)}")
+        for name in ("ell_k", "ell_v", "warmup") + (("max_chunk",) if kind == "adaptive" else ("refresh_every",)):
+            if type(fields[name]) is not int:
+                raise ValueError(f"{name} must be an int, got {fields[name]!r}")
+        ek = sketch_size("ell_k", fields["ell_k"], rank_k, "rank_k")
+        ev = sketch_size("ell_v", fields["ell_v"], rank_v, "rank_v")
+        w = warmup_length(fields["warmup"], rank_k, rank_v)
+        if kind == "adaptive":
+            for name in ("tau_k", "tau_v"):
+                if type(fields[name]) not in (int, float):
+                    raise ValueError(f"{name} must be a number, got {fields[name]!r}")
+            return AdaptivePolicy(
+                rank_k, rank_v, ek, ev,
+                _checks.open_unit_interval("tau_k", fields["tau_k"]),
+                _checks.open_unit_interval("tau_v", fields["tau_v"]),
+                _checks.positive_int("max_chunk", fields["max_chunk"]),
+                w,
+            )
+        return RotatingPolicy(rank_k, rank_v, ek, ev, _checks.positive_int("refresh_every", fields["refresh_every"]), w)
+    except (TypeError, ValueError) as err:
+        _fail(path, f"invalid {kind} policy: {err}")
+
+
+def _build_state(header: Any, tensors: dict[str, np.ndarray], path):
+    from subspace_ref.layout import PackedLayout
+    from subspace_ref.state import SketchBuffers, SubspaceState
+
+    if not isinstance(header, dict):
+        _fail(path, "metadata 'state' is not a JSON object")
+    policy = _policy_from(header, path)
+    batched, T, dtype_name, sk = header.get("batched"), header.get("num_tokens"), header.get("dtype"), header.get("sketch")
+    if type(batched) is not bool:
+        _fail(path, f"batched must be true or false, got {batched!r}")
+    if type(T) is not int or T < 0:
+        _fail(path, f"num_tokens must be a non-negative int, got {T!r}")
+    if dtype_name not in _FLOAT_DTYPES:
+        _fail(path, f"dtype is {dtype_name!r}; expected one of {list(_FLOAT_DTYPES)}")
+    online = policy.kind != "static"
+    expected_names = TENSOR_ORDER if online else LAYOUT_TENSORS
+    missing = [n for n in expected_names if n not in tensors]
+    extra = [n for n in tensors if n not in expected_names]
+    if missing or extra:
+        _fail(path, f"a {policy.kind} state holds arrays {list(expected_names)}; missing {missing}, unexpected {extra}")
+
+    stored = "uint16" if dtype_name == "bfloat16" else dtype_name
+    for name in expected_names:
+        want = "int64" if name in ("chunk_starts", "num_chunks") else stored
+        if str(tensors[name].dtype) != want:
+            _fail(path, f"{name} has dtype {tensors[name].dtype}; a {dtype_name} state stores it as {want}")
+    arrays = {name: _widen(x, dtype_name) if name not in ("chunk_starts", "num_chunks") else x for name, x in tensors.items()}
+
+    kc = arrays["key_coef"]
+    if kc.ndim != 4:
+        _fail(path, f"key_coef has shape {kc.shape}; expected (N, H, num_tokens, r)")
+    N, H, _, r = kc.shape
+    kb = arrays["key_bases"]
+    if kb.ndim != 5 or kb.shape[:2] != (N, H) or kb.shape[3] != r:
+        _fail(path, f"key_bases has shape {kb.shape}; expected ({N}, {H}, J, {r}, d)")
+    J, d = kb.shape[2], kb.shape[4]
+    vb = arrays["value_bases"]
+    if vb.ndim != 5 or vb.shape[:3] != (N, H, J):
+        _fail(path, f"value_bases has shape {vb.shape}; expected ({N}, {H}, {J}, r_v, d_v)")
+    r_v, d_v = vb.shape[3], vb.shape[4]
+    shapes = {
+        "key_coef": (N, H, T, r),
+        "value_coef": (N, H, T, r_v),
+        "chunk_starts": (N, H, J),
+        "num_chunks": (N, H),
+        "gamma": (H,),
+    }
+    if online:
+        shapes["sketch_keys"] = (N, H, 2 * policy.ell_k, d)
+        shapes["sketch_values"] = (N, H, 2 * policy.ell_v, d_v)
+    for name, shape in shapes.items():
+        if tuple(arrays[name].shape) != shape:
+            _fail(path, f"{name} has shape {tuple(arrays[name].shape)}; expected {shape} (num_tokens = {T}, {J} chunks, ranks {r}/{r_v}, d = {d}, d_v = {d_v})")
+    if not batched and N != 1:
+        _fail(path, f"an unbatched state has batch size 1, but the arrays hold {N} sequences")
+    if min(d, d_v, H, N, J) < 1:
+        _fail(path, f"empty dimension: N={N}, H={H}, J={J}, d={d}, d_v={d_v}")
+    if len(policy.rank_k) != H or len(policy.rank_v) != H:
+        _fail(path, f"policy has ranks for {len(policy.rank_k)}/{len(policy.rank_v)} heads; the arrays hold {H}")
+    if max(policy.rank_k) > r or max(policy.rank_v) > r_v or max(policy.rank_k) > d or max(policy.rank_v) > d_v:
+        _fail(path, f"ranks {policy.rank_k}/{policy.rank_v} do not fit the basis arrays ({r} x {d}, {r_v} x {d_v})")
+    if online and (r != max(policy.rank_k) or r_v != max(policy.rank_v)):
+        _fail(path, f"basis arrays have {r}/{r_v} rows; an online state has max(rank_k)/max(rank_v) = {max(policy.rank_k)}/{max(policy.rank_v)}")
+
+    for name, x in arrays.items():
+        if x.dtype.kind == "f" and not np.isfinite(x).all():
+            _fail(path, f"{name} contains NaN or Inf")
+    if not (arrays["gamma"] > 0).all():
+        _fail(path, "gamma must be positive")
+
+    num_chunks, starts = arrays["num_chunks"], arrays["chunk_starts"]
+    if num_chunks.min() < 1 or num_chunks.max() != J:
+        _fail(path, f"num_chunks must lie in [1, {J}] with maximum {J} (the stored chunks), got {num_chunks.min()}..{num_chunks.max()}")
+    if not online or policy.kind == "rotating":
+        if J != 1:
+            _fail(path, f"a {policy.kind} state has exactly one chunk per head, the file holds {J}")
+    for n in range(N):
+        for h in range(H):
+            j = int(num_chunks[n, h])
+            s = starts[n, h, :j]
+            if s[0] != 0 or (np.diff(s) < 1).any() or s[-1] > T:
+                _fail(path, f"chunk_starts[{n}, {h}] = {s.tolist()} must start at 0 and increase strictly up to num_tokens = {T}")
+            for name, bases, rank in (("key_bases", kb, policy.rank_k[h]), ("value_bases", vb, policy.rank_v[h])):
+                if bases[n, h, :j, rank:].any():
+                    _fail(path, f"{name}[{n}, {h}] has non-zero rows past the head's rank {rank}")
+
+    sketches = None
+    if online:
+        if not isinstance(sk, dict) or set(sk) != {"filled_k", "filled_v", "rows_seen"} or not all(type(v) is int for v in sk.values()):
+            _fail(path, f"sketch must hold int filled_k, filled_v, rows_seen; got {sk!r}")
+        for name, ell in (("filled_k", policy.ell_k), ("filled_v", policy.ell_v)):
+            if not 0 <= sk[name] <= min(2 * ell, sk["rows_seen"]):
+                _fail(path, f"sketch {name} = {sk[name]} must lie in [0, min(2 ell = {2 * ell}, rows_seen = {sk['rows_seen']})]")
+        for name, filled in (("sketch_keys", sk["filled_k"]), ("sketch_values", sk["filled_v"])):
+            if arrays[name][:, :, filled:].any():
+                _fail(path, f"{name} has non-zero rows past its fill count {filled}")
+        sketches = SketchBuffers(arrays["sketch_keys"], arrays["sketch_values"], sk["filled_k"], sk["filled_v"], sk["rows_seen"])
+    elif sk is not None:
+        _fail(path, f"a static state has no sketch, got {sk!r}")
+
+    layout = PackedLayout(**{name: arrays[name] for name in LAYOUT_TENSORS}, num_tokens=T)
+    return SubspaceState(policy, layout, sketches, batched, "numpy")
+
+
+def _widen(x: np.ndarray, dtype_name: str) -> np.ndarray:
+    """Stored floats as NumPy: bfloat16 bits (uint16) become the float32 of the same value."""
+    if dtype_name == "bfloat16":
+        return (x.astype(np.uint32) << 16).view(np.float32)
+    return np.array(x, dtype=x.dtype.newbyteorder("="))

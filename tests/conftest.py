@@ -1,0 +1,66 @@
+"""Shared fixtures: seeded generators and synthetic KV streams."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from subspace_ref.registry import backends
+
+
+def pytest_report_header(config):
+    # the CI log shows which backends ran and why the others did not
+    return ["subspace_ref backends: " + "; ".join(str(b) for b in backends())]
+
+
+@pytest.fixture
+def rng(request):
+    # a fresh, reproducible generator per test
+    return np.random.default_rng(abs(hash(request.node.nodeid)) % 2**32)
+
+
+def low_rank_stream(rng, heads, T, d, rank, noise=0.0, scale=1.0):
+    """(heads, T, d) rows in a random rank-``rank`` subspace per head, plus isotropic noise."""
+    basis = rng.standard_normal((heads, rank, d))
+    coef = rng.standard_normal((heads, T, rank))
+    return scale * (np.einsum("htr,hrd->htd", coef, basis) + noise * rng.standard_normal((heads, T, d)))
+
+
+def random_orthonormal(rng, *lead, r, d):
+    """Orthonormal (r, d) rows for each leading index."""
+    g = rng.standard_normal(lead + (d, r))
+    q, _ = np.linalg.qr(g)
+    return np.swapaxes(q, -1, -2)
+
+
+def state_from_chunks(K, V, starts, key_bases, value_bases, gamma=1.0):
+    """An adaptive-kind state over given chunks (spec A9) of one sequence: chunk j starts at
+    starts[j] and uses key_bases[:, j] (H, J, r, d) and value_bases[:, j]; coefficients are the
+    exact projections. For tests that need arbitrary chunk boundaries and bases."""
+    from subspace_ref.layout import PackedLayout
+    from subspace_ref.policies import AdaptivePolicy
+    from subspace_ref.state import SketchBuffers, SubspaceState
+
+    H, T, d = K.shape
+    J, r = key_bases.shape[1:3]
+    r_v, d_v = value_bases.shape[2:]
+    bounds = list(starts) + [T]
+    key_coef = np.zeros((1, H, T, r))
+    value_coef = np.zeros((1, H, T, r_v))
+    for j in range(J):
+        a, b = bounds[j], bounds[j + 1]
+        key_coef[0, :, a:b] = np.einsum("htd,hrd->htr", K[:, a:b], key_bases[:, j])
+        value_coef[0, :, a:b] = np.einsum("htd,hrd->htr", V[:, a:b], value_bases[:, j])
+    layout = PackedLayout(
+        key_coef=key_coef,
+        value_coef=value_coef,
+        key_bases=key_bases[None].copy(),
+        value_bases=value_bases[None].copy(),
+        chunk_starts=np.tile(np.asarray(starts, dtype=np.int64), (1, H, 1)),
+        num_chunks=np.full((1, H), J, dtype=np.int64),
+        gamma=np.broadcast_to(np.asarray(gamma, dtype=float), (H,)).copy(),
+        num_tokens=T,
+    )
+    policy = AdaptivePolicy((r,) * H, (r_v,) * H, r + 1, r_v + 1, 0.5, 0.5, 10**9, 0)
+    sketches = SketchBuffers(np.zeros((1, H, 2 * r + 2, d)), np.zeros((1, H, 2 * r_v + 2, d_v)), 0, 0, 0)
+    return SubspaceState(policy, layout, sketches, False, "numpy")

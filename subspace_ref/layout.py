@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from subspace_ref.arrays import grown
@@ -29,11 +29,29 @@ class PackedLayout:
     num_chunks: Any  # (N, H) int64
     gamma: Any  # (H,)
     num_tokens: int
+    key_scale: Any = None  # (N, H, T_cap) float32 when coefficients are int8 (spec A10)
+    value_scale: Any = None
 
-    ARRAYS = ("key_coef", "value_coef", "key_bases", "value_bases", "chunk_starts", "num_chunks", "gamma")
+    ARRAYS = ("key_coef", "value_coef", "key_bases", "value_bases", "chunk_starts", "num_chunks", "gamma", "key_scale", "value_scale")
+
+    @property
+    def quantized(self) -> bool:
+        """True when the coefficients are int8 with per-token scales (spec A10)."""
+        return self.key_scale is not None
+
+    def coefficient_rows(self, which: str, n: int, h: int, a: int, b: int, dtype: Any) -> Any:
+        """Rows [a, b) of the "key" or "value" coefficients of sequence n, head h, in ``dtype``,
+        dequantised when the layout is int8 (spec A10)."""
+        coef = getattr(self, f"{which}_coef")[n, h, a:b]
+        if not self.quantized:
+            return coef.astype(dtype)
+        from subspace_ref.quantization import dequantize_rows
+
+        return dequantize_rows(coef, getattr(self, f"{which}_scale")[n, h, a:b], dtype)
 
     def arrays(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.ARRAYS}
+        """The arrays in use (the scales only for quantized layouts)."""
+        return {name: getattr(self, name) for name in self.ARRAYS if getattr(self, name) is not None}
 
     def with_capacity(self, tokens: int, chunks: int) -> "PackedLayout":
         """A layout holding the same data with room for ``tokens`` tokens and ``chunks`` chunks."""
@@ -48,8 +66,10 @@ class PackedLayout:
             key_bases=grown(self.key_bases, 2, new_j),
             value_bases=grown(self.value_bases, 2, new_j),
             chunk_starts=grown(self.chunk_starts, 2, new_j),
+            key_scale=None if self.key_scale is None else grown(self.key_scale, 2, new_t),
+            value_scale=None if self.value_scale is None else grown(self.value_scale, 2, new_t),
         )
 
     def map_arrays(self, fn) -> "PackedLayout":
-        """A layout with ``fn`` applied to every array (conversion between families, devices, dtypes)."""
-        return replace(self, **{f.name: fn(f.name, getattr(self, f.name)) for f in fields(self) if f.name in self.ARRAYS})
+        """A layout with ``fn`` applied to every array in use (conversion between families, devices, dtypes)."""
+        return replace(self, **{name: fn(name, x) for name, x in self.arrays().items()})

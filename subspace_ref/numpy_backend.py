@@ -15,6 +15,7 @@ from subspace_ref import frequent_directions as fd
 from subspace_ref.arrays import namespace, to_numpy
 from subspace_ref.backend import Availability
 from subspace_ref.blockwise_softmax import SoftmaxPartial
+from subspace_ref.quantization import dequantize_rows, quantize_rows
 
 
 def relative_residual(x: Any, coef: Any) -> Any:
@@ -57,14 +58,13 @@ def append_reference(state, keys: Any, values: Any) -> None:
     lay = state.layout.with_capacity(T + n_new, int(to_numpy(state.layout.num_chunks).max()) + (n_new if policy.kind == "adaptive" else 0))
 
     if policy.kind == "static":  # spec A6
-        lay.key_coef[:, :, T : T + n_new] = xp.einsum("nhtd,nhrd->nhtr", keys, lay.key_bases[:, :, 0])
-        lay.value_coef[:, :, T : T + n_new] = xp.einsum("nhtd,nhrd->nhtr", values, lay.value_bases[:, :, 0])
+        store(lay, "key", slice(T, T + n_new), xp.einsum("nhtd,nhrd->nhtr", keys, lay.key_bases[:, :, 0]))
+        store(lay, "value", slice(T, T + n_new), xp.einsum("nhtd,nhrd->nhtr", values, lay.value_bases[:, :, 0]))
         state.layout = replace(lay, num_tokens=T + n_new)
         return
 
     sk = state.sketches
     buf_k, filled_k, buf_v, filled_v = sk.keys.copy(), sk.filled_k, sk.values.copy(), sk.filled_v
-    coef_k, coef_v = lay.key_coef, lay.value_coef
     num_chunks = lay.num_chunks.copy()
     chunk_starts = lay.chunk_starts.copy()
     heads_n, heads_h = xp.meshgrid(xp.arange(lay.key_coef.shape[0]), xp.arange(lay.key_coef.shape[1]), indexing="ij")
@@ -85,8 +85,8 @@ def append_reference(state, keys: Any, values: Any) -> None:
         # step 1: coefficients with the open chunk's bases
         c = xp.einsum("nhrd,nhd->nhr", open_B, k)
         dv = xp.einsum("nhrd,nhd->nhr", open_E, v)
-        coef_k[:, :, t] = c
-        coef_v[:, :, t] = dv
+        store(lay, "key", t, c)
+        store(lay, "value", t, dv)
         if policy.kind == "adaptive":
             # step 2: residuals from the coefficients; step 3: the trigger, before the FD update
             rho_k, rho_v = relative_residual(k, c), relative_residual(v, dv)
@@ -116,8 +116,8 @@ def append_reference(state, keys: Any, values: Any) -> None:
             # spec A8 step 4: new basis, and every stored coefficient moved into it by R = B B'^T
             new_B = fd.top_directions(buf_k, open_B.shape[2]) * mask_k
             new_E = fd.top_directions(buf_v, open_E.shape[2]) * mask_v
-            coef_k = _rotated(coef_k, t + 1, xp.einsum("nhrd,nhsd->nhrs", open_B, new_B))
-            coef_v = _rotated(coef_v, t + 1, xp.einsum("nhrd,nhsd->nhrs", open_E, new_E))
+            lay = _rotated(lay, "key", t + 1, xp.einsum("nhrd,nhsd->nhrs", open_B, new_B))
+            lay = _rotated(lay, "value", t + 1, xp.einsum("nhrd,nhsd->nhrs", open_E, new_E))
             open_B, open_E = new_B, new_E
 
     if policy.kind == "rotating" or T < W:
@@ -126,14 +126,38 @@ def append_reference(state, keys: Any, values: Any) -> None:
         key_bases, value_bases = lay.key_bases.copy(), lay.value_bases.copy()
         key_bases[:, :, 0], value_bases[:, :, 0] = (open_B, open_E) if policy.kind == "rotating" else (warm_B, warm_E)
         lay = replace(lay, key_bases=key_bases, value_bases=value_bases)
-    state.layout = replace(lay, key_coef=coef_k, value_coef=coef_v, num_chunks=num_chunks, chunk_starts=chunk_starts, num_tokens=T + n_new)
+    state.layout = replace(lay, num_chunks=num_chunks, chunk_starts=chunk_starts, num_tokens=T + n_new)
     state.sketches = replace(sk, keys=buf_k, values=buf_v, filled_k=filled_k, filled_v=filled_v, rows_seen=sk.rows_seen + n_new)
 
 
-def _rotated(coef: Any, upto: int, R: Any) -> Any:
-    out = coef.copy()
-    out[:, :, :upto] = namespace(coef).einsum("nhtr,nhrs->nhts", coef[:, :, :upto], R)
-    return out
+def store(lay, which: str, index: Any, coef: Any) -> None:
+    """Write coefficients (N, H, ..., r) at token ``index`` into the layout, quantised to int8
+    with per-token scales when the layout is (spec A10)."""
+    target = getattr(lay, f"{which}_coef")
+    if lay.quantized:
+        q, scale = quantize_rows(coef)
+        target[:, :, index] = q
+        getattr(lay, f"{which}_scale")[:, :, index] = scale
+    else:
+        target[:, :, index] = coef
+
+
+def _rotated(lay, which: str, upto: int, R: Any):
+    """Spec A8 step 4 on copies: C <- C R for the first ``upto`` tokens (int8 coefficients are
+    dequantised, rotated and quantised again, which adds one rounding per refresh)."""
+    coef = getattr(lay, f"{which}_coef")
+    xp = namespace(coef)
+    dtype = R.dtype
+    if lay.quantized:
+        current = dequantize_rows(coef[:, :, :upto], getattr(lay, f"{which}_scale")[:, :, :upto], dtype)
+    else:
+        current = coef[:, :, :upto]
+    rotated = xp.einsum("nhtr,nhrs->nhts", current, R)
+    new = replace(lay, **{f"{which}_coef": coef.copy()})
+    if lay.quantized:
+        new = replace(new, **{f"{which}_scale": getattr(lay, f"{which}_scale").copy()})
+    store(new, which, slice(0, upto), rotated)
+    return new
 
 
 def attend_reference(q: np.ndarray, state, scale: float | None) -> np.ndarray:
@@ -143,7 +167,7 @@ def attend_reference(q: np.ndarray, state, scale: float | None) -> np.ndarray:
     widened, as the accelerated backends accumulate in float32).
     """
     lay = state.layout
-    work = np.promote_types(np.promote_types(q.dtype, lay.key_coef.dtype), np.float32)
+    work = np.promote_types(np.promote_types(q.dtype, lay.key_bases.dtype), np.float32)
     N, Hq, d = q.shape
     group = Hq // state.heads
     s = 1.0 / np.sqrt(d) if scale is None else float(scale)
@@ -155,8 +179,8 @@ def attend_reference(q: np.ndarray, state, scale: float | None) -> np.ndarray:
             partial = SoftmaxPartial.empty(state.d_v, work)
             for j, (a, b) in enumerate(state.chunk_bounds(h, n)):
                 q_proj = lay.key_bases[n, h, j].astype(work) @ qv  # spec A3 step 2.1
-                logits = work.type(lay.gamma[h] * s) * (lay.key_coef[n, h, a:b].astype(work) @ q_proj)
-                partial.add_chunk(logits, lay.value_coef[n, h, a:b].astype(work), lay.value_bases[n, h, j].astype(work))
+                logits = work.type(lay.gamma[h] * s) * (lay.coefficient_rows("key", n, h, a, b, work) @ q_proj)
+                partial.add_chunk(logits, lay.coefficient_rows("value", n, h, a, b, work), lay.value_bases[n, h, j].astype(work))
             out[n, hq] = partial.result()
     return out.astype(q.dtype)
 

@@ -13,6 +13,7 @@ back). Continue on another backend with :meth:`SubspaceState.to`.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -27,18 +28,22 @@ from subspace_ref.arrays import array_family, to_numpy
 FORMAT_NAME = "subspace_ref.state"
 FORMAT_VERSION = 1
 
-#: Tensor names in checksum order; the sketch tensors are present for online states only.
+#: Tensor names in checksum order. The scales are present for int8 coefficients only (spec A10),
+#: the sketch tensors for online states only.
 LAYOUT_TENSORS = ("key_coef", "value_coef", "key_bases", "value_bases", "chunk_starts", "num_chunks", "gamma")
+SCALE_TENSORS = ("key_scale", "value_scale")
 SKETCH_TENSORS = ("sketch_keys", "sketch_values")
-TENSOR_ORDER = LAYOUT_TENSORS + SKETCH_TENSORS
+TENSOR_ORDER = LAYOUT_TENSORS + SCALE_TENSORS + SKETCH_TENSORS
 
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
-_POLICY_FIELDS = {
-    "static": ("rank_k", "rank_v"),
-    "adaptive": ("rank_k", "rank_v", "ell_k", "ell_v", "tau_k", "tau_v", "max_chunk", "warmup"),
-    "rotating": ("rank_k", "rank_v", "ell_k", "ell_v", "refresh_every", "warmup"),
-}
+_COEFFICIENTS = {"float": None, "int8": "int8"}  # coefficient storage -> coefficient dtype (None: the state's)
 _WRITE_BLOCK = 1 << 20
+
+
+def _policy_classes() -> dict[str, type]:
+    from subspace_ref.policies import AdaptivePolicy, RotatingPolicy, StaticPolicy
+
+    return {cls.kind: cls for cls in (StaticPolicy, AdaptivePolicy, RotatingPolicy)}
 
 
 class StateFileError(ValueError):
@@ -124,42 +129,61 @@ def _host(x: Any) -> np.ndarray:
     return out.astype(out.dtype.newbyteorder("<"), copy=True)
 
 
+def _coefficients(state) -> str:
+    return "int8" if getattr(state.layout, "quantized", False) else "float"
+
+
+def _expected_dtypes(dtype_name: str, coefficients: str, stored: bool) -> dict[str, str]:
+    """Dtype of every tensor of a state; ``stored``: as in the file (bfloat16 as uint16)."""
+    floating = "uint16" if stored and dtype_name == "bfloat16" else dtype_name
+    out = {name: floating for name in TENSOR_ORDER}
+    out.update(chunk_starts="int64", num_chunks="int64", key_scale="float32", value_scale="float32")
+    if coefficients == "int8":
+        out.update(key_coef="int8", value_coef="int8")
+    return out
+
+
 def _tensors_of(state) -> tuple[dict[str, np.ndarray], str]:
     lay = state.layout
-    dtype_name = _dtype_name(lay.key_coef)
+    unknown = sorted(set(lay.arrays()) - set(LAYOUT_TENSORS + SCALE_TENSORS))
+    if unknown:  # a layout field this schema does not describe: refuse rather than drop it
+        raise TypeError(f"cannot save layout arrays {unknown}: spec/persistence.md (format version {FORMAT_VERSION}) does not describe them")
+    dtype_name = _dtype_name(lay.key_bases)
     if dtype_name not in _FLOAT_DTYPES:
         raise TypeError(f"cannot save a state of dtype {dtype_name}; expected one of {', '.join(_FLOAT_DTYPES)}")
+    want = _expected_dtypes(dtype_name, _coefficients(state), stored=False)
     T = lay.num_tokens
     J = int(to_numpy(lay.num_chunks).max())
-    cut = {
-        "key_coef": lay.key_coef[:, :, :T],
-        "value_coef": lay.value_coef[:, :, :T],
-        "key_bases": lay.key_bases[:, :, :J],
-        "value_bases": lay.value_bases[:, :, :J],
-        "chunk_starts": lay.chunk_starts[:, :, :J],
-        "num_chunks": lay.num_chunks,
-        "gamma": lay.gamma,
-    }
+    cut = {}
+    for name, x in lay.arrays().items():
+        if name in ("key_coef", "value_coef", "key_scale", "value_scale"):
+            x = x[:, :, :T]
+        elif name in ("key_bases", "value_bases", "chunk_starts"):
+            x = x[:, :, :J]
+        cut[name] = x
     if state.sketches is not None:
         cut["sketch_keys"] = state.sketches.keys
         cut["sketch_values"] = state.sketches.values
     tensors = {}
-    for name, x in cut.items():
-        host = _host(x)
+    for name in TENSOR_ORDER:
+        if name not in cut:
+            continue
+        x = cut[name]
         if name in ("chunk_starts", "num_chunks"):
-            host = host.astype("<i8")
-        elif _dtype_name(x) != dtype_name:
-            raise TypeError(f"cannot save: {name} has dtype {_dtype_name(x)} but key_coef has {dtype_name}")
-        tensors[name] = host
+            tensors[name] = _host(x).astype("<i8")
+            continue
+        if _dtype_name(x) != want[name]:
+            raise TypeError(f"cannot save: {name} has dtype {_dtype_name(x)}; a {dtype_name} state with {_coefficients(state)} coefficients has {want[name]}")
+        tensors[name] = _host(x)
     return tensors, dtype_name
 
 
 def _state_header(state, dtype_name: str) -> dict[str, Any]:
     policy = state.policy
     fields = {}
-    for name in _POLICY_FIELDS[policy.kind]:
-        value = getattr(policy, name)
-        fields[name] = list(value) if isinstance(value, tuple) else value
+    for f in dataclasses.fields(policy):
+        value = getattr(policy, f.name)
+        fields[f.name] = [int(x) for x in value] if isinstance(value, tuple) else value
     lay = state.layout
     sk = state.sketches
     return {
@@ -168,6 +192,7 @@ def _state_header(state, dtype_name: str) -> dict[str, Any]:
         "batched": bool(state.batched),
         "num_tokens": int(lay.num_tokens),
         "dtype": dtype_name,
+        "coefficients": _coefficients(state),
         "sketch": None if sk is None else {"filled_k": int(sk.filled_k), "filled_v": int(sk.filled_v), "rows_seen": int(sk.rows_seen)},
         "saved_from": state.engine,
     }
@@ -273,45 +298,61 @@ def _fail(path, message: str):
 
 
 def _policy_from(header: dict[str, Any], path):
-    from subspace_ref.policies import AdaptivePolicy, RotatingPolicy, StaticPolicy
-    from subspace_ref.policies._online import per_head_ranks, sketch_size, warmup_length
+    """The policy dataclass from its JSON fields: every field present, each of its declared type,
+    then the constructors' own checks."""
+    from subspace_ref.policies._online import sketch_size, warmup_length
 
+    classes = _policy_classes()
     kind = header.get("kind")
-    if kind not in _POLICY_FIELDS:
-        _fail(path, f"kind is {kind!r}; expected one of {sorted(_POLICY_FIELDS)}")
+    if kind not in classes:
+        _fail(path, f"kind is {kind!r}; expected one of {sorted(classes)}")
+    cls = classes[kind]
+    names = [f.name for f in dataclasses.fields(cls)]
     fields = header.get("policy")
-    if not isinstance(fields, dict) or set(fields) != set(_POLICY_FIELDS[kind]):
-        _fail(path, f"policy fields are {sorted(fields) if isinstance(fields, dict) else fields!r}; a {kind} state has {sorted(_POLICY_FIELDS[kind])}")
+    if not isinstance(fields, dict) or set(fields) != set(names):
+        _fail(path, f"policy fields are {sorted(fields) if isinstance(fields, dict) else fields!r}; a {kind} state has {sorted(names)}")
     try:
-        rank_k = tuple(fields["rank_k"])
-        rank_v = tuple(fields["rank_v"])
-        for name, ranks in (("rank_k", rank_k), ("rank_v", rank_v)):
-            if not ranks or not all(type(r) is int and r >= 0 for r in ranks):
-                raise ValueError(f"{name} must be a list of non-negative ints, got {fields[name]!r}")
+        values = {}
+        for f in dataclasses.fields(cls):
+            values[f.name] = _typed(f.name, str(f.type), fields[f.name])
+        policy = cls(**values)
         if kind == "static":
-            return StaticPolicy(rank_k, rank_v)
-        if min(rank_k + rank_v) < 1:
-            raise ValueError(f"ranks of an online state must be >= 1, got {list(rank_k)}/{list(rank_v)}")
-        for name in ("ell_k", "ell_v", "warmup") + (("max_chunk",) if kind == "adaptive" else ("refresh_every",)):
-            if type(fields[name]) is not int:
-                raise ValueError(f"{name} must be an int, got {fields[name]!r}")
-        ek = sketch_size("ell_k", fields["ell_k"], rank_k, "rank_k")
-        ev = sketch_size("ell_v", fields["ell_v"], rank_v, "rank_v")
-        w = warmup_length(fields["warmup"], rank_k, rank_v)
-        if kind == "adaptive":
-            for name in ("tau_k", "tau_v"):
-                if type(fields[name]) not in (int, float):
-                    raise ValueError(f"{name} must be a number, got {fields[name]!r}")
-            return AdaptivePolicy(
-                rank_k, rank_v, ek, ev,
-                _checks.open_unit_interval("tau_k", fields["tau_k"]),
-                _checks.open_unit_interval("tau_v", fields["tau_v"]),
-                _checks.positive_int("max_chunk", fields["max_chunk"]),
-                w,
-            )
-        return RotatingPolicy(rank_k, rank_v, ek, ev, _checks.positive_int("refresh_every", fields["refresh_every"]), w)
+            return policy
+        if min(policy.rank_k + policy.rank_v) < 1:
+            raise ValueError(f"ranks of an online state must be >= 1, got {list(policy.rank_k)}/{list(policy.rank_v)}")
+        sketch_size("ell_k", policy.ell_k, policy.rank_k, "rank_k")
+        sketch_size("ell_v", policy.ell_v, policy.rank_v, "rank_v")
+        warmup_length(policy.warmup, policy.rank_k, policy.rank_v)
+        for name in ("tau_k", "tau_v"):
+            if hasattr(policy, name):
+                _checks.open_unit_interval(name, getattr(policy, name))
+        for name in ("max_chunk", "refresh_every"):
+            if hasattr(policy, name):
+                _checks.positive_int(name, getattr(policy, name))
+        return policy
     except (TypeError, ValueError) as err:
         _fail(path, f"invalid {kind} policy: {err}")
+
+
+def _typed(name: str, annotation: str, value: Any) -> Any:
+    """``value`` from JSON checked against a policy field's annotation (tuple of ints, int, float, bool)."""
+    if annotation.startswith("tuple"):
+        if not isinstance(value, list) or not value or not all(type(x) is int and x >= 0 for x in value):
+            raise ValueError(f"{name} must be a non-empty list of non-negative ints, got {value!r}")
+        return tuple(value)
+    if annotation == "int":
+        if type(value) is not int:
+            raise ValueError(f"{name} must be an int, got {value!r}")
+        return value
+    if annotation == "float":
+        if type(value) not in (int, float):
+            raise ValueError(f"{name} must be a number, got {value!r}")
+        return float(value)
+    if annotation == "bool":
+        if type(value) is not bool:
+            raise ValueError(f"{name} must be true or false, got {value!r}")
+        return value
+    raise ValueError(f"policy field {name} has type {annotation}, which this reader cannot check")
 
 
 def _build_state(header: Any, tensors: dict[str, np.ndarray], path):
@@ -328,19 +369,21 @@ def _build_state(header: Any, tensors: dict[str, np.ndarray], path):
         _fail(path, f"num_tokens must be a non-negative int, got {T!r}")
     if dtype_name not in _FLOAT_DTYPES:
         _fail(path, f"dtype is {dtype_name!r}; expected one of {list(_FLOAT_DTYPES)}")
+    coefficients = header.get("coefficients")
+    if coefficients not in _COEFFICIENTS:
+        _fail(path, f"coefficients is {coefficients!r}; expected one of {list(_COEFFICIENTS)}")
     online = policy.kind != "static"
-    expected_names = TENSOR_ORDER if online else LAYOUT_TENSORS
+    expected_names = LAYOUT_TENSORS + (SCALE_TENSORS if coefficients == "int8" else ()) + (SKETCH_TENSORS if online else ())
     missing = [n for n in expected_names if n not in tensors]
     extra = [n for n in tensors if n not in expected_names]
     if missing or extra:
-        _fail(path, f"a {policy.kind} state holds arrays {list(expected_names)}; missing {missing}, unexpected {extra}")
+        _fail(path, f"a {policy.kind} state with {coefficients} coefficients holds arrays {list(expected_names)}; missing {missing}, unexpected {extra}")
 
-    stored = "uint16" if dtype_name == "bfloat16" else dtype_name
+    want = _expected_dtypes(dtype_name, coefficients, stored=True)
     for name in expected_names:
-        want = "int64" if name in ("chunk_starts", "num_chunks") else stored
-        if str(tensors[name].dtype) != want:
-            _fail(path, f"{name} has dtype {tensors[name].dtype}; a {dtype_name} state stores it as {want}")
-    arrays = {name: _widen(x, dtype_name) if name not in ("chunk_starts", "num_chunks") else x for name, x in tensors.items()}
+        if str(tensors[name].dtype) != want[name]:
+            _fail(path, f"{name} has dtype {tensors[name].dtype}; a {dtype_name} state with {coefficients} coefficients stores it as {want[name]}")
+    arrays = {name: _widen(x, dtype_name) if want[name] == "uint16" else np.array(x, dtype=x.dtype.newbyteorder("=")) for name, x in tensors.items()}
 
     kc = arrays["key_coef"]
     if kc.ndim != 4:
@@ -361,6 +404,9 @@ def _build_state(header: Any, tensors: dict[str, np.ndarray], path):
         "num_chunks": (N, H),
         "gamma": (H,),
     }
+    if coefficients == "int8":
+        shapes["key_scale"] = (N, H, T)
+        shapes["value_scale"] = (N, H, T)
     if online:
         shapes["sketch_keys"] = (N, H, 2 * policy.ell_k, d)
         shapes["sketch_values"] = (N, H, 2 * policy.ell_v, d_v)
@@ -383,6 +429,9 @@ def _build_state(header: Any, tensors: dict[str, np.ndarray], path):
             _fail(path, f"{name} contains NaN or Inf")
     if not (arrays["gamma"] > 0).all():
         _fail(path, "gamma must be positive")
+    for name in SCALE_TENSORS:
+        if name in arrays and (arrays[name] < 0).any():
+            _fail(path, f"{name} must be >= 0 (a per-token max |coefficient| / 127)")
 
     num_chunks, starts = arrays["num_chunks"], arrays["chunk_starts"]
     if num_chunks.min() < 1 or num_chunks.max() != J:
@@ -414,12 +463,10 @@ def _build_state(header: Any, tensors: dict[str, np.ndarray], path):
     elif sk is not None:
         _fail(path, f"a static state has no sketch, got {sk!r}")
 
-    layout = PackedLayout(**{name: arrays[name] for name in LAYOUT_TENSORS}, num_tokens=T)
+    layout = PackedLayout(**{name: arrays[name] for name in LAYOUT_TENSORS + SCALE_TENSORS if name in arrays}, num_tokens=T)
     return SubspaceState(policy, layout, sketches, batched, "numpy")
 
 
 def _widen(x: np.ndarray, dtype_name: str) -> np.ndarray:
-    """Stored floats as NumPy: bfloat16 bits (uint16) become the float32 of the same value."""
-    if dtype_name == "bfloat16":
-        return (x.astype(np.uint32) << 16).view(np.float32)
-    return np.array(x, dtype=x.dtype.newbyteorder("="))
+    """Stored bfloat16 bits (uint16) as the float32 of the same value (NumPy has no bfloat16)."""
+    return (x.astype(np.uint32) << 16).view(np.float32)

@@ -49,15 +49,18 @@ class SubspaceState:
 
     # ----------------------------------------------------------------- construction
     @classmethod
-    def static(cls, basis: StaticBasis, *, batch: int | None = None, dtype: Any = None) -> "SubspaceState":
-        """A state over a calibrated basis (spec A6): one chunk per head, nothing else kept."""
+    def static(cls, basis: StaticBasis, *, batch: int | None = None, dtype: Any = None, coefficients: str = "float") -> "SubspaceState":
+        """A state over a calibrated basis (spec A6): one chunk per head, nothing else kept.
+
+        ``coefficients="int8"`` stores coefficients as int8 with one float32 scale per token and
+        head (spec A10); bases stay in ``dtype``."""
         if not isinstance(basis, StaticBasis):
             raise TypeError(f"basis must be a StaticBasis (see calibrate or StaticBasis.from_bases), got {type(basis).__name__}")
         dtype = np.dtype(dtype or basis.B.dtype)
         n = _batch_size(batch)
         H, r, d = basis.B.shape
         r_v, d_v = basis.E.shape[1:]
-        layout = _empty_layout(n, H, r, d, r_v, d_v, dtype)
+        layout = _empty_layout(n, H, r, d, r_v, d_v, dtype, coefficients)
         layout.key_bases[:, :, 0] = basis.B
         layout.value_bases[:, :, 0] = basis.E
         layout.gamma[:] = basis.gamma
@@ -83,6 +86,7 @@ class SubspaceState:
         gamma: Any = "unit",
         batch: int | None = None,
         dtype: Any = np.float64,
+        coefficients: str = "float",
     ) -> "SubspaceState":
         """Online bases from FD sketches with residual-triggered chunking (spec A7, seed 001 §5).
 
@@ -101,7 +105,7 @@ class SubspaceState:
             w,
             bool(sketch_reset),
         )
-        return cls._online(policy, heads, d, d_v, gamma, batch, dtype)
+        return cls._online(policy, heads, d, d_v, gamma, batch, dtype, coefficients)
 
     @classmethod
     def rotating(
@@ -119,20 +123,21 @@ class SubspaceState:
         gamma: Any = "unit",
         batch: int | None = None,
         dtype: Any = np.float64,
+        coefficients: str = "float",
     ) -> "SubspaceState":
         """One basis per head, refreshed from FD every ``refresh_every`` tokens with the stored
         coefficients rotated by the r x r change of basis (spec A8, seed 003 SubSpace-A)."""
         heads, d, d_v, rk, rv, ek, ev, w = _online_args(heads, d, d_v, rank_k, rank_v, ell_k, ell_v, warmup)
         policy = RotatingPolicy(rk, rv, ek, ev, _checks.positive_int("refresh_every", refresh_every), w)
-        return cls._online(policy, heads, d, d_v, gamma, batch, dtype)
+        return cls._online(policy, heads, d, d_v, gamma, batch, dtype, coefficients)
 
     @classmethod
-    def _online(cls, policy, heads, d, d_v, gamma, batch, dtype) -> "SubspaceState":
+    def _online(cls, policy, heads, d, d_v, gamma, batch, dtype, coefficients) -> "SubspaceState":
         dtype = np.dtype(dtype)
         if dtype not in (np.float32, np.float64):
             raise TypeError(f"dtype must be float32 or float64 for a NumPy state, got {dtype}")
         n = _batch_size(batch)
-        layout = _empty_layout(n, heads, max(policy.rank_k), d, max(policy.rank_v), d_v, dtype)
+        layout = _empty_layout(n, heads, max(policy.rank_k), d, max(policy.rank_v), d_v, dtype, coefficients)
         layout.gamma[:] = resolve_gamma(gamma, policy.rank_k, d, dtype)
         layout.num_chunks[:] = 1
         sketches = SketchBuffers(
@@ -167,7 +172,8 @@ class SubspaceState:
 
     @property
     def dtype(self):
-        return self.layout.key_coef.dtype
+        """The floating dtype of bases and of keys and values appended (coefficients may be int8)."""
+        return self.layout.key_bases.dtype
 
     @property
     def num_tokens(self) -> int:
@@ -185,17 +191,25 @@ class SubspaceState:
         gamma, and for online states the FD sketches and chunk offsets. Spare capacity is not
         counted (see :attr:`allocated_nbytes`)."""
         lay = self.layout
-        item = itemsize(lay.key_coef)
         n, h = lay.key_coef.shape[:2]
-        coef = n * h * lay.num_tokens * (lay.key_coef.shape[3] + lay.value_coef.shape[3]) * item
+        per_token = (lay.key_coef.shape[3] + lay.value_coef.shape[3]) * itemsize(lay.key_coef)
+        if lay.quantized:
+            per_token += itemsize(lay.key_scale) + itemsize(lay.value_scale)
+        total = n * h * lay.num_tokens * per_token + self.basis_nbytes
         chunks = int(to_numpy(lay.num_chunks).sum())
-        per_chunk = lay.key_bases.shape[3] * lay.key_bases.shape[4] + lay.value_bases.shape[3] * lay.value_bases.shape[4]
-        total = coef + chunks * per_chunk * item + h * itemsize(lay.gamma)
         if self.sketches is not None:
-            total += (numel(self.sketches.keys) + numel(self.sketches.values)) * item
+            total += (numel(self.sketches.keys) + numel(self.sketches.values)) * itemsize(self.sketches.keys)
         if self.kind == "adaptive":
             total += chunks * 8
         return total
+
+    @property
+    def allocated_nbytes(self) -> int:
+        """Bytes of every array the state holds, spare capacity included."""
+        arrays = list(self.layout.arrays().values())
+        if self.sketches is not None:
+            arrays += [self.sketches.keys, self.sketches.values]
+        return sum(numel(x) * itemsize(x) for x in arrays)
 
     @property
     def basis_nbytes(self) -> int:
@@ -208,7 +222,7 @@ class SubspaceState:
     @property
     def full_cache_nbytes(self) -> int:
         """Bytes of the uncompressed K and V these tokens stand for, in the state's dtype."""
-        return self.batch * self.heads * self.num_tokens * (self.d + self.d_v) * itemsize(self.layout.key_coef)
+        return self.batch * self.heads * self.num_tokens * (self.d + self.d_v) * itemsize(self.layout.key_bases)
 
     def chunk_bounds(self, head: int, seq: int = 0) -> list[tuple[int, int]]:
         """[start, end) token ranges of the chunks of one head (the last may be empty)."""
@@ -238,13 +252,14 @@ class SubspaceState:
         chunk's bases. (H, T, d) and (H, T, d_v), with a leading N for batched states; NumPy."""
         lay = self.layout.map_arrays(lambda _, x: to_numpy(x))
         n, h = lay.key_coef.shape[:2]
-        K = np.zeros((n, h, lay.num_tokens, self.d), dtype=lay.key_coef.dtype)
-        V = np.zeros((n, h, lay.num_tokens, self.d_v), dtype=lay.key_coef.dtype)
+        dtype = lay.key_bases.dtype
+        K = np.zeros((n, h, lay.num_tokens, self.d), dtype=dtype)
+        V = np.zeros((n, h, lay.num_tokens, self.d_v), dtype=dtype)
         for s in range(n):
             for head in range(h):
                 for j, (a, b) in enumerate(self.chunk_bounds(head, s)):
-                    K[s, head, a:b] = lay.key_coef[s, head, a:b] @ lay.key_bases[s, head, j]
-                    V[s, head, a:b] = lay.value_coef[s, head, a:b] @ lay.value_bases[s, head, j]
+                    K[s, head, a:b] = lay.coefficient_rows("key", s, head, a, b, dtype) @ lay.key_bases[s, head, j]
+                    V[s, head, a:b] = lay.coefficient_rows("value", s, head, a, b, dtype) @ lay.value_bases[s, head, j]
         return (K, V) if self.batched else (K[0], V[0])
 
     def save(self, path) -> None:
@@ -266,7 +281,7 @@ class SubspaceState:
         J = int(to_numpy(self.layout.num_chunks).max())
 
         def cut(name, x):
-            if name in ("key_coef", "value_coef"):
+            if name in ("key_coef", "value_coef", "key_scale", "value_scale"):
                 return clone(x[:, :, : max(T, 1)])
             if name in ("key_bases", "value_bases", "chunk_starts"):
                 return clone(x[:, :, :J])
@@ -336,10 +351,16 @@ def _online_args(heads, d, d_v, rank_k, rank_v, ell_k, ell_v, warmup):
     return heads, d, d_v, rk, rv, ek, ev, warmup_length(warmup, rk, rv)
 
 
-def _empty_layout(n: int, H: int, r: int, d: int, r_v: int, d_v: int, dtype) -> PackedLayout:
+def _empty_layout(n: int, H: int, r: int, d: int, r_v: int, d_v: int, dtype, coefficients: str) -> PackedLayout:
+    if coefficients not in ("float", "int8"):
+        raise ValueError(f'coefficients must be "float" or "int8", got {coefficients!r}')
+    quantized = coefficients == "int8"
+    coef_dtype = np.int8 if quantized else dtype
     return PackedLayout(
-        key_coef=np.zeros((n, H, 0, r), dtype=dtype),
-        value_coef=np.zeros((n, H, 0, r_v), dtype=dtype),
+        key_coef=np.zeros((n, H, 0, r), dtype=coef_dtype),
+        value_coef=np.zeros((n, H, 0, r_v), dtype=coef_dtype),
+        key_scale=np.zeros((n, H, 0), dtype=np.float32) if quantized else None,
+        value_scale=np.zeros((n, H, 0), dtype=np.float32) if quantized else None,
         key_bases=np.zeros((n, H, 1, r, d), dtype=dtype),
         value_bases=np.zeros((n, H, 1, r_v, d_v), dtype=dtype),
         chunk_starts=np.zeros((n, H, 1), dtype=np.int64),

@@ -41,12 +41,15 @@ class StaticBasis:
     def from_bases(cls, B: Any, E: Any, gamma: Any = 1.0) -> "StaticBasis":
         """Bases given by hand: (H, r, d) and (H, r_v, d_v), zero rows as padding, checked for
         orthonormality (ValueError otherwise)."""
-        B, E = np.asarray(B), np.asarray(E)
+        B, E = np.asarray(_checks.as_array("B", B)), np.asarray(_checks.as_array("E", E))
         _checks.shape("B", B, (None, None, None))
         _checks.shape("E", E, (B.shape[0], None, None))
+        for name, x in (("B", B), ("E", E)):
+            _checks.float_dtype(name, x)
+            _checks.finite(name, x)
         rank_k = tuple(int(x) for x in (np.linalg.norm(B, axis=-1) > 0).sum(-1))
         rank_v = tuple(int(x) for x in (np.linalg.norm(E, axis=-1) > 0).sum(-1))
-        g = np.broadcast_to(np.asarray(gamma, dtype=B.dtype), (B.shape[0],)).copy()
+        g = resolve_gamma(gamma, rank_k, B.shape[2], B.dtype)
         return cls(B=B, E=E, gamma=g, rank_k=rank_k, rank_v=rank_v)
 
 
@@ -98,7 +101,10 @@ def resolve_gamma(gamma: Any, ranks: list[int] | tuple[int, ...], d: int, dtype:
         if gamma == "mse":
             raise ValueError('gamma="mse" needs calibration queries: use calibrate(..., queries=Q, gamma="mse") and pass its .gamma')
         raise ValueError(f'gamma must be "unit", "paper", "mse", a number or one number per head; got {gamma!r}')
-    g = np.asarray(gamma, dtype=dtype)
+    try:
+        g = np.asarray(gamma, dtype=dtype)
+    except (TypeError, ValueError):
+        raise ValueError(f'gamma must be "unit", "paper", "mse", a number or one number per head; got {gamma!r}') from None
     if g.ndim == 0:
         g = np.full(H, g, dtype=dtype)
     if g.shape != (H,) or not np.all(np.isfinite(g)) or np.any(g <= 0):
@@ -135,7 +141,7 @@ def calibrate(
     (default, 1), "paper" (sqrt(r/d)), "mse" (needs ``queries`` (H_q, N_q, d) with H_q a
     multiple of H; spec A5 step 4), a number, or one number per head.
     """
-    K, V = np.asarray(keys), np.asarray(values)
+    K, V = np.asarray(_checks.as_array("keys", keys)), np.asarray(_checks.as_array("values", values))
     _checks.shape("keys", K, (None, None, None))
     _checks.shape("values", V, (K.shape[0], K.shape[1], None))
     _checks.float_dtype("keys", K)
@@ -154,8 +160,10 @@ def calibrate(
     if isinstance(gamma, str) and gamma == "mse":
         if queries is None:
             raise ValueError('gamma="mse" needs queries (H_q, N_q, d) to fit the logits')
-        Q = np.asarray(queries)
+        Q = np.asarray(_checks.as_array("queries", queries))
         _checks.shape("queries", Q, (None, None, K.shape[2]))
+        _checks.float_dtype("queries", Q)
+        _checks.finite("queries", Q)
         if Q.shape[0] % K.shape[0]:
             raise ValueError(f"queries has {Q.shape[0]} heads; expected a multiple of the {K.shape[0]} key heads")
         group = Q.shape[0] // K.shape[0]

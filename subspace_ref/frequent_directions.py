@@ -117,11 +117,12 @@ class FrequentDirections:
 
     def update(self, rows: Any) -> "FrequentDirections":
         """Add rows (n, d) or one row (d,). Bad input leaves the sketch unchanged."""
-        rows = np.asarray(rows)
+        rows = np.asarray(_checks.as_array("rows", rows))
         if rows.ndim == 1:
             rows = rows[None, :]
         _checks.shape("rows", rows, (None, self.d))
         _checks.finite("rows", rows)
+        _checks.finite_norms("rows", rows.astype(self.dtype))
         self._buffer, self._filled = insert(self._buffer, self._filled, rows.astype(self.dtype), self.ell)
         self.rows_seen += rows.shape[0]
         return self

@@ -29,9 +29,14 @@ def relative_residual(x: Any, coef: Any) -> Any:
 
 def warmup_row(basis: Any, x: Any) -> Any:
     """Spec A7 step 0: the unit residual of x against the basis rows, or zero when x is (to
-    rounding) already in their span. basis (..., r, d), x (..., d) -> (..., d)."""
+    rounding) already in their span. basis (..., r, d), x (..., d) -> (..., d).
+
+    The projection is removed twice: one pass of classical Gram-Schmidt loses orthogonality for
+    nearly parallel tokens, two passes keep it to rounding ("twice is enough")."""
     xp = namespace(x)
-    residual = x - xp.einsum("...rd,...r->...d", basis, xp.einsum("...rd,...d->...r", basis, x))
+    residual = x
+    for _ in range(2):
+        residual = residual - xp.einsum("...rd,...r->...d", basis, xp.einsum("...rd,...d->...r", basis, residual))
     norm = xp.sqrt((residual * residual).sum(-1, keepdims=True))
     floor = 10 * np.finfo(np.dtype(str(x.dtype))).eps * xp.sqrt((x * x).sum(-1, keepdims=True))
     return xp.where(norm > floor, residual / xp.where(norm > 0, norm, 1.0), 0.0)

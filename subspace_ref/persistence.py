@@ -226,9 +226,9 @@ def load_state(path):
     """
     with open(os.fspath(path), "rb") as fh:
         data = fh.read()
-    metadata, entries = _read_header(data, path)
+    metadata, _ = _read_header(data, path)
     _check_format(metadata, path)
-    tensors = _decode(data, entries, path)
+    tensors = _decode(data, path)
     expected = checksum(tensors, metadata)
     if metadata.get("checksum") != expected:
         raise StateFileError(
@@ -278,7 +278,7 @@ def _check_format(metadata: dict[str, str], path) -> None:
         )
 
 
-def _decode(data: bytes, entries: dict[str, Any], path) -> dict[str, np.ndarray]:
+def _decode(data: bytes, path) -> dict[str, np.ndarray]:
     import safetensors.numpy
     from safetensors import SafetensorError
 

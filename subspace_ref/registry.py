@@ -66,6 +66,9 @@ def get_backend(name: str) -> Backend:
 
     A backend whose module cannot be imported raises RuntimeError carrying the import error.
     """
+    if isinstance(name, str) and name in _instances:
+        # fast path: scanning entry points costs ~10 ms, and every append and attend asks
+        return _instances[name]
     if not isinstance(name, str) or name not in _sources():
         raise ValueError(f"unknown backend {name!r}; registered backends: {', '.join(registered())}")
     if name not in _instances:

@@ -56,7 +56,7 @@ class SubspaceState:
         head (spec A10); bases stay in ``dtype``."""
         if not isinstance(basis, StaticBasis):
             raise TypeError(f"basis must be a StaticBasis (see calibrate or StaticBasis.from_bases), got {type(basis).__name__}")
-        dtype = np.dtype(dtype or basis.B.dtype)
+        dtype = _checks.numpy_float_dtype("dtype", basis.B.dtype if dtype is None else dtype)
         n = _batch_size(batch)
         H, r, d = basis.B.shape
         r_v, d_v = basis.E.shape[1:]
@@ -133,9 +133,9 @@ class SubspaceState:
 
     @classmethod
     def _online(cls, policy, heads, d, d_v, gamma, batch, dtype, coefficients) -> "SubspaceState":
+        if np.dtype(dtype) not in (np.float32, np.float64):
+            raise TypeError(f"dtype must be float32 or float64 for an online NumPy state (its SVDs need them), got {dtype!r}; convert with state.to(...) for half precision")
         dtype = np.dtype(dtype)
-        if dtype not in (np.float32, np.float64):
-            raise TypeError(f"dtype must be float32 or float64 for a NumPy state, got {dtype}")
         n = _batch_size(batch)
         layout = _empty_layout(n, heads, max(policy.rank_k), d, max(policy.rank_v), d_v, dtype, coefficients)
         layout.gamma[:] = resolve_gamma(gamma, policy.rank_k, d, dtype)
@@ -299,9 +299,17 @@ class SubspaceState:
         from subspace_ref.registry import get_backend
 
         target = get_backend(backend)
+        available = target.availability()
+        if not available:
+            raise RuntimeError(f"backend {backend!r} is not available on this machine: {available.reason}")
+        if dtype is not None and not any(f in str(dtype) for f in ("float16", "float32", "float64", "bfloat16")):
+            raise TypeError(f"dtype must be one of float16, bfloat16, float32, float64; got {dtype!r}")
         convert = target.converter(device=device, dtype=dtype)
+        keep_dtype = target.converter(device=device)
         state = self.copy()
-        state.layout = state.layout.map_arrays(lambda name, x: convert(x))
+        # int8 coefficients and their float32 scales keep their dtypes (spec A10)
+        fixed = ("key_scale", "value_scale", "key_coef", "value_coef") if self.layout.quantized else ()
+        state.layout = state.layout.map_arrays(lambda name, x: keep_dtype(x) if name in fixed else convert(x))
         if state.sketches is not None:
             state.sketches = replace(state.sketches, keys=convert(state.sketches.keys), values=convert(state.sketches.values))
         state.engine = target.array_family
@@ -310,9 +318,8 @@ class SubspaceState:
     # ----------------------------------------------------------------- helpers
     def _tokens(self, name: str, x: Any, dim: int) -> Any:
         """x as (N, H, n, dim) in the state's family, dtype and device, after every check."""
-        family = array_family(x) if not isinstance(x, (list, tuple)) else "numpy"
-        if family == "numpy":
-            x = np.asarray(x)
+        x = _checks.as_array(name, x)
+        family = array_family(x)
         if family != array_family(self.layout.key_coef):
             raise TypeError(f"{name} is a {family} array but the state holds {array_family(self.layout.key_coef)} arrays; convert one of them (state.to(...))")
         _checks.float_dtype(name, x)
@@ -327,7 +334,9 @@ class SubspaceState:
         if family == "torch" and x.device != self.layout.key_coef.device:
             raise ValueError(f"{name} is on {x.device} but the state is on {self.layout.key_coef.device}")
         _checks.finite(name, x)
-        return x.astype(self.dtype) if family != "torch" else x.to(self.dtype)
+        x = x.astype(self.dtype) if family != "torch" else x.detach().to(self.dtype)
+        _checks.finite_norms(name, x)
+        return x
 
     def __repr__(self) -> str:
         return (

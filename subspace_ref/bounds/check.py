@@ -24,6 +24,10 @@ from subspace_ref.bounds import statements as st
 #: each accumulating at most ~n*u relative error (Higham's gamma_n) in dot products, norms and SVDs.
 ROUNDING_FACTOR = 8.0
 
+#: Below this magnitude a square underflows (float64): norms of such vectors compute as 0, so
+#: every linear allowance has this absolute floor per accumulated term (spec B0).
+UNDERFLOW = math.sqrt(np.finfo(np.float64).tiny)
+
 #: The states whose coefficients are orthogonal projections, k_hat_i = P_{B_j} k_i (spec A6, A7).
 PROJECTION_KINDS = ("static", "adaptive")
 
@@ -36,13 +40,14 @@ class BoundRow:
     title: str
     measured: float
     bound: float
-    ratio: float
+    ratio: float  # measured / bound; nan when measured is within the rounding allowance
     held: bool
     guarantee: bool
     status: str
     allowance: float
     where: str
     applicable: bool = True
+    reason: str = ""  # why a paper form is (or is not) guaranteed here
 
     def to_dict(self) -> dict:
         return {k: _jsonable(v) for k, v in asdict(self).items()}
@@ -113,7 +118,7 @@ class BoundsReport:
 
 
 def _fmt_ratio(x: float) -> str:
-    return "inf" if x == math.inf else ("nan" if x != x else f"{x:.3g}")
+    return "inf" if x == math.inf else ("~0 (rnd)" if x != x else f"{x:.3g}")
 
 
 def _fmt_opt(x) -> str:
@@ -161,6 +166,8 @@ class _Head:
     value_frob: float
     energy_proj: float  # sum_j ||V_j P_{E_j}||_F^2 / ||V||_F^2
     energy_kept: float  # 1 - ||V - V_hat||_F^2 / ||V||_F^2
+    key_orth_error: float  # max_j max |B_j B_j^T - I| over the non-zero rows
+    value_orth_error: float
 
 
 def _op(x: np.ndarray) -> float:
@@ -199,6 +206,8 @@ def _head(state, h: int, K: np.ndarray, V: np.ndarray, K_hat: np.ndarray, V_hat:
         value_frob=math.sqrt(v_frob2),
         energy_proj=proj_energy / v_frob2 if v_frob2 > 0 else 1.0,
         energy_kept=1.0 - float(np.sum((V - V_hat) ** 2)) / v_frob2 if v_frob2 > 0 else 1.0,
+        key_orth_error=_orth_error(kb, chunks),
+        value_orth_error=_orth_error(vb, chunks),
     )
 
 
@@ -217,14 +226,19 @@ class _Eval:
     allowance: float
     guarantee: bool
     applicable: bool = True
-    basis: str = ""
-    squared: bool = False  # compare m^2 <= b^2 + a_sq (spec B6.2), allowance given linearly
+    basis: str = ""  # why the statement is (or is not) a guarantee here
 
 
 def _ratio(m: float, b: float, allowance: float) -> float:
-    if b > 0:
-        return m / b
-    return 0.0 if m <= allowance else math.inf
+    # a measured value within the rounding allowance says nothing about tightness: nan
+    if m <= allowance:
+        return math.nan
+    return m / b if b > 0 else math.inf
+
+
+def _worst_key(ev: _Eval) -> tuple:
+    r = _ratio(ev.measured, ev.bound, ev.allowance)
+    return (r == r, r if r == r else 0.0, ev.measured)
 
 
 def check(q: Any, K: Any, V: Any, state, scale: float | None = None) -> BoundsReport:
@@ -257,15 +271,16 @@ def check(q: Any, K: Any, V: Any, state, scale: float | None = None) -> BoundsRe
             raise ValueError(f"{name} contains NaN or Inf")
     s = 1.0 / math.sqrt(d) if scale is None else float(scale)
     # the least precise of the inputs sets the unit roundoff u of every allowance (spec B0)
-    u = max(float(np.finfo(x.dtype if x.dtype.kind == "f" else np.float64).eps) for x in (q, K, V, to_numpy(state.layout.key_coef))) / 2
+    u = max(float(np.finfo(dt).eps) for dt in (q.dtype, K.dtype, V.dtype, state.dtype) if np.dtype(dt).kind == "f") / 2
     q64, K64, V64 = (x.astype(np.float64) for x in (q, K, V))
     K_hat, V_hat = (x.astype(np.float64) for x in state.reconstruct())
     o_hat_attend = np.asarray(attend(q, state, scale=scale), dtype=np.float64)
     heads = [_head(state, h, K64[h], V64[h], K_hat[h], V_hat[h]) for h in range(H)]
     Hq = q.shape[0]
     group = Hq // H
-    projection = state.kind in PROJECTION_KINDS
-    n = T + d + d_v + K_hat.shape[-1]
+    premise_k = [_premise(state, hd.key_orth_error, d, u) for hd in heads]
+    premise_v = [_premise(state, hd.value_orth_error, d_v, u) for hd in heads]
+    n = T + d + d_v + state.layout.key_coef.shape[-1]  # the longest sum any quantity accumulates
 
     per_claim: dict[str, list[tuple[_Eval, str]]] = {cid: [] for cid in st.CLAIMS}
     logit_errors, output_errors, rel_output_errors, consistency = [], [], [], 0.0
@@ -292,52 +307,53 @@ def check(q: Any, K: Any, V: Any, state, scale: float | None = None) -> BoundsRe
         rel_output_errors.append(out_err / max(float(np.linalg.norm(o)), np.finfo(float).tiny))
 
         # spec B0 allowances: n*u times the magnitude each side was accumulated from
-        a_logit = ROUNDING_FACTOR * n * u * abs(s) * qn * (hd.key_row_max + abs(g) * hd.key_hat_row_max)
+        a_logit = ROUNDING_FACTOR * n * (u * abs(s) * qn * (hd.key_row_max + abs(g) * hd.key_hat_row_max) + UNDERFLOW)
         a_soft = ROUNDING_FACTOR * n * u + a_logit
         v_scale = hd.value_row_max + hd.value_hat_row_max
-        a_key = ROUNDING_FACTOR * n * u * hd.value_row_max
-        a_val = ROUNDING_FACTOR * n * u * v_scale
+        a_key = ROUNDING_FACTOR * n * (u * hd.value_row_max + UNDERFLOW)
+        a_val = ROUNDING_FACTOR * n * (u * v_scale + UNDERFLOW)
         a_out = a_key + a_val + a_soft * hd.value_row_max
         where = f"query head {hq}"
         single = len(hd.chunks) == 1
 
+        pk, pv = premise_k[h], premise_v[h]  # "" when k_hat_i = P_{B_j} k_i holds, else why not
         b1c = st.logit_corrected(g, d, qn, hd.key_recon_row_max, hd.key_hat_row_max) * abs(s) * math.sqrt(d)
         b1 = st.logit_single(g, d, hd.key_residual_ops[0] if hd.key_residual_ops else 0.0, qn) * abs(s) * math.sqrt(d)
         b2 = st.logit_multichunk(g, d, qn, hd.key_residual_ops) * abs(s) * math.sqrt(d)
         gamma_one = g == 1.0
         add = lambda cid, ev: per_claim[cid].append((ev, where))  # noqa: E731
 
-        add("B1", _Eval(delta, b1, a_logit, projection and (gamma_one or b1c <= b1), single,
-                        "γ = 1" if gamma_one else "B1.c ≤ B1"))
+        add("B1", _logit_paper(delta, b1, b1c, a_logit, pk, gamma_one, single, "B1.c ≤ B1"))
         add("B1.c", _Eval(delta, b1c, a_logit, True, single))
-        add("B2", _Eval(delta, b2, a_logit, projection and (gamma_one or b1c <= b2), True,
-                        "γ = 1" if gamma_one else "B2.c ≤ B2"))
+        add("B2", _logit_paper(delta, b2, b1c, a_logit, pk, gamma_one, True, "B2.c ≤ B2"))
         add("B2.c", _Eval(delta, b1c, a_logit, True))
         add("B3.1", _Eval(w_err, st.softmax_tanh(delta), a_soft, True))
         add("B3.2", _Eval(w_err, st.softmax_linear(delta), a_soft, True))
         add("B4.1", _Eval(key_term, st.output_key_term(w_err, hd.value_row_max), a_key, True))
-        add("B4.2", _Eval(value_term, st.output_value_term(hd.value_residual_ops), a_val, projection))
+        add("B4.2", _Eval(value_term, st.output_value_term(hd.value_residual_ops), a_val, not pv, basis=pv))
         add("B4.2.c", _Eval(value_term, st.output_value_term(hd.value_recon_ops), a_val, True))
-        add("B4.3", _Eval(out_err, st.output_combined(delta, hd.value_row_max, hd.value_residual_ops), a_out, projection))
+        add("B4.3", _Eval(out_err, st.output_combined(delta, hd.value_row_max, hd.value_residual_ops), a_out, not pv, basis=pv))
         add("B4.3.c", _Eval(out_err, st.output_combined(delta, hd.value_row_max, hd.value_recon_ops), a_out, True))
-        b2_guaranteed = projection and (gamma_one or b1c <= b2)
-        add("B4.4", _Eval(out_err, st.output_combined(b2, hd.value_row_max, hd.value_residual_ops), a_out, b2_guaranteed))
+        b2_row = _logit_paper(delta, b2, b1c, a_logit, pk, gamma_one, True, "B2.c ≤ B2")
+        why44 = pv or ("" if b2_row.guarantee else b2_row.basis)
+        add("B4.4", _Eval(out_err, st.output_combined(b2, hd.value_row_max, hd.value_residual_ops), a_out, not why44, basis=why44))
         add("B4.4.c", _Eval(out_err, st.output_combined(b1c, hd.value_row_max, hd.value_recon_ops), a_out, True))
         b7c = st.seed003_logit_gamma(qn, hd.key_gamma_recon_op, d) * abs(s) * math.sqrt(d)
         b7 = st.seed003_logit(qn, hd.key_recon_op, d) * abs(s) * math.sqrt(d)
-        add("B7", _Eval(delta, b7, a_logit, gamma_one or b7c <= b7, True, "γ = 1" if gamma_one else "B7.c ≤ B7"))
+        add("B7", _logit_paper(delta, b7, b7c, a_logit, "", gamma_one, True, "B7.c ≤ B7"))
         add("B7.c", _Eval(delta, b7c, a_logit, True))
         # e carries an absolute rounding error ~ n u, and sqrt(1 - e) amplifies it as e -> 1
         a8p, a8c = (a_val + _energy_allowance(e, hd.value_frob, n * u) for e in (hd.energy_proj, hd.energy_kept))
-        add("B8", _Eval(value_term, st.seed003_value(hd.energy_proj, hd.value_frob), a8p, projection))
+        add("B8", _Eval(value_term, st.seed003_value(hd.energy_proj, hd.value_frob), a8p, not pv, basis=pv))
         add("B8.c", _Eval(value_term, st.seed003_value(hd.energy_kept, hd.value_frob), a8c, True))
 
     fd_pred = {"fd_eps_k": None, "fd_eps_v": None, "fd_eps_k_measured": None, "fd_eps_v_measured": None}
-    if state.sketches is not None:
+    if state.sketches is not None and state.sketches.rows_seen == T and state.sketches.filled_k > 0:
         _fd_rows(state, K64, V64, u, per_claim, fd_pred)
     else:
+        why = "static state: no sketch" if state.sketches is None else "the sketch has not seen this history"
         for cid in ("B5.1", "B5.2", "B6.1", "B6.2", "B6.3"):
-            per_claim[cid].append((_Eval(0.0, 0.0, 0.0, False, applicable=False), "static state: no sketch"))
+            per_claim[cid].append((_Eval(0.0, 0.0, 0.0, False, applicable=False), why))
 
     rows = [_row(cid, per_claim[cid], state.kind) for cid in st.CLAIMS]
     predictors = dict(
@@ -351,6 +367,7 @@ def check(q: Any, K: Any, V: Any, state, scale: float | None = None) -> BoundsRe
         chunk_residuals_k=[hd.key_residual_ops for hd in heads],
         chunk_residuals_v=[hd.value_residual_ops for hd in heads],
         energy_captured_v=min(hd.energy_proj for hd in heads),
+        basis_orthonormality_error=max(max(hd.key_orth_error, hd.value_orth_error) for hd in heads),
         attend_consistency=consistency,
         **fd_pred,
     )
@@ -360,6 +377,39 @@ def check(q: Any, K: Any, V: Any, state, scale: float | None = None) -> BoundsRe
         scale=s, unit_roundoff=u,
     )
     return BoundsReport(rows=rows, predictors=predictors, info=info)
+
+
+def _premise(state, orth_error: float, dim: int, u: float) -> str:
+    """Why k_hat_i = P_{B_j} k_i with P_{B_j} an orthogonal projector fails for this state, or ""
+    when it holds (the hypothesis of the paper forms B1, B2, B4.2-B4.4, B8)."""
+    if state.kind not in PROJECTION_KINDS:
+        return f"{state.kind} state"
+    if getattr(state.layout, "quantized", False):
+        return "int8 coefficients"
+    # bases from an SVD are orthonormal to a few dim*u; beyond that P = B^T B is no projector
+    if orth_error > ROUNDING_FACTOR * dim * u:
+        return "bases not orthonormal"
+    return ""
+
+
+def _logit_paper(delta, bound, corrected, allowance, premise, gamma_one, applicable, relation) -> _Eval:
+    """A paper-form logit statement (B1, B2, B7): a guarantee when its premise holds and either
+    gamma = 1 or the proven corrected bound lies below it (spec B1)."""
+    if not premise and gamma_one:
+        return _Eval(delta, bound, allowance, True, applicable, "γ = 1")
+    if not premise and corrected <= bound:
+        return _Eval(delta, bound, allowance, True, applicable, relation)
+    why = "; ".join(x for x in (premise, "" if gamma_one else "γ ≠ 1") if x)
+    return _Eval(delta, bound, allowance, False, applicable, why)
+
+
+def _orth_error(bases: np.ndarray, chunks) -> float:
+    worst = 0.0
+    for _, _, j in chunks:
+        B = bases[j][np.linalg.norm(bases[j], axis=-1) > 0]  # zero rows are padding (spec A9)
+        if B.size:
+            worst = max(worst, float(np.abs(B @ B.T - np.eye(B.shape[0])).max()))
+    return worst
 
 
 def _maxl(x) -> float:
@@ -376,7 +426,7 @@ def _fd_rows(state, K, V, u, per_claim, pred) -> None:
         ("v", V, to_numpy(sk.values), sk.filled_v, pol.ell_v, pol.rank_v),
     ):
         for h in range(state.heads):
-            A = X[h]
+            A = X[h, _sketched_from(state, h):]
             T, dim = A.shape
             r = ranks[h]
             buffer = buf[0, h].astype(np.float64)
@@ -395,7 +445,7 @@ def _fd_rows(state, K, V, u, per_claim, pred) -> None:
             lam = np.linalg.eigvalsh((diff + diff.T) / 2)
             eps_measured = float(np.abs(lam).max())
             fro2 = float(np.sum(A * A))
-            a5 = ROUNDING_FACTOR * (2 * T + dim) * u * fro2
+            a5 = ROUNDING_FACTOR * (2 * T + dim) * (u * fro2 + UNDERFLOW**2)
             where = f"KV head {h}, {'keys' if side == 'k' else 'values'}"
             per_claim["B5.1"].append((_Eval(max(0.0, -float(lam.min())), st.fd_lower(), a5, True), where))
             per_claim["B5.2"].append((_Eval(eps_measured, eps, a5, True), where))
@@ -404,8 +454,9 @@ def _fd_rows(state, K, V, u, per_claim, pred) -> None:
             b61 = st.fd_projection_paper(eps, gap)
             b62 = st.fd_projection_corrected(float(sig[r]), eps)
             cond = st.paper_fd_condition(float(sig[r]), eps, gap)
-            per_claim["B6.1"].append((_Eval(resid, b61, _lin(b61, a_sq), cond, basis="σ_{r+1}² ≤ η²+2η√ε", squared=True), where))
-            per_claim["B6.2"].append((_Eval(resid, b62, _lin(b62, a_sq), True, squared=True), where))
+            why = "σ_{r+1}² ≤ η²+2η√ε" if cond else "σ_{r+1}² > η²+2η√ε"
+            per_claim["B6.1"].append((_Eval(resid, b61, _lin(b61, a_sq), cond, basis=why), where))
+            per_claim["B6.2"].append((_Eval(resid, b62, _lin(b62, a_sq), True), where))
             PA = wt[:r]
             angle = _op(PA - (PA @ P_rows.T) @ P_rows)
             a63 = ROUNDING_FACTOR * (T + dim) * u + (4 * (a5 + ROUNDING_FACTOR * (T + dim) * u * fro2) / gap if gap > 0 else 0.0)
@@ -422,6 +473,20 @@ def _energy_allowance(e: float, frob: float, nu: float) -> float:
     return frob * (math.sqrt(rest + ROUNDING_FACTOR * nu) - math.sqrt(rest)) + ROUNDING_FACTOR * nu * frob
 
 
+def _sketched_from(state, h: int) -> int:
+    """First token the current sketches of head h summarise: 0, or with ``sketch_reset`` (spec A7
+    step 3b) the token that closed the last chunk of length >= max(ell_k, ell_v), since the
+    reset comes after that chunk's snapshot and before the FD update with its last token."""
+    pol = state.policy
+    if not getattr(pol, "sketch_reset", False):
+        return 0
+    start = 0
+    for a, b in state.chunk_bounds(h)[:-1]:
+        if b - a >= max(pol.ell_k, pol.ell_v):
+            start = b - 1
+    return start
+
+
 def _lin(b: float, a_sq: float) -> float:
     # m^2 <= b^2 + a_sq, written as m <= b + allowance
     if b == math.inf:
@@ -433,20 +498,21 @@ def _row(cid: str, evals: list[tuple[_Eval, str]], kind: str) -> BoundRow:
     claim = st.CLAIMS[cid]
     live = [(e, w) for e, w in evals if e.applicable]
     if not live:
-        why = "n/a: " + (evals[0][1] if evals and evals[0][1].startswith("static") else "more than one chunk")
+        why = "n/a: " + (evals[0][1] if evals and not evals[0][1].startswith("query head") else "more than one chunk")
         return BoundRow(cid, claim.title, math.nan, math.nan, math.nan, True, False, why, 0.0, "", applicable=False)
     held_all = all(e.measured <= e.bound + e.allowance for e, _ in live)
     guaranteed_all = all(e.guarantee for e, _ in live)
-    e, w = max(live, key=lambda ew: (_ratio(ew[0].measured, ew[0].bound, ew[0].allowance), ew[0].measured))
+    e, w = max(live, key=lambda ew: _worst_key(ew[0]))
     if claim.kind == "guarantee":
-        status = "guarantee"
+        reason, status = "", "guarantee"
     elif guaranteed_all:
-        bases = sorted({x.basis for x, _ in live if x.basis})
-        status = "paper form, condition met" + (f" ({', '.join(bases)})" if bases else f" ({kind} state)")
+        reason = "; ".join(sorted({x.basis for x, _ in live if x.basis})) or f"{kind} state"
+        status = f"paper form, condition met ({reason})"
     else:
-        status = "paper form, NOT a guarantee here"
+        reason = "; ".join(sorted({p for x, _ in live if not x.guarantee for p in x.basis.split("; ") if p}))
+        status = "paper form, NOT a guarantee" + (f" ({reason})" if reason else "")
     return BoundRow(
         id=cid, title=claim.title, measured=e.measured, bound=e.bound,
         ratio=_ratio(e.measured, e.bound, e.allowance), held=held_all, guarantee=guaranteed_all,
-        status=status, allowance=e.allowance, where=w,
+        status=status, allowance=e.allowance, where=w, reason=reason,
     )

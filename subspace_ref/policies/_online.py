@@ -4,15 +4,20 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from subspace_ref import _checks
 
 
 def per_head_ranks(name: str, rank: Any, heads: int, dim: int) -> tuple[int, ...]:
-    ranks = (rank,) * heads if isinstance(rank, int) else tuple(rank)
+    if isinstance(rank, (list, tuple, np.ndarray)):
+        ranks = tuple(_checks.integer(name, r) for r in rank)
+    else:
+        ranks = (_checks.integer(name, rank),) * heads
     if len(ranks) != heads:
         raise ValueError(f"{name} must be one int or {heads} ints (one per head), got {rank!r}")
     for r in ranks:
-        if not isinstance(r, int) or not 1 <= r <= dim:
+        if not 1 <= r <= dim:
             raise ValueError(f"{name} must lie in [1, {dim}] (the head size), got {r!r}")
     return ranks
 
@@ -29,6 +34,8 @@ def warmup_length(warmup: Any, rank_k: tuple[int, ...], rank_v: tuple[int, ...])
     limit = min(min(rank_k), min(rank_v))
     if warmup is None:
         return limit
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or not 0 <= warmup <= limit:
+    if isinstance(warmup, np.integer):
+        warmup = int(warmup)
+    if isinstance(warmup, bool) or not isinstance(warmup, (int, np.integer)) or not 0 <= warmup <= limit:
         raise ValueError(f"warmup must be an int in [0, {limit}] (the smallest rank), got {warmup!r}")
     return warmup

@@ -1,0 +1,232 @@
+"""Run the CUDA kernels of ``kernels/`` on the host, to check their logic without a GPU (tests).
+
+The kernel sources are compiled by the host C++ compiler against ``emulation/host_cuda.h`` (one
+std::thread per CUDA thread, barriers for ``__syncthreads``/``__syncwarp``/shuffles) and launched
+through ctypes with the argument tuples that :mod:`._launch` builds for the real launches, packed
+the way CUDA packs kernel parameters (an array of pointers to each argument). Each argument's size
+is checked against the kernel's parameter list, so a scalar of the wrong width or a swapped
+pointer/scalar is caught here, not only on a GPU.
+
+What it cannot check: races and memory-model effects of real warps, NVRTC/ptxas behaviour,
+performance, and anything about the CuPy/torch side of a launch (streams, DLPack). Slow: every
+CUDA thread is an OS thread; keep the shapes small.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from subspace_ref_cupy import _kernels as K
+from subspace_ref_cupy import _launch as L
+
+EMULATION_DIR = Path(__file__).resolve().parent / "emulation"
+_SCALARS = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.float32): ctypes.c_float, np.dtype(np.uint64): ctypes.c_uint64}
+
+_CALL = """
+#include <cstddef>
+#include <utility>
+
+template <class... P, std::size_t... I>
+static void emu_call(void (*f)(P...), void** args, std::index_sequence<I...>) {
+    f(*static_cast<P*>(args[I])...);
+}
+
+template <class... P>
+static void emu_launch(void (*f)(P...), unsigned gx, unsigned gy, unsigned gz, unsigned threads, std::size_t smem, void** args) {
+    emu::launch(emu::Dim3{gx, gy, gz}, emu::Dim3{threads, 1, 1}, smem,
+                [=] { emu_call(f, args, std::index_sequence_for<P...>{}); });
+}
+
+template <class... P>
+static int emu_sizes(void (*)(P...), std::size_t* out) {
+    std::size_t sizes[] = {sizeof(P)...};
+    for (std::size_t i = 0; i < sizeof...(P); ++i) out[i] = sizes[i];
+    return static_cast<int>(sizeof...(P));
+}
+
+extern "C" int emu_shared_overrun() {
+    const int v = emu::shared_overrun;
+    emu::shared_overrun = 0;
+    return v;
+}
+"""
+
+
+def cuda_include_dir() -> Path | None:
+    """The CUDA toolkit's include directory (for cuda_fp16.h / cuda_bf16.h), or None."""
+    candidates = [os.environ.get(v) for v in ("CUDA_PATH", "CUDA_HOME")]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(str(Path(nvcc).resolve().parent.parent))
+    candidates.append("/usr/local/cuda")
+    for c in candidates:
+        if c and (Path(c) / "include" / "cuda_bf16.h").is_file():
+            return Path(c) / "include"
+    return None
+
+
+def compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
+
+
+def availability() -> tuple[bool, str]:
+    """(True, "") when a host C++20 compiler and the CUDA headers are present, else (False, why)."""
+    if not (EMULATION_DIR / "host_cuda.h").is_file():
+        return False, f"{EMULATION_DIR / 'host_cuda.h'} is missing (it ships with the source tree, not with installed wheels)"
+    if compiler() is None:
+        return False, "no host C++ compiler (g++ or clang++, or $CXX) found"
+    if cuda_include_dir() is None:
+        return False, "CUDA headers (cuda_bf16.h) not found under $CUDA_PATH, $CUDA_HOME, nvcc's toolkit or /usr/local/cuda"
+    return True, ""
+
+
+def host_source() -> str:
+    """Both kernel files as one host translation unit: dynamic shared memory becomes the block's
+    buffer and static ``__shared__`` arrays become function statics (blocks run one at a time)."""
+    seen: set[str] = set()
+    text = "\n".join(K.source_text(f, seen) for f in K.SOURCES)
+    text = text.replace("extern __shared__ float smem[];", "float* smem = emu::dynamic_smem();")
+    return text.replace("__shared__", "static")
+
+
+class Library:
+    """A host build of the kernels for a fixed list of name expressions."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = list(names)
+        symbols = {n: f"emu_{i}" for i, n in enumerate(self.names)}
+        lines = ['#include "host_cuda.h"', host_source(), _CALL]
+        for n, sym in symbols.items():
+            lines.append(
+                f'extern "C" void {sym}(unsigned gx, unsigned gy, unsigned gz, unsigned t, std::size_t smem, void** args)'
+                f" {{ emu_launch(&{n}, gx, gy, gz, t, smem, args); }}"
+            )
+            lines.append(f'extern "C" int {sym}_sizes(std::size_t* out) {{ return emu_sizes(&{n}, out); }}')
+        unit = "\n".join(lines) + "\n"
+        digest = hashlib.sha256(unit.encode() + (EMULATION_DIR / "host_cuda.h").read_bytes()).hexdigest()[:16]
+        build = Path(tempfile.gettempdir()) / "subspace_ref_cupy_emulation"
+        build.mkdir(exist_ok=True)
+        lib_path = build / f"kernels_{digest}.so"
+        if not lib_path.exists():
+            src = build / f"kernels_{digest}.cpp"
+            src.write_text(unit)
+            tmp = build / f"kernels_{digest}.{os.getpid()}.so"
+            cmd = [
+                compiler(), "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w",
+                f"-I{EMULATION_DIR}", f"-I{cuda_include_dir()}", str(src), "-o", str(tmp),
+            ]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError("host build of the kernels failed:\n" + " ".join(cmd) + "\n" + proc.stderr[-6000:])
+            os.replace(tmp, lib_path)
+        self._lib = ctypes.CDLL(str(lib_path))
+        self._symbols = symbols
+
+    def launch(self, name: str, grid: tuple[int, int, int], threads: int, shared_bytes: int, args: tuple) -> None:
+        """Launch ``name`` with ``args`` packed as CUDA packs them; sizes checked first."""
+        sym = self._symbols[name]
+        sizes = (ctypes.c_size_t * 64)()
+        count = getattr(self._lib, f"{sym}_sizes")(sizes)
+        if count != len(args):
+            raise TypeError(f"{name} takes {count} parameters; the launch passes {len(args)}")
+        boxes = []
+        for i, a in enumerate(args):
+            if isinstance(a, np.ndarray):
+                box = ctypes.c_void_p(a.ctypes.data)
+            elif isinstance(a, np.generic) and a.dtype in _SCALARS:
+                box = _SCALARS[a.dtype](a.item())
+            else:
+                raise TypeError(f"argument {i} of {name} is a {type(a).__name__}; launches pass arrays and typed NumPy scalars")
+            if ctypes.sizeof(box) != sizes[i]:
+                raise TypeError(f"argument {i} of {name} has {ctypes.sizeof(box)} bytes; the parameter has {sizes[i]}")
+            boxes.append(box)
+        packed = (ctypes.c_void_p * len(boxes))(*[ctypes.cast(ctypes.pointer(b), ctypes.c_void_p) for b in boxes])
+        fn = getattr(self._lib, sym)
+        fn.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p]
+        fn(*grid, threads, shared_bytes, packed)
+        if self._lib.emu_shared_overrun():
+            raise RuntimeError(f"{name} wrote past the {shared_bytes} bytes of dynamic shared memory it was launched with")
+
+
+_libraries: dict[tuple[str, ...], Library] = {}
+_lock = threading.Lock()
+
+
+def library(names: list[str]) -> Library:
+    key = tuple(sorted(set(names)))
+    with _lock:
+        if key not in _libraries:
+            _libraries[key] = Library(list(key))
+        return _libraries[key]
+
+
+# ------------------------------------------------------------------------------ host launches
+# Host arrays stand in for device arrays: float32/float16 as themselves, bfloat16 as its uint16 bits.
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits (round to nearest even), as uint16."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+    return (rounded >> np.uint32(16)).astype(np.uint16)
+
+
+def bf16_float(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def attend(q: np.ndarray, dtype: str, arrays: L.CoefArrays, scale: float, splits: tuple[int, int] | None = None, sm_count: int = 4, lib: Library | None = None) -> np.ndarray:
+    """:func:`._launch.attend` with host arrays: the same plan and argument tuples. ``lib``: a
+    prebuilt :class:`Library` holding the kernels needed (else one is built)."""
+    plan = L.plan_decode(dtype, q.shape, arrays, sm_count, splits)
+    lib = lib or library([plan.cfg.decode_name, plan.cfg.merge_name])
+    part_m = np.empty((plan.N, plan.Hq, plan.num_splits), dtype=np.float32)
+    part_z = np.empty_like(part_m)
+    part_o = np.empty((plan.N, plan.Hq, plan.num_splits, plan.d_v), dtype=np.float32)
+    out = np.empty((plan.N, plan.Hq, plan.d_v), dtype=q.dtype)
+    lib.launch(plan.cfg.decode_name, plan.grid, K.DECODE_THREADS, plan.shared_bytes, L.decode_args(plan, q, arrays, part_m, part_z, part_o, scale))
+    lib.launch(plan.cfg.merge_name, (plan.N * plan.Hq, 1, 1), K.MERGE_THREADS, 0, L.merge_args(plan, part_m, part_z, part_o, out))
+    return out
+
+
+def project(dtype: str, keys, values, key_bases, value_bases, num_chunks, key_coef, value_coef, offset: int, key_scale=None, value_scale=None, lib: Library | None = None):
+    """:func:`._launch.project` with host arrays (the coefficient buffers are written in place)."""
+    N, H, n_new, _ = keys.shape
+    cfg = L.project_config(dtype, keys.shape, values.shape, key_coef.shape, value_coef.shape, key_scale is not None)
+    rho_k = np.empty((N, H, n_new), dtype=np.float32)
+    rho_v = np.empty_like(rho_k)
+    args = L.project_args(keys, values, key_bases, value_bases, num_chunks, key_coef, value_coef, key_scale, value_scale, rho_k, rho_v, offset)
+    if n_new:
+        (lib or library([cfg.project_name])).launch(cfg.project_name, L.project_grid(keys.shape), K.PROJECT_THREADS, 0, args)
+    return rho_k, rho_v
+
+
+def host_arrays(layout: Any, dtype: str) -> L.CoefArrays:
+    """A NumPy packed layout (spec A9) in the storage the kernels read: bases and floating
+    coefficients in ``dtype`` (bfloat16 as bits); INT8 coefficients and their float32 scales
+    (spec A10) as they are."""
+    def store(x):
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        return bf16_bits(x) if dtype == "bfloat16" else x.astype(dtype)
+
+    quantized = getattr(layout, "key_scale", None) is not None
+    coef = (lambda x: np.ascontiguousarray(x)) if quantized else store
+    return L.CoefArrays(
+        key_coef=coef(layout.key_coef), value_coef=coef(layout.value_coef),
+        key_bases=store(layout.key_bases), value_bases=store(layout.value_bases),
+        chunk_starts=np.ascontiguousarray(layout.chunk_starts, dtype=np.int64),
+        num_chunks=np.ascontiguousarray(layout.num_chunks, dtype=np.int64),
+        gamma=np.ascontiguousarray(layout.gamma, dtype=np.float32), num_tokens=int(layout.num_tokens),
+        key_scale=np.ascontiguousarray(layout.key_scale, dtype=np.float32) if quantized else None,
+        value_scale=np.ascontiguousarray(layout.value_scale, dtype=np.float32) if quantized else None,
+    )

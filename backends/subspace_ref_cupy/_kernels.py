@@ -1,0 +1,224 @@
+"""The CUDA sources in ``kernels/``, the template instantiations the backend uses, and their
+lazily compiled ``cupy.RawModule`` s.
+
+Importing this module touches neither CuPy nor CUDA: CuPy is imported by :func:`module` only,
+on the first launch. The list of instantiations here is the one place that says which templates
+the Python side uses; ``tests/test_cuda_sources.py`` compiles exactly this list with nvcc, and
+``tests/test_cupy_backend.py`` checks it against the templates declared in the ``.cu`` files.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
+DECODE_SOURCE = "decode_attention.cu"
+PROJECT_SOURCE = "project_append.cu"
+SOURCES = (DECODE_SOURCE, PROJECT_SOURCE)
+NAMESPACE = "subspace"
+
+# dtype name (as str(array.dtype) spells it) -> CUDA storage type.
+CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
+INT8_TYPE = "signed char"
+COEF_KINDS = ("same", "int8")
+# Head sizes (d, d_v) with their own instantiations (64: GPT-2, Pythia, TinyLlama; 128:
+# Llama-style 7B). Every other size runs the instantiation with d and d_v given at run time
+# (GENERIC): the per-token loops depend on the rank tile only, so it costs little.
+HEAD_SIZES = (64, 128)
+GENERIC = 0
+# Upper bounds on the ranks r, r_v; the smallest one holding max(r, r_v) is used. No 32: it would
+# add a third of the instantiations (and of the nvcc time) to save little on ranks <= 32.
+RANK_TILES = (64, 128, 256)
+
+# Must match the constants in the .cu files (kDecodeThreads, kTokenTile, kMergeThreads,
+# kProjectThreads); test_cupy_backend checks that they do.
+DECODE_THREADS = 128
+TOKEN_TILE = 32
+MERGE_THREADS = 128
+PROJECT_THREADS = 128
+PROJECT_WARPS = PROJECT_THREADS // 32
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """One instantiation of the decode and projection templates (the merge depends on dtype only)."""
+
+    dtype: str  # "float32", "float16" or "bfloat16": q, bases, new tokens, output
+    coef: str  # "same" (coefficients stored in dtype) or "int8" (with float32 scales)
+    d: int  # GENERIC (0): any head size, passed at run time
+    d_v: int
+    rank_tile: int
+
+    @property
+    def cuda_type(self) -> str:
+        return CUDA_TYPES[self.dtype]
+
+    @property
+    def coef_type(self) -> str:
+        return INT8_TYPE if self.coef == "int8" else self.cuda_type
+
+    def _args(self) -> str:
+        return f"{self.cuda_type}, {self.coef_type}, {self.d}, {self.d_v}, {self.rank_tile}"
+
+    @property
+    def decode_name(self) -> str:
+        return f"{NAMESPACE}::decode_split_partial<{self._args()}>"
+
+    @property
+    def project_name(self) -> str:
+        return f"{NAMESPACE}::project_append<{self._args()}>"
+
+    @property
+    def merge_name(self) -> str:
+        return merge_name(self.dtype)
+
+
+def merge_name(dtype: str) -> str:
+    return f"{NAMESPACE}::merge_splits<{CUDA_TYPES[dtype]}>"
+
+
+def configs() -> list[KernelConfig]:
+    """Every instantiation the backend may launch: fixed head sizes with the rank tiles up to d
+    (r <= d), and run-time head sizes (d = d_v = GENERIC in the template) with every rank tile."""
+    shapes = [(d, d, rt) for d in HEAD_SIZES for rt in RANK_TILES if rt <= d]
+    shapes += [(GENERIC, GENERIC, rt) for rt in RANK_TILES]
+    return [KernelConfig(dtype, coef, d, d_v, rt) for dtype in CUDA_TYPES for coef in COEF_KINDS for d, d_v, rt in shapes]
+
+
+def name_expressions() -> dict[str, list[str]]:
+    """Source file -> the template-ids instantiated from it, in a fixed order."""
+    cfgs = configs()
+    return {
+        DECODE_SOURCE: [c.decode_name for c in cfgs] + [merge_name(t) for t in CUDA_TYPES],
+        PROJECT_SOURCE: [c.project_name for c in cfgs],
+    }
+
+
+def rank_tile(rank: int, rank_v: int) -> int | None:
+    """The smallest compiled rank tile holding both ranks, or None."""
+    need = max(rank, rank_v)
+    return next((rt for rt in RANK_TILES if rt >= need), None)
+
+
+def find_config(dtype: str, coef: str, d: int, d_v: int, rank: int, rank_v: int) -> KernelConfig | None:
+    """The instantiation for these shapes: the fixed head size's if compiled, else the run-time one."""
+    rt = rank_tile(rank, rank_v)
+    if rt is None or dtype not in CUDA_TYPES or coef not in COEF_KINDS:
+        return None
+    for cfg in (KernelConfig(dtype, coef, d, d_v, rt), KernelConfig(dtype, coef, GENERIC, GENERIC, rt)):
+        if cfg in _config_set():
+            return cfg
+    return None
+
+
+_CONFIGS: frozenset[KernelConfig] | None = None
+
+
+def _config_set() -> frozenset[KernelConfig]:
+    global _CONFIGS
+    if _CONFIGS is None:
+        _CONFIGS = frozenset(configs())
+    return _CONFIGS
+
+
+def decode_shared_bytes(group: int, d: int, d_v: int, rt: int) -> int:
+    """Dynamic shared memory of ``decode_split_partial`` (the carve-up at the top of the kernel)."""
+    floats = group * (d + 2 * rt + TOKEN_TILE + d_v + 4) + 2 * TOKEN_TILE * (rt + 1)
+    return 4 * floats
+
+
+# ------------------------------------------------------------------------------ sources
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
+
+
+def source_text(filename: str, seen: set[str] | None = None) -> str:
+    """The kernel file with its local ``#include "..."`` headers pasted in (each once; pass one
+    ``seen`` set to several calls to paste a header once across several files).
+
+    CuPy's on-disk kernel cache is keyed by the source string, not by the headers it includes;
+    pasting them in makes an edit to a header recompile instead of loading a stale binary.
+    """
+    seen = set() if seen is None else seen
+
+    def expand(name: str) -> str:
+        if name in seen:
+            return ""
+        seen.add(name)
+        text = (KERNEL_DIR / name).read_text()
+        text = text.replace("#pragma once", "")
+        return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
+
+    return expand(filename)
+
+
+_TEMPLATE = re.compile(
+    r"template\s*<(?P<params>[^>]*)>\s*__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?(?P<name>\w+)\s*\(",
+    re.S,
+)
+
+
+def declared_templates(filename: str) -> dict[str, int]:
+    """Kernel templates declared in a source file: name -> number of template parameters."""
+    text = (KERNEL_DIR / filename).read_text()
+    return {m.group("name"): len(m.group("params").split(",")) for m in _TEMPLATE.finditer(text)}
+
+
+def split_name_expression(expr: str) -> tuple[str, list[str]]:
+    """``ns::name<a, b>`` -> ("name", ["a", "b"])."""
+    m = re.fullmatch(rf"{NAMESPACE}::(\w+)<(.*)>", expr)
+    if m is None:
+        raise ValueError(f"not a name expression of namespace {NAMESPACE}: {expr!r}")
+    return m.group(1), [a.strip() for a in m.group(2).split(",")]
+
+
+def explicit_instantiation_unit(filename: str) -> str:
+    """A translation unit that includes ``filename`` and instantiates every template-id the Python
+    side uses from it, for an offline nvcc compile. Taking each kernel's address forces its device
+    code to be generated without restating its parameter list."""
+    names = name_expressions()[filename]
+    lines = [f'#include "{KERNEL_DIR / filename}"', "", "extern void* const subspace_instances[];"]
+    lines.append("void* const subspace_instances[] = {")
+    lines += [f"    reinterpret_cast<void*>(&{n})," for n in names]
+    lines.append("};")
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------ modules
+
+_modules: dict[tuple[str, tuple[str, ...]], object] = {}
+_lock = threading.Lock()
+NVRTC_OPTIONS = ("-std=c++17",)
+
+
+def module(filename: str, names: tuple[str, ...]):
+    """The compiled ``cupy.RawModule`` of ``filename`` holding ``names`` (compiled on first use,
+    then cached here and on disk by CuPy). Only the instantiations one call needs are compiled, so
+    the first launch costs seconds, not the whole list."""
+    key = (filename, names)
+    with _lock:
+        mod = _modules.get(key)
+        if mod is None:
+            import cupy
+
+            mod = cupy.RawModule(code=source_text(filename), options=NVRTC_OPTIONS, name_expressions=list(names))
+            _modules[key] = mod
+    return mod
+
+
+_functions: dict[tuple[str, tuple[str, ...], str], object] = {}
+
+
+def function(filename: str, name: str, *others: str):
+    """The ``cupy.RawKernel`` ``name`` from a module compiled with ``name`` and ``others``.
+
+    Cached, so that attributes set on it (the dynamic shared memory opt-in) persist."""
+    names = tuple(sorted({name, *others}))
+    key = (filename, names, name)
+    kernel = _functions.get(key)
+    if kernel is None:
+        kernel = _functions.setdefault(key, module(filename, names).get_function(name))
+    return kernel

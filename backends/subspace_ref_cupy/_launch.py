@@ -1,0 +1,216 @@
+"""Kernel launches: decode attention (spec A3, A3.2) and projection (spec A6, A7 steps 1-2).
+
+Planning (grid, splits, shared memory) and the argument tuples are plain Python over array
+shapes, shared by the CuPy launches here and by the host emulation in :mod:`._emulation` that
+checks the kernels' logic on machines without a GPU. Every scalar in an argument tuple is typed
+(np.int32 / np.float32 / np.uint64 for a null pointer): a RawKernel copies arguments into the
+parameter buffer by their Python type, and a mistyped scalar is read as garbage, not rejected.
+CuPy is imported inside the launching functions only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from subspace_ref_cupy import _kernels as K
+
+NULL = np.uint64(0)
+# Below this many tokens per split the per-split fixed costs (q~_j, the partial's d_v floats and
+# its merge) outweigh the parallelism gained.
+MIN_SPLIT_TOKENS = 4 * K.TOKEN_TILE
+MAX_SPLITS = 256
+SMEM_DEFAULT = 48 * 1024
+
+
+@dataclass
+class CoefArrays:
+    """The arrays of one layer as the kernels read them (spec A9), C-contiguous, on one device
+    (CuPy), or on the host for the emulation (NumPy). ``gamma`` is float32.
+    ``key_scale``/``value_scale`` (N, H, T_cap) float32 are present only for INT8 coefficients."""
+
+    key_coef: Any
+    value_coef: Any
+    key_bases: Any
+    value_bases: Any
+    chunk_starts: Any
+    num_chunks: Any
+    gamma: Any
+    num_tokens: int
+    key_scale: Any = None
+    value_scale: Any = None
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    cfg: K.KernelConfig
+    N: int
+    H: int
+    Hq: int
+    group: int
+    d_v: int
+    num_splits: int
+    split_len: int
+    shared_bytes: int
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return (self.num_splits, self.H, self.N)
+
+
+def i32(x: int) -> np.int32:
+    if not -(2**31) <= x < 2**31:
+        raise OverflowError(f"{x} does not fit the kernels' int32 parameters")
+    return np.int32(x)
+
+
+def _ptr(x: Any):
+    return NULL if x is None else x
+
+
+def choose_splits(blocks_per_split: int, num_tokens: int, sm_count: int) -> tuple[int, int]:
+    """(S, tokens per split): about two blocks per SM in all, no split shorter than
+    MIN_SPLIT_TOKENS, split length a multiple of the token tile; every split non-empty."""
+    want = math.ceil(2 * sm_count / max(blocks_per_split, 1))
+    useful = math.ceil(num_tokens / MIN_SPLIT_TOKENS)
+    splits = max(1, min(want, useful, MAX_SPLITS))
+    split_len = math.ceil(math.ceil(num_tokens / splits) / K.TOKEN_TILE) * K.TOKEN_TILE
+    return math.ceil(num_tokens / split_len), split_len
+
+
+def plan_decode(dtype: str, q_shape: tuple, arrays: CoefArrays, sm_count: int, splits: tuple[int, int] | None) -> DecodePlan:
+    """Grid, splits and shared memory of one attention call. ``splits`` = (S, tokens per split)
+    overrides the automatic choice; S may exceed what the tokens need (the extra splits are empty
+    and merge as the identity, spec A3.2)."""
+    N, Hq, d = q_shape
+    H = arrays.key_coef.shape[1]
+    r, r_v = arrays.key_coef.shape[3], arrays.value_coef.shape[3]
+    d_v = arrays.value_bases.shape[4]
+    coef = "int8" if arrays.key_scale is not None else "same"
+    cfg = K.find_config(dtype, coef, d, d_v, r, r_v)
+    if cfg is None:  # not_supported_reasons refuses these first; this is the backstop
+        raise ValueError(f"no compiled kernel for dtype={dtype}, coef={coef}, d={d}, d_v={d_v}, r={r}, r_v={r_v}")
+    T = arrays.num_tokens
+    num_splits, split_len = splits if splits is not None else choose_splits(N * H, T, sm_count)
+    if num_splits < 1 or split_len < 1 or num_splits * split_len < T:
+        raise ValueError(f"{num_splits} splits of {split_len} tokens do not cover {T} tokens")
+    group = Hq // H
+    return DecodePlan(cfg, N, H, Hq, group, d_v, num_splits, split_len, K.decode_shared_bytes(group, d, d_v, cfg.rank_tile))
+
+
+def decode_args(plan: DecodePlan, q: Any, arrays: CoefArrays, part_m: Any, part_z: Any, part_o: Any, scale: float) -> tuple:
+    """Arguments of ``decode_split_partial``, in the kernel's parameter order."""
+    a = arrays
+    return (
+        q, a.key_coef, a.value_coef, _ptr(a.key_scale), _ptr(a.value_scale),
+        a.key_bases, a.value_bases, a.chunk_starts, a.num_chunks, a.gamma,
+        part_m, part_z, part_o,
+        i32(plan.H), i32(plan.group), i32(a.key_coef.shape[2]), i32(a.key_bases.shape[2]),
+        i32(a.key_coef.shape[3]), i32(a.value_coef.shape[3]),
+        i32(a.key_bases.shape[4]), i32(a.value_bases.shape[4]),
+        i32(a.num_tokens), i32(plan.split_len), np.float32(scale),
+    )
+
+
+def merge_args(plan: DecodePlan, part_m: Any, part_z: Any, part_o: Any, out: Any) -> tuple:
+    """Arguments of ``merge_splits``, in the kernel's parameter order."""
+    return (part_m, part_z, part_o, out, i32(plan.num_splits), i32(plan.d_v))
+
+
+def project_config(dtype: str, keys_shape: tuple, values_shape: tuple, key_coef_shape: tuple, value_coef_shape: tuple, int8: bool) -> K.KernelConfig:
+    d, d_v = keys_shape[3], values_shape[3]
+    r, r_v = key_coef_shape[3], value_coef_shape[3]
+    coef = "int8" if int8 else "same"
+    cfg = K.find_config(dtype, coef, d, d_v, r, r_v)
+    if cfg is None:
+        raise ValueError(f"no compiled kernel for dtype={dtype}, coef={coef}, d={d}, d_v={d_v}, r={r}, r_v={r_v}")
+    return cfg
+
+
+def project_grid(keys_shape: tuple) -> tuple[int, int, int]:
+    N, H, n_new, _ = keys_shape
+    return (min(math.ceil(n_new / K.PROJECT_WARPS), 65535), 2 * H, N)
+
+
+def project_args(keys, values, key_bases, value_bases, num_chunks, key_coef, value_coef, key_scale, value_scale, rho_k, rho_v, offset: int) -> tuple:
+    """Arguments of ``project_append``, in the kernel's parameter order."""
+    H, n_new = keys.shape[1], keys.shape[2]
+    t_cap = key_coef.shape[2]
+    if offset + n_new > t_cap or value_coef.shape[2] != t_cap:
+        raise ValueError(f"coefficient buffers of {t_cap} rows cannot take rows {offset}..{offset + n_new - 1}")
+    return (
+        keys, values, key_bases, value_bases, num_chunks, key_coef, value_coef,
+        _ptr(key_scale), _ptr(value_scale), rho_k, rho_v,
+        i32(H), i32(n_new), i32(t_cap), i32(key_bases.shape[2]),
+        i32(key_coef.shape[3]), i32(value_coef.shape[3]),
+        i32(keys.shape[3]), i32(values.shape[3]), i32(offset),
+    )
+
+
+# ------------------------------------------------------------------------------ CuPy launches
+
+
+def max_shared_bytes(device) -> int:
+    """The most dynamic shared memory one block may opt in to on a ``cupy.cuda.Device``."""
+    attrs = device.attributes
+    return int(attrs.get("MaxSharedMemoryPerBlockOptin", attrs.get("MaxSharedMemoryPerBlock", SMEM_DEFAULT)))
+
+
+def attend(q, dtype: str, arrays: CoefArrays, scale: float, splits: tuple[int, int] | None = None):
+    """Coefficient-space attention (spec A3) of q (N, H_q, d) over ``arrays`` on the current
+    device and stream: (N, H_q, d_v) in q's storage dtype, accumulated in float32."""
+    import cupy
+
+    device = cupy.cuda.Device()
+    plan = plan_decode(dtype, q.shape, arrays, int(device.attributes["MultiProcessorCount"]), splits)
+    decode = K.function(K.DECODE_SOURCE, plan.cfg.decode_name, plan.cfg.merge_name)
+    merge = K.function(K.DECODE_SOURCE, plan.cfg.merge_name, plan.cfg.decode_name)
+    if plan.shared_bytes > SMEM_DEFAULT and decode.max_dynamic_shared_size_bytes < plan.shared_bytes:
+        decode.max_dynamic_shared_size_bytes = plan.shared_bytes
+
+    part_m = cupy.empty((plan.N, plan.Hq, plan.num_splits), dtype=cupy.float32)
+    part_z = cupy.empty((plan.N, plan.Hq, plan.num_splits), dtype=cupy.float32)
+    part_o = cupy.empty((plan.N, plan.Hq, plan.num_splits, plan.d_v), dtype=cupy.float32)
+    out = cupy.empty((plan.N, plan.Hq, plan.d_v), dtype=q.dtype)
+    decode(plan.grid, (K.DECODE_THREADS,), decode_args(plan, q, arrays, part_m, part_z, part_o, scale), shared_mem=plan.shared_bytes)
+    merge((plan.N * plan.Hq,), (K.MERGE_THREADS,), merge_args(plan, part_m, part_z, part_o, out))
+    return out
+
+
+def project(dtype: str, keys, values, key_bases, value_bases, num_chunks, key_coef, value_coef, offset: int, key_scale=None, value_scale=None):
+    """Spec A6 step 1 / A7 steps 1-2 for every head in one launch: writes B_j k and E_j v of the
+    n new tokens (keys (N, H, n, d), values (N, H, n, d_v)) into rows offset..offset+n-1 of the
+    coefficient buffers, with j the open chunk num_chunks - 1; returns the relative residuals
+    (rho_k, rho_v), each (N, H, n) float32. INT8 storage when the scale buffers are given."""
+    import cupy
+
+    N, H, n_new, _ = keys.shape
+    cfg = project_config(dtype, keys.shape, values.shape, key_coef.shape, value_coef.shape, key_scale is not None)
+    rho_k = cupy.empty((N, H, n_new), dtype=cupy.float32)
+    rho_v = cupy.empty((N, H, n_new), dtype=cupy.float32)
+    args = project_args(keys, values, key_bases, value_bases, num_chunks, key_coef, value_coef, key_scale, value_scale, rho_k, rho_v, offset)
+    if n_new:
+        K.function(K.PROJECT_SOURCE, cfg.project_name)(project_grid(keys.shape), (K.PROJECT_THREADS,), args)
+    return rho_k, rho_v
+
+
+def project_tokens(dtype: str, keys, values, B, E):
+    """Coefficients and residuals of new tokens against explicit bases B (N, H, r, d),
+    E (N, H, r_v, d_v): returns (c (N, H, n, r), d (N, H, n, r_v), rho_k, rho_v).
+
+    The shape of the projection step inside the online policies' token loop (spec A7 steps 1-2,
+    A8 step 2), where the open bases live outside the packed layout."""
+    import cupy
+
+    N, H, n_new, _ = keys.shape
+    c = cupy.empty((N, H, n_new, B.shape[2]), dtype=keys.dtype)
+    dv = cupy.empty((N, H, n_new, E.shape[2]), dtype=keys.dtype)
+    ones = cupy.ones((N, H), dtype=cupy.int64)
+    rho_k, rho_v = project(
+        dtype, cupy.ascontiguousarray(keys), cupy.ascontiguousarray(values),
+        cupy.ascontiguousarray(B)[:, :, None], cupy.ascontiguousarray(E)[:, :, None], ones, c, dv, 0,
+    )
+    return c, dv, rho_k, rho_v

@@ -1,0 +1,287 @@
+"""``CupyBackend``: the Backend protocol (spec A9, :mod:`subspace_ref.backend`) on raw CUDA kernels
+compiled at run time by NVRTC through ``cupy.RawModule``.
+
+Importing this module imports neither cupy nor torch and initialises no CUDA context: CuPy is
+imported in :meth:`CupyBackend.availability` and by the launches, which run only after the
+backend was found available.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from subspace_ref.arrays import array_family
+from subspace_ref.backend import Availability
+from subspace_ref_cupy import _interop, _kernels
+
+# The fields of the packed layout (spec A9, A10) the kernels read.
+_FLOAT_FIELDS = ("key_coef", "value_coef", "key_bases", "value_bases")
+_INDEX_FIELDS = ("chunk_starts", "num_chunks")
+_SCALE_FIELDS = ("key_scale", "value_scale")
+_KERNEL_DTYPES = tuple(_kernels.CUDA_TYPES)
+_INT32_MAX = 2**31 - 1
+
+
+def _has_ml_dtypes() -> bool:
+    try:
+        import ml_dtypes  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class CupyBackend:
+    """Decode attention (spec A2, A3, A3.2) and static appends (spec A6) on the CUDA kernels of
+    ``kernels/*.cu``; adaptive and rotating appends (spec A7, A8) run the oracle's array-generic
+    token loop on CuPy arrays.
+
+    Accepts CuPy arrays and torch CUDA tensors (viewed through DLPack, not copied) and returns the
+    kind of array ``q`` was. Float16, bfloat16 and float32 storage, accumulation in float32;
+    coefficients may also be INT8 with per-(token, head) float32 scales (spec A10,
+    ``kernels/int8_coef.cuh``).
+
+    ``splits`` = (number of splits, tokens per split) fixes the split of the token axis instead of
+    the occupancy-based choice; tests use it to exercise the merge and empty splits (spec A3.2).
+    """
+
+    name = "cupy"
+    array_family = "cupy"
+    devices = ("cuda",)
+
+    def __init__(self, splits: tuple[int, int] | None = None) -> None:
+        self.splits = splits
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        """The dtypes a CuPy-family state can hold here: CuPy has bfloat16 only with ml_dtypes
+        (torch bfloat16 tensors are accepted by :meth:`attend` either way)."""
+        return _KERNEL_DTYPES if _has_ml_dtypes() else tuple(t for t in _KERNEL_DTYPES if t != "bfloat16")
+
+    # ------------------------------------------------------------------ capability
+    def availability(self) -> Availability:
+        """Needs cupy, NVRTC and at least one CUDA device; the reason names the missing piece."""
+        try:
+            import cupy
+        except Exception as err:  # ImportError, or a broken CUDA install failing at import
+            return Availability(False, f"cupy is not importable ({type(err).__name__}: {err}); install the 'cupy' extra")
+        try:
+            count = cupy.cuda.runtime.getDeviceCount()
+        except Exception as err:
+            return Availability(False, f"no CUDA device (GPU) usable: cupy.cuda.runtime.getDeviceCount() failed with {type(err).__name__}: {err}")
+        if count == 0:
+            return Availability(False, "no CUDA device (GPU) found: cupy.cuda.runtime.getDeviceCount() returned 0")
+        try:
+            cupy.cuda.nvrtc.getVersion()
+        except Exception as err:
+            return Availability(False, f"NVRTC, which compiles the kernels at run time, is not usable ({type(err).__name__}: {err})")
+        return Availability(True)
+
+    def not_supported_reasons(self, q: Any, state) -> list[str]:
+        """Every reason :meth:`attend` would refuse ``(q, state)``: availability, array kinds and
+        devices, dtypes, shapes with no compiled kernel, and shared memory per block."""
+        reasons: list[str] = []
+        available = self.availability()
+        if not available:
+            reasons.append(f"the cupy backend is unavailable: {available.reason}")
+        lay = state.layout
+        scales = {f: getattr(lay, f, None) for f in _SCALE_FIELDS}
+        arrays = {"q": q, **{f: getattr(lay, f) for f in (*_FLOAT_FIELDS, *_INDEX_FIELDS, "gamma")}}
+        arrays.update({f: x for f, x in scales.items() if x is not None})
+
+        devices = set()
+        for field, x in arrays.items():
+            try:
+                family = array_family(x)
+            except ValueError:
+                reasons.append(f"{field} is a {type(x).__name__}; expected a cupy array or a torch CUDA tensor")
+                continue
+            if family == "numpy":
+                fix = "move q to the GPU (cupy.asarray or a torch CUDA tensor)" if field == "q" else "convert the state with state.to('cupy')"
+                reasons.append(f"{field} is a NumPy (host) array; the cupy backend reads GPU memory: {fix}")
+            elif family == "torch" and x.device.type != "cuda":
+                reasons.append(f"{field} is a torch tensor on {x.device}; expected a CUDA tensor")
+            else:
+                devices.add(_interop.device_id(x))
+        if len(devices) > 1:
+            reasons.append(f"q and the state's arrays are on different CUDA devices {sorted(devices)}; expected one device")
+
+        q_dtype = _interop.dtype_name(q)
+        dtype = _interop.dtype_name(lay.key_bases)
+        if q_dtype not in _KERNEL_DTYPES:
+            reasons.append(f"q has dtype {q_dtype}; compiled kernels take {', '.join(_KERNEL_DTYPES)}")
+        if dtype not in _KERNEL_DTYPES:
+            reasons.append(f"the state has dtype {dtype}; compiled kernels take {', '.join(_KERNEL_DTYPES)} (convert with state.to('cupy', dtype=...))")
+        if q_dtype != dtype:
+            reasons.append(f"q has dtype {q_dtype} but the state's bases have {dtype}; expected the same dtype")
+        if _interop.dtype_name(lay.value_bases) != dtype:
+            reasons.append(f"value_bases has dtype {_interop.dtype_name(lay.value_bases)} but key_bases has {dtype}; expected one dtype")
+        has_scales = any(x is not None for x in scales.values())
+        for field in ("key_coef", "value_coef"):
+            got = _interop.dtype_name(getattr(lay, field))
+            if got == "int8" and not has_scales:
+                reasons.append(f"{field} is int8 but the layout has no key_scale/value_scale arrays; INT8 coefficients need their float32 scales")
+            elif got != "int8" and has_scales:
+                reasons.append(f"{field} has dtype {got} but the layout carries INT8 scales; expected int8")
+            elif got not in ("int8", dtype):
+                reasons.append(f"{field} has dtype {got} but the bases have {dtype}; expected the same dtype (or int8 with scales)")
+        if has_scales:
+            for field, x in scales.items():
+                if x is None:
+                    reasons.append(f"{field} is missing; INT8 coefficients need key_scale and value_scale")
+        for field in _INDEX_FIELDS:
+            if _interop.dtype_name(getattr(lay, field)) != "int64":
+                reasons.append(f"{field} has dtype {_interop.dtype_name(getattr(lay, field))}; expected int64 (spec A9)")
+
+        d, d_v = lay.key_bases.shape[-1], lay.value_bases.shape[-1]
+        r, r_v = lay.key_coef.shape[-1], lay.value_coef.shape[-1]
+        coef = "int8" if has_scales else "same"
+        if _kernels.find_config(dtype if dtype in _KERNEL_DTYPES else "float32", coef, d, d_v, r, r_v) is None:
+            reasons.append(
+                f"no compiled kernel for head sizes (d, d_v) = ({d}, {d_v}) with ranks (r, r_v) = ({r}, {r_v}); "
+                f"rank tiles compiled: {', '.join(map(str, _kernels.RANK_TILES))}"
+            )
+        if len(q.shape) == 3 and q.shape[2] != d:
+            reasons.append(f"q has head size {q.shape[2]}; the state has d = {d}")
+        if lay.num_tokens > _INT32_MAX:
+            reasons.append(f"the state holds {lay.num_tokens} tokens; the kernels index tokens with int32")
+
+        if available and not reasons and len(q.shape) == 3:
+            reasons += self._shared_memory_reasons(q, state)
+        return reasons
+
+    def _shared_memory_reasons(self, q: Any, state) -> list[str]:
+        import cupy
+
+        from subspace_ref_cupy import _launch
+
+        lay = state.layout
+        group = q.shape[1] // lay.key_coef.shape[1]
+        d, d_v = lay.key_bases.shape[-1], lay.value_bases.shape[-1]
+        rt = _kernels.rank_tile(lay.key_coef.shape[-1], lay.value_coef.shape[-1])
+        need = _kernels.decode_shared_bytes(group, d, d_v, rt)
+        device = _interop.device_id(q)
+        limit = _launch.max_shared_bytes(cupy.cuda.Device(device))
+        if need > limit:
+            return [f"a GQA group of {group} query heads needs {need} bytes of shared memory per block (d={d}, d_v={d_v}, rank tile {rt}); device {device} allows {limit}"]
+        return []
+
+    # ------------------------------------------------------------------ conversion
+    def converter(self, device: Any = None, dtype: Any = None):
+        """``state.to('cupy', device, dtype)``: any array -> CuPy on ``device`` (an index,
+        "cuda", "cuda:N" or None for the current device), floating arrays cast to ``dtype``."""
+        import cupy
+
+        if isinstance(device, str):
+            if not device.startswith("cuda"):
+                raise ValueError(f"device must be a CUDA device ('cuda', 'cuda:N' or an index) for the cupy backend, got {device!r}")
+            device = int(device.split(":")[1]) if ":" in device else None
+        target = _cupy_dtype(dtype) if dtype is not None else None
+
+        def convert(x):
+            with cupy.cuda.Device(device) if device is not None else nullcontext():
+                if array_family(x) == "torch":
+                    x = x.detach()
+                    if str(x.dtype) == "torch.bfloat16":
+                        x = x.float()  # CuPy has bfloat16 only with ml_dtypes
+                    x = x.cpu().numpy() if x.device.type != "cuda" else x
+                x = cupy.array(x, copy=True)
+                if target is not None and x.dtype.kind == "f":
+                    x = x.astype(target)
+                return x
+
+        return convert
+
+    # ------------------------------------------------------------------ operations
+    def append(self, state, keys: Any, values: Any) -> None:
+        """Spec A6 (static): one projection launch for every head, written past the live rows
+        (INT8 layouts quantised in the kernel, spec A10). Spec A7/A8 (adaptive, rotating): the
+        oracle's token loop (:func:`subspace_ref.numpy_backend.append_reference`) on CuPy arrays."""
+        import cupy
+
+        from subspace_ref_cupy import _launch
+
+        lay = state.layout
+        dtype = _interop.dtype_name(lay.key_bases)
+        quantized = getattr(lay, "key_scale", None) is not None
+        d, d_v = keys.shape[3], values.shape[3]
+        r, r_v = lay.key_coef.shape[3], lay.value_coef.shape[3]
+        coef_arrays = [lay.key_coef, lay.value_coef] + ([lay.key_scale, lay.value_scale] if quantized else [])
+        fast = (
+            state.kind == "static"
+            and array_family(lay.key_coef) == "cupy"
+            and _kernels.find_config(dtype, "int8" if quantized else "same", d, d_v, r, r_v) is not None
+            and (not quantized or all(_interop.dtype_name(s) == "float32" for s in coef_arrays[2:]))
+            # the kernel writes into the buffers in place: a strided view would need a copy back
+            and all(x.flags.c_contiguous for x in coef_arrays)
+        )
+        if not fast:
+            from subspace_ref.numpy_backend import append_reference
+
+            append_reference(state, keys, values)
+            return
+        T, n_new = lay.num_tokens, keys.shape[2]
+        lay = lay.with_capacity(T + n_new, lay.key_bases.shape[2])
+        with _interop.launch_context(_interop.device_id(lay.key_coef)):
+            _launch.project(
+                dtype, cupy.ascontiguousarray(keys), cupy.ascontiguousarray(values),
+                cupy.ascontiguousarray(lay.key_bases), cupy.ascontiguousarray(lay.value_bases),
+                cupy.ascontiguousarray(lay.num_chunks), lay.key_coef, lay.value_coef, T,
+                lay.key_scale if quantized else None, lay.value_scale if quantized else None,
+            )
+        state.layout = replace(lay, num_tokens=T + n_new)
+
+    def attend(self, q: Any, state, scale: float | None) -> Any:
+        """Spec A2/A3 with the flash-decoding split of A3.2: q (N, H_q, d) -> (N, H_q, d_v) in
+        q's dtype and array kind, accumulated in float32."""
+        from subspace_ref_cupy import _launch
+
+        lay = state.layout
+        if lay.num_tokens == 0:
+            raise ValueError("no tokens were attended to; the softmax of an empty set is undefined")
+        family = array_family(q)
+        dtype = _interop.dtype_name(q)
+        s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        scale_k, scale_v = (getattr(lay, f, None) for f in _SCALE_FIELDS)
+        with _interop.launch_context(_interop.device_id(q), q, *lay.arrays().values()):
+            arrays = _launch.CoefArrays(
+                key_coef=_interop.as_cupy(lay.key_coef),
+                value_coef=_interop.as_cupy(lay.value_coef),
+                key_bases=_interop.as_cupy(lay.key_bases),
+                value_bases=_interop.as_cupy(lay.value_bases),
+                chunk_starts=_interop.as_cupy(lay.chunk_starts),
+                num_chunks=_interop.as_cupy(lay.num_chunks),
+                gamma=_interop.as_cupy_float32(lay.gamma),
+                num_tokens=int(lay.num_tokens),
+                # spec A10 scales are float32; a state cast wholesale to 16 bits is widened here
+                key_scale=None if scale_k is None else _interop.as_cupy_float32(scale_k),
+                value_scale=None if scale_v is None else _interop.as_cupy_float32(scale_v),
+            )
+            out = _launch.attend(_interop.as_cupy(q), dtype, arrays, s, self.splits)
+        return _interop.to_family(out, family, dtype)
+
+    # ------------------------------------------------------------------ extras
+    @staticmethod
+    def project_tokens(keys: Any, values: Any, B: Any, E: Any):
+        """(c, d, rho_k, rho_v) of new tokens (N, H, n, d) against explicit open bases B (N, H, r, d),
+        E (N, H, r_v, d_v) in one launch (spec A7 steps 1-2), for an online-policy token loop that
+        keeps its open bases outside the layout. CuPy in, CuPy out."""
+        from subspace_ref_cupy import _launch
+
+        with _interop.launch_context(_interop.device_id(keys)):
+            return _launch.project_tokens(_interop.dtype_name(keys), keys, values, B, E)
+
+
+def _cupy_dtype(dtype: Any) -> np.dtype:
+    name = np.dtype(dtype).name if isinstance(dtype, type) else str(dtype).removeprefix("torch.")
+    if name == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError as err:
+            raise TypeError("bfloat16 CuPy arrays need the ml_dtypes package; install it or use float16/float32") from err
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)

@@ -1,0 +1,319 @@
+// Decode attention over the chunked coefficient cache (spec A2, A3, A3.2; packed layout spec A9).
+//
+// Flash-decoding in two launches:
+//   1. decode_split_partial: grid (S splits, H KV heads, N sequences). One block owns the g query
+//      heads of one GQA group, so every coefficient it reads from global memory serves all g of
+//      them. It walks the tokens of its split chunk by chunk and writes the split's partial
+//      (m, Z, N) of spec A3.2 in float32.
+//   2. merge_splits: one block per (sequence, query head) merges the S partials (spec A3.2) and
+//      writes N / Z in the query's dtype.
+//
+// The projected query q~_j = gamma * scale * B_j q is computed in-kernel, once per chunk and split,
+// rather than passed in: it costs r*d MACs per query head and chunk, far less than the chunk's
+// tokens, and avoids an (N, H_q, J, r) temporary whose size grows with the number of chunks.
+#include "common.cuh"
+#include "int8_coef.cuh"
+
+namespace subspace {
+
+constexpr int kDecodeThreads = 128;
+constexpr int kDecodeWarps = kDecodeThreads / kWarpSize;
+// One token per lane in the per-head softmax update, so a tile is exactly one warp wide.
+constexpr int kTokenTile = kWarpSize;
+
+// Dynamic shared memory of decode_split_partial, in floats (the Python launcher uses the same
+// formula, subspace_ref_cupy._kernels.decode_shared_bytes):
+//   group * (d + 2 * RT + kTokenTile + d_v + 4) + 2 * kTokenTile * (RT + 1)
+//
+// Template parameters: T is the dtype of q and of the bases; CoefT the coefficient storage (T, or
+// signed char for INT8 with per-token scales); D and DV the key and value head sizes, or 0 for
+// "given at run time" (d_rt, d_v_rt; any size); RT the rank tile, an upper bound on both ranks r
+// and r_v (coefficients are zero-padded to RT in shared memory, so the per-token loops have a
+// compile-time trip count). The per-token work depends on RT only; D and DV shape the once-per-
+// chunk query projection and value-basis map, which is why a run-time head size costs little.
+
+// q~ row i for every head of the group: one warp, lanes over the d columns of the basis row,
+// which is read from global memory once (fixed D: kept in registers) and reused for all g heads.
+template <typename T, int D>
+__device__ __forceinline__ void project_query_row(const T* __restrict__ row, const float* s_q, float* s_qt_col,
+                                                  int d, int group, int row_stride, float logit_scale, int lane) {
+    if constexpr (D > 0) {
+        constexpr int kCols = D / kWarpSize;
+        float reg[kCols];
+#pragma unroll
+        for (int c = 0; c < kCols; ++c) {
+            reg[c] = to_float(row[lane + c * kWarpSize]);
+        }
+        for (int g = 0; g < group; ++g) {
+            float dot = 0.0f;
+#pragma unroll
+            for (int c = 0; c < kCols; ++c) {
+                dot += reg[c] * s_q[g * D + lane + c * kWarpSize];
+            }
+            dot = warp_sum(dot);
+            if (lane == 0) {
+                s_qt_col[g * row_stride] = logit_scale * dot;
+            }
+        }
+    } else {
+        for (int g = 0; g < group; ++g) {
+            float dot = 0.0f;
+            for (int k = lane; k < d; k += kWarpSize) {
+                dot += to_float(row[k]) * s_q[g * d + k];
+            }
+            dot = warp_sum(dot);
+            if (lane == 0) {
+                s_qt_col[g * row_stride] = logit_scale * dot;
+            }
+        }
+    }
+}
+
+template <typename T, typename CoefT, int D, int DV, int RT>
+__global__ void __launch_bounds__(kDecodeThreads)
+decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
+                     const CoefT* __restrict__ key_coef,         // (N, H, T_cap, r)
+                     const CoefT* __restrict__ value_coef,       // (N, H, T_cap, r_v)
+                     const float* __restrict__ key_scale,        // (N, H, T_cap), INT8 only
+                     const float* __restrict__ value_scale,      // (N, H, T_cap), INT8 only
+                     const T* __restrict__ key_bases,            // (N, H, J_cap, r, d)
+                     const T* __restrict__ value_bases,          // (N, H, J_cap, r_v, d_v)
+                     const long long* __restrict__ chunk_starts, // (N, H, J_cap)
+                     const long long* __restrict__ num_chunks,   // (N, H)
+                     const float* __restrict__ gamma,            // (H,)
+                     float* __restrict__ part_m,                 // (N, H_q, S)
+                     float* __restrict__ part_z,                 // (N, H_q, S)
+                     float* __restrict__ part_o,                 // (N, H_q, S, d_v)
+                     int num_kv_heads, int group, int t_cap, int j_cap, int rank, int rank_v,
+                     int d_rt, int d_v_rt, int num_tokens, int split_len, float scale) {
+    static_assert(D >= 0 && D % kWarpSize == 0, "a fixed D gives each lane D / 32 columns");
+    static_assert(DV >= 0, "DV is a head size, or 0 for a run-time one");
+    static_assert(RT % kWarpSize == 0, "rank tiles are whole warps");
+    constexpr int kRowPad = RT + 1;  // odd row stride: lanes reading one column hit distinct banks
+    const int d = D > 0 ? D : d_rt;
+    const int dv = DV > 0 ? DV : d_v_rt;
+
+    const int split = blockIdx.x;
+    const int h = blockIdx.y;
+    const int n = blockIdx.z;
+    const int num_splits = gridDim.x;
+    const int tid = threadIdx.x;
+    const int lane = tid % kWarpSize;
+    const int warp = tid / kWarpSize;
+    const int num_q_heads = num_kv_heads * group;
+
+    extern __shared__ float smem[];
+    float* s_q = smem;                          // group x d
+    float* s_qt = s_q + group * d;              // group x RT, scaled by gamma * scale
+    float* s_kc = s_qt + group * RT;            // kTokenTile x kRowPad
+    float* s_vc = s_kc + kTokenTile * kRowPad;  // kTokenTile x kRowPad
+    float* s_w = s_vc + kTokenTile * kRowPad;   // group x kTokenTile: logits, then weights
+    float* s_acc = s_w + group * kTokenTile;    // group x RT: value-coefficient accumulator
+    float* s_out = s_acc + group * RT;          // group x d_v: N of spec A3, at scale s_mout
+    float* s_m = s_out + group * dv;            // group: running max m
+    float* s_z = s_m + group;                   // group: Z
+    float* s_mout = s_z + group;                // group: the m that s_out is scaled to
+    float* s_alpha = s_mout + group;            // group: exp(m_old - m_new) of the current tile
+
+    const long long nh = static_cast<long long>(n) * num_kv_heads + h;
+    const long long q_row0 = static_cast<long long>(n) * num_q_heads + static_cast<long long>(h) * group;
+
+    for (int i = tid; i < group * d; i += kDecodeThreads) {
+        s_q[i] = to_float(q[q_row0 * d + i]);
+    }
+    for (int i = tid; i < group * RT; i += kDecodeThreads) {
+        s_acc[i] = 0.0f;
+    }
+    for (int i = tid; i < group * dv; i += kDecodeThreads) {
+        s_out[i] = 0.0f;
+    }
+    // Columns rank..RT of the tiles are never loaded; zero makes them inert in the RT-long dots.
+    for (int i = tid; i < 2 * kTokenTile * kRowPad; i += kDecodeThreads) {
+        s_kc[i] = 0.0f;
+    }
+    for (int i = tid; i < group; i += kDecodeThreads) {
+        s_m[i] = -SUBSPACE_INFINITY;
+        s_z[i] = 0.0f;
+        s_mout[i] = -SUBSPACE_INFINITY;
+    }
+    __syncthreads();
+
+    const int lo = split * split_len;
+    const int hi = min(num_tokens, lo + split_len);
+    const float logit_scale = gamma[h] * scale;
+    const long long num_j = num_chunks[nh];
+    const long long* starts = chunk_starts + nh * j_cap;
+
+    // An empty split (lo >= hi) skips the walk and writes the merge identity (-inf, 0, 0).
+    if (lo < hi && num_j > 0) {
+        // The chunk holding token lo: the last j with starts[j] <= lo (starts[0] = 0).
+        long long a = 0, b = num_j - 1;
+        while (a < b) {
+            const long long mid = (a + b + 1) / 2;
+            if (starts[mid] <= lo) {
+                a = mid;
+            } else {
+                b = mid - 1;
+            }
+        }
+        for (long long j = a; j < num_j; ++j) {
+            const long long chunk_end = (j + 1 < num_j) ? starts[j + 1] : num_tokens;
+            const int c_lo = static_cast<int>(max(static_cast<long long>(lo), starts[j]));
+            const int c_hi = static_cast<int>(min(static_cast<long long>(hi), chunk_end));
+            if (c_lo >= hi) {
+                break;
+            }
+            if (c_lo >= c_hi) {
+                continue;
+            }
+
+            // Spec A3 step 2.1: q~_j = B_j q, one warp per basis row.
+            const T* basis = key_bases + (nh * j_cap + j) * static_cast<long long>(rank) * d;
+            for (int i = warp; i < RT; i += kDecodeWarps) {
+                if (i < rank) {
+                    project_query_row<T, D>(basis + static_cast<long long>(i) * d, s_q, s_qt + i, d, group, RT, logit_scale, lane);
+                } else {
+                    for (int g = lane; g < group; g += kWarpSize) {
+                        s_qt[g * RT + i] = 0.0f;
+                    }
+                }
+            }
+            __syncthreads();
+
+            const long long coef_row0 = nh * t_cap;
+            for (int t0 = c_lo; t0 < c_hi; t0 += kTokenTile) {
+                const int tile_len = min(kTokenTile, c_hi - t0);
+                for (int idx = tid; idx < tile_len * rank; idx += kDecodeThreads) {
+                    const int t = idx / rank;
+                    const int i = idx - t * rank;
+                    const long long token = coef_row0 + t0 + t;
+                    s_kc[t * kRowPad + i] = CoefReader<CoefT>::load(key_coef, key_scale, token * rank + i, token);
+                }
+                for (int idx = tid; idx < tile_len * rank_v; idx += kDecodeThreads) {
+                    const int t = idx / rank_v;
+                    const int i = idx - t * rank_v;
+                    const long long token = coef_row0 + t0 + t;
+                    s_vc[t * kRowPad + i] = CoefReader<CoefT>::load(value_coef, value_scale, token * rank_v + i, token);
+                }
+                __syncthreads();
+
+                // Logits gamma * scale * q~_j . c_t; tokens past the tile end get -inf so that
+                // they weigh exactly 0.
+                for (int idx = tid; idx < group * kTokenTile; idx += kDecodeThreads) {
+                    const int g = idx / kTokenTile;
+                    const int t = idx - g * kTokenTile;
+                    float logit = -SUBSPACE_INFINITY;
+                    if (t < tile_len) {
+                        logit = 0.0f;
+#pragma unroll 8
+                        for (int i = 0; i < RT; ++i) {
+                            logit += s_qt[g * RT + i] * s_kc[t * kRowPad + i];
+                        }
+                    }
+                    s_w[idx] = logit;
+                }
+                __syncthreads();
+
+                // Spec A3 steps 2.2-2.3 at tile granularity (A3.1: any partition of the tokens
+                // gives the same result), one warp per query head, one token per lane.
+                for (int g = warp; g < group; g += kDecodeWarps) {
+                    const float logit = s_w[g * kTokenTile + lane];
+                    const float m_old = s_m[g];
+                    const float m_new = fmaxf(m_old, warp_max(logit));
+                    const float w = exp_shift(logit, m_new);
+                    const float w_sum = warp_sum(w);
+                    s_w[g * kTokenTile + lane] = w;
+                    __syncwarp();
+                    if (lane == 0) {
+                        const float alpha = exp_shift(m_old, m_new);
+                        s_alpha[g] = alpha;
+                        s_z[g] = s_z[g] * alpha + w_sum;
+                        s_m[g] = m_new;
+                    }
+                }
+                __syncthreads();
+
+                // The weighted sum stays in coefficient space (spec A2 step 4): r_v numbers per
+                // head per token instead of d_v.
+                for (int idx = tid; idx < group * RT; idx += kDecodeThreads) {
+                    const int g = idx / RT;
+                    const int i = idx - g * RT;
+                    float acc = s_acc[idx] * s_alpha[g];
+                    for (int t = 0; t < tile_len; ++t) {
+                        acc += s_w[g * kTokenTile + t] * s_vc[t * kRowPad + i];
+                    }
+                    s_acc[idx] = acc;
+                }
+                __syncthreads();
+            }
+
+            // Once per chunk, not per token: N <- N * exp(m_out - m) + acc E_j (spec A3 step 2.3).
+            // s_out was last brought to scale s_mout; acc is at the current m.
+            const T* vbasis = value_bases + (nh * j_cap + j) * static_cast<long long>(rank_v) * dv;
+            for (int idx = tid; idx < group * dv; idx += kDecodeThreads) {
+                const int g = idx / dv;
+                const int c = idx - g * dv;
+                float out = s_out[idx] * exp_shift(s_mout[g], s_m[g]);
+                for (int i = 0; i < rank_v; ++i) {
+                    out += s_acc[g * RT + i] * to_float(vbasis[static_cast<long long>(i) * dv + c]);
+                }
+                s_out[idx] = out;
+            }
+            __syncthreads();
+            for (int i = tid; i < group * RT; i += kDecodeThreads) {
+                s_acc[i] = 0.0f;
+            }
+            for (int g = tid; g < group; g += kDecodeThreads) {
+                s_mout[g] = s_m[g];
+            }
+            __syncthreads();
+        }
+    }
+
+    for (int idx = tid; idx < group * dv; idx += kDecodeThreads) {
+        const int g = idx / dv;
+        const int c = idx - g * dv;
+        const long long row = (q_row0 + g) * num_splits + split;
+        part_o[row * dv + c] = s_out[idx];
+    }
+    for (int g = tid; g < group; g += kDecodeThreads) {
+        const long long row = (q_row0 + g) * num_splits + split;
+        part_m[row] = s_m[g];
+        part_z[row] = s_z[g];
+    }
+}
+
+constexpr int kMergeThreads = 128;
+
+// Spec A3.2: merge the S split partials of one (sequence, query head) and write N / Z.
+// Grid: N * H_q blocks. Every thread recomputes the max and weights over the S splits (S is small)
+// instead of sharing them through shared memory and a barrier.
+template <typename T>
+__global__ void __launch_bounds__(kMergeThreads)
+merge_splits(const float* __restrict__ part_m,  // (N * H_q, S)
+             const float* __restrict__ part_z,  // (N * H_q, S)
+             const float* __restrict__ part_o,  // (N * H_q, S, d_v)
+             T* __restrict__ out,               // (N * H_q, d_v)
+             int num_splits, int dv) {
+    const long long row = blockIdx.x;
+    const float* m_row = part_m + row * num_splits;
+    const float* z_row = part_z + row * num_splits;
+    float m = -SUBSPACE_INFINITY;
+    for (int s = 0; s < num_splits; ++s) {
+        m = fmaxf(m, m_row[s]);
+    }
+    float z = 0.0f;
+    for (int s = 0; s < num_splits; ++s) {
+        z += z_row[s] * exp_shift(m_row[s], m);
+    }
+    // z >= 1 whenever any token was attended (spec A3.1); the launcher refuses T = 0.
+    for (int c = threadIdx.x; c < dv; c += kMergeThreads) {
+        float o = 0.0f;
+        for (int s = 0; s < num_splits; ++s) {
+            o += part_o[(row * num_splits + s) * dv + c] * exp_shift(m_row[s], m);
+        }
+        out[row * dv + c] = from_float<T>(o / z);
+    }
+}
+
+}  // namespace subspace

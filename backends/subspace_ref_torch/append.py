@@ -1,0 +1,202 @@
+"""Appending to a torch-family state (spec A6, A7, A8), on the state's device.
+
+Follows :func:`subspace_ref.numpy_backend.append_reference` step for step, so that in float64 the
+resulting state equals the oracle's to rounding, with the same chunk boundaries:
+
+* static (A6): one batched matmul per block, over sequences, heads and tokens;
+* adaptive (A7): warm-up tokens (t < W) one at a time, as their bases change with each token;
+  after that the block is processed in *windows*: coefficients and residuals of a window are
+  computed with the open bases in one batched matmul, the first token at which any head fires
+  is found (ONE host sync per window: ``int(first)``), every token before it is committed, the
+  FD buffers take those tokens in one insertion (the same writes and compactions as one by
+  one), the fired heads get their new bases from their sketches *before* the firing token is
+  inserted (the paper's order: trigger, then FD update; with ``sketch_reset``, step 3b zeroes
+  the fired heads' buffers in between, as the oracle does), and the next window starts after
+  the firing token. Tokens after the first firing one are recomputed with the new bases, so
+  the result is exactly the per-token algorithm; the window size only changes speed. Fired
+  heads are found with ``nonzero`` (a second sync, only when something fired). A one-token
+  append (decoding) is one window: one sync per token, the acceptable cost of a trigger that
+  depends on the token;
+* rotating (A8): blocks between refresh tokens are projected with one matmul and inserted at
+  once; at each refresh token the bases are rebuilt and every stored coefficient rotated.
+
+Nothing visible changes until the final commit, as in the oracle: new coefficient rows and new
+chunks go past the live ranges (spare capacity), and whatever is rewritten (rotated
+coefficients, chunk 0's warm-up rows, the FD buffers) is rewritten in private copies that
+replace the state's arrays in the last two statements.
+
+Half-precision states (float16, bfloat16) are computed in float32 and stored in their dtype;
+bases are rounded to the stored dtype before use, so coefficients are taken with the same bases
+``attend`` later reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from subspace_ref_torch import fd
+from subspace_ref_torch.convert import compute_dtype
+
+# First window of the adaptive trigger search, and its bounds (see _next_window).
+FIRST_WINDOW = 16
+MIN_WINDOW = 4
+MAX_WINDOW = 1024
+
+
+def append(state, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Append keys (N, H, n, d), values (N, H, n, d_v) (validated, in the state's dtype and on its
+    device) following spec A6/A7/A8 for the state's policy."""
+    if state.policy.kind == "static":
+        append_static(state, keys, values)
+    else:
+        append_online(state, keys, values)
+
+
+def append_static(state, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Spec A6: c_t = B k_t, d_t = E v_t for every token of the block in one matmul."""
+    lay = state.layout
+    T, n_new = lay.num_tokens, keys.shape[2]
+    lay = lay.with_capacity(T + n_new, lay.key_bases.shape[2])
+    work = compute_dtype(lay.key_coef.dtype)
+    # rows T.. are spare capacity until the commit below: writing them changes nothing visible
+    lay.key_coef[:, :, T : T + n_new] = torch.matmul(keys.to(work), lay.key_bases[:, :, 0].to(work).mT)
+    lay.value_coef[:, :, T : T + n_new] = torch.matmul(values.to(work), lay.value_bases[:, :, 0].to(work).mT)
+    state.layout = replace(lay, num_tokens=T + n_new)
+
+
+def append_online(state, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Spec A7 (adaptive) or A8 (rotating); see the module docstring for the batching."""
+    policy = state.policy
+    adaptive = policy.kind == "adaptive"
+    n_new = keys.shape[2]
+    T = state.layout.num_tokens
+    lay = state.layout
+    J_used = int(lay.num_chunks.max()) if adaptive else 1
+    lay = lay.with_capacity(T + n_new, J_used + (n_new if adaptive else 0))
+    store = lay.key_coef.dtype
+    work = compute_dtype(store)
+
+    def stored(x: torch.Tensor) -> torch.Tensor:  # what attend will read back
+        return x if store == work else x.to(store).to(work)
+
+    sk = state.sketches
+    buf_k = sk.keys.to(work, copy=True)
+    buf_v = sk.values.to(work, copy=True)
+    filled_k, filled_v = sk.filled_k, sk.filled_v
+    coef_k, coef_v = lay.key_coef, lay.value_coef
+    own_coef = False  # becomes True once a rotation has replaced coef_k/coef_v by private copies
+    num_chunks = lay.num_chunks.clone()
+    chunk_starts = lay.chunk_starts.clone()
+    N, H = coef_k.shape[:2]
+    device = coef_k.device
+    n_idx = torch.arange(N, device=device)[:, None]
+    h_idx = torch.arange(H, device=device)[None, :]
+    open_B = lay.key_bases[n_idx, h_idx, num_chunks - 1].to(work)  # (N, H, r, d), a copy
+    open_E = lay.value_bases[n_idx, h_idx, num_chunks - 1].to(work)
+    open_start = torch.gather(chunk_starts, 2, (num_chunks - 1)[..., None])[..., 0]  # (N, H)
+    r, r_v = open_B.shape[2], open_E.shape[2]
+    mask_k = fd.rank_mask(policy.rank_k, r, work, device)
+    mask_v = fd.rank_mask(policy.rank_v, r_v, work, device)
+    W = policy.warmup
+    warm_B, warm_E = open_B, open_E
+    k_all, v_all = keys.to(work), values.to(work)
+    window = FIRST_WINDOW
+
+    i = 0
+    while i < n_new:
+        t = T + i
+        if t < W:
+            # spec A7/A8 step 0: exact warm-up rows in chunk 0 (open for every head: no trigger
+            # fires before W); then steps 1 and 4 for this one token
+            k, v = k_all[:, :, i], v_all[:, :, i]
+            open_B[:, :, t] = stored(fd.warmup_row(open_B, k))
+            open_E[:, :, t] = stored(fd.warmup_row(open_E, v))
+            warm_B, warm_E = open_B.clone(), open_E.clone()
+            coef_k[:, :, t] = torch.matmul(open_B, k[..., None])[..., 0]
+            coef_v[:, :, t] = torch.matmul(open_E, v[..., None])[..., 0]
+            buf_k, filled_k = fd.insert_(buf_k, filled_k, k[:, :, None], policy.ell_k)
+            buf_v, filled_v = fd.insert_(buf_v, filled_v, v[:, :, None], policy.ell_v)
+            i += 1
+            continue
+
+        if adaptive:
+            s = min(n_new - i, window)
+            kk, vv = k_all[:, :, i : i + s], v_all[:, :, i : i + s]
+            c = torch.matmul(kk, open_B.mT)  # step 1 for the whole window, open bases
+            dv = torch.matmul(vv, open_E.mT)
+            # step 2 (residuals) and step 3 (trigger) for every token of the window
+            rho_k = fd.relative_residual(kk, c)
+            rho_v = fd.relative_residual(vv, dv)
+            ends = torch.arange(t + 1, t + 1 + s, device=device)  # t + 1 per token
+            fire = (rho_k > policy.tau_k) | (rho_v > policy.tau_v) | (ends - open_start[..., None] >= policy.max_chunk)
+            any_head = fire.flatten(0, 1).any(0)
+            first = int(torch.where(any_head, torch.arange(s, device=device), s).min())  # host sync
+            take = min(first + 1, s)
+            coef_k[:, :, t : t + take] = c[:, :, :take]
+            coef_v[:, :, t : t + take] = dv[:, :, :take]
+            if first < s:
+                # step 4 for the tokens before the firing one, then step 3 at it, then its step 4
+                buf_k, filled_k = fd.insert_(buf_k, filled_k, kk[:, :, :first], policy.ell_k)
+                buf_v, filled_v = fd.insert_(buf_v, filled_v, vv[:, :, :first], policy.ell_v)
+                fn, fh = fire[:, :, first].nonzero(as_tuple=True)
+                new_B = stored(fd.top_directions(buf_k[fn, fh, :filled_k], r) * mask_k[fh])
+                new_E = stored(fd.top_directions(buf_v[fn, fh, :filled_v], r_v) * mask_v[fh])
+                j = num_chunks[fn, fh]
+                start = t + first + 1
+                lay.key_bases[fn, fh, j] = new_B.to(store)  # chunk slot j >= num_chunks: spare until the commit
+                lay.value_bases[fn, fh, j] = new_E.to(store)
+                chunk_starts[fn, fh, j] = start
+                num_chunks[fn, fh] = j + 1
+                if getattr(policy, "sketch_reset", False):
+                    # step 3b: after the snapshot, forget what a long enough closing chunk taught
+                    long = (start - open_start[fn, fh]) >= max(policy.ell_k, policy.ell_v)
+                    buf_k[fn[long], fh[long]] = 0.0
+                    buf_v[fn[long], fh[long]] = 0.0
+                open_start[fn, fh] = start
+                open_B[fn, fh] = new_B
+                open_E[fn, fh] = new_E
+                buf_k, filled_k = fd.insert_(buf_k, filled_k, kk[:, :, first : first + 1], policy.ell_k)
+                buf_v, filled_v = fd.insert_(buf_v, filled_v, vv[:, :, first : first + 1], policy.ell_v)
+            else:
+                buf_k, filled_k = fd.insert_(buf_k, filled_k, kk, policy.ell_k)
+                buf_v, filled_v = fd.insert_(buf_v, filled_v, vv, policy.ell_v)
+            window = _next_window(window, first, s)
+            i += take
+        else:
+            m = policy.refresh_every
+            refresh_t = W - 1 + m * -(-(t + 1 - W) // m)  # the first t' >= t with (t' + 1 - W) % m == 0
+            s = min(n_new - i, refresh_t - t + 1)
+            kk, vv = k_all[:, :, i : i + s], v_all[:, :, i : i + s]
+            coef_k[:, :, t : t + s] = torch.matmul(kk, open_B.mT)  # step 2
+            coef_v[:, :, t : t + s] = torch.matmul(vv, open_E.mT)
+            buf_k, filled_k = fd.insert_(buf_k, filled_k, kk, policy.ell_k)  # step 3
+            buf_v, filled_v = fd.insert_(buf_v, filled_v, vv, policy.ell_v)
+            if t + s - 1 == refresh_t:
+                # step 4: new bases from the whole buffers, stored coefficients rotated by B B'^T
+                new_B = stored(fd.top_directions(buf_k, r) * mask_k)
+                new_E = stored(fd.top_directions(buf_v, r_v) * mask_v)
+                if not own_coef:
+                    coef_k, coef_v, own_coef = coef_k.clone(), coef_v.clone(), True
+                upto = refresh_t + 1
+                coef_k[:, :, :upto] = torch.matmul(coef_k[:, :, :upto].to(work), torch.matmul(open_B, new_B.mT))
+                coef_v[:, :, :upto] = torch.matmul(coef_v[:, :, :upto].to(work), torch.matmul(open_E, new_E.mT))
+                open_B, open_E = new_B, new_E
+            i += s
+
+    key_bases, value_bases = lay.key_bases, lay.value_bases
+    if policy.kind == "rotating" or T < W:
+        # the only bases rewritten in place: the single rotating basis, or chunk 0 during warm-up
+        key_bases, value_bases = key_bases.clone(), value_bases.clone()
+        key_bases[:, :, 0], value_bases[:, :, 0] = (open_B, open_E) if policy.kind == "rotating" else (warm_B, warm_E)
+    state.layout = replace(lay, key_bases=key_bases, value_bases=value_bases, key_coef=coef_k, value_coef=coef_v, num_chunks=num_chunks, chunk_starts=chunk_starts, num_tokens=T + n_new)
+    state.sketches = replace(sk, keys=buf_k.to(store), values=buf_v.to(store), filled_k=filled_k, filled_v=filled_v, rows_seen=sk.rows_seen + n_new)
+
+
+def _next_window(window: int, first: int, size: int) -> int:
+    """Speculation length of the next adaptive window: about twice the last gap between triggers
+    (few recomputed tokens when heads fire often, few syncs when they fire rarely)."""
+    if first >= size:
+        return min(2 * window, MAX_WINDOW)
+    return max(MIN_WINDOW, min(2 * (first + 1), MAX_WINDOW))

@@ -1,0 +1,42 @@
+"""Small helpers shared by the kernels and the backend; importing this module imports neither
+torch nor triton."""
+
+from __future__ import annotations
+
+import os
+
+# Largest head size / rank the kernels are built for: every tile of one program is padded to a
+# power of two <= this, and larger tiles would spill registers on the GPU.
+MAX_HEAD_SIZE = 256
+MAX_RANK = 256
+# The GQA group is padded to a power of two >= 16 (the tl.dot minimum); beyond this the
+# (group x head size) accumulators no longer fit in registers.
+MAX_GROUP = 64
+DOT_MIN = 16
+
+SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels on the CPU interpreter (``TRITON_INTERPRET=1``).
+
+    Triton reads the variable when a kernel is *decorated*, so it has to be set before
+    :mod:`subspace_ref_triton.decode` / :mod:`subspace_ref_triton.project` are first imported;
+    the backend imports them lazily for that reason.
+    """
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def pow2_at_least(n: int, floor: int = DOT_MIN) -> int:
+    """The smallest power of two >= max(n, floor): the padded tile size of a dimension."""
+    n = max(int(n), floor, 1)
+    return 1 << (n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def dtype_name(dtype) -> str:
+    """"float32", "bfloat16", ... for a torch dtype (``str(torch.float32)`` is "torch.float32")."""
+    return str(dtype).replace("torch.", "")

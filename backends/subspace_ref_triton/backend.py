@@ -1,0 +1,181 @@
+"""``TritonBackend``: the Backend protocol (subspace_ref.backend) with Triton kernels for the decode
+hot paths, on the torch array family.
+
+* ``attend`` (spec A2, A3, A3.2): :func:`subspace_ref_triton.decode.decode_attention`, the
+  flash-decoding kernel over the chunked coefficient cache plus the split merge.
+* ``append`` (spec A6-A8): static states project in one launch
+  (:func:`subspace_ref_triton.project.project_append`, coefficients written straight into the
+  state's buffers). Adaptive and rotating states use the torch backend's append — warm-up, FD
+  sketches (``torch.linalg.svd`` on the device), triggers and rotations — and, when it accepts a
+  ``project`` hook for its per-window projection, :func:`~subspace_ref_triton.project.project_window`
+  through it.
+
+This module imports neither torch nor triton at import time and never touches CUDA then.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import replace
+from typing import Any, Callable
+
+from subspace_ref.arrays import array_family
+from subspace_ref.backend import Availability
+from subspace_ref_triton._common import MAX_GROUP, MAX_HEAD_SIZE, MAX_RANK, SUPPORTED_DTYPES, dtype_name, interpreting
+
+_NO_DEVICE = "no CUDA device; set TRITON_INTERPRET=1 to run the kernels on the CPU interpreter"
+
+# Whether the kernel modules were imported (decorated) under the interpreter; None until then.
+_KERNELS_INTERPRETED: bool | None = None
+
+
+def _kernels():
+    """The kernel modules, imported on first use (see the package docstring for why)."""
+    global _KERNELS_INTERPRETED
+    from subspace_ref_triton import decode, project
+
+    if _KERNELS_INTERPRETED is None:
+        _KERNELS_INTERPRETED = interpreting()
+    return decode, project
+
+
+class TritonBackend:
+    """Coefficient-space attention (spec A2, A3) and appends (spec A6-A8) with Triton kernels.
+
+    Reads states converted with ``state.to("triton", device="cuda")`` (torch tensors; the
+    default device is CUDA when the kernels run compiled). float32, float16 and bfloat16 states,
+    all arithmetic the softmax sees in float32. Under ``TRITON_INTERPRET=1`` the same kernels run
+    on CPU tensors through Triton's interpreter (slow: for tests at small shapes).
+    """
+
+    name = "triton"
+    array_family = "torch"
+    dtypes = SUPPORTED_DTYPES
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """("cuda",); under TRITON_INTERPRET=1 also "cpu": the interpreter runs the programs on
+        the host and takes CPU tensors."""
+        return ("cpu", "cuda") if interpreting() else ("cuda",)
+
+    # ------------------------------------------------------------------ availability
+    def availability(self) -> Availability:
+        try:
+            import torch
+        except ImportError as err:
+            return Availability(False, f"torch is not installed ({err}); pip install 'subspace_ref[triton]'")
+        from importlib.util import find_spec
+
+        if find_spec("triton") is None:
+            return Availability(False, "triton is not installed; pip install 'subspace_ref[triton]'")
+        if find_spec("subspace_ref_torch") is None:
+            return Availability(False, "the torch backend (subspace_ref_torch), which the triton backend builds on, is not installed")
+        if _KERNELS_INTERPRETED is not None and _KERNELS_INTERPRETED != interpreting():
+            was = "set" if _KERNELS_INTERPRETED else "unset"
+            return Availability(False, f"the kernels were loaded with TRITON_INTERPRET {was} and it has changed since; restart the process")
+        if interpreting():
+            return Availability(True)
+        if not torch.cuda.is_available():
+            return Availability(False, _NO_DEVICE)
+        return Availability(True)
+
+    def not_supported_reasons(self, q: Any, state) -> list[str]:
+        try:
+            import torch
+        except ImportError:
+            return ["torch is not installed"]
+        reasons = []
+        q_ok = isinstance(q, torch.Tensor)
+        if not q_ok:
+            reasons.append(f"q is a {type(q).__module__.split('.')[0]} {type(q).__name__}; the triton backend takes torch tensors")
+        try:
+            family = array_family(state.layout.key_coef)
+        except ValueError:
+            family = type(state.layout.key_coef).__name__
+        state_ok = family == "torch"
+        if not state_ok:
+            reasons.append(f"the state holds {family} arrays; convert it with state.to('triton', device='cuda')")
+        if q_ok:
+            qd = dtype_name(q.dtype)
+            if qd not in self.dtypes:
+                reasons.append(f"q has dtype {qd}; the triton kernels take {', '.join(self.dtypes)} (use the torch backend for float64)")
+        if not state_ok:
+            return reasons
+        lay = state.layout
+        sd = dtype_name(lay.key_coef.dtype)
+        if sd not in self.dtypes:
+            reasons.append(f"the state has dtype {sd}; the triton kernels take {', '.join(self.dtypes)} (use the torch backend for float64)")
+        floats = {name: dtype_name(x.dtype) for name, x in lay.arrays().items() if x.is_floating_point()}
+        if len(set(floats.values())) > 1:
+            reasons.append(f"the state's floating arrays have mixed dtypes {floats}; convert it with one dtype")
+        sdev = lay.key_coef.device
+        if sdev.type not in self.devices:
+            if sdev.type == "cpu":
+                reasons.append(f"the state is on the CPU; move it to a CUDA device (state.to('triton', device='cuda')) or set TRITON_INTERPRET=1")
+            else:
+                reasons.append(f"the state is on {sdev}; the triton backend runs on {', '.join(self.devices)}")
+        devices = {x.device for x in lay.arrays().values()}
+        if len(devices) > 1:
+            reasons.append(f"the state's arrays are spread over devices {sorted(map(str, devices))}")
+        if q_ok and q.device != sdev:
+            reasons.append(f"q is on {q.device} but the state is on {sdev}; move one of them")
+        for what, size, limit in (
+            ("key head size d", state.d, MAX_HEAD_SIZE),
+            ("value head size d_v", state.d_v, MAX_HEAD_SIZE),
+            ("key rank r", lay.key_coef.shape[3], MAX_RANK),
+            ("value rank r_v", lay.value_coef.shape[3], MAX_RANK),
+        ):
+            if size > limit:
+                reasons.append(f"{what} is {size}; the triton kernels hold at most {limit} per tile")
+        if q_ok and q.ndim == 3 and state.heads and q.shape[1] % state.heads == 0 and q.shape[1] // state.heads > MAX_GROUP:
+            reasons.append(f"{q.shape[1] // state.heads} query heads per KV head; the triton kernels hold at most {MAX_GROUP}")
+        for name, x in lay.arrays().items():
+            if x.ndim and x.stride(-1) != 1:
+                reasons.append(f"the state's {name} has a non-unit stride in its last dimension; copy the state (state.copy())")
+        return reasons
+
+    # ------------------------------------------------------------------ conversion
+    def converter(self, device: Any = None, dtype: Any = None) -> Callable[[Any], Any]:
+        """The torch backend's converter; the default device is CUDA when the kernels run
+        compiled (a CPU state could not be attended), the CPU under the interpreter."""
+        from subspace_ref_torch.convert import converter
+
+        if device is None and not interpreting():
+            import torch
+
+            if torch.cuda.is_available():
+                device = "cuda"
+        return converter(device, dtype)
+
+    # ------------------------------------------------------------------ operations
+    def append(self, state, keys, values) -> None:
+        """Spec A6 with one projection launch for static states; spec A7/A8 through the torch
+        backend's append for the others (see the module docstring)."""
+        from subspace_ref_torch import append as torch_append
+
+        if state.policy.kind == "static" and dtype_name(state.layout.key_coef.dtype) in self.dtypes:
+            self._append_static(state, keys, values)
+            return
+        _, project = _kernels()
+        if "project" in inspect.signature(torch_append.append).parameters:
+            torch_append.append(state, keys, values, project=project.project_window)
+        else:
+            torch_append.append(state, keys, values)
+
+    def _append_static(self, state, keys, values) -> None:
+        """Spec A6: c_t = B k_t, d_t = E v_t for the whole block and every head, one launch,
+        written into the spare rows T.. of the state's buffers before the commit."""
+        _, project = _kernels()
+        lay = state.layout
+        T, n_new = lay.num_tokens, keys.shape[2]
+        lay = lay.with_capacity(T + n_new, lay.key_bases.shape[2])
+        project.project_append(
+            keys, values, lay.key_bases, lay.value_bases, lay.num_chunks - 1,
+            lay.key_coef[:, :, T : T + n_new], lay.value_coef[:, :, T : T + n_new],
+        )
+        state.layout = replace(lay, num_tokens=T + n_new)
+
+    def attend(self, q, state, scale):
+        """Spec A2/A3 (flash-decoding, A3.2) of q (N, H_q, d) -> (N, H_q, d_v) in q's dtype."""
+        decode, _ = _kernels()
+        return decode.decode_attention(q.contiguous(), state.layout, scale)

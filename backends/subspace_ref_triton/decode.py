@@ -1,0 +1,414 @@
+"""Decode attention over the chunked coefficient cache (spec A2, A3, A3.2 over the layout of A9),
+as Triton kernels, each beside a pure-torch ``*_reference`` with the same signature.
+
+Flash-decoding in two launches:
+
+1. :func:`decode_partials` — grid ``(N * H, S)``: one program per (sequence, KV head) and split
+   of the token axis. A program owns the ``g = H_q / H`` query heads of one GQA group, so every
+   coefficient it loads serves all of them (the group is padded to 16 rows, the ``tl.dot``
+   minimum, inside the kernel). It walks the chunks that intersect its split (a split may
+   straddle many chunks; a chunk may straddle many splits), and per chunk
+
+   * projects the queries in-kernel, ``q~_j = B_j q`` (spec A3 step 2.1) — one
+     ``(g x d) @ (d x r)`` product per chunk and split. Precomputing q~ for all chunks in torch
+     would need an ``(N, H_q, J, r)`` temporary and a second launch, and saves nothing: the
+     kernel reads ``B_j`` once per (chunk, split) either way, from L2 after the first split;
+   * runs the one-pass softmax of spec A3 over tiles of ``BLOCK_T`` tokens with the running
+     max ``m``, normaliser ``Z`` and a value-*coefficient* accumulator (``g x r_v``) in float32;
+   * maps the accumulator through ``E_j`` once per chunk (spec A2 step 4), not per token.
+
+   It writes the split's partial ``(m, Z, N)`` of spec A3.2 in float32; an empty split writes the
+   identity ``(-inf, 0, 0)``.
+2. :func:`merge_partials` — one program per (sequence, query head) merges the ``S`` partials by
+   log-sum-exp (spec A3.2) and writes ``N / Z`` in the output dtype.
+
+Precision. Everything the softmax sees is float32. For a float32 state the products are float32
+FMAs (``input_precision="ieee"``, never TF32). For a 16-bit state the two per-token products
+(logits ``q~ . c_t`` and the weighted sum ``w . D``) run on tensor cores with the float32 operand
+split into a 16-bit high and low part (``a = hi + lo`` to ~2^-16 relative), and the 16-bit
+coefficients are exact: the result matches a float32 product to ~1e-5 relative at two MMAs'
+cost, where a plain 16-bit MMA would round ``q~`` and the weights to 8 (bfloat16) bits. The
+once-per-chunk products (``B_j q``, ``acc E_j``) are float32 FMAs.
+
+Under ``TRITON_INTERPRET=1`` the 16-bit MMAs are replaced by float32 products of the same
+hi/lo parts (the interpreter's bfloat16 ``tl.dot`` is wrong; products of 16-bit numbers are exact
+in float32, so the two agree up to summation order).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from subspace_ref_triton._common import cdiv, interpreting, pow2_at_least
+from subspace_ref_triton._tl import MAX_COMBINE as _MAX
+from subspace_ref_triton._tl import SUM_COMBINE as _SUM
+from subspace_ref_triton._tl import to_storage
+
+BLOCK_T = 64  # tokens per tile: a multiple of 16 (tl.dot), small enough that 2 tiles fit in L1
+MERGE_BLOCK_S = 64
+# 16-bit pieces a float32 operand is cut into for a tensor-core product with exact 16-bit
+# coefficients: 2 x 11 bits for float16, 3 x 8 bits for bfloat16 (float32 has 24).
+_PARTS = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+
+
+# ---------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, kc_ptr, vc_ptr, kb_ptr, vb_ptr, starts_ptr, nchunks_ptr, gamma_ptr,
+    pm_ptr, pz_ptr, po_ptr,
+    H, group, num_tokens, split_len, num_splits, scale,
+    d, d_v, r, r_v,
+    sq_n, sq_h,
+    skc_n, skc_h, skc_t,
+    svc_n, svc_h, svc_t,
+    skb_n, skb_h, skb_j, skb_r,
+    svb_n, svb_h, svb_j, svb_r,
+    sst_n, sst_h,
+    snc_n, snc_h,
+    G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, RV: tl.constexpr,
+    BLOCK_T: tl.constexpr, PARTS: tl.constexpr, NATIVE16: tl.constexpr,
+):
+    # No nested @triton.jit calls in the loops (tl.max, tl.sum, tl.zeros are; see _tl.py):
+    # under the interpreter each one re-patches triton.language, so the 16-bit split products
+    # are written out inline.
+    nh = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    n = nh // H
+    h = nh % H
+    COEF = kc_ptr.dtype.element_ty
+
+    offs_g = tl.arange(0, G)
+    offs_d = tl.arange(0, D)
+    offs_dv = tl.arange(0, DV)
+    offs_r = tl.arange(0, R)
+    offs_rv = tl.arange(0, RV)
+    offs_t = tl.arange(0, BLOCK_T)
+    g_mask = offs_g < group
+    r_mask = offs_r < r
+    rv_mask = offs_rv < r_v
+    # Loop-invariant offsets and masks of the per-chunk and per-tile loads, computed once.
+    b_offs = offs_r[:, None] * skb_r + offs_d[None, :]
+    b_mask = r_mask[:, None] & (offs_d < d)[None, :]
+    e_offs = offs_rv[:, None] * svb_r + offs_dv[None, :]
+    e_mask = rv_mask[:, None] & (offs_dv < d_v)[None, :]
+    c_offs = offs_t[:, None] * skc_t + offs_r[None, :]
+    v_offs = offs_t[:, None] * svc_t + offs_rv[None, :]
+
+    # The g query heads of KV head h are rows h*g .. h*g+g-1 (spec notation); padded rows are 0,
+    # so their logits are 0 and finite, and their outputs are never stored.
+    q_rows = q_ptr + n * sq_n + (h * group + offs_g)[:, None] * sq_h
+    qv = tl.load(q_rows + offs_d[None, :], mask=g_mask[:, None] & (offs_d < d)[None, :], other=0.0).to(tl.float32)
+
+    kc_base = kc_ptr + n * skc_n + h * skc_h
+    vc_base = vc_ptr + n * svc_n + h * svc_h
+    kb_base = kb_ptr + n * skb_n + h * skb_h
+    vb_base = vb_ptr + n * svb_n + h * svb_h
+    st_base = starts_ptr + n * sst_n + h * sst_h
+    nj = tl.load(nchunks_ptr + n * snc_n + h * snc_h)
+    logit_scale = tl.load(gamma_ptr + h).to(tl.float32) * scale
+
+    lo = s * split_len
+    hi = tl.minimum(lo + split_len, num_tokens)
+
+    # The chunk holding token lo: the last j < nj with starts[j] <= lo (starts[0] = 0). Entries
+    # past num_chunks are spare capacity and are never read.
+    a = nj * 0
+    b = nj - 1
+    while a < b:
+        mid = (a + b + 1) // 2
+        go_right = tl.load(st_base + mid) <= lo
+        a = tl.where(go_right, mid, a)
+        b = tl.where(go_right, b, mid - 1)
+    j = a
+
+    m_i = tl.full([G], float("-inf"), tl.float32)  # running max of spec A3
+    z_i = tl.full([G], 0.0, tl.float32)
+    o_i = tl.full([G, DV], 0.0, tl.float32)  # N of spec A3, kept at scale m_o
+    m_o = tl.full([G], float("-inf"), tl.float32)
+
+    start_j = tl.load(st_base + j)
+    # An empty split (lo >= hi) never enters the loop and writes the identity (-inf, 0, 0).
+    while (j < nj) & (start_j < hi) & (lo < hi):
+        has_next = j + 1 < nj
+        end_j = tl.where(has_next, tl.load(st_base + j + 1, mask=has_next, other=0), num_tokens)
+        c_lo = tl.maximum(start_j, lo)
+        c_hi = tl.minimum(end_j, hi)
+
+        # Spec A3 step 2.1, once per (chunk, split) for all g heads of the group.
+        B = tl.load(kb_base + j * skb_j + b_offs, mask=b_mask, other=0.0).to(tl.float32)
+        q_proj = tl.dot(qv, tl.trans(B), input_precision="ieee")  # (G, R)
+        if PARTS > 1:
+            # q~ cut into 16-bit parts once per chunk (hi + mid [+ lo] = q~ to float32
+            # accuracy), after a power-of-two rescaling that keeps the parts inside float16's
+            # range whatever the size of q; exact, and undone on the float32 logits.
+            q_abs = tl.reduce(tl.abs(q_proj), 1, _MAX)
+            q_unit = tl.exp2(tl.ceil(tl.log2(tl.where(q_abs > 0, q_abs, 1.0))))
+            q_proj = q_proj / q_unit[:, None]
+            row_scale = q_unit * logit_scale
+            q_hi = q_proj.to(COEF)
+            q_rest = q_proj - q_hi.to(tl.float32)
+            q_mid = q_rest.to(COEF)
+            q_lo = (q_rest - q_mid.to(tl.float32)).to(COEF)
+            if not NATIVE16:
+                q_hi = q_hi.to(tl.float32)
+                q_mid = q_mid.to(tl.float32)
+                q_lo = q_lo.to(tl.float32)
+        else:
+            row_scale = tl.full([G], 0.0, tl.float32) + logit_scale
+
+        acc = tl.full([G, RV], 0.0, tl.float32)  # value-coefficient accumulator, at scale m_i
+        for t0 in range(c_lo, c_hi, BLOCK_T):
+            t_mask = t0 + offs_t < c_hi
+            c = tl.load(kc_base + t0 * skc_t + c_offs, mask=t_mask[:, None] & r_mask[None, :], other=0.0)
+            dvals = tl.load(vc_base + t0 * svc_t + v_offs, mask=t_mask[:, None] & rv_mask[None, :], other=0.0)
+            # Logits gamma * scale * q~ . c_t in float32 (see the module docstring).
+            if PARTS == 1:
+                logits = tl.dot(q_proj, tl.trans(c), input_precision="ieee")
+            else:
+                if NATIVE16:
+                    ct = tl.trans(c)
+                    logits = tl.dot(q_mid, ct)  # smallest parts first
+                    if PARTS == 3:
+                        logits = tl.dot(q_lo, ct, acc=logits)
+                    logits = tl.dot(q_hi, ct, acc=logits)
+                else:
+                    ct = tl.trans(c.to(tl.float32))
+                    logits = tl.dot(q_mid, ct, input_precision="ieee")
+                    if PARTS == 3:
+                        logits = tl.dot(q_lo, ct, acc=logits, input_precision="ieee")
+                    logits = tl.dot(q_hi, ct, acc=logits, input_precision="ieee")
+            logits = tl.where(t_mask[None, :], logits * row_scale[:, None], float("-inf"))
+            # Spec A3 steps 2.2-2.3 per tile (A3.1: any partition of the tokens gives the same
+            # result). Every tile has a valid token, so m_new is finite and alpha never NaN.
+            m_new = tl.maximum(m_i, tl.reduce(logits, 1, _MAX))
+            alpha = tl.exp(m_i - m_new)
+            w = tl.exp(logits - m_new[:, None])
+            z_i = z_i * alpha + tl.reduce(w, 1, _SUM)
+            # The weighted sum stays in coefficient space: r_v numbers per head (spec A2 step 4).
+            acc = acc * alpha[:, None]
+            if PARTS == 1:
+                acc = tl.dot(w, dvals, acc=acc, input_precision="ieee")
+            else:
+                w_hi = w.to(COEF)
+                w_rest = w - w_hi.to(tl.float32)
+                w_mid = w_rest.to(COEF)
+                if NATIVE16:
+                    if PARTS == 3:
+                        acc = tl.dot((w_rest - w_mid.to(tl.float32)).to(COEF), dvals, acc=acc)
+                    acc = tl.dot(w_mid, dvals, acc=acc)
+                    acc = tl.dot(w_hi, dvals, acc=acc)
+                else:
+                    df = dvals.to(tl.float32)
+                    if PARTS == 3:
+                        acc = tl.dot((w_rest - w_mid.to(tl.float32)).to(COEF).to(tl.float32), df, acc=acc, input_precision="ieee")
+                    acc = tl.dot(w_mid.to(tl.float32), df, acc=acc, input_precision="ieee")
+                    acc = tl.dot(w_hi.to(tl.float32), df, acc=acc, input_precision="ieee")
+            m_i = m_new
+
+        # Once per chunk, not per token: N <- N exp(m_o - m) + acc E_j. N is rescaled here
+        # rather than per tile; m_o = -inf means N is still 0 (and avoids -inf - -inf).
+        E = tl.load(vb_base + j * svb_j + e_offs, mask=e_mask, other=0.0).to(tl.float32)
+        o_scale = tl.where(m_o == float("-inf"), 0.0, tl.exp(m_o - m_i))
+        o_i = tl.dot(acc, E, acc=o_i * o_scale[:, None], input_precision="ieee")
+        m_o = m_i
+
+        j += 1
+        start_j = tl.load(st_base + j, mask=j < nj, other=0)
+
+    row = (n * H + h) * group + offs_g  # (N, H_q) row of each query head
+    tl.store(pm_ptr + row * num_splits + s, m_i, mask=g_mask)
+    tl.store(pz_ptr + row * num_splits + s, z_i, mask=g_mask)
+    tl.store(po_ptr + (row * num_splits + s)[:, None] * d_v + offs_dv[None, :], o_i,
+             mask=g_mask[:, None] & (offs_dv < d_v)[None, :])
+
+
+@triton.jit
+def _merge_kernel(pm_ptr, pz_ptr, po_ptr, out_ptr, num_splits, d_v, Hq, so_n, so_h,
+                  DV: tl.constexpr, BLOCK_S: tl.constexpr, MANUAL_BF16: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    n = row // Hq
+    hq = row % Hq
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dv = tl.arange(0, DV)
+    dv_mask = offs_dv < d_v
+
+    m_run = tl.reduce(tl.full([BLOCK_S], float("-inf"), tl.float32), 0, _MAX)
+    z_run = tl.reduce(tl.full([BLOCK_S], 0.0, tl.float32), 0, _SUM)
+    o_run = tl.full([DV], 0.0, tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        s_idx = s0 + offs_s
+        s_mask = s_idx < num_splits
+        m = tl.load(pm_ptr + row * num_splits + s_idx, mask=s_mask, other=float("-inf"))
+        z = tl.load(pz_ptr + row * num_splits + s_idx, mask=s_mask, other=0.0)
+        o = tl.load(po_ptr + (row * num_splits + s_idx)[:, None] * d_v + offs_dv[None, :],
+                    mask=s_mask[:, None] & dv_mask[None, :], other=0.0)
+        m_new = tl.maximum(m_run, tl.reduce(m, 0, _MAX))
+        # Spec A3.2 with e^{-inf - m} := 0, also when every partial so far is empty (m_new = -inf).
+        ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a_run = tl.exp(m_run - ref)
+        a = tl.exp(m - ref)
+        z_run = z_run * a_run + tl.reduce(z * a, 0, _SUM)
+        o_run = o_run * a_run + tl.reduce(o * a[:, None], 0, _SUM)
+        m_run = m_new
+    # Z >= 1 whenever a token was attended (spec A3.1); callers refuse T = 0.
+    out = o_run / z_run
+    tl.store(out_ptr + n * so_n + hq * so_h + offs_dv, to_storage(out, out_ptr, MANUAL_BF16), mask=dv_mask)
+
+
+# ---------------------------------------------------------------------------------------- launchers
+
+
+def _shapes(q, layout):
+    N, Hq, d = q.shape
+    H = layout.key_coef.shape[1]
+    return N, Hq, d, H, Hq // H, layout.key_coef.shape[3], layout.value_coef.shape[3], layout.value_bases.shape[4]
+
+
+def default_split_len(num_tokens: int, programs: int, device) -> int:
+    """Tokens per split: enough splits that ``programs`` (= N x H) x S fills the device about four
+    times over (flash-decoding: one query over a long cache still fills every SM), but no split
+    shorter than 256 tokens, where the per-split cost (query projection, partial write, merge)
+    would start to dominate. A multiple of BLOCK_T so that tiles of a static state stay aligned."""
+    device = torch.device(device)
+    if device.type == "cuda" and not interpreting():
+        target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        target = 4  # the interpreter runs programs one after another: fewer, longer splits
+    splits = max(1, min(cdiv(num_tokens, 256), cdiv(target, max(programs, 1))))
+    return cdiv(cdiv(num_tokens, splits), BLOCK_T) * BLOCK_T
+
+
+def decode_partials(q, layout, scale: float, split_len: int, num_splits: int | None = None):
+    """Per-split partials ``(m, Z, N)`` (spec A3.2) of coefficient-space attention (spec A3).
+
+    q (N, H_q, d); ``layout`` a :class:`~subspace_ref.layout.PackedLayout` of torch tensors
+    (spec A9) with ``num_tokens >= 1``. Split ``s`` covers tokens
+    ``[s * split_len, min((s + 1) * split_len, T))``; ``num_splits`` defaults to
+    ``ceil(T / split_len)``, and splits past the end are empty. Returns float32
+    ``m, Z`` (N, H_q, S) and ``N`` (N, H_q, S, d_v), with ``m`` including gamma * scale.
+    """
+    N, Hq, d, H, group, r, r_v, d_v = _shapes(q, layout)
+    T = int(layout.num_tokens)
+    S = cdiv(T, split_len) if num_splits is None else int(num_splits)
+    dev = q.device
+    pm = torch.empty((N, Hq, S), dtype=torch.float32, device=dev)
+    pz = torch.empty((N, Hq, S), dtype=torch.float32, device=dev)
+    po = torch.empty((N, Hq, S, d_v), dtype=torch.float32, device=dev)
+    kc, vc, kb, vb = layout.key_coef, layout.value_coef, layout.key_bases, layout.value_bases
+    st, nc = layout.chunk_starts, layout.num_chunks
+    for name, x in (("q", q), ("key_coef", kc), ("value_coef", vc), ("key_bases", kb), ("value_bases", vb), ("chunk_starts", st)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name} must have a unit stride in its last dimension")
+    parts = _PARTS[kc.dtype]
+    _decode_split_kernel[(N * H, S)](
+        q, kc, vc, kb, vb, st, nc, layout.gamma.contiguous(),
+        pm, pz, po,
+        H, group, T, int(split_len), S, float(scale),
+        d, d_v, r, r_v,
+        q.stride(0), q.stride(1),
+        kc.stride(0), kc.stride(1), kc.stride(2),
+        vc.stride(0), vc.stride(1), vc.stride(2),
+        kb.stride(0), kb.stride(1), kb.stride(2), kb.stride(3),
+        vb.stride(0), vb.stride(1), vb.stride(2), vb.stride(3),
+        st.stride(0), st.stride(1),
+        nc.stride(0), nc.stride(1),
+        G=pow2_at_least(group), D=pow2_at_least(d), DV=pow2_at_least(d_v),
+        R=pow2_at_least(r), RV=pow2_at_least(r_v),
+        BLOCK_T=BLOCK_T, PARTS=parts, NATIVE16=parts > 1 and not interpreting(),
+        num_warps=4,
+    )
+    return pm, pz, po
+
+
+def merge_partials(m, z, o, dtype):
+    """Spec A3.2: merge the S partials of every (sequence, query head); returns N / Z as
+    (N, H_q, d_v) in ``dtype``. Empty partials (-inf, 0, 0) are the identity."""
+    N, Hq, S = m.shape
+    d_v = o.shape[-1]
+    out = torch.empty((N, Hq, d_v), dtype=dtype, device=m.device)
+    _merge_kernel[(N * Hq,)](
+        m.contiguous(), z.contiguous(), o.contiguous(), out, S, d_v, Hq, out.stride(0), out.stride(1),
+        DV=pow2_at_least(d_v), BLOCK_S=min(MERGE_BLOCK_S, pow2_at_least(S, 1)),
+        MANUAL_BF16=interpreting() and dtype == torch.bfloat16,
+    )
+    return out
+
+
+def decode_attention(q, layout, scale: float | None = None, split_len: int | None = None, num_splits: int | None = None):
+    """Coefficient-space attention (spec A2, A3) of q (N, H_q, d) over ``layout``: (N, H_q, d_v)
+    in q's dtype, accumulated in float32. ``scale`` defaults to 1/sqrt(d)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if split_len is None:
+        split_len = default_split_len(int(layout.num_tokens), q.shape[0] * layout.key_coef.shape[1], q.device)
+    m, z, o = decode_partials(q, layout, scale, split_len, num_splits)
+    return merge_partials(m, z, o, q.dtype)
+
+
+# ---------------------------------------------------------------------------------------- references
+
+
+def _token_chunks(starts, nj: int, T: int):
+    """Chunk index of every token 0..T-1 (spec A9: chunk j covers [starts[j], starts[j+1]))."""
+    tokens = torch.arange(T, device=starts.device)
+    return torch.searchsorted(starts[:nj].contiguous(), tokens, right=True) - 1
+
+
+def decode_partials_reference(q, layout, scale: float, split_len: int, num_splits: int | None = None):
+    """:func:`decode_partials` in plain torch, float32, one (sequence, KV head) at a time.
+
+    Written from spec A3.1 rather than A3: each token's value is reconstructed as ``d_t E_j``
+    and each split's partial is an ordinary softmax over its tokens, so the kernel's chunk walk
+    and once-per-chunk mapping are checked against a different route to the same numbers.
+    """
+    N, Hq, d, H, group, r, r_v, d_v = _shapes(q, layout)
+    T = int(layout.num_tokens)
+    S = cdiv(T, split_len) if num_splits is None else int(num_splits)
+    f32 = torch.float32
+    pm = torch.full((N, Hq, S), float("-inf"), dtype=f32, device=q.device)
+    pz = torch.zeros((N, Hq, S), dtype=f32, device=q.device)
+    po = torch.zeros((N, Hq, S, d_v), dtype=f32, device=q.device)
+    for n in range(N):
+        for h in range(H):
+            nj = int(layout.num_chunks[n, h])
+            chunk = _token_chunks(layout.chunk_starts[n, h], nj, T)
+            B = layout.key_bases[n, h, :nj].to(f32)  # (J, r, d)
+            E = layout.value_bases[n, h, :nj].to(f32)
+            qg = q[n, h * group : (h + 1) * group].to(f32)  # (g, d)
+            q_proj = torch.einsum("jrd,gd->jgr", B, qg)  # spec A3 step 2.1, every chunk
+            c = layout.key_coef[n, h, :T].to(f32)
+            logits = float(layout.gamma[h]) * scale * torch.einsum("tgr,tr->gt", q_proj[chunk], c)
+            v_hat = torch.einsum("tr,trd->td", layout.value_coef[n, h, :T].to(f32), E[chunk])
+            for s in range(S):
+                a, b = s * split_len, min((s + 1) * split_len, T)
+                if a >= b:
+                    continue
+                m = logits[:, a:b].max(dim=1).values
+                w = torch.exp(logits[:, a:b] - m[:, None])
+                rows = slice(h * group, (h + 1) * group)
+                pm[n, rows, s] = m
+                pz[n, rows, s] = w.sum(dim=1)
+                po[n, rows, s] = w @ v_hat[a:b]
+    return pm, pz, po
+
+
+def merge_partials_reference(m, z, o, dtype):
+    """:func:`merge_partials` in plain torch (spec A3.2)."""
+    M = m.max(dim=-1, keepdim=True).values
+    ref = torch.where(torch.isinf(M), torch.zeros_like(M), M)
+    a = torch.exp(m - ref)  # exp(-inf) = 0 for empty partials
+    return ((o * a[..., None]).sum(dim=2) / (z * a).sum(dim=2)[..., None]).to(dtype)
+
+
+def decode_attention_reference(q, layout, scale: float | None = None, split_len: int | None = None, num_splits: int | None = None):
+    """:func:`decode_attention` in plain torch."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if split_len is None:
+        split_len = default_split_len(int(layout.num_tokens), q.shape[0] * layout.key_coef.shape[1], q.device)
+    m, z, o = decode_partials_reference(q, layout, scale, split_len, num_splits)
+    return merge_partials_reference(m, z, o, q.dtype)

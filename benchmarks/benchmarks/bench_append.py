@@ -1,0 +1,61 @@
+"""Appending decode tokens to a state (spec A6 static; spec A7 adaptive: residual test, trigger,
+FD update -- the Frequent Directions work of a backend is measured here) per backend."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from subspace_ref.roofline import state_cost
+
+from . import common as C
+
+#: tokens already in the state when the timing starts
+START = 256 if C.QUICK else 1024
+BLOCKS = [1, 64]
+
+
+class Append:
+    """``time_append``: append a block of ``n`` tokens (every head) to a state that holds
+    ``START`` tokens or more: asv repeats the call, so the state grows while it is timed and the
+    amortised costs (FD compactions every ell + 1 rows, chunk snapshots) are included."""
+
+    params = (C.TARGETS, C.KINDS, C.RANKS, BLOCKS)
+    param_names = ["backend", "state", "rank", "n"]
+    timeout = 600
+
+    def setup_cache(self):
+        states = {("adaptive", START, r): C.adaptive_states([START], r)[START] for r in C.RANKS}
+        return C.save_states(states, "append-state")
+
+    setup_cache.timeout = 1200
+
+    def setup(self, paths, backend, kind, rank, n):
+        self.target = C.target(backend)
+        if backend == "triton":
+            # state.to("triton") makes a torch state (engine "torch"): its appends run on the torch
+            # backend, already timed as torch-cuda
+            raise NotImplementedError("appends of a state converted for triton run on the torch backend (see torch-cuda)")
+        state = C.static_state(START, rank) if kind == "static" else C.load_state(paths[("adaptive", START, rank)])
+        self.state = self.target.state(state)
+        # a pool of fresh tokens, cycled through (the values do not change the work much)
+        self.K = [self.target.convert(x) for x in np.split(C.tokens(21, 16 * n), 16, axis=1)]
+        self.V = [self.target.convert(x) for x in np.split(C.tokens(22, 16 * n), 16, axis=1)]
+        self.i = 0
+
+    def time_append(self, paths, backend, kind, rank, n):
+        i = self.i % 16
+        self.i += 1
+        self.state.append(self.K[i], self.V[i])
+        self.target.sync()
+
+    def track_flops_per_token(self, paths, backend, kind, rank, n):
+        """Model FLOPs of appending one token to the layer, FD upkeep included (spec R5-R9)."""
+        return float(state_cost(self.state, group=C.GROUP).phase("append", "fd").flops)
+
+    track_flops_per_token.unit = "FLOPs"
+
+    def track_bytes_per_token(self, paths, backend, kind, rank, n):
+        """Model bytes of appending one token to the layer, FD upkeep included (spec R5-R9)."""
+        return float(state_cost(self.state, group=C.GROUP).phase("append", "fd").bytes)
+
+    track_bytes_per_token.unit = "bytes"

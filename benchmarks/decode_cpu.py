@@ -1,0 +1,155 @@
+"""Decode-step benchmark of the torch backend on this CPU (plain script; the asv suite is separate).
+
+One decode step at H = 8 KV heads (query heads = 8 x --group), d = d_v = 128, r = r_v = 32, a
+static basis, float32, batch 1: ``subspace_ref.attend(q, state, backend="torch")`` against
+``torch.nn.functional.scaled_dot_product_attention`` over the full uncompressed cache of the same
+tokens, for T in {4k, 16k, 64k}. Both run in the same process with the same thread count.
+
+Reported per T (medians of --repeats timed calls after --warmup untimed ones):
+
+* time of the coefficient-space attend (public API, with its argument checks) and of the
+  backend call alone (``TorchBackend.attend``), and of SDPA; ratio = attend / SDPA;
+* bytes each reads -- SDPA: K and V (2 H T d 4 bytes); attend: key and value coefficients
+  (H T (r + r_v) 4 bytes) plus the bases -- and the bandwidth that achieves;
+* the machine's copy bandwidth measured in the same run: ``dst.copy_(src)`` of a 256 MiB float32
+  tensor into a preallocated one, counted as bytes read + bytes written (the STREAM convention),
+  and its read-only bandwidth (``src.sum()``);
+* append cost per token (one decode token appended to a static state holding T tokens): the
+  median of --appends single appends, and the amortised cost: their mean plus the one geometric
+  growth of the coefficient arrays (an O(T) copy, once per T appends) divided by T. Neither may
+  grow with T.
+
+Targets: ratio <= 0.30 at T >= 16k; attend bandwidth >= 70% of copy bandwidth.
+
+    python benchmarks/decode_cpu.py [--threads 1] [--tokens 4096 16384 65536] [--group 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import numpy as np
+import torch
+
+import subspace_ref as sr
+
+
+def timeit(fn, repeats: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def copy_bandwidth(repeats: int) -> tuple[float, float]:
+    """(copy GB/s counting read + write, read-only GB/s) on 256 MiB float32 tensors."""
+    n = 64 * 1024 * 1024
+    src = torch.rand(n)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # touch the pages
+    t_copy = statistics.median(timeit(lambda: dst.copy_(src), repeats, 2))
+    t_read = statistics.median(timeit(lambda: src.sum(), repeats, 2))
+    nbytes = src.numel() * src.element_size()
+    return 2 * nbytes / t_copy / 1e9, nbytes / t_read / 1e9
+
+
+def orthonormal(gen: torch.Generator, H: int, r: int, d: int) -> np.ndarray:
+    g = torch.randn(H, d, r, generator=gen, dtype=torch.float64)
+    return torch.linalg.qr(g).Q.mT.numpy()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 65536])
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--group", type=int, default=1, help="query heads per KV head")
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=21)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--appends", type=int, default=200)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    H, d, r, g = args.heads, args.dim, args.rank, args.group
+    gen = torch.Generator().manual_seed(0)
+    backend = sr.get_backend("torch")
+
+    copy_gbs, read_gbs = copy_bandwidth(args.repeats)  # measured again after the sweep
+    print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, threads={torch.get_num_threads()}")
+    print(f"H={H} (query heads {H * g}), d=d_v={d}, r=r_v={r}, static basis, float32, batch 1")
+    print(f"copy bandwidth (read+write) {copy_gbs:.2f} GB/s, read bandwidth (sum) {read_gbs:.2f} GB/s\n")
+
+    basis = sr.StaticBasis.from_bases(orthonormal(gen, H, r, d), orthonormal(gen, H, r, d), gamma=1.0)
+    header = (
+        f"{'T':>6} | {'SDPA ms':>8} {'GB/s':>6} | {'attend ms':>9} {'backend ms':>10} {'GB/s':>6} {'%copy':>6} {'%read':>6} | "
+        f"{'ratio':>6} {'ratio(backend)':>14} | {'append us/tok':>13} {'amortised':>9}"
+    )
+    print(header)
+    print("-" * len(header))
+    rows = []
+    for T in args.tokens:
+        K = torch.randn(1, H, T, d, generator=gen)
+        V = torch.randn(1, H, T, d, generator=gen)
+        q = torch.randn(1, H * g, 1, d, generator=gen)
+        state = sr.SubspaceState.static(basis, dtype=np.float32).to("torch", device="cpu", dtype="float32")
+        state.append(K[0], V[0])
+
+        def sdpa():
+            return torch.nn.functional.scaled_dot_product_attention(q, K, V, enable_gqa=g > 1)
+
+        q_state = q[0, :, 0]  # (H_q, d)
+        q_backend = q_state[None]
+        out_ref = sdpa()[0, :, 0]
+        out = sr.attend(q_state, state, backend="torch")
+        assert torch.isfinite(out).all() and out.shape == out_ref.shape
+
+        with torch.inference_mode():
+            t_sdpa = statistics.median(timeit(sdpa, args.repeats, args.warmup))
+            t_att = statistics.median(timeit(lambda: sr.attend(q_state, state, backend="torch"), args.repeats, args.warmup))
+            t_bk = statistics.median(timeit(lambda: backend.attend(q_backend, state, None), args.repeats, args.warmup))
+
+        bytes_sdpa = 2 * H * T * d * 4 + q.numel() * 4
+        bytes_att = H * T * 2 * r * 4 + 2 * H * r * d * 4 + q.numel() * 4
+
+        # append one token at a time to a state holding T tokens. The first append grows the
+        # coefficient arrays geometrically (to 2T rows: one O(T) copy that serves the next T
+        # appends); it is timed on its own and spread over those T tokens.
+        k1 = torch.randn(args.appends + 1, H, d, generator=gen)
+        v1 = torch.randn(args.appends + 1, H, d, generator=gen)
+        a = time.perf_counter()
+        state.append(k1[0], v1[0])
+        t_growth = time.perf_counter() - a
+        single = []
+        for i in range(1, args.appends + 1):
+            a = time.perf_counter()
+            state.append(k1[i], v1[i])
+            single.append(time.perf_counter() - a)
+        t_app = statistics.median(single)
+        amortised = statistics.fmean(single) + t_growth / T
+
+        bw = bytes_att / t_bk / 1e9
+        rows.append((T, t_sdpa, t_att, t_bk, bw))
+        print(
+            f"{T:>6} | {t_sdpa * 1e3:8.3f} {bytes_sdpa / t_sdpa / 1e9:6.2f} | {t_att * 1e3:9.3f} {t_bk * 1e3:10.3f} {bw:6.2f} "
+            f"{100 * bw / copy_gbs:5.0f}% {100 * bw / read_gbs:5.0f}% | {t_att / t_sdpa:6.3f} {t_bk / t_sdpa:14.3f} | {t_app * 1e6:13.1f} {amortised * 1e6:9.1f}"
+        )
+        del K, V, state
+
+    copy2, read2 = copy_bandwidth(args.repeats)
+    print(f"\ncopy bandwidth after the sweep: {copy2:.2f} GB/s (read+write), read {read2:.2f} GB/s")
+    print(
+        "ratio = coefficient attend time / SDPA time (target <= 0.30 at T >= 16k); GB/s = bytes read / time "
+        "(attend: backend call); %copy = attend GB/s / copy GB/s (target >= 70%), %read = attend GB/s / read GB/s."
+    )
+
+
+if __name__ == "__main__":
+    main()

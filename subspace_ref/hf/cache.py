@@ -1,0 +1,461 @@
+"""``SubspaceCache``: a transformers ``Cache`` whose layers hold :class:`~subspace_ref.SubspaceState`s.
+
+Usage::
+
+    from subspace_ref.hf import SubspaceCache, static_states, use_subspace_attention
+
+    use_subspace_attention(model)                       # once per model (see attention.py)
+    cache = SubspaceCache(model.config, static_states(bases), backend="torch")
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=32, do_sample=False)
+
+Each layer's state is built on the layer's first ``update`` by a *state factory*, a callable
+``factory(spec: StateSpec) -> SubspaceState`` (``static_states``, ``adaptive_states``,
+``rotating_states`` and ``full_rank_states`` make the usual ones), or given ready-made as one
+state per layer. The cache stores only what the state stores (coefficients, bases, sketches):
+``update`` hands the new post-RoPE keys and values to the attention function, which appends
+them to the state and computes attention from it (spec/models.md).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+import subspace_ref
+from subspace_ref.calibration import StaticBasis
+from subspace_ref.hf import attention as _attn
+from subspace_ref.registry import get_backend
+from subspace_ref.state import SubspaceState
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """What a state factory is asked to build: the state of layer ``layer_idx`` for ``batch``
+    sequences of ``heads`` KV heads with keys of size ``head_dim`` and values of size
+    ``value_dim``, for a model computing in ``dtype`` on ``device``."""
+
+    layer_idx: int
+    batch: int
+    heads: int
+    head_dim: int
+    value_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def state_dtype(self) -> np.dtype:
+        """The default floating dtype of states: float64 for float64 models, float32 otherwise
+        (half-precision models still get float32 bases and sums, spec backend contract)."""
+        return np.dtype(np.float64 if self.dtype == torch.float64 else np.float32)
+
+
+StateFactory = Callable[[StateSpec], SubspaceState]
+
+
+def per_layer(value: Any, layer_idx: int) -> Any:
+    """``value`` for one layer: a callable is called with the layer index, a mapping is indexed
+    by it, anything else (an int, a per-head tuple) applies to every layer."""
+    if callable(value):
+        return value(layer_idx)
+    if isinstance(value, Mapping):
+        return value[layer_idx]
+    return value
+
+
+def _side(compress: str) -> tuple[bool, bool]:
+    if compress not in ("both", "keys", "values"):
+        raise ValueError(f'compress must be "both", "keys" or "values", got {compress!r}')
+    return compress in ("both", "keys"), compress in ("both", "values")
+
+
+def identity_bases(heads: int, dim: int, dtype: Any = np.float64) -> np.ndarray:
+    """(heads, dim, dim) identity bases: full rank, the side stored exactly."""
+    return np.broadcast_to(np.eye(dim, dtype=dtype), (heads, dim, dim)).copy()
+
+
+class static_states:
+    """Factory of static states (spec A6) from one calibrated :class:`StaticBasis` per layer
+    (a sequence indexed by layer, or a mapping). ``compress="keys"`` keeps values exact (identity
+    value basis), ``"values"`` keeps keys exact; ``coefficients="int8"`` stores spec A10 INT8
+    coefficients; ``dtype`` defaults to :attr:`StateSpec.state_dtype`."""
+
+    def __init__(self, bases: Sequence[StaticBasis] | Mapping[int, StaticBasis], *, compress: str = "both", coefficients: str = "float", dtype: Any = None):
+        self.bases = bases
+        self.keys, self.values = _side(compress)
+        self.coefficients = coefficients
+        self.dtype = dtype
+
+    def __call__(self, spec: StateSpec) -> SubspaceState:
+        basis = self.bases[spec.layer_idx]
+        if not isinstance(basis, StaticBasis):
+            raise TypeError(f"layer {spec.layer_idx}: expected a StaticBasis, got {type(basis).__name__}")
+        if basis.B.shape[0] != spec.heads or basis.B.shape[2] != spec.head_dim or basis.E.shape[2] != spec.value_dim:
+            raise ValueError(
+                f"layer {spec.layer_idx}: basis has {basis.B.shape[0]} heads of size {basis.B.shape[2]}/{basis.E.shape[2]}, "
+                f"the model has {spec.heads} KV heads of size {spec.head_dim}/{spec.value_dim}"
+            )
+        B = basis.B if self.keys else identity_bases(spec.heads, spec.head_dim, basis.B.dtype)
+        E = basis.E if self.values else identity_bases(spec.heads, spec.value_dim, basis.E.dtype)
+        gamma = basis.gamma if self.keys else np.ones_like(basis.gamma)
+        if B is not basis.B or E is not basis.E:
+            basis = StaticBasis.from_bases(B, E, gamma)
+        return SubspaceState.static(basis, batch=spec.batch, dtype=self.dtype or spec.state_dtype, coefficients=self.coefficients)
+
+
+class _online_states:
+    kind = ""
+
+    def __init__(self, *, rank_k: Any = None, rank_v: Any = None, compress: str = "both", coefficients: str = "float", dtype: Any = None, **options: Any):
+        self.keys, self.values = _side(compress)
+        if self.keys and rank_k is None:
+            raise ValueError("rank_k is required when keys are compressed")
+        if self.values and rank_v is None:
+            raise ValueError("rank_v is required when values are compressed")
+        self.rank_k, self.rank_v = rank_k, rank_v
+        self.coefficients = coefficients
+        self.dtype = dtype
+        self.options = options
+
+    def __call__(self, spec: StateSpec) -> SubspaceState:
+        rank_k = per_layer(self.rank_k, spec.layer_idx) if self.keys else spec.head_dim
+        rank_v = per_layer(self.rank_v, spec.layer_idx) if self.values else spec.value_dim
+        options = {name: per_layer(value, spec.layer_idx) for name, value in self.options.items()}
+        build = getattr(SubspaceState, self.kind)
+        return build(
+            spec.heads, spec.head_dim, spec.value_dim, rank_k=rank_k, rank_v=rank_v, batch=spec.batch,
+            dtype=self.dtype or spec.state_dtype, coefficients=self.coefficients, **options,
+        )
+
+
+class adaptive_states(_online_states):
+    """Factory of adaptive states (spec A7, seed 001 §5): ``rank_k``/``rank_v`` (an int, a
+    per-head tuple, or per layer: a mapping or a callable of the layer index) and any keyword of
+    :meth:`SubspaceState.adaptive` (``tau_k``, ``tau_v``, ``max_chunk``, ``warmup``,
+    ``sketch_reset``, ``gamma``, ``ell_k``, ``ell_v``; each may also be given per layer).
+    ``compress="keys"``/``"values"`` stores the other side at full rank (rank = head size: every
+    FD basis of that side is complete and stores it exactly up to rounding). Caveat from the
+    state API: the warm-up length W is shared by both sides and at most the smaller rank, so
+    chunk 0's full-rank-side basis holds only W warm-up rows; tokens after the warm-up and up
+    to the first trigger (adaptive: usually the first of them fires) or the first refresh
+    (rotating: up to ``refresh_every`` tokens, and rotation cannot restore them) are projected
+    onto that W-dimensional span. Exactly one-sided compression needs a per-side warm-up in
+    :class:`SubspaceState`; the static factory has none of this (identity basis)."""
+
+    kind = "adaptive"
+
+
+class rotating_states(_online_states):
+    """Factory of rotating states (spec A8, seed 003 SubSpace-A); arguments as
+    :class:`adaptive_states` with :meth:`SubspaceState.rotating`'s keywords (``refresh_every``, ...)."""
+
+    kind = "rotating"
+
+
+def full_rank_states(kind: str = "static", *, coefficients: str = "float", dtype: Any = None, **options: Any) -> StateFactory:
+    """Factory of full-rank states: identity bases (static, gamma = 1), or rank = head size d on
+    both sides (adaptive, rotating), whose FD bases are complete orthonormal bases. ``options``
+    go to the adaptive/rotating constructor (e.g. ``refresh_every``).
+
+    Static: keys and values are stored exactly (multiplying by 1 and adding zeros is exact), so
+    with float coefficients the cache reproduces the stock ``DynamicCache`` up to summation
+    order. Adaptive/rotating: exact only if the first W = d tokens' keys and values each span
+    R^d: the warm-up (spec A7 step 0) adds a zero row for a token already in the span, and a
+    later token outside that deficient span loses its component (until a trigger or refresh
+    brings a complete basis, and for good in its own coefficients). A repeated token in the
+    first d positions repeats its layer-0 value (values carry no position), so full rank is not
+    exact then; tests/test_hf_cache.py uses distinct tokens."""
+    if kind not in ("static", "adaptive", "rotating"):
+        raise ValueError(f'kind must be "static", "adaptive" or "rotating", got {kind!r}')
+
+    def factory(spec: StateSpec) -> SubspaceState:
+        state_dtype = dtype or spec.state_dtype
+        if kind == "static":
+            basis = StaticBasis.from_bases(identity_bases(spec.heads, spec.head_dim), identity_bases(spec.heads, spec.value_dim), 1.0)
+            return SubspaceState.static(basis, batch=spec.batch, dtype=state_dtype, coefficients=coefficients)
+        opts = {name: per_layer(value, spec.layer_idx) for name, value in options.items()}
+        return getattr(SubspaceState, kind)(
+            spec.heads, spec.head_dim, spec.value_dim, rank_k=spec.head_dim, rank_v=spec.value_dim, batch=spec.batch,
+            dtype=state_dtype, coefficients=coefficients, **opts,
+        )
+
+    return factory
+
+
+# ----------------------------------------------------------------------------- the cache
+class SubspaceLayer(CacheLayerMixin):
+    """One layer of a :class:`SubspaceCache`: a :class:`SubspaceState` and nothing else.
+
+    ``keys`` and ``values`` stay ``None``: the full K/V is never kept. Between a layer's
+    ``update`` and its attention call the new tokens are *pending* (held only for that call).
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, cache: "SubspaceCache", layer_idx: int, state: SubspaceState | None = None):
+        super().__init__()
+        self._cache = weakref.ref(cache)
+        self.layer_idx = layer_idx
+        self._given = state
+        self.state: SubspaceState | None = None
+        self.pending_keys: torch.Tensor | None = None
+        self.pending_values: torch.Tensor | None = None
+
+    def __repr__(self) -> str:
+        return f"SubspaceLayer({self.layer_idx}, {self.state!r})"
+
+    @property
+    def cache(self) -> "SubspaceCache":
+        cache = self._cache()
+        if cache is None:
+            raise RuntimeError("the SubspaceCache owning this layer no longer exists")
+        return cache
+
+    # -- CacheLayerMixin
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        B, H, _, d = key_states.shape
+        spec = StateSpec(self.layer_idx, B, H, d, value_states.shape[-1], key_states.dtype, key_states.device)
+        state = self._given if self._given is not None else self.cache.factory(spec)
+        if not isinstance(state, SubspaceState):
+            raise TypeError(f"layer {self.layer_idx}: the state factory returned {type(state).__name__}, expected a SubspaceState")
+        self.state = self.cache.adopt(state, spec)
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keep the new post-RoPE keys/values (B, H, n, d) as pending and return them tagged; the
+        attention function appends them to the state and attends (see attention.py)."""
+        self.cache.check_model_attention()
+        if self.pending_keys is not None:
+            raise RuntimeError(
+                f"layer {self.layer_idx}: the previous update was never consumed by the attention function; "
+                f"select it with subspace_ref.hf.use_subspace_attention(model) (attn_implementation={_attn.ATTN_IMPLEMENTATION!r})"
+            )
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        st = self.state
+        if key_states.ndim != 4 or key_states.shape[0] != st.batch or key_states.shape[1] != st.heads or key_states.shape[3] != st.d:
+            raise ValueError(f"layer {self.layer_idx}: keys of shape {tuple(key_states.shape)} do not fit the state {st!r} (batch {st.batch})")
+        self.pending_keys, self.pending_values = key_states, value_states
+        setattr(key_states, _attn.TAG, self)
+        _attn._PENDING.add(self)
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        committed = 0 if self.state is None else self.state.num_tokens
+        return committed + (0 if self.pending_keys is None else self.pending_keys.shape[2])
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.state = None
+        self._clear_pending()
+        self.is_initialized = False
+
+    def offload(self):  # the state stays where the backend put it
+        pass
+
+    def prefetch(self):
+        pass
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove:
+            raise NotImplementedError("a SubspaceCache cannot be cropped: FD sketches and rotated coefficients cannot forget tokens")
+
+    def _unsupported_batch_op(self, name: str) -> None:
+        if self.get_seq_length() > 0:
+            raise NotImplementedError(f"{name} is not supported by a SubspaceCache holding tokens (beam search, batch expansion)")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._unsupported_batch_op("reorder_cache")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._unsupported_batch_op("batch_repeat_interleave")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._unsupported_batch_op("batch_select_indices")
+
+    # -- attention
+    def _clear_pending(self) -> None:
+        if self.pending_keys is not None:
+            try:
+                delattr(self.pending_keys, _attn.TAG)
+            except AttributeError:
+                pass
+        self.pending_keys = self.pending_values = None
+        _attn._PENDING.discard(self)
+
+    def _append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        st = self.state
+        if st.engine == "numpy":
+            keys, values = _to_numpy(keys, st.dtype), _to_numpy(values, st.dtype)
+        st.append(keys, values)
+
+    def _attend_one(self, q: torch.Tensor, state: SubspaceState, scale: float) -> torch.Tensor:
+        """subspace_ref.attend of q (B, H_q, d) over ``state``, back as q's tensor type."""
+        x = _to_numpy(q, state.dtype) if state.engine == "numpy" else q
+        out = subspace_ref.attend(x, state, backend=self.cache.backend, scale=scale)
+        return out if isinstance(out, torch.Tensor) else torch.from_numpy(np.asarray(out)).to(device=q.device, dtype=q.dtype)
+
+    def _attend_block(self, q: torch.Tensor, first_position: int, scale: float) -> torch.Tensor:
+        """Queries q (B, H_q, m, d) at positions first_position.. over the state holding exactly
+        tokens 0..first_position+m-1, each query causally (static/adaptive, or a rotating state
+        with no refresh after first_position)."""
+        st = self.state
+        if q.shape[2] == 1:
+            return self._attend_one(q[:, :, 0], st, scale)[:, :, None]
+        if self.cache.prefill == "attend":
+            views = [self._attend_one(q[:, :, i], _attn.prefix_view(st, first_position + i + 1), scale) for i in range(q.shape[2])]
+            return torch.stack(views, dim=2)
+        return _attn.causal_attention(q, st, first_position, scale)
+
+    def attend_pending(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """Append the pending tokens and attend ``query`` (B, H_q, n, d) -> (B, H_q, n, d_v), each
+        query position p seeing the state exactly as token-by-token decoding would at step p.
+
+        Static and adaptive states: one append of the n tokens, then :func:`causal_attention`
+        (or one ``attend`` call when n = 1). Rotating states: a refresh after token t rewrites
+        all stored coefficients, so the block is cut after every refresh token t: tokens up to
+        t-1 are appended and attended causally (no refresh among them), then token t is
+        appended (its refresh runs) and its query attends the refreshed state via ``attend``.
+        """
+        keys, values = self.pending_keys, self.pending_values
+        self._clear_pending()
+        st = self.state
+        T0 = st.num_tokens
+        n = keys.shape[2]
+        if query.shape[2] != n:
+            raise ValueError(f"layer {self.layer_idx}: {query.shape[2]} queries for {n} new tokens")
+        cuts = [0]
+        if st.kind == "rotating":
+            m, W = st.policy.refresh_every, st.policy.warmup
+            for t in range(T0, T0 + n):
+                if t >= W and (t + 1 - W) % m == 0:
+                    cuts += [t - T0, t - T0 + 1]  # [.., t) without refresh, then [t, t+1) refreshing
+        cuts.append(n)
+        outs = []
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            if b <= a:
+                continue
+            self._append(keys[:, :, a:b], values[:, :, a:b])
+            outs.append(self._attend_block(query[:, :, a:b], T0 + a, scale))
+        return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+
+
+def _to_numpy(x: torch.Tensor, dtype) -> np.ndarray:
+    x = x.detach()
+    if x.dtype in (torch.float16, torch.bfloat16):
+        x = x.float()
+    return x.cpu().numpy().astype(dtype, copy=False)
+
+
+class SubspaceCache(Cache):
+    """A transformers ``Cache`` whose layers each hold a :class:`SubspaceState` (spec/models.md).
+
+    ``config``: the model's config (its number of layers; and the cache checks that the model
+    selected :data:`~subspace_ref.hf.attention.ATTN_IMPLEMENTATION`, see
+    :func:`~subspace_ref.hf.use_subspace_attention`). ``states``: a state factory
+    (``factory(StateSpec) -> SubspaceState``, called on a layer's first update) or one ready
+    state per layer. ``backend``: the registered backend ``subspace_ref.attend`` uses; states are
+    converted to its array family (``state.to(...)``) on the keys' device. ``prefill``:
+    ``"coefficient"`` (vectorised causal coefficient-space attention, default) or ``"attend"``
+    (one ``subspace_ref.attend`` call per prompt position; slow, for cross-checks).
+    """
+
+    def __init__(self, config, states: StateFactory | Sequence[SubspaceState], *, backend: str = "torch", prefill: str = "coefficient"):
+        if prefill not in ("coefficient", "attend"):
+            raise ValueError(f'prefill must be "coefficient" or "attend", got {prefill!r}')
+        self.config = config
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        num_layers = text.num_hidden_layers
+        if callable(states):
+            self.factory, given = states, [None] * num_layers
+        else:
+            given = list(states)
+            if len(given) != num_layers:
+                raise ValueError(f"{len(given)} states given for a model of {num_layers} layers")
+            self.factory = None
+        impl = get_backend(backend)  # ValueError naming the registered backends
+        available = impl.availability()
+        if not available:
+            raise RuntimeError(f"backend {backend!r} is not available on this machine: {available.reason}")
+        self.backend = backend
+        self.family = impl.array_family
+        self.prefill = prefill
+        super().__init__(layers=[SubspaceLayer(self, i, given[i]) for i in range(num_layers)])
+
+    @classmethod
+    def for_model(cls, model, states: StateFactory | Sequence[SubspaceState], **kwargs: Any) -> "SubspaceCache":
+        """Select the subspace attention implementation for ``model`` and return a cache for it."""
+        _attn.use_subspace_attention(model)
+        return cls(model.config, states, **kwargs)
+
+    def check_model_attention(self) -> None:
+        impl = getattr(self.config, "_attn_implementation", _attn.ATTN_IMPLEMENTATION)
+        if impl != _attn.ATTN_IMPLEMENTATION:
+            raise RuntimeError(
+                f"the model uses attn_implementation={impl!r}, which would attend only the new tokens of a SubspaceCache; "
+                "call subspace_ref.hf.use_subspace_attention(model) first (or build the cache with SubspaceCache.for_model)"
+            )
+
+    def adopt(self, state: SubspaceState, spec: StateSpec) -> SubspaceState:
+        """``state`` checked against the layer's shapes and moved to the backend's array family
+        and the keys' device; ValueError with the backend's reasons if it refuses the state."""
+        if state.batch != spec.batch or state.heads != spec.heads or state.d != spec.head_dim or state.d_v != spec.value_dim:
+            raise ValueError(
+                f"layer {spec.layer_idx}: state {state!r} (batch {state.batch}) does not fit the model's "
+                f"batch {spec.batch}, {spec.heads} KV heads of size {spec.head_dim}/{spec.value_dim}"
+            )
+        if not state.batched:
+            raise ValueError(f"layer {spec.layer_idx}: the cache needs batched states (built with batch=N); the factories here do so")
+        if state.num_tokens:
+            raise ValueError(f"layer {spec.layer_idx}: the state already holds {state.num_tokens} tokens; give empty states")
+        if state.engine != self.family or (self.family == "torch" and state.layout.key_coef.device != spec.device):
+            state = state.to(self.family, device=spec.device if self.family == "torch" else None)
+        probe = torch.zeros((spec.batch, spec.heads, spec.head_dim), dtype=torch.float64 if state.dtype == np.float64 or str(state.dtype) == "torch.float64" else torch.float32, device=spec.device)
+        if self.family != "torch":
+            probe = probe.cpu().numpy()
+        reasons = get_backend(self.backend).not_supported_reasons(probe, state)
+        if reasons:
+            raise ValueError(f"layer {spec.layer_idx}: backend {self.backend!r} refuses this state: " + "; ".join(reasons))
+        return state
+
+    # -- facts
+    @property
+    def states(self) -> list[SubspaceState | None]:
+        return [layer.state for layer in self.layers]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the states really hold (coefficients, bases in use, sketches): the KV memory."""
+        return sum(s.nbytes for s in self.states if s is not None)
+
+    @property
+    def full_cache_nbytes(self) -> int:
+        """Bytes the uncompressed K and V of the same tokens take in the states' dtype."""
+        return sum(s.full_cache_nbytes for s in self.states if s is not None)
+
+
+__all__ = [
+    "StateFactory",
+    "StateSpec",
+    "SubspaceCache",
+    "SubspaceLayer",
+    "adaptive_states",
+    "full_rank_states",
+    "identity_bases",
+    "per_layer",
+    "rotating_states",
+    "static_states",
+]

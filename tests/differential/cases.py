@@ -1,0 +1,178 @@
+"""Cases of the differential harness: shapes, state kinds and input distributions.
+
+Each case is drawn afresh from its own seed (``crc32(case name)`` xor ``SUBSPACE_DIFF_SEED``,
+default 0), so every case has independent random inputs and a failure is reproduced by
+re-running with the same environment. States are built by the float64 NumPy oracle
+(``append_reference``); every backend is then compared with that oracle on the same state.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+import subspace_ref as sr
+from subspace_ref.numpy_backend import attend_reference
+
+BASE_SEED = int(os.environ.get("SUBSPACE_DIFF_SEED", "0"))
+
+
+@dataclass(frozen=True)
+class Case:
+    """One state and one query batch. ``data``: "random" (Gaussian keys/values: the adaptive
+    residual trigger fires often) or "lowrank" (keys/values in a subspace the warm-up captures,
+    plus 1e-6 noise: only the max_chunk rule fires, so chunk boundaries are at multiples of L).
+    ``logit``: rescale q so that max |logit| equals it (None: natural size, |logit| ~ 1)."""
+
+    name: str
+    kind: str  # "static", "adaptive", "rotating"
+    N: int = 1
+    H: int = 2
+    group: int = 1
+    d: int = 16
+    d_v: int = 16
+    rank_k: int | tuple[int, ...] = 4
+    rank_v: int | tuple[int, ...] = 4
+    T: int = 32
+    max_chunk: int = 8
+    tau: float = 0.5
+    refresh_every: int = 8
+    warmup: int | None = None
+    sketch_reset: bool = False
+    data: str = "random"
+    logit: float | None = None
+    scale: float | None = None
+
+    @property
+    def seed(self) -> int:
+        return zlib.crc32(self.name.encode()) ^ BASE_SEED
+
+    def __str__(self) -> str:
+        return self.name
+
+
+L = 8  # max_chunk of the boundary cases
+M = 8  # refresh period of the rotating boundary cases
+
+CASES = [
+    # static (spec A6): T = 1, batch > 1, r = d, r = 1, GQA 1/4/8, per-head ranks, huge logits
+    Case("static-T1", "static", T=1),
+    Case("static-N2-gqa4-r_eq_d", "static", N=2, group=4, d=16, d_v=12, rank_k=16, rank_v=12, T=50),
+    Case("static-r1-gqa8", "static", H=1, group=8, rank_k=1, rank_v=1, T=40),
+    Case("static-head_ranks", "static", N=2, H=3, group=2, rank_k=(2, 5, 3), rank_v=(4, 1, 2), T=64),
+    Case("static-logits1e4", "static", N=2, group=4, T=300, logit=1e4),
+    Case("static-scale", "static", T=20, scale=0.37),
+    Case("static-T4000", "static", H=4, group=2, d=32, d_v=32, rank_k=8, rank_v=8, T=4000),
+    # adaptive (spec A7): chunk boundaries at 1, L-1, L, L+1; one chunk; hundreds of chunks
+    Case("adaptive-T1", "adaptive", group=4, T=1, max_chunk=L, data="lowrank"),
+    Case("adaptive-T_L-1", "adaptive", group=4, T=L - 1, max_chunk=L, data="lowrank"),
+    Case("adaptive-T_L", "adaptive", group=4, T=L, max_chunk=L, data="lowrank"),
+    Case("adaptive-T_L+1", "adaptive", group=4, T=L + 1, max_chunk=L, data="lowrank"),
+    Case("adaptive-T_5L+1-N2", "adaptive", N=2, group=2, T=5 * L + 1, max_chunk=L, data="lowrank"),
+    Case("adaptive-one_chunk", "adaptive", group=2, T=40, max_chunk=64, data="lowrank"),
+    Case("adaptive-hundreds", "adaptive", N=2, group=2, rank_k=3, rank_v=3, T=500, max_chunk=16, tau=0.6),
+    Case("adaptive-gqa8-logits1e4", "adaptive", H=1, group=8, T=200, max_chunk=16, tau=0.7, logit=1e4),
+    Case("adaptive-head_ranks", "adaptive", N=2, H=3, rank_k=(2, 4, 3), rank_v=(3, 2, 4), T=150, max_chunk=32, tau=0.8),
+    Case("adaptive-paper_no_warmup", "adaptive", group=2, T=60, warmup=0, tau=0.7),
+    Case("adaptive-r_eq_d", "adaptive", group=2, d=8, d_v=8, rank_k=8, rank_v=8, T=50, max_chunk=16),
+    Case("adaptive-sketch_reset", "adaptive", group=2, T=120, max_chunk=16, tau=0.95, sketch_reset=True, data="lowrank"),
+    # rotating (spec A8): refresh boundaries at 1, m-1, m, m+1; long with huge logits
+    Case("rotating-T1", "rotating", group=4, T=1, refresh_every=M),
+    Case("rotating-T_m-1", "rotating", group=4, T=M - 1, refresh_every=M),
+    Case("rotating-T_m", "rotating", group=4, T=M, refresh_every=M),
+    Case("rotating-T_m+1", "rotating", group=4, T=M + 1, refresh_every=M),
+    Case("rotating-N2-gqa4-logits1e4", "rotating", N=2, group=4, T=400, refresh_every=16, logit=1e4),
+    Case("rotating-head_ranks", "rotating", H=3, group=2, rank_k=(2, 4, 3), rank_v=(3, 1, 2), T=100, refresh_every=10),
+    Case("rotating-r_eq_d", "rotating", group=2, d=8, d_v=8, rank_k=8, rank_v=8, T=40, refresh_every=M),
+]
+
+# Bigger sweeps, run on purpose: pytest -m slow tests/differential
+SLOW_CASES = [
+    Case("slow-static-d128-T16k", "static", H=4, group=2, d=128, d_v=128, rank_k=32, rank_v=32, T=16384),
+    Case("slow-static-gqa8-logits1e4-T8k", "static", N=2, H=2, group=8, d=64, d_v=64, rank_k=16, rank_v=16, T=8192, logit=1e4),
+    Case("slow-adaptive-d64-T3000", "adaptive", N=2, H=2, group=4, d=64, d_v=64, rank_k=8, rank_v=8, T=3000, max_chunk=128, tau=0.9),
+    Case("slow-adaptive-lowrank-T4000", "adaptive", H=4, group=2, d=32, d_v=32, rank_k=8, rank_v=8, T=4000, max_chunk=64, data="lowrank"),
+    Case("slow-adaptive-logits1e4-T2000", "adaptive", N=2, H=2, group=4, T=2000, max_chunk=32, tau=0.75, logit=1e4),
+    Case("slow-rotating-d64-T3000", "rotating", N=2, H=2, group=4, d=64, d_v=64, rank_k=8, rank_v=8, T=3000, refresh_every=64),
+] + [
+    Case(f"slow-random-{i}", kind, N=1 + i % 2, H=1 + i % 3, group=(1, 4, 8)[i % 3], d=(8, 16, 32)[i % 3], d_v=(8, 12, 32)[i % 3],
+         rank_k=(1, 4, 8)[i % 3], rank_v=(2, 3, 8)[i % 3], T=(1, 37, 700, 64)[i % 4], max_chunk=(4, 16, 64)[i % 3], tau=0.6,
+         refresh_every=(3, 16)[i % 2], logit=(None, 1e2, 1e4)[i % 3])
+    for i, kind in enumerate(["static", "adaptive", "rotating"] * 4)
+]
+
+
+def _orthonormal(rng, H: int, ranks: tuple[int, ...], dim: int) -> np.ndarray:
+    out = np.zeros((H, max(ranks), dim))
+    for h, r in enumerate(ranks):
+        q, _ = np.linalg.qr(rng.standard_normal((dim, r)))
+        out[h, :r] = q.T
+    return out
+
+
+def _ranks(rank, H):
+    return (rank,) * H if isinstance(rank, int) else tuple(rank)
+
+
+def empty_state(case: Case, rng) -> sr.SubspaceState:
+    """The case's state before any token, float64 NumPy, batched (N, H, ...)."""
+    gamma = rng.uniform(0.5, 1.5, case.H)
+    if case.kind == "static":
+        B = _orthonormal(rng, case.H, _ranks(case.rank_k, case.H), case.d)
+        E = _orthonormal(rng, case.H, _ranks(case.rank_v, case.H), case.d_v)
+        return sr.SubspaceState.static(sr.StaticBasis.from_bases(B, E, gamma), batch=case.N)
+    common = dict(rank_k=case.rank_k, rank_v=case.rank_v, warmup=case.warmup, gamma=gamma, batch=case.N)
+    if case.kind == "adaptive":
+        return sr.SubspaceState.adaptive(case.H, case.d, case.d_v, tau_k=case.tau, tau_v=case.tau, max_chunk=case.max_chunk, sketch_reset=case.sketch_reset, **common)
+    return sr.SubspaceState.rotating(case.H, case.d, case.d_v, refresh_every=case.refresh_every, **common)
+
+
+def tokens(case: Case, rng, T: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Keys (N, H, T, d) and values (N, H, T, d_v) of the case's distribution."""
+    T = case.T if T is None else T
+    N, H = case.N, case.H
+    if case.data == "random":
+        return rng.standard_normal((N, H, T, case.d)), rng.standard_normal((N, H, T, case.d_v))
+    # "lowrank": a subspace of dimension W = the warm-up length, which the warm-up rows span
+    w = min(min(_ranks(case.rank_k, H)), min(_ranks(case.rank_v, H))) if case.warmup is None else max(case.warmup, 1)
+    out = []
+    for dim in (case.d, case.d_v):
+        basis = rng.standard_normal((N, H, w, dim))
+        x = np.einsum("nhtw,nhwd->nhtd", rng.standard_normal((N, H, T, w)), basis)
+        out.append(x + 1e-6 * rng.standard_normal(x.shape))
+    return out[0], out[1]
+
+
+@dataclass
+class Built:
+    case: Case
+    state: sr.SubspaceState  # float64 NumPy, built by the oracle
+    q: np.ndarray  # (N, H_q, d) float64
+    scale: float | None
+    out64: np.ndarray  # the float64 oracle's output
+    max_logit: float
+
+
+@functools.lru_cache(maxsize=None)
+def build(case: Case) -> Built:
+    """The case's oracle state, queries and float64 oracle output (cached per case: every
+    backend and dtype of a case sees the same inputs)."""
+    rng = np.random.default_rng(case.seed)
+    state = empty_state(case, rng)
+    K, V = tokens(case, rng)
+    state.append(K, V)
+    q = rng.standard_normal((case.N, case.H * case.group, case.d))
+    s = 1.0 / np.sqrt(case.d) if case.scale is None else case.scale
+    K_hat, _ = state.reconstruct()  # (N, H, T, d)
+    logits = np.einsum("ngd,ntd->ngt", q.reshape(case.N * case.H, case.group, case.d), K_hat.reshape(case.N * case.H, case.T, case.d))
+    logits = logits.reshape(case.N, case.H, case.group, case.T) * (state.layout.gamma * s)[None, :, None, None]
+    max_logit = float(np.abs(logits).max())
+    if case.logit is not None and max_logit > 0:
+        q *= case.logit / max_logit
+        max_logit = case.logit
+    out64 = attend_reference(q, state, case.scale)
+    return Built(case, state, q, case.scale, out64, max_logit)

@@ -1,0 +1,153 @@
+"""Backends, devices and dtypes the differential harness runs, and how it feeds them.
+
+To plug a backend in, register it (a ``subspace_ref.backends`` entry point in pyproject, or
+``subspace_ref.register_backend``): :data:`BACKENDS` lists every registered backend, and each
+runs on every device in its ``devices`` that this machine has, for every dtype in its
+``dtypes``. The backend's own ``converter`` (through ``state.to(name, device, dtype)``) turns the
+oracle's float64 state and queries into its arrays; nothing else here is backend-specific.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from subspace_ref.arrays import array_family, to_numpy
+from subspace_ref.registry import backend_availability, get_backend, registered
+
+BACKENDS: list[str] = registered()
+DTYPES = ("float64", "float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class Target:
+    """One (backend, device, dtype) the harness runs, or why it cannot run here (``skip``)."""
+
+    backend: str
+    device: str | None = None
+    dtype: str | None = None
+    skip: str = ""
+
+    @property
+    def id(self) -> str:
+        return "-".join(x for x in (self.backend, self.device, self.dtype) if x) or self.backend
+
+
+def device_problem(device: str) -> str:
+    """Why ``device`` is not usable on this machine ("" when it is)."""
+    if device == "cpu":
+        return ""
+    if device.startswith("cuda"):
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                return ""
+        except ImportError:
+            pass
+        try:
+            import cupy
+
+            if cupy.cuda.runtime.getDeviceCount() > 0:
+                return ""
+        except Exception:  # noqa: BLE001 - any failure means: no usable GPU
+            pass
+        return "no CUDA device on this machine"
+    return f"the harness does not know how to probe device {device!r}"
+
+
+def targets(dtypes: tuple[str, ...] = DTYPES) -> list[Target]:
+    """Every registered backend x its devices x its dtypes among ``dtypes``; a backend, device or
+    dtype that cannot run gives one Target carrying the reason (the test then skips with it)."""
+    out = []
+    for name in BACKENDS:
+        available = backend_availability(name)
+        if not available:
+            out.append(Target(name, skip=f"backend {name!r} unavailable: {available.reason}"))
+            continue
+        impl = get_backend(name)
+        for device in impl.devices:
+            problem = device_problem(device)
+            if problem:
+                out.append(Target(name, device, skip=f"backend {name!r} on {device}: {problem}"))
+                continue
+            usable = [dt for dt in dtypes if dt in impl.dtypes]
+            if not usable:
+                out.append(Target(name, device, skip=f"backend {name!r} supports none of {', '.join(dtypes)}"))
+            out.extend(Target(name, device, dt) for dt in usable)
+    return out
+
+
+# ----------------------------------------------------------------------------- conversion
+def to_backend(x: np.ndarray, target: Target):
+    """A NumPy array as the target backend's array (its converter, device and dtype)."""
+    return get_backend(target.backend).converter(device=target.device, dtype=target.dtype)(x)
+
+
+def to_float64(x) -> np.ndarray:
+    return np.asarray(to_numpy(x), dtype=np.float64)
+
+
+def dtype_name(x) -> str:
+    return str(x.dtype).removeprefix("torch.")
+
+
+POISON_INDEX = -1  # spare chunk_starts
+
+
+def backend_state(state64, target: Target, poison: bool = True):
+    """The oracle's float64 NumPy state converted for ``target`` (``state.to``), with every spare
+    entry (rows >= num_tokens, chunk slots >= a head's num_chunks) set to NaN / -1, so that a
+    backend reading outside the live ranges of spec A9 fails loudly."""
+    state = state64.copy()
+    if poison:
+        lay = state.layout
+        J = lay.key_bases.shape[2]
+        spare = np.arange(J)[None, None, :] >= lay.num_chunks[..., None]  # (N, H, J), per head
+        lay.key_bases[spare] = np.nan
+        lay.value_bases[spare] = np.nan
+        lay.chunk_starts[spare] = POISON_INDEX
+    state = state.to(target.backend, device=target.device, dtype=target.dtype)
+    if poison:
+        lay = state.layout
+        T, J = lay.num_tokens, lay.key_bases.shape[2]
+        lay = lay.with_capacity(T + 7, J + 3)  # spare capacity past the live ranges ...
+        lay.key_coef[:, :, T:] = float("nan")  # ... filled with poison
+        lay.value_coef[:, :, T:] = float("nan")
+        lay.key_bases[:, :, J:] = float("nan")
+        lay.value_bases[:, :, J:] = float("nan")
+        lay.chunk_starts[:, :, J:] = POISON_INDEX
+        state.layout = lay
+    return state
+
+
+def check_output(out, target: Target, shape: tuple[int, ...]) -> np.ndarray:
+    """The backend's output has the backend's array family, q's dtype, the target device and the
+    full shape, every entry written and finite (spare inputs are NaN-poisoned, so reading them
+    shows up here). Returns it as float64 NumPy."""
+    family = get_backend(target.backend).array_family
+    assert array_family(out) == family, f"output is a {array_family(out)} array, expected {family}"
+    assert dtype_name(out) == target.dtype, f"output dtype {dtype_name(out)}, expected q's {target.dtype}"
+    assert tuple(out.shape) == shape, f"output shape {tuple(out.shape)}, expected {shape}"
+    device = getattr(out, "device", None)
+    if family == "torch" and target.device is not None:
+        assert device.type == target.device.split(":")[0], f"output on {device}, expected {target.device}"
+    host = to_float64(out)
+    bad = ~np.isfinite(host)
+    assert not bad.any(), f"{int(bad.sum())} of {host.size} outputs are NaN/Inf (first at {np.argwhere(bad)[0].tolist()})"
+    return host
+
+
+@dataclass
+class Record:
+    """Outcome of one comparison, for the terminal summary."""
+
+    target: str
+    case: str
+    err: float
+    tol: float
+    ref: float
+
+
+RESULTS: list[Record] = []  # filled by the tests, read by conftest's terminal summary

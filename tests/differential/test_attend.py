@@ -1,0 +1,82 @@
+"""Every backend's ``attend`` against the float64 NumPy oracle (spec A2, A3), per dtype.
+
+Tolerance: :mod:`.tolerance` (FACTOR x the oracle's own error in the backend's dtype + a floor).
+The state is the oracle's, converted by the backend's converter, with its spare capacity
+poisoned (NaN coefficients and bases, chunk starts -1) past the live ranges.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+import subspace_ref as sr
+from subspace_ref.arrays import to_numpy
+
+from .cases import CASES, SLOW_CASES, Case, build
+from .harness import BACKENDS, RESULTS, Record, backend_state, check_output, to_backend
+from .tolerance import FACTOR, reference_error, tolerance
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_error(case: Case, dtype: str) -> float:
+    b = build(case)
+    return reference_error(b.state, b.q, b.scale, b.out64, dtype, seed=case.seed)
+
+
+def _check(target, case: Case, record: bool = True) -> None:
+    b = build(case)
+    state = backend_state(b.state, target)
+    q = to_backend(b.q, target)
+    out = sr.attend(q, state, backend=target.backend, scale=b.scale)
+    host = check_output(out, target, (case.N, case.H * case.group, case.d_v))
+    err = float(np.abs(host - b.out64).max())
+    ref = _reference_error(case, target.dtype)
+    tol = tolerance(ref, b.out64, target.dtype)
+    if record:
+        RESULTS.append(Record(target.id, case.name, err, tol, ref))
+    assert err <= tol, (
+        f"{target.id} on {case}: max |backend - oracle64| = {err:.3g} > tol {tol:.3g} "
+        f"(= {FACTOR} x oracle-in-{target.dtype} error {ref:.3g} + floor); max |out| = {np.abs(b.out64).max():.3g}, "
+        f"max |logit| = {b.max_logit:.3g}, chunks per head = {to_numpy(b.state.layout.num_chunks).tolist()}, seed {case.seed}"
+    )
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_attend_matches_oracle(target, case):
+    _check(target, case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SLOW_CASES, ids=str)
+def test_attend_matches_oracle_slow(target, case):
+    _check(target, case)
+
+
+def test_cases_cover_the_brief():
+    """The default cases contain what the harness promises to cover."""
+    built = {c.name: build(c) for c in CASES}
+    kinds = {c.kind for c in CASES}
+    assert kinds == {"static", "adaptive", "rotating"}
+    assert any(c.T == 1 for c in CASES)
+    assert {1, 4, 8} <= {c.group for c in CASES}
+    assert any(c.N > 1 for c in CASES)
+    assert any(c.rank_k == 1 for c in CASES) and any(c.rank_k == c.d for c in CASES)
+    assert max(b.max_logit for b in built.values()) >= 1e4
+    chunks = {name: int(b.state.num_chunks.max()) for name, b in built.items()}
+    assert max(chunks.values()) >= 200, "a case with hundreds of chunks"
+    assert any(c.kind == "adaptive" and chunks[c.name] == 1 and c.T > 1 for c in CASES), "a single-chunk adaptive case"
+    for T, J in ((1, 1), (7, 1), (8, 2), (9, 2)):  # boundaries at 1, L-1, L, L+1 (L = 8)
+        name = {1: "adaptive-T1", 7: "adaptive-T_L-1", 8: "adaptive-T_L", 9: "adaptive-T_L+1"}[T]
+        assert chunks[name] == J, (name, chunks[name])
+
+
+def test_backends_listed(capsys):
+    """Which backends this run covers (shown with -s / in the terminal summary)."""
+    infos = sr.backends()
+    with capsys.disabled():
+        print("\nsubspace_ref backends: " + "; ".join(str(b) for b in infos))
+    assert {b.name for b in infos} == set(BACKENDS)
+    assert any(b.name == "numpy" and b.available for b in infos)

@@ -1,0 +1,636 @@
+"""The cupy backend (issue 6): interface, kernel logic against the oracle, and GPU differentials.
+
+Three layers, so that machines without a GPU still test what they can:
+
+* interface (always): availability never raises and explains itself, importing the package
+  touches neither cupy nor CUDA, ``not_supported_reasons`` names every refusal, and the Python
+  list of template instantiations matches the templates and constants in ``kernels/*.cu``;
+* kernel logic on the host (needs g++ and the CUDA headers, not a GPU): the CUDA sources run
+  under ``emulation/host_cuda.h`` with the launch plans and argument tuples of the real launches,
+  compared with the NumPy oracle (spec A3, A3.2, A6, A7 step 2, INT8 storage);
+* GPU differentials (skipped with the reason when the backend is unavailable): the backend
+  through the public API against the oracle, for CuPy arrays and torch CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+import textwrap
+import types
+
+import numpy as np
+import pytest
+
+from subspace_ref import SubspaceState, calibrate
+from subspace_ref.backend import Backend
+from subspace_ref.numpy_backend import attend_reference, relative_residual
+from subspace_ref.quantization import quantize_rows
+from subspace_ref_cupy import CupyBackend, _emulation, _kernels, _launch
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def static_state(H=2, d=64, d_v=None, rank_k=20, rank_v=24, T=90, batch=None, seed=0, dtype=np.float32, coefficients="float"):
+    rng = np.random.default_rng(seed)
+    d_v = d if d_v is None else d_v
+    K = rng.standard_normal((H, 256, d)).astype(dtype)
+    V = rng.standard_normal((H, 256, d_v)).astype(dtype)
+    basis = calibrate(K, V, rank_k=rank_k, rank_v=rank_v, gamma="paper")
+    state = SubspaceState.static(basis, dtype=dtype, batch=batch, coefficients=coefficients)
+    lead = (H,) if batch is None else (batch, H)
+    if T:
+        state.append(rng.standard_normal((*lead, T, d)).astype(dtype), rng.standard_normal((*lead, T, d_v)).astype(dtype))
+    return state
+
+
+def chunked_state(N=2, H=2, d=64, T=80, max_chunk=24, seed=1, coefficients="float"):
+    """An adaptive state (spec A7) whose chunks come from the length trigger only (tau close to 1),
+    so every head has ceil(T / max_chunk) chunks with different bases."""
+    rng = np.random.default_rng(seed)
+    state = SubspaceState.adaptive(
+        H, d, rank_k=(12, 16), rank_v=(16, 10), tau_k=0.999, tau_v=0.999, max_chunk=max_chunk, batch=N,
+        dtype=np.float32, coefficients=coefficients,
+    )
+    state.append(rng.standard_normal((N, H, T, d)).astype(np.float32), rng.standard_normal((N, H, T, d)).astype(np.float32))
+    return state
+
+
+def rounded_layout(state, dtype: str):
+    """A copy of ``state`` whose float arrays hold what ``dtype`` storage holds (as float32), so the
+    oracle sees the same inputs as the kernels and only the arithmetic differs."""
+    def cut(name, x):
+        if name in ("chunk_starts", "num_chunks"):
+            return x
+        x = np.asarray(x, dtype=np.float32)
+        if dtype == "bfloat16":
+            return _emulation.bf16_float(_emulation.bf16_bits(x))
+        return x.astype(dtype).astype(np.float32)
+
+    out = state.copy()
+    out.layout = out.layout.map_arrays(cut)
+    return out
+
+
+def host_q(q: np.ndarray, dtype: str) -> np.ndarray:
+    return _emulation.bf16_bits(q) if dtype == "bfloat16" else np.ascontiguousarray(q, dtype=dtype)
+
+
+def from_host(x: np.ndarray, dtype: str) -> np.ndarray:
+    return _emulation.bf16_float(x) if dtype == "bfloat16" else x.astype(np.float32)
+
+
+class _FakeDevice:
+    def __init__(self, index: int) -> None:
+        self.id = index
+
+
+class FakeCupyArray:
+    """Looks like a cupy array to the backend's checks (module name, dtype, shape, device), so
+    not_supported_reasons can be exercised without a GPU."""
+
+    def __init__(self, a, device: int = 0) -> None:
+        self._a = np.asarray(a)
+        self.device = _FakeDevice(device)
+
+    shape = property(lambda self: self._a.shape)
+    dtype = property(lambda self: self._a.dtype)
+    ndim = property(lambda self: self._a.ndim)
+
+
+FakeCupyArray.__module__ = "cupy._core.core"
+
+
+def fake_gpu_state(state, **overrides):
+    out = state.copy()
+    out.layout = out.layout.map_arrays(lambda name, x: overrides.get(name, FakeCupyArray(x)))
+    return out
+
+
+def reasons_besides_availability(q, state) -> list[str]:
+    return [r for r in CupyBackend().not_supported_reasons(q, state) if "unavailable" not in r]
+
+
+# ----------------------------------------------------------------------------- interface
+
+
+def test_is_a_backend_and_registered():
+    from subspace_ref.registry import get_backend
+
+    backend = get_backend("cupy")
+    assert isinstance(backend, CupyBackend)
+    assert isinstance(backend, Backend)
+    assert (backend.name, backend.array_family) == ("cupy", "cupy")
+    # CuPy holds bfloat16 arrays only with ml_dtypes installed
+    bf16 = {"bfloat16"} if importlib.util.find_spec("ml_dtypes") else set()
+    assert set(backend.dtypes) == {"float32", "float16"} | bf16
+
+
+def test_availability_explains_itself_and_never_raises():
+    a = CupyBackend().availability()
+    try:
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+    except ImportError:
+        assert not a and "cupy" in a.reason
+    except Exception:
+        assert not a and "device" in a.reason and "GPU" in a.reason
+    else:
+        assert bool(a) == (count > 0) or "NVRTC" in a.reason
+    if not a:
+        print(f"cupy backend unavailable here: {a.reason}")
+
+
+def test_availability_without_cupy(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # makes `import cupy` raise ImportError
+    a = CupyBackend().availability()
+    assert not a and "cupy" in a.reason
+
+
+@pytest.mark.parametrize("outcome", ["raises", "zero"])
+def test_availability_without_a_device(monkeypatch, outcome):
+    def count():
+        if outcome == "raises":
+            raise RuntimeError("cudaErrorNoDevice: no CUDA-capable device is detected")
+        return 0
+
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=count)))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    a = CupyBackend().availability()
+    assert not a
+    assert "device" in a.reason and "GPU" in a.reason
+
+
+def test_import_touches_neither_cupy_nor_torch_nor_cuda():
+    # a fresh interpreter: this one may have imported cupy already
+    code = textwrap.dedent(
+        """
+        import sys
+        import subspace_ref_cupy
+        from subspace_ref_cupy import _emulation, _interop, _kernels, _launch
+        subspace_ref_cupy.CupyBackend()
+        _kernels.name_expressions()
+        print(sorted(m for m in ("cupy", "torch") if m in sys.modules))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_not_supported_reasons_for_host_arrays():
+    state = static_state(T=8)
+    q = np.zeros((1, 4, 64), dtype=np.float32)
+    reasons = CupyBackend().not_supported_reasons(q, state)
+    assert any(r.startswith("q is a NumPy") for r in reasons)
+    assert any("state.to('cupy')" in r for r in reasons)
+    if not CupyBackend().availability():
+        assert any("unavailable" in r for r in reasons)
+
+
+def test_not_supported_reasons_accepts_a_supported_call():
+    state = fake_gpu_state(static_state(T=8))
+    q = FakeCupyArray(np.zeros((1, 4, 64), dtype=np.float32))
+    assert reasons_besides_availability(q, state) == []
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("float64", "float64"),
+        ("q_dtype", "expected the same dtype"),
+        ("rank", "no compiled kernel for head sizes (d, d_v) = (64, 64) with ranks (r, r_v) = (300, 8)"),
+        ("int8_no_scales", "need their float32 scales"),
+        ("index_dtype", "expected int64"),
+        ("two_devices", "different CUDA devices"),
+        ("torch_cpu", "expected a CUDA tensor"),
+    ],
+)
+def test_not_supported_reasons_names_each_refusal(case, expected):
+    d = 64
+    base = static_state(d=d, rank_k=8, rank_v=8, T=8, dtype=np.float64 if case == "float64" else np.float32)
+    q = FakeCupyArray(np.zeros((1, 4, d), dtype=base.dtype))
+    overrides = {}
+    if case == "q_dtype":
+        q = FakeCupyArray(np.zeros((1, 4, d), dtype=np.float16))
+    elif case == "rank":  # r <= d for real bases; the shape alone drives the check
+        overrides["key_coef"] = FakeCupyArray(np.zeros((1, 2, 8, 300), dtype=np.float32))
+    elif case == "int8_no_scales":
+        overrides["key_coef"] = FakeCupyArray(np.zeros(base.layout.key_coef.shape, dtype=np.int8))
+    elif case == "index_dtype":
+        overrides["chunk_starts"] = FakeCupyArray(base.layout.chunk_starts.astype(np.int32))
+    elif case == "two_devices":
+        q = FakeCupyArray(np.zeros((1, 4, d), dtype=np.float32), device=1)
+    elif case == "torch_cpu":
+        torch = pytest.importorskip("torch")
+        q = torch.zeros((1, 4, d))
+    reasons = reasons_besides_availability(q, fake_gpu_state(base, **overrides))
+    assert any(expected in r for r in reasons), reasons
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+def test_name_expressions_match_the_templates_in_the_sources():
+    known_types = {*_kernels.CUDA_TYPES.values(), _kernels.INT8_TYPE}
+    for filename, names in _kernels.name_expressions().items():
+        declared = _kernels.declared_templates(filename)
+        used = set()
+        for expr in names:
+            kernel, args = _kernels.split_name_expression(expr)
+            assert kernel in declared, f"{expr}: no template {kernel} in {filename}"
+            assert len(args) == declared[kernel], f"{expr}: {kernel} takes {declared[kernel]} template arguments"
+            for a in args:
+                assert a in known_types or a.isdigit(), expr
+            used.add(kernel)
+        assert used == set(declared), f"templates in {filename} that Python never launches: {set(declared) - used}"
+        assert len(set(names)) == len(names)
+
+
+def _constants() -> dict[str, int]:
+    """The ``constexpr int`` constants of the kernel sources, evaluated."""
+    text = "\n".join(p.read_text() for p in sorted(_kernels.KERNEL_DIR.glob("*.cu*")))
+    values: dict[str, int] = {}
+    for name, expr in re.findall(r"constexpr int (\w+) = ([^;]+);", text):
+        # arithmetic on literals and earlier constants only; template-dependent ones are skipped
+        if not re.fullmatch(r"[\w\s+\-*/()]+", expr):
+            continue
+        try:
+            values[name] = int(eval(expr.replace("/", "//"), {"__builtins__": {}}, dict(values)))
+        except NameError:
+            continue
+    return values
+
+
+def test_launch_constants_match_the_sources():
+    c = _constants()
+    assert c["kDecodeThreads"] == _kernels.DECODE_THREADS
+    assert c["kTokenTile"] == _kernels.TOKEN_TILE
+    assert c["kMergeThreads"] == _kernels.MERGE_THREADS
+    assert c["kProjectThreads"] == _kernels.PROJECT_THREADS
+    assert _kernels.PROJECT_WARPS == c["kProjectWarps"]
+
+
+def test_source_text_pastes_headers_once():
+    text = _kernels.source_text(_kernels.DECODE_SOURCE)
+    assert '#include "' not in text
+    assert text.count("struct CoefReader {") == 1
+
+
+def test_choose_splits_covers_the_tokens():
+    for blocks, T in [(1, 1), (2, 31), (8, 1000), (64, 100_000), (4096, 5000)]:
+        S, length = _launch.choose_splits(blocks, T, sm_count=132)
+        assert length % _kernels.TOKEN_TILE == 0
+        assert S * length >= T > (S - 1) * length  # no empty split
+        assert S <= _launch.MAX_SPLITS
+
+
+# ----------------------------------------------------------------------------- kernel logic on the host
+
+EMULATION, EMULATION_REASON = _emulation.availability()
+needs_emulation = pytest.mark.skipif(not EMULATION, reason=f"host emulation of the kernels unavailable: {EMULATION_REASON}")
+
+_EMU_CONFIGS = [
+    _kernels.KernelConfig("float32", "same", 64, 64, 64),
+    _kernels.KernelConfig("float32", "int8", 64, 64, 64),
+    _kernels.KernelConfig("float16", "same", 64, 64, 64),
+    _kernels.KernelConfig("bfloat16", "same", 64, 64, 64),
+    _kernels.KernelConfig("float32", "same", 128, 128, 128),
+    _kernels.KernelConfig("float32", "same", _kernels.GENERIC, _kernels.GENERIC, 64),
+    _kernels.KernelConfig("float32", "int8", _kernels.GENERIC, _kernels.GENERIC, 64),
+]
+
+
+@pytest.fixture(scope="module")
+def emu_lib():
+    """One host build holding every kernel these tests launch (one compile, ~10 s)."""
+    names = [c.decode_name for c in _EMU_CONFIGS] + [_kernels.merge_name(t) for t in ("float32", "float16", "bfloat16")]
+    names += [c.project_name for c in _EMU_CONFIGS if c.dtype == "float32" and c.d in (64, _kernels.GENERIC)]
+    return _emulation.library(names)
+
+
+@needs_emulation
+@pytest.mark.parametrize("splits", [None, (5, 32)], ids=["auto", "empty-splits"])
+def test_emulated_attention_static(emu_lib, splits):
+    """Spec A2/A3 with one chunk, GQA group 2; (5, 32) covers 160 slots for 90 tokens, so the
+    last two splits are empty and must merge as the identity (spec A3.2)."""
+    state = static_state(T=90)
+    q = np.random.default_rng(2).standard_normal((1, 4, 64)).astype(np.float32)
+    ref = attend_reference(q, state, None)
+    out = _emulation.attend(q, "float32", _emulation.host_arrays(state.layout, "float32"), 1 / 8, splits=splits, lib=emu_lib)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+
+
+@needs_emulation
+def test_emulated_attention_across_chunks_and_splits(emu_lib):
+    """Spec A3 over chunks with different bases (24-token chunks, 32-token splits: splits start
+    inside chunks and span chunk boundaries), batch of 2, MHA (group 1), per-head ranks."""
+    state = chunked_state()
+    assert (state.num_chunks == 4).all()
+    q = np.random.default_rng(3).standard_normal((2, 2, 64)).astype(np.float32)
+    ref = attend_reference(q, state, 0.3)
+    out = _emulation.attend(q, "float32", _emulation.host_arrays(state.layout, "float32"), 0.3, splits=(3, 32), lib=emu_lib)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+
+
+@needs_emulation
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_emulated_attention_half_precision(emu_lib, dtype):
+    """16-bit storage, float32 accumulation: equal to the oracle on the rounded inputs up to the
+    rounding of the output."""
+    state = static_state(T=70, seed=4)
+    q = np.random.default_rng(5).standard_normal((1, 4, 64)).astype(np.float32)
+    qh = host_q(q, dtype)
+    ref = attend_reference(from_host(qh, dtype), rounded_layout(state, dtype), None)
+    out = from_host(_emulation.attend(qh, dtype, _emulation.host_arrays(state.layout, dtype), 1 / 8, splits=(2, 64), lib=emu_lib), dtype)
+    eps = {"float16": 2**-11, "bfloat16": 2**-8}[dtype]
+    np.testing.assert_allclose(out, ref, rtol=2 * eps, atol=2 * eps * np.abs(ref).max())
+
+
+@needs_emulation
+def test_emulated_attention_int8(emu_lib):
+    """INT8 coefficients (spec A10) dequantised in the kernel: the oracle's own int8 state, read
+    by both, so only the order of the float32 arithmetic differs."""
+    state = chunked_state(N=1, T=60, seed=6, coefficients="int8")
+    assert state.layout.key_coef.dtype == np.int8
+    q = np.random.default_rng(7).standard_normal((1, 4, 64)).astype(np.float32)
+    ref = attend_reference(q, state, None)
+    out = _emulation.attend(q, "float32", _emulation.host_arrays(state.layout, "float32"), 1 / 8, splits=(2, 32), lib=emu_lib)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+
+
+@needs_emulation
+def test_emulated_attention_run_time_head_sizes(emu_lib):
+    """Head sizes without their own instantiation (d = 16, d_v = 12, as in the differential
+    harness) run the GENERIC one; GQA group 4, tiny ranks in a 64-wide rank tile."""
+    state = static_state(d=16, d_v=12, rank_k=3, rank_v=5, T=50, batch=2, seed=12)
+    q = np.random.default_rng(13).standard_normal((2, 8, 16)).astype(np.float32)
+    ref = attend_reference(q, state, 0.7)
+    out = _emulation.attend(q, "float32", _emulation.host_arrays(state.layout, "float32"), 0.7, splits=(2, 32), lib=emu_lib)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+
+
+@needs_emulation
+def test_emulated_attention_head_size_128(emu_lib):
+    """d = 128 with ranks above 64 (rank tile 128): four columns per lane in the query projection."""
+    state = static_state(d=128, rank_k=100, rank_v=72, T=40, seed=8)
+    q = np.random.default_rng(9).standard_normal((1, 2, 128)).astype(np.float32)
+    ref = attend_reference(q, state, None)
+    out = _emulation.attend(q, "float32", _emulation.host_arrays(state.layout, "float32"), 128**-0.5, lib=emu_lib)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+
+
+@needs_emulation
+@pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
+@pytest.mark.parametrize("d, d_v", [(64, 64), (16, 12)], ids=["fixed-d", "run-time-d"])
+def test_emulated_projection(emu_lib, int8, d, d_v):
+    """Spec A6 step 1 for a batch of heads in one launch, written at an offset, with the residuals
+    of spec A7 step 2 (0 for a zero key); INT8 codes and scales as spec A10 defines them."""
+    # ranks below d: with r = d the residual is pure float32 cancellation noise (~sqrt(eps))
+    state = static_state(d=d, d_v=d_v, rank_k=min(20, d - 4), rank_v=min(24, d_v - 4), T=5, batch=2, seed=10)
+    rng = np.random.default_rng(11)
+    keys = rng.standard_normal((2, 2, 7, d)).astype(np.float32)
+    values = rng.standard_normal((2, 2, 7, d_v)).astype(np.float32)
+    keys[1, 0, 3] = 0.0
+    lay = state.layout.with_capacity(12, 1)
+    r, r_v = lay.key_coef.shape[3], lay.value_coef.shape[3]
+    coef_dtype = np.int8 if int8 else np.float32
+    key_coef = np.full((2, 2, 12, r), 7, dtype=coef_dtype)  # rows outside 5..11 must stay untouched
+    value_coef = np.full((2, 2, 12, r_v), 7, dtype=coef_dtype)
+    scales = (np.zeros((2, 2, 12), np.float32), np.zeros((2, 2, 12), np.float32)) if int8 else (None, None)
+    rho_k, rho_v = _emulation.project(
+        "float32", keys, values, np.ascontiguousarray(lay.key_bases), np.ascontiguousarray(lay.value_bases),
+        np.ascontiguousarray(lay.num_chunks), key_coef, value_coef, 5, *scales, lib=emu_lib,
+    )
+    c = np.einsum("nhtd,nhrd->nhtr", keys, lay.key_bases[:, :, 0])
+    dv = np.einsum("nhtd,nhrd->nhtr", values, lay.value_bases[:, :, 0])
+    assert (key_coef[:, :, :5] == 7).all() and (value_coef[:, :, :5] == 7).all()
+    if int8:
+        for got, got_scale, want in ((key_coef, scales[0], c), (value_coef, scales[1], dv)):
+            codes, scale = quantize_rows(want)
+            # a code may differ by one where c / s lies within rounding of a half-integer
+            assert np.abs(got[:, :, 5:].astype(int) - codes).max() <= 1
+            assert (got[:, :, 5:] != codes).mean() < 0.01
+            np.testing.assert_allclose(got_scale[:, :, 5:], scale, rtol=1e-5)
+        assert (key_coef[1, 0, 8] == 0).all() and scales[0][1, 0, 8] == 0
+    else:
+        np.testing.assert_allclose(key_coef[:, :, 5:], c, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(value_coef[:, :, 5:], dv, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(rho_k, relative_residual(keys, c), atol=1e-5)
+    np.testing.assert_allclose(rho_v, relative_residual(values, dv), atol=1e-5)
+    assert rho_k[1, 0, 3] == 0.0
+
+
+def _harness_cases(slow: bool):
+    try:
+        from tests.differential.cases import CASES
+    except ImportError:  # the harness is not importable from this rootdir
+        return []
+    fast = {"static-T1", "static-head_ranks", "adaptive-T_5L+1-N2", "rotating-N2-gqa4-logits1e4"}
+    return [c for c in CASES if (c.name not in fast) == slow]
+
+
+def _check_harness_case(lib, case) -> None:
+    """A differential-harness case (tests/differential/cases.py) through the emulated kernels in
+    float32, judged by the harness's own tolerance rule."""
+    from tests.differential.cases import build
+    from tests.differential.tolerance import reference_error, tolerance
+
+    b = build(case)
+    scale = 1 / np.sqrt(case.d) if b.scale is None else b.scale
+    out = _emulation.attend(b.q.astype(np.float32), "float32", _emulation.host_arrays(b.state.layout, "float32"), scale, lib=lib)
+    err = float(np.abs(out.astype(np.float64) - b.out64).max())
+    tol = tolerance(reference_error(b.state, b.q, b.scale, b.out64, "float32"), b.out64, "float32")
+    assert err <= tol, f"{case}: max |kernel - oracle64| = {err:.3g} > tol {tol:.3g}"
+
+
+@needs_emulation
+@pytest.mark.parametrize("case", _harness_cases(slow=False), ids=str)
+def test_emulated_attention_harness_cases(emu_lib, case):
+    _check_harness_case(emu_lib, case)
+
+
+@pytest.mark.slow
+@needs_emulation
+@pytest.mark.parametrize("case", _harness_cases(slow=True), ids=str)
+def test_emulated_attention_harness_cases_slow(emu_lib, case):
+    """The rest of the harness's cases (hundreds of chunks, T = 4000, huge logits): minutes on
+    the host, so on purpose only (-m slow)."""
+    _check_harness_case(emu_lib, case)
+
+
+@needs_emulation
+def test_emulated_shared_memory_size_is_checked(emu_lib, monkeypatch):
+    """The emulation reports a kernel writing past its dynamic shared memory, so the launcher's
+    size formula (decode_shared_bytes) is checked by every emulated attention above."""
+    state = static_state(T=10)
+    q = np.zeros((1, 4, 64), dtype=np.float32)
+    monkeypatch.setattr(_kernels, "decode_shared_bytes", lambda *a: 1024)
+    with pytest.raises(RuntimeError, match="shared memory"):
+        _emulation.attend(q, "float32", _emulation.host_arrays(state.layout, "float32"), 1 / 8, lib=emu_lib)
+
+
+# ----------------------------------------------------------------------------- GPU differentials
+
+AVAILABLE = CupyBackend().availability()
+needs_gpu = pytest.mark.skipif(not AVAILABLE, reason=f"cupy backend unavailable: {AVAILABLE.reason}")
+
+
+def _tolerance(dtype: str) -> float:
+    return {"float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}[dtype]
+
+
+def _assert_close(out, ref, dtype):
+    from subspace_ref.arrays import to_numpy
+
+    got = to_numpy(out).astype(np.float32)
+    tol = _tolerance(dtype)
+    np.testing.assert_allclose(got, ref, rtol=tol, atol=tol * np.abs(ref).max())
+
+
+def _cupy_dtype(dtype: str):
+    if dtype == "bfloat16":
+        ml_dtypes = pytest.importorskip("ml_dtypes", reason="CuPy bfloat16 arrays need ml_dtypes")
+        return ml_dtypes.bfloat16
+    return np.dtype(dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("kind", ["static", "adaptive"])
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_attend_matches_oracle(kind, dtype):
+    import cupy
+
+    import subspace_ref
+
+    state = static_state(T=300) if kind == "static" else chunked_state(T=300, max_chunk=48)
+    q = np.random.default_rng(12).standard_normal((state.batch, 4 if kind == "static" else 2, 64)).astype(np.float32)
+    on_gpu = state.to("cupy", dtype=_cupy_dtype(dtype))
+    rounded = rounded_layout(state, dtype)
+    q_dev = cupy.asarray(q).astype(_cupy_dtype(dtype))
+    ref = attend_reference(from_host(host_q(q, dtype), dtype), rounded, None)
+    out = subspace_ref.attend(q_dev if state.batched else q_dev[0], on_gpu, backend="cupy")
+    assert isinstance(out, cupy.ndarray) and str(out.dtype) == dtype
+    _assert_close(out if state.batched else out[None], ref, dtype)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_empty_splits_and_forced_splits():
+    import cupy
+
+    state = chunked_state(N=1, T=100)
+    on_gpu = state.to("cupy")
+    q = np.random.default_rng(13).standard_normal((1, 4, 64)).astype(np.float32)
+    ref = attend_reference(q, state, None)
+    for splits in [(1, 128), (4, 32), (9, 32), (64, 32)]:
+        out = CupyBackend(splits=splits).attend(cupy.asarray(q), on_gpu, None)
+        _assert_close(out, ref, "float32")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_torch_tensors_round_trip(dtype):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    state = static_state(T=200)
+    tdtype = getattr(torch, dtype)
+    # the state's arrays as torch CUDA tensors: the backend reads them through DLPack
+    torch_state = state.copy()
+    torch_state.layout = torch_state.layout.map_arrays(
+        lambda name, x: torch.as_tensor(np.asarray(x)).cuda().to(tdtype) if np.asarray(x).dtype.kind == "f" else torch.as_tensor(np.asarray(x)).cuda()
+    )
+    q = torch.randn((1, 4, 64), generator=torch.Generator().manual_seed(0)).to(tdtype).cuda()
+    out = CupyBackend().attend(q, torch_state, None)
+    assert isinstance(out, torch.Tensor) and out.dtype == tdtype and out.device == q.device
+    ref = attend_reference(q.float().cpu().numpy(), rounded_layout(state, dtype), None)
+    _assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("kind", ["static", "adaptive", "rotating"])
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_append_matches_oracle(kind):
+    """Static appends use the projection kernel; adaptive and rotating ones run the oracle's
+    token loop on CuPy arrays. Either way the packed layout must equal the oracle's."""
+    import cupy
+
+    from subspace_ref.arrays import to_numpy
+
+    rng = np.random.default_rng(14)
+    if kind == "static":
+        host = static_state(T=10, batch=2)
+    elif kind == "adaptive":
+        host = SubspaceState.adaptive(2, 64, rank_k=8, rank_v=8, max_chunk=16, batch=2, dtype=np.float32)
+    else:
+        host = SubspaceState.rotating(2, 64, rank_k=8, rank_v=8, refresh_every=8, batch=2, dtype=np.float32)
+    dev = host.to("cupy")
+    for n in (1, 17, 3):
+        k = rng.standard_normal((2, 2, n, 64)).astype(np.float32)
+        v = rng.standard_normal((2, 2, n, 64)).astype(np.float32)
+        host.append(k, v)
+        dev.append(cupy.asarray(k), cupy.asarray(v))
+    assert dev.num_tokens == host.num_tokens
+    T = host.num_tokens
+    np.testing.assert_array_equal(to_numpy(dev.layout.num_chunks), host.layout.num_chunks)
+    for name in ("key_coef", "value_coef"):
+        np.testing.assert_allclose(to_numpy(getattr(dev.layout, name))[:, :, :T], getattr(host.layout, name)[:, :, :T], atol=2e-4)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_projection_kernel_residuals():
+    import cupy
+
+    rng = np.random.default_rng(15)
+    state = static_state(T=0, batch=2)
+    keys = rng.standard_normal((2, 2, 5, 64)).astype(np.float32)
+    keys[0, 1, 2] = 0
+    values = rng.standard_normal((2, 2, 5, 64)).astype(np.float32)
+    B = state.layout.key_bases[:, :, 0]
+    E = state.layout.value_bases[:, :, 0]
+    c, dv, rho_k, rho_v = CupyBackend.project_tokens(cupy.asarray(keys), cupy.asarray(values), cupy.asarray(B), cupy.asarray(E))
+    c_ref = np.einsum("nhtd,nhrd->nhtr", keys, B)
+    np.testing.assert_allclose(c.get(), c_ref, atol=1e-5)
+    np.testing.assert_allclose(rho_k.get(), relative_residual(keys, c_ref), atol=1e-5)
+    assert float(rho_k[0, 1, 2]) == 0.0
+    np.testing.assert_allclose(dv.get(), np.einsum("nhtd,nhrd->nhtr", values, E), atol=1e-5)
+    assert rho_v.shape == (2, 2, 5)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("kind", ["static", "adaptive"])
+def test_gpu_int8_state(kind):
+    """Spec A10 on the GPU: appends store the oracle's codes (up to one where c / s rounds at a
+    half-integer) and scales; attention dequantises in the kernel and matches the oracle run on
+    the very same int8 state."""
+    import cupy
+
+    from subspace_ref.arrays import to_numpy
+
+    rng = np.random.default_rng(16)
+    if kind == "static":
+        host = static_state(T=0, batch=2, coefficients="int8")
+    else:
+        host = SubspaceState.adaptive(2, 64, rank_k=8, rank_v=8, max_chunk=16, batch=2, dtype=np.float32, coefficients="int8")
+    dev = host.to("cupy")
+    for n in (1, 40, 3):
+        k = rng.standard_normal((2, 2, n, 64)).astype(np.float32)
+        v = rng.standard_normal((2, 2, n, 64)).astype(np.float32)
+        host.append(k, v)
+        dev.append(cupy.asarray(k), cupy.asarray(v))
+    T = host.num_tokens
+    for name in ("key_coef", "value_coef"):
+        got, want = to_numpy(getattr(dev.layout, name))[:, :, :T], getattr(host.layout, name)[:, :, :T]
+        assert got.dtype == np.int8
+        assert np.abs(got.astype(int) - want).max() <= 1 and (got != want).mean() < 0.01
+    np.testing.assert_allclose(to_numpy(dev.layout.key_scale)[:, :, :T], host.layout.key_scale[:, :, :T], rtol=1e-5)
+    q = rng.standard_normal((2, 4, 64)).astype(np.float32)
+    ref = attend_reference(q, dev.to("numpy"), None)
+    _assert_close(CupyBackend().attend(cupy.asarray(q), dev, None), ref, "float32")

@@ -1,0 +1,303 @@
+"""Torch-specific behaviour of the torch backend: conversion, devices, dtypes, refusals, commit
+discipline, tiling. Agreement with the oracle is the differential harness's job
+(tests/differential)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import subspace_ref as sr
+from subspace_ref.arrays import to_numpy
+
+torch = pytest.importorskip("torch")
+
+from subspace_ref_torch import append as tappend  # noqa: E402
+from subspace_ref_torch import attend as tattend  # noqa: E402
+from subspace_ref_torch import fd as tfd  # noqa: E402
+from subspace_ref_torch.convert import as_torch_dtype  # noqa: E402
+
+from conftest import low_rank_stream, random_orthonormal  # noqa: E402
+
+BACKEND = sr.get_backend("torch")
+
+
+def _static(rng, H=2, d=16, d_v=12, r=4, r_v=3, T=30, batch=None):
+    B = random_orthonormal(rng, H, r=r, d=d)
+    E = random_orthonormal(rng, H, r=r_v, d=d_v)
+    state = sr.SubspaceState.static(sr.StaticBasis.from_bases(B, E, gamma=0.9), batch=batch)
+    lead = (H,) if batch is None else (batch, H)
+    state.append(rng.standard_normal(lead + (T, d)), rng.standard_normal(lead + (T, d_v)))
+    return state
+
+
+def _adaptive(rng, H=2, d=16, d_v=12, T=120, **kw):
+    kw = {"rank_k": 4, "rank_v": 3, "tau_k": 0.6, "tau_v": 0.6, "max_chunk": 16, **kw}
+    state = sr.SubspaceState.adaptive(H, d, d_v, **kw)
+    state.append(rng.standard_normal((H, T, d)), rng.standard_normal((H, T, d_v)))
+    return state
+
+
+def _snapshot(state):
+    lay = state.layout
+    arrays = {k: to_numpy(v).copy() for k, v in lay.arrays().items()}
+    sk = state.sketches
+    extra = None if sk is None else (to_numpy(sk.keys).copy(), to_numpy(sk.values).copy(), sk.filled_k, sk.filled_v, sk.rows_seen)
+    return lay.num_tokens, arrays, extra
+
+
+def _assert_same_snapshot(a, b):
+    assert a[0] == b[0]
+    T = a[0]
+    for name in a[1]:
+        x, y = a[1][name], b[1][name]
+        if name in ("key_coef", "value_coef"):
+            x, y = x[:, :, :T], y[:, :, :T]
+        if name in ("key_bases", "value_bases", "chunk_starts"):
+            J = int(a[1]["num_chunks"].max())
+            x, y = x[:, :, :J], y[:, :, :J]
+        np.testing.assert_array_equal(x, y, err_msg=name)
+    if a[2] is not None:
+        for x, y in zip(a[2], b[2]):
+            np.testing.assert_array_equal(x, y)
+
+
+# ----------------------------------------------------------------------------- the protocol
+def test_declares_itself():
+    assert isinstance(BACKEND, sr.Backend)
+    assert (BACKEND.name, BACKEND.array_family) == ("torch", "torch")
+    assert BACKEND.devices == ("cpu", "cuda")
+    assert set(BACKEND.dtypes) == {"float16", "bfloat16", "float32", "float64"}
+    assert BACKEND.availability()
+
+
+def test_import_does_not_import_torch_and_reports_missing_torch():
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import subspace_ref_torch\n"
+        "a = subspace_ref_torch.TorchBackend().availability()\n"
+        "print(bool(a), a.reason)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.startswith("False") and "torch is not installed" in out
+
+
+# ----------------------------------------------------------------------------- conversion
+@pytest.mark.parametrize("spelling", ["float16", np.float16, np.dtype("float16"), torch.float16, "torch.float16"])
+def test_dtype_spellings(spelling):
+    assert as_torch_dtype(spelling) is torch.float16
+    x = BACKEND.converter(dtype=spelling)(np.ones(3))
+    assert x.dtype == torch.float16
+
+
+def test_converter_casts_floats_and_keeps_ints_int64():
+    convert = BACKEND.converter(device="cpu", dtype="bfloat16")
+    f = convert(np.arange(4.0))
+    i = convert(np.arange(4, dtype=np.int32))
+    assert f.dtype == torch.bfloat16 and f.device.type == "cpu"
+    assert i.dtype == torch.int64 and i.tolist() == [0, 1, 2, 3]
+    t = convert(torch.ones(2, dtype=torch.float64))
+    assert t.dtype == torch.bfloat16
+    assert BACKEND.converter()(np.ones(2, dtype=np.float32)).dtype == torch.float32  # no dtype: kept
+
+
+def test_converter_copies_host_arrays():
+    a = np.zeros(3)
+    t = BACKEND.converter()(a)
+    a[0] = 5.0
+    assert t[0].item() == 0.0
+
+
+def test_converter_rejects_bad_dtype_and_device():
+    with pytest.raises(TypeError, match="dtype must be one of"):
+        BACKEND.converter(dtype="int8")
+    with pytest.raises(ValueError, match="device must be"):
+        BACKEND.converter(device="meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            BACKEND.converter(device="cuda")
+
+
+@pytest.mark.parametrize("kind", ["static", "adaptive"])
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16", "bfloat16"])
+def test_state_to_torch_and_back(rng, kind, dtype):
+    state = _static(rng) if kind == "static" else _adaptive(rng)
+    ts = state.to("torch", device="cpu", dtype=dtype)
+    assert ts.engine == "torch"
+    for name, x in ts.layout.arrays().items():
+        assert isinstance(x, torch.Tensor) and x.device.type == "cpu"
+        expected = torch.int64 if name in ("chunk_starts", "num_chunks") else as_torch_dtype(dtype)
+        assert x.dtype == expected, name
+    back = ts.to("numpy", dtype=np.float64)
+    K0, V0 = state.reconstruct()
+    K1, V1 = back.reconstruct()
+    tol = {"float64": 0.0, "float32": 1e-6, "float16": 1e-2, "bfloat16": 5e-2}[dtype]
+    assert np.abs(K1 - K0).max() <= tol * np.abs(K0).max()
+    assert np.array_equal(back.num_chunks, state.num_chunks)
+    if dtype == "float64":
+        _assert_same_snapshot(_snapshot(back), _snapshot(state))
+
+
+# ----------------------------------------------------------------------------- attend: dtypes, devices, refusals
+@pytest.mark.parametrize("qdtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("sdtype", ["float16", "float32", "float64"])
+def test_output_has_q_dtype_and_device(rng, qdtype, sdtype):
+    state = _adaptive(rng).to("torch", dtype=sdtype)
+    q = torch.from_numpy(rng.standard_normal((4, 16))).to(qdtype)
+    out = sr.attend(q, state, backend="torch")
+    assert out.dtype == qdtype and out.device == q.device and out.shape == (4, 12)
+    assert torch.isfinite(out).all()
+
+
+def test_unbatched_and_batched_shapes(rng):
+    s1 = _static(rng).to("torch")
+    assert sr.attend(torch.randn(2, 16, dtype=torch.float64), s1, backend="torch").shape == (2, 12)
+    s2 = _static(rng, batch=3).to("torch")
+    assert sr.attend(torch.randn(3, 8, 16, dtype=torch.float64), s2, backend="torch").shape == (3, 8, 12)
+
+
+def test_refusals_are_all_listed(rng):
+    state = _static(rng)
+    q_np = rng.standard_normal((1, 2, 16))
+    reasons = BACKEND.not_supported_reasons(q_np, state)
+    assert len(reasons) == 2
+    assert "takes torch tensors" in reasons[0]
+    assert "state.to('torch', device=...)" in reasons[1]
+    ts = state.to("torch")
+    assert BACKEND.not_supported_reasons(torch.zeros(1, 2, 16, dtype=torch.float64), ts) == []
+    meta = torch.zeros(1, 2, 16, device="meta")
+    assert any("q is on meta but the state is on cpu" in r for r in BACKEND.not_supported_reasons(meta, ts))
+    assert any("dtype torch.int32" in r for r in BACKEND.not_supported_reasons(torch.zeros(1, 2, 16, dtype=torch.int32), ts))
+    with pytest.raises(ValueError, match="does not support this call: .*state.to\\('torch'"):
+        sr.attend(torch.zeros(2, 16, dtype=torch.float64), state, backend="torch")
+
+
+def test_appending_numpy_to_a_torch_state_is_refused(rng):
+    ts = _static(rng).to("torch")
+    before = _snapshot(ts)
+    with pytest.raises(TypeError, match="numpy array but the state holds torch"):
+        ts.append(rng.standard_normal((2, 16)), rng.standard_normal((2, 12)))
+    _assert_same_snapshot(_snapshot(ts), before)
+
+
+def test_huge_logits_stay_finite(rng):
+    ts = _adaptive(rng).to("torch", dtype="float32")
+    q = torch.randn(4, 16) * 1e5
+    out = sr.attend(q, ts, backend="torch")
+    assert torch.isfinite(out).all()
+
+
+# ----------------------------------------------------------------------------- attend pieces
+def test_token_chunk_index_matches_chunk_bounds(rng):
+    state = _adaptive(rng, T=200)
+    ts = state.to("torch")
+    J = tattend.used_chunks(ts)
+    assert J == int(state.num_chunks.max()) > 1
+    index = tattend.token_chunk_index(ts, J)[0]
+    for h in range(state.heads):
+        expected = np.concatenate([np.full(b - a, j) for j, (a, b) in enumerate(state.chunk_bounds(h))])
+        np.testing.assert_array_equal(index[h].numpy(), expected)
+
+
+def test_project_queries_is_scaled_basis_times_query(rng):
+    ts = _adaptive(rng).to("torch")
+    q = torch.randn(1, 4, 16, dtype=torch.float64)
+    J = tattend.used_chunks(ts)
+    qp = tattend.project_queries(q, ts, 0.3, J)
+    assert qp.shape == (1, 2, J, 2, 4)
+    B = ts.layout.key_bases[0, 1, J - 1]
+    expected = ts.layout.gamma[1] * 0.3 * (B @ q[0, 3])
+    torch.testing.assert_close(qp[0, 1, J - 1, 1], expected)
+
+
+@pytest.mark.parametrize("make", [_static, _adaptive])
+def test_tiling_does_not_change_the_result(rng, monkeypatch, make):
+    ts = make(rng).to("torch")
+    q = torch.randn(4, 16, dtype=torch.float64)
+    whole = sr.attend(q, ts, backend="torch")
+    monkeypatch.setattr(tattend, "TILE_ELEMENTS", 64)
+    monkeypatch.setattr(tattend, "VALUE_TILE", 7)
+    tiled = sr.attend(q, ts, backend="torch")
+    torch.testing.assert_close(tiled, whole, rtol=1e-12, atol=1e-14)
+
+
+# ----------------------------------------------------------------------------- append
+@pytest.mark.parametrize("window", [(1, 1, 1), (1024, 1024, 1024), (3, 2, 5)])
+def test_window_size_does_not_change_the_state(rng, monkeypatch, window):
+    K, V = rng.standard_normal((2, 150, 16)), rng.standard_normal((2, 150, 12))
+    ref = sr.SubspaceState.adaptive(2, 16, 12, rank_k=4, rank_v=3, tau_k=0.7, tau_v=0.7, max_chunk=16).to("torch")
+    ref.append(torch.from_numpy(K), torch.from_numpy(V))
+    first, lo, hi = window
+    monkeypatch.setattr(tappend, "FIRST_WINDOW", first)
+    monkeypatch.setattr(tappend, "MIN_WINDOW", lo)
+    monkeypatch.setattr(tappend, "MAX_WINDOW", hi)
+    got = sr.SubspaceState.adaptive(2, 16, 12, rank_k=4, rank_v=3, tau_k=0.7, tau_v=0.7, max_chunk=16).to("torch")
+    got.append(torch.from_numpy(K), torch.from_numpy(V))
+    assert np.array_equal(got.num_chunks, ref.num_chunks)
+    np.testing.assert_allclose(got.reconstruct()[0], ref.reconstruct()[0], atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["adaptive", "rotating"])
+def test_failing_append_changes_nothing(rng, monkeypatch, kind):
+    if kind == "adaptive":
+        ts = _adaptive(rng, T=40).to("torch")
+    else:
+        ts = sr.SubspaceState.rotating(2, 16, 12, rank_k=4, rank_v=3, refresh_every=8)
+        ts.append(rng.standard_normal((2, 20, 16)), rng.standard_normal((2, 20, 12)))
+        ts = ts.to("torch")
+    before = _snapshot(ts)
+    calls = {"n": 0}
+    real = tfd.top_directions
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tfd, "top_directions", flaky)
+    K, V = torch.from_numpy(rng.standard_normal((2, 60, 16))), torch.from_numpy(rng.standard_normal((2, 60, 12)))
+    with pytest.raises(RuntimeError, match="injected failure"):
+        ts.append(K, V)
+    _assert_same_snapshot(_snapshot(ts), before)
+    monkeypatch.setattr(tfd, "top_directions", real)
+    ts.append(K, V)  # and the state still works
+    assert ts.num_tokens == before[0] + 60
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_online_append(rng, dtype):
+    K = low_rank_stream(rng, 2, 80, 16, 3, noise=0.01)
+    V = low_rank_stream(rng, 2, 80, 12, 3, noise=0.01)
+    ref = sr.SubspaceState.rotating(2, 16, 12, rank_k=4, rank_v=4, refresh_every=16)
+    ts = ref.to("torch", dtype=dtype)
+    ref.append(K, V)
+    ts.append(torch.from_numpy(K).to(as_torch_dtype(dtype)), torch.from_numpy(V).to(as_torch_dtype(dtype)))
+    assert ts.layout.key_coef.dtype == as_torch_dtype(dtype) and ts.sketches.keys.dtype == as_torch_dtype(dtype)
+    K_ref, _ = ref.reconstruct()
+    K_got, _ = ts.reconstruct()
+    rel = np.abs(K_got - K_ref).max() / np.abs(K_ref).max()
+    assert rel < {"float16": 2e-2, "bfloat16": 1e-1}[dtype]
+
+
+def test_static_append_is_one_block_and_in_place_past_live_rows(rng):
+    ts = _static(rng, T=5).to("torch")
+    ts.append(torch.randn(2, 3, 16, dtype=torch.float64), torch.randn(2, 3, 12, dtype=torch.float64))
+    assert ts.num_tokens == 8
+    K, _ = ts.reconstruct()
+    assert K.shape == (2, 8, 16)
+
+
+def test_fd_helpers_match_the_oracle(rng):
+    from subspace_ref import frequent_directions as fd
+
+    buf = rng.standard_normal((3, 10, 6))
+    buf[1, 4:] = 0.0  # a rank-deficient stack: zero rows for zero singular values
+    np.testing.assert_allclose(tfd.top_directions(torch.from_numpy(buf), 5).numpy(), fd.top_directions(buf, 5), atol=1e-12)
+    for ell in (3, 8):  # ell > d takes the no-shrink branch
+        a = tfd.compact(torch.from_numpy(buf), ell).numpy()
+        b = fd.compact(buf, ell)
+        np.testing.assert_allclose(np.swapaxes(a, -1, -2) @ a, np.swapaxes(b, -1, -2) @ b, atol=1e-10)

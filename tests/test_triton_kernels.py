@@ -1,0 +1,390 @@
+"""The Triton kernels (spec A2, A3, A3.2; A6/A7 projection) and ``TritonBackend``.
+
+Each kernel and its pure-torch ``*_reference`` run through the same test classes (the ``impl``
+fixture), against the float64 NumPy oracle, at odd shapes: T not a multiple of the tile, ranks
+that are not powers of two, d in {64, 80, 128}, GQA groups below and above 16, chunks of one
+token, hundreds of chunks, splits that straddle chunks and chunks that straddle splits, empty
+splits, spare capacity poisoned with NaN / -1.
+
+Without a GPU the kernels run on Triton's CPU interpreter: this module sets TRITON_INTERPRET=1
+when no CUDA device is present (before anything imports the kernels), and the shapes are kept
+small enough for that.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import subspace_ref as sr  # noqa: E402
+from subspace_ref.layout import PackedLayout  # noqa: E402
+from subspace_ref.numpy_backend import attend_reference, relative_residual  # noqa: E402
+from subspace_ref.policies import AdaptivePolicy  # noqa: E402
+from subspace_ref.state import SubspaceState  # noqa: E402
+from subspace_ref_triton import TritonBackend  # noqa: E402
+from subspace_ref_triton import backend as backend_module  # noqa: E402
+from subspace_ref_triton._common import interpreting  # noqa: E402
+
+_AVAILABLE = TritonBackend().availability()
+pytestmark = pytest.mark.skipif(not _AVAILABLE, reason=f"triton backend unavailable: {_AVAILABLE.reason}")
+
+if _AVAILABLE:
+    from subspace_ref_triton import decode, project
+DEVICE = "cpu" if interpreting() else "cuda"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _t(x, dtype=torch.float64):
+    return torch.as_tensor(np.ascontiguousarray(x)).to(device=DEVICE, dtype=dtype)
+
+
+def _f64(x) -> np.ndarray:
+    return x.detach().to("cpu", torch.float64).numpy()
+
+
+# ------------------------------------------------------------------------------- layouts
+
+
+def random_layout(rng, N, H, T, d, d_v, r, r_v, starts, dtype, gamma=None, zero_rows=True):
+    """A torch layout (spec A9) over the given chunk starts, one list per (sequence, head) in
+    order, with spare capacity (3 rows, 2 chunk slots) poisoned: NaN coefficients and bases,
+    chunk starts -1. Returns (torch layout, float64 NumPy layout of the same rounded values)."""
+    J = max(len(s) for s in starts)
+    Jc, Tc = J + 2, T + 3
+    key_coef = rng.standard_normal((N, H, Tc, r))
+    value_coef = rng.standard_normal((N, H, Tc, r_v))
+    key_bases = np.swapaxes(np.linalg.qr(rng.standard_normal((N, H, Jc, d, r)))[0], -1, -2).copy()
+    value_bases = np.swapaxes(np.linalg.qr(rng.standard_normal((N, H, Jc, d_v, r_v)))[0], -1, -2).copy()
+    if zero_rows and r > 1:  # per-head ranks: zero rows pad head 0 (spec A9)
+        key_bases[:, 0, :, r - 1] = 0
+        key_coef[:, 0, :, r - 1] = 0
+    chunk_starts = np.full((N, H, Jc), -1, dtype=np.int64)
+    num_chunks = np.zeros((N, H), dtype=np.int64)
+    for i, s in enumerate(starts):
+        n, h = divmod(i, H)
+        chunk_starts[n, h, : len(s)] = s
+        num_chunks[n, h] = len(s)
+        key_bases[n, h, len(s) :] = np.nan
+        value_bases[n, h, len(s) :] = np.nan
+    key_coef[:, :, T:] = np.nan
+    value_coef[:, :, T:] = np.nan
+    gamma = rng.uniform(0.5, 1.5, H) if gamma is None else np.broadcast_to(gamma, (H,))
+    tdt = DTYPES[dtype]
+    lay = PackedLayout(
+        _t(key_coef, tdt), _t(value_coef, tdt), _t(key_bases, tdt), _t(value_bases, tdt),
+        _t(chunk_starts, torch.int64), _t(num_chunks, torch.int64), _t(gamma, tdt), T,
+    )
+    lay64 = lay.map_arrays(lambda _, x: x.cpu().to(torch.float64).numpy() if x.is_floating_point() else x.cpu().numpy())
+    return lay, lay64
+
+
+def oracle(q64: np.ndarray, lay64: PackedLayout, scale: float | None, work=np.float64) -> np.ndarray:
+    """The NumPy oracle (spec A3) over a float64 layout, computed in ``work``."""
+    N, H = lay64.key_coef.shape[:2]
+    r, r_v = lay64.key_coef.shape[3], lay64.value_coef.shape[3]
+    lay = lay64.map_arrays(lambda _, x: x.astype(work) if x.dtype.kind == "f" else x)
+    policy = AdaptivePolicy((r,) * H, (r_v,) * H, r + 1, r_v + 1, 0.5, 0.5, 10**9, 0)
+    state = SubspaceState(policy, lay, None, True, "numpy")
+    return attend_reference(q64.astype(work), state, scale).astype(np.float64)
+
+
+def make_q(rng, N, Hq, d, lay64, max_logit=None, scale=None):
+    """Queries, optionally rescaled so that the largest |logit| equals ``max_logit``."""
+    q = rng.standard_normal((N, Hq, d))
+    if max_logit is not None:
+        H = lay64.key_coef.shape[1]
+        g = Hq // H
+        s = 1 / np.sqrt(d) if scale is None else scale
+        big = 0.0
+        for n in range(N):
+            for h in range(H):
+                for j in range(int(lay64.num_chunks[n, h])):
+                    a = int(lay64.chunk_starts[n, h, j])
+                    b = int(lay64.chunk_starts[n, h, j + 1]) if j + 1 < lay64.num_chunks[n, h] else lay64.num_tokens
+                    qt = q[n, h * g : (h + 1) * g] @ lay64.key_bases[n, h, j].T
+                    big = max(big, np.abs(lay64.gamma[h] * s * qt @ lay64.key_coef[n, h, a:b].T).max(initial=0.0))
+        q *= max_logit / big
+    return q
+
+
+def chunked(T: int, *cuts: int) -> list[int]:
+    return sorted({0, *[c for c in cuts if 0 < c < T]})
+
+
+# (name, N, H, group, T, d, d_v, r, r_v, starts per (n, h), split_len, num_splits)
+DECODE_CASES = [
+    ("d64-static-oddT", 2, 2, 4, 150, 64, 64, 5, 7, [[0]] * 4, None, None),
+    ("d64-static-split40", 1, 2, 4, 150, 64, 64, 5, 7, [[0]] * 2, 40, None),
+    ("d80-straddle", 1, 2, 3, 97, 80, 80, 12, 9, [chunked(97, 1, 2, 30, 64, 65, 96), chunked(97, 50)], 16, None),
+    ("d128-gqa1", 2, 1, 1, 70, 128, 128, 32, 17, [chunked(70, 33), [0]], None, None),
+    ("dv-differs", 1, 1, 2, 45, 64, 80, 6, 10, [chunked(45, 20)], 32, None),
+    ("one-token-chunks", 1, 1, 2, 24, 64, 64, 3, 3, [list(range(24))], 7, None),
+    ("hundreds-of-chunks", 1, 1, 2, 300, 64, 64, 4, 6, [sorted({0, *range(0, 300, 2), *range(1, 120, 3)})], 128, None),
+    ("gqa20-padded-to-32", 1, 1, 20, 33, 64, 64, 8, 8, [chunked(33, 16)], None, None),
+    ("empty-splits", 1, 2, 2, 20, 64, 64, 5, 5, [chunked(20, 3), chunked(20, 17)], 16, 5),
+    ("T1", 1, 1, 4, 1, 80, 80, 3, 2, [[0]], None, None),
+]
+DECODE_IDS = [c[0] for c in DECODE_CASES]
+
+
+@pytest.fixture(params=["kernel", "reference"])
+def impl(request):
+    """The Triton kernels or their pure-torch references: the same tests run against both."""
+    if request.param == "kernel":
+        return dict(attend=decode.decode_attention, partials=decode.decode_partials, merge=decode.merge_partials, project=project.project_append)
+    return dict(attend=decode.decode_attention_reference, partials=decode.decode_partials_reference, merge=decode.merge_partials_reference, project=project.project_append_reference)
+
+
+class TestDecodeAttention:
+    """decode_attention (spec A3 with the flash-decoding split of A3.2) against the oracle."""
+
+    @staticmethod
+    def _run(impl, rng, case, dtype="float32", q_dtype=torch.float32, max_logit=None, scale=None):
+        name, N, H, g, T, d, d_v, r, r_v, starts, split_len, num_splits = case
+        lay, lay64 = random_layout(rng, N, H, T, d, d_v, r, r_v, starts, dtype)
+        q64 = make_q(rng, N, H * g, d, lay64, max_logit, scale)
+        q = _t(q64, q_dtype)
+        q64 = _f64(q)  # the oracle sees the rounded queries
+        out = impl["attend"](q, lay, scale, split_len=split_len, num_splits=num_splits)
+        assert out.dtype == q_dtype and out.shape == (N, H * g, d_v) and out.device.type == DEVICE
+        want = oracle(q64, lay64, scale)
+        # the oracle's own float32 error sets the scale (summation order differs, nothing else)
+        err32 = np.abs(oracle(q64, lay64, scale, np.float32) - want).max()
+        return _f64(out), want, err32
+
+    @pytest.mark.parametrize("case", DECODE_CASES, ids=DECODE_IDS)
+    def test_float32_matches_oracle(self, impl, rng, case):
+        got, want, err32 = self._run(impl, rng, case)
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got, want, rtol=0, atol=4 * err32 + 1e-6 * np.abs(want).max())
+
+    @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+    @pytest.mark.parametrize("case", [DECODE_CASES[0], DECODE_CASES[2], DECODE_CASES[5]], ids=[DECODE_IDS[0], DECODE_IDS[2], DECODE_IDS[5]])
+    def test_half_states_accumulate_in_float32(self, impl, rng, case, dtype):
+        """16-bit coefficients and bases, float32 q: float32 accuracy on the rounded values
+        (the kernel's hi/lo split products must not round q~ or the weights to 16 bits)."""
+        got, want, err32 = self._run(impl, rng, case, dtype)
+        np.testing.assert_allclose(got, want, rtol=0, atol=4 * err32 + 1e-6 * np.abs(want).max())
+
+    @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+    def test_huge_logits(self, impl, rng, dtype):
+        """max |logit| = 1e4 with a float32 q over a 16-bit state: the running max keeps every
+        exponent <= 0, and q~ is rescaled before being cut into float16 parts."""
+        case = ("huge", 1, 2, 4, 90, 64, 64, 7, 5, [chunked(90, 10, 40), chunked(90, 70)], 32, None)
+        got, want, err32 = self._run(impl, rng, case, dtype, max_logit=1e4, scale=0.3)
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got, want, rtol=0, atol=4 * err32 + 1e-6 * np.abs(want).max())
+
+    @pytest.mark.parametrize("q_dtype", [torch.float16, torch.bfloat16])
+    def test_output_has_q_dtype(self, impl, rng, q_dtype):
+        dtype = "float16" if q_dtype == torch.float16 else "bfloat16"
+        case = ("qdtype", 1, 1, 2, 50, 64, 64, 5, 5, [chunked(50, 25)], 16, None)
+        got, want, _ = self._run(impl, rng, case, dtype, q_dtype=q_dtype)
+        eps = 2.0**-10 if q_dtype == torch.float16 else 2.0**-7
+        np.testing.assert_allclose(got, want, rtol=0, atol=eps * np.abs(want).max())
+
+
+class TestDecodePartials:
+    """The per-split partials (m, Z, N) of spec A3.2, kernel against reference, and the merge."""
+
+    @pytest.mark.parametrize("case", [DECODE_CASES[2], DECODE_CASES[5], DECODE_CASES[8]], ids=[DECODE_IDS[2], DECODE_IDS[5], DECODE_IDS[8]])
+    def test_partials_agree(self, rng, case):
+        name, N, H, g, T, d, d_v, r, r_v, starts, split_len, num_splits = case
+        lay, _ = random_layout(rng, N, H, T, d, d_v, r, r_v, starts, "float32")
+        q = _t(rng.standard_normal((N, H * g, d)), torch.float32)
+        m, z, o = decode.decode_partials(q, lay, 0.2, split_len, num_splits)
+        mr, zr, orr = decode.decode_partials_reference(q, lay, 0.2, split_len, num_splits)
+        empty = torch.isinf(mr)
+        assert torch.equal(torch.isinf(m), empty)  # empty splits: exactly the identity of A3.2
+        assert torch.all(m[empty] < 0) and torch.all(z[empty] == 0) and torch.all(o[empty] == 0)
+        torch.testing.assert_close(m[~empty], mr[~empty], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(z, zr, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(o, orr, rtol=1e-5, atol=1e-5)
+        if num_splits is not None:
+            assert empty.any()
+
+    def test_merge_handles_empty_partials(self, impl, rng):
+        """S = 70 partials (two merge tiles), with empty ones: first, last, all but one."""
+        N, Hq, S, d_v = 2, 3, 70, 20
+        m = rng.normal(0, 5, (N, Hq, S))
+        z = np.exp(rng.normal(0, 1, (N, Hq, S))) + 1.0
+        o = rng.standard_normal((N, Hq, S, d_v))
+        empty = rng.random((N, Hq, S)) < 0.3
+        empty[0, 0] = True
+        empty[0, 0, 37] = False  # one non-empty partial, in the second tile
+        empty[1, 2, 0] = empty[1, 2, -1] = True
+        m[empty], z[empty], o[empty] = -np.inf, 0.0, 0.0
+        M = m.max(-1, keepdims=True)
+        w = np.exp(m - M)
+        want = (o * w[..., None]).sum(2) / (z * w).sum(2)[..., None]
+        got = impl["merge"](_t(m, torch.float32), _t(z, torch.float32), _t(o, torch.float32), torch.float32)
+        assert got.shape == (N, Hq, d_v)
+        np.testing.assert_allclose(_f64(got), want, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(_f64(got)[0, 0], o[0, 0, 37] / z[0, 0, 37], rtol=1e-6)
+
+
+class TestProjectAppend:
+    """project_append (spec A6 step 1, A7 steps 1-2): coefficients written into views of the
+    state's buffers, residuals against the oracle's relative_residual."""
+
+    @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+    @pytest.mark.parametrize("n_new", [1, 37])
+    def test_projection_and_residuals(self, impl, rng, dtype, n_new):
+        N, H, J, d, d_v, r, r_v, offset = 2, 3, 4, 80, 64, 5, 9, 10
+        tdt = DTYPES[dtype]
+        k = rng.standard_normal((N, H, n_new, d))
+        v = rng.standard_normal((N, H, n_new, d_v))
+        kb = np.swapaxes(np.linalg.qr(rng.standard_normal((N, H, J, d, r)))[0], -1, -2)
+        vb = np.swapaxes(np.linalg.qr(rng.standard_normal((N, H, J, d_v, r_v)))[0], -1, -2)
+        k[0, 1, 0] = 0.0  # a zero key: rho = 0
+        chunk = rng.integers(0, J, (N, H))
+        k[1, 2, -1] = kb[1, 2, chunk[1, 2]].T @ rng.standard_normal(r)  # in the span: rho ~ 0
+        keys, values, key_bases, value_bases = _t(k, tdt), _t(v, tdt), _t(kb, tdt), _t(vb, tdt)
+        buf_k = torch.full((N, H, offset + n_new + 4, r), float("nan"), dtype=tdt, device=DEVICE)
+        buf_v = torch.full((N, H, offset + n_new + 4, r_v), float("nan"), dtype=tdt, device=DEVICE)
+        rho = impl["project"](keys, values, key_bases, value_bases, _t(chunk, torch.int64),
+                              buf_k[:, :, offset : offset + n_new], buf_v[:, :, offset : offset + n_new], True)
+        # only rows offset .. offset + n_new were written
+        for buf in (buf_k, buf_v):
+            assert torch.isnan(buf[:, :, :offset]).all() and torch.isnan(buf[:, :, offset + n_new :]).all()
+        idx = np.arange(N)[:, None], np.arange(H)[None, :], chunk
+        B, E = _f64(key_bases)[idx], _f64(value_bases)[idx]
+        c64 = np.einsum("nhtd,nhrd->nhtr", _f64(keys), B)
+        dv64 = np.einsum("nhtd,nhrd->nhtr", _f64(values), E)
+        # float32 products, then one rounding to the buffer's dtype
+        ulp = {"float32": 2.0**-22, "float16": 2.0**-10, "bfloat16": 2.0**-7}[dtype]
+        for got, want in ((buf_k[:, :, offset : offset + n_new], c64), (buf_v[:, :, offset : offset + n_new], dv64)):
+            np.testing.assert_allclose(_f64(got), want, rtol=ulp, atol=1e-5)
+        rho_k, rho_v = (_f64(x) for x in rho)
+        assert rho_k.dtype == np.float64 and rho[0].dtype == torch.float32 and rho[0].shape == (N, H, n_new)
+        # residuals from the float32 coefficients: compare squares (cancellation near rho = 0)
+        np.testing.assert_allclose(rho_k**2, relative_residual(_f64(keys), c64) ** 2, atol=2e-6)
+        np.testing.assert_allclose(rho_v**2, relative_residual(_f64(values), dv64) ** 2, atol=2e-6)
+        assert rho_k[0, 1, 0] == 0.0
+        if dtype == "float32":  # (16-bit rounding moves the key out of the rounded basis' span)
+            assert rho_k[1, 2, -1] < 3e-3
+
+    def test_without_residuals_returns_none(self, impl, rng):
+        keys = _t(rng.standard_normal((1, 2, 3, 16)), torch.float32)
+        bases = _t(np.swapaxes(np.linalg.qr(rng.standard_normal((1, 2, 1, 16, 4)))[0], -1, -2), torch.float32)
+        out = torch.empty((1, 2, 3, 4), device=DEVICE)
+        chunk = torch.zeros((1, 2), dtype=torch.int64, device=DEVICE)
+        assert impl["project"](keys, keys, bases, bases, chunk, out, out.clone(), False) is None
+        torch.testing.assert_close(out, keys @ bases[:, :, 0].mT, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_project_window_equals_the_torch_backends_projection(rng, dtype):
+    """The hook offered to the torch backend's adaptive windows returns what its inline
+    ``torch.matmul`` + ``fd.relative_residual`` compute (float64 windows go to torch)."""
+    from subspace_ref_torch import fd
+
+    kk = _t(rng.standard_normal((2, 3, 5, 24)), dtype)
+    vv = _t(rng.standard_normal((2, 3, 5, 20)), dtype)
+    B = _t(np.swapaxes(np.linalg.qr(rng.standard_normal((2, 3, 24, 6)))[0], -1, -2), dtype)
+    E = _t(np.swapaxes(np.linalg.qr(rng.standard_normal((2, 3, 20, 3)))[0], -1, -2), dtype)
+    c, dv, rho_k, rho_v = project.project_window(kk, vv, B, E)
+    want_c, want_dv = torch.matmul(kk, B.mT), torch.matmul(vv, E.mT)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    for got, want in ((c, want_c), (dv, want_dv), (rho_k, fd.relative_residual(kk, want_c)), (rho_v, fd.relative_residual(vv, want_dv))):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got, want, **tol)
+
+
+# ------------------------------------------------------------------------------- backend
+
+
+def _numpy_static(rng, N, H, d, d_v, r, r_v):
+    B = np.stack([np.linalg.qr(rng.standard_normal((d, r)))[0].T for _ in range(H)])
+    E = np.stack([np.linalg.qr(rng.standard_normal((d_v, r_v)))[0].T for _ in range(H)])
+    return sr.SubspaceState.static(sr.StaticBasis.from_bases(B, E, rng.uniform(0.5, 1.5, H)), batch=N)
+
+
+class TestBackend:
+    @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+    def test_static_append_then_attend(self, rng, dtype):
+        """Spec A6 through the projection kernel, in blocks of 1, 20 and 17 tokens, then A3."""
+        N, H, g, d, d_v, r, r_v, T = 2, 2, 2, 64, 64, 5, 3, 38
+        empty = _numpy_static(rng, N, H, d, d_v, r, r_v)
+        K, V = rng.standard_normal((N, H, T, d)), rng.standard_normal((N, H, T, d_v))
+        be = TritonBackend()
+        state = empty.to("triton", device=DEVICE, dtype=dtype)
+        for a, b in ((0, 1), (1, 21), (21, T)):
+            be.append(state, _t(K[:, :, a:b], DTYPES[dtype]), _t(V[:, :, a:b], DTYPES[dtype]))
+        assert state.num_tokens == T
+        # the oracle's append over the same rounded bases and tokens
+        oracle_state = state.to("numpy", dtype=np.float64)
+        oracle_state.layout.num_tokens = 0
+        oracle_state.append(_f64(_t(K, DTYPES[dtype])), _f64(_t(V, DTYPES[dtype])))
+        ulp = 2.0**-22 if dtype == "float32" else 2.0**-7  # one rounding of each coefficient
+        for got, want in ((state.layout.key_coef, oracle_state.layout.key_coef), (state.layout.value_coef, oracle_state.layout.value_coef)):
+            np.testing.assert_allclose(_f64(got[:, :, :T]), want[:, :, :T], rtol=ulp, atol=1e-5)
+        q = _f64(_t(rng.standard_normal((N, H * g, d)), torch.float32))
+        out = sr.attend(_t(q, torch.float32), state, backend="triton")
+        want = attend_reference(q, state.to("numpy", dtype=np.float64), None)
+        np.testing.assert_allclose(_f64(out), want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+    def test_adaptive_append_uses_the_torch_backend(self, rng):
+        """Non-static appends are the torch backend's (FD, triggers, warm-up): identical states."""
+        from subspace_ref_torch import TorchBackend
+
+        K, V = rng.standard_normal((2, 40, 16)), rng.standard_normal((2, 40, 16))
+        empty = sr.SubspaceState.adaptive(2, 16, rank_k=3, rank_v=4, tau_k=0.5, tau_v=0.5, max_chunk=8, dtype=np.float32)
+        a, b = empty.to("triton", device=DEVICE), empty.to("torch", device=DEVICE)
+        TritonBackend().append(a, _t(K[None], torch.float32), _t(V[None], torch.float32))
+        TorchBackend().append(b, _t(K[None], torch.float32), _t(V[None], torch.float32))
+        assert a.num_chunks.tolist() == b.num_chunks.tolist()
+        for x, y in zip(a.reconstruct(), b.reconstruct()):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+
+    def test_refusals_say_why(self, rng, monkeypatch):
+        be = TritonBackend()
+        small = _numpy_static(rng, 1, 1, 8, 8, 2, 2)
+        small.append(rng.standard_normal((1, 1, 3, 8)), rng.standard_normal((1, 1, 3, 8)))
+        q = rng.standard_normal((1, 2, 8))
+        reasons = be.not_supported_reasons(q, small)
+        assert any("q is a numpy" in x for x in reasons) and any("state.to('triton'" in x for x in reasons)
+        s64 = small.to("torch", device=DEVICE, dtype="float64")
+        reasons = be.not_supported_reasons(_t(q), s64)
+        assert any("float64" in x and "torch backend" in x for x in reasons)
+        with pytest.raises(ValueError, match="does not support"):
+            sr.attend(_t(q), s64, backend="triton")
+        big = _numpy_static(rng, 1, 1, 300, 8, 1, 2).to("triton", device=DEVICE, dtype="float32")
+        assert any("key head size d is 300" in x for x in be.not_supported_reasons(_t(rng.standard_normal((1, 1, 300)), torch.float32), big))
+        s32 = small.to("triton", device=DEVICE, dtype="float32")
+        assert be.not_supported_reasons(_t(q, torch.float32), s32) == []
+        assert any("query heads per KV head" in x for x in be.not_supported_reasons(_t(rng.standard_normal((1, 65, 8)), torch.float32), s32))
+        if DEVICE == "cpu":  # a CPU state, as the compiled kernels would see it
+            monkeypatch.setattr(backend_module, "interpreting", lambda: False)
+            assert any("TRITON_INTERPRET=1" in x for x in be.not_supported_reasons(_t(q, torch.float32), s32))
+
+    def test_availability_reasons(self, monkeypatch):
+        be = TritonBackend()
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        monkeypatch.setattr(backend_module, "_KERNELS_INTERPRETED", None)
+        got = be.availability()
+        assert not got and got.reason == "no CUDA device; set TRITON_INTERPRET=1 to run the kernels on the CPU interpreter"
+        monkeypatch.setattr(backend_module, "_KERNELS_INTERPRETED", True)
+        assert "restart the process" in be.availability().reason
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert be.availability()
+
+    def test_import_touches_neither_triton_nor_cuda(self):
+        code = (
+            "import sys, subspace_ref_triton as t; t.TritonBackend().availability(); "
+            "bad = [m for m in ('triton', 'subspace_ref_triton.decode', 'subspace_ref_triton.project') if m in sys.modules]; "
+            "import torch; assert not torch.cuda.is_initialized(); print(bad)"
+        )
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**os.environ, "TRITON_INTERPRET": "1"})
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == "[]"

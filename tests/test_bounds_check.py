@@ -185,3 +185,17 @@ def test_custom_scale_matches_attend(rng):
     assert report.predictors["attend_consistency"] < 1e-12
     o = attend(q, state, scale=0.1)
     assert np.isfinite(o).all() and not report.violations
+
+
+def test_non_orthonormal_bases_are_no_projection(rng):
+    # spec B0/B10.4: P = B^T B with non-orthogonal rows is no projector, so the paper forms lose
+    # their premise; the corrected forms, stated with K_hat, still hold
+    d = 3
+    K, V = rng.standard_normal((1, 12, d)), rng.standard_normal((1, 12, d))
+    skew = np.array([[[[1.0, 0.0, 0.0], [0.6, 0.8, 0.0]]]])  # unit rows, 0.6 apart
+    state = state_from_chunks(K, V, [0], skew, skew)
+    report = check(rng.standard_normal((1, d)), K, V, state)
+    assert report.predictors["basis_orthonormality_error"] == pytest.approx(0.6)
+    for cid in ("B2", "B4.2", "B8"):
+        assert not report[cid].guarantee and "bases not orthonormal" in report[cid].status
+    assert not report.violations

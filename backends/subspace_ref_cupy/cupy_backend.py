@@ -222,7 +222,10 @@ class CupyBackend:
         if not fast:
             from subspace_ref.numpy_backend import append_reference
 
-            append_reference(state, keys, values)
+            if state.kind != "static" and dtype in ("float16", "bfloat16"):
+                _append_widened(state, keys, values)
+            else:
+                append_reference(state, keys, values)
             return
         T, n_new = lay.num_tokens, keys.shape[2]
         lay = lay.with_capacity(T + n_new, lay.key_bases.shape[2])
@@ -274,6 +277,27 @@ class CupyBackend:
 
         with _interop.launch_context(_interop.device_id(keys)):
             return _launch.project_tokens(_interop.dtype_name(keys), keys, values, B, E)
+
+
+def _append_widened(state, keys: Any, values: Any) -> None:
+    """Spec A7/A8 appends of a 16-bit online state: the oracle's token loop on float32 copies,
+    rounded back to the state's dtype afterwards. CuPy's SVD (the FD sketches, spec A4) takes
+    float32/float64 only. Costs a copy of the state per call."""
+    from subspace_ref.numpy_backend import append_reference
+
+    narrow = keys.dtype
+
+    def widen(name, x):
+        return x.astype(np.float32) if x.dtype.kind == "f" and x.dtype.itemsize == 2 else x
+
+    def back(name, x):
+        return x.astype(narrow) if x.dtype == np.float32 and name not in _SCALE_FIELDS else x
+
+    sketches = replace(state.sketches, keys=widen("", state.sketches.keys), values=widen("", state.sketches.values))
+    wide = type(state)(state.policy, state.layout.map_arrays(widen), sketches, state.batched, state.engine)
+    append_reference(wide, keys.astype(np.float32), values.astype(np.float32))
+    state.layout = wide.layout.map_arrays(back)
+    state.sketches = replace(wide.sketches, keys=back("", wide.sketches.keys), values=back("", wide.sketches.values))
 
 
 def _cupy_dtype(dtype: Any) -> np.dtype:

@@ -50,7 +50,7 @@ class BoundRow:
     reason: str = ""  # why a paper form is (or is not) guaranteed here
 
     def to_dict(self) -> dict:
-        return {k: _jsonable(v) for k, v in asdict(self).items()}
+        return {k: jsonable(v) for k, v in asdict(self).items()}
 
 
 @dataclass
@@ -83,8 +83,8 @@ class BoundsReport:
     def to_dict(self) -> dict:
         return {
             "rows": [r.to_dict() for r in self.rows],
-            "predictors": _jsonable(self.predictors),
-            "info": _jsonable(self.info),
+            "predictors": jsonable(self.predictors),
+            "info": jsonable(self.info),
         }
 
     def __str__(self) -> str:
@@ -125,13 +125,15 @@ def _fmt_opt(x) -> str:
     return "n/a" if x is None else f"{x:.4g}"
 
 
-def _jsonable(x: Any) -> Any:
+def jsonable(x: Any) -> Any:
+    """Plain JSON types: NumPy scalars and arrays unwrapped, non-finite floats as strings
+    ("inf", "-inf", "nan") since JSON has no literal for them."""
     if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items()}
+        return {k: jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
+        return [jsonable(v) for v in x]
     if isinstance(x, np.ndarray):
-        return _jsonable(x.tolist())
+        return jsonable(x.tolist())
     if isinstance(x, (np.floating, float)):
         x = float(x)
         return x if math.isfinite(x) else ("inf" if x > 0 else "-inf" if x < 0 else "nan")

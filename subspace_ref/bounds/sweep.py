@@ -20,13 +20,13 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from subspace_ref.bounds.check import _jsonable, check
+from subspace_ref.bounds.check import jsonable, check
 from subspace_ref.bounds.statements import CLAIMS, COUNTEREXAMPLES
 
 FAMILIES = ("lowrank", "drift", "rope", "sink")
@@ -274,14 +274,15 @@ def capture_default_model(folder: Path, tokens: int) -> Path | None:
 
 
 def cache_grid(name: str, d: int, T: int) -> list[Config]:
-    """A few states per saved layer: static, adaptive at two ranks, rotating (spec B9)."""
+    """A few states per saved layer: static (two gammas), adaptive at two ranks (the second with
+    sketch_reset), rotating (spec B9)."""
     base = dict(source=name, d=d, tokens=T)
     r1, r2 = max(1, d // 8), max(1, d // 4)
     return [
         Config(kind="static", rank=r2, gamma="unit", **base),
         Config(kind="static", rank=r2, gamma="paper", **base),
         Config(kind="adaptive", rank=r1, ell=2 * r1, tau=0.3, **base),
-        Config(kind="adaptive", rank=r2, ell=2 * r2, tau=0.3, **base),
+        Config(kind="adaptive", rank=r2, ell=2 * r2, tau=0.3, sketch_reset=True, **base),
         Config(kind="rotating", rank=r2, ell=2 * r2, refresh=64, **base),
     ]
 
@@ -353,8 +354,10 @@ def summarize(records: list[dict], predictors: list[dict], counterexamples: dict
             worst_failure=None if worst_fail is None else dict(config=worst_fail["config"], measured=worst_fail["measured"], bound=worst_fail["bound"]),
         )
     correlations = {}
-    for scope in ("all", *sorted({p["kind"] for p in predictors})):
-        subset = [p for p in predictors if scope == "all" or p["kind"] == scope]
+    scopes = {"all": lambda p: True, "caches": lambda p: p["source"].startswith("cache:")}
+    scopes.update({k: (lambda p, k=k: p["kind"] == k) for k in sorted({p["kind"] for p in predictors})})
+    for scope, keep in scopes.items():
+        subset = [p for p in predictors if keep(p)]
         for a, b in SPEARMAN_PAIRS:
             pairs = [(p[a], p[b]) for p in subset if _finite(p.get(a)) and _finite(p.get(b))]
             if len(pairs) < 3 or len({x for x, _ in pairs}) < 2 or len({y for _, y in pairs}) < 2:
@@ -387,7 +390,7 @@ def write_csv(path: Path, records: list[dict]) -> None:
         w = csv.DictWriter(f, fieldnames=list(records[0]))
         w.writeheader()
         for r in records:
-            w.writerow({k: _jsonable(v) for k, v in r.items()})
+            w.writerow({k: jsonable(v) for k, v in r.items()})
 
 
 def plot(path: Path, records: list[dict]) -> None:
@@ -502,7 +505,7 @@ def theory_markdown(summary: dict, meta: dict) -> str:
                        f"(`{CLAIMS[c.corrected_by].formula}`), a guarantee.")
             out.append("")
             out.append(f"Counterexample `{c.counterexample}`: {ce['description']} "
-                       f"Measured {_num(m['measured'])} > bound {_num(m['bound'])}.")
+                       f"Through `check`: measured {m['measured']:.5g} > bound {m['bound']:.5g}.")
             out.append("")
             reasons = ", ".join(f"{k}: {v}" for k, v in sorted(s["failed_by_reason"].items())) or "none"
             out.append(f"In the sweep: condition met on {s['guaranteed']} of {s['applicable']} states "
@@ -526,14 +529,14 @@ def theory_markdown(summary: dict, meta: dict) -> str:
         "errors\". Spearman rank correlation across the sweep's states (online states for the FD ε rows); "
         "`max_chunk_residual` is the worst head's max_j ‖K_j(I−P_{B_j})‖_op, errors are the worst query head's.",
         "",
-        "| predictor ~ error | all: ρ (n) | adaptive | rotating | static |",
-        "|---|---|---|---|---|",
+        "| predictor ~ error | all: ρ (n) | adaptive | rotating | static | saved caches |",
+        "|---|---|---|---|---|---|",
     ]
     sp = summary["spearman"]
     for a, b in SPEARMAN_PAIRS:
         key = f"{a} ~ {b}"
         cells = []
-        for scope in ("all", "adaptive", "rotating", "static"):
+        for scope in ("all", "adaptive", "rotating", "static", "caches"):
             v = sp.get(scope, {}).get(key)
             cells.append("–" if v is None else f"{v['rho']:.2f} ({v['n']})")
         out.append(f"| {key} | " + " | ".join(cells) + " |")
@@ -569,7 +572,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("results/bounds"), help="output folder (default results/bounds)")
     parser.add_argument("--theory", type=Path, default=Path("docs/theory.md"), help="where to write the generated theory page (default docs/theory.md)")
     parser.add_argument("--caches", type=Path, default=None, help="folder of saved caches (.npz with K, V, Q per layer); skipped when absent")
-    parser.add_argument("--cache-tokens", type=int, default=None, help="tokens per saved layer (default 512; 128 with --quick)")
+    parser.add_argument("--cache-tokens", type=int, default=None, help="tokens per saved layer (default 256; 128 with --quick)")
     parser.add_argument("--capture-default-model", action="store_true",
                         help="also record the shipped default model's K, V, Q on held-out text into OUT/caches and sweep them (needs the models extra)")
     parser.add_argument("--quick", action="store_true", help="a small grid (seconds), as the tests run it")
@@ -589,7 +592,7 @@ def _jobs(args: argparse.Namespace, out: Path) -> tuple[list[tuple[Config, tuple
             data = synthetic_stream(cfg.source, cfg.d, cfg.tokens, 2, 4, cfg.seed)
             streams[key] = (*data, synthetic_stream(cfg.source, cfg.d, cfg.tokens, 2, 4, cfg.seed + 1))
         jobs.append((cfg, streams[key]))
-    max_t = args.cache_tokens or (128 if args.quick else 512)
+    max_t = args.cache_tokens or (128 if args.quick else 256)
     folders = []
     if args.caches is not None:
         if Path(args.caches).is_dir():
@@ -634,14 +637,14 @@ def run(args: argparse.Namespace) -> int:
         skipped=skipped, runtime_s=None,
     )
     write_csv(out / "bounds.csv", records)
-    (out / "predictors.json").write_text(json.dumps(_jsonable(predictors), indent=1))
+    (out / "predictors.json").write_text(json.dumps(jsonable(predictors), indent=1))
     if not args.no_plot:
         plot(out / "bounds.png", records)
     if args.theory is not None:
         Path(args.theory).parent.mkdir(parents=True, exist_ok=True)
         Path(args.theory).write_text(theory_markdown(summary, meta))
     meta["runtime_s"] = round(time.perf_counter() - start, 2)
-    (out / "summary.json").write_text(json.dumps(_jsonable(dict(meta=meta, **summary)), indent=1))
+    (out / "summary.json").write_text(json.dumps(jsonable(dict(meta=meta, **summary)), indent=1))
     bad = {cid: s["violations"] for cid, s in summary["claims"].items() if s["violations"]}
     print(f"bounds: {meta['configurations']} states, {len(records)} rows in {meta['runtime_s']} s -> {out}"
           + (f"; theory page {args.theory}" if args.theory is not None else ""))

@@ -295,7 +295,7 @@ class SubspaceState:
     def to(self, backend: str, device: Any = None, dtype: Any = None) -> "SubspaceState":
         """A copy whose arrays belong to ``backend``'s array family (e.g. "torch" for the torch and
         triton backends), on ``device``, with floating arrays cast to ``dtype``. Appends to the
-        copy then run on that family's backend."""
+        copy then run on ``backend``; any backend of the same family can attend to it."""
         from subspace_ref.registry import get_backend
 
         target = get_backend(backend)
@@ -312,7 +312,8 @@ class SubspaceState:
         state.layout = state.layout.map_arrays(lambda name, x: keep_dtype(x) if name in fixed else convert(x))
         if state.sketches is not None:
             state.sketches = replace(state.sketches, keys=convert(state.sketches.keys), values=convert(state.sketches.values))
-        state.engine = target.array_family
+        # appends then run on the named backend (e.g. "triton" uses its projection kernel)
+        state.engine = backend
         return state
 
     # ----------------------------------------------------------------- helpers

@@ -280,8 +280,8 @@ def test_cache_holds_coefficients_only():
 # --------------------------------------------------------------------------- INT8, numpy backend, batches
 @pytest.mark.parametrize("kind", ["static", "adaptive", "rotating"])
 def test_int8_coefficients_teacher_forced_equals_decoding_on_numpy_backend(kind):
-    """INT8 coefficients (spec A10) through the numpy backend (the torch backend refuses int8
-    states): teacher forcing still equals decoding, and stays near the float cache."""
+    """INT8 coefficients (spec A10) through the numpy backend: teacher forcing still equals
+    decoding, and stays near the float cache."""
     model = model_for("neox")
     ids = torch.randint(0, VOCAB, (1, 14), generator=torch.Generator().manual_seed(3))
     if kind == "static":
@@ -300,11 +300,14 @@ def test_int8_coefficients_teacher_forced_equals_decoding_on_numpy_backend(kind)
     assert 0 < gap < 0.1 * float(float_logits.abs().max())
 
 
-def test_int8_state_refused_by_torch_backend_with_reason():
+def test_int8_state_on_torch_backend_matches_numpy_backend():
+    """The torch backend reads int8 coefficients (spec A10) as the oracle does."""
     model = model_for("gpt2")
-    ids = torch.randint(0, VOCAB, (1, 4))
-    with pytest.raises(ValueError, match="refuses this state"):
-        teacher_forced(model, ids, full_rank_states("static", coefficients="int8"), backend="torch")
+    ids = torch.randint(0, VOCAB, (1, 4), generator=torch.Generator().manual_seed(4))
+    states = full_rank_states("static", coefficients="int8")
+    on_torch = teacher_forced(model, ids, states, backend="torch", keep_logits=True).logits
+    on_numpy = teacher_forced(model, ids, states, backend="numpy", keep_logits=True).logits
+    assert_logits_close(on_torch, on_numpy, "gpt2")
 
 
 def test_batch_of_sequences_equals_each_alone():

@@ -298,3 +298,18 @@ def test_validation():
         exact_cost(4, Shape(4)).phase("decode")
     with pytest.raises(KeyError):
         exact_cost(4, Shape(4)).term("nope")
+
+
+# ----------------------------------------------------------------------------- the CLI report
+def test_roofline_report_smoke(tmp_path, capsys):
+    from subspace_ref.cli import main
+
+    rc = main(["roofline", "--out", str(tmp_path), "--contexts", "32", "64", "--ranks", "4", "--heads", "2", "--d", "16",
+               "--targets", "numpy", "exact-numpy", "--adaptive-max-tokens", "64", "--min-time", "0", "--threads", "0"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "ratio" in out and "numpy" in out and "exact-numpy" in out
+    rows = (tmp_path / "roofline.csv").read_text().splitlines()
+    assert len(rows) == 1 + 2 * 2 + 2  # header; static and adaptive at 2 lengths; exact at 2 lengths
+    assert (tmp_path / "roofline.png").stat().st_size > 0
+    assert "bandwidth_Bps" in (tmp_path / "machine.json").read_text()

@@ -41,7 +41,8 @@ class Attend:
         else:
             path = cache["paths"].get((kind, T, rank))
             if path is None:
-                raise NotImplementedError(f"no adaptive state of {T} tokens was built (that needs the torch backend)")
+                raise NotImplementedError(f"no adaptive state of {T} tokens in setup_cache: without the torch backend "
+                                          f"they are built on the oracle up to T = {C.NUMPY_MAX_T} only")
             state = C.load_state(path)
         self.state = self.target.state(state)
         self.q = C.query(self.target)

@@ -298,13 +298,13 @@ class SubspaceLayer(CacheLayerMixin):
 
     def _append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         st = self.state
-        if st.engine == "numpy":
+        if isinstance(st.layout.key_coef, np.ndarray):
             keys, values = _to_numpy(keys, st.dtype), _to_numpy(values, st.dtype)
         st.append(keys, values)
 
     def _attend_one(self, q: torch.Tensor, state: SubspaceState, scale: float) -> torch.Tensor:
         """subspace_ref.attend of q (B, H_q, d) over ``state``, back as q's tensor type."""
-        x = _to_numpy(q, state.dtype) if state.engine == "numpy" else q
+        x = _to_numpy(q, state.dtype) if isinstance(state.layout.key_coef, np.ndarray) else q
         out = subspace_ref.attend(x, state, backend=self.cache.backend, scale=scale)
         return out if isinstance(out, torch.Tensor) else torch.from_numpy(np.asarray(out)).to(device=q.device, dtype=q.dtype)
 
@@ -421,8 +421,10 @@ class SubspaceCache(Cache):
             raise ValueError(f"layer {spec.layer_idx}: the cache needs batched states (built with batch=N); the factories here do so")
         if state.num_tokens:
             raise ValueError(f"layer {spec.layer_idx}: the state already holds {state.num_tokens} tokens; give empty states")
-        if state.engine != self.family or (self.family == "torch" and state.layout.key_coef.device != spec.device):
-            state = state.to(self.family, device=spec.device if self.family == "torch" else None)
+        held_family = "numpy" if isinstance(state.layout.key_coef, np.ndarray) else type(state.layout.key_coef).__module__.split(".")[0]
+        if held_family != self.family or state.engine != self.backend or (self.family == "torch" and state.layout.key_coef.device != spec.device):
+            # appends then run on the chosen backend itself (e.g. triton's projection kernel)
+            state = state.to(self.backend, device=spec.device if self.family == "torch" else None)
         probe = torch.zeros((spec.batch, spec.heads, spec.head_dim), dtype=torch.float64 if state.dtype == np.float64 or str(state.dtype) == "torch.float64" else torch.float32, device=spec.device)
         if self.family != "torch":
             probe = probe.cpu().numpy()

@@ -5,28 +5,34 @@ static basis, float32, batch 1: ``subspace_ref.attend(q, state, backend="torch")
 ``torch.nn.functional.scaled_dot_product_attention`` over the full uncompressed cache of the same
 tokens, for T in {4k, 16k, 64k}. Both run in the same process with the same thread count.
 
-Reported per T (medians of --repeats timed calls after --warmup untimed ones):
+Reported per T (medians of --repeats timed calls after --warmup untimed ones; SDPA, attend, the
+backend call, the copy and the read are timed in turn within each repeat, so load from other
+processes on a shared machine falls on all of them alike, and each call finds its data evicted
+from the caches by the others, as a decode step finds a layer's cache):
 
 * time of the coefficient-space attend (public API, with its argument checks) and of the
   backend call alone (``TorchBackend.attend``), and of SDPA; ratio = attend / SDPA;
 * bytes each reads -- SDPA: K and V (2 H T d 4 bytes); attend: key and value coefficients
   (H T (r + r_v) 4 bytes) plus the bases -- and the bandwidth that achieves;
-* the machine's copy bandwidth measured in the same run: ``dst.copy_(src)`` of a 256 MiB float32
-  tensor into a preallocated one, counted as bytes read + bytes written (the STREAM convention),
-  and its read-only bandwidth (``src.sum()``);
+* the machine's copy bandwidth measured in the same run, per row, timed in turn with the
+  attention calls: ``dst.copy_(src)`` of a 256 MiB float32 tensor into a preallocated one,
+  counted as bytes read + bytes written (the STREAM convention), and the read-only bandwidth
+  (``src.sum()``); %copy and %read compare the attend's bandwidth with these;
 * append cost per token (one decode token appended to a static state holding T tokens): the
-  median of --appends single appends, and the amortised cost: their mean plus the one geometric
-  growth of the coefficient arrays (an O(T) copy, once per T appends) divided by T. Neither may
-  grow with T.
+  median of --appends single appends; the amortised cost: their mean plus the one geometric
+  growth of the coefficient arrays (an O(T) copy, once per T appends) divided by T; and that
+  growth share alone. None may grow with T (the mean is sensitive to preemption on a busy
+  machine; the median is the steady cost).
 
 Targets: ratio <= 0.30 at T >= 16k; attend bandwidth >= 70% of copy bandwidth.
 
-    python benchmarks/decode_cpu.py [--threads 1] [--tokens 4096 16384 65536] [--group 1]
+    python benchmarks/decode_cpu.py [--threads 1] [--tokens 4096 16384 65536] [--group 1] [--stat min]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import time
@@ -46,6 +52,24 @@ def timeit(fn, repeats: int, warmup: int) -> list[float]:
         fn()
         times.append(time.perf_counter() - t0)
     return times
+
+
+STAT = statistics.median  # --stat min: the fastest repeat instead (filters preemption on a busy machine)
+
+
+def interleaved(fns, repeats: int, warmup: int) -> list[float]:
+    """Median (or --stat) time of each function, timed in turn within each repeat, so that load
+    from other processes (a shared machine) falls on all of them alike."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, ts in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return [STAT(ts) for ts in times]
 
 
 def copy_bandwidth(repeats: int) -> tuple[float, float]:
@@ -76,21 +100,29 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=21)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--appends", type=int, default=200)
+    ap.add_argument("--stat", choices=("median", "min"), default="median", help="statistic over repeats (min filters preemption)")
     args = ap.parse_args()
+    global STAT
+    STAT = statistics.median if args.stat == "median" else min
     torch.set_num_threads(args.threads)
     H, d, r, g = args.heads, args.dim, args.rank, args.group
     gen = torch.Generator().manual_seed(0)
     backend = sr.get_backend("torch")
 
-    copy_gbs, read_gbs = copy_bandwidth(args.repeats)  # measured again after the sweep
+    src = torch.rand(64 * 1024 * 1024)  # 256 MiB, for the copy and read bandwidth of each row
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # touch the pages
+    src_bytes = src.numel() * src.element_size()
+    copy_gbs, read_gbs = copy_bandwidth(args.repeats)  # measured again after the sweep, and per row
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, threads={torch.get_num_threads()}")
     print(f"H={H} (query heads {H * g}), d=d_v={d}, r=r_v={r}, static basis, float32, batch 1")
-    print(f"copy bandwidth (read+write) {copy_gbs:.2f} GB/s, read bandwidth (sum) {read_gbs:.2f} GB/s\n")
+    print(f"copy bandwidth {copy_gbs:.2f} GB/s counting read+write ({copy_gbs / 2:.2f} GB/s of tensor copied), read bandwidth (sum) {read_gbs:.2f} GB/s")
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; statistic over repeats: {args.stat}\n")
 
     basis = sr.StaticBasis.from_bases(orthonormal(gen, H, r, d), orthonormal(gen, H, r, d), gamma=1.0)
     header = (
-        f"{'T':>6} | {'SDPA ms':>8} {'GB/s':>6} | {'attend ms':>9} {'backend ms':>10} {'GB/s':>6} {'%copy':>6} {'%read':>6} | "
-        f"{'ratio':>6} {'ratio(backend)':>14} | {'append us/tok':>13} {'amortised':>9}"
+        f"{'T':>6} | {'copy GB/s':>9} {'read GB/s':>9} | {'SDPA ms':>8} {'GB/s':>6} | {'attend ms':>9} {'backend ms':>10} {'GB/s':>6} {'%copy':>6} {'%read':>6} | "
+        f"{'ratio':>6} {'ratio(backend)':>14} | {'append us/tok':>13} {'amortised':>9} {'growth/T':>8}"
     )
     print(header)
     print("-" * len(header))
@@ -112,9 +144,12 @@ def main() -> None:
         assert torch.isfinite(out).all() and out.shape == out_ref.shape
 
         with torch.inference_mode():
-            t_sdpa = statistics.median(timeit(sdpa, args.repeats, args.warmup))
-            t_att = statistics.median(timeit(lambda: sr.attend(q_state, state, backend="torch"), args.repeats, args.warmup))
-            t_bk = statistics.median(timeit(lambda: backend.attend(q_backend, state, None), args.repeats, args.warmup))
+            t_sdpa, t_att, t_bk, t_copy, t_read = interleaved(
+                [sdpa, lambda: sr.attend(q_state, state, backend="torch"), lambda: backend.attend(q_backend, state, None), lambda: dst.copy_(src), lambda: src.sum()],
+                args.repeats,
+                args.warmup,
+            )
+        copy_gbs, read_gbs = 2 * src_bytes / t_copy / 1e9, src_bytes / t_read / 1e9
 
         bytes_sdpa = 2 * H * T * d * 4 + q.numel() * 4
         bytes_att = H * T * 2 * r * 4 + 2 * H * r * d * 4 + q.numel() * 4
@@ -134,12 +169,13 @@ def main() -> None:
             single.append(time.perf_counter() - a)
         t_app = statistics.median(single)
         amortised = statistics.fmean(single) + t_growth / T
+        growth_share = t_growth / T
 
         bw = bytes_att / t_bk / 1e9
         rows.append((T, t_sdpa, t_att, t_bk, bw))
         print(
-            f"{T:>6} | {t_sdpa * 1e3:8.3f} {bytes_sdpa / t_sdpa / 1e9:6.2f} | {t_att * 1e3:9.3f} {t_bk * 1e3:10.3f} {bw:6.2f} "
-            f"{100 * bw / copy_gbs:5.0f}% {100 * bw / read_gbs:5.0f}% | {t_att / t_sdpa:6.3f} {t_bk / t_sdpa:14.3f} | {t_app * 1e6:13.1f} {amortised * 1e6:9.1f}"
+            f"{T:>6} | {copy_gbs:9.2f} {read_gbs:9.2f} | {t_sdpa * 1e3:8.3f} {bytes_sdpa / t_sdpa / 1e9:6.2f} | {t_att * 1e3:9.3f} {t_bk * 1e3:10.3f} {bw:6.2f} "
+            f"{100 * bw / copy_gbs:5.0f}% {100 * bw / read_gbs:5.0f}% | {t_att / t_sdpa:6.3f} {t_bk / t_sdpa:14.3f} | {t_app * 1e6:13.1f} {amortised * 1e6:9.1f} {growth_share * 1e6:8.2f}"
         )
         del K, V, state
 

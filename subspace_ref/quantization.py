@@ -18,10 +18,12 @@ def quantize_rows(x: Any) -> tuple[Any, Any]:
     if array_family(x) == "torch":
         import torch
 
-        scale = x.abs().amax(dim=-1).float() / 127.0
+        # divide in float64 for float64 input, as the NumPy branch does, so both round alike
+        wide = x.double() if x.dtype == torch.float64 else x.float()
+        scale = wide.abs().amax(dim=-1) / 127.0
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round(x.float() / safe[..., None]).clamp_(-127, 127).to(torch.int8)
-        return q, scale
+        q = torch.round(wide / safe[..., None]).clamp_(-127, 127).to(torch.int8)
+        return q, scale.float()
     xp = namespace(x)
     scale = (xp.abs(x).max(axis=-1) / 127.0).astype(np.float32)
     safe = xp.where(scale > 0, scale, 1.0).astype(np.float32)

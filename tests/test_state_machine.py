@@ -587,7 +587,7 @@ def test_state_machine_campaign(backend):
     "backend",
     [
         "numpy",
-        pytest.param("torch", marks=pytest.mark.xfail(strict=True, reason="torch backend bug: subspace_ref_torch.convert.to_tensor turns every integer array into int64; see report")),
+        "torch",
     ],
 )
 def test_conversion_keeps_int8_coefficients(backend):

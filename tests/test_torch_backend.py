@@ -93,15 +93,30 @@ def test_dtype_spellings(spelling):
     assert x.dtype == torch.float16
 
 
-def test_converter_casts_floats_and_keeps_ints_int64():
+def test_converter_casts_floats_and_keeps_integer_dtypes():
     convert = BACKEND.converter(device="cpu", dtype="bfloat16")
     f = convert(np.arange(4.0))
-    i = convert(np.arange(4, dtype=np.int32))
+    i64 = convert(np.arange(4, dtype=np.int64))
+    i8 = convert(np.arange(4, dtype=np.int8))  # int8 coefficients of spec A10
     assert f.dtype == torch.bfloat16 and f.device.type == "cpu"
-    assert i.dtype == torch.int64 and i.tolist() == [0, 1, 2, 3]
+    assert i64.dtype == torch.int64 and i64.tolist() == [0, 1, 2, 3]
+    assert i8.dtype == torch.int8
     t = convert(torch.ones(2, dtype=torch.float64))
     assert t.dtype == torch.bfloat16
     assert BACKEND.converter()(np.ones(2, dtype=np.float32)).dtype == torch.float32  # no dtype: kept
+
+
+def test_int8_state_keeps_int8_coefficients_and_float32_scales(rng):
+    state = sr.SubspaceState.rotating(2, 16, 12, rank_k=4, rank_v=3, refresh_every=8, coefficients="int8")
+    state.append(rng.standard_normal((2, 20, 16)), rng.standard_normal((2, 20, 12)))
+    ts = state.to("torch", dtype="float16")
+    lay = ts.layout
+    assert lay.key_coef.dtype == torch.int8 and lay.key_scale.dtype == torch.float32
+    assert lay.key_bases.dtype == torch.float16 and ts.dtype == torch.float16
+    ts.append(torch.randn(2, 5, 16, dtype=torch.float16), torch.randn(2, 5, 12, dtype=torch.float16))
+    assert ts.layout.key_coef.dtype == torch.int8 and ts.num_tokens == 25
+    out = sr.attend(torch.randn(4, 16, dtype=torch.float16), ts, backend="torch")
+    assert out.dtype == torch.float16 and torch.isfinite(out).all()
 
 
 def test_converter_copies_host_arrays():

@@ -27,7 +27,9 @@ replace the state's arrays in the last two statements.
 
 Half-precision states (float16, bfloat16) are computed in float32 and stored in their dtype;
 bases are rounded to the stored dtype before use, so coefficients are taken with the same bases
-``attend`` later reads.
+``attend`` later reads. int8 coefficients (spec A10) are quantised when stored, as the oracle's
+``store`` does; the residual trigger uses the unquantised coefficients, and a rotating refresh
+dequantises, rotates and quantises again.
 """
 
 from __future__ import annotations
@@ -59,11 +61,44 @@ def append_static(state, keys: torch.Tensor, values: torch.Tensor) -> None:
     lay = state.layout
     T, n_new = lay.num_tokens, keys.shape[2]
     lay = lay.with_capacity(T + n_new, lay.key_bases.shape[2])
-    work = compute_dtype(lay.key_coef.dtype)
+    work = compute_dtype(lay.key_bases.dtype)
     # rows T.. are spare capacity until the commit below: writing them changes nothing visible
-    lay.key_coef[:, :, T : T + n_new] = torch.matmul(keys.to(work), lay.key_bases[:, :, 0].to(work).mT)
-    lay.value_coef[:, :, T : T + n_new] = torch.matmul(values.to(work), lay.value_bases[:, :, 0].to(work).mT)
+    rows = slice(T, T + n_new)
+    store(lay, "key", rows, torch.matmul(keys.to(work), lay.key_bases[:, :, 0].to(work).mT))
+    store(lay, "value", rows, torch.matmul(values.to(work), lay.value_bases[:, :, 0].to(work).mT))
     state.layout = replace(lay, num_tokens=T + n_new)
+
+
+def store(lay, which: str, rows, coef: torch.Tensor) -> None:
+    """Write coefficients (N, H, ..., r) at token ``rows`` of ``lay`` (in place), quantised to
+    int8 with per-token scales when the layout is (spec A10), else cast to the stored dtype."""
+    target = getattr(lay, f"{which}_coef")
+    scales = getattr(lay, f"{which}_scale", None)
+    if scales is None:
+        target[:, :, rows] = coef
+    else:
+        q, scale = fd.quantize_rows(coef)
+        target[:, :, rows] = q
+        scales[:, :, rows] = scale
+
+
+def _rotated(lay, which: str, upto: int, R: torch.Tensor, own: bool):
+    """Spec A8 step 4: C <- C R for the first ``upto`` tokens, in private copies of the
+    coefficient (and scale) arrays -- made on the first rotation of an append (``own`` False),
+    reused after. int8 coefficients are dequantised, rotated and quantised again."""
+    coef = getattr(lay, f"{which}_coef")
+    scales = getattr(lay, f"{which}_scale", None)
+    if scales is None:
+        current = coef[:, :, :upto].to(R.dtype)
+    else:
+        current = fd.dequantize_rows(coef[:, :, :upto], scales[:, :, :upto], R.dtype)
+    rotated = torch.matmul(current, R)
+    if not own:
+        lay = replace(lay, **{f"{which}_coef": coef.clone()})
+        if scales is not None:
+            lay = replace(lay, **{f"{which}_scale": scales.clone()})
+    store(lay, which, slice(0, upto), rotated)
+    return lay
 
 
 def append_online(state, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -75,22 +110,21 @@ def append_online(state, keys: torch.Tensor, values: torch.Tensor) -> None:
     lay = state.layout
     J_used = int(lay.num_chunks.max()) if adaptive else 1
     lay = lay.with_capacity(T + n_new, J_used + (n_new if adaptive else 0))
-    store = lay.key_coef.dtype
-    work = compute_dtype(store)
+    dtype = lay.key_bases.dtype  # the state's float dtype (coefficients may be int8)
+    work = compute_dtype(dtype)
 
-    def stored(x: torch.Tensor) -> torch.Tensor:  # what attend will read back
-        return x if store == work else x.to(store).to(work)
+    def stored(x: torch.Tensor) -> torch.Tensor:  # the bases as attend will read them back
+        return x if dtype == work else x.to(dtype).to(work)
 
     sk = state.sketches
     buf_k = sk.keys.to(work, copy=True)
     buf_v = sk.values.to(work, copy=True)
     filled_k, filled_v = sk.filled_k, sk.filled_v
-    coef_k, coef_v = lay.key_coef, lay.value_coef
-    own_coef = False  # becomes True once a rotation has replaced coef_k/coef_v by private copies
+    own_coef = False  # becomes True once a rotation has replaced the coefficients by private copies
     num_chunks = lay.num_chunks.clone()
     chunk_starts = lay.chunk_starts.clone()
-    N, H = coef_k.shape[:2]
-    device = coef_k.device
+    N, H = lay.key_coef.shape[:2]
+    device = lay.key_coef.device
     n_idx = torch.arange(N, device=device)[:, None]
     h_idx = torch.arange(H, device=device)[None, :]
     open_B = lay.key_bases[n_idx, h_idx, num_chunks - 1].to(work)  # (N, H, r, d), a copy
@@ -114,8 +148,8 @@ def append_online(state, keys: torch.Tensor, values: torch.Tensor) -> None:
             open_B[:, :, t] = stored(fd.warmup_row(open_B, k))
             open_E[:, :, t] = stored(fd.warmup_row(open_E, v))
             warm_B, warm_E = open_B.clone(), open_E.clone()
-            coef_k[:, :, t] = torch.matmul(open_B, k[..., None])[..., 0]
-            coef_v[:, :, t] = torch.matmul(open_E, v[..., None])[..., 0]
+            store(lay, "key", t, torch.matmul(open_B, k[..., None])[..., 0])
+            store(lay, "value", t, torch.matmul(open_E, v[..., None])[..., 0])
             buf_k, filled_k = fd.insert_(buf_k, filled_k, k[:, :, None], policy.ell_k)
             buf_v, filled_v = fd.insert_(buf_v, filled_v, v[:, :, None], policy.ell_v)
             i += 1
@@ -134,8 +168,8 @@ def append_online(state, keys: torch.Tensor, values: torch.Tensor) -> None:
             any_head = fire.flatten(0, 1).any(0)
             first = int(torch.where(any_head, torch.arange(s, device=device), s).min())  # host sync
             take = min(first + 1, s)
-            coef_k[:, :, t : t + take] = c[:, :, :take]
-            coef_v[:, :, t : t + take] = dv[:, :, :take]
+            store(lay, "key", slice(t, t + take), c[:, :, :take])  # A10: the trigger used unquantised c
+            store(lay, "value", slice(t, t + take), dv[:, :, :take])
             if first < s:
                 # step 4 for the tokens before the firing one, then step 3 at it, then its step 4
                 buf_k, filled_k = fd.insert_(buf_k, filled_k, kk[:, :, :first], policy.ell_k)
@@ -145,8 +179,8 @@ def append_online(state, keys: torch.Tensor, values: torch.Tensor) -> None:
                 new_E = stored(fd.top_directions(buf_v[fn, fh, :filled_v], r_v) * mask_v[fh])
                 j = num_chunks[fn, fh]
                 start = t + first + 1
-                lay.key_bases[fn, fh, j] = new_B.to(store)  # chunk slot j >= num_chunks: spare until the commit
-                lay.value_bases[fn, fh, j] = new_E.to(store)
+                lay.key_bases[fn, fh, j] = new_B.to(dtype)  # chunk slot j >= num_chunks: spare until the commit
+                lay.value_bases[fn, fh, j] = new_E.to(dtype)
                 chunk_starts[fn, fh, j] = start
                 num_chunks[fn, fh] = j + 1
                 if getattr(policy, "sketch_reset", False):
@@ -169,19 +203,18 @@ def append_online(state, keys: torch.Tensor, values: torch.Tensor) -> None:
             refresh_t = W - 1 + m * -(-(t + 1 - W) // m)  # the first t' >= t with (t' + 1 - W) % m == 0
             s = min(n_new - i, refresh_t - t + 1)
             kk, vv = k_all[:, :, i : i + s], v_all[:, :, i : i + s]
-            coef_k[:, :, t : t + s] = torch.matmul(kk, open_B.mT)  # step 2
-            coef_v[:, :, t : t + s] = torch.matmul(vv, open_E.mT)
+            store(lay, "key", slice(t, t + s), torch.matmul(kk, open_B.mT))  # step 2
+            store(lay, "value", slice(t, t + s), torch.matmul(vv, open_E.mT))
             buf_k, filled_k = fd.insert_(buf_k, filled_k, kk, policy.ell_k)  # step 3
             buf_v, filled_v = fd.insert_(buf_v, filled_v, vv, policy.ell_v)
             if t + s - 1 == refresh_t:
                 # step 4: new bases from the whole buffers, stored coefficients rotated by B B'^T
                 new_B = stored(fd.top_directions(buf_k, r) * mask_k)
                 new_E = stored(fd.top_directions(buf_v, r_v) * mask_v)
-                if not own_coef:
-                    coef_k, coef_v, own_coef = coef_k.clone(), coef_v.clone(), True
                 upto = refresh_t + 1
-                coef_k[:, :, :upto] = torch.matmul(coef_k[:, :, :upto].to(work), torch.matmul(open_B, new_B.mT))
-                coef_v[:, :, :upto] = torch.matmul(coef_v[:, :, :upto].to(work), torch.matmul(open_E, new_E.mT))
+                lay = _rotated(lay, "key", upto, torch.matmul(open_B, new_B.mT), own_coef)
+                lay = _rotated(lay, "value", upto, torch.matmul(open_E, new_E.mT), own_coef)
+                own_coef = True
                 open_B, open_E = new_B, new_E
             i += s
 
@@ -190,8 +223,8 @@ def append_online(state, keys: torch.Tensor, values: torch.Tensor) -> None:
         # the only bases rewritten in place: the single rotating basis, or chunk 0 during warm-up
         key_bases, value_bases = key_bases.clone(), value_bases.clone()
         key_bases[:, :, 0], value_bases[:, :, 0] = (open_B, open_E) if policy.kind == "rotating" else (warm_B, warm_E)
-    state.layout = replace(lay, key_bases=key_bases, value_bases=value_bases, key_coef=coef_k, value_coef=coef_v, num_chunks=num_chunks, chunk_starts=chunk_starts, num_tokens=T + n_new)
-    state.sketches = replace(sk, keys=buf_k.to(store), values=buf_v.to(store), filled_k=filled_k, filled_v=filled_v, rows_seen=sk.rows_seen + n_new)
+    state.layout = replace(lay, key_bases=key_bases, value_bases=value_bases, num_chunks=num_chunks, chunk_starts=chunk_starts, num_tokens=T + n_new)
+    state.sketches = replace(sk, keys=buf_k.to(sk.keys.dtype), values=buf_v.to(sk.values.dtype), filled_k=filled_k, filled_v=filled_v, rows_seen=sk.rows_seen + n_new)
 
 
 def _next_window(window: int, first: int, size: int) -> int:

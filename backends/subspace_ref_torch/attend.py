@@ -9,6 +9,7 @@ and replace only the hot loops:
   one batched matmul over the (N, H, J, r, d) bases -> (N, H, J, g, r);
 * :func:`token_chunk_index` -- the chunk of every token, (N, H, T), by ``searchsorted`` over
   ``chunk_starts`` (spare slots masked);
+* :func:`coefficient_rows` -- coefficients of a token range, dequantised for int8 layouts (A10);
 * :func:`coefficient_logits` -- one logit per token and query head, (N, H, g, T);
 * :func:`softmax_weights` -- exp(logit - global max) and its sum, in the work dtype;
 * :func:`chunk_value_coefficients` -- sum over the tokens of each chunk of w_t d_t, (N, H, J, g, r_v);
@@ -20,14 +21,14 @@ Softmax with the global maximum over all chunks equals spec A3's running rescali
 Layout of query heads (grouped-query attention): q (N, H_q, d) with H_q = g H is viewed as
 (N, H, g, d); query head h_q = h g + i reads KV head h.
 
-Work dtype: float64 when q and the state are float64, else float32 (half inputs are widened once,
-all products and sums accumulate in float32). The result has q's dtype.
+Work dtype, as the oracle's: the promotion of q's dtype, the state's and float32 (half inputs
+are widened once, all products and sums accumulate in float32). The result has q's dtype.
 
 States with J = 1 (static, rotating, adaptive with a single chunk) take a fast path: the logits
 are one batched matmul (N, H, g, r) x (N, H, r, T) and the value side one (g, T) x (T, r_v)
 matmul then (g, r_v) x (r_v, d_v): no per-token index, no gathered queries. (For T > VALUE_TILE
-the (g, T) x (T, r_v) product is summed over tiles of VALUE_TILE tokens, a loop of T / 1024
-iterations, for float32 accuracy: see :data:`VALUE_TILE`.) States with J > 1
+the (g, T) x (T, r_v) product is summed over at most MAX_VALUE_TILES = 16 tiles of tokens, a
+loop of <= 16 iterations, for float32 accuracy: see :data:`VALUE_TILE`.) States with J > 1
 gather each token's projected query; that and the per-chunk value sums run over tiles of
 tokens (a loop over at most T / tile iterations, with tile chosen so a tile's gathered
 (N, H, tile, g, max(r, r_v)) block holds about TILE_ELEMENTS numbers) to bound memory.
@@ -39,17 +40,22 @@ import math
 
 import torch
 
+from subspace_ref_torch import fd
+
 TILE_ELEMENTS = 1 << 22
-# Token tile of the value sums sum_t w_t d_t: summing tile partials bounds float32 rounding by
-# ~(VALUE_TILE + T / VALUE_TILE) eps instead of ~T eps (one BLAS call accumulates sequentially).
+# Token tiles of the value sums sum_t w_t d_t: summing tile partials bounds float32 rounding by
+# ~(tile + T / tile) eps instead of ~T eps (one BLAS call accumulates sequentially). Tiles are
+# VALUE_TILE tokens, or longer so that there are at most MAX_VALUE_TILES of them: each tile is
+# one batched matmul call (~50-100 us of overhead on a CPU), and at T = 64k, 16 tiles of 4096
+# keep the error below the oracle's (per-query BLAS gemv) while 64 tiles of 1024 cost ~30%.
 VALUE_TILE = 1024
+MAX_VALUE_TILES = 16
 
 
 def work_dtype(q: torch.Tensor, state) -> torch.dtype:
-    """float64 when both q and the state are float64, else float32 (spec: accumulate >= float32)."""
-    if q.dtype == torch.float64 and state.layout.key_coef.dtype == torch.float64:
-        return torch.float64
-    return torch.float32
+    """The oracle's rule: the promotion of q's dtype, the state's and float32 -- float32 for
+    half inputs, float64 as soon as either is float64."""
+    return torch.promote_types(torch.promote_types(q.dtype, state.layout.key_bases.dtype), torch.float32)
 
 
 def used_chunks(state) -> int:
@@ -95,6 +101,18 @@ def token_chunk_index(state, num_chunks: int | None = None) -> torch.Tensor:
     return torch.searchsorted(starts, positions, right=True) - 1
 
 
+def coefficient_rows(state, which: str, a: int, b: int, dtype: torch.dtype) -> torch.Tensor:
+    """Coefficients of tokens [a, b) of every head, (N, H, b - a, r), in ``dtype``: "key" or
+    "value", dequantised as the oracle does (float32 q * s, then ``dtype``) for int8 layouts
+    (spec A10)."""
+    lay = state.layout
+    coef = getattr(lay, f"{which}_coef")[:, :, a:b]
+    scale = getattr(lay, f"{which}_scale", None)
+    if scale is None:
+        return coef.to(dtype)
+    return fd.dequantize_rows(coef, scale[:, :, a:b], dtype)
+
+
 def _tile(state, g: int) -> int:
     lay = state.layout
     N, H = lay.key_coef.shape[:2]
@@ -112,7 +130,7 @@ def coefficient_logits(q_proj: torch.Tensor, state, chunk_index: torch.Tensor | 
     T = lay.num_tokens
     dtype = q_proj.dtype
     if J == 1:
-        return torch.matmul(q_proj[:, :, 0], lay.key_coef[:, :, :T].to(dtype).mT)
+        return torch.matmul(q_proj[:, :, 0], coefficient_rows(state, "key", 0, T, dtype).mT)
     device = q_proj.device
     n_idx = torch.arange(N, device=device)[:, None, None]
     h_idx = torch.arange(H, device=device)[None, :, None]
@@ -121,7 +139,7 @@ def coefficient_logits(q_proj: torch.Tensor, state, chunk_index: torch.Tensor | 
     for a in range(0, T, tile):  # one iteration unless the gathered block would be large
         b = min(T, a + tile)
         q_tok = q_proj[n_idx, h_idx, chunk_index[:, :, a:b]]  # (N, H, b - a, g, r)
-        coef = lay.key_coef[:, :, a:b].to(dtype)[..., None]  # (N, H, b - a, r, 1)
+        coef = coefficient_rows(state, "key", a, b, dtype)[..., None]  # (N, H, b - a, r, 1)
         logits[:, :, :, a:b] = torch.matmul(q_tok, coef)[..., 0].transpose(-1, -2)
     return logits
 
@@ -142,13 +160,16 @@ def chunk_value_coefficients(weights: torch.Tensor, state, num_chunks: int, chun
     r_v = lay.value_coef.shape[3]
     dtype = weights.dtype
     if num_chunks == 1:
-        D = lay.value_coef[:, :, :T]
         if T <= VALUE_TILE:
-            return torch.matmul(weights, D.to(dtype))[:, :, None]  # (N, H, 1, g, r_v)
+            return torch.matmul(weights, coefficient_rows(state, "value", 0, T, dtype))[:, :, None]  # (N, H, 1, g, r_v)
         # two-level sum over tokens: BLAS accumulates a long inner product sequentially in
         # float32 (error ~ T eps); tiles of VALUE_TILE tokens, then a sum over tiles
-        parts = [torch.matmul(weights[..., a : a + VALUE_TILE], D[:, :, a : a + VALUE_TILE].to(dtype)) for a in range(0, T, VALUE_TILE)]
-        return torch.stack(parts).sum(0)[:, :, None]
+        # (3-D bmm: torch.matmul on the 4-D tiles takes a path several times slower on CPU for
+        # tiles of ~1k tokens)
+        tile = max(VALUE_TILE, -(-T // MAX_VALUE_TILES))
+        w = weights.reshape(N * H, g, T)
+        parts = [torch.bmm(w[..., a : a + tile], coefficient_rows(state, "value", a, min(T, a + tile), dtype).reshape(N * H, -1, r_v)) for a in range(0, T, tile)]
+        return torch.stack(parts).sum(0).view(N, H, 1, g, r_v)
     device = weights.device
     J = num_chunks
     base = (torch.arange(N, device=device)[:, None] * H + torch.arange(H, device=device)[None, :]) * J
@@ -157,7 +178,7 @@ def chunk_value_coefficients(weights: torch.Tensor, state, num_chunks: int, chun
     tile = _tile(state, g)
     for a in range(0, T, tile):
         b = min(T, a + tile)
-        contrib = weights[:, :, :, a:b].transpose(-1, -2)[..., None] * lay.value_coef[:, :, a:b, None, :].to(dtype)
+        contrib = weights[:, :, :, a:b].transpose(-1, -2)[..., None] * coefficient_rows(state, "value", a, b, dtype)[:, :, :, None, :]
         sums.index_add_(0, flat[:, :, a:b].reshape(-1), contrib.reshape(-1, g, r_v))
     return sums.view(N, H, J, g, r_v)
 
@@ -197,6 +218,7 @@ __all__ = [
     "apply_value_bases",
     "attend",
     "chunk_value_coefficients",
+    "coefficient_rows",
     "coefficient_logits",
     "logit_scale",
     "project_queries",

@@ -13,7 +13,8 @@ from subspace_ref.backend import Availability
 
 
 class TorchBackend:
-    """Append (spec A6-A8) and coefficient-space attention (spec A2, A3) on torch tensors.
+    """Append (spec A6-A8) and coefficient-space attention (spec A2, A3) on torch tensors, with
+    float or int8 (spec A10) coefficients.
 
     States must hold torch tensors (``state.to("torch", device=..., dtype=...)``); appends run
     on the state's device. float16/bfloat16 are computed in float32 and stored in their dtype.
@@ -50,7 +51,7 @@ class TorchBackend:
         if q_ok and str(q.dtype).removeprefix("torch.") not in self.dtypes:
             reasons.append(f"q has dtype {q.dtype}; the torch backend supports {', '.join(self.dtypes)}")
         if state_ok:
-            sdtype = str(state.layout.key_coef.dtype).removeprefix("torch.")
+            sdtype = str(state.layout.key_bases.dtype).removeprefix("torch.")
             if sdtype not in self.dtypes:
                 reasons.append(f"the state has dtype {sdtype}; the torch backend supports {', '.join(self.dtypes)}")
             sdev = state.layout.key_coef.device

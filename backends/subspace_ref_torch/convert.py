@@ -44,8 +44,9 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def to_tensor(x: Any, device: Any = None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Any numpy, cupy or torch array (or Python scalar/list) as a torch tensor on ``device``
     (default: CPU for host arrays, the array's own device for cupy/torch). Floating arrays are
-    cast to ``dtype`` when given; integer arrays become int64. Host arrays are always copied; a
-    torch tensor already on the device with the dtype is returned as is."""
+    cast to ``dtype`` when given; integer arrays keep their dtype (int64 chunk offsets, int8
+    coefficients of spec A10). Host arrays are always copied; a torch tensor already on the
+    device with the dtype is returned as is."""
     family = "numpy" if isinstance(x, (int, float, list, tuple, np.generic)) else array_family(x)
     if family == "numpy":
         t = torch.from_numpy(np.array(x, copy=True))
@@ -53,12 +54,7 @@ def to_tensor(x: Any, device: Any = None, dtype: torch.dtype | None = None) -> t
         t = torch.from_dlpack(x)  # zero-copy on the GPU; .to() below copies if needed
     else:
         t = x.detach()
-    if t.is_floating_point():
-        target = dtype if dtype is not None else t.dtype
-    elif t.dtype == torch.bool:
-        target = torch.bool
-    else:
-        target = torch.int64
+    target = dtype if dtype is not None and t.is_floating_point() else t.dtype
     return t.to(device=device if device is not None else t.device, dtype=target)
 
 

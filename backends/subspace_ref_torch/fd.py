@@ -80,9 +80,12 @@ def relative_residual(x: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
 
 def warmup_row(basis: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """Spec A7 step 0: the unit residual of x against the basis rows, or zero when x is (to
-    rounding) already in their span. basis (..., r, d), x (..., d) -> (..., d)."""
-    coef = torch.einsum("...rd,...d->...r", basis, x)
-    residual = x - torch.einsum("...rd,...r->...d", basis, coef)
+    rounding) already in their span. basis (..., r, d), x (..., d) -> (..., d). The projection is
+    removed twice, as in the oracle ("twice is enough" for classical Gram-Schmidt)."""
+    residual = x
+    for _ in range(2):
+        coef = torch.einsum("...rd,...d->...r", basis, residual)
+        residual = residual - torch.einsum("...rd,...r->...d", basis, coef)
     norm = torch.sqrt((residual * residual).sum(-1, keepdim=True))
     floor = 10 * eps(x.dtype) * torch.sqrt((x * x).sum(-1, keepdim=True))
     unit = residual / torch.where(norm > 0, norm, torch.ones_like(norm))
@@ -94,3 +97,18 @@ def rank_mask(ranks: Sequence[int], width: int, dtype: torch.dtype, device) -> t
     rows = torch.arange(width, device=device)[None, :]
     limit = torch.tensor(list(ranks), device=device)[:, None]
     return (rows < limit).to(dtype)[:, :, None]
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Spec A10 exactly as the NumPy branch of ``subspace_ref.quantization.quantize_rows``
+    computes it: s = float32(max|x| / 127) with the maximum divided in x's dtype, and
+    q = round_half_even(x / s) in x's dtype, clipped to [-127, 127]; a zero row gets s = 0, q = 0."""
+    scale = (x.abs().amax(dim=-1) / 127.0).to(torch.float32)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(x / safe[..., None].to(x.dtype)).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Spec A10 reading, as the oracle: (q in float32 * s), then cast to ``dtype``."""
+    return (q.to(torch.float32) * scale[..., None]).to(dtype)

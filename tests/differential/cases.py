@@ -46,6 +46,7 @@ class Case:
     data: str = "random"
     logit: float | None = None
     scale: float | None = None
+    coefficients: str = "float"  # or "int8" (spec A10)
 
     @property
     def seed(self) -> int:
@@ -88,6 +89,10 @@ CASES = [
     Case("rotating-N2-gqa4-logits1e4", "rotating", N=2, group=4, T=400, refresh_every=16, logit=1e4),
     Case("rotating-head_ranks", "rotating", H=3, group=2, rank_k=(2, 4, 3), rank_v=(3, 1, 2), T=100, refresh_every=10),
     Case("rotating-r_eq_d", "rotating", group=2, d=8, d_v=8, rank_k=8, rank_v=8, T=40, refresh_every=M),
+    # int8 coefficients with per-token float32 scales (spec A10)
+    Case("static-int8-N2-gqa4", "static", N=2, group=4, T=300, coefficients="int8"),
+    Case("adaptive-int8", "adaptive", N=2, group=2, T=150, max_chunk=16, tau=0.7, coefficients="int8"),
+    Case("rotating-int8-logits1e4", "rotating", group=4, T=100, refresh_every=16, logit=1e4, coefficients="int8"),
 ]
 
 # Bigger sweeps, run on purpose: pytest -m slow tests/differential
@@ -98,6 +103,7 @@ SLOW_CASES = [
     Case("slow-adaptive-lowrank-T4000", "adaptive", H=4, group=2, d=32, d_v=32, rank_k=8, rank_v=8, T=4000, max_chunk=64, data="lowrank"),
     Case("slow-adaptive-logits1e4-T2000", "adaptive", N=2, H=2, group=4, T=2000, max_chunk=32, tau=0.75, logit=1e4),
     Case("slow-rotating-d64-T3000", "rotating", N=2, H=2, group=4, d=64, d_v=64, rank_k=8, rank_v=8, T=3000, refresh_every=64),
+    Case("slow-static-int8-d128-T8k", "static", H=4, group=4, d=128, d_v=128, rank_k=32, rank_v=32, T=8192, coefficients="int8"),
 ] + [
     Case(f"slow-random-{i}", kind, N=1 + i % 2, H=1 + i % 3, group=(1, 4, 8)[i % 3], d=(8, 16, 32)[i % 3], d_v=(8, 12, 32)[i % 3],
          rank_k=(1, 4, 8)[i % 3], rank_v=(2, 3, 8)[i % 3], T=(1, 37, 700, 64)[i % 4], max_chunk=(4, 16, 64)[i % 3], tau=0.6,
@@ -124,8 +130,8 @@ def empty_state(case: Case, rng) -> sr.SubspaceState:
     if case.kind == "static":
         B = _orthonormal(rng, case.H, _ranks(case.rank_k, case.H), case.d)
         E = _orthonormal(rng, case.H, _ranks(case.rank_v, case.H), case.d_v)
-        return sr.SubspaceState.static(sr.StaticBasis.from_bases(B, E, gamma), batch=case.N)
-    common = dict(rank_k=case.rank_k, rank_v=case.rank_v, warmup=case.warmup, gamma=gamma, batch=case.N)
+        return sr.SubspaceState.static(sr.StaticBasis.from_bases(B, E, gamma), batch=case.N, coefficients=case.coefficients)
+    common = dict(rank_k=case.rank_k, rank_v=case.rank_v, warmup=case.warmup, gamma=gamma, batch=case.N, coefficients=case.coefficients)
     if case.kind == "adaptive":
         return sr.SubspaceState.adaptive(case.H, case.d, case.d_v, tau_k=case.tau, tau_v=case.tau, max_chunk=case.max_chunk, sketch_reset=case.sketch_reset, **common)
     return sr.SubspaceState.rotating(case.H, case.d, case.d_v, refresh_every=case.refresh_every, **common)

@@ -98,8 +98,9 @@ POISON_INDEX = -1  # spare chunk_starts
 
 def backend_state(state64, target: Target, poison: bool = True):
     """The oracle's float64 NumPy state converted for ``target`` (``state.to``), with every spare
-    entry (rows >= num_tokens, chunk slots >= a head's num_chunks) set to NaN / -1, so that a
-    backend reading outside the live ranges of spec A9 fails loudly."""
+    entry (rows >= num_tokens, chunk slots >= a head's num_chunks) set to NaN / -1 (int8
+    coefficients: 127 with NaN scales), so that a backend reading outside the live ranges of
+    spec A9 fails loudly."""
     state = state64.copy()
     if poison:
         lay = state.layout
@@ -113,8 +114,14 @@ def backend_state(state64, target: Target, poison: bool = True):
         lay = state.layout
         T, J = lay.num_tokens, lay.key_bases.shape[2]
         lay = lay.with_capacity(T + 7, J + 3)  # spare capacity past the live ranges ...
-        lay.key_coef[:, :, T:] = float("nan")  # ... filled with poison
-        lay.value_coef[:, :, T:] = float("nan")
+        if "int" in dtype_name(lay.key_coef):  # int8 coefficients (spec A10): poison their scales
+            lay.key_coef[:, :, T:] = 127
+            lay.value_coef[:, :, T:] = 127
+            lay.key_scale[:, :, T:] = float("nan")
+            lay.value_scale[:, :, T:] = float("nan")
+        else:
+            lay.key_coef[:, :, T:] = float("nan")  # ... filled with poison
+            lay.value_coef[:, :, T:] = float("nan")
         lay.key_bases[:, :, J:] = float("nan")
         lay.value_bases[:, :, J:] = float("nan")
         lay.chunk_starts[:, :, J:] = POISON_INDEX

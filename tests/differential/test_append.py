@@ -36,6 +36,9 @@ APPEND_CASES = [
         "rotating-N2-gqa4-logits1e4",
         "rotating-head_ranks",
         "rotating-r_eq_d",
+        "static-int8-N2-gqa4",
+        "adaptive-int8",
+        "rotating-int8-logits1e4",
     }
 ]
 # Cases whose chunk boundaries do not depend on rounding (no residual trigger can fire), so a
@@ -95,7 +98,11 @@ def test_append_float32_matches_oracle(target32: Target, case: Case):
     empty, K, V, blocks = _inputs(case, 0xA3)
     oracle = _feed(empty.to("numpy", dtype="float32"), K, V, blocks, lambda x: x.astype(np.float32))
     state = _feed(backend_state(empty, target), K, V, blocks, lambda x: to_backend(x, target))
-    assert_same_state(state, oracle, 1e-4, f"{target.id} {case} blocks {blocks}")
+    # int8 (spec A10): a float32 rounding difference may move a coefficient across a rounding
+    # boundary of the quantiser (more likely as each refresh requantises), i.e. by one step
+    # s = max|c| / 127 -- allowed once; float coefficients must agree to float32 rounding
+    rtol = 1e-4 if case.coefficients == "float" else 1.0 / 127
+    assert_same_state(state, oracle, rtol, f"{target.id} {case} blocks {blocks}")
 
 
 @pytest.mark.parametrize("case", APPEND_CASES, ids=str)

@@ -2,7 +2,8 @@
 
 Tolerance: :mod:`.tolerance` (FACTOR x the oracle's own error in the backend's dtype + a floor).
 The state is the oracle's, converted by the backend's converter, with its spare capacity
-poisoned (NaN coefficients and bases, chunk starts -1) past the live ranges.
+poisoned (NaN coefficients and bases, chunk starts -1; int8 coefficients 127 with NaN scales)
+past the live ranges.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ def test_mutant_is_caught(monkeypatch, bug):
     case_name, dtype = MUTANTS[bug]
     case = next(c for c in CASES if c.name == case_name)
     _register(monkeypatch, f"mutant-{bug}", bug)
-    with pytest.raises(AssertionError):
+    with pytest.raises((AssertionError, ValueError)):  # ValueError: attend refuses a non-finite output
         _check(Target(f"mutant-{bug}", "cpu", dtype), case, record=False)
     _register(monkeypatch, "unmutated", None)  # the same pipeline without the bug passes
     _check(Target("unmutated", "cpu", dtype), case, record=False)

@@ -3,7 +3,8 @@
 For a case and a dtype, the reference error is the float64 oracle's distance to the oracle run
 *in that dtype*:
 
-* inputs (q, coefficients, bases, gamma) rounded to the dtype (float16 and bfloat16 through
+* inputs (q, coefficients, bases, gamma; int8 coefficients and their float32 scales stay as
+  they are, as ``state.to`` keeps them) rounded to the dtype (float16 and bfloat16 through
   float32, as torch converts float64 to them), then the oracle run in float32 for the half types
   and in the dtype itself otherwise, and its output rounded to the dtype;
 * for float64 the rounded oracle *is* the float64 oracle, so its own error is measured against
@@ -60,10 +61,15 @@ def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
     raise ValueError(f"unknown dtype {dtype!r}")
 
 
+SCALES = ("key_scale", "value_scale")  # float32 by spec A10 in every state: never rounded
+
+
 def _cast_state(state, fn):
-    """A copy of a NumPy state with ``fn`` applied to its floating layout arrays."""
+    """A copy of a NumPy state with ``fn`` applied to its floating layout arrays (the int8
+    coefficients and their float32 scales of spec A10 are kept as they are, as ``state.to``
+    keeps them)."""
     out = state.copy()
-    out.layout = out.layout.map_arrays(lambda _, x: fn(x) if x.dtype.kind == "f" else x)
+    out.layout = out.layout.map_arrays(lambda name, x: fn(x) if x.dtype.kind == "f" and name not in SCALES else x)
     return out
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
+from pathlib import Path
+
 import pytest
 
 from .harness import RESULTS, targets
@@ -42,7 +44,11 @@ _skips: dict[str, set] = defaultdict(set)
 
 
 def pytest_collection_modifyitems(items):
+    # this hook sees the whole session's items; only the harness's own carry targets
+    here = Path(__file__).parent
     for item in items:
+        if here not in Path(item.path).parents:
+            continue
         params = getattr(getattr(item, "callspec", None), "params", {})
         for name in TARGET_FIXTURES:
             if name in params:

@@ -20,10 +20,10 @@ def quantize_rows(x: Any) -> tuple[Any, Any]:
 
         # divide in float64 for float64 input, as the NumPy branch does, so both round alike
         wide = x.double() if x.dtype == torch.float64 else x.float()
-        scale = wide.abs().amax(dim=-1) / 127.0
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        scale = (wide.abs().amax(dim=-1) / 127.0).float()
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale)).to(wide.dtype)
         q = torch.round(wide / safe[..., None]).clamp_(-127, 127).to(torch.int8)
-        return q, scale.float()
+        return q, scale
     xp = namespace(x)
     scale = (xp.abs(x).max(axis=-1) / 127.0).astype(np.float32)
     safe = xp.where(scale > 0, scale, 1.0).astype(np.float32)

@@ -6,9 +6,10 @@ that are not powers of two, d in {64, 80, 128}, GQA groups below and above 16, c
 token, hundreds of chunks, splits that straddle chunks and chunks that straddle splits, empty
 splits, spare capacity poisoned with NaN / -1.
 
-Without a GPU the kernels run on Triton's CPU interpreter: this module sets TRITON_INTERPRET=1
-when no CUDA device is present (before anything imports the kernels), and the shapes are kept
-small enough for that.
+Without a GPU the kernels run on Triton's CPU interpreter, at shapes small enough for it. When
+no CUDA device is present and TRITON_INTERPRET is not set, this module sets it while it imports
+the kernels (Triton reads it when a kernel is decorated) and around each of its own tests, and
+restores the environment otherwise, so other test modules see the environment they were given.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+_SET_HERE = not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ
+if _SET_HERE:
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import subspace_ref as sr  # noqa: E402
 from subspace_ref.layout import PackedLayout  # noqa: E402
@@ -34,12 +36,22 @@ from subspace_ref_triton import TritonBackend  # noqa: E402
 from subspace_ref_triton import backend as backend_module  # noqa: E402
 from subspace_ref_triton._common import interpreting  # noqa: E402
 
-_AVAILABLE = TritonBackend().availability()
+try:
+    _AVAILABLE = TritonBackend().availability()
+    if _AVAILABLE:
+        from subspace_ref_triton import decode, project  # decorated now, for the interpreter or the GPU
+    DEVICE = "cpu" if interpreting() else "cuda"
+finally:
+    if _SET_HERE:
+        del os.environ["TRITON_INTERPRET"]
 pytestmark = pytest.mark.skipif(not _AVAILABLE, reason=f"triton backend unavailable: {_AVAILABLE.reason}")
 
-if _AVAILABLE:
-    from subspace_ref_triton import decode, project
-DEVICE = "cpu" if interpreting() else "cuda"
+
+@pytest.fixture(autouse=True)
+def _interpreter_environment(monkeypatch):
+    """TRITON_INTERPRET=1 during this module's tests when the module set it for its import."""
+    if _SET_HERE:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -54,10 +66,12 @@ def _f64(x) -> np.ndarray:
 # ------------------------------------------------------------------------------- layouts
 
 
-def random_layout(rng, N, H, T, d, d_v, r, r_v, starts, dtype, gamma=None, zero_rows=True):
+def random_layout(rng, N, H, T, d, d_v, r, r_v, starts, dtype, gamma=None, zero_rows=True, int8=False, scale_spread=0.0):
     """A torch layout (spec A9) over the given chunk starts, one list per (sequence, head) in
-    order, with spare capacity (3 rows, 2 chunk slots) poisoned: NaN coefficients and bases,
-    chunk starts -1. Returns (torch layout, float64 NumPy layout of the same rounded values)."""
+    order, with spare capacity (3 rows, 2 chunk slots) poisoned: NaN coefficients and bases
+    (int8: NaN scales), chunk starts -1. ``int8``: coefficients quantised per token (spec A10),
+    token magnitudes spread over 10^(+-scale_spread). Returns (torch layout, float64 NumPy layout
+    of the same rounded values)."""
     J = max(len(s) for s in starts)
     Jc, Tc = J + 2, T + 3
     key_coef = rng.standard_normal((N, H, Tc, r))
@@ -75,13 +89,28 @@ def random_layout(rng, N, H, T, d, d_v, r, r_v, starts, dtype, gamma=None, zero_
         num_chunks[n, h] = len(s)
         key_bases[n, h, len(s) :] = np.nan
         value_bases[n, h, len(s) :] = np.nan
-    key_coef[:, :, T:] = np.nan
-    value_coef[:, :, T:] = np.nan
     gamma = rng.uniform(0.5, 1.5, H) if gamma is None else np.broadcast_to(gamma, (H,))
     tdt = DTYPES[dtype]
+    scales = {}
+    if int8:
+        from subspace_ref.quantization import quantize_rows
+
+        coefs = []
+        for x in (key_coef, value_coef):
+            x = x[:, :, :T] * 10.0 ** rng.uniform(-scale_spread, scale_spread, (N, H, T, 1))
+            q, s = quantize_rows(x)
+            coefs.append(np.concatenate([q, np.full((N, H, Tc - T, x.shape[-1]), 127, np.int8)], axis=2))
+            scales[len(scales)] = np.concatenate([s, np.full((N, H, Tc - T), np.nan, np.float32)], axis=2)
+        key_coef, value_coef = coefs
+        scales = dict(key_scale=_t(scales[0], torch.float32), value_scale=_t(scales[1], torch.float32))
+        cdt = torch.int8
+    else:
+        key_coef[:, :, T:] = np.nan
+        value_coef[:, :, T:] = np.nan
+        cdt = tdt
     lay = PackedLayout(
-        _t(key_coef, tdt), _t(value_coef, tdt), _t(key_bases, tdt), _t(value_bases, tdt),
-        _t(chunk_starts, torch.int64), _t(num_chunks, torch.int64), _t(gamma, tdt), T,
+        _t(key_coef, cdt), _t(value_coef, cdt), _t(key_bases, tdt), _t(value_bases, tdt),
+        _t(chunk_starts, torch.int64), _t(num_chunks, torch.int64), _t(gamma, tdt), T, **scales,
     )
     lay64 = lay.map_arrays(lambda _, x: x.cpu().to(torch.float64).numpy() if x.is_floating_point() else x.cpu().numpy())
     return lay, lay64
@@ -148,9 +177,9 @@ class TestDecodeAttention:
     """decode_attention (spec A3 with the flash-decoding split of A3.2) against the oracle."""
 
     @staticmethod
-    def _run(impl, rng, case, dtype="float32", q_dtype=torch.float32, max_logit=None, scale=None):
+    def _run(impl, rng, case, dtype="float32", q_dtype=torch.float32, max_logit=None, scale=None, **layout_options):
         name, N, H, g, T, d, d_v, r, r_v, starts, split_len, num_splits = case
-        lay, lay64 = random_layout(rng, N, H, T, d, d_v, r, r_v, starts, dtype)
+        lay, lay64 = random_layout(rng, N, H, T, d, d_v, r, r_v, starts, dtype, **layout_options)
         q64 = make_q(rng, N, H * g, d, lay64, max_logit, scale)
         q = _t(q64, q_dtype)
         q64 = _f64(q)  # the oracle sees the rounded queries
@@ -181,6 +210,16 @@ class TestDecodeAttention:
         exponent <= 0, and q~ is rescaled before being cut into float16 parts."""
         case = ("huge", 1, 2, 4, 90, 64, 64, 7, 5, [chunked(90, 10, 40), chunked(90, 70)], 32, None)
         got, want, err32 = self._run(impl, rng, case, dtype, max_logit=1e4, scale=0.3)
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got, want, rtol=0, atol=4 * err32 + 1e-6 * np.abs(want).max())
+
+    @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+    @pytest.mark.parametrize("case", [DECODE_CASES[2], DECODE_CASES[9]], ids=[DECODE_IDS[2], DECODE_IDS[9]])
+    def test_int8_coefficients(self, impl, rng, case, dtype):
+        """Spec A10: int8 coefficients with per-token scales, dequantised in the kernel; token
+        magnitudes over 10^-3..10^3 (the value scales are folded into the weights, which are
+        rescaled for the 16-bit parts)."""
+        got, want, err32 = self._run(impl, rng, case, dtype, int8=True, scale_spread=3.0)
         assert np.isfinite(got).all()
         np.testing.assert_allclose(got, want, rtol=0, atol=4 * err32 + 1e-6 * np.abs(want).max())
 
@@ -273,6 +312,31 @@ class TestProjectAppend:
         if dtype == "float32":  # (16-bit rounding moves the key out of the rounded basis' span)
             assert rho_k[1, 2, -1] < 3e-3
 
+    @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+    def test_int8_outputs(self, impl, rng, dtype):
+        """Spec A10 in the append: int8 coefficients and float32 scales, |c - s q| <= s / 2
+        (A10.1) against the float64 projection, residuals from the unquantised coefficients."""
+        N, H, n_new, d, r = 1, 2, 21, 64, 7
+        tdt = DTYPES[dtype]
+        keys = _t(rng.standard_normal((N, H, n_new, d)) * 10.0 ** rng.uniform(-3, 3, (N, H, n_new, 1)), tdt)
+        keys[0, 1, 4] = 0.0  # a zero row: s = 0, q = 0
+        bases = _t(np.swapaxes(np.linalg.qr(rng.standard_normal((N, H, 1, d, r)))[0], -1, -2), tdt)
+        chunk = torch.zeros((N, H), dtype=torch.int64, device=DEVICE)
+        out_k = torch.full((N, H, n_new + 2, r), 99, dtype=torch.int8, device=DEVICE)
+        out_v = out_k.clone()
+        s_k = torch.full((N, H, n_new + 2), float("nan"), device=DEVICE)
+        s_v = s_k.clone()
+        rho = impl["project"](keys, keys, bases, bases, chunk, out_k[:, :, 1:-1], out_v[:, :, 1:-1], True,
+                              out_key_scale=s_k[:, :, 1:-1], out_value_scale=s_v[:, :, 1:-1])
+        assert (out_k[:, :, [0, -1]] == 99).all() and torch.isnan(s_k[:, :, [0, -1]]).all()
+        c64 = np.einsum("nhtd,nhrd->nhtr", _f64(keys), _f64(bases)[:, :, 0])
+        q, s = _f64(out_k[:, :, 1:-1]), _f64(s_k[:, :, 1:-1])
+        assert np.abs(q).max() <= 127 and (s >= 0).all() and s[0, 1, 4] == 0 and (q[0, 1, 4] == 0).all()
+        np.testing.assert_allclose(s, np.abs(c64).max(-1) / 127, rtol=1e-5)
+        assert (np.abs(q * s[..., None] - c64) <= s[..., None] * (0.5 + 1e-4) + 1e-30).all()
+        torch.testing.assert_close(out_k, out_v)
+        np.testing.assert_allclose(_f64(rho[0]) ** 2, relative_residual(_f64(keys), c64) ** 2, atol=2e-6)
+
     def test_without_residuals_returns_none(self, impl, rng):
         keys = _t(rng.standard_normal((1, 2, 3, 16)), torch.float32)
         bases = _t(np.swapaxes(np.linalg.qr(rng.standard_normal((1, 2, 1, 16, 4)))[0], -1, -2), torch.float32)
@@ -333,6 +397,24 @@ class TestBackend:
         want = attend_reference(q, state.to("numpy", dtype=np.float64), None)
         np.testing.assert_allclose(_f64(out), want, rtol=0, atol=1e-5 * np.abs(want).max())
 
+    def test_static_int8_append_then_attend(self, rng):
+        """Spec A10 end to end: the projection kernel quantises as the torch backend does."""
+        from subspace_ref_torch import TorchBackend
+
+        N, H, g, d, r, T = 1, 2, 4, 64, 6, 30
+        B = np.stack([np.linalg.qr(rng.standard_normal((d, r)))[0].T for _ in range(H)])
+        empty = sr.SubspaceState.static(sr.StaticBasis.from_bases(B, B, [0.8, 1.1]), batch=N, coefficients="int8")
+        K, V = (_t(rng.standard_normal((N, H, T, d)), torch.float32) for _ in range(2))
+        a, b = empty.to("triton", device=DEVICE, dtype="float32"), empty.to("torch", device=DEVICE, dtype="float32")
+        TritonBackend().append(a, K, V)
+        TorchBackend().append(b, K, V)
+        for name in ("key_coef", "value_coef"):  # round(c / s) may differ by one at a rounding tie
+            assert (getattr(a.layout, name)[:, :, :T].int() - getattr(b.layout, name)[:, :, :T].int()).abs().max() <= 1
+        torch.testing.assert_close(a.layout.key_scale[:, :, :T], b.layout.key_scale[:, :, :T], rtol=1e-6, atol=0)
+        q = _t(rng.standard_normal((N, H * g, d)), torch.float32)
+        want = attend_reference(_f64(q), a.to("numpy", dtype=np.float64), None)
+        np.testing.assert_allclose(_f64(sr.attend(q, a, backend="triton")), want, rtol=0, atol=1e-5 * np.abs(want).max())
+
     def test_adaptive_append_uses_the_torch_backend(self, rng):
         """Non-static appends are the torch backend's (FD, triggers, warm-up): identical states."""
         from subspace_ref_torch import TorchBackend
@@ -371,13 +453,23 @@ class TestBackend:
         be = TritonBackend()
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-        monkeypatch.setattr(backend_module, "_KERNELS_INTERPRETED", None)
-        got = be.availability()
-        assert not got and got.reason == "no CUDA device; set TRITON_INTERPRET=1 to run the kernels on the CPU interpreter"
-        monkeypatch.setattr(backend_module, "_KERNELS_INTERPRETED", True)
-        assert "restart the process" in be.availability().reason
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        no_device = "no CUDA device; set TRITON_INTERPRET=1 to run the kernels on the CPU interpreter"
+        for loaded in (None, True, False):  # kernels not imported / decorated for the interpreter / the GPU
+            monkeypatch.setattr(backend_module, "_loaded_mode", lambda loaded=loaded: loaded)
+            got = be.availability()
+            assert not got and got.reason == no_device
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(backend_module, "_loaded_mode", lambda: True)
+        assert "unset now; restart the process" in be.availability().reason
+        monkeypatch.setattr(backend_module, "_loaded_mode", lambda: False)
         assert be.availability()
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert "restart the process with it set" in be.availability().reason
+        monkeypatch.setattr(backend_module, "_loaded_mode", lambda: None)
+        assert be.availability()
+
+    def test_loaded_mode_is_read_from_the_kernels(self):
+        assert backend_module._loaded_mode() == (DEVICE == "cpu")
 
     def test_import_touches_neither_triton_nor_cuda(self):
         code = (

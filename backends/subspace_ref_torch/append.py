@@ -47,13 +47,22 @@ MIN_WINDOW = 4
 MAX_WINDOW = 1024
 
 
-def append(state, keys: torch.Tensor, values: torch.Tensor) -> None:
+def project_window(kk: torch.Tensor, vv: torch.Tensor, open_B: torch.Tensor, open_E: torch.Tensor):
+    """Spec A7 steps 1-2 for a window of tokens (N, H, s, d) against the open bases (N, H, r, d):
+    coefficients and relative residuals (c, d, rho_k, rho_v). Backends with a projection kernel
+    pass their own function of this signature as ``append(..., project=...)``."""
+    c = torch.matmul(kk, open_B.mT)
+    dv = torch.matmul(vv, open_E.mT)
+    return c, dv, fd.relative_residual(kk, c), fd.relative_residual(vv, dv)
+
+
+def append(state, keys: torch.Tensor, values: torch.Tensor, project=project_window) -> None:
     """Append keys (N, H, n, d), values (N, H, n, d_v) (validated, in the state's dtype and on its
-    device) following spec A6/A7/A8 for the state's policy."""
+    device) following spec A6/A7/A8 for the state's policy; ``project`` computes steps 1-2."""
     if state.policy.kind == "static":
         append_static(state, keys, values)
     else:
-        append_online(state, keys, values)
+        append_online(state, keys, values, project)
 
 
 def append_static(state, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -101,7 +110,7 @@ def _rotated(lay, which: str, upto: int, R: torch.Tensor, own: bool):
     return lay
 
 
-def append_online(state, keys: torch.Tensor, values: torch.Tensor) -> None:
+def append_online(state, keys: torch.Tensor, values: torch.Tensor, project=project_window) -> None:
     """Spec A7 (adaptive) or A8 (rotating); see the module docstring for the batching."""
     policy = state.policy
     adaptive = policy.kind == "adaptive"
@@ -158,11 +167,8 @@ def append_online(state, keys: torch.Tensor, values: torch.Tensor) -> None:
         if adaptive:
             s = min(n_new - i, window)
             kk, vv = k_all[:, :, i : i + s], v_all[:, :, i : i + s]
-            c = torch.matmul(kk, open_B.mT)  # step 1 for the whole window, open bases
-            dv = torch.matmul(vv, open_E.mT)
-            # step 2 (residuals) and step 3 (trigger) for every token of the window
-            rho_k = fd.relative_residual(kk, c)
-            rho_v = fd.relative_residual(vv, dv)
+            # steps 1-2 for the whole window with the open bases, then step 3 per token
+            c, dv, rho_k, rho_v = project(kk, vv, open_B, open_E)
             ends = torch.arange(t + 1, t + 1 + s, device=device)  # t + 1 per token
             fire = (rho_k > policy.tau_k) | (rho_v > policy.tau_v) | (ends - open_start[..., None] >= policy.max_chunk)
             any_head = fire.flatten(0, 1).any(0)
@@ -203,8 +209,9 @@ def append_online(state, keys: torch.Tensor, values: torch.Tensor) -> None:
             refresh_t = W - 1 + m * -(-(t + 1 - W) // m)  # the first t' >= t with (t' + 1 - W) % m == 0
             s = min(n_new - i, refresh_t - t + 1)
             kk, vv = k_all[:, :, i : i + s], v_all[:, :, i : i + s]
-            store(lay, "key", slice(t, t + s), torch.matmul(kk, open_B.mT))  # step 2
-            store(lay, "value", slice(t, t + s), torch.matmul(vv, open_E.mT))
+            c, dv, _, _ = project(kk, vv, open_B, open_E)  # step 2
+            store(lay, "key", slice(t, t + s), c)
+            store(lay, "value", slice(t, t + s), dv)
             buf_k, filled_k = fd.insert_(buf_k, filled_k, kk, policy.ell_k)  # step 3
             buf_v, filled_v = fd.insert_(buf_v, filled_v, vv, policy.ell_v)
             if t + s - 1 == refresh_t:

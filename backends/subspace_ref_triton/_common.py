@@ -4,9 +4,12 @@ torch nor triton."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
+from typing import Any
 
-# Largest head size / rank the kernels are built for: every tile of one program is padded to a
-# power of two <= this, and larger tiles would spill registers on the GPU.
+# Largest head size / rank the kernels take: every tile of one program is padded to a power of
+# two <= this; beyond, the tiles no longer fit in registers (at 256 the sm_90 build of the
+# decode kernel already spills a few hundred bytes per thread).
 MAX_HEAD_SIZE = 256
 MAX_RANK = 256
 # The GQA group is padded to a power of two >= 16 (the tl.dot minimum); beyond this the
@@ -24,7 +27,8 @@ def interpreting() -> bool:
     :mod:`subspace_ref_triton.decode` / :mod:`subspace_ref_triton.project` are first imported;
     the backend imports them lazily for that reason.
     """
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+    # the values Triton's own getenv_bool takes as true
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "y", "on")
 
 
 def pow2_at_least(n: int, floor: int = DOT_MIN) -> int:
@@ -40,3 +44,19 @@ def cdiv(a: int, b: int) -> int:
 def dtype_name(dtype) -> str:
     """"float32", "bfloat16", ... for a torch dtype (``str(torch.float32)`` is "torch.float32")."""
     return str(dtype).replace("torch.", "")
+
+
+@dataclass
+class Launch:
+    """One kernel launch, built but not run: :meth:`run` launches it; the ahead-of-time compile
+    check (``tests/test_triton_compile.py``) compiles exactly these arguments for a GPU target
+    on a machine without one."""
+
+    kernel: Any
+    grid: tuple[int, ...]
+    args: tuple
+    constexprs: dict = field(default_factory=dict)
+    num_warps: int = 4
+
+    def run(self):
+        return self.kernel[self.grid](*self.args, **self.constexprs, num_warps=self.num_warps)

@@ -15,7 +15,7 @@ This module imports neither torch nor triton at import time and never touches CU
 
 from __future__ import annotations
 
-import inspect
+import sys
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -25,18 +25,21 @@ from subspace_ref_triton._common import MAX_GROUP, MAX_HEAD_SIZE, MAX_RANK, SUPP
 
 _NO_DEVICE = "no CUDA device; set TRITON_INTERPRET=1 to run the kernels on the CPU interpreter"
 
-# Whether the kernel modules were imported (decorated) under the interpreter; None until then.
-_KERNELS_INTERPRETED: bool | None = None
-
-
 def _kernels():
     """The kernel modules, imported on first use (see the package docstring for why)."""
-    global _KERNELS_INTERPRETED
     from subspace_ref_triton import decode, project
 
-    if _KERNELS_INTERPRETED is None:
-        _KERNELS_INTERPRETED = interpreting()
     return decode, project
+
+
+def _loaded_mode() -> bool | None:
+    """Whether the kernels were decorated for the interpreter (True) or the GPU (False); None
+    when no kernel module is imported yet. Looks, never imports."""
+    for name, kernel in (("subspace_ref_triton.decode", "_decode_split_kernel"), ("subspace_ref_triton.project", "_project_kernel")):
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, kernel):
+            return type(getattr(module, kernel)).__name__ == "InterpretedFunction"
+    return None
 
 
 class TritonBackend:
@@ -44,8 +47,9 @@ class TritonBackend:
 
     Reads states converted with ``state.to("triton", device="cuda")`` (torch tensors; the
     default device is CUDA when the kernels run compiled). float32, float16 and bfloat16 states,
-    all arithmetic the softmax sees in float32. Under ``TRITON_INTERPRET=1`` the same kernels run
-    on CPU tensors through Triton's interpreter (slow: for tests at small shapes).
+    float or int8 (spec A10) coefficients, all arithmetic the softmax sees in float32. Under
+    ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors through Triton's interpreter
+    (slow: for tests at small shapes).
     """
 
     name = "triton"
@@ -70,13 +74,16 @@ class TritonBackend:
             return Availability(False, "triton is not installed; pip install 'subspace_ref[triton]'")
         if find_spec("subspace_ref_torch") is None:
             return Availability(False, "the torch backend (subspace_ref_torch), which the triton backend builds on, is not installed")
-        if _KERNELS_INTERPRETED is not None and _KERNELS_INTERPRETED != interpreting():
-            was = "set" if _KERNELS_INTERPRETED else "unset"
-            return Availability(False, f"the kernels were loaded with TRITON_INTERPRET {was} and it has changed since; restart the process")
+        # Triton fixed each kernel's mode (interpreter or GPU) when it was decorated.
+        loaded = _loaded_mode()
         if interpreting():
+            if loaded is False:
+                return Availability(False, "the kernels were loaded for the GPU before TRITON_INTERPRET=1 was set; restart the process with it set")
             return Availability(True)
         if not torch.cuda.is_available():
             return Availability(False, _NO_DEVICE)
+        if loaded is True:
+            return Availability(False, "the kernels were loaded for the interpreter (TRITON_INTERPRET=1) and it is unset now; restart the process")
         return Availability(True)
 
     def not_supported_reasons(self, q: Any, state) -> list[str]:
@@ -102,12 +109,19 @@ class TritonBackend:
         if not state_ok:
             return reasons
         lay = state.layout
-        sd = dtype_name(lay.key_coef.dtype)
+        quantized = getattr(lay, "key_scale", None) is not None  # int8 coefficients, spec A10
+        sd = dtype_name(lay.key_bases.dtype)
         if sd not in self.dtypes:
             reasons.append(f"the state has dtype {sd}; the triton kernels take {', '.join(self.dtypes)} (use the torch backend for float64)")
-        floats = {name: dtype_name(x.dtype) for name, x in lay.arrays().items() if x.is_floating_point()}
+        coef_fields = ("key_coef", "value_coef", "key_scale", "value_scale")
+        floats = {name: dtype_name(x.dtype) for name, x in lay.arrays().items() if x.is_floating_point() and not (quantized and name in coef_fields)}
         if len(set(floats.values())) > 1:
             reasons.append(f"the state's floating arrays have mixed dtypes {floats}; convert it with one dtype")
+        if quantized:
+            got = {name: dtype_name(getattr(lay, name).dtype) for name in coef_fields}
+            want = {"key_coef": "int8", "value_coef": "int8", "key_scale": "float32", "value_scale": "float32"}
+            if got != want:
+                reasons.append(f"an int8 state (spec A10) needs int8 coefficients and float32 scales, got {got}")
         sdev = lay.key_coef.device
         if sdev.type not in self.devices:
             if sdev.type == "cpu":
@@ -153,14 +167,11 @@ class TritonBackend:
         backend's append for the others (see the module docstring)."""
         from subspace_ref_torch import append as torch_append
 
-        if state.policy.kind == "static" and dtype_name(state.layout.key_coef.dtype) in self.dtypes:
+        if state.policy.kind == "static" and dtype_name(state.layout.key_bases.dtype) in self.dtypes:
             self._append_static(state, keys, values)
             return
         _, project = _kernels()
-        if "project" in inspect.signature(torch_append.append).parameters:
-            torch_append.append(state, keys, values, project=project.project_window)
-        else:
-            torch_append.append(state, keys, values)
+        torch_append.append(state, keys, values, project=project.project_window)
 
     def _append_static(self, state, keys, values) -> None:
         """Spec A6: c_t = B k_t, d_t = E v_t for the whole block and every head, one launch,
@@ -169,9 +180,13 @@ class TritonBackend:
         lay = state.layout
         T, n_new = lay.num_tokens, keys.shape[2]
         lay = lay.with_capacity(T + n_new, lay.key_bases.shape[2])
+        new = slice(T, T + n_new)
+        scales = {}
+        if getattr(lay, "key_scale", None) is not None:  # int8 coefficients: quantised in the kernel (A10)
+            scales = dict(out_key_scale=lay.key_scale[:, :, new], out_value_scale=lay.value_scale[:, :, new])
         project.project_append(
             keys, values, lay.key_bases, lay.value_bases, lay.num_chunks - 1,
-            lay.key_coef[:, :, T : T + n_new], lay.value_coef[:, :, T : T + n_new],
+            lay.key_coef[:, :, new], lay.value_coef[:, :, new], **scales,
         )
         state.layout = replace(lay, num_tokens=T + n_new)
 

@@ -24,15 +24,23 @@ Flash-decoding in two launches:
 
 Precision. Everything the softmax sees is float32. For a float32 state the products are float32
 FMAs (``input_precision="ieee"``, never TF32). For a 16-bit state the two per-token products
-(logits ``q~ . c_t`` and the weighted sum ``w . D``) run on tensor cores with the float32 operand
-split into a 16-bit high and low part (``a = hi + lo`` to ~2^-16 relative), and the 16-bit
-coefficients are exact: the result matches a float32 product to ~1e-5 relative at two MMAs'
-cost, where a plain 16-bit MMA would round ``q~`` and the weights to 8 (bfloat16) bits. The
-once-per-chunk products (``B_j q``, ``acc E_j``) are float32 FMAs.
+(logits ``q~ . c_t`` and the weighted sum ``w . D``) run on tensor cores: the 16-bit coefficients
+are exact operands, and the float32 operand (``q~``, cut once per chunk; the weights, per tile)
+is split into 16-bit parts whose sum is itself to float32 accuracy -- 2 parts of 11 bits for
+float16, 3 parts of 8 bits for bfloat16 -- each multiplied with float32 accumulation. A plain
+16-bit MMA would round ``q~`` and the weights to 8 (bfloat16) bits, a logit error of ~2^-9
+|logit|; the split costs 2-3 MMAs where the kernel is bound by memory. The once-per-chunk
+products (``B_j q``, ``acc E_j``) are float32 FMAs.
 
-Under ``TRITON_INTERPRET=1`` the 16-bit MMAs are replaced by float32 products of the same
-hi/lo parts (the interpreter's bfloat16 ``tl.dot`` is wrong; products of 16-bit numbers are exact
-in float32, so the two agree up to summation order).
+INT8 coefficients (spec A10: ``c_t = s_t q_t`` with one float32 scale per token and head) are
+dequantised inside the kernel: ``q_t`` is converted exactly to the bases' dtype for the products,
+the key scales multiply the logits column by column, and the value scales are folded into the
+softmax weights before the weighted sum. The cache then streams ``r + r_v`` bytes plus 8 bytes
+of scales per token and head.
+
+Under ``TRITON_INTERPRET=1`` the 16-bit MMAs are replaced by float32 products of the same 16-bit
+parts (the interpreter's bfloat16 ``tl.dot`` is wrong; products of 16-bit numbers are exact in
+float32, so the two agree up to summation order).
 """
 
 from __future__ import annotations
@@ -43,13 +51,14 @@ import torch
 import triton
 import triton.language as tl
 
-from subspace_ref_triton._common import cdiv, interpreting, pow2_at_least
+from subspace_ref_triton._common import Launch, cdiv, interpreting, pow2_at_least
 from subspace_ref_triton._tl import MAX_COMBINE as _MAX
 from subspace_ref_triton._tl import SUM_COMBINE as _SUM
 from subspace_ref_triton._tl import to_storage
 
 BLOCK_T = 64  # tokens per tile: a multiple of 16 (tl.dot), small enough that 2 tiles fit in L1
-MERGE_BLOCK_S = 64
+BLOCK_D = 32  # columns of q and B_j per step of the query projection (the interpreter takes all d)
+MERGE_BLOCK_S = 16  # splits per merge step: a (16 x d_v) float32 tile stays in registers
 # 16-bit pieces a float32 operand is cut into for a tensor-core product with exact 16-bit
 # coefficients: 2 x 11 bits for float16, 3 x 8 bits for bfloat16 (float32 has 24).
 _PARTS = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
@@ -60,7 +69,7 @@ _PARTS = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, kc_ptr, vc_ptr, kb_ptr, vb_ptr, starts_ptr, nchunks_ptr, gamma_ptr,
+    q_ptr, kc_ptr, vc_ptr, kb_ptr, vb_ptr, starts_ptr, nchunks_ptr, gamma_ptr, ks_ptr, vs_ptr,
     pm_ptr, pz_ptr, po_ptr,
     H, group, num_tokens, split_len, num_splits, scale,
     d, d_v, r, r_v,
@@ -71,8 +80,11 @@ def _decode_split_kernel(
     svb_n, svb_h, svb_j, svb_r,
     sst_n, sst_h,
     snc_n, snc_h,
+    sks_n, sks_h, sks_t,
+    svs_n, svs_h, svs_t,
     G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, RV: tl.constexpr,
-    BLOCK_T: tl.constexpr, PARTS: tl.constexpr, NATIVE16: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PARTS: tl.constexpr, NATIVE16: tl.constexpr,
+    Q_NATIVE: tl.constexpr, INT8: tl.constexpr,
 ):
     # No nested @triton.jit calls in the loops (tl.max, tl.sum, tl.zeros are; see _tl.py):
     # under the interpreter each one re-patches triton.language, so the 16-bit split products
@@ -81,7 +93,9 @@ def _decode_split_kernel(
     s = tl.program_id(1)
     n = nh // H
     h = nh % H
-    COEF = kc_ptr.dtype.element_ty
+    # The dtype the per-token products run in: the bases' (int8 coefficients, spec A10, are
+    # converted to it exactly: |q| <= 127 fits the 8-bit mantissa of bfloat16).
+    COEF = kb_ptr.dtype.element_ty
 
     offs_g = tl.arange(0, G)
     offs_d = tl.arange(0, D)
@@ -92,21 +106,16 @@ def _decode_split_kernel(
     g_mask = offs_g < group
     r_mask = offs_r < r
     rv_mask = offs_rv < r_v
-    # Loop-invariant offsets and masks of the per-chunk and per-tile loads, computed once.
-    b_offs = offs_r[:, None] * skb_r + offs_d[None, :]
-    b_mask = r_mask[:, None] & (offs_d < d)[None, :]
-    e_offs = offs_rv[:, None] * svb_r + offs_dv[None, :]
-    e_mask = rv_mask[:, None] & (offs_dv < d_v)[None, :]
-    c_offs = offs_t[:, None] * skc_t + offs_r[None, :]
-    v_offs = offs_t[:, None] * svc_t + offs_rv[None, :]
 
     # The g query heads of KV head h are rows h*g .. h*g+g-1 (spec notation); padded rows are 0,
     # so their logits are 0 and finite, and their outputs are never stored.
+    # q is re-read (from L1/L2) for each chunk rather than held in registers across the loops.
     q_rows = q_ptr + n * sq_n + (h * group + offs_g)[:, None] * sq_h
-    qv = tl.load(q_rows + offs_d[None, :], mask=g_mask[:, None] & (offs_d < d)[None, :], other=0.0).to(tl.float32)
 
     kc_base = kc_ptr + n * skc_n + h * skc_h
     vc_base = vc_ptr + n * svc_n + h * svc_h
+    ks_base = ks_ptr + n * sks_n + h * sks_h
+    vs_base = vs_ptr + n * svs_n + h * svs_h
     kb_base = kb_ptr + n * skb_n + h * skb_h
     vb_base = vb_ptr + n * svb_n + h * svb_h
     st_base = starts_ptr + n * sst_n + h * sst_h
@@ -140,9 +149,21 @@ def _decode_split_kernel(
         c_lo = tl.maximum(start_j, lo)
         c_hi = tl.minimum(end_j, hi)
 
-        # Spec A3 step 2.1, once per (chunk, split) for all g heads of the group.
-        B = tl.load(kb_base + j * skb_j + b_offs, mask=b_mask, other=0.0).to(tl.float32)
-        q_proj = tl.dot(qv, tl.trans(B), input_precision="ieee")  # (G, R)
+        # Spec A3 step 2.1, once per (chunk, split) for all g heads of the group, in slices of
+        # BLOCK_D columns: a float32 FMA product with the whole d as its inner dimension needs
+        # hundreds of registers per thread. Same-dtype 16-bit q and B_j multiply on tensor cores
+        # (their products are exact in float32). 2-D offsets are formed where used, never
+        # hoisted: live across the loops they would cost a register per element.
+        q_proj = tl.full([G, R], 0.0, tl.float32)
+        for d0 in tl.static_range(0, D, BLOCK_D):
+            offs_dd = d0 + tl.arange(0, BLOCK_D)
+            qb = tl.load(q_rows + offs_dd[None, :], mask=g_mask[:, None] & (offs_dd < d)[None, :], other=0.0)
+            Bb = tl.load(kb_base + j * skb_j + offs_r[:, None] * skb_r + offs_dd[None, :],
+                         mask=r_mask[:, None] & (offs_dd < d)[None, :], other=0.0)
+            if Q_NATIVE:
+                q_proj = tl.dot(qb, tl.trans(Bb), acc=q_proj)
+            else:
+                q_proj = tl.dot(qb.to(tl.float32), tl.trans(Bb.to(tl.float32)), acc=q_proj, input_precision="ieee")
         if PARTS > 1:
             # q~ cut into 16-bit parts once per chunk (hi + mid [+ lo] = q~ to float32
             # accuracy), after a power-of-two rescaling that keeps the parts inside float16's
@@ -165,8 +186,14 @@ def _decode_split_kernel(
         acc = tl.full([G, RV], 0.0, tl.float32)  # value-coefficient accumulator, at scale m_i
         for t0 in range(c_lo, c_hi, BLOCK_T):
             t_mask = t0 + offs_t < c_hi
-            c = tl.load(kc_base + t0 * skc_t + c_offs, mask=t_mask[:, None] & r_mask[None, :], other=0.0)
-            dvals = tl.load(vc_base + t0 * svc_t + v_offs, mask=t_mask[:, None] & rv_mask[None, :], other=0.0)
+            c = tl.load(kc_base + (t0 + offs_t)[:, None] * skc_t + offs_r[None, :],
+                        mask=t_mask[:, None] & r_mask[None, :], other=0)  # (BLOCK_T, R)
+            dvals = tl.load(vc_base + (t0 + offs_t)[:, None] * svc_t + offs_rv[None, :],
+                            mask=t_mask[:, None] & rv_mask[None, :], other=0)  # (BLOCK_T, RV)
+            if INT8:
+                # through float32: the interpreter turns int8 -> bfloat16 into a bit copy
+                c = c.to(tl.float32).to(COEF)
+                dvals = dvals.to(tl.float32).to(COEF)
             # Logits gamma * scale * q~ . c_t in float32 (see the module docstring).
             if PARTS == 1:
                 logits = tl.dot(q_proj, tl.trans(c), input_precision="ieee")
@@ -183,7 +210,12 @@ def _decode_split_kernel(
                     if PARTS == 3:
                         logits = tl.dot(q_lo, ct, acc=logits, input_precision="ieee")
                     logits = tl.dot(q_hi, ct, acc=logits, input_precision="ieee")
-            logits = tl.where(t_mask[None, :], logits * row_scale[:, None], float("-inf"))
+            logits = logits * row_scale[:, None]
+            if INT8:
+                # spec A10: c_t = s_t q_t, so q~ . c_t = s_t (q~ . q_t): one scale per token column
+                k_s = tl.load(ks_base + (t0 + offs_t) * sks_t, mask=t_mask, other=0.0)
+                logits = logits * k_s[None, :]
+            logits = tl.where(t_mask[None, :], logits, float("-inf"))
             # Spec A3 steps 2.2-2.3 per tile (A3.1: any partition of the tokens gives the same
             # result). Every tile has a valid token, so m_new is finite and alpha never NaN.
             m_new = tl.maximum(m_i, tl.reduce(logits, 1, _MAX))
@@ -192,30 +224,66 @@ def _decode_split_kernel(
             z_i = z_i * alpha + tl.reduce(w, 1, _SUM)
             # The weighted sum stays in coefficient space: r_v numbers per head (spec A2 step 4).
             acc = acc * alpha[:, None]
+            wv = w
+            if INT8:
+                # sum_t w_t s_t q_t: the value scales go into the weights; a power-of-two unit
+                # keeps the scaled weights <= 1 for the 16-bit parts below (exact, undone after).
+                v_s = tl.load(vs_base + (t0 + offs_t) * svs_t, mask=t_mask, other=0.0)
+                v_max = tl.reduce(v_s, 0, _MAX)
+                v_unit = tl.exp2(tl.ceil(tl.log2(tl.where(v_max > 0, v_max, 1.0))))
+                wv = w * (v_s / v_unit)[None, :]
             if PARTS == 1:
-                acc = tl.dot(w, dvals, acc=acc, input_precision="ieee")
+                pv = tl.dot(wv, dvals, input_precision="ieee")
             else:
-                w_hi = w.to(COEF)
-                w_rest = w - w_hi.to(tl.float32)
+                w_hi = wv.to(COEF)
+                w_rest = wv - w_hi.to(tl.float32)
                 w_mid = w_rest.to(COEF)
                 if NATIVE16:
+                    pv = tl.dot(w_mid, dvals)
                     if PARTS == 3:
-                        acc = tl.dot((w_rest - w_mid.to(tl.float32)).to(COEF), dvals, acc=acc)
-                    acc = tl.dot(w_mid, dvals, acc=acc)
-                    acc = tl.dot(w_hi, dvals, acc=acc)
+                        pv = tl.dot((w_rest - w_mid.to(tl.float32)).to(COEF), dvals, acc=pv)
+                    pv = tl.dot(w_hi, dvals, acc=pv)
                 else:
                     df = dvals.to(tl.float32)
+                    pv = tl.dot(w_mid.to(tl.float32), df, input_precision="ieee")
                     if PARTS == 3:
-                        acc = tl.dot((w_rest - w_mid.to(tl.float32)).to(COEF).to(tl.float32), df, acc=acc, input_precision="ieee")
-                    acc = tl.dot(w_mid.to(tl.float32), df, acc=acc, input_precision="ieee")
-                    acc = tl.dot(w_hi.to(tl.float32), df, acc=acc, input_precision="ieee")
+                        pv = tl.dot((w_rest - w_mid.to(tl.float32)).to(COEF).to(tl.float32), df, acc=pv, input_precision="ieee")
+                    pv = tl.dot(w_hi.to(tl.float32), df, acc=pv, input_precision="ieee")
+            if INT8:
+                pv = pv * v_unit
+            acc += pv
             m_i = m_new
 
         # Once per chunk, not per token: N <- N exp(m_o - m) + acc E_j. N is rescaled here
         # rather than per tile; m_o = -inf means N is still 0 (and avoids -inf - -inf).
-        E = tl.load(vb_base + j * svb_j + e_offs, mask=e_mask, other=0.0).to(tl.float32)
+        E = tl.load(vb_base + j * svb_j + offs_rv[:, None] * svb_r + offs_dv[None, :],
+                    mask=rv_mask[:, None] & (offs_dv < d_v)[None, :], other=0.0)
         o_scale = tl.where(m_o == float("-inf"), 0.0, tl.exp(m_o - m_i))
-        o_i = tl.dot(acc, E, acc=o_i * o_scale[:, None], input_precision="ieee")
+        o_i = o_i * o_scale[:, None]
+        if PARTS > 1:
+            # acc cut into 16-bit parts as q~ above (after a power-of-two rescaling per row: a
+            # chunk's weighted sum may exceed float16's range), E_j exact: tensor cores.
+            a_abs = tl.reduce(tl.abs(acc), 1, _MAX)
+            a_unit = tl.exp2(tl.ceil(tl.log2(tl.where(a_abs > 0, a_abs, 1.0))))
+            acc = acc / a_unit[:, None]
+            a_hi = acc.to(COEF)
+            a_rest = acc - a_hi.to(tl.float32)
+            a_mid = a_rest.to(COEF)
+            a_lo = (a_rest - a_mid.to(tl.float32)).to(COEF)
+            if NATIVE16:
+                pe = tl.dot(a_mid, E)
+                if PARTS == 3:
+                    pe = tl.dot(a_lo, E, acc=pe)
+                pe = tl.dot(a_hi, E, acc=pe)
+            else:
+                ef = E.to(tl.float32)
+                pe = tl.dot(a_mid.to(tl.float32), ef, input_precision="ieee")
+                if PARTS == 3:
+                    pe = tl.dot(a_lo.to(tl.float32), ef, acc=pe, input_precision="ieee")
+                pe = tl.dot(a_hi.to(tl.float32), ef, acc=pe, input_precision="ieee")
+            o_i += pe * a_unit[:, None]
+        else:
+            o_i = tl.dot(acc, E.to(tl.float32), acc=o_i, input_precision="ieee")
         m_o = m_i
 
         j += 1
@@ -284,7 +352,25 @@ def default_split_len(num_tokens: int, programs: int, device) -> int:
     return cdiv(cdiv(num_tokens, splits), BLOCK_T) * BLOCK_T
 
 
-def decode_partials(q, layout, scale: float, split_len: int, num_splits: int | None = None):
+def launch_config(d: int, d_v: int) -> dict:
+    """Tile and warps of the split kernel. Up to head size 128: 64-token tiles, 4 warps (the
+    sm_90 build at d = 128, r = 32, g <= 16 uses <= 40 bytes of stack; 32-token tiles use none;
+    ``benchmarks/decode_gpu.py`` times both). Beyond: 32-token tiles and 8 warps, which spill
+    least at head size 256 (still a few hundred bytes)."""
+    if max(d, d_v) <= 128:
+        return dict(block_t=BLOCK_T, num_warps=4)
+    return dict(block_t=32, num_warps=8)
+
+
+def decode_partials(q, layout, scale: float, split_len: int, num_splits: int | None = None, *,
+                    block_t: int | None = None, num_warps: int | None = None):
+    launch, outputs = split_launch(q, layout, scale, split_len, num_splits, block_t=block_t, num_warps=num_warps)
+    launch.run()
+    return outputs
+
+
+def split_launch(q, layout, scale: float, split_len: int, num_splits: int | None = None, *,
+                 block_t: int | None = None, num_warps: int | None = None):
     """Per-split partials ``(m, Z, N)`` (spec A3.2) of coefficient-space attention (spec A3).
 
     q (N, H_q, d); ``layout`` a :class:`~subspace_ref.layout.PackedLayout` of torch tensors
@@ -292,6 +378,10 @@ def decode_partials(q, layout, scale: float, split_len: int, num_splits: int | N
     ``[s * split_len, min((s + 1) * split_len, T))``; ``num_splits`` defaults to
     ``ceil(T / split_len)``, and splits past the end are empty. Returns float32
     ``m, Z`` (N, H_q, S) and ``N`` (N, H_q, S, d_v), with ``m`` including gamma * scale.
+    ``block_t`` (a power of two >= 16) and ``num_warps`` override :func:`launch_config`.
+
+    :func:`split_launch` returns the launch (not run) and the outputs it would fill, for
+    ahead-of-time compile checks (``tests/test_triton_compile.py``).
     """
     N, Hq, d, H, group, r, r_v, d_v = _shapes(q, layout)
     T = int(layout.num_tokens)
@@ -302,12 +392,17 @@ def decode_partials(q, layout, scale: float, split_len: int, num_splits: int | N
     po = torch.empty((N, Hq, S, d_v), dtype=torch.float32, device=dev)
     kc, vc, kb, vb = layout.key_coef, layout.value_coef, layout.key_bases, layout.value_bases
     st, nc = layout.chunk_starts, layout.num_chunks
-    for name, x in (("q", q), ("key_coef", kc), ("value_coef", vc), ("key_bases", kb), ("value_bases", vb), ("chunk_starts", st)):
+    int8 = getattr(layout, "key_scale", None) is not None  # spec A10
+    # without INT8 the scale pointers are never read: any tensor will do
+    ks, vs = (layout.key_scale, layout.value_scale) if int8 else (kc, vc)
+    for name, x in (("q", q), ("key_coef", kc), ("value_coef", vc), ("key_bases", kb), ("value_bases", vb), ("chunk_starts", st), ("key_scale", ks), ("value_scale", vs)):
         if x.stride(-1) != 1:
             raise ValueError(f"{name} must have a unit stride in its last dimension")
-    parts = _PARTS[kc.dtype]
-    _decode_split_kernel[(N * H, S)](
-        q, kc, vc, kb, vb, st, nc, layout.gamma.contiguous(),
+    parts = _PARTS[kb.dtype]
+    cfg = launch_config(d, d_v)
+    cfg.update({k: v for k, v in (("block_t", block_t), ("num_warps", num_warps)) if v is not None})
+    args = (
+        q, kc, vc, kb, vb, st, nc, layout.gamma.contiguous(), ks, vs,
         pm, pz, po,
         H, group, T, int(split_len), S, float(scale),
         d, d_v, r, r_v,
@@ -318,35 +413,47 @@ def decode_partials(q, layout, scale: float, split_len: int, num_splits: int | N
         vb.stride(0), vb.stride(1), vb.stride(2), vb.stride(3),
         st.stride(0), st.stride(1),
         nc.stride(0), nc.stride(1),
+        ks.stride(0), ks.stride(1), ks.stride(2) if int8 else 0,
+        vs.stride(0), vs.stride(1), vs.stride(2) if int8 else 0,
+    )
+    constexprs = dict(
         G=pow2_at_least(group), D=pow2_at_least(d), DV=pow2_at_least(d_v),
         R=pow2_at_least(r), RV=pow2_at_least(r_v),
-        BLOCK_T=BLOCK_T, PARTS=parts, NATIVE16=parts > 1 and not interpreting(),
-        num_warps=4,
+        BLOCK_T=cfg["block_t"], BLOCK_D=pow2_at_least(d) if interpreting() else min(BLOCK_D, pow2_at_least(d)),
+        PARTS=parts, NATIVE16=parts > 1 and not interpreting(),
+        Q_NATIVE=parts > 1 and q.dtype == kb.dtype and not interpreting(), INT8=int8,
     )
-    return pm, pz, po
+    return Launch(_decode_split_kernel, (N * H, S), args, constexprs, cfg["num_warps"]), (pm, pz, po)
 
 
 def merge_partials(m, z, o, dtype):
     """Spec A3.2: merge the S partials of every (sequence, query head); returns N / Z as
     (N, H_q, d_v) in ``dtype``. Empty partials (-inf, 0, 0) are the identity."""
-    N, Hq, S = m.shape
-    d_v = o.shape[-1]
-    out = torch.empty((N, Hq, d_v), dtype=dtype, device=m.device)
-    _merge_kernel[(N * Hq,)](
-        m.contiguous(), z.contiguous(), o.contiguous(), out, S, d_v, Hq, out.stride(0), out.stride(1),
-        DV=pow2_at_least(d_v), BLOCK_S=min(MERGE_BLOCK_S, pow2_at_least(S, 1)),
-        MANUAL_BF16=interpreting() and dtype == torch.bfloat16,
-    )
+    launch, out = merge_launch(m, z, o, dtype)
+    launch.run()
     return out
 
 
-def decode_attention(q, layout, scale: float | None = None, split_len: int | None = None, num_splits: int | None = None):
+def merge_launch(m, z, o, dtype):
+    """The launch of :func:`merge_partials` (not run) and its output."""
+    N, Hq, S = m.shape
+    d_v = o.shape[-1]
+    out = torch.empty((N, Hq, d_v), dtype=dtype, device=m.device)
+    args = (m.contiguous(), z.contiguous(), o.contiguous(), out, S, d_v, Hq, out.stride(0), out.stride(1))
+    constexprs = dict(
+        DV=pow2_at_least(d_v), BLOCK_S=min(MERGE_BLOCK_S, pow2_at_least(S, 1)),
+        MANUAL_BF16=interpreting() and dtype == torch.bfloat16,
+    )
+    return Launch(_merge_kernel, (N * Hq,), args, constexprs, 4), out
+
+
+def decode_attention(q, layout, scale: float | None = None, split_len: int | None = None, num_splits: int | None = None, **launch):
     """Coefficient-space attention (spec A2, A3) of q (N, H_q, d) over ``layout``: (N, H_q, d_v)
     in q's dtype, accumulated in float32. ``scale`` defaults to 1/sqrt(d)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if split_len is None:
         split_len = default_split_len(int(layout.num_tokens), q.shape[0] * layout.key_coef.shape[1], q.device)
-    m, z, o = decode_partials(q, layout, scale, split_len, num_splits)
+    m, z, o = decode_partials(q, layout, scale, split_len, num_splits, **launch)
     return merge_partials(m, z, o, q.dtype)
 
 
@@ -357,6 +464,13 @@ def _token_chunks(starts, nj: int, T: int):
     """Chunk index of every token 0..T-1 (spec A9: chunk j covers [starts[j], starts[j+1]))."""
     tokens = torch.arange(T, device=starts.device)
     return torch.searchsorted(starts[:nj].contiguous(), tokens, right=True) - 1
+
+
+def _coefficients(layout, which: str, n: int, h: int, T: int):
+    """Rows 0..T-1 of one head's coefficients in float32, dequantised (spec A10) when int8."""
+    coef = getattr(layout, f"{which}_coef")[n, h, :T].to(torch.float32)
+    scales = getattr(layout, f"{which}_scale", None)
+    return coef if scales is None else coef * scales[n, h, :T, None]
 
 
 def decode_partials_reference(q, layout, scale: float, split_len: int, num_splits: int | None = None):
@@ -381,9 +495,9 @@ def decode_partials_reference(q, layout, scale: float, split_len: int, num_split
             E = layout.value_bases[n, h, :nj].to(f32)
             qg = q[n, h * group : (h + 1) * group].to(f32)  # (g, d)
             q_proj = torch.einsum("jrd,gd->jgr", B, qg)  # spec A3 step 2.1, every chunk
-            c = layout.key_coef[n, h, :T].to(f32)
+            c, dv = _coefficients(layout, "key", n, h, T), _coefficients(layout, "value", n, h, T)
             logits = float(layout.gamma[h]) * scale * torch.einsum("tgr,tr->gt", q_proj[chunk], c)
-            v_hat = torch.einsum("tr,trd->td", layout.value_coef[n, h, :T].to(f32), E[chunk])
+            v_hat = torch.einsum("tr,trd->td", dv, E[chunk])
             for s in range(S):
                 a, b = s * split_len, min((s + 1) * split_len, T)
                 if a >= b:
@@ -405,7 +519,7 @@ def merge_partials_reference(m, z, o, dtype):
     return ((o * a[..., None]).sum(dim=2) / (z * a).sum(dim=2)[..., None]).to(dtype)
 
 
-def decode_attention_reference(q, layout, scale: float | None = None, split_len: int | None = None, num_splits: int | None = None):
+def decode_attention_reference(q, layout, scale: float | None = None, split_len: int | None = None, num_splits: int | None = None, **launch):
     """:func:`decode_attention` in plain torch."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if split_len is None:

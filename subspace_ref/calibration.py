@@ -6,9 +6,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import scipy.linalg
-
 from subspace_ref import _checks
+from subspace_ref.linalg import svd
 
 
 @dataclass(frozen=True)
@@ -77,7 +76,7 @@ def _bases(X: np.ndarray, rank: int | None, energy: float | None, name: str) -> 
     H, _, dim = X.shape
     ranks, rows = [], []
     for h in range(H):
-        _, sigma, wt = scipy.linalg.svd(X[h], full_matrices=False)
+        _, sigma, wt = svd(X[h], full_matrices=False)
         r = rank if rank is not None else energy_rank(sigma, energy)
         if r > min(dim, wt.shape[0]):
             raise ValueError(f"{name} = {r} exceeds the available rank {min(dim, wt.shape[0])} of head {h}")

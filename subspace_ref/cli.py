@@ -1,5 +1,6 @@
 """``subspace-kv``: the project's command line. Each subcommand lives in its own module, imported
-only when run, exposing ``add_arguments(parser)`` and ``run(args) -> int``."""
+exposing ``add_arguments(parser)`` and ``run(args) -> int``; a module whose optional
+dependencies are missing leaves its subcommand in place with the reason."""
 
 from __future__ import annotations
 
@@ -7,7 +8,11 @@ import argparse
 import importlib
 import sys
 
+from subspace_ref.experiments import SUBCOMMANDS as EXPERIMENTS
+
 SUBCOMMANDS = {
+    **EXPERIMENTS,
+    "baselines": ("subspace_ref.experiments.baselines", "quantization and eviction baselines at matched KV bytes"),
     "demo": ("subspace_ref.demo", "compress a synthetic low-rank stream; print memory ratio and error"),
     "bounds": ("subspace_ref.bounds.sweep", "sweep the error bounds of spec/bounds.md; table, plot, theory page"),
     "roofline": ("subspace_ref.roofline_report", "measure decode time against the roofline model; plot"),

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from subspace_ref.linalg import svd
+
 from subspace_ref import frequent_directions as fd
 from subspace_ref.arrays import to_numpy
 from subspace_ref.bounds import statements as st
@@ -435,7 +437,7 @@ def _fd_rows(state, K, V, u, per_claim, pred) -> None:
             S = fd.sketch(buffer, filled, ell)
             P_rows = fd.complete_orthonormal(fd.top_directions(buffer[:filled], r)) if r <= dim else np.eye(dim)
             # thin SVD: the full one builds a T x T factor and costs seconds at T ~ 200
-            _, sigma, wt = np.linalg.svd(A, full_matrices=False)
+            _, sigma, wt = svd(A, full_matrices=False)
             if wt.shape[0] < r:  # fewer rows than r: complete the top-r space (gap = 0 then)
                 wt = fd.complete_orthonormal(np.vstack([wt, np.zeros((r - wt.shape[0], dim))]))
             sig = np.zeros(max(dim, r + 1))

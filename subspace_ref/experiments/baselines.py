@@ -1,0 +1,367 @@
+"""``baselines``: KV-cache compression baselines against subspace projection at matched KV bytes.
+
+On the shipped model, held-out windows (seed 0) are scored under every method of
+:mod:`subspace_ref.baselines` configured for 50%, 25% and 12.5% of the full fp16 cache
+(:func:`subspace_ref.baselines.methods_at`; bytes per token counted by
+:mod:`subspace_ref.baselines.budget`, scales, sinks, scores and bases included). Static bases come
+from the calibration windows (training split, seed 1) by the ``calibrate`` helpers. Writes
+``OUT/baselines.json``, ``OUT/baselines.csv``, ``OUT/baselines_tokens.npz`` (per-token NLL),
+``OUT/figures/baselines_pareto.png`` and ``baselines_position.png``, and regenerates
+``DOCS/baselines.md`` with the figures copied to ``DOCS/figures``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from subspace_ref.experiments import _common as C
+
+DEFAULT_OUT = Path("results/baselines")
+BOOTSTRAP_BLOCK = 64
+QUICK_CONTEXT = 256
+#: the issue's three budgets, then two smaller ones to show where eviction starts to lose
+EXTRA_BUDGETS = (0.5, 0.25, 0.125, 0.0625, 0.03125)
+DEFAULT_WINDOWS = 24
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    C.add_common_arguments(parser, default_profile="full")
+    parser.set_defaults(out=DEFAULT_OUT)
+    parser.add_argument("--windows", type=int, default=None, help=f"held-out evaluation windows (default {DEFAULT_WINDOWS}; --quick 2)")
+    parser.add_argument("--budgets", type=lambda s: tuple(float(x) for x in s.split(",")), default=EXTRA_BUDGETS,
+                        help="fractions of the full cache (default 0.5,0.25,0.125 plus 0.0625,0.03125 for the Pareto front)")
+    parser.add_argument("--batch", type=int, default=4, help="windows per forward pass (default 4)")
+    parser.add_argument("--quick", action="store_true", help=f"tests: 2 windows of {QUICK_CONTEXT} tokens, 2 calibration windows")
+    parser.add_argument("--docs", type=Path, default=C.DEFAULT_DOCS, help="where baselines.md and its figures go (default docs)")
+    parser.add_argument("--no-docs", action="store_true", help="do not write the docs page")
+
+
+# ----------------------------------------------------------------------------- scoring
+def score(model, ids: np.ndarray, method, bases: list | None, batch: int) -> tuple[np.ndarray, float]:
+    """Per-token NLL (n, T-1) of ``ids`` under ``method`` (None: stock) and the seconds taken."""
+    import torch
+
+    from subspace_ref.baselines import Subspace, SubspaceWindow, token_logprobs
+    from subspace_ref.hf import teacher_forced
+
+    start = time.perf_counter()
+    out = []
+    with torch.no_grad():
+        for i in range(0, len(ids), batch):
+            x = torch.as_tensor(ids[i : i + batch], dtype=torch.long)
+            if isinstance(method, Subspace):
+                lp = teacher_forced(model, x, method.factory(bases), backend=method.backend).token_logprobs
+            elif isinstance(method, SubspaceWindow):
+                lp = token_logprobs(model, x, method.with_bases(bases)).numpy()
+            else:
+                lp = token_logprobs(model, x, method).numpy()
+            out.append(-np.asarray(lp, dtype=np.float64))
+    return np.concatenate(out, axis=0), time.perf_counter() - start
+
+
+def bases_for(svd: list[dict], r: int, rv: int) -> list:
+    from subspace_ref.experiments.calibrate import basis_from_svd
+
+    return [basis_from_svd(entry, r, rv, 1.0) for entry in svd]
+
+
+def by_position(nll: np.ndarray, edges: list[int]) -> dict:
+    """Perplexity per context-length bucket (column t of ``nll`` predicts with t+1 tokens of context)."""
+    ctx_len = np.arange(1, nll.shape[1] + 1)
+    return {C.bucket_label(a, b): float(np.exp(nll[:, (ctx_len >= a) & (ctx_len < b)].mean()))
+            for a, b in zip(edges[:-1], edges[1:]) if ((ctx_len >= a) & (ctx_len < b)).any()}
+
+
+def compare(a: np.ndarray, b: np.ndarray) -> dict:
+    """Mean NLL difference a - b (nats/token) with its 95% block-bootstrap interval and perplexity ratio."""
+    diff = a - b
+    lo, hi = C.block_bootstrap(diff, min(BOOTSTRAP_BLOCK, diff.shape[1]))
+    return dict(delta_nll=float(diff.mean()), ci=[lo, hi], ppl_ratio=float(np.exp(diff.mean())),
+                verdict="tie" if lo <= 0 <= hi else ("worse" if lo > 0 else "better"))
+
+
+# ----------------------------------------------------------------------------- the run
+def run_comparison(ctx: C.Context, n_windows: int, batch: int, budgets=EXTRA_BUDGETS) -> dict:
+    from subspace_ref.baselines import H2O, Geometry, SlidingWindow, StreamingLLM, Subspace, full_bytes, methods_at
+    from subspace_ref.experiments.calibrate import capture_windows, layer_svd
+
+    model = ctx.model
+    geom = Geometry.of_model(model, ctx.context)
+    ids = ctx.eval_windows(n_windows)
+    cal = capture_windows(model, ctx.calib_windows(), queries=False, batch=batch)
+    svd = layer_svd(cal)
+    calib_tokens = cal.num_tokens
+    del cal
+    edges = C.position_edges(ctx.context)
+
+    plan = [(None, None)] + [(f, m) for f in budgets for m in methods_at(geom, f)]
+    C_ = geom.context
+    checks = [SlidingWindow(window=C_), StreamingLLM(sinks=4, window=C_ - 4), H2O(heavy=C_ // 2, recent=C_ - C_ // 2),
+              Subspace(rank_k=geom.head_dim, rank_v=geom.value_dim)]
+    rows, tokens = [], {}
+    stock = None
+    bar = ctx.bar(total=len(plan) + len(checks), desc="baselines")
+    for budget, m in plan:
+        bases = bases_for(svd, m.rank_k, m.rank_v) if m is not None and hasattr(m, "rank_k") else None
+        nll, secs = score(model, ids, m, bases, batch)
+        b = full_bytes(geom) if m is None else m.bytes(geom)
+        name = "full cache (stock)" if m is None else m.name
+        row = dict(
+            budget=budget, family="stock" if m is None else m.family, method=name,
+            source="transformers DynamicCache + sdpa" if m is None else m.source,
+            bytes_per_token=b.per_token, fraction_of_full=b.fraction, within_budget=True if budget is None else b.fraction <= budget + 1e-9,
+            bytes_parts=b.parts, ppl=float(np.exp(nll.mean())), nll=float(nll.mean()), seconds=round(secs, 2),
+            by_position=by_position(nll, edges),
+        )
+        if m is None:
+            stock = nll
+        else:
+            cmp = compare(nll, stock)
+            row.update(delta_ppl=row["ppl"] - float(np.exp(stock.mean())), delta_pct=100 * (cmp["ppl_ratio"] - 1),
+                       delta_nll=cmp["delta_nll"], delta_nll_ci=cmp["ci"])
+        tokens[f"{budget}|{name}"] = nll.astype(np.float32)
+        rows.append(row)
+        bar.update()
+    full_checks = []
+    for m in checks:  # every method at the full budget must reproduce the stock model
+        bases = bases_for(svd, m.rank_k, m.rank_v) if hasattr(m, "rank_k") else None
+        nll, _ = score(model, ids, m, bases, batch)
+        full_checks.append(dict(method=m.name, max_abs_token_nll_diff=float(np.abs(nll - stock).max())))
+        bar.update()
+    bar.close()
+
+    verdicts, pairwise = [], []
+    for f in budgets:
+        at = [r for r in rows if r["budget"] == f]
+        sub = [r for r in at if r["family"].startswith("subspace")]
+        oth = [r for r in at if not r["family"].startswith("subspace")]
+        best_base = min([r for r in oth if r["within_budget"]] or oth, key=lambda r: r["ppl"])
+        for s_ in sub:
+            c = compare(tokens[f"{f}|{s_['method']}"], tokens[f"{f}|{best_base['method']}"])
+            verdicts.append(dict(budget=f, subspace=s_["method"], subspace_family=s_["family"], subspace_within_budget=s_["within_budget"],
+                                 baseline=best_base["method"], baseline_family=best_base["family"],
+                                 subspace_ppl=s_["ppl"], baseline_ppl=best_base["ppl"], **c))
+            for r in oth:
+                c = compare(tokens[f"{f}|{s_['method']}"], tokens[f"{f}|{r['method']}"])
+                pairwise.append(dict(budget=f, subspace=s_["method"], baseline=r["method"], baseline_within_budget=r["within_budget"], **c))
+    return dict(
+        meta=C.meta(ctx, "baselines", eval_windows=int(len(ids)), calibration_tokens=int(calib_tokens), batch=batch),
+        geometry=dict(layers=geom.layers, kv_heads=geom.kv_heads, head_dim=geom.head_dim, value_dim=geom.value_dim,
+                      context=geom.context, float_bytes=geom.float_bytes, full_bytes_per_token=geom.full_bytes_per_token),
+        budgets=list(budgets), position_edges=edges, rows=rows, full_budget_checks=full_checks, verdicts=verdicts, pairwise=pairwise,
+    ), tokens
+
+
+# ----------------------------------------------------------------------------- figures
+FAMILY_STYLE = {
+    "quantized KV": ("tab:orange", "s"), "sliding window": ("tab:gray", "v"), "StreamingLLM": ("tab:brown", "^"),
+    "H2O": ("tab:purple", "D"), "subspace": ("tab:blue", "o"), "subspace INT8": ("tab:green", "o"), "subspace + window": ("tab:cyan", "P"),
+}
+
+
+def figures(record: dict, folder: Path) -> list[Path]:
+    plt = C.pyplot()
+    rows = [r for r in record["rows"] if r["budget"] is not None]
+    stock = next(r for r in record["rows"] if r["budget"] is None)
+    fams = [f for f in FAMILY_STYLE if any(r["family"] == f for r in rows)]
+    fig, ax = plt.subplots(figsize=(6.0, 3.8))
+    for fam in fams:
+        pts = sorted((r["fraction_of_full"], r["ppl"]) for r in rows if r["family"] == fam)
+        col, mk = FAMILY_STYLE[fam]
+        ax.plot([p[0] * 100 for p in pts], [p[1] for p in pts], marker=mk, color=col, label=fam)
+    ax.axhline(stock["ppl"], color="k", ls="--", lw=0.8, label=f"full cache ({stock['ppl']:.3f})")
+    for f in record["budgets"]:
+        ax.axvline(100 * f, color="0.85", lw=0.6, zorder=0)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ticks = sorted(set(100 * f for f in record["budgets"]) | {100.0})
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([f"{t:g}%" for t in ticks])
+    ax.set_xlabel("KV bytes per token (% of the fp16 full cache)")
+    ax.set_ylabel("perplexity (held-out, log scale)")
+    ax.set_title(f"Perplexity vs KV bytes, shipped model, {record['meta']['eval_windows']} windows x {record['geometry']['context']} tokens")
+    ax.legend(ncol=2)
+    p1 = C.save_figure(fig, folder / "baselines_pareto.png")
+
+    budgets = record["budgets"]
+    fig, axes = plt.subplots(1, len(budgets), figsize=(2.8 * len(budgets), 3.2), sharey=True)
+    labels = list(stock["by_position"])
+    x = np.arange(len(labels))
+    for ax, f in zip(np.atleast_1d(axes), budgets):
+        for fam in fams:
+            r = next((r for r in rows if r["budget"] == f and r["family"] == fam), None)
+            if r is None:
+                continue
+            col, mk = FAMILY_STYLE[fam]
+            ax.plot(x, [r["by_position"][k] for k in labels], marker=mk, color=col, label=fam, ms=4)
+        ax.plot(x, [stock["by_position"][k] for k in labels], "k--", lw=0.8, label="full cache")
+        ax.set_xticks(x)
+        ax.set_xticklabels(labels, rotation=30)
+        ax.set_yscale("log")
+        ax.set_title(f"budget {100 * f:g}%")
+        ax.set_xlabel("context length (tokens)")
+    np.atleast_1d(axes)[0].set_ylabel("perplexity (log scale)")
+    np.atleast_1d(axes)[-1].legend(fontsize=6)
+    p2 = C.save_figure(fig, folder / "baselines_position.png")
+    return [p1, p2]
+
+
+# ----------------------------------------------------------------------------- the page
+def _pct(x):
+    return f"{100 * x:.1f}%"
+
+
+def markdown(record: dict, command: str) -> str:
+    g, meta = record["geometry"], record["meta"]
+    rows = record["rows"]
+    stock = next(r for r in rows if r["budget"] is None)
+    labels = list(stock["by_position"])
+    L = []
+    L.append("# Baselines at matched KV bytes\n")
+    L.append(f"_Generated by `{command}` in {meta['runtime_s']:.0f} s ({meta['environment'].get('cpu_count')} CPUs, "
+             f"{meta['settings'].get('backend')} backend); do not edit by hand: rerun the command._\n")
+    L.append(f"Model: {meta['model'].get('description')} ({g['layers']} layers x {g['kv_heads']} KV heads, d = {g['head_dim']}). "
+             f"Evaluation: {meta['eval_windows']} held-out windows of {g['context']} tokens (corpus seed {C.SEED_EVAL}); "
+             f"static bases from {meta['calibration_tokens']} calibration tokens of the training split (seed {C.SEED_BASES}), "
+             f"gamma = 1. Full cache: {g['full_bytes_per_token']:.0f} bytes/token in fp16.\n")
+    L.append("## Byte accounting\n")
+    L.append("Bytes per token are what each cache holds at the end of a window of the evaluation length, divided by it, "
+             "over all layers and KV heads, with every float stored in fp16 (`subspace_ref/baselines/budget.py`):\n")
+    L.append("* **quantised KV**: packed codes + fp16 scale and zero point per channel per 64-token group (keys) and per token "
+             "(values); the keys of an unfinished group stay fp16 (KIVI). Bit widths are fixed (8/4/2 at 50/25/12.5%), so "
+             "their scales put them *above* the budget; they are plotted at their real bytes.")
+    L.append("* **sliding window / StreamingLLM**: the kept tokens only (post-RoPE keys need no position index); 4 sinks.")
+    L.append("* **H2O**: the kept tokens + a float32 accumulated score and an int16 position per kept token and KV head; "
+             "heavy and recent halves of the capacity.")
+    L.append("* **subspace**: r + r_v coefficients per token and head (fp16; or int8 + one float32 scale per token and side, "
+             "spec A10) + the bases (fp16) and gamma, amortised over the window (per sequence, though shared). "
+             "**subspace + window**: the coefficients of the last half of the window only, at correspondingly larger ranks.\n")
+    L.append("## Results\n")
+    L.append(f"Perplexity of the full cache: **{stock['ppl']:.4f}**. Δ is relative to it; the interval is the 95% "
+             f"block-bootstrap (blocks of {BOOTSTRAP_BLOCK} tokens) interval of the mean per-token NLL change.\n")
+    L.append("| budget | method | bytes/token | % of full | ppl | Δppl | Δ% | ΔNLL 95% CI | " + " | ".join(f"ppl @ {k}" for k in labels) + " |")
+    L.append("|---|---|---:|---:|---:|---:|---:|---|" + "---:|" * len(labels))
+    L.append(f"| 100% | full cache (stock) | {stock['bytes_per_token']:.0f} | 100% | {stock['ppl']:.4f} | | | | "
+             + " | ".join(f"{stock['by_position'][k]:.3f}" for k in labels) + " |")
+    for r in rows:
+        if r["budget"] is None:
+            continue
+        over = "" if r["within_budget"] else " ⚠"
+        lo, hi = r["delta_nll_ci"]
+        L.append(f"| {100 * r['budget']:g}% | {r['method']} | {r['bytes_per_token']:.1f} | {_pct(r['fraction_of_full'])}{over} | "
+                 f"{r['ppl']:.4f} | {r['delta_ppl']:+.4f} | {r['delta_pct']:+.2f}% | [{lo:+.4f}, {hi:+.4f}] | "
+                 + " | ".join(f"{r['by_position'][k]:.3f}" for k in labels) + " |")
+    L.append("\n⚠ above the budget (quantisation scales; see above).\n")
+    L.append("![Perplexity vs KV bytes](figures/baselines_pareto.png)\n")
+    L.append("![Perplexity by context position](figures/baselines_position.png)\n")
+    L.append("## Verdict (from the numbers above)\n")
+    L.append(verdict_text(record))
+    L.append("\n## Checks\n")
+    L.append("Each method at the full budget (capacity = window length; full ranks) against the stock model, largest per-token NLL difference:\n")
+    for c in record["full_budget_checks"]:
+        L.append(f"* {c['method']}: {c['max_abs_token_nll_diff']:.2e}")
+    L.append("\n## Where each implementation comes from\n")
+    seen = {}
+    for r in rows:
+        seen.setdefault(r["family"], r["source"])
+    for fam, src in seen.items():
+        L.append(f"* **{fam}**: {src}")
+    L.append("\nEviction methods run as a permanent per-head mask over a transformers `DynamicCache` through one attention "
+             "function (`subspace_ref/baselines/_attention.py`): attending the kept subset equals attending an evicting "
+             "cache; H2O loops over query positions inside each layer so a teacher-forced window equals decoding "
+             "(tests/test_baselines.py compares with one-token steps). transformers' `QuantizedCache` was not used: its "
+             "quanto/hqq backends are not installed (no network) and its fp8 backend returns unquantised states on "
+             "the prefill call. Not implemented: ShadowKV, SnapKV, Scissorhands, Quest (seed 001 §11 lists them).\n")
+    L.append("Outputs: `baselines.json`, `baselines.csv`, `baselines_tokens.npz` (per-token NLL) in the output folder.\n")
+    return "\n".join(L) + "\n"
+
+
+WORD = {"better": "wins", "worse": "loses", "tie": "ties"}
+
+
+def verdict_text(record: dict) -> str:
+    """Plain statements from the numbers: per budget, each subspace entry against the best baseline
+    that fits the budget (paired per-token NLL, 95% block bootstrap)."""
+    out, summary = [], []
+    rows = record["rows"]
+    for f in record["budgets"]:
+        vs = [v for v in record["verdicts"] if v["budget"] == f]
+        if not vs:
+            continue
+        base = vs[0]
+        line = [f"* **{100 * f:g}%**: best baseline within the budget *{base['baseline']}* ({base['baseline_family']}), ppl {base['baseline_ppl']:.4f}."]
+        for v in vs:
+            pct = 100 * (v["ppl_ratio"] - 1)
+            over = " (above the budget)" if not v["subspace_within_budget"] else ""
+            line.append(f"*{v['subspace']}*{over} {WORD[v['verdict']]}: ppl {v['subspace_ppl']:.4f} ({pct:+.2f}%).")
+        out.append(" ".join(line))
+        fit = [v for v in vs if v["subspace_within_budget"]] or vs
+        best = min(fit, key=lambda v: v["subspace_ppl"])
+        summary.append((f, best))
+    head = []
+    for word in ("better", "tie", "worse"):
+        at = [(f, v) for f, v in summary if v["verdict"] == word]
+        if at:
+            head.append(f"{WORD[word]} at " + ", ".join(f"{100 * f:g}% ({v['subspace']}, {100 * (v['ppl_ratio'] - 1):+.2f}% ppl vs {v['baseline']})" for f, v in at))
+    text = ["**Summary.** The best subspace entry within each budget " + "; ".join(head) + "."]
+    stock = next(r for r in rows if r["budget"] is None)
+    wins = sorted((r for r in rows if r["family"] == "sliding window" and r["delta_pct"] < 1.0), key=lambda r: r["fraction_of_full"])
+    if wins:
+        w = wins[0]
+        text.append(f"On this model a plain {w['method']} ({100 * w['fraction_of_full']:g}% of the bytes) stays within "
+                    f"{w['delta_pct']:+.2f}% of the full cache's perplexity {stock['ppl']:.4f}: context further back than that "
+                    "contributes little to its predictions, so token eviction is cheap here, whereas projection perturbs "
+                    "every cached key and value, recent ones included.")
+    pure = [v for v in record["verdicts"] if v["subspace_family"] in ("subspace", "subspace INT8") and v["subspace_within_budget"]]
+    if pure:
+        b = min(pure, key=lambda v: abs(v["ppl_ratio"] - 1))
+        text.append(f"Projection alone (no window) comes closest at {100 * b['budget']:g}% with {b['subspace']}: "
+                    f"{100 * (b['ppl_ratio'] - 1):+.2f}% vs {b['baseline']}.")
+    text.append("")
+    text += out
+    text.append("\n'wins / loses / ties': the 95% block-bootstrap interval of the mean per-token NLL difference (subspace minus "
+                "baseline) lies below 0 / above 0 / contains 0. Percentages are the perplexity ratio minus one (negative: "
+                "subspace better). Every pairing is in `baselines.json` (`pairwise`).")
+    return "\n".join(text)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.quick:
+        args.profile = "tiny"
+        args.context = args.context or QUICK_CONTEXT
+    ctx = C.make_context(args)
+    n = args.windows or (2 if args.quick else DEFAULT_WINDOWS)
+    record, tokens = run_comparison(ctx, n, args.batch, args.budgets)
+    record["meta"]["runtime_s"] = round(time.perf_counter() - ctx.started, 2)
+    C.write_json(ctx.out / "baselines.json", record)
+    C.write_csv(ctx.out / "baselines.csv", record["rows"])
+    np.savez_compressed(ctx.out / "baselines_tokens.npz", **{k.replace("/", "_"): v for k, v in tokens.items()})
+    figs = figures(record, ctx.figures)
+    command = "subspace-kv baselines" + (" --quick" if args.quick else "") + (f" --windows {args.windows}" if args.windows else "") \
+        + ("" if args.model == "default" else f" --model {args.model}")
+    if not args.no_docs:
+        docs = Path(args.docs)
+        (docs / "figures").mkdir(parents=True, exist_ok=True)
+        for p in figs:
+            shutil.copyfile(p, docs / "figures" / p.name)
+        (docs / "baselines.md").write_text(markdown(record, command))
+    stock = next(r for r in record["rows"] if r["budget"] is None)
+    print(f"baselines: {record['meta']['eval_windows']} windows x {ctx.context} tokens, full cache ppl {stock['ppl']:.4f}, "
+          f"{record['meta']['runtime_s']:.0f} s -> {ctx.out / 'baselines.json'}")
+    for r in record["rows"]:
+        if r["budget"] is not None:
+            print(f"  {100 * r['budget']:5.1f}%  {r['method']:<36} {100 * r['fraction_of_full']:5.1f}%  ppl {r['ppl']:.4f} ({r['delta_pct']:+.2f}%)")
+    print(verdict_text(record))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    sys.exit(run(p.parse_args()))

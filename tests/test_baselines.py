@@ -1,0 +1,210 @@
+"""KV-cache baselines (subspace_ref.baselines): byte accounting by hand, eviction sets, H2O
+selection, quantisation error, decode equivalence, full budget = stock; and the command's quick run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from subspace_ref.baselines import (  # noqa: E402
+    H2O, Geometry, QuantizedKV, SlidingWindow, StreamingLLM, Subspace, SubspaceWindow, applied, capacity_for, fake_quant,
+    full_bytes, methods_at, quantize_keys, token_logprobs, window_keep,
+)
+from subspace_ref.baselines.h2o import H2ORuntime  # noqa: E402
+
+GEOM = Geometry(layers=1, kv_heads=1, head_dim=64, value_dim=64, context=1024)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.set_num_threads(1)
+    from subspace_ref.experiments._common import tiny_random_llama
+
+    model, _ = tiny_random_llama()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (2, 40), generator=g)
+    return model, ids
+
+
+# ----------------------------------------------------------------------------- byte accounting
+def test_full_cache_bytes():
+    assert full_bytes(GEOM).per_token == 64 * 2 * 2  # K and V, 64 fp16 each
+    g = Geometry(4, 2, 64, 64, 1024)
+    assert full_bytes(g).per_token == 4 * 2 * 256 == 2048
+
+
+def test_quantized_bytes_by_hand():
+    # 8-bit, d = 64, keys: per-channel fp16 scale + zero over a group of 64 tokens; values: per token
+    b = QuantizedKV(bits=8, group=64).bytes(GEOM)
+    keys = 64 * 1 + (64 * 2 * 2) / 64  # codes + (64 scales + 64 zeros) x 2 bytes shared by 64 tokens = 68
+    values = 64 * 1 + 2 * 2  # codes + one scale + one zero = 68
+    assert b.per_token == pytest.approx(keys + values) == pytest.approx(136)
+    assert b.fraction == pytest.approx(136 / 256)
+    # 4-bit, group 128: keys 32 + 256/128 = 34, values 32 + 4 = 36
+    assert QuantizedKV(bits=4, group=128).bytes(GEOM).per_token == pytest.approx(70)
+    # unfinished group: context 100, group 64: 36 residual fp16 keys
+    g = Geometry(1, 1, 64, 64, 100)
+    b = QuantizedKV(bits=8, group=64).bytes(g)
+    total = 64 * 64 + 256 * 1 + 36 * 64 * 2 + 100 * 68  # codes of 64 keys, one group's scales, 36 fp16 keys, values
+    assert b.per_token * 100 == pytest.approx(total)
+
+
+def test_eviction_bytes_by_hand():
+    assert SlidingWindow(window=256).bytes(GEOM).per_token == pytest.approx(256 * 256 / 1024)
+    assert StreamingLLM(sinks=4, window=252).bytes(GEOM).per_token == pytest.approx(256 * 256 / 1024)
+    # H2O: 256 kept tokens x (256 bytes of K/V + 4-byte score + 2-byte position) / 1024
+    assert H2O(heavy=128, recent=128).bytes(GEOM).per_token == pytest.approx(256 * 262 / 1024)
+    assert capacity_for(GEOM, 0.25) == 256
+    assert capacity_for(GEOM, 0.25, 6) == int(256 * 256 / 262)
+
+
+def test_subspace_bytes_by_hand():
+    # fp16 coefficients r + r_v = 32 -> 64 bytes; bases (16 + 16) x 64 x 2 bytes + 4 (gamma) over 1024 tokens
+    b = Subspace(rank_k=16, rank_v=16).bytes(GEOM)
+    assert b.per_token == pytest.approx(64 + (32 * 64 * 2 + 4) / 1024)
+    # int8: 32 bytes + 2 float32 scales + bases
+    b = Subspace(rank_k=16, rank_v=16, coefficients="int8").bytes(GEOM)
+    assert b.per_token == pytest.approx(32 + 8 + (32 * 64 * 2 + 4) / 1024)
+    # + window of 512: half the coefficients, all the bases
+    b = SubspaceWindow(rank_k=16, rank_v=16, window=512).bytes(GEOM)
+    assert b.per_token == pytest.approx(32 + (32 * 64 * 2 + 4) / 1024)
+
+
+def test_methods_at_budget_fit():
+    g = Geometry(4, 2, 64, 64, 1024)
+    for f in (0.5, 0.25, 0.125):
+        for m in methods_at(g, f):
+            frac = m.bytes(g).fraction
+            if isinstance(m, QuantizedKV):  # fixed bit widths: scales put it a little above
+                assert f < frac < 1.3 * f
+            else:
+                assert 0.9 * f <= frac <= f + 1e-12, (m, frac)
+
+
+# ----------------------------------------------------------------------------- eviction sets
+def test_window_and_sink_positions():
+    keep = window_keep(n=10, T=10, window=3)
+    for p in range(10):
+        assert keep[p].nonzero().ravel().tolist() == [t for t in range(p + 1) if t > p - 3]
+    keep = window_keep(n=10, T=10, window=3, sinks=2)
+    assert keep[9].nonzero().ravel().tolist() == [0, 1, 7, 8, 9]
+    assert keep[3].nonzero().ravel().tolist() == [0, 1, 2, 3]
+    # decode step (one query at position 9 of 10 tokens) = the last row
+    assert torch.equal(window_keep(1, 10, 3, 2)[0], keep[9])
+
+
+def test_h2o_keeps_heavy_hitters_and_recent_window():
+    """Synthetic stream: H2O's kept set equals a plain-Python re-implementation's at every step,
+    and it is the top accumulated-score tokens plus the recent window."""
+    gen = torch.Generator().manual_seed(3)
+    B, Hq, H, T, d = 1, 2, 1, 24, 8
+    q = torch.randn(B, Hq, T, d, generator=gen, dtype=torch.float64)
+    k = torch.randn(B, H, T, d, generator=gen, dtype=torch.float64) * 2
+    v = torch.randn(B, H, T, d, generator=gen, dtype=torch.float64)
+    heavy, recent = 3, 2
+    rt = H2ORuntime(heavy, recent)
+    rt.record = True
+    rt.attend(q, k, v, d**-0.5)
+    kept, score = [], {}
+    for p in range(T):
+        kept.append(p)
+        score[p] = 0.0
+        if len(kept) > heavy + recent:
+            cands = [t for t in kept if t <= p - recent]
+            victim = min(cands, key=lambda t: (score[t], t))
+            kept.remove(victim)
+            # the evicted token had the smallest accumulated attention of the older kept tokens
+            assert all(score[t] >= score[victim] for t in kept if t <= p - recent)
+        assert rt.history[p][0, 0].nonzero().ravel().tolist() == sorted(kept)
+        logits = np.array([(q[0, :, p] @ k[0, 0, t]).numpy() for t in sorted(kept)]).T * d**-0.5  # (Hq, kept)
+        probs = np.exp(logits - logits.max(1, keepdims=True))
+        probs /= probs.sum(1, keepdims=True)
+        for j, t in enumerate(sorted(kept)):
+            score[t] += probs[:, j].sum()
+        assert all(t in kept for t in range(max(0, p - recent + 1), p + 1))  # the recent window is always kept
+        assert len(kept) == min(p + 1, heavy + recent)
+
+
+def test_h2o_keeps_a_heavy_hitter_that_the_window_drops():
+    """Token 5's key is aligned with every query: it collects most attention, so H2O (2 heavy + 2
+    recent) keeps it to the end (with token 0, which early queries attended fully) while a
+    4-token window drops both."""
+    T, d = 30, 4
+    gen = torch.Generator().manual_seed(0)
+    q = torch.zeros(1, 1, T, d, dtype=torch.float64)
+    q[..., 0] = 1.0
+    k = torch.randn(1, 1, T, d, generator=gen, dtype=torch.float64) * 0.1
+    k[0, 0, 5, 0] = 10.0
+    v = torch.randn(1, 1, T, d, generator=gen, dtype=torch.float64)
+    rt = H2ORuntime(2, 2)
+    rt.record = True
+    rt.attend(q, k, v, 1.0)
+    for p in range(7, T):  # once token 5 has left the recent window
+        assert rt.history[p][0, 0].nonzero().ravel().tolist() == [0, 5, p - 1, p]
+    assert not bool(window_keep(1, T, 4)[0, 5])
+
+
+# ----------------------------------------------------------------------------- quantisation
+def test_int8_round_trip_within_half_a_step():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 64, 64, generator=gen, dtype=torch.float64) * torch.linspace(0.1, 5, 64, dtype=torch.float64)
+    for dim in (2, 3):  # per channel over tokens (keys), per token over channels (values)
+        y = fake_quant(x, 8, dim)
+        step = (x.amax(dim, keepdim=True) - x.amin(dim, keepdim=True)) / 255
+        assert bool(((y - x).abs() <= step / 2 + 1e-12).all())
+    y = quantize_keys(x, 8, group=16)
+    for a in range(0, 64, 16):
+        blk = x[:, :, a : a + 16]
+        step = (blk.amax(2, keepdim=True) - blk.amin(2, keepdim=True)) / 255
+        assert bool(((y[:, :, a : a + 16] - blk).abs() <= step / 2 + 1e-12).all())
+
+
+# ----------------------------------------------------------------------------- on a model
+def test_full_budget_reproduces_stock(tiny):
+    model, ids = tiny
+    T = ids.shape[1]
+    stock = token_logprobs(model, ids)
+    for m in (SlidingWindow(window=T), StreamingLLM(sinks=4, window=T - 4), H2O(heavy=T // 2, recent=T - T // 2)):
+        assert torch.allclose(token_logprobs(model, ids, m), stock, atol=1e-5), m
+    # 16-bit quantisation with one-token groups is near-exact
+    assert torch.allclose(token_logprobs(model, ids, QuantizedKV(bits=16, group=1)), stock, atol=1e-3)
+
+
+def test_teacher_forced_equals_decoding(tiny):
+    model, ids = tiny
+    for m in (H2O(heavy=5, recent=4), StreamingLLM(sinks=2, window=6), QuantizedKV(bits=4, group=8)):
+        tf = token_logprobs(model, ids, m)
+        dec = token_logprobs(model, ids, m, block_size=1)
+        blk = token_logprobs(model, ids, m, block_size=7)
+        assert torch.allclose(tf, dec, atol=1e-5), m
+        assert torch.allclose(tf, blk, atol=1e-5), m
+    assert not torch.allclose(token_logprobs(model, ids, H2O(heavy=5, recent=4)), token_logprobs(model, ids), atol=1e-3)
+
+
+def test_attention_restored(tiny):
+    model, ids = tiny
+    before = model.config._attn_implementation
+    with applied(model, SlidingWindow(window=4)):
+        pass
+    assert model.config._attn_implementation == before
+
+
+def test_command_quick(tmp_path):
+    from subspace_ref.experiments import baselines
+
+    p = argparse.ArgumentParser()
+    baselines.add_arguments(p)
+    args = p.parse_args(["--quick", "--model", "tiny-random", "--out", str(tmp_path / "out"), "--docs", str(tmp_path / "docs"), "--no-progress"])
+    assert baselines.run(args) == 0
+    rec = json.loads((tmp_path / "out" / "baselines.json").read_text())
+    assert {r["family"] for r in rec["rows"]} >= {"stock", "quantized KV", "sliding window", "StreamingLLM", "H2O", "subspace", "subspace INT8", "subspace + window"}
+    assert all(c["max_abs_token_nll_diff"] < 1e-3 for c in rec["full_budget_checks"])
+    assert (tmp_path / "out" / "baselines.csv").exists()
+    page = (tmp_path / "docs" / "baselines.md").read_text()
+    assert "Verdict" in page and (tmp_path / "docs" / "figures" / "baselines_pareto.png").exists()

@@ -29,16 +29,20 @@ def compact(buffer: Any, ell: int) -> Any:
 
 
 def insert(buffer: Any, filled: int, rows: Any, ell: int) -> tuple[Any, int]:
-    """Spec A4 steps 1-2 for rows (..., n, d), in order. Returns a new buffer and its fill count.
+    """Spec A4 steps 1-2 for rows (..., n, d), in order. Returns a new buffer and its fill count."""
+    return insert_rows(buffer.copy(), filled, rows, ell, compact)
 
-    Rows are written in runs that fill the buffer, so there is one SVD per ell + 1 rows at most.
-    """
-    buffer = buffer.copy()
+
+def insert_rows(buffer: Any, filled: int, rows: Any, ell: int, compact_fn) -> tuple[Any, int]:
+    """Spec A4 steps 1-2, writing into ``buffer`` in place until ``compact_fn`` (step 3, the
+    array library's own) replaces it. Rows are written in runs that fill the buffer, so there is
+    one SVD per ell + 1 rows at most, and a block gives the same writes and compactions as its
+    rows one by one."""
     n = rows.shape[-2]
     i = 0
     while i < n:
         if filled == 2 * ell:
-            buffer = compact(buffer, ell)
+            buffer = compact_fn(buffer, ell)
             filled = ell - 1
         take = min(2 * ell - filled, n - i)
         buffer[..., filled : filled + take, :] = rows[..., i : i + take, :]

@@ -12,6 +12,8 @@ from typing import Sequence
 
 import torch
 
+from subspace_ref.frequent_directions import insert_rows
+
 
 def eps(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps
@@ -31,23 +33,9 @@ def compact(buffer: torch.Tensor, ell: int) -> torch.Tensor:
 
 
 def insert_(buffer: torch.Tensor, filled: int, rows: torch.Tensor, ell: int) -> tuple[torch.Tensor, int]:
-    """Spec A4 steps 1-2 for rows (..., n, d), in order, like ``frequent_directions.insert``.
-
-    Writes into ``buffer`` in place (the caller passes a private copy) until a compaction
-    replaces it; returns the buffer now holding the rows and its fill count. Inserting a block
-    of rows is the same sequence of writes and compactions as inserting them one by one.
-    """
-    n = rows.shape[-2]
-    i = 0
-    while i < n:
-        if filled == 2 * ell:
-            buffer = compact(buffer, ell)
-            filled = ell - 1
-        take = min(2 * ell - filled, n - i)
-        buffer[..., filled : filled + take, :] = rows[..., i : i + take, :]
-        filled += take
-        i += take
-    return buffer, filled
+    """Spec A4 steps 1-2 for rows (..., n, d), in order, writing into ``buffer`` in place (the
+    caller passes a private copy): the oracle's loop with torch's compaction."""
+    return insert_rows(buffer, filled, rows, ell, compact)
 
 
 def fix_signs(rows: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from subspace_ref.experiments import SUBCOMMANDS as EXPERIMENTS
 SUBCOMMANDS = {
     **EXPERIMENTS,
     "baselines": ("subspace_ref.experiments.baselines", "quantization and eviction baselines at matched KV bytes"),
+    "tasks": ("subspace_ref.experiments.tasks", "accuracy tasks: needle recall, next-token and last-identifier accuracy (work in progress)"),
     "demo": ("subspace_ref.demo", "compress a synthetic low-rank stream; print memory ratio and error"),
     "bounds": ("subspace_ref.bounds.sweep", "sweep the error bounds of spec/bounds.md; table, plot, theory page"),
     "roofline": ("subspace_ref.roofline_report", "measure decode time against the roofline model; plot"),

@@ -1,0 +1,354 @@
+"""``tasks``: accuracy tasks on the shipped model under every KV cache (issue 12).
+
+* long-range recall (:mod:`subspace_ref.tasks.needle`) by context length x needle depth, with a
+  no-needle control per cell;
+* next-token top-1 accuracy by position bucket and a LAMBADA-style last-identifier task
+  (:mod:`subspace_ref.tasks.next_token`) on held-out windows.
+
+Methods: the full cache; this project's static (calibrated bases), adaptive (τ = 0.2) and rotating
+states at r = d/4 and d/2; and every entry of :func:`subspace_ref.baselines.methods_at` at 50%,
+25% and 12.5% of the full fp16 cache **of each instance's length** (byte accounting of
+:mod:`subspace_ref.baselines.budget`; static bases from the ``calibrate`` helpers as in
+``subspace-kv baselines``). Every score comes from one teacher-forced pass, which equals greedy
+token-by-token decoding for each cache. Task instances are saved in ``OUT/tasks_instances.json``;
+results in ``OUT/tasks.json``; figures ``OUT/figures/tasks_*.png``; ``DOCS/tasks.md`` is
+generated from the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from subspace_ref.experiments import _common as C
+from subspace_ref.experiments.baselines import bases_for
+
+DEFAULT_OUT = Path("results/tasks")
+LENGTHS, DEPTHS = (256, 512, 1000), (0.1, 0.5, 0.9)
+TASK_SEED = 12
+BUDGETS = (0.5, 0.25, 0.125)
+OWN_FRACTIONS = (1 / 4, 1 / 2)
+PAPER_TAU = 0.2
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    C.add_common_arguments(parser, default_profile="quick")
+    parser.set_defaults(out=DEFAULT_OUT, threads=2)
+    parser.add_argument("--needles", type=int, default=8, help="instances per (length, depth) cell (default 8; --quick 2)")
+    parser.add_argument("--windows", type=int, default=8, help="held-out windows for next-token / LAMBADA (default 8; --quick 1)")
+    parser.add_argument("--seed", type=int, default=TASK_SEED, help=f"task seed (default {TASK_SEED})")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per forward pass")
+    parser.add_argument("--quick", action="store_true", help="tests: short instances, 2 budgets' worth of methods")
+    parser.add_argument("--docs", type=Path, default=C.DEFAULT_DOCS, help="where tasks.md and its figures go (default docs)")
+    parser.add_argument("--no-docs", action="store_true", help="do not write the docs page")
+
+
+# ----------------------------------------------------------------------------- methods
+def method_plan(model, lengths, budgets=BUDGETS, own=True) -> list[dict]:
+    """One entry per method: ``key``, ``family``, ``budget`` and ``at`` (length -> method object, or
+    a tuple for own states). Baselines come from :func:`subspace_ref.baselines.methods_at` at the
+    geometry of each length (the same byte accounting as ``subspace-kv baselines``)."""
+    from subspace_ref.baselines import Geometry, methods_at
+
+    plan = [dict(key="full cache", family="full", budget=None, at={L: None for L in lengths})]
+    if own:
+        d = Geometry.of_model(model, max(lengths)).head_dim
+        for r in C.ranks_from(OWN_FRACTIONS, d):
+            for kind in ("static", "adaptive", "rotating"):
+                plan.append(dict(key=f"{kind} r{r}", family=f"own {kind}", budget=None, at={L: (kind, r) for L in lengths}))
+    for f in budgets:
+        per_len = {L: methods_at(Geometry.of_model(model, L), f) for L in lengths}
+        for i, m in enumerate(per_len[lengths[0]]):
+            plan.append(dict(key=f"{100 * f:g}% {m.family}", family=m.family, budget=f, at={L: per_len[L][i] for L in lengths}))
+    return plan
+
+
+def logits_of(model, ids: np.ndarray, m, svd, own_options: dict):
+    """Logits (B, T, V) of ``ids`` under method ``m`` (None: stock)."""
+    import torch
+
+    from subspace_ref.baselines import Subspace, SubspaceWindow, applied
+    from subspace_ref.hf import adaptive_states, rotating_states, static_states, teacher_forced
+
+    x = torch.as_tensor(np.asarray(ids), dtype=torch.long)
+    with torch.no_grad():
+        if m is None:
+            return model(input_ids=x).logits
+        if isinstance(m, tuple):
+            kind, r = m
+            if kind == "static":
+                fac, be = static_states(bases_for(svd, r, r)), "torch"
+            elif kind == "adaptive":
+                fac, be = adaptive_states(rank_k=r, rank_v=r, tau_k=PAPER_TAU, tau_v=PAPER_TAU, max_chunk=own_options["max_chunk"], sketch_reset=True), "torch"
+            else:
+                fac, be = rotating_states(rank_k=r, rank_v=r, refresh_every=own_options["refresh_every"]), "torch"
+            return teacher_forced(model, x, fac, backend=be, keep_logits=True).logits
+        if isinstance(m, Subspace):
+            return teacher_forced(model, x, m.factory(bases_for(svd, m.rank_k, m.rank_v)), backend=m.backend, keep_logits=True).logits
+        if isinstance(m, SubspaceWindow):
+            m = m.with_bases(bases_for(svd, m.rank_k, m.rank_v))
+        with applied(model, m):
+            return model(input_ids=x).logits
+
+
+def method_bytes(m, L: int, model) -> dict | None:
+    from subspace_ref.baselines import Geometry
+
+    if m is None or isinstance(m, tuple):
+        return None
+    b = m.bytes(Geometry.of_model(model, L))
+    return dict(name=m.name, bytes_per_token=b.per_token, fraction_of_full=b.fraction)
+
+
+# ----------------------------------------------------------------------------- the run
+def build_instances(ctx, lengths, depths, n_needles, n_windows, seed) -> dict:
+    from subspace_ref.tasks import lambada_targets, make_needles
+
+    needles = make_needles(C.stream("heldout"), lengths, depths, n_needles, seed)
+    wins = C.windows("heldout", n_windows, ctx.context, seed)
+    targets = lambada_targets(wins, seed=seed)
+    return dict(seed=seed, lengths=list(lengths), depths=list(depths), needles=[x.as_dict() for x in needles],
+                windows=wins.tolist(), lambada=[list(map(int, t)) for t in targets])
+
+
+def instances_hash(inst: dict) -> str:
+    return hashlib.sha256(json.dumps(inst, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def evaluate(ctx, inst: dict, plan: list[dict], svd, batch: int) -> list[dict]:
+    from subspace_ref.tasks import bootstrap_ci, score_answer
+    from subspace_ref.tasks.next_token import lambada_correct, next_token_correct
+
+    model, p = ctx.model, ctx.profile
+    own_options = dict(max_chunk=p.max_chunk, refresh_every=p.refresh_every)
+    wins = np.asarray(inst["windows"])
+    Lw = wins.shape[1]
+    edges = C.position_edges(Lw)
+    targets = [tuple(t) for t in inst["lambada"]]
+    rows = []
+    bar = ctx.bar(total=len(plan), desc="tasks")
+    for entry in plan:
+        t0 = time.perf_counter()
+        cells = []
+        for L in inst["lengths"]:
+            for depth in inst["depths"]:
+                for with_needle in (True, False):
+                    if not with_needle and entry["budget"] is not None or not with_needle and entry["family"] != "full":
+                        continue
+                    xs = [x for x in inst["needles"] if x["length"] == L and x["depth"] == depth and x["needle"] == with_needle]
+                    ok = []
+                    for i in range(0, len(xs), batch):
+                        ids = np.array([x["ids"] for x in xs[i : i + batch]])
+                        ok.append(score_answer(logits_of(model, ids, entry["at"][L], svd, own_options), ids, xs[0]["answer_len"]))
+                    ok = np.concatenate(ok)
+                    lo, hi = bootstrap_ci(ok, seed=0)
+                    cells.append(dict(length=L, depth=depth, needle=with_needle, n=int(ok.size), accuracy=float(ok.mean()), ci=[lo, hi]))
+        m_w = entry["at"].get(Lw, None) if Lw in entry["at"] else None
+        nt, lam = [], []
+        for i in range(0, len(wins), batch):
+            lg = logits_of(model, wins[i : i + batch], m_w, svd, own_options)
+            nt.append(next_token_correct(lg, wins[i : i + batch]))
+            tg = [(w - i, s, n) for w, s, n in targets if i <= w < i + batch]
+            lam.append(lambada_correct(lg, wins[i : i + batch], tg))
+        nt = np.concatenate(nt, axis=0)
+        lam = np.concatenate(lam) if lam else np.zeros(0, bool)
+        grp = np.repeat(np.arange(nt.shape[0])[:, None], nt.shape[1], axis=1)
+        ctx_len = np.arange(1, nt.shape[1] + 1)
+        by_pos = {}
+        for a, b in zip(edges[:-1], edges[1:]):
+            sel = (ctx_len >= a) & (ctx_len < b)
+            if sel.any():
+                lo, hi = bootstrap_ci(nt[:, sel], groups=grp[:, sel])
+                by_pos[C.bucket_label(a, b)] = dict(accuracy=float(nt[:, sel].mean()), ci=[lo, hi])
+        lam_groups = np.array([w for w, _, _ in targets])
+        lam_pos = np.array([s for _, s, _ in targets])
+        lam_by = {}
+        for a, b in zip(edges[:-1], edges[1:]):
+            sel = (lam_pos >= a) & (lam_pos < b)
+            if sel.any():
+                lam_by[C.bucket_label(a, b)] = dict(n=int(sel.sum()), accuracy=float(lam[sel].mean()), ci=list(bootstrap_ci(lam[sel], groups=lam_groups[sel])))
+        row = dict(key=entry["key"], family=entry["family"], budget=entry["budget"],
+                   bytes={str(L): method_bytes(entry["at"][L], L, model) for L in entry["at"]},
+                   needle=cells, needle_accuracy=float(np.mean([c["accuracy"] for c in cells if c["needle"]])),
+                   needle_ci=list(bootstrap_ci(np.concatenate([[1] * round(c["accuracy"] * c["n"]) + [0] * (c["n"] - round(c["accuracy"] * c["n"])) for c in cells if c["needle"]]))),
+                   next_token=dict(accuracy=float(nt.mean()), ci=list(bootstrap_ci(nt, groups=grp)), by_position=by_pos),
+                   lambada=dict(n=int(lam.size), accuracy=float(lam.mean()) if lam.size else float("nan"),
+                                ci=list(bootstrap_ci(lam, groups=lam_groups)), by_position=lam_by),
+                   seconds=round(time.perf_counter() - t0, 2))
+        rows.append(row)
+        bar.update()
+    bar.close()
+    return rows
+
+
+def run_suite(ctx, n_needles, n_windows, seed, batch, lengths=LENGTHS, depths=DEPTHS, budgets=BUDGETS) -> tuple[dict, dict]:
+    from subspace_ref.experiments.calibrate import capture_windows, layer_svd
+
+    lengths = tuple(min(L, ctx.context) for L in lengths)
+    inst = build_instances(ctx, lengths, depths, n_needles, n_windows, seed)
+    cal = capture_windows(ctx.model, ctx.calib_windows(), queries=False, batch=batch)
+    svd = layer_svd(cal)
+    del cal
+    lens = tuple(sorted(set(lengths) | {ctx.context}))
+    plan = method_plan(ctx.model, lens, budgets)
+    rows = evaluate(ctx, inst, plan, svd, batch)
+    record = dict(meta=C.meta(ctx, "tasks", task_seed=seed, instances_sha256=instances_hash(inst), needles_per_cell=n_needles,
+                              windows=n_windows, lambada_targets=len(inst["lambada"]), budgets=list(budgets),
+                              own_ranks=C.ranks_from(OWN_FRACTIONS, ctx.d), adaptive_tau=PAPER_TAU),
+                  lengths=list(lengths), depths=list(depths), window_length=ctx.context, rows=rows)
+    return record, inst
+
+
+# ----------------------------------------------------------------------------- figures
+def figures(record: dict, folder: Path) -> list[Path]:
+    plt = C.pyplot()
+    rows = record["rows"]
+    Ls, Ds = record["lengths"], record["depths"]
+    ncol = 6
+    nrow = -(-len(rows) // ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(1.9 * ncol, 1.7 * nrow), squeeze=False)
+    for ax, r in zip(axes.ravel(), rows):
+        M = np.array([[next(c["accuracy"] for c in r["needle"] if c["length"] == L and c["depth"] == d and c["needle"]) for d in Ds] for L in Ls])
+        ax.imshow(M, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+        for i in range(len(Ls)):
+            for j in range(len(Ds)):
+                ax.text(j, i, f"{M[i, j]:.2f}", ha="center", va="center", fontsize=6, color="w" if M[i, j] < 0.5 else "k")
+        ax.set_title(r["key"], fontsize=6)
+        ax.set_xticks(range(len(Ds)))
+        ax.set_xticklabels([f"{d:.0%}" for d in Ds], fontsize=5)
+        ax.set_yticks(range(len(Ls)))
+        ax.set_yticklabels([str(L) for L in Ls], fontsize=5)
+    for ax in axes.ravel()[len(rows):]:
+        ax.axis("off")
+    fig.suptitle("Recall accuracy: context length (rows) x needle depth (columns), per method")
+    fig.tight_layout()
+    p1 = C.save_figure(fig, folder / "tasks_needle_heatmaps.png")
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
+    labels = list(rows[0]["next_token"]["by_position"])
+    x = np.arange(len(labels))
+    for r in rows:
+        style = "k-" if r["family"] == "full" else ("--" if r["budget"] is None else "-")
+        lw = 1.6 if r["family"] == "full" else 0.7
+        axes[0].plot(x, [r["next_token"]["by_position"][k]["accuracy"] for k in labels], style, lw=lw, label=r["key"])
+        lab = [k for k in labels if k in r["lambada"]["by_position"]]
+        axes[1].plot([labels.index(k) for k in lab], [r["lambada"]["by_position"][k]["accuracy"] for k in lab], style, lw=lw)
+    for ax, t in zip(axes, ("next-token top-1 accuracy", "LAMBADA-style last identifier accuracy")):
+        ax.set_xticks(x)
+        ax.set_xticklabels(labels)
+        ax.set_xlabel("position (context length, bytes)")
+        ax.set_title(t)
+    axes[0].legend(fontsize=4, ncol=2)
+    fig.tight_layout()
+    p2 = C.save_figure(fig, folder / "tasks_by_position.png")
+    return [p1, p2]
+
+
+# ----------------------------------------------------------------------------- the page
+def _ci(v: dict) -> str:
+    lo, hi = v["ci"]
+    return f"{v['accuracy']:.3f} [{lo:.3f}, {hi:.3f}]"
+
+
+def markdown(record: dict, command: str) -> str:
+    meta, rows = record["meta"], record["rows"]
+    full = rows[0]
+    L = ["# Accuracy tasks under compressed KV caches\n",
+         f"_Generated by `{command}` in {meta['runtime_s']:.0f} s ({meta['environment'].get('cpu_count')} CPUs, "
+         f"{meta['settings'].get('threads', '')}); do not edit by hand: rerun the command._\n",
+         f"Model: {meta['model'].get('description')}. Task seed {meta['task_seed']}; instances (sha256 prefix "
+         f"`{meta['instances_sha256']}`) are saved in `tasks_instances.json` in the output folder, so two runs compare exactly. "
+         f"All intervals are 95% percentile bootstrap intervals (1000 resamples, seed 0; next-token and LAMBADA resample whole windows).\n",
+         "## Tasks\n",
+         f"* **Recall (needle in a haystack)**: held-out code of {', '.join(map(str, record['lengths']))} bytes; at {', '.join(f'{d:.0%}' for d in record['depths'])} "
+         f"of the way in, a distinct held-out line of 50-80 bytes; the context ends with that line's first 32 bytes and the "
+         f"answer is its next 6 bytes (greedy exact match). {meta['needles_per_cell']} instances per cell, plus a *control* "
+         "(same haystack and query, no needle) scored under the full cache.",
+         f"* **Next-token top-1** on {meta['windows']} held-out windows of {record['window_length']} bytes, by position.",
+         f"* **LAMBADA-style**: {meta['lambada_targets']} targets: the last identifier (>= 3 bytes) of a line that already occurred "
+         "earlier in the window; every byte must be the greedy prediction.\n",
+         "Methods: the full cache; static (calibrated bases, γ = 1), adaptive (τ = 0.2, seed 001's typical value, not calibrated) and "
+         f"rotating states at r = {', '.join(map(str, meta['own_ranks']))} (no byte budget: ranks shown); every baseline of "
+         "`subspace_ref.baselines.methods_at` at 50/25/12.5% of the full fp16 cache, configured for the length of each "
+         "instance (a window of capacity f·L for an L-byte instance), bytes counted by `subspace_ref/baselines/budget.py`.\n",
+         "## Validity of the recall task\n"]
+    ctrl = [c for c in full["needle"] if not c["needle"]]
+    withn = [c for c in full["needle"] if c["needle"]]
+    acc_n = np.mean([c["accuracy"] for c in withn])
+    acc_c = np.mean([c["accuracy"] for c in ctrl])
+    L.append(f"Full cache: {acc_n:.3f} with the needle vs {acc_c:.3f} without (control). "
+             + ("The needle helps: the task measures recall." if acc_n > acc_c + 0.1 else
+                "**The shipped model does not solve the recall task**: with the needle it does no better than without it, "
+                "so recall differences between caches below are noise, not long-range retrieval. Formats tried first "
+                "(`SECRET_KEY_17 = \"qzxw\"` then `assert SECRET_KEY_17 == \"`; `NEEDLE_17 = \"word\"` repeated; copied "
+                "`self._qzxw_name` identifiers; `from qzxw_module import qzxw`) scored 0/16 at 256 and 1000 bytes; the "
+                "line-copy format here was the best found. The byte-level 4-layer model has no usable induction over "
+                "hundreds of bytes.") + "\n")
+    L.append("| length | depth | with needle | control (no needle) |\n|---:|---:|---|---|")
+    for c in withn:
+        cc = next(x for x in ctrl if x["length"] == c["length"] and x["depth"] == c["depth"])
+        L.append(f"| {c['length']} | {c['depth']:.0%} | {_ci(c)} | {_ci(cc)} |")
+    L.append("\n## Summary\n")
+    L.append("| method | bytes (% of full, at " + str(record["window_length"]) + ") | recall | next-token top-1 | LAMBADA-style | s |")
+    L.append("|---|---:|---|---|---|---:|")
+    for r in rows:
+        b = r["bytes"].get(str(record["window_length"]))
+        bb = f"{100 * b['fraction_of_full']:.1f}% ({b['name']})" if b else ("100%" if r["family"] == "full" else "rank " + r["key"].split()[-1])
+        rec = dict(accuracy=r["needle_accuracy"], ci=r["needle_ci"])
+        L.append(f"| {r['key']} | {bb} | {_ci(rec)} | {_ci(r['next_token'])} | {_ci(r['lambada'])} | {r['seconds']:.0f} |")
+    labels = list(full["next_token"]["by_position"])
+    L.append("\n## Next-token top-1 accuracy by position\n")
+    L.append("| method | " + " | ".join(labels) + " |\n|---|" + "---|" * len(labels))
+    for r in rows:
+        L.append(f"| {r['key']} | " + " | ".join(_ci(r["next_token"]["by_position"][k]) for k in labels) + " |")
+    L.append("\n## LAMBADA-style accuracy by position\n")
+    L.append("| method | " + " | ".join(f"{k} (n={full['lambada']['by_position'][k]['n']})" for k in labels if k in full["lambada"]["by_position"]) + " |")
+    L.append("|---|" + "---|" * sum(k in full["lambada"]["by_position"] for k in labels))
+    for r in rows:
+        L.append(f"| {r['key']} | " + " | ".join(_ci(r["lambada"]["by_position"][k]) for k in labels if k in r["lambada"]["by_position"]) + " |")
+    L.append("\n![Recall heat maps](figures/tasks_needle_heatmaps.png)\n")
+    L.append("![Accuracy by position](figures/tasks_by_position.png)\n")
+    L.append("Outputs: `tasks.json`, `tasks_instances.json` in the output folder.\n")
+    return "\n".join(L) + "\n"
+
+
+def run(args: argparse.Namespace) -> int:
+    lengths, depths, budgets = LENGTHS, DEPTHS, BUDGETS
+    if args.quick:
+        args.profile = "tiny"
+        args.context = args.context or 256
+        lengths, depths, budgets = (192, 256), (0.1, 0.9), (0.5,)
+        args.needles = min(args.needles, 2)
+        args.windows = min(args.windows, 1)
+    ctx = C.make_context(args)
+    record, inst = run_suite(ctx, args.needles, args.windows, args.seed, args.batch, lengths, depths, budgets)
+    record["meta"]["runtime_s"] = round(time.perf_counter() - ctx.started, 2)
+    record["meta"]["settings"]["threads"] = f"{args.threads} threads"
+    C.write_json(ctx.out / "tasks.json", record)
+    C.write_json(ctx.out / "tasks_instances.json", inst)
+    figs = figures(record, ctx.figures)
+    command = "subspace-kv tasks" + (" --quick" if args.quick else "") + ("" if args.model == "default" else f" --model {args.model}")
+    if not args.no_docs:
+        docs = Path(args.docs)
+        (docs / "figures").mkdir(parents=True, exist_ok=True)
+        for p in figs:
+            shutil.copyfile(p, docs / "figures" / p.name)
+        (docs / "tasks.md").write_text(markdown(record, command))
+    print(f"tasks: {len(record['rows'])} methods, {record['meta']['runtime_s']:.0f} s -> {ctx.out / 'tasks.json'}")
+    for r in record["rows"]:
+        print(f"  {r['key']:<28} recall {r['needle_accuracy']:.3f}  next-token {r['next_token']['accuracy']:.3f}  "
+              f"lambada {r['lambada']['accuracy']:.3f}  {r['seconds']:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    sys.exit(run(p.parse_args()))

@@ -1,0 +1,118 @@
+"""Accuracy tasks (issue 12): instances, scoring, budgets, and the recall task's validity."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from subspace_ref.experiments import _common as C  # noqa: E402
+from subspace_ref.tasks import bootstrap_ci, lambada_targets, make_needles, score_answer  # noqa: E402
+from subspace_ref.tasks.next_token import lambada_correct, next_token_correct  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def heldout():
+    return C.stream("heldout")
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    model, _ = C.load_model("default")
+    torch.set_num_threads(1)
+    return model
+
+
+def test_instances_deterministic(heldout):
+    a = make_needles(heldout, (256, 512), (0.1, 0.9), 3, seed=5)
+    b = make_needles(heldout, (256, 512), (0.1, 0.9), 3, seed=5)
+    c = make_needles(heldout, (256, 512), (0.1, 0.9), 3, seed=6)
+    assert [x.as_dict() for x in a] == [x.as_dict() for x in b]
+    assert [x.ids for x in a] != [x.ids for x in c]
+    assert all(len(x.ids) == x.length for x in a)
+    # the control differs from its instance only by the needle line
+    w, wo = a[0], a[1]
+    assert w.needle and not wo.needle and w.ids[-w.answer_len:] == wo.ids[-wo.answer_len:]
+    wins = C.windows("heldout", 2, 512, 3)
+    assert lambada_targets(wins, seed=1) == lambada_targets(wins, seed=1)
+
+
+def _onehot_logits(ids, flip=None):
+    """Logits whose argmax at t is ids[t+1] (a perfect predictor); ``flip`` breaks position flip."""
+    ids = np.asarray(ids)
+    B, T = ids.shape
+    lg = torch.zeros(B, T, 256)
+    nxt = np.concatenate([ids[:, 1:], ids[:, -1:]], axis=1)
+    lg[torch.arange(B)[:, None], torch.arange(T)[None, :], torch.as_tensor(nxt)] = 5.0
+    if flip is not None:
+        lg[:, flip] = 0.0
+        lg[:, flip, (int(nxt[0, flip]) + 1) % 256] = 5.0
+    return lg
+
+
+def test_harness_right_and_wrong(heldout):
+    inst = make_needles(heldout, (256,), (0.5,), 2, seed=0)
+    ids = np.array([x.ids for x in inst])
+    a = inst[0].answer_len
+    assert score_answer(_onehot_logits(ids), ids, a).all()
+    assert not score_answer(_onehot_logits(ids, flip=ids.shape[1] - 2), ids, a).any()  # last answer byte wrong
+    assert score_answer(_onehot_logits(ids, flip=ids.shape[1] - a - 3), ids, a).all()  # error before the answer: irrelevant
+    assert next_token_correct(_onehot_logits(ids), ids).all()
+    wins = C.windows("heldout", 4, 512, 0)
+    tg = lambada_targets(wins)
+    assert tg and lambada_correct(_onehot_logits(wins), wins, tg).all()
+    w, s, n = tg[0]
+    bad = _onehot_logits(wins)
+    bad[w, s + n - 2] = 0.0
+    bad[w, s + n - 2, (int(wins[w, s + n - 1]) + 1) % 256] = 5.0
+    assert not lambada_correct(bad, wins, tg[:1]).any()
+
+
+def test_teacher_forced_score_is_greedy_decoding(shipped, heldout):
+    """Scoring from one pass equals greedy decoding of the answer (stock cache)."""
+    x = make_needles(heldout, (256,), (0.5,), 1, seed=0, controls=False)[0]
+    ids = torch.tensor([x.ids])
+    with torch.no_grad():
+        lg = shipped(input_ids=ids).logits
+        cur = ids[:, : -x.answer_len]
+        for _ in range(x.answer_len):
+            nxt = shipped(input_ids=cur).logits[:, -1].argmax(-1, keepdim=True)
+            cur = torch.cat([cur, nxt], dim=1)
+    greedy_ok = bool((cur[0, -x.answer_len:] == ids[0, -x.answer_len:]).all())
+    assert bool(score_answer(lg, ids.numpy(), x.answer_len)[0]) == greedy_ok
+
+
+@pytest.mark.xfail(strict=True, reason="the shipped 4-layer byte model does not solve needle recall: 0/16 at 256 and 1000 bytes in every format tried; an XPASS means a model that does, and the task becomes valid")
+def test_full_attention_solves_recall(shipped, heldout):
+    inst = make_needles(heldout, (256,), (0.1, 0.9), 4, seed=0)
+    with_n = [x for x in inst if x.needle]
+    ids = np.array([x.ids for x in with_n])
+    with torch.no_grad():
+        lg = shipped(input_ids=torch.as_tensor(ids)).logits
+    assert score_answer(lg, ids, with_n[0].answer_len).mean() >= 0.75
+
+
+def test_budgets_match_baselines_accounting(shipped):
+    from subspace_ref.baselines import Geometry, capacity_for, methods_at
+    from subspace_ref.experiments.tasks import method_plan
+
+    plan = method_plan(shipped, (256, 1024), budgets=(0.5, 0.25, 0.125), own=False)
+    for f in (0.5, 0.25, 0.125):
+        for L in (256, 1024):
+            geom = Geometry.of_model(shipped, L)
+            ours = [e["at"][L] for e in plan if e["budget"] == f]
+            assert ours == methods_at(geom, f)
+            sw = next(m for m in ours if type(m).__name__ == "SlidingWindow")
+            assert sw.window == capacity_for(geom, f)
+            for m in ours:
+                if m.family != "quantized KV":
+                    assert m.bytes(geom).fraction <= f + 1e-9
+
+
+def test_bootstrap_ci():
+    x = np.r_[np.ones(30), np.zeros(70)]
+    lo, hi = bootstrap_ci(x)
+    assert lo < 0.3 < hi and bootstrap_ci(x) == (lo, hi)
+    assert bootstrap_ci(np.ones(10)) == (1.0, 1.0)

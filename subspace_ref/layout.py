@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from subspace_ref.arrays import grown
+from subspace_ref.arrays import grown, to_numpy
 
 
 def _capacity(needed: int, current: int) -> int:
@@ -48,6 +48,23 @@ class PackedLayout:
         from subspace_ref.quantization import dequantize_rows
 
         return dequantize_rows(coef, getattr(self, f"{which}_scale")[n, h, a:b], dtype)
+
+    TOKEN_AXIS = ("key_coef", "value_coef", "key_scale", "value_scale")
+    CHUNK_AXIS = ("key_bases", "value_bases", "chunk_starts")
+
+    def live_arrays(self) -> dict[str, Any]:
+        """The arrays in use cut to their live ranges (views): tokens < num_tokens, chunks < the
+        largest num_chunks. What a copy, a saved file or a before/after comparison holds."""
+        T = self.num_tokens
+        J = int(to_numpy(self.num_chunks).max())
+        out = {}
+        for name, x in self.arrays().items():
+            if name in self.TOKEN_AXIS:
+                x = x[:, :, :T]
+            elif name in self.CHUNK_AXIS:
+                x = x[:, :, :J]
+            out[name] = x
+        return out
 
     def arrays(self) -> dict[str, Any]:
         """The arrays in use (the scales only for quantized layouts)."""

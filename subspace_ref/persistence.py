@@ -152,15 +152,7 @@ def _tensors_of(state) -> tuple[dict[str, np.ndarray], str]:
     if dtype_name not in _FLOAT_DTYPES:
         raise TypeError(f"cannot save a state of dtype {dtype_name}; expected one of {', '.join(_FLOAT_DTYPES)}")
     want = _expected_dtypes(dtype_name, _coefficients(state), stored=False)
-    T = lay.num_tokens
-    J = int(to_numpy(lay.num_chunks).max())
-    cut = {}
-    for name, x in lay.arrays().items():
-        if name in ("key_coef", "value_coef", "key_scale", "value_scale"):
-            x = x[:, :, :T]
-        elif name in ("key_bases", "value_bases", "chunk_starts"):
-            x = x[:, :, :J]
-        cut[name] = x
+    cut = lay.live_arrays()
     if state.sketches is not None:
         cut["sketch_keys"] = state.sketches.keys
         cut["sketch_values"] = state.sketches.values

@@ -277,20 +277,11 @@ class SubspaceState:
 
     def copy(self) -> "SubspaceState":
         """An independent copy (arrays copied, spare capacity dropped)."""
-        T = self.num_tokens
-        J = int(to_numpy(self.layout.num_chunks).max())
-
-        def cut(name, x):
-            if name in ("key_coef", "value_coef", "key_scale", "value_scale"):
-                return clone(x[:, :, : max(T, 1)])
-            if name in ("key_bases", "value_bases", "chunk_starts"):
-                return clone(x[:, :, :J])
-            return clone(x)
-
+        layout = replace(self.layout, **{name: clone(x) for name, x in self.layout.live_arrays().items()})
         sketches = None
         if self.sketches is not None:
             sketches = replace(self.sketches, keys=clone(self.sketches.keys), values=clone(self.sketches.values))
-        return SubspaceState(self.policy, self.layout.map_arrays(cut), sketches, self.batched, self.engine)
+        return SubspaceState(self.policy, layout, sketches, self.batched, self.engine)
 
     def to(self, backend: str, device: Any = None, dtype: Any = None) -> "SubspaceState":
         """A copy whose arrays belong to ``backend``'s array family (e.g. "torch" for the torch and

@@ -36,13 +36,8 @@ def _np(x):
 def snapshot(state) -> dict:
     lay = state.layout
     T = lay.num_tokens
-    J = int(_np(lay.num_chunks).max())
     out = {"num_tokens": T, "engine": state.engine, "policy": state.policy, "layout_id": id(lay)}
-    for name, x in lay.arrays().items():
-        if name in ("key_coef", "value_coef", "key_scale", "value_scale"):
-            x = x[:, :, :T]
-        elif name in ("key_bases", "value_bases", "chunk_starts"):
-            x = x[:, :, :J]
+    for name, x in lay.live_arrays().items():
         out[name] = _np(x).copy()
     if state.sketches is not None:
         sk = state.sketches

@@ -63,19 +63,9 @@ def append_random(state, rng, n, block=False):
 
 
 def live_arrays(state) -> dict[str, np.ndarray]:
-    """Every array a state's behaviour depends on, cut to its live range, as NumPy."""
-    lay = state.layout
-    T = lay.num_tokens
-    J = int(to_numpy(lay.num_chunks).max())
-    out = {
-        "key_coef": lay.key_coef[:, :, :T],
-        "value_coef": lay.value_coef[:, :, :T],
-        "key_bases": lay.key_bases[:, :, :J],
-        "value_bases": lay.value_bases[:, :, :J],
-        "chunk_starts": lay.chunk_starts[:, :, :J],
-        "num_chunks": lay.num_chunks,
-        "gamma": lay.gamma,
-    }
+    """Every array a state's behaviour depends on (int8 scales included), cut to its live range,
+    as NumPy."""
+    out = dict(state.layout.live_arrays())
     if state.sketches is not None:
         out["sketch_keys"] = state.sketches.keys
         out["sketch_values"] = state.sketches.values

@@ -33,21 +33,7 @@ class TorchBackend:
         return Availability(True)
 
     def not_supported_reasons(self, q: Any, state) -> list[str]:
-        reasons = []
-        try:
-            import torch
-        except ImportError:
-            return ["torch is not installed"]
-        q_ok = isinstance(q, torch.Tensor)
-        if not q_ok:
-            reasons.append(f"q is a {type(q).__module__.split('.')[0]} {type(q).__name__}; the torch backend takes torch tensors")
-        try:
-            family = array_family(state.layout.key_coef)
-        except ValueError:
-            family = type(state.layout.key_coef).__name__
-        state_ok = family == "torch"
-        if not state_ok:
-            reasons.append(f"the state holds {family} arrays; convert it with state.to('torch', device=...)")
+        reasons, q_ok, state_ok = tensor_call_reasons("torch", q, state, "state.to('torch', device=...)")
         if q_ok and str(q.dtype).removeprefix("torch.") not in self.dtypes:
             reasons.append(f"q has dtype {q.dtype}; the torch backend supports {', '.join(self.dtypes)}")
         if state_ok:
@@ -78,3 +64,24 @@ class TorchBackend:
         from subspace_ref_torch.attend import attend
 
         return attend(q, state, scale)
+
+
+def tensor_call_reasons(backend: str, q: Any, state, conversion: str) -> tuple[list[str], bool, bool]:
+    """The refusals every backend reading torch tensors shares: torch missing, q not a tensor,
+    a state not held in torch arrays. Returns (reasons, q is a tensor, state holds tensors)."""
+    try:
+        import torch
+    except ImportError:
+        return ["torch is not installed"], False, False
+    reasons = []
+    q_ok = isinstance(q, torch.Tensor)
+    if not q_ok:
+        reasons.append(f"q is a {type(q).__module__.split('.')[0]} {type(q).__name__}; the {backend} backend takes torch tensors")
+    try:
+        family = array_family(state.layout.key_coef)
+    except ValueError:
+        family = type(state.layout.key_coef).__name__
+    state_ok = family == "torch"
+    if not state_ok:
+        reasons.append(f"the state holds {family} arrays; convert it with {conversion}")
+    return reasons, q_ok, state_ok

@@ -19,7 +19,6 @@ import sys
 from dataclasses import replace
 from typing import Any, Callable
 
-from subspace_ref.arrays import array_family
 from subspace_ref.backend import Availability
 from subspace_ref_triton._common import MAX_GROUP, MAX_HEAD_SIZE, MAX_RANK, SUPPORTED_DTYPES, dtype_name, interpreting
 
@@ -87,21 +86,9 @@ class TritonBackend:
         return Availability(True)
 
     def not_supported_reasons(self, q: Any, state) -> list[str]:
-        try:
-            import torch
-        except ImportError:
-            return ["torch is not installed"]
-        reasons = []
-        q_ok = isinstance(q, torch.Tensor)
-        if not q_ok:
-            reasons.append(f"q is a {type(q).__module__.split('.')[0]} {type(q).__name__}; the triton backend takes torch tensors")
-        try:
-            family = array_family(state.layout.key_coef)
-        except ValueError:
-            family = type(state.layout.key_coef).__name__
-        state_ok = family == "torch"
-        if not state_ok:
-            reasons.append(f"the state holds {family} arrays; convert it with state.to('triton', device='cuda')")
+        from subspace_ref_torch.backend import tensor_call_reasons
+
+        reasons, q_ok, state_ok = tensor_call_reasons("triton", q, state, "state.to('triton', device='cuda')")
         if q_ok:
             qd = dtype_name(q.dtype)
             if qd not in self.dtypes:

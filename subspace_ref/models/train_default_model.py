@@ -165,6 +165,25 @@ def save_model(model, out: Path) -> None:
 # --------------------------------------------------------------------------- training
 
 
+def insert_copies(x, rng: np.random.Generator, frac: float, copies: int, span=(40, 96)):
+    """Copy spans within rows, in place: in a ``frac`` share of the rows, ``copies`` times, a span
+    of ``span`` bytes from the first half of the row is written again at a random later place.
+
+    A model only predicts the copied bytes well if it can find the earlier occurrence of the
+    span's first bytes and read on from there (an induction circuit). Byte-level code barely
+    needs that, and the model trained on code alone never learned it, so needle recall
+    (:mod:`subspace_ref.tasks.needle`) was out of its reach whatever the cache.
+    """
+    n, L = x.shape
+    for row in np.flatnonzero(rng.random(n) < frac):
+        for _ in range(copies):
+            s = int(rng.integers(span[0], span[1] + 1))
+            src = int(rng.integers(0, L // 2 - s))
+            dst = int(rng.integers(src + s, L - s + 1))
+            x[row, dst : dst + s] = x[row, src : src + s].clone()
+    return x
+
+
 def lr_at(step: int, total: int, peak: float, warmup: int, final_frac: float) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -194,6 +213,9 @@ def parse_args(argv=None):
     ap.add_argument("--eval-seed", type=int, default=0)
     ap.add_argument("--ngram-order", type=int, default=4)
     ap.add_argument("--layers", type=int, default=DEFAULT_ARCH["num_hidden_layers"])
+    ap.add_argument("--init", type=Path, default=None, help="start from this saved model instead of from scratch")
+    ap.add_argument("--copy-frac", type=float, default=0.0, help="share of training rows given copied spans (insert_copies)")
+    ap.add_argument("--copies", type=int, default=2, help="copied spans per chosen row")
     return ap.parse_args(argv)
 
 
@@ -215,7 +237,7 @@ def main(argv=None) -> int:
 
     cfg = make_config(num_hidden_layers=args.layers, max_position_embeddings=max(1024, args.long_len))
     torch.manual_seed(args.seed)
-    model = LlamaForCausalLM(cfg)
+    model = LlamaForCausalLM(cfg) if args.init is None else LlamaForCausalLM.from_pretrained(str(args.init), torch_dtype=torch.float32)
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
 
@@ -242,6 +264,8 @@ def main(argv=None) -> int:
                 g["lr"] = lr
             starts = torch.from_numpy(rng.integers(0, len(train) - length + 1, size=batch))
             x = train_t[starts[:, None] + torch.arange(length)[None, :]]
+            if args.copy_frac > 0:
+                x = insert_copies(x, rng, args.copy_frac, args.copies)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
                 logits = model(input_ids=x).logits
             loss = torch.nn.functional.cross_entropy(
@@ -306,6 +330,11 @@ def main(argv=None) -> int:
         "training": {
             "seed": args.seed,
             "threads": args.threads,
+            "init": None if args.init is None else {
+                "from": str(args.init),
+                "its_training": json.loads((args.init / "training_report.json").read_text()).get("training"),
+            },
+            "copy_spans": {"row_share": args.copy_frac, "per_row": args.copies, "function": "insert_copies"},
             "phases": [{"steps": s, "window": l, "batch": b, "tokens": s * l * b} for s, l, b in phases],
             "total_steps": total,
             "tokens_seen": int(sum(s * l * b for s, l, b in phases)),

@@ -9,6 +9,8 @@ One module per subcommand, each exposing ``add_arguments(parser)`` and ``run(arg
 ``spectra``               singular values and energy vs r, pre/post RoPE, per window;
                           residual traces with chunk triggers
 ``falsify``               seed 001 §11 falsifiers 1-4 and seed 003's three, with verdicts
+``variants``              the papers' variants and ablations against the plain methods, with
+                          verdicts (pays off / costs / trade-off)
 ``minilm``                all-MiniLM-L6-v2 (BERT): spectra and embedding fidelity per rank
 ``report``                docs/experiments.md and its figures, from the JSON outputs
 ``main_job``              ``experiments``: the short version (``--quick``, default) or all of
@@ -29,5 +31,6 @@ SUBCOMMANDS = {
     "spectra": ("subspace_ref.experiments.spectra", "K/V singular values, energy vs rank, pre/post RoPE, residual traces"),
     "falsify": ("subspace_ref.experiments.falsify", "the seeds' falsifiers with verdicts"),
     "minilm": ("subspace_ref.experiments.minilm", "all-MiniLM-L6-v2: K/V spectra and embedding fidelity per rank"),
+    "variants": ("subspace_ref.experiments.variants", "the papers' variants (RoPE, storage, sharing, sketches, ranks, window) against the plain methods"),
     "report": ("subspace_ref.experiments.report", "write docs/experiments.md from the experiment outputs"),
 }

@@ -8,7 +8,7 @@ rank, perplexity, Δppl %, KV bytes per token, chunks -- with the verdict of see
 falsifier. Outputs go to ``OUT/quick``.
 
 ``subspace-kv experiments --full``: every subcommand in sequence with the full profile --
-``calibrate``, ``ppl``, ``spectra``, ``falsify``, ``minilm``, ``report`` -- into ``OUT`` and
+``calibrate``, ``ppl``, ``spectra``, ``falsify``, ``variants``, ``minilm``, ``report`` -- into ``OUT`` and
 ``docs/experiments.md``.
 """
 
@@ -81,13 +81,15 @@ def full(args: argparse.Namespace) -> int:
     from subspace_ref.experiments.ppl import ppl_run, table
     from subspace_ref.experiments.report import write_report
     from subspace_ref.experiments.spectra import spectra_run
+    from subspace_ref.experiments.variants import variants_run
 
     args.profile = args.profile or "full"
     times = {}
     t0 = time.perf_counter()
     ctx = C.make_context(args)
     print(f"experiments --full: {ctx.facts['description']}; profile {ctx.profile.name}, context {ctx.context} -> {ctx.out}", flush=True)
-    for name, step in (("calibrate", calibrate_run), ("ppl", ppl_run), ("spectra", spectra_run), ("falsify", falsify_run)):
+    for name, step in (("calibrate", calibrate_run), ("ppl", ppl_run), ("spectra", spectra_run), ("falsify", falsify_run),
+                       ("variants", variants_run)):
         t = time.perf_counter()
         ctx.started = t
         result = step(ctx)

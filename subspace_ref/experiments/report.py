@@ -378,6 +378,38 @@ def minilm_section(page: Page, data: dict) -> None:
     page.add(*_table(["setting", "rank k / v", "mean cosine", "min cosine", "nearest neighbour kept", "Spearman of pair similarities"], rows), "")
 
 
+def variants_section(page: Page, data: dict) -> None:
+    var = data.get("variants")
+    page.add("## 8. Variants and ablations (seed 001 §7, §9-§11, §14; seed 003 compatibility and limitations)", "")
+    if not var:
+        page.add("*`variants` has not been run.*", "")
+        return
+    rule = var["rule"]
+    page.add(
+        f"Each variant is scored on the same {var['windows']} held-out windows of {var['context']} tokens as its plain method at rank "
+        f"r = r_v = {var['rank']} (of d = {var['d']}); stock perplexity {var['stock_ppl']:.3f}. \"vs plain\" is the perplexity change "
+        f"from the plain method with a {rule['level']:.0%} block bootstrap (blocks of {rule['bootstrap_block']} tokens) of the paired "
+        f"per-token differences. Verdict: **pays off** = at most {rule['matched'] - 1:.0%} more bytes and significantly better, or at "
+        f"least {1 - rule['saving']:.0%} fewer bytes and not significantly worse; **costs** = significantly worse without that byte "
+        "saving, or more bytes for no significant gain; **trade-off** otherwise. Bytes per token are what the states hold (float32 "
+        "states unless the row says otherwise), bases, scales, sketches and exact windows included.",
+        "",
+    )
+    rows = []
+    for r in var["rows"]:
+        ci = r.get("vs_plain_pct_ci")
+        vs = f"{_pct(r['vs_plain_pct'])} [{_pct(ci[0])}, {_pct(ci[1])}]" if ci else "–"
+        rows.append([r["name"], r["group"], _f(r["ppl"]), _pct(r["delta_pct"]), vs, _f(r["bytes_per_token"], ".0f"),
+                     _f(r.get("bytes_vs_plain"), ".3f"), _f(r["chunks_mean"], ".1f"), r.get("verdict", "plain"), r.get("note", "")])
+    page.add(*_table(["variant", "group", "ppl", "vs stock", "vs plain [95% CI]", "bytes/token", "bytes vs plain", "chunks/head",
+                      "verdict", "note"], rows), "")
+    paying = [r["name"] for r in var["rows"] if r.get("verdict") == "pays off"]
+    costing = [r["name"] for r in var["rows"] if r.get("verdict") == "costs"]
+    page.add(f"**Pays off:** {', '.join(paying) if paying else 'none'}.", "", f"**Costs:** {', '.join(costing) if costing else 'none'}.", "")
+    if var.get("groups_missing"):
+        page.add(f"Groups with no rows in this run: {', '.join(var['groups_missing'])}.", "")
+
+
 def caveats(page: Page, data: dict) -> None:
     page.add(
         "## Caveats",
@@ -403,6 +435,7 @@ def load_all(out: Path) -> dict:
         out=str(out),
         calibration=C.read_json(out / "calibration.json"), ppl=C.read_json(out / "ppl.json"), spectra=C.read_json(out / "spectra.json"),
         falsify=C.read_json(out / "falsify.json"), minilm=C.read_json(out / "minilm.json"),
+        variants=C.read_json(out / "variants.json"),
     )
 
 
@@ -419,6 +452,7 @@ def write_report(out: Path, docs: Path) -> Path:
     context_section(page, data)
     predictors_section(page, data)
     minilm_section(page, data)
+    variants_section(page, data)
     caveats(page, data)
     return page.write()
 

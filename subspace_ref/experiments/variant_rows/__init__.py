@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 #: Modules of variant groups, in report order.
-GROUPS = ("rope", "storage", "sharing", "sketch", "window")
+GROUPS = ("rope", "storage", "sharing", "sketch", "ranks", "window")
 
 
 @dataclass(frozen=True)

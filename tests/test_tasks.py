@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -116,3 +118,25 @@ def test_bootstrap_ci():
     lo, hi = bootstrap_ci(x)
     assert lo < 0.3 < hi and bootstrap_ci(x) == (lo, hi)
     assert bootstrap_ci(np.ones(10)) == (1.0, 1.0)
+
+
+def test_quick_suite_writes_results_page_and_instances(tmp_path):
+    """``subspace-kv tasks --quick`` end to end on the tiny random Llama: every method gets a row,
+    instances are saved and the page is generated from them."""
+    import argparse
+
+    from subspace_ref.experiments import tasks as T
+
+    p = argparse.ArgumentParser()
+    T.add_arguments(p)
+    args = p.parse_args(["--quick", "--model", "tiny-random", "--no-progress", "--out", str(tmp_path / "out"), "--docs", str(tmp_path / "docs")])
+    assert T.run(args) == 0
+    record = json.loads((tmp_path / "out" / "tasks.json").read_text())
+    inst = json.loads((tmp_path / "out" / "tasks_instances.json").read_text())
+    assert record["meta"]["instances_sha256"] == T.instances_hash(inst)
+    keys = [r["key"] for r in record["rows"]]
+    assert keys[0] == "full cache" and any(k.startswith("adaptive") for k in keys) and any("sliding window" in k for k in keys)
+    for r in record["rows"]:
+        assert 0.0 <= r["needle_accuracy"] <= 1.0 and r["needle_ci"][0] <= r["needle_accuracy"] <= r["needle_ci"][1]
+    page = (tmp_path / "docs" / "tasks.md").read_text()
+    assert "## Summary" in page and (tmp_path / "docs" / "figures" / "tasks_needle_heatmaps.png").exists()

@@ -5,7 +5,7 @@
 * next-token top-1 accuracy by position bucket and a LAMBADA-style last-identifier task
   (:mod:`subspace_ref.tasks.next_token`) on held-out windows.
 
-Methods: the full cache; this project's static (calibrated bases), adaptive (τ = 0.2) and rotating
+Methods: the full cache; this project's static (calibrated bases), adaptive (calibrated τ) and rotating
 states at r = d/4 and d/2; and every entry of :func:`subspace_ref.baselines.methods_at` at 50%,
 25% and 12.5% of the full fp16 cache **of each instance's length** (byte accounting of
 :mod:`subspace_ref.baselines.budget`; static bases from the ``calibrate`` helpers as in
@@ -35,7 +35,6 @@ LENGTHS, DEPTHS = (256, 512, 1000), (0.1, 0.5, 0.9)
 TASK_SEED = 12
 BUDGETS = (0.5, 0.25, 0.125)
 OWN_FRACTIONS = (1 / 4, 1 / 2)
-PAPER_TAU = 0.2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,7 +85,10 @@ def logits_of(model, ids: np.ndarray, m, svd, own_options: dict):
             if kind == "static":
                 fac, be = static_states(bases_for(svd, r, r)), "torch"
             elif kind == "adaptive":
-                fac, be = adaptive_states(rank_k=r, rank_v=r, tau_k=PAPER_TAU, tau_v=PAPER_TAU, max_chunk=own_options["max_chunk"], sketch_reset=True), "torch"
+                tk, tv = own_options["tau"][str(r)]["tau_k"], own_options["tau"][str(r)]["tau_v"]
+                fac = adaptive_states(rank_k=r, rank_v=r, tau_k=lambda li: tk[li], tau_v=lambda li: tv[li],
+                                      max_chunk=own_options["max_chunk"], sketch_reset=True)
+                be = "torch"
             else:
                 fac, be = rotating_states(rank_k=r, rank_v=r, refresh_every=own_options["refresh_every"]), "torch"
             return teacher_forced(model, x, fac, backend=be, keep_logits=True).logits
@@ -122,12 +124,12 @@ def instances_hash(inst: dict) -> str:
     return hashlib.sha256(json.dumps(inst, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def evaluate(ctx, inst: dict, plan: list[dict], svd, batch: int) -> list[dict]:
+def evaluate(ctx, inst: dict, plan: list[dict], svd, batch: int, tau: dict) -> list[dict]:
     from subspace_ref.tasks import bootstrap_ci, score_answer
     from subspace_ref.tasks.next_token import lambada_correct, next_token_correct
 
     model, p = ctx.model, ctx.profile
-    own_options = dict(max_chunk=p.max_chunk, refresh_every=p.refresh_every)
+    own_options = dict(max_chunk=p.max_chunk, refresh_every=p.refresh_every, tau=tau)
     wins = np.asarray(inst["windows"])
     Lw = wins.shape[1]
     edges = C.position_edges(Lw)
@@ -189,19 +191,25 @@ def evaluate(ctx, inst: dict, plan: list[dict], svd, batch: int) -> list[dict]:
 
 
 def run_suite(ctx, n_needles, n_windows, seed, batch, lengths=LENGTHS, depths=DEPTHS, budgets=BUDGETS) -> tuple[dict, dict]:
-    from subspace_ref.experiments.calibrate import capture_windows, layer_svd
+    from subspace_ref.experiments.calibrate import capture_windows, layer_svd, measure_tau
 
     lengths = tuple(min(L, ctx.context) for L in lengths)
     inst = build_instances(ctx, lengths, depths, n_needles, n_windows, seed)
     cal = capture_windows(ctx.model, ctx.calib_windows(), queries=False, batch=batch)
     svd = layer_svd(cal)
     del cal
+    # seed 001 §10: tau at the 95th percentile of held-out calibration residuals, per rank and layer
+    hold_ids = ctx.holdout_windows()
+    hold = capture_windows(ctx.model, hold_ids, queries=False, batch=batch)
+    tau = measure_tau(hold, len(hold_ids), C.ranks_from(OWN_FRACTIONS, ctx.d), ctx.profile.max_chunk, "torch")
+    del hold
     lens = tuple(sorted(set(lengths) | {ctx.context}))
     plan = method_plan(ctx.model, lens, budgets)
-    rows = evaluate(ctx, inst, plan, svd, batch)
+    rows = evaluate(ctx, inst, plan, svd, batch, tau["by_rank"])
     record = dict(meta=C.meta(ctx, "tasks", task_seed=seed, instances_sha256=instances_hash(inst), needles_per_cell=n_needles,
                               windows=n_windows, lambada_targets=len(inst["lambada"]), budgets=list(budgets),
-                              own_ranks=C.ranks_from(OWN_FRACTIONS, ctx.d), adaptive_tau=PAPER_TAU),
+                              own_ranks=C.ranks_from(OWN_FRACTIONS, ctx.d),
+                              adaptive_tau={r: dict(tau_k=e["tau_k"], tau_v=e["tau_v"]) for r, e in tau["by_rank"].items()}),
                   lengths=list(lengths), depths=list(depths), window_length=ctx.context, rows=rows)
     return record, inst
 
@@ -274,7 +282,8 @@ def markdown(record: dict, command: str) -> str:
          f"* **Next-token top-1** on {meta['windows']} held-out windows of {record['window_length']} bytes, by position.",
          f"* **LAMBADA-style**: {meta['lambada_targets']} targets: the last identifier (>= 3 bytes) of a line that already occurred "
          "earlier in the window; every byte must be the greedy prediction.\n",
-         "Methods: the full cache; static (calibrated bases, γ = 1), adaptive (τ = 0.2, seed 001's typical value, not calibrated) and "
+         "Methods: the full cache; static (calibrated bases, γ = 1), adaptive (τ per layer at the 95th percentile of held-out "
+         "calibration residuals, seed 001 §10; sketches reset at chunk boundaries) and "
          f"rotating states at r = {', '.join(map(str, meta['own_ranks']))} (no byte budget: ranks shown); every baseline of "
          "`subspace_ref.baselines.methods_at` at 50/25/12.5% of the full fp16 cache, configured for the length of each "
          "instance (a window of capacity f·L for an L-byte instance), bytes counted by `subspace_ref/baselines/budget.py`.\n",

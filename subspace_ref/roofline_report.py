@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from subspace_ref.workloads import grown_states, near_subspace_tokens, spanning_basis
 from subspace_ref.roofline import Machine, Shape, Subspace, break_even, exact_layer_cost, measure_cpu, measure_torch, state_cost
 
 #: (backend, device) of each target; GPU targets need CUDA.
@@ -34,7 +35,6 @@ TARGETS = {
     "cupy": ("cupy", "cuda"),
 }
 EXACT = ("exact-numpy", "sdpa-cpu", "sdpa-cuda")
-DATA_RANK = 12
 MAX_CHUNK = 256
 
 
@@ -76,29 +76,11 @@ class Point:
 
 
 # ----------------------------------------------------------------------------- fixtures
-def _subspaces(heads: int, d: int) -> np.ndarray:
-    rng = np.random.default_rng(12345)
-    return np.stack([np.linalg.qr(rng.standard_normal((d, DATA_RANK)))[0].T for _ in range(heads)])
-
-
-def _tokens(seed: int, heads: int, T: int, d: int) -> np.ndarray:
-    """Rows near a DATA_RANK-dimensional subspace per head, float32 (adaptive chunks then close
-    by length: J = ceil(T / 256) + 1 with the open one)."""
-    U = _subspaces(heads, d)
-    rng = np.random.default_rng(seed)
-    coef = rng.standard_normal((heads, T, DATA_RANK))
-    return (np.einsum("htk,hkd->htd", coef, U) + 0.01 * rng.standard_normal((heads, T, d))).astype(np.float32)
-
-
 def _static_state(heads: int, d: int, T: int, r: int):
     import subspace_ref as sr
 
-    U = _subspaces(heads, d)
-    rng = np.random.default_rng(7)
-    B = np.stack([np.linalg.qr(np.concatenate([U[h].T, rng.standard_normal((d, max(r - DATA_RANK, 0)))], 1)[:, :r])[0].T
-                  for h in range(heads)]).astype(np.float32)
-    state = sr.SubspaceState.static(sr.StaticBasis.from_bases(B, B), dtype=np.float32)
-    state.append(_tokens(1, heads, T, d), _tokens(2, heads, T, d))
+    state = sr.SubspaceState.static(spanning_basis(heads, d, r), dtype=np.float32)
+    state.append(near_subspace_tokens(1, heads, T, d), near_subspace_tokens(2, heads, T, d))
     return state
 
 
@@ -108,28 +90,11 @@ def _adaptive_states(heads: int, d: int, contexts: list[int], r: int, torch_ok: 
     import subspace_ref as sr
 
     state = sr.SubspaceState.adaptive(heads, d, rank_k=r, rank_v=r, max_chunk=MAX_CHUNK, dtype=np.float32)
-    threads = None
-    if torch_ok:
-        import torch
 
-        state = state.to("torch", device="cpu")
-        # one thread while building: the appends are thousands of tiny SVDs and matvecs, which
-        # several threads only slow down (20x seen on a loaded 2-core machine); restored below
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-    try:
-        out, done = {}, 0
-        for T in sorted(contexts):
-            K, V = _tokens(3 + done, heads, T - done, d), _tokens(4 + done, heads, T - done, d)
-            if torch_ok:
-                K, V = torch.from_numpy(K), torch.from_numpy(V)
-            state.append(K, V)
-            done = T
-            out[T] = state.to("numpy") if torch_ok else state.copy()
-    finally:
-        if threads is not None:
-            torch.set_num_threads(threads)
-    return out
+    def tokens(start: int, n: int):
+        return near_subspace_tokens(3 + start, heads, n, d), near_subspace_tokens(4 + start, heads, n, d)
+
+    return grown_states(state, contexts, tokens, "torch" if torch_ok else "numpy")
 
 
 # ----------------------------------------------------------------------------- timing
@@ -239,7 +204,7 @@ def sweep(args) -> tuple[list[Point], dict[str, Machine], dict[str, str]]:
 
     # exact baselines
     for T in args.contexts:
-        K, V = _tokens(11, heads, T, d), _tokens(12, heads, T, d)
+        K, V = near_subspace_tokens(11, heads, T, d), near_subspace_tokens(12, heads, T, d)
         cost = exact_layer_cost(T, shape, heads).phase("attend")
         for name in targets:
             if name not in EXACT:

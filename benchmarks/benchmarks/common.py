@@ -18,6 +18,7 @@ from typing import Any, Callable
 import numpy as np
 
 import subspace_ref as sr
+from subspace_ref.workloads import grown_states, near_subspace_tokens, spanning_basis
 
 try:  # imported here so asv's forkserver loads it once; CUDA is only touched in setup
     import torch
@@ -35,8 +36,6 @@ GROUP = 1  # query heads per KV head
 D = 128  # key and value head size
 DTYPE = np.float32
 MAX_CHUNK = 256  # adaptive states: chunks close at this length (the data never trips the residual test)
-DATA_RANK = 12  # keys and values lie near a 12-dimensional subspace per head (ranks >= 16 capture them)
-NOISE = 0.01
 
 CONTEXTS = [1024] if QUICK else [1024, 4096, 16384, 65536]
 RANKS = [16] if QUICK else [16, 32]
@@ -112,34 +111,14 @@ def skip_numpy_oracle_at(tgt: Target, T: int) -> None:
 
 # ----------------------------------------------------------------------------- data and states
 def tokens(seed: int, T: int, heads: int = HEADS, d: int = D) -> np.ndarray:
-    """(heads, T, d) float32 rows near a fixed DATA_RANK-dimensional subspace per head: a
-    stand-in for post-RoPE keys of a calibrated head, on which adaptive chunks close by length."""
-    basis_rng = np.random.default_rng(12345)  # the same subspace for every call
-    U = np.stack([np.linalg.qr(basis_rng.standard_normal((d, DATA_RANK)))[0].T for _ in range(heads)])
-    rng = np.random.default_rng(seed)
-    out = np.empty((heads, T, d), dtype=DTYPE)
-    for a in range(0, T, 8192):
-        b = min(T, a + 8192)
-        coef = rng.standard_normal((heads, b - a, DATA_RANK))
-        out[:, a:b] = np.einsum("htk,hkd->htd", coef, U) + NOISE * rng.standard_normal((heads, b - a, d))
-    return out
-
-
-def static_basis(r: int, heads: int = HEADS, d: int = D) -> sr.StaticBasis:
-    """Bases whose first DATA_RANK rows span the data's subspace, completed at random."""
-    basis_rng = np.random.default_rng(12345)
-    U = np.stack([np.linalg.qr(basis_rng.standard_normal((d, DATA_RANK)))[0].T for _ in range(heads)])
-    rng = np.random.default_rng(7)
-    B = np.empty((heads, r, d))
-    for h in range(heads):
-        extra = rng.standard_normal((d, max(r - DATA_RANK, 0)))
-        B[h] = np.linalg.qr(np.concatenate([U[h].T, extra], axis=1)[:, :r])[0].T
-    return sr.StaticBasis.from_bases(B.astype(DTYPE), B.astype(DTYPE))
+    """(heads, T, d) float32 rows near a fixed DATA_RANK-dimensional subspace per head
+    (subspace_ref.workloads): a stand-in for post-RoPE keys of a calibrated head."""
+    return near_subspace_tokens(seed, heads, T, d, DTYPE)
 
 
 def static_state(T: int, r: int) -> sr.SubspaceState:
     """A NumPy static state (spec A6) holding T tokens (built with one block append: fast)."""
-    state = sr.SubspaceState.static(static_basis(r), dtype=DTYPE)
+    state = sr.SubspaceState.static(spanning_basis(HEADS, D, r, DTYPE), dtype=DTYPE)
     for a in range(0, T, 16384):
         n = min(16384, T - a)
         state.append(tokens(1 + a, n), tokens(10**6 + a, n))
@@ -158,31 +137,13 @@ def adaptive_states(contexts: list[int], r: int, numpy_only_to: int | None = Non
     states. Without torch, lengths above ``numpy_only_to`` are left out.
     """
     use_torch = torch is not None and {b.name: b.available for b in sr.backends()}.get("torch", False)
-    state = adaptive_empty(r)
-    threads = None
-    if use_torch:
-        state = state.to("torch", device="cpu")
-        # thousands of tiny SVDs and matvecs: extra threads only slow them down (20x seen on a
-        # loaded 2-core machine); restored below, so the timed code runs with the default
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-    try:
-        out, done = {}, 0
-        for T in sorted(contexts):
-            if not use_torch and numpy_only_to is not None and T > numpy_only_to:
-                break
-            while done < T:
-                n = min(4096, T - done)
-                K, V = tokens(2 + done, n), tokens(2 * 10**6 + done, n)
-                if use_torch:
-                    K, V = torch.from_numpy(K), torch.from_numpy(V)
-                state.append(K, V)
-                done += n
-            out[T] = state.to("numpy") if use_torch else state.copy()
-    finally:
-        if threads is not None:
-            torch.set_num_threads(threads)
-    return out
+    if not use_torch and numpy_only_to is not None:
+        contexts = [T for T in contexts if T <= numpy_only_to]
+
+    def stream(start: int, n: int):
+        return tokens(2 + start, n), tokens(2 * 10**6 + start, n)
+
+    return grown_states(adaptive_empty(r), contexts, stream, "torch" if use_torch else "numpy")
 
 
 def save_states(states: dict[Any, sr.SubspaceState], prefix: str) -> dict[Any, str]:

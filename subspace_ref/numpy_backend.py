@@ -16,6 +16,7 @@ from subspace_ref.arrays import namespace, to_numpy
 from subspace_ref.backend import Availability
 from subspace_ref.blockwise_softmax import SoftmaxPartial
 from subspace_ref.quantization import dequantize_rows, quantize_rows
+from subspace_ref.rope import rotate
 
 
 def relative_residual(x: Any, coef: Any) -> Any:
@@ -63,6 +64,8 @@ def append_reference(state, keys: Any, values: Any) -> None:
     lay = state.layout.with_capacity(T + n_new, int(to_numpy(state.layout.num_chunks).max()) + (n_new if policy.kind == "adaptive" else 0))
 
     if policy.kind == "static":  # spec A6
+        if policy.rope is not None:  # spec/rope.md P2 step 1: back to pre-RoPE at positions T..T+n-1
+            keys = rotate(keys, np.arange(T, T + n_new), policy.rope, inverse=True)
         store(lay, "key", slice(T, T + n_new), xp.einsum("nhtd,nhrd->nhtr", keys, lay.key_bases[:, :, 0]))
         store(lay, "value", slice(T, T + n_new), xp.einsum("nhtd,nhrd->nhtr", values, lay.value_bases[:, :, 0]))
         state.layout = replace(lay, num_tokens=T + n_new)
@@ -177,14 +180,19 @@ def attend_reference(q: np.ndarray, state, scale: float | None) -> np.ndarray:
     group = Hq // state.heads
     s = 1.0 / np.sqrt(d) if scale is None else float(scale)
     out = np.empty((N, Hq, state.d_v), dtype=work)
+    rope = getattr(state.policy, "rope", None)
     for n in range(N):
         for hq in range(Hq):
             h = hq // group
             qv = q[n, hq].astype(work)
             partial = SoftmaxPartial.empty(state.d_v, work)
             for j, (a, b) in enumerate(state.chunk_bounds(h, n)):
-                q_proj = lay.key_bases[n, h, j].astype(work) @ qv  # spec A3 step 2.1
-                logits = work.type(lay.gamma[h] * s) * (lay.coefficient_rows("key", n, h, a, b, work) @ q_proj)
+                if rope is None:
+                    q_proj = lay.key_bases[n, h, j].astype(work) @ qv  # spec A3 step 2.1
+                    logits = work.type(lay.gamma[h] * s) * (lay.coefficient_rows("key", n, h, a, b, work) @ q_proj)
+                else:  # spec/rope.md P3: keys rebuilt and rotated to their positions, O(r d) per token
+                    keys = rotate(lay.coefficient_rows("key", n, h, a, b, work) @ lay.key_bases[n, h, j].astype(work), np.arange(a, b), rope)
+                    logits = work.type(lay.gamma[h] * s) * (keys @ qv)
                 partial.add_chunk(logits, lay.coefficient_rows("value", n, h, a, b, work), lay.value_bases[n, h, j].astype(work))
             out[n, hq] = partial.result()
     return out.astype(q.dtype)

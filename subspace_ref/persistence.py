@@ -46,6 +46,12 @@ def _policy_classes() -> dict[str, type]:
     return {cls.kind: cls for cls in (StaticPolicy, AdaptivePolicy, RotatingPolicy)}
 
 
+def _unpersisted(policy) -> list:
+    """Policy fields marked ``metadata={"persisted": False}`` (StaticPolicy.rope): never written,
+    loaded as their default None; a state where one is set is refused by :func:`save_state`."""
+    return [f for f in dataclasses.fields(policy) if f.metadata.get("persisted", True) is False]
+
+
 class StateFileError(ValueError):
     """A file that is not a valid saved state: not safetensors, truncated, corrupted, of another
     format or version, or with arrays inconsistent with each other or with the hyper-parameters."""
@@ -62,6 +68,9 @@ def save_state(state, path) -> None:
     if not isinstance(state, SubspaceState):
         raise TypeError(f"state must be a SubspaceState, got {type(state).__name__}")
     path = os.fspath(path)
+    for f in _unpersisted(state.policy):
+        if getattr(state.policy, f.name) is not None:  # refuse rather than drop it (before any write)
+            raise NotImplementedError(f"a state with policy field {f.name}={getattr(state.policy, f.name)!r} cannot be saved: this schema does not describe it (spec/rope.md §5)")
     tensors, dtype_name = _tensors_of(state)
     header = _state_header(state, dtype_name)
     metadata = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "state": _canonical_json(header)}
@@ -174,6 +183,8 @@ def _state_header(state, dtype_name: str) -> dict[str, Any]:
     policy = state.policy
     fields = {}
     for f in dataclasses.fields(policy):
+        if f in _unpersisted(policy):
+            continue
         value = getattr(policy, f.name)
         fields[f.name] = [int(x) for x in value] if isinstance(value, tuple) else value
     lay = state.layout
@@ -299,13 +310,15 @@ def _policy_from(header: dict[str, Any], path):
     if kind not in classes:
         _fail(path, f"kind is {kind!r}; expected one of {sorted(classes)}")
     cls = classes[kind]
-    names = [f.name for f in dataclasses.fields(cls)]
+    names = [f.name for f in dataclasses.fields(cls) if f not in _unpersisted(cls)]
     fields = header.get("policy")
     if not isinstance(fields, dict) or set(fields) != set(names):
         _fail(path, f"policy fields are {sorted(fields) if isinstance(fields, dict) else fields!r}; a {kind} state has {sorted(names)}")
     try:
         values = {}
         for f in dataclasses.fields(cls):
+            if f in _unpersisted(cls):
+                continue  # left at its default (None), as every saved state had it
             values[f.name] = _typed(f.name, str(f.type), fields[f.name])
         policy = cls(**values)
         if kind == "static":

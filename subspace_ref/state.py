@@ -49,13 +49,26 @@ class SubspaceState:
 
     # ----------------------------------------------------------------- construction
     @classmethod
-    def static(cls, basis: StaticBasis, *, batch: int | None = None, dtype: Any = None, coefficients: str = "float") -> "SubspaceState":
+    def static(cls, basis: StaticBasis, *, batch: int | None = None, dtype: Any = None, coefficients: str = "float", rope: Any = None) -> "SubspaceState":
         """A state over a calibrated basis (spec A6): one chunk per head, nothing else kept.
 
         ``coefficients="int8"`` stores coefficients as int8 with one float32 scale per token and
-        head (spec A10); bases stay in ``dtype``."""
+        head (spec A10); bases stay in ``dtype``.
+
+        ``rope``: a :class:`~subspace_ref.rope.RopeParams` when ``basis.B`` was calibrated on
+        un-rotated (pre-RoPE) keys (spec/rope.md P2-P3, seed 003 RoPE ablation). Appended keys
+        are post-RoPE (as a transformers cache receives them); the t-th token appended (t =
+        0, 1, ..., its position) is stored as c_t = B R_t^{-1} k_t and attention rebuilds
+        R_t B^T c_t. Same bytes as without, but attention costs O(r d) per token instead of
+        O(r); only the numpy backend implements it; such a state cannot be saved."""
         if not isinstance(basis, StaticBasis):
             raise TypeError(f"basis must be a StaticBasis (see calibrate or StaticBasis.from_bases), got {type(basis).__name__}")
+        if rope is not None:
+            from subspace_ref.rope import RopeParams
+
+            if not isinstance(rope, RopeParams):
+                raise TypeError(f"rope must be a subspace_ref.rope.RopeParams (e.g. RopeParams.from_config(model.config)) or None, got {type(rope).__name__}")
+            rope.planes(basis.B.shape[2])  # ValueError unless its rotary dims fit the head size
         dtype = _checks.numpy_float_dtype("dtype", basis.B.dtype if dtype is None else dtype)
         n = _batch_size(batch)
         H, r, d = basis.B.shape
@@ -65,7 +78,7 @@ class SubspaceState:
         layout.value_bases[:, :, 0] = basis.E
         layout.gamma[:] = basis.gamma
         layout.num_chunks[:] = 1
-        return cls(StaticPolicy(basis.rank_k, basis.rank_v), layout, None, batch is not None, "numpy")
+        return cls(StaticPolicy(basis.rank_k, basis.rank_v, rope), layout, None, batch is not None, "numpy")
 
     @classmethod
     def adaptive(
@@ -243,6 +256,10 @@ class SubspaceState:
         if k.shape[2] == 0:
             return self
         from subspace_ref.registry import get_backend
+        from subspace_ref.rope import refusal
+
+        if self.engine != "numpy" and refusal(self, self.engine):  # before anything changes
+            raise NotImplementedError(refusal(self, self.engine)[0])
 
         get_backend(self.engine).append(self, k, v)
         return self

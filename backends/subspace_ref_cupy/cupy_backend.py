@@ -17,6 +17,7 @@ import numpy as np
 
 from subspace_ref.arrays import array_family
 from subspace_ref.backend import Availability
+from subspace_ref.rope import refusal
 from subspace_ref_cupy import _interop, _kernels
 
 # The fields of the packed layout (spec A9, A10) the kernels read.
@@ -88,6 +89,7 @@ class CupyBackend:
         available = self.availability()
         if not available:
             reasons.append(f"the cupy backend is unavailable: {available.reason}")
+        reasons += refusal(state, "cupy")
         lay = state.layout
         scales = {f: getattr(lay, f, None) for f in _SCALE_FIELDS}
         arrays = {"q": q, **{f: getattr(lay, f) for f in (*_FLOAT_FIELDS, *_INDEX_FIELDS, "gamma")}}

@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 from subspace_ref.arrays import array_family
 from subspace_ref.backend import Availability
+from subspace_ref.rope import refusal
 
 
 class TorchBackend:
@@ -84,4 +85,5 @@ def tensor_call_reasons(backend: str, q: Any, state, conversion: str) -> tuple[l
     state_ok = family == "torch"
     if not state_ok:
         reasons.append(f"the state holds {family} arrays; convert it with {conversion}")
+    reasons += refusal(state, backend)
     return reasons, q_ok, state_ok

@@ -254,6 +254,11 @@ def causal_attention(q: torch.Tensor, state, first_position: int, scale: float |
             hi = int(np.minimum(nxt[host_valid[..., j]], T).max())
             spans.append((min(lo, T), hi))
 
+    rope = getattr(state.policy, "rope", None)
+    if rope is not None:  # spec/rope.md P3: pre-RoPE keys rebuilt and rotated, (N, H, T, d)
+        from subspace_ref.rope import rotate
+
+        K_rot = rotate(torch.matmul(C, B[:, :, 0]), np.arange(T), rope)
     out = torch.empty((N, H, g, n, E.shape[-1]), dtype=work, device=device)
     # a tile's logits (N, H_q, m, T) and projected queries (N, H_q, J, m, r) stay near TILE_ELEMENTS
     tile = max(1, TILE_ELEMENTS // max(1, N * Hq * max(T, J * B.shape[3])))
@@ -263,7 +268,9 @@ def causal_attention(q: torch.Tensor, state, first_position: int, scale: float |
         qt = q[:, :, a:b].reshape(N, H, g, b - a, d).to(work)
         # gamma_h * scale * B_j q for every chunk: (N, H, J, g, m, r)
         qp = torch.matmul(qt[:, :, None], B.mT[:, :, :, None]) * gamma[None, :, None, None, None, None]
-        if J == 1:
+        if rope is not None:
+            logits = torch.matmul(qt * gamma[None, :, None, None, None], K_rot.mT[:, :, None])
+        elif J == 1:
             logits = torch.matmul(qp[:, :, 0], C.mT[:, :, None])  # (N, H, g, m, T)
         else:
             logits = torch.full((N, H, g, b - a, T), -math.inf, dtype=work, device=device)

@@ -83,13 +83,21 @@ class static_states:
     """Factory of static states (spec A6) from one calibrated :class:`StaticBasis` per layer
     (a sequence indexed by layer, or a mapping). ``compress="keys"`` keeps values exact (identity
     value basis), ``"values"`` keeps keys exact; ``coefficients="int8"`` stores spec A10 INT8
-    coefficients; ``dtype`` defaults to :attr:`StateSpec.state_dtype`."""
+    coefficients; ``dtype`` defaults to :attr:`StateSpec.state_dtype`.
 
-    def __init__(self, bases: Sequence[StaticBasis] | Mapping[int, StaticBasis], *, compress: str = "both", coefficients: str = "float", dtype: Any = None):
+    ``rope``: bases calibrated on pre-RoPE keys (spec/rope.md P2): a
+    :class:`~subspace_ref.rope.RopeParams` (``RopeParams.from_config(model.config)``; or one per
+    layer, a mapping or a callable) given to :meth:`SubspaceState.static`. The state un-rotates
+    each appended key at its position (the cache's token index, which is the model's position
+    for unpadded sequences) and rotates rebuilt keys back when attending: O(r d) per token, and
+    only ``backend="numpy"`` runs it (the others refuse)."""
+
+    def __init__(self, bases: Sequence[StaticBasis] | Mapping[int, StaticBasis], *, compress: str = "both", coefficients: str = "float", dtype: Any = None, rope: Any = None):
         self.bases = bases
         self.keys, self.values = _side(compress)
         self.coefficients = coefficients
         self.dtype = dtype
+        self.rope = rope
 
     def __call__(self, spec: StateSpec) -> SubspaceState:
         basis = self.bases[spec.layer_idx]
@@ -105,7 +113,8 @@ class static_states:
         gamma = basis.gamma if self.keys else np.ones_like(basis.gamma)
         if B is not basis.B or E is not basis.E:
             basis = StaticBasis.from_bases(B, E, gamma)
-        return SubspaceState.static(basis, batch=spec.batch, dtype=self.dtype or spec.state_dtype, coefficients=self.coefficients)
+        return SubspaceState.static(basis, batch=spec.batch, dtype=self.dtype or spec.state_dtype, coefficients=self.coefficients,
+                                    rope=per_layer(self.rope, spec.layer_idx))
 
 
 class _online_states:

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
 class StaticPolicy:
-    """One fixed basis per head; ranks per head (zero rows pad the rest)."""
+    """One fixed basis per head; ranks per head (zero rows pad the rest). ``rope``: a
+    :class:`~subspace_ref.rope.RopeParams` when the key basis is pre-RoPE and the state un-rotates
+    appended keys (spec/rope.md P2); not persisted (saving such a state is refused)."""
 
     rank_k: tuple[int, ...]
     rank_v: tuple[int, ...]
+    rope: Any = field(default=None, metadata={"persisted": False})
 
     kind = "static"

@@ -96,6 +96,9 @@ class TritonBackend:
         if not state_ok:
             return reasons
         lay = state.layout
+        if getattr(lay, "basis_format", "native") != "native":
+            reasons.append(f"the state stores its bases as {lay.basis_format} (spec/storage.md S1); the triton kernels read native bases: use the torch backend")
+            return reasons
         quantized = getattr(lay, "key_scale", None) is not None  # int8 coefficients, spec A10
         sd = dtype_name(lay.key_bases.dtype)
         if sd not in self.dtypes:
@@ -154,6 +157,10 @@ class TritonBackend:
         backend's append for the others (see the module docstring)."""
         from subspace_ref_torch import append as torch_append
 
+        if getattr(state.layout, "basis_format", "native") != "native":
+            # encoded bases (spec/storage.md S1): the torch backend's append decodes them
+            torch_append.append(state, keys, values)
+            return
         if state.policy.kind == "static" and dtype_name(state.layout.key_bases.dtype) in self.dtypes:
             self._append_static(state, keys, values)
             return

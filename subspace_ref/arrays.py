@@ -43,6 +43,11 @@ def to_numpy(x: Any) -> np.ndarray:
     x = x.detach()
     if str(x.dtype) == "torch.bfloat16":
         x = x.float()
+    if str(x.dtype) == "torch.float8_e4m3fn":  # NumPy's float8 comes from ml_dtypes (spec/storage.md S1)
+        import ml_dtypes
+        import torch
+
+        return x.cpu().view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
     return x.cpu().numpy()
 
 

@@ -31,8 +31,11 @@ class PackedLayout:
     num_tokens: int
     key_scale: Any = None  # (N, H, T_cap) float32 when coefficients are int8 (spec A10)
     value_scale: Any = None
+    key_basis_scale: Any = None  # (N, H, J_cap, r) float32 when bases are int8 (spec/storage.md S1)
+    value_basis_scale: Any = None  # (N, H, J_cap, r_v)
+    basis_format: str = "native"  # how key_bases/value_bases are stored (spec/storage.md S1)
 
-    ARRAYS = ("key_coef", "value_coef", "key_bases", "value_bases", "chunk_starts", "num_chunks", "gamma", "key_scale", "value_scale")
+    ARRAYS = ("key_coef", "value_coef", "key_bases", "value_bases", "chunk_starts", "num_chunks", "gamma", "key_scale", "value_scale", "key_basis_scale", "value_basis_scale")
 
     @property
     def quantized(self) -> bool:
@@ -49,8 +52,43 @@ class PackedLayout:
 
         return dequantize_rows(coef, getattr(self, f"{which}_scale")[n, h, a:b], dtype)
 
+    @property
+    def dtype(self) -> Any:
+        """The state's floating dtype (gamma's): that of keys and values appended and of float
+        coefficients; the stored bases have it only in the "native" basis format."""
+        return self.gamma.dtype
+
+    def basis(self, which: str, index: tuple, dtype: Any) -> Any:
+        """The "key" or "value" bases at ``index`` (a tuple over the (N, H, J) axes, optionally
+        a row after them), decoded into ``dtype`` (a new array): the one way bases are read
+        (spec/storage.md S2)."""
+        from subspace_ref.basis_storage import decode
+
+        scale = getattr(self, f"{which}_basis_scale")
+        return decode(getattr(self, f"{which}_bases")[index], None if scale is None else scale[index], dtype)
+
+    def store_basis(self, which: str, index: tuple, x: Any) -> Any:
+        """Encode bases ``x`` into the "key" or "value" bases at ``index`` IN PLACE (only spare
+        chunk slots or private copies may be written) and return them as :meth:`basis` will read
+        them, in x's dtype: what an online state projects with (spec/storage.md S3)."""
+        from subspace_ref.basis_storage import decode, encode
+
+        stored, scale = encode(x, self.basis_format, self.dtype)
+        getattr(self, f"{which}_bases")[index] = stored
+        if scale is not None:
+            getattr(self, f"{which}_basis_scale")[index] = scale
+        return decode(stored, scale, x.dtype)
+
+    def with_private_bases(self) -> "PackedLayout":
+        """A layout whose basis (and basis scale) arrays are copies: for rewriting bases that
+        are in use (warm-up rows, a rotating refresh) without touching the original."""
+        from subspace_ref.arrays import clone
+
+        names = ("key_bases", "value_bases", "key_basis_scale", "value_basis_scale")
+        return replace(self, **{name: clone(getattr(self, name)) for name in names if getattr(self, name) is not None})
+
     TOKEN_AXIS = ("key_coef", "value_coef", "key_scale", "value_scale")
-    CHUNK_AXIS = ("key_bases", "value_bases", "chunk_starts")
+    CHUNK_AXIS = ("key_bases", "value_bases", "chunk_starts", "key_basis_scale", "value_basis_scale")
 
     def live_arrays(self) -> dict[str, Any]:
         """The arrays in use cut to their live ranges (views): tokens < num_tokens, chunks < the
@@ -85,6 +123,8 @@ class PackedLayout:
             chunk_starts=grown(self.chunk_starts, 2, new_j),
             key_scale=None if self.key_scale is None else grown(self.key_scale, 2, new_t),
             value_scale=None if self.value_scale is None else grown(self.value_scale, 2, new_t),
+            key_basis_scale=None if self.key_basis_scale is None else grown(self.key_basis_scale, 2, new_j),
+            value_basis_scale=None if self.value_basis_scale is None else grown(self.value_basis_scale, 2, new_j),
         )
 
     def map_arrays(self, fn) -> "PackedLayout":

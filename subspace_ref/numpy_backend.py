@@ -63,11 +63,12 @@ def append_reference(state, keys: Any, values: Any) -> None:
     T = state.layout.num_tokens
     lay = state.layout.with_capacity(T + n_new, int(to_numpy(state.layout.num_chunks).max()) + (n_new if policy.kind == "adaptive" else 0))
 
+    every = (slice(None), slice(None), 0)  # chunk 0 of every sequence and head
     if policy.kind == "static":  # spec A6
         if policy.rope is not None:  # spec/rope.md P2 step 1: back to pre-RoPE at positions T..T+n-1
             keys = rotate(keys, np.arange(T, T + n_new), policy.rope, inverse=True)
-        store(lay, "key", slice(T, T + n_new), xp.einsum("nhtd,nhrd->nhtr", keys, lay.key_bases[:, :, 0]))
-        store(lay, "value", slice(T, T + n_new), xp.einsum("nhtd,nhrd->nhtr", values, lay.value_bases[:, :, 0]))
+        store(lay, "key", slice(T, T + n_new), xp.einsum("nhtd,nhrd->nhtr", keys, lay.basis("key", every, keys.dtype)))
+        store(lay, "value", slice(T, T + n_new), xp.einsum("nhtd,nhrd->nhtr", values, lay.basis("value", every, values.dtype)))
         state.layout = replace(lay, num_tokens=T + n_new)
         return
 
@@ -76,20 +77,23 @@ def append_reference(state, keys: Any, values: Any) -> None:
     num_chunks = lay.num_chunks.copy()
     chunk_starts = lay.chunk_starts.copy()
     heads_n, heads_h = xp.meshgrid(xp.arange(lay.key_coef.shape[0]), xp.arange(lay.key_coef.shape[1]), indexing="ij")
-    open_B = lay.key_bases[heads_n, heads_h, num_chunks - 1].copy()  # (N, H, r, d)
-    open_E = lay.value_bases[heads_n, heads_h, num_chunks - 1].copy()
+    open_B = lay.basis("key", (heads_n, heads_h, num_chunks - 1), keys.dtype)  # (N, H, r, d), decoded copies
+    open_E = lay.basis("value", (heads_n, heads_h, num_chunks - 1), values.dtype)
     mask_k = rank_mask(policy.rank_k, open_B.shape[2], open_B)
     mask_v = rank_mask(policy.rank_v, open_E.shape[2], open_E)
     W = policy.warmup
-    warm_B, warm_E = open_B, open_E
+    if policy.kind == "rotating" or T < W:
+        # the only bases rewritten in place: the single rotating basis, or chunk 0 during warm-up
+        # (chunk 0 stays open until warm-up ends); they are rewritten in private copies
+        lay = lay.with_private_bases()
 
     for i in range(n_new):
         t = T + i
         k, v = keys[:, :, i], values[:, :, i]
         if t < W:  # step 0: exact warm-up rows in chunk 0, which is open for every head
-            open_B[:, :, t] = warmup_row(open_B, k)
-            open_E[:, :, t] = warmup_row(open_E, v)
-            warm_B, warm_E = open_B.copy(), open_E.copy()
+            # (stored encoded at once; the open basis holds the decoded row: spec/storage.md S3)
+            open_B[:, :, t] = lay.store_basis("key", every + (t,), warmup_row(open_B, k))
+            open_E[:, :, t] = lay.store_basis("value", every + (t,), warmup_row(open_E, v))
         # step 1: coefficients with the open chunk's bases
         c = xp.einsum("nhrd,nhd->nhr", open_B, k)
         dv = xp.einsum("nhrd,nhd->nhr", open_E, v)
@@ -102,11 +106,10 @@ def append_reference(state, keys: Any, values: Any) -> None:
             fire = (t >= W) & ((rho_k > policy.tau_k) | (rho_v > policy.tau_v) | (t + 1 - open_start >= policy.max_chunk))
             if bool(fire.any()):
                 fn, fh = xp.nonzero(fire)
-                new_B = fd.top_directions(buf_k[fn, fh, :filled_k], open_B.shape[2]) * mask_k[fh]
-                new_E = fd.top_directions(buf_v[fn, fh, :filled_v], open_E.shape[2]) * mask_v[fh]
                 j = num_chunks[fn, fh]
-                lay.key_bases[fn, fh, j] = new_B
-                lay.value_bases[fn, fh, j] = new_E
+                # the snapshot goes into spare chunk slot j, encoded; the open basis is its decoding
+                new_B = lay.store_basis("key", (fn, fh, j), fd.top_directions(buf_k[fn, fh, :filled_k], open_B.shape[2]) * mask_k[fh])
+                new_E = lay.store_basis("value", (fn, fh, j), fd.top_directions(buf_v[fn, fh, :filled_v], open_E.shape[2]) * mask_v[fh])
                 chunk_starts[fn, fh, j] = t + 1
                 num_chunks[fn, fh] = j + 1
                 open_B[fn, fh] = new_B
@@ -122,18 +125,13 @@ def append_reference(state, keys: Any, values: Any) -> None:
         buf_v, filled_v = fd.insert(buf_v, filled_v, v[:, :, None], policy.ell_v)
         if policy.kind == "rotating" and t >= W and (t + 1 - W) % policy.refresh_every == 0:
             # spec A8 step 4: new basis, and every stored coefficient moved into it by R = B B'^T
-            new_B = fd.top_directions(buf_k, open_B.shape[2]) * mask_k
-            new_E = fd.top_directions(buf_v, open_E.shape[2]) * mask_v
+            # (R is taken between the decoded stored bases: spec/storage.md S3)
+            new_B = lay.store_basis("key", every, fd.top_directions(buf_k, open_B.shape[2]) * mask_k)
+            new_E = lay.store_basis("value", every, fd.top_directions(buf_v, open_E.shape[2]) * mask_v)
             lay = _rotated(lay, "key", t + 1, xp.einsum("nhrd,nhsd->nhrs", open_B, new_B))
             lay = _rotated(lay, "value", t + 1, xp.einsum("nhrd,nhsd->nhrs", open_E, new_E))
             open_B, open_E = new_B, new_E
 
-    if policy.kind == "rotating" or T < W:
-        # the only bases rewritten in place: the single rotating basis, or chunk 0 during warm-up
-        # (chunk 0 stays open until warm-up ends, so open_B then still is chunk 0's basis)
-        key_bases, value_bases = lay.key_bases.copy(), lay.value_bases.copy()
-        key_bases[:, :, 0], value_bases[:, :, 0] = (open_B, open_E) if policy.kind == "rotating" else (warm_B, warm_E)
-        lay = replace(lay, key_bases=key_bases, value_bases=value_bases)
     state.layout = replace(lay, num_chunks=num_chunks, chunk_starts=chunk_starts, num_tokens=T + n_new)
     state.sketches = replace(sk, keys=buf_k, values=buf_v, filled_k=filled_k, filled_v=filled_v, rows_seen=sk.rows_seen + n_new)
 
@@ -175,7 +173,7 @@ def attend_reference(q: np.ndarray, state, scale: float | None) -> np.ndarray:
     widened, as the accelerated backends accumulate in float32).
     """
     lay = state.layout
-    work = np.promote_types(np.promote_types(q.dtype, lay.key_bases.dtype), np.float32)
+    work = np.promote_types(np.promote_types(q.dtype, lay.dtype), np.float32)
     N, Hq, d = q.shape
     group = Hq // state.heads
     s = 1.0 / np.sqrt(d) if scale is None else float(scale)
@@ -187,13 +185,14 @@ def attend_reference(q: np.ndarray, state, scale: float | None) -> np.ndarray:
             qv = q[n, hq].astype(work)
             partial = SoftmaxPartial.empty(state.d_v, work)
             for j, (a, b) in enumerate(state.chunk_bounds(h, n)):
+                B_j = lay.basis("key", (n, h, j), work)
                 if rope is None:
-                    q_proj = lay.key_bases[n, h, j].astype(work) @ qv  # spec A3 step 2.1
+                    q_proj = B_j @ qv  # spec A3 step 2.1
                     logits = work.type(lay.gamma[h] * s) * (lay.coefficient_rows("key", n, h, a, b, work) @ q_proj)
                 else:  # spec/rope.md P3: keys rebuilt and rotated to their positions, O(r d) per token
-                    keys = rotate(lay.coefficient_rows("key", n, h, a, b, work) @ lay.key_bases[n, h, j].astype(work), np.arange(a, b), rope)
+                    keys = rotate(lay.coefficient_rows("key", n, h, a, b, work) @ B_j, np.arange(a, b), rope)
                     logits = work.type(lay.gamma[h] * s) * (keys @ qv)
-                partial.add_chunk(logits, lay.coefficient_rows("value", n, h, a, b, work), lay.value_bases[n, h, j].astype(work))
+                partial.add_chunk(logits, lay.coefficient_rows("value", n, h, a, b, work), lay.basis("value", (n, h, j), work))
             out[n, hq] = partial.result()
     return out.astype(q.dtype)
 

@@ -27,13 +27,19 @@ from subspace_ref.arrays import array_family, to_numpy
 
 FORMAT_NAME = "subspace_ref.state"
 FORMAT_VERSION = 1
+#: Version 2 (spec/persistence.md, spec/storage.md S5) adds bases stored in a format of their
+#: own: the header's "bases" and, for int8 bases, per-row scales. A state with native bases is
+#: still written as version 1, byte for byte as before; the reader takes both.
+BASES_VERSION = 2
+READ_VERSIONS = (FORMAT_VERSION, BASES_VERSION)
 
 #: Tensor names in checksum order. The scales are present for int8 coefficients only (spec A10),
 #: the sketch tensors for online states only.
 LAYOUT_TENSORS = ("key_coef", "value_coef", "key_bases", "value_bases", "chunk_starts", "num_chunks", "gamma")
 SCALE_TENSORS = ("key_scale", "value_scale")
 SKETCH_TENSORS = ("sketch_keys", "sketch_values")
-TENSOR_ORDER = LAYOUT_TENSORS + SCALE_TENSORS + SKETCH_TENSORS
+BASIS_SCALE_TENSORS = ("key_basis_scale", "value_basis_scale")  # int8 bases only (version 2)
+TENSOR_ORDER = LAYOUT_TENSORS + SCALE_TENSORS + SKETCH_TENSORS + BASIS_SCALE_TENSORS
 
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 _COEFFICIENTS = {"float": None, "int8": "int8"}  # coefficient storage -> coefficient dtype (None: the state's)
@@ -73,7 +79,8 @@ def save_state(state, path) -> None:
             raise NotImplementedError(f"a state with policy field {f.name}={getattr(state.policy, f.name)!r} cannot be saved: this schema does not describe it (spec/rope.md §5)")
     tensors, dtype_name = _tensors_of(state)
     header = _state_header(state, dtype_name)
-    metadata = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "state": _canonical_json(header)}
+    version = FORMAT_VERSION if _bases(state) == "native" else BASES_VERSION
+    metadata = {"format": FORMAT_NAME, "format_version": str(version), "state": _canonical_json(header)}
     metadata["checksum"] = checksum(tensors, metadata)
     data = _serialize(tensors, metadata)
     _write_atomic(path, data)
@@ -134,6 +141,8 @@ def _host(x: Any) -> np.ndarray:
         out = x.detach().cpu().contiguous().view(torch.int16).numpy().view(np.uint16)
     else:
         out = to_numpy(x)
+    if "float8_e4m3fn" in str(out.dtype):  # float8 bases (version 2): their bits, as uint8
+        out = np.ascontiguousarray(out).view(np.uint8)
     out = np.ascontiguousarray(out)
     return out.astype(out.dtype.newbyteorder("<"), copy=True)
 
@@ -142,25 +151,34 @@ def _coefficients(state) -> str:
     return "int8" if getattr(state.layout, "quantized", False) else "float"
 
 
-def _expected_dtypes(dtype_name: str, coefficients: str, stored: bool) -> dict[str, str]:
-    """Dtype of every tensor of a state; ``stored``: as in the file (bfloat16 as uint16)."""
+def _bases(state) -> str:
+    return getattr(state.layout, "basis_format", "native")
+
+
+def _expected_dtypes(dtype_name: str, coefficients: str, stored: bool, bases: str = "native") -> dict[str, str]:
+    """Dtype of every tensor of a state; ``stored``: as in the file (bfloat16 as uint16, float8
+    bases as uint8)."""
     floating = "uint16" if stored and dtype_name == "bfloat16" else dtype_name
     out = {name: floating for name in TENSOR_ORDER}
     out.update(chunk_starts="int64", num_chunks="int64", key_scale="float32", value_scale="float32")
+    out.update(key_basis_scale="float32", value_basis_scale="float32")
     if coefficients == "int8":
         out.update(key_coef="int8", value_coef="int8")
+    if bases != "native":
+        encoded = {"float16": "float16", "int8": "int8", "float8_e4m3": "uint8" if stored else "float8_e4m3fn"}[bases]
+        out.update(key_bases=encoded, value_bases=encoded)
     return out
 
 
 def _tensors_of(state) -> tuple[dict[str, np.ndarray], str]:
     lay = state.layout
-    unknown = sorted(set(lay.arrays()) - set(LAYOUT_TENSORS + SCALE_TENSORS))
+    unknown = sorted(set(lay.arrays()) - set(LAYOUT_TENSORS + SCALE_TENSORS + BASIS_SCALE_TENSORS))
     if unknown:  # a layout field this schema does not describe: refuse rather than drop it
-        raise TypeError(f"cannot save layout arrays {unknown}: spec/persistence.md (format version {FORMAT_VERSION}) does not describe them")
-    dtype_name = _dtype_name(lay.key_bases)
+        raise TypeError(f"cannot save layout arrays {unknown}: spec/persistence.md (format version {BASES_VERSION}) does not describe them")
+    dtype_name = _dtype_name(lay.gamma)
     if dtype_name not in _FLOAT_DTYPES:
         raise TypeError(f"cannot save a state of dtype {dtype_name}; expected one of {', '.join(_FLOAT_DTYPES)}")
-    want = _expected_dtypes(dtype_name, _coefficients(state), stored=False)
+    want = _expected_dtypes(dtype_name, _coefficients(state), stored=False, bases=_bases(state))
     cut = lay.live_arrays()
     if state.sketches is not None:
         cut["sketch_keys"] = state.sketches.keys
@@ -189,7 +207,8 @@ def _state_header(state, dtype_name: str) -> dict[str, Any]:
         fields[f.name] = [int(x) for x in value] if isinstance(value, tuple) else value
     lay = state.layout
     sk = state.sketches
-    return {
+    extra = {} if _bases(state) == "native" else {"bases": _bases(state)}  # version 2 only
+    return extra | {
         "kind": policy.kind,
         "policy": fields,
         "batched": bool(state.batched),
@@ -241,7 +260,7 @@ def load_state(path):
         header = json.loads(metadata["state"])
     except (json.JSONDecodeError, TypeError) as err:
         raise StateFileError(f"{path}: metadata 'state' is not valid JSON ({err})") from None
-    return _build_state(header, tensors, path)
+    return _build_state(header, tensors, path, int(metadata["format_version"]))
 
 
 def _read_header(data: bytes, path) -> tuple[dict[str, str], dict[str, Any]]:
@@ -275,9 +294,9 @@ def _check_format(metadata: dict[str, str], path) -> None:
     if metadata.get("format") != FORMAT_NAME:
         raise StateFileError(f"{path}: format is {metadata.get('format')!r}, expected {FORMAT_NAME!r} (not a saved SubspaceState)")
     version = metadata.get("format_version")
-    if version != str(FORMAT_VERSION):
+    if version not in [str(v) for v in READ_VERSIONS]:
         raise StateFileError(
-            f"{path}: format_version is {version!r}; this version of subspace_ref reads version {FORMAT_VERSION} only"
+            f"{path}: format_version is {version!r}; this version of subspace_ref reads versions {', '.join(map(str, READ_VERSIONS))} only"
         )
 
 
@@ -360,7 +379,7 @@ def _typed(name: str, annotation: str, value: Any) -> Any:
     raise ValueError(f"policy field {name} has type {annotation}, which this reader cannot check")
 
 
-def _build_state(header: Any, tensors: dict[str, np.ndarray], path):
+def _build_state(header: Any, tensors: dict[str, np.ndarray], path, version: int = FORMAT_VERSION):
     from subspace_ref.layout import PackedLayout
     from subspace_ref.state import SketchBuffers, SubspaceState
 
@@ -377,19 +396,31 @@ def _build_state(header: Any, tensors: dict[str, np.ndarray], path):
     coefficients = header.get("coefficients")
     if coefficients not in _COEFFICIENTS:
         _fail(path, f"coefficients is {coefficients!r}; expected one of {list(_COEFFICIENTS)}")
+    from subspace_ref.basis_storage import FORMATS, float8_dtype
+
+    basis_format = header.get("bases", "native")
+    if version == FORMAT_VERSION and "bases" in header:
+        _fail(path, f"format version {FORMAT_VERSION} has no 'bases' field (bases stored in a format of their own are version {BASES_VERSION})")
+    if version == BASES_VERSION and basis_format not in FORMATS[1:]:
+        _fail(path, f"bases is {basis_format!r}; a version {BASES_VERSION} file stores them as one of {list(FORMATS[1:])}")
     online = policy.kind != "static"
     expected_names = LAYOUT_TENSORS + (SCALE_TENSORS if coefficients == "int8" else ()) + (SKETCH_TENSORS if online else ())
+    expected_names += BASIS_SCALE_TENSORS if basis_format == "int8" else ()
     missing = [n for n in expected_names if n not in tensors]
     extra = [n for n in tensors if n not in expected_names]
     if missing or extra:
         _fail(path, f"a {policy.kind} state with {coefficients} coefficients holds arrays {list(expected_names)}; missing {missing}, unexpected {extra}")
 
-    want = _expected_dtypes(dtype_name, coefficients, stored=True)
+    want = _expected_dtypes(dtype_name, coefficients, stored=True, bases=basis_format)
     for name in expected_names:
         if str(tensors[name].dtype) != want[name]:
             _fail(path, f"{name} has dtype {tensors[name].dtype}; a {dtype_name} state with {coefficients} coefficients stores it as {want[name]}")
     arrays = {name: _widen(x, dtype_name) if want[name] == "uint16" else np.array(x, dtype=x.dtype.newbyteorder("=")) for name, x in tensors.items()}
-
+    if basis_format == "float8_e4m3":  # their bits, stored as uint8
+        for name in ("key_bases", "value_bases"):
+            arrays[name] = arrays[name].view(float8_dtype())
+            if not np.isfinite(arrays[name].astype(np.float32)).all():
+                _fail(path, f"{name} contains NaN or Inf")
     kc = arrays["key_coef"]
     if kc.ndim != 4:
         _fail(path, f"key_coef has shape {kc.shape}; expected (N, H, num_tokens, r)")
@@ -412,6 +443,9 @@ def _build_state(header: Any, tensors: dict[str, np.ndarray], path):
     if coefficients == "int8":
         shapes["key_scale"] = (N, H, T)
         shapes["value_scale"] = (N, H, T)
+    if basis_format == "int8":
+        shapes["key_basis_scale"] = (N, H, J, r)
+        shapes["value_basis_scale"] = (N, H, J, r_v)
     if online:
         shapes["sketch_keys"] = (N, H, 2 * policy.ell_k, d)
         shapes["sketch_values"] = (N, H, 2 * policy.ell_v, d_v)
@@ -434,9 +468,9 @@ def _build_state(header: Any, tensors: dict[str, np.ndarray], path):
             _fail(path, f"{name} contains NaN or Inf")
     if not (arrays["gamma"] > 0).all():
         _fail(path, "gamma must be positive")
-    for name in SCALE_TENSORS:
+    for name in SCALE_TENSORS + BASIS_SCALE_TENSORS:
         if name in arrays and (arrays[name] < 0).any():
-            _fail(path, f"{name} must be >= 0 (a per-token max |coefficient| / 127)")
+            _fail(path, f"{name} must be >= 0 (a per-row max |value| / 127)")
 
     num_chunks, starts = arrays["num_chunks"], arrays["chunk_starts"]
     if num_chunks.min() < 1 or num_chunks.max() != J:
@@ -468,7 +502,7 @@ def _build_state(header: Any, tensors: dict[str, np.ndarray], path):
     elif sk is not None:
         _fail(path, f"a static state has no sketch, got {sk!r}")
 
-    layout = PackedLayout(**{name: arrays[name] for name in LAYOUT_TENSORS + SCALE_TENSORS if name in arrays}, num_tokens=T)
+    layout = PackedLayout(**{name: arrays[name] for name in LAYOUT_TENSORS + SCALE_TENSORS + BASIS_SCALE_TENSORS if name in arrays}, num_tokens=T, basis_format=basis_format)
     return SubspaceState(policy, layout, sketches, batched, "numpy")
 
 

@@ -9,6 +9,7 @@ import numpy as np
 
 from subspace_ref import _checks
 from subspace_ref.arrays import array_family, clone, itemsize, numel, to_numpy
+from subspace_ref.basis_storage import check_format, stored_dtype
 from subspace_ref.calibration import StaticBasis, resolve_gamma
 from subspace_ref.layout import PackedLayout
 from subspace_ref.policies import AdaptivePolicy, RotatingPolicy, StaticPolicy
@@ -49,11 +50,15 @@ class SubspaceState:
 
     # ----------------------------------------------------------------- construction
     @classmethod
-    def static(cls, basis: StaticBasis, *, batch: int | None = None, dtype: Any = None, coefficients: str = "float", rope: Any = None) -> "SubspaceState":
+    def static(cls, basis: StaticBasis, *, batch: int | None = None, dtype: Any = None, coefficients: str = "float", rope: Any = None,
+               bases: str = "native") -> "SubspaceState":
         """A state over a calibrated basis (spec A6): one chunk per head, nothing else kept.
 
         ``coefficients="int8"`` stores coefficients as int8 with one float32 scale per token and
-        head (spec A10); bases stay in ``dtype``.
+        head (spec A10). ``bases`` is how the bases are stored (spec/storage.md S1): "native"
+        (in ``dtype``, the default: a float64 state stays the exact oracle), "float16",
+        "float8_e4m3" or "int8" (one float32 scale per basis row); attention and appends use the
+        decoded stored bases. Bytes: :attr:`basis_nbytes` (spec/storage.md S4).
 
         ``rope``: a :class:`~subspace_ref.rope.RopeParams` when ``basis.B`` was calibrated on
         un-rotated (pre-RoPE) keys (spec/rope.md P2-P3, seed 003 RoPE ablation). Appended keys
@@ -73,9 +78,10 @@ class SubspaceState:
         n = _batch_size(batch)
         H, r, d = basis.B.shape
         r_v, d_v = basis.E.shape[1:]
-        layout = _empty_layout(n, H, r, d, r_v, d_v, dtype, coefficients)
-        layout.key_bases[:, :, 0] = basis.B
-        layout.value_bases[:, :, 0] = basis.E
+        layout = _empty_layout(n, H, r, d, r_v, d_v, dtype, coefficients, bases)
+        every = (slice(None), slice(None), 0)
+        layout.store_basis("key", every, np.broadcast_to(basis.B.astype(dtype), (n, H, r, d)))
+        layout.store_basis("value", every, np.broadcast_to(basis.E.astype(dtype), (n, H, r_v, d_v)))
         layout.gamma[:] = basis.gamma
         layout.num_chunks[:] = 1
         return cls(StaticPolicy(basis.rank_k, basis.rank_v, rope), layout, None, batch is not None, "numpy")
@@ -100,6 +106,7 @@ class SubspaceState:
         batch: int | None = None,
         dtype: Any = np.float64,
         coefficients: str = "float",
+        bases: str = "native",
     ) -> "SubspaceState":
         """Online bases from FD sketches with residual-triggered chunking (spec A7, seed 001 §5).
 
@@ -108,6 +115,8 @@ class SubspaceState:
         ``sketch_reset=True`` restarts the sketches at each chunk boundary (spec A7 step 3b): the
         paper's sketches never forget, and under drift they keep returning the old subspace, so
         the trigger fires on nearly every token (see tests/test_adaptive_state.py).
+        ``bases``: as in :meth:`static`; each snapshot is encoded when stored and the open chunk
+        projects with the decoded stored basis (spec/storage.md S3).
         """
         heads, d, d_v, rk, rv, ek, ev, w = _online_args(heads, d, d_v, rank_k, rank_v, ell_k, ell_v, warmup)
         policy = AdaptivePolicy(
@@ -118,7 +127,7 @@ class SubspaceState:
             w,
             bool(sketch_reset),
         )
-        return cls._online(policy, heads, d, d_v, gamma, batch, dtype, coefficients)
+        return cls._online(policy, heads, d, d_v, gamma, batch, dtype, coefficients, bases)
 
     @classmethod
     def rotating(
@@ -137,20 +146,23 @@ class SubspaceState:
         batch: int | None = None,
         dtype: Any = np.float64,
         coefficients: str = "float",
+        bases: str = "native",
     ) -> "SubspaceState":
         """One basis per head, refreshed from FD every ``refresh_every`` tokens with the stored
-        coefficients rotated by the r x r change of basis (spec A8, seed 003 SubSpace-A)."""
+        coefficients rotated by the r x r change of basis (spec A8, seed 003 SubSpace-A).
+        ``bases``: as in :meth:`adaptive`; the change of basis is taken between the decoded
+        stored bases (spec/storage.md S3)."""
         heads, d, d_v, rk, rv, ek, ev, w = _online_args(heads, d, d_v, rank_k, rank_v, ell_k, ell_v, warmup)
         policy = RotatingPolicy(rk, rv, ek, ev, _checks.positive_int("refresh_every", refresh_every), w)
-        return cls._online(policy, heads, d, d_v, gamma, batch, dtype, coefficients)
+        return cls._online(policy, heads, d, d_v, gamma, batch, dtype, coefficients, bases)
 
     @classmethod
-    def _online(cls, policy, heads, d, d_v, gamma, batch, dtype, coefficients) -> "SubspaceState":
+    def _online(cls, policy, heads, d, d_v, gamma, batch, dtype, coefficients, bases="native") -> "SubspaceState":
         if np.dtype(dtype) not in (np.float32, np.float64):
             raise TypeError(f"dtype must be float32 or float64 for an online NumPy state (its SVDs need them), got {dtype!r}; convert with state.to(...) for half precision")
         dtype = np.dtype(dtype)
         n = _batch_size(batch)
-        layout = _empty_layout(n, heads, max(policy.rank_k), d, max(policy.rank_v), d_v, dtype, coefficients)
+        layout = _empty_layout(n, heads, max(policy.rank_k), d, max(policy.rank_v), d_v, dtype, coefficients, bases)
         layout.gamma[:] = resolve_gamma(gamma, policy.rank_k, d, dtype)
         layout.num_chunks[:] = 1
         sketches = SketchBuffers(
@@ -185,8 +197,14 @@ class SubspaceState:
 
     @property
     def dtype(self):
-        """The floating dtype of bases and of keys and values appended (coefficients may be int8)."""
-        return self.layout.key_bases.dtype
+        """The floating dtype of keys and values appended (coefficients may be int8, bases may be
+        stored in another format: spec/storage.md S1)."""
+        return self.layout.dtype
+
+    @property
+    def basis_format(self) -> str:
+        """How the bases are stored: "native", "float16", "float8_e4m3" or "int8" (spec/storage.md S1)."""
+        return self.layout.basis_format
 
     @property
     def num_tokens(self) -> int:
@@ -226,16 +244,21 @@ class SubspaceState:
 
     @property
     def basis_nbytes(self) -> int:
-        """Bytes of the bases of the chunks in use plus gamma."""
+        """Bytes of the bases of the chunks in use, in their stored format (plus one float32
+        scale per basis row for int8 bases), plus gamma (spec/storage.md S4)."""
         lay = self.layout
         chunks = int(to_numpy(lay.num_chunks).sum())
         per_chunk = lay.key_bases.shape[3] * lay.key_bases.shape[4] + lay.value_bases.shape[3] * lay.value_bases.shape[4]
-        return chunks * per_chunk * itemsize(lay.key_bases) + self.heads * itemsize(lay.gamma)
+        if lay.key_basis_scale is not None:
+            per_chunk_scales = (lay.key_bases.shape[3] + lay.value_bases.shape[3]) * itemsize(lay.key_basis_scale)
+        else:
+            per_chunk_scales = 0
+        return chunks * (per_chunk * itemsize(lay.key_bases) + per_chunk_scales) + self.heads * itemsize(lay.gamma)
 
     @property
     def full_cache_nbytes(self) -> int:
         """Bytes of the uncompressed K and V these tokens stand for, in the state's dtype."""
-        return self.batch * self.heads * self.num_tokens * (self.d + self.d_v) * itemsize(self.layout.key_bases)
+        return self.batch * self.heads * self.num_tokens * (self.d + self.d_v) * itemsize(self.layout.gamma)
 
     def chunk_bounds(self, head: int, seq: int = 0) -> list[tuple[int, int]]:
         """[start, end) token ranges of the chunks of one head (the last may be empty)."""
@@ -269,14 +292,14 @@ class SubspaceState:
         chunk's bases. (H, T, d) and (H, T, d_v), with a leading N for batched states; NumPy."""
         lay = self.layout.map_arrays(lambda _, x: to_numpy(x))
         n, h = lay.key_coef.shape[:2]
-        dtype = lay.key_bases.dtype
+        dtype = lay.dtype
         K = np.zeros((n, h, lay.num_tokens, self.d), dtype=dtype)
         V = np.zeros((n, h, lay.num_tokens, self.d_v), dtype=dtype)
         for s in range(n):
             for head in range(h):
                 for j, (a, b) in enumerate(self.chunk_bounds(head, s)):
-                    K[s, head, a:b] = lay.coefficient_rows("key", s, head, a, b, dtype) @ lay.key_bases[s, head, j]
-                    V[s, head, a:b] = lay.coefficient_rows("value", s, head, a, b, dtype) @ lay.value_bases[s, head, j]
+                    K[s, head, a:b] = lay.coefficient_rows("key", s, head, a, b, dtype) @ lay.basis("key", (s, head, j), dtype)
+                    V[s, head, a:b] = lay.coefficient_rows("value", s, head, a, b, dtype) @ lay.basis("value", (s, head, j), dtype)
         return (K, V) if self.batched else (K[0], V[0])
 
     def save(self, path) -> None:
@@ -315,8 +338,11 @@ class SubspaceState:
         convert = target.converter(device=device, dtype=dtype)
         keep_dtype = target.converter(device=device)
         state = self.copy()
-        # int8 coefficients and their float32 scales keep their dtypes (spec A10)
+        # int8 coefficients and their float32 scales keep their dtypes (spec A10), and so do
+        # bases stored in a format of their own (spec/storage.md S1)
         fixed = ("key_scale", "value_scale", "key_coef", "value_coef") if self.layout.quantized else ()
+        if self.layout.basis_format != "native":
+            fixed += ("key_bases", "value_bases", "key_basis_scale", "value_basis_scale")
         state.layout = state.layout.map_arrays(lambda name, x: keep_dtype(x) if name in fixed else convert(x))
         if state.sketches is not None:
             state.sketches = replace(state.sketches, keys=convert(state.sketches.keys), values=convert(state.sketches.values))
@@ -369,9 +395,11 @@ def _online_args(heads, d, d_v, rank_k, rank_v, ell_k, ell_v, warmup):
     return heads, d, d_v, rk, rv, ek, ev, warmup_length(warmup, rk, rv)
 
 
-def _empty_layout(n: int, H: int, r: int, d: int, r_v: int, d_v: int, dtype, coefficients: str) -> PackedLayout:
+def _empty_layout(n: int, H: int, r: int, d: int, r_v: int, d_v: int, dtype, coefficients: str, bases: str = "native") -> PackedLayout:
     if coefficients not in ("float", "int8"):
         raise ValueError(f'coefficients must be "float" or "int8", got {coefficients!r}')
+    bases = check_format("bases", bases)
+    basis_dtype = stored_dtype(bases, dtype)
     quantized = coefficients == "int8"
     coef_dtype = np.int8 if quantized else dtype
     return PackedLayout(
@@ -379,10 +407,13 @@ def _empty_layout(n: int, H: int, r: int, d: int, r_v: int, d_v: int, dtype, coe
         value_coef=np.zeros((n, H, 0, r_v), dtype=coef_dtype),
         key_scale=np.zeros((n, H, 0), dtype=np.float32) if quantized else None,
         value_scale=np.zeros((n, H, 0), dtype=np.float32) if quantized else None,
-        key_bases=np.zeros((n, H, 1, r, d), dtype=dtype),
-        value_bases=np.zeros((n, H, 1, r_v, d_v), dtype=dtype),
+        key_bases=np.zeros((n, H, 1, r, d), dtype=basis_dtype),
+        value_bases=np.zeros((n, H, 1, r_v, d_v), dtype=basis_dtype),
         chunk_starts=np.zeros((n, H, 1), dtype=np.int64),
         num_chunks=np.zeros((n, H), dtype=np.int64),
         gamma=np.zeros(H, dtype=dtype),
         num_tokens=0,
+        key_basis_scale=np.zeros((n, H, 1, r), dtype=np.float32) if bases == "int8" else None,
+        value_basis_scale=np.zeros((n, H, 1, r_v), dtype=np.float32) if bases == "int8" else None,
+        basis_format=bases,
     )

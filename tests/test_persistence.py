@@ -219,7 +219,7 @@ def test_schema_covers_every_layout_array_and_policy_field():
     from subspace_ref.layout import PackedLayout
     from subspace_ref.policies import AdaptivePolicy, RotatingPolicy, StaticPolicy
 
-    assert set(PackedLayout.ARRAYS) == set(persistence.LAYOUT_TENSORS + persistence.SCALE_TENSORS)
+    assert set(PackedLayout.ARRAYS) == set(persistence.LAYOUT_TENSORS + persistence.SCALE_TENSORS + persistence.BASIS_SCALE_TENSORS)
     spec = Path(__file__).resolve().parents[1].joinpath("spec", "persistence.md").read_text()
     for name in persistence.TENSOR_ORDER:
         assert f"`{name}`" in spec, f"tensor {name} is not described in spec/persistence.md"
@@ -441,7 +441,7 @@ def test_data_corruption_reports_checksum(tmp_path, saved):
 
 
 def test_wrong_version_is_rejected(tmp_path, saved):
-    for version in ("2", "0", "1.0", ""):
+    for version in ("3", "0", "1.0", ""):
         bad = edited(tmp_path, saved, meta=lambda m: m.update(format_version=version))
         with pytest.raises(StateFileError, match="format_version"):
             SubspaceState.load(bad)

@@ -112,6 +112,8 @@ class CupyBackend:
         if len(devices) > 1:
             reasons.append(f"q and the state's arrays are on different CUDA devices {sorted(devices)}; expected one device")
 
+        if getattr(lay, "basis_format", "native") != "native":
+            reasons.append(f"the state stores its bases as {lay.basis_format} (spec/storage.md S1); the cupy backend reads native bases: use the torch backend")
         q_dtype = _interop.dtype_name(q)
         dtype = _interop.dtype_name(lay.key_bases)
         if q_dtype not in _KERNEL_DTYPES:
@@ -208,6 +210,8 @@ class CupyBackend:
         from subspace_ref_cupy import _launch
 
         lay = state.layout
+        if getattr(lay, "basis_format", "native") != "native":  # refused before anything changes
+            raise ValueError(f"the cupy backend cannot append to a state whose bases are stored as {lay.basis_format} (spec/storage.md S1); use the torch or numpy backend")
         dtype = _interop.dtype_name(lay.key_bases)
         quantized = getattr(lay, "key_scale", None) is not None
         d, d_v = keys.shape[3], values.shape[3]

@@ -70,11 +70,12 @@ def append_static(state, keys: torch.Tensor, values: torch.Tensor) -> None:
     lay = state.layout
     T, n_new = lay.num_tokens, keys.shape[2]
     lay = lay.with_capacity(T + n_new, lay.key_bases.shape[2])
-    work = compute_dtype(lay.key_bases.dtype)
+    work = compute_dtype(lay.dtype)
     # rows T.. are spare capacity until the commit below: writing them changes nothing visible
     rows = slice(T, T + n_new)
-    store(lay, "key", rows, torch.matmul(keys.to(work), lay.key_bases[:, :, 0].to(work).mT))
-    store(lay, "value", rows, torch.matmul(values.to(work), lay.value_bases[:, :, 0].to(work).mT))
+    every = (slice(None), slice(None), 0)
+    store(lay, "key", rows, torch.matmul(keys.to(work), lay.basis("key", every, work).mT))
+    store(lay, "value", rows, torch.matmul(values.to(work), lay.basis("value", every, work).mT))
     state.layout = replace(lay, num_tokens=T + n_new)
 
 
@@ -119,11 +120,9 @@ def append_online(state, keys: torch.Tensor, values: torch.Tensor, project=proje
     lay = state.layout
     J_used = int(lay.num_chunks.max()) if adaptive else 1
     lay = lay.with_capacity(T + n_new, J_used + (n_new if adaptive else 0))
-    dtype = lay.key_bases.dtype  # the state's float dtype (coefficients may be int8)
+    dtype = lay.dtype  # the state's float dtype (coefficients may be int8, bases encoded)
     work = compute_dtype(dtype)
-
-    def stored(x: torch.Tensor) -> torch.Tensor:  # the bases as attend will read them back
-        return x if dtype == work else x.to(dtype).to(work)
+    every = (slice(None), slice(None), 0)  # chunk 0 of every sequence and head
 
     sk = state.sketches
     buf_k = sk.keys.to(work, copy=True)
@@ -136,14 +135,18 @@ def append_online(state, keys: torch.Tensor, values: torch.Tensor, project=proje
     device = lay.key_coef.device
     n_idx = torch.arange(N, device=device)[:, None]
     h_idx = torch.arange(H, device=device)[None, :]
-    open_B = lay.key_bases[n_idx, h_idx, num_chunks - 1].to(work)  # (N, H, r, d), a copy
-    open_E = lay.value_bases[n_idx, h_idx, num_chunks - 1].to(work)
+    open_B = lay.basis("key", (n_idx, h_idx, num_chunks - 1), work)  # (N, H, r, d), a decoded copy
+    open_E = lay.basis("value", (n_idx, h_idx, num_chunks - 1), work)
     open_start = torch.gather(chunk_starts, 2, (num_chunks - 1)[..., None])[..., 0]  # (N, H)
     r, r_v = open_B.shape[2], open_E.shape[2]
     mask_k = fd.rank_mask(policy.rank_k, r, work, device)
     mask_v = fd.rank_mask(policy.rank_v, r_v, work, device)
     W = policy.warmup
-    warm_B, warm_E = open_B, open_E
+    if policy.kind == "rotating" or T < W:
+        # the only bases rewritten in place: the single rotating basis, or chunk 0 during
+        # warm-up; they are rewritten in private copies. Bases are stored encoded at once and the
+        # open ones hold their decoding, as attend will read them (spec/storage.md S3)
+        lay = lay.with_private_bases()
     k_all, v_all = keys.to(work), values.to(work)
     window = FIRST_WINDOW
 
@@ -154,9 +157,8 @@ def append_online(state, keys: torch.Tensor, values: torch.Tensor, project=proje
             # spec A7/A8 step 0: exact warm-up rows in chunk 0 (open for every head: no trigger
             # fires before W); then steps 1 and 4 for this one token
             k, v = k_all[:, :, i], v_all[:, :, i]
-            open_B[:, :, t] = stored(fd.warmup_row(open_B, k))
-            open_E[:, :, t] = stored(fd.warmup_row(open_E, v))
-            warm_B, warm_E = open_B.clone(), open_E.clone()
+            open_B[:, :, t] = lay.store_basis("key", every + (t,), fd.warmup_row(open_B, k))
+            open_E[:, :, t] = lay.store_basis("value", every + (t,), fd.warmup_row(open_E, v))
             store(lay, "key", t, torch.matmul(open_B, k[..., None])[..., 0])
             store(lay, "value", t, torch.matmul(open_E, v[..., None])[..., 0])
             buf_k, filled_k = fd.insert_(buf_k, filled_k, k[:, :, None], policy.ell_k)
@@ -181,12 +183,11 @@ def append_online(state, keys: torch.Tensor, values: torch.Tensor, project=proje
                 buf_k, filled_k = fd.insert_(buf_k, filled_k, kk[:, :, :first], policy.ell_k)
                 buf_v, filled_v = fd.insert_(buf_v, filled_v, vv[:, :, :first], policy.ell_v)
                 fn, fh = fire[:, :, first].nonzero(as_tuple=True)
-                new_B = stored(fd.top_directions(buf_k[fn, fh, :filled_k], r) * mask_k[fh])
-                new_E = stored(fd.top_directions(buf_v[fn, fh, :filled_v], r_v) * mask_v[fh])
                 j = num_chunks[fn, fh]
                 start = t + first + 1
-                lay.key_bases[fn, fh, j] = new_B.to(dtype)  # chunk slot j >= num_chunks: spare until the commit
-                lay.value_bases[fn, fh, j] = new_E.to(dtype)
+                # chunk slot j >= num_chunks: spare until the commit
+                new_B = lay.store_basis("key", (fn, fh, j), fd.top_directions(buf_k[fn, fh, :filled_k], r) * mask_k[fh])
+                new_E = lay.store_basis("value", (fn, fh, j), fd.top_directions(buf_v[fn, fh, :filled_v], r_v) * mask_v[fh])
                 chunk_starts[fn, fh, j] = start
                 num_chunks[fn, fh] = j + 1
                 if getattr(policy, "sketch_reset", False):
@@ -216,8 +217,8 @@ def append_online(state, keys: torch.Tensor, values: torch.Tensor, project=proje
             buf_v, filled_v = fd.insert_(buf_v, filled_v, vv, policy.ell_v)
             if t + s - 1 == refresh_t:
                 # step 4: new bases from the whole buffers, stored coefficients rotated by B B'^T
-                new_B = stored(fd.top_directions(buf_k, r) * mask_k)
-                new_E = stored(fd.top_directions(buf_v, r_v) * mask_v)
+                new_B = lay.store_basis("key", every, fd.top_directions(buf_k, r) * mask_k)
+                new_E = lay.store_basis("value", every, fd.top_directions(buf_v, r_v) * mask_v)
                 upto = refresh_t + 1
                 lay = _rotated(lay, "key", upto, torch.matmul(open_B, new_B.mT), own_coef)
                 lay = _rotated(lay, "value", upto, torch.matmul(open_E, new_E.mT), own_coef)
@@ -225,12 +226,7 @@ def append_online(state, keys: torch.Tensor, values: torch.Tensor, project=proje
                 open_B, open_E = new_B, new_E
             i += s
 
-    key_bases, value_bases = lay.key_bases, lay.value_bases
-    if policy.kind == "rotating" or T < W:
-        # the only bases rewritten in place: the single rotating basis, or chunk 0 during warm-up
-        key_bases, value_bases = key_bases.clone(), value_bases.clone()
-        key_bases[:, :, 0], value_bases[:, :, 0] = (open_B, open_E) if policy.kind == "rotating" else (warm_B, warm_E)
-    state.layout = replace(lay, key_bases=key_bases, value_bases=value_bases, num_chunks=num_chunks, chunk_starts=chunk_starts, num_tokens=T + n_new)
+    state.layout = replace(lay, num_chunks=num_chunks, chunk_starts=chunk_starts, num_tokens=T + n_new)
     state.sketches = replace(sk, keys=buf_k.to(sk.keys.dtype), values=buf_v.to(sk.values.dtype), filled_k=filled_k, filled_v=filled_v, rows_seen=sk.rows_seen + n_new)
 
 

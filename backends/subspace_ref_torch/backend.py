@@ -38,7 +38,7 @@ class TorchBackend:
         if q_ok and str(q.dtype).removeprefix("torch.") not in self.dtypes:
             reasons.append(f"q has dtype {q.dtype}; the torch backend supports {', '.join(self.dtypes)}")
         if state_ok:
-            sdtype = str(state.layout.key_bases.dtype).removeprefix("torch.")
+            sdtype = str(state.layout.dtype).removeprefix("torch.")
             if sdtype not in self.dtypes:
                 reasons.append(f"the state has dtype {sdtype}; the torch backend supports {', '.join(self.dtypes)}")
             sdev = state.layout.key_coef.device

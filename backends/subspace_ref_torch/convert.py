@@ -48,7 +48,10 @@ def to_tensor(x: Any, device: Any = None, dtype: torch.dtype | None = None) -> t
     coefficients of spec A10). Host arrays are always copied; a torch tensor already on the
     device with the dtype is returned as is."""
     family = "numpy" if isinstance(x, (int, float, list, tuple, np.generic)) else array_family(x)
-    if family == "numpy":
+    if family == "numpy" and "float8_e4m3fn" in str(getattr(x, "dtype", "")):
+        # float8 bases (spec/storage.md S1): torch cannot read ml_dtypes arrays, but the bits agree
+        t = torch.from_numpy(np.array(x, copy=True).view(np.uint8)).view(torch.float8_e4m3fn)
+    elif family == "numpy":
         t = torch.from_numpy(np.array(x, copy=True))
     elif family == "cupy":
         t = torch.from_dlpack(x)  # zero-copy on the GPU; .to() below copies if needed

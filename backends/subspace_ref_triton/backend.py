@@ -20,6 +20,7 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from subspace_ref.backend import Availability
+from subspace_ref.basis_storage import decoded_state
 from subspace_ref_triton._common import MAX_GROUP, MAX_HEAD_SIZE, MAX_RANK, SUPPORTED_DTYPES, dtype_name, interpreting
 
 _NO_DEVICE = "no CUDA device; set TRITON_INTERPRET=1 to run the kernels on the CPU interpreter"
@@ -95,6 +96,7 @@ class TritonBackend:
                 reasons.append(f"q has dtype {qd}; the triton kernels take {', '.join(self.dtypes)} (use the torch backend for float64)")
         if not state_ok:
             return reasons
+        state = decoded_state(state)  # attend decodes encoded bases first (spec/storage.md S2)
         lay = state.layout
         quantized = getattr(lay, "key_scale", None) is not None  # int8 coefficients, spec A10
         sd = dtype_name(lay.key_bases.dtype)
@@ -154,6 +156,10 @@ class TritonBackend:
         backend's append for the others (see the module docstring)."""
         from subspace_ref_torch import append as torch_append
 
+        if getattr(state.layout, "basis_format", "native") != "native":
+            # encoded bases (spec/storage.md S1): the torch backend's append decodes them
+            torch_append.append(state, keys, values)
+            return
         if state.policy.kind == "static" and dtype_name(state.layout.key_bases.dtype) in self.dtypes:
             self._append_static(state, keys, values)
             return
@@ -180,4 +186,5 @@ class TritonBackend:
     def attend(self, q, state, scale):
         """Spec A2/A3 (flash-decoding, A3.2) of q (N, H_q, d) -> (N, H_q, d_v) in q's dtype."""
         decode, _ = _kernels()
-        return decode.decode_attention(q.contiguous(), state.layout, scale)
+        # bases stored encoded (spec/storage.md S1) are decoded before the launch: J r d entries
+        return decode.decode_attention(q.contiguous(), decoded_state(state).layout, scale)

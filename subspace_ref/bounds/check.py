@@ -184,8 +184,9 @@ def _rows(x: np.ndarray) -> np.ndarray:
 
 def _head(state, h: int, K: np.ndarray, V: np.ndarray, K_hat: np.ndarray, V_hat: np.ndarray) -> _Head:
     lay = state.layout
-    kb = to_numpy(lay.key_bases)[0, h].astype(np.float64)
-    vb = to_numpy(lay.value_bases)[0, h].astype(np.float64)
+    host = lay.map_arrays(lambda _, x: to_numpy(x))
+    kb = host.basis("key", (0, h), np.float64)  # decoded as stored (spec/storage.md S2)
+    vb = host.basis("value", (0, h), np.float64)
     chunks = [(a, b, j) for j, (a, b) in enumerate(state.chunk_bounds(h)) if b > a]
     key_res, val_res, val_rec, proj_energy = [], [], [], 0.0
     for a, b, j in chunks:

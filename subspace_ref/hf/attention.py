@@ -222,7 +222,7 @@ def causal_attention(q: torch.Tensor, state, first_position: int, scale: float |
     if T > lay.num_tokens or first_position < 0:
         raise ValueError(f"queries at positions {first_position}..{T - 1} need {T} tokens, the state holds {lay.num_tokens}")
     device = q.device
-    state_dtype = str(lay.key_bases.dtype).removeprefix("torch.")
+    state_dtype = str(lay.dtype).removeprefix("torch.")
     work = torch.float64 if q.dtype == torch.float64 and state_dtype == "float64" else torch.float32
     s = 1.0 / math.sqrt(d) if scale is None else float(scale)
 
@@ -230,8 +230,9 @@ def causal_attention(q: torch.Tensor, state, first_position: int, scale: float |
     D = _coefficients(lay, "value", T, work, device)  # (N, H, T, r_v)
     num_chunks = _torch(lay.num_chunks, device)
     J = int(num_chunks.max()) if state.kind == "adaptive" else 1
-    B = _torch(lay.key_bases[:, :, :J], device).to(work)  # (N, H, J, r, d)
-    E = _torch(lay.value_bases[:, :, :J], device).to(work)  # (N, H, J, r_v, d_v)
+    chunks = (slice(None), slice(None), slice(0, J))  # bases decoded as stored (spec/storage.md S2)
+    B = _torch(lay.basis("key", chunks, lay.dtype), device).to(work)  # (N, H, J, r, d)
+    E = _torch(lay.basis("value", chunks, lay.dtype), device).to(work)  # (N, H, J, r_v, d_v)
     gamma = _torch(lay.gamma, device).to(torch.float64).mul(s).to(work)  # (H,)
     if J > 1:
         valid = torch.arange(J, device=device) < num_chunks[..., None]  # (N, H, J)

@@ -83,7 +83,9 @@ class static_states:
     """Factory of static states (spec A6) from one calibrated :class:`StaticBasis` per layer
     (a sequence indexed by layer, or a mapping). ``compress="keys"`` keeps values exact (identity
     value basis), ``"values"`` keeps keys exact; ``coefficients="int8"`` stores spec A10 INT8
-    coefficients; ``dtype`` defaults to :attr:`StateSpec.state_dtype`.
+    coefficients; ``dtype`` defaults to :attr:`StateSpec.state_dtype`; ``basis_format`` is how
+    bases are stored (spec/storage.md S1, S6), by default "float16" below float64 (seed 001 §10)
+    and "native" for float64 states (the exact oracle).
 
     ``rope``: bases calibrated on pre-RoPE keys (spec/rope.md P2): a
     :class:`~subspace_ref.rope.RopeParams` (``RopeParams.from_config(model.config)``; or one per
@@ -92,11 +94,13 @@ class static_states:
     for unpadded sequences) and rotates rebuilt keys back when attending: O(r d) per token, and
     only ``backend="numpy"`` runs it (the others refuse)."""
 
-    def __init__(self, bases: Sequence[StaticBasis] | Mapping[int, StaticBasis], *, compress: str = "both", coefficients: str = "float", dtype: Any = None, rope: Any = None):
+    def __init__(self, bases: Sequence[StaticBasis] | Mapping[int, StaticBasis], *, compress: str = "both", coefficients: str = "float", dtype: Any = None,
+                 basis_format: str | None = None, rope: Any = None):
         self.bases = bases
         self.keys, self.values = _side(compress)
         self.coefficients = coefficients
         self.dtype = dtype
+        self.basis_format = basis_format
         self.rope = rope
 
     def __call__(self, spec: StateSpec) -> SubspaceState:
@@ -113,14 +117,24 @@ class static_states:
         gamma = basis.gamma if self.keys else np.ones_like(basis.gamma)
         if B is not basis.B or E is not basis.E:
             basis = StaticBasis.from_bases(B, E, gamma)
-        return SubspaceState.static(basis, batch=spec.batch, dtype=self.dtype or spec.state_dtype, coefficients=self.coefficients,
-                                    rope=per_layer(self.rope, spec.layer_idx))
+        dtype = self.dtype or spec.state_dtype
+        return SubspaceState.static(basis, batch=spec.batch, dtype=dtype, coefficients=self.coefficients,
+                                    bases=default_basis_format(self.basis_format, dtype), rope=per_layer(self.rope, spec.layer_idx))
+
+
+def default_basis_format(basis_format: str | None, dtype: Any) -> str:
+    """spec/storage.md S6: the factories' basis format: ``basis_format`` when given; else
+    "native" for float64 and float16 states (float16 bases are then native anyway) and
+    "float16" for the others (seed 001 §10: "bases in FP16 by default")."""
+    if basis_format is not None:
+        return basis_format
+    return "native" if np.dtype(dtype) in (np.float64, np.float16) else "float16"
 
 
 class _online_states:
     kind = ""
 
-    def __init__(self, *, rank_k: Any = None, rank_v: Any = None, compress: str = "both", coefficients: str = "float", dtype: Any = None, **options: Any):
+    def __init__(self, *, rank_k: Any = None, rank_v: Any = None, compress: str = "both", coefficients: str = "float", dtype: Any = None, basis_format: str | None = None, **options: Any):
         self.keys, self.values = _side(compress)
         if self.keys and rank_k is None:
             raise ValueError("rank_k is required when keys are compressed")
@@ -129,6 +143,7 @@ class _online_states:
         self.rank_k, self.rank_v = rank_k, rank_v
         self.coefficients = coefficients
         self.dtype = dtype
+        self.basis_format = basis_format
         self.options = options
 
     def __call__(self, spec: StateSpec) -> SubspaceState:
@@ -136,9 +151,10 @@ class _online_states:
         rank_v = per_layer(self.rank_v, spec.layer_idx) if self.values else spec.value_dim
         options = {name: per_layer(value, spec.layer_idx) for name, value in self.options.items()}
         build = getattr(SubspaceState, self.kind)
+        dtype = self.dtype or spec.state_dtype
         return build(
             spec.heads, spec.head_dim, spec.value_dim, rank_k=rank_k, rank_v=rank_v, batch=spec.batch,
-            dtype=self.dtype or spec.state_dtype, coefficients=self.coefficients, **options,
+            dtype=dtype, coefficients=self.coefficients, bases=default_basis_format(self.basis_format, dtype), **options,
         )
 
 
@@ -146,6 +162,7 @@ class adaptive_states(_online_states):
     """Factory of adaptive states (spec A7, seed 001 §5): ``rank_k``/``rank_v`` (an int, a
     per-head tuple, or per layer: a mapping or a callable of the layer index) and any keyword of
     :meth:`SubspaceState.adaptive` (``tau_k``, ``tau_v``, ``max_chunk``, ``warmup``,
+    ``basis_format``: as in :class:`static_states`, the ``bases`` of the state;
     ``sketch_reset``, ``gamma``, ``ell_k``, ``ell_v``; each may also be given per layer).
     ``compress="keys"``/``"values"`` stores the other side at full rank (rank = head size: every
     FD basis of that side is complete and stores it exactly up to rounding). Caveat from the

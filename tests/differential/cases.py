@@ -47,6 +47,7 @@ class Case:
     logit: float | None = None
     scale: float | None = None
     coefficients: str = "float"  # or "int8" (spec A10)
+    bases: str = "native"  # or "float16", "int8" (spec/storage.md S1)
 
     @property
     def seed(self) -> int:
@@ -93,6 +94,10 @@ CASES = [
     Case("static-int8-N2-gqa4", "static", N=2, group=4, T=300, coefficients="int8"),
     Case("adaptive-int8", "adaptive", N=2, group=2, T=150, max_chunk=16, tau=0.7, coefficients="int8"),
     Case("rotating-int8-logits1e4", "rotating", group=4, T=100, refresh_every=16, logit=1e4, coefficients="int8"),
+    # bases stored as float16 or int8 with per-row scales (spec/storage.md S1)
+    Case("static-f16bases-gqa4", "static", N=2, group=4, T=120, bases="float16"),
+    Case("adaptive-int8bases", "adaptive", N=2, group=2, T=150, max_chunk=16, tau=0.7, bases="int8"),
+    Case("rotating-f16bases-int8", "rotating", group=2, T=60, refresh_every=8, coefficients="int8", bases="float16"),
 ]
 
 # Bigger sweeps, run on purpose: pytest -m slow tests/differential
@@ -130,8 +135,8 @@ def empty_state(case: Case, rng) -> sr.SubspaceState:
     if case.kind == "static":
         B = _orthonormal(rng, case.H, _ranks(case.rank_k, case.H), case.d)
         E = _orthonormal(rng, case.H, _ranks(case.rank_v, case.H), case.d_v)
-        return sr.SubspaceState.static(sr.StaticBasis.from_bases(B, E, gamma), batch=case.N, coefficients=case.coefficients)
-    common = dict(rank_k=case.rank_k, rank_v=case.rank_v, warmup=case.warmup, gamma=gamma, batch=case.N, coefficients=case.coefficients)
+        return sr.SubspaceState.static(sr.StaticBasis.from_bases(B, E, gamma), batch=case.N, coefficients=case.coefficients, bases=case.bases)
+    common = dict(rank_k=case.rank_k, rank_v=case.rank_v, warmup=case.warmup, gamma=gamma, batch=case.N, coefficients=case.coefficients, bases=case.bases)
     if case.kind == "adaptive":
         return sr.SubspaceState.adaptive(case.H, case.d, case.d_v, tau_k=case.tau, tau_v=case.tau, max_chunk=case.max_chunk, sketch_reset=case.sketch_reset, **common)
     return sr.SubspaceState.rotating(case.H, case.d, case.d_v, refresh_every=case.refresh_every, **common)

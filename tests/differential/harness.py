@@ -101,13 +101,21 @@ def backend_state(state64, target: Target, poison: bool = True):
     entry (rows >= num_tokens, chunk slots >= a head's num_chunks) set to NaN / -1 (int8
     coefficients: 127 with NaN scales), so that a backend reading outside the live ranges of
     spec A9 fails loudly."""
+    if target.backend == "cupy" and state64.basis_format != "native":
+        import pytest
+
+        pytest.skip("the cupy backend refuses encoded bases (spec/storage.md S7)")
     state = state64.copy()
     if poison:
         lay = state.layout
         J = lay.key_bases.shape[2]
         spare = np.arange(J)[None, None, :] >= lay.num_chunks[..., None]  # (N, H, J), per head
-        lay.key_bases[spare] = np.nan
-        lay.value_bases[spare] = np.nan
+        if lay.key_basis_scale is not None:  # int8 bases (spec/storage.md S1): NaN scales
+            lay.key_bases[spare], lay.value_bases[spare] = 127, 127
+            lay.key_basis_scale[spare], lay.value_basis_scale[spare] = np.nan, np.nan
+        else:
+            lay.key_bases[spare] = np.nan
+            lay.value_bases[spare] = np.nan
         lay.chunk_starts[spare] = POISON_INDEX
     state = state.to(target.backend, device=target.device, dtype=target.dtype)
     if poison:
@@ -122,8 +130,13 @@ def backend_state(state64, target: Target, poison: bool = True):
         else:
             lay.key_coef[:, :, T:] = float("nan")  # ... filled with poison
             lay.value_coef[:, :, T:] = float("nan")
-        lay.key_bases[:, :, J:] = float("nan")
-        lay.value_bases[:, :, J:] = float("nan")
+        if lay.key_basis_scale is not None:  # int8 bases: poison their scales
+            lay.key_bases[:, :, J:], lay.value_bases[:, :, J:] = 127, 127
+            lay.key_basis_scale[:, :, J:] = float("nan")
+            lay.value_basis_scale[:, :, J:] = float("nan")
+        else:
+            lay.key_bases[:, :, J:] = float("nan")
+            lay.value_bases[:, :, J:] = float("nan")
         lay.chunk_starts[:, :, J:] = POISON_INDEX
         state.layout = lay
     return state

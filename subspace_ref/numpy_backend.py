@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from subspace_ref import frequent_directions as fd
+from subspace_ref import window
 from subspace_ref.arrays import namespace, to_numpy
 from subspace_ref.backend import Availability
 from subspace_ref.blockwise_softmax import SoftmaxPartial
@@ -49,8 +50,11 @@ def rank_mask(ranks: tuple[int, ...], width: int, like: Any) -> Any:
     return xp.asarray(mask[:, :, None].astype(np.dtype(str(like.dtype))))
 
 
-def append_reference(state, keys: Any, values: Any) -> None:
+def append_reference(state, keys: Any, values: Any, ahead: tuple | None = None) -> None:
     """Append keys (N, H, n, d), values (N, H, n, d_v) to ``state`` following spec A6/A7/A8.
+
+    ``ahead``: (keys, values) of the L_h tokens that follow the block, for an adaptive state's
+    lookahead anchoring (spec/window.md W4); None (or L_h = 0) is spec A7 verbatim.
 
     Nothing visible changes until the final commit: new rows and chunks are written past the
     live ranges, and whatever is rewritten (warm-up rows, rotated coefficients) is rewritten in
@@ -79,6 +83,7 @@ def append_reference(state, keys: Any, values: Any) -> None:
     mask_v = rank_mask(policy.rank_v, open_E.shape[2], open_E)
     W = policy.warmup
     warm_B, warm_E = open_B, open_E
+    following = window.lookahead_stream(keys, values, ahead)  # spec/window.md W4; None: A7 as is
 
     for i in range(n_new):
         t = T + i
@@ -99,8 +104,9 @@ def append_reference(state, keys: Any, values: Any) -> None:
             fire = (t >= W) & ((rho_k > policy.tau_k) | (rho_v > policy.tau_v) | (t + 1 - open_start >= policy.max_chunk))
             if bool(fire.any()):
                 fn, fh = xp.nonzero(fire)
-                new_B = fd.top_directions(buf_k[fn, fh, :filled_k], open_B.shape[2]) * mask_k[fh]
-                new_E = fd.top_directions(buf_v[fn, fh, :filled_v], open_E.shape[2]) * mask_v[fh]
+                snap_k, snap_fk, snap_v, snap_fv = window.anchor_buffers(buf_k, filled_k, buf_v, filled_v, policy, following, i)
+                new_B = fd.top_directions(snap_k[fn, fh, :snap_fk], open_B.shape[2]) * mask_k[fh]
+                new_E = fd.top_directions(snap_v[fn, fh, :snap_fv], open_E.shape[2]) * mask_v[fh]
                 j = num_chunks[fn, fh]
                 lay.key_bases[fn, fh, j] = new_B
                 lay.value_bases[fn, fh, j] = new_E
@@ -186,6 +192,8 @@ def attend_reference(q: np.ndarray, state, scale: float | None) -> np.ndarray:
                 q_proj = lay.key_bases[n, h, j].astype(work) @ qv  # spec A3 step 2.1
                 logits = work.type(lay.gamma[h] * s) * (lay.coefficient_rows("key", n, h, a, b, work) @ q_proj)
                 partial.add_chunk(logits, lay.coefficient_rows("value", n, h, a, b, work), lay.value_bases[n, h, j].astype(work))
+            if state.window is not None:  # spec/window.md W3: the exact tokens, one more chunk
+                window.add_exact_chunk(partial, qv, state.window, n, h, s, work)
             out[n, hq] = partial.result()
     return out.astype(q.dtype)
 

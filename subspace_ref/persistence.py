@@ -26,14 +26,19 @@ from subspace_ref import _checks
 from subspace_ref.arrays import array_family, to_numpy
 
 FORMAT_NAME = "subspace_ref.state"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: Versions this reader accepts. A state without an exact window (spec/window.md) is written as
+#: version 1, byte for byte as before version 2 existed, so older readers still read it; version
+#: 2 adds the optional exact window (header key ``window``, tensors ``window_keys``/``window_values``).
+READABLE_VERSIONS = (1, 2)
 
 #: Tensor names in checksum order. The scales are present for int8 coefficients only (spec A10),
 #: the sketch tensors for online states only.
 LAYOUT_TENSORS = ("key_coef", "value_coef", "key_bases", "value_bases", "chunk_starts", "num_chunks", "gamma")
 SCALE_TENSORS = ("key_scale", "value_scale")
 SKETCH_TENSORS = ("sketch_keys", "sketch_values")
-TENSOR_ORDER = LAYOUT_TENSORS + SCALE_TENSORS + SKETCH_TENSORS
+WINDOW_TENSORS = ("window_keys", "window_values")
+TENSOR_ORDER = LAYOUT_TENSORS + SCALE_TENSORS + SKETCH_TENSORS + WINDOW_TENSORS
 
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 _COEFFICIENTS = {"float": None, "int8": "int8"}  # coefficient storage -> coefficient dtype (None: the state's)
@@ -64,7 +69,8 @@ def save_state(state, path) -> None:
     path = os.fspath(path)
     tensors, dtype_name = _tensors_of(state)
     header = _state_header(state, dtype_name)
-    metadata = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "state": _canonical_json(header)}
+    version = 1 if getattr(state, "window", None) is None else 2  # the oldest version that describes the state
+    metadata = {"format": FORMAT_NAME, "format_version": str(version), "state": _canonical_json(header)}
     metadata["checksum"] = checksum(tensors, metadata)
     data = _serialize(tensors, metadata)
     _write_atomic(path, data)
@@ -156,6 +162,8 @@ def _tensors_of(state) -> tuple[dict[str, np.ndarray], str]:
     if state.sketches is not None:
         cut["sketch_keys"] = state.sketches.keys
         cut["sketch_values"] = state.sketches.values
+    if getattr(state, "window", None) is not None:
+        cut.update(state.window.arrays())
     tensors = {}
     for name in TENSOR_ORDER:
         if name not in cut:
@@ -178,7 +186,10 @@ def _state_header(state, dtype_name: str) -> dict[str, Any]:
         fields[f.name] = [int(x) for x in value] if isinstance(value, tuple) else value
     lay = state.layout
     sk = state.sketches
-    return {
+    window = {} if getattr(state, "window", None) is None else {
+        "window": {"size": state.window.size, "min_tokens": state.window.min_tokens, "lookahead": state.window.lookahead}
+    }
+    return window | {
         "kind": policy.kind,
         "policy": fields,
         "batched": bool(state.batched),
@@ -230,6 +241,13 @@ def load_state(path):
         header = json.loads(metadata["state"])
     except (json.JSONDecodeError, TypeError) as err:
         raise StateFileError(f"{path}: metadata 'state' is not valid JSON ({err})") from None
+    # the writer uses the oldest version that describes the state: 2 exactly when it has a window
+    expected_version = "2" if isinstance(header, dict) and "window" in header else "1"
+    if metadata["format_version"] != expected_version:
+        raise StateFileError(
+            f"{path}: format_version is {metadata['format_version']!r}, but a state {'with' if expected_version == '2' else 'without'} "
+            f"an exact window is written as version {expected_version}"
+        )
     return _build_state(header, tensors, path)
 
 
@@ -264,9 +282,9 @@ def _check_format(metadata: dict[str, str], path) -> None:
     if metadata.get("format") != FORMAT_NAME:
         raise StateFileError(f"{path}: format is {metadata.get('format')!r}, expected {FORMAT_NAME!r} (not a saved SubspaceState)")
     version = metadata.get("format_version")
-    if version != str(FORMAT_VERSION):
+    if version not in [str(v) for v in READABLE_VERSIONS]:
         raise StateFileError(
-            f"{path}: format_version is {version!r}; this version of subspace_ref reads version {FORMAT_VERSION} only"
+            f"{path}: format_version is {version!r}; this version of subspace_ref reads versions {', '.join(map(str, READABLE_VERSIONS))} only"
         )
 
 
@@ -365,7 +383,8 @@ def _build_state(header: Any, tensors: dict[str, np.ndarray], path):
     if coefficients not in _COEFFICIENTS:
         _fail(path, f"coefficients is {coefficients!r}; expected one of {list(_COEFFICIENTS)}")
     online = policy.kind != "static"
-    expected_names = LAYOUT_TENSORS + (SCALE_TENSORS if coefficients == "int8" else ()) + (SKETCH_TENSORS if online else ())
+    win = _window_options(header.get("window", None), policy.kind, path)
+    expected_names = LAYOUT_TENSORS + (SCALE_TENSORS if coefficients == "int8" else ()) + (SKETCH_TENSORS if online else ()) + (WINDOW_TENSORS if win else ())
     missing = [n for n in expected_names if n not in tensors]
     extra = [n for n in tensors if n not in expected_names]
     if missing or extra:
@@ -402,6 +421,10 @@ def _build_state(header: Any, tensors: dict[str, np.ndarray], path):
     if online:
         shapes["sketch_keys"] = (N, H, 2 * policy.ell_k, d)
         shapes["sketch_values"] = (N, H, 2 * policy.ell_v, d_v)
+    if win:
+        e = arrays["window_keys"].shape[2] if arrays["window_keys"].ndim == 4 else -1
+        shapes["window_keys"] = (N, H, e, d)
+        shapes["window_values"] = (N, H, e, d_v)
     for name, shape in shapes.items():
         if tuple(arrays[name].shape) != shape:
             _fail(path, f"{name} has shape {tuple(arrays[name].shape)}; expected {shape} (num_tokens = {T}, {J} chunks, ranks {r}/{r_v}, d = {d}, d_v = {d_v})")
@@ -455,8 +478,35 @@ def _build_state(header: Any, tensors: dict[str, np.ndarray], path):
     elif sk is not None:
         _fail(path, f"a static state has no sketch, got {sk!r}")
 
+    exact = None
+    if win:
+        from subspace_ref.window import ExactWindow, compressed_count
+
+        e = arrays["window_keys"].shape[2]
+        if compressed_count(T + e, win[0], win[1]) != T:
+            _fail(path, f"num_tokens = {T} compressed and {e} exact tokens do not fit window = {win[0]}, min_tokens = {win[1]} (spec/window.md W1)")
+        exact = ExactWindow(*win, arrays["window_keys"], arrays["window_values"])
+
     layout = PackedLayout(**{name: arrays[name] for name in LAYOUT_TENSORS + SCALE_TENSORS if name in arrays}, num_tokens=T)
-    return SubspaceState(policy, layout, sketches, batched, "numpy")
+    return SubspaceState(policy, layout, sketches, batched, "numpy", exact)
+
+
+def _window_options(win: Any, kind: str, path) -> tuple[int, int, int] | None:
+    """(window, min_tokens, lookahead) from the header's ``window`` object (spec/window.md W1),
+    checked by the constructors' own rules; None when the state has no exact window."""
+    if win is None:
+        return None
+    from subspace_ref.window import options
+
+    if not isinstance(win, dict) or set(win) != {"size", "min_tokens", "lookahead"} or not all(type(v) is int for v in win.values()):
+        _fail(path, f"window must hold int size, min_tokens, lookahead; got {win!r}")
+    try:
+        out = options(win["size"], win["min_tokens"], win["lookahead"], kind)
+    except (TypeError, ValueError) as err:
+        _fail(path, f"invalid window: {err}")
+    if out[:2] == (0, 0):
+        _fail(path, "window has size = min_tokens = 0; such a state has no exact window and is saved without one")
+    return out
 
 
 def _widen(x: np.ndarray, dtype_name: str) -> np.ndarray:

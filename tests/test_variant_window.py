@@ -399,3 +399,38 @@ def test_torch_plain_state_unchanged_and_refusals(rng):
         except Exception:
             continue
         assert any("exact window" in r for r in impl.not_supported_reasons(q[None], windowed))
+
+
+def test_rows_run_on_the_tiny_profile(tmp_path):
+    """Deliverable 5: the rows build and score; a window covering the whole context (64 >= 48
+    tokens of the tiny profile) reproduces the stock model through the HF cache (W3.2)."""
+    import argparse
+
+    from subspace_ref.experiments import _common as C
+    from subspace_ref.experiments import calibrate, ppl
+    from subspace_ref.experiments.variant_rows import window as rows_module
+
+    p = argparse.ArgumentParser()
+    calibrate.add_arguments(p)
+    args = p.parse_args(["--model", "tiny-random", "--profile", "tiny", "--no-progress", "--out", str(tmp_path)])
+    ctx = C.make_context(args)
+    record, svd = calibrate.ensure_calibration(ctx)
+    rows = {v.name: v for v in rows_module.variants(ctx, record, svd)}
+    assert all(v.group == "window" and v.plain in ("static", "adaptive") for v in rows.values())
+    ids = ctx.eval_windows(1)
+    stock = ppl.score(ctx.model, ids)
+    r = rows_module.plain_rank(ctx, record)
+
+    def by(**extra):
+        return next(v for v in rows.values() if v.extra == dict(rank=r, **extra))
+
+    covering = by(window=64)
+    out = ppl.score(ctx.model, ids, covering.factory, backend=covering.backend)
+    np.testing.assert_allclose(out["nll"], stock["nll"], rtol=0, atol=1e-4)
+    partial = by(window=32)
+    out = ppl.score(ctx.model, ids, partial.factory, backend=partial.backend)
+    assert np.abs(out["nll"] - stock["nll"]).max() > 1e-4  # 16 of 48 tokens compressed
+    ahead = next(v for v in rows.values() if v.extra.get("lookahead"))
+    assert ahead.backend == "numpy"
+    out = ppl.score(ctx.model, ids, ahead.factory, backend=ahead.backend)
+    assert np.isfinite(out["nll"]).all()

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from subspace_ref import frequent_directions as fd
+from subspace_ref import window
 from subspace_ref.arrays import namespace, to_numpy
 from subspace_ref.backend import Availability
 from subspace_ref.blockwise_softmax import SoftmaxPartial
@@ -50,8 +51,11 @@ def rank_mask(ranks: tuple[int, ...], width: int, like: Any) -> Any:
     return xp.asarray(mask[:, :, None].astype(np.dtype(str(like.dtype))))
 
 
-def append_reference(state, keys: Any, values: Any) -> None:
+def append_reference(state, keys: Any, values: Any, ahead: tuple | None = None) -> None:
     """Append keys (N, H, n, d), values (N, H, n, d_v) to ``state`` following spec A6/A7/A8.
+
+    ``ahead``: (keys, values) of the L_h tokens that follow the block, for an adaptive state's
+    lookahead anchoring (spec/window.md W4); None (or L_h = 0) is spec A7 verbatim.
 
     Nothing visible changes until the final commit: new rows and chunks are written past the
     live ranges, and whatever is rewritten (warm-up rows, rotated coefficients) is rewritten in
@@ -86,6 +90,7 @@ def append_reference(state, keys: Any, values: Any) -> None:
         # the only bases rewritten in place: the single rotating basis, or chunk 0 during warm-up
         # (chunk 0 stays open until warm-up ends); they are rewritten in private copies
         lay = lay.with_private_bases()
+    following = window.lookahead_stream(keys, values, ahead)  # spec/window.md W4; None: A7 as is
 
     for i in range(n_new):
         t = T + i
@@ -106,10 +111,11 @@ def append_reference(state, keys: Any, values: Any) -> None:
             fire = (t >= W) & ((rho_k > policy.tau_k) | (rho_v > policy.tau_v) | (t + 1 - open_start >= policy.max_chunk))
             if bool(fire.any()):
                 fn, fh = xp.nonzero(fire)
+                snap_k, snap_fk, snap_v, snap_fv = window.anchor_buffers(buf_k, filled_k, buf_v, filled_v, policy, following, i)
                 j = num_chunks[fn, fh]
                 # the snapshot goes into spare chunk slot j, encoded; the open basis is its decoding
-                new_B = lay.store_basis("key", (fn, fh, j), fd.top_directions(buf_k[fn, fh, :filled_k], open_B.shape[2]) * mask_k[fh])
-                new_E = lay.store_basis("value", (fn, fh, j), fd.top_directions(buf_v[fn, fh, :filled_v], open_E.shape[2]) * mask_v[fh])
+                new_B = lay.store_basis("key", (fn, fh, j), fd.top_directions(snap_k[fn, fh, :snap_fk], open_B.shape[2]) * mask_k[fh])
+                new_E = lay.store_basis("value", (fn, fh, j), fd.top_directions(snap_v[fn, fh, :snap_fv], open_E.shape[2]) * mask_v[fh])
                 chunk_starts[fn, fh, j] = t + 1
                 num_chunks[fn, fh] = j + 1
                 open_B[fn, fh] = new_B
@@ -193,6 +199,8 @@ def attend_reference(q: np.ndarray, state, scale: float | None) -> np.ndarray:
                     keys = rotate(lay.coefficient_rows("key", n, h, a, b, work) @ B_j, np.arange(a, b), rope)
                     logits = work.type(lay.gamma[h] * s) * (keys @ qv)
                 partial.add_chunk(logits, lay.coefficient_rows("value", n, h, a, b, work), lay.basis("value", (n, h, j), work))
+            if state.window is not None:  # spec/window.md W3: the exact tokens, one more chunk
+                window.add_exact_chunk(partial, qv, state.window, n, h, s, work)
             out[n, hq] = partial.result()
     return out.astype(q.dtype)
 

@@ -27,11 +27,12 @@ from subspace_ref.arrays import array_family, to_numpy
 
 FORMAT_NAME = "subspace_ref.state"
 FORMAT_VERSION = 1
-#: Version 2 (spec/persistence.md, spec/storage.md S5) adds bases stored in a format of their
-#: own: the header's "bases" and, for int8 bases, per-row scales. A state with native bases is
-#: still written as version 1, byte for byte as before; the reader takes both.
-BASES_VERSION = 2
-READ_VERSIONS = (FORMAT_VERSION, BASES_VERSION)
+#: Version 2 (spec/persistence.md) adds what version 1 cannot describe: bases stored in a format
+#: of their own (header "bases"; for int8 bases per-row scales; spec/storage.md S5) and an exact
+#: window (header "window", tensors window_keys/window_values; spec/window.md). A state with
+#: neither is written as version 1, byte for byte as before, so older readers still read it.
+EXTENDED_VERSION = 2
+READ_VERSIONS = (FORMAT_VERSION, EXTENDED_VERSION)
 
 #: Tensor names in checksum order. The scales are present for int8 coefficients only (spec A10),
 #: the sketch tensors for online states only.
@@ -39,7 +40,8 @@ LAYOUT_TENSORS = ("key_coef", "value_coef", "key_bases", "value_bases", "chunk_s
 SCALE_TENSORS = ("key_scale", "value_scale")
 SKETCH_TENSORS = ("sketch_keys", "sketch_values")
 BASIS_SCALE_TENSORS = ("key_basis_scale", "value_basis_scale")  # int8 bases only (version 2)
-TENSOR_ORDER = LAYOUT_TENSORS + SCALE_TENSORS + SKETCH_TENSORS + BASIS_SCALE_TENSORS
+WINDOW_TENSORS = ("window_keys", "window_values")  # exact window only (version 2)
+TENSOR_ORDER = LAYOUT_TENSORS + SCALE_TENSORS + SKETCH_TENSORS + BASIS_SCALE_TENSORS + WINDOW_TENSORS
 
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 _COEFFICIENTS = {"float": None, "int8": "int8"}  # coefficient storage -> coefficient dtype (None: the state's)
@@ -79,7 +81,9 @@ def save_state(state, path) -> None:
             raise NotImplementedError(f"a state with policy field {f.name}={getattr(state.policy, f.name)!r} cannot be saved: this schema does not describe it (spec/rope.md §5)")
     tensors, dtype_name = _tensors_of(state)
     header = _state_header(state, dtype_name)
-    version = FORMAT_VERSION if _bases(state) == "native" else BASES_VERSION
+    # the oldest version that describes the state
+    extended = _bases(state) != "native" or getattr(state, "window", None) is not None
+    version = EXTENDED_VERSION if extended else FORMAT_VERSION
     metadata = {"format": FORMAT_NAME, "format_version": str(version), "state": _canonical_json(header)}
     metadata["checksum"] = checksum(tensors, metadata)
     data = _serialize(tensors, metadata)
@@ -174,7 +178,7 @@ def _tensors_of(state) -> tuple[dict[str, np.ndarray], str]:
     lay = state.layout
     unknown = sorted(set(lay.arrays()) - set(LAYOUT_TENSORS + SCALE_TENSORS + BASIS_SCALE_TENSORS))
     if unknown:  # a layout field this schema does not describe: refuse rather than drop it
-        raise TypeError(f"cannot save layout arrays {unknown}: spec/persistence.md (format version {BASES_VERSION}) does not describe them")
+        raise TypeError(f"cannot save layout arrays {unknown}: spec/persistence.md (format version {EXTENDED_VERSION}) does not describe them")
     dtype_name = _dtype_name(lay.gamma)
     if dtype_name not in _FLOAT_DTYPES:
         raise TypeError(f"cannot save a state of dtype {dtype_name}; expected one of {', '.join(_FLOAT_DTYPES)}")
@@ -183,6 +187,8 @@ def _tensors_of(state) -> tuple[dict[str, np.ndarray], str]:
     if state.sketches is not None:
         cut["sketch_keys"] = state.sketches.keys
         cut["sketch_values"] = state.sketches.values
+    if getattr(state, "window", None) is not None:
+        cut.update(state.window.arrays())
     tensors = {}
     for name in TENSOR_ORDER:
         if name not in cut:
@@ -208,6 +214,8 @@ def _state_header(state, dtype_name: str) -> dict[str, Any]:
     lay = state.layout
     sk = state.sketches
     extra = {} if _bases(state) == "native" else {"bases": _bases(state)}  # version 2 only
+    if getattr(state, "window", None) is not None:  # version 2 only
+        extra["window"] = {"size": state.window.size, "min_tokens": state.window.min_tokens, "lookahead": state.window.lookahead}
     return extra | {
         "kind": policy.kind,
         "policy": fields,
@@ -260,7 +268,16 @@ def load_state(path):
         header = json.loads(metadata["state"])
     except (json.JSONDecodeError, TypeError) as err:
         raise StateFileError(f"{path}: metadata 'state' is not valid JSON ({err})") from None
-    return _build_state(header, tensors, path, int(metadata["format_version"]))
+    # the writer uses the oldest version that describes the state: 2 exactly when it has
+    # encoded bases or an exact window
+    extended = isinstance(header, dict) and ("window" in header or "bases" in header)
+    expected_version = str(EXTENDED_VERSION if extended else FORMAT_VERSION)
+    if metadata["format_version"] != expected_version:
+        raise StateFileError(
+            f"{path}: format_version is {metadata['format_version']!r}, but a state {'with' if extended else 'without'} "
+            f"encoded bases or an exact window is written as version {expected_version}"
+        )
+    return _build_state(header, tensors, path)
 
 
 def _read_header(data: bytes, path) -> tuple[dict[str, str], dict[str, Any]]:
@@ -379,7 +396,7 @@ def _typed(name: str, annotation: str, value: Any) -> Any:
     raise ValueError(f"policy field {name} has type {annotation}, which this reader cannot check")
 
 
-def _build_state(header: Any, tensors: dict[str, np.ndarray], path, version: int = FORMAT_VERSION):
+def _build_state(header: Any, tensors: dict[str, np.ndarray], path):
     from subspace_ref.layout import PackedLayout
     from subspace_ref.state import SketchBuffers, SubspaceState
 
@@ -399,13 +416,12 @@ def _build_state(header: Any, tensors: dict[str, np.ndarray], path, version: int
     from subspace_ref.basis_storage import FORMATS, float8_dtype
 
     basis_format = header.get("bases", "native")
-    if version == FORMAT_VERSION and "bases" in header:
-        _fail(path, f"format version {FORMAT_VERSION} has no 'bases' field (bases stored in a format of their own are version {BASES_VERSION})")
-    if version == BASES_VERSION and basis_format not in FORMATS[1:]:
-        _fail(path, f"bases is {basis_format!r}; a version {BASES_VERSION} file stores them as one of {list(FORMATS[1:])}")
+    if "bases" in header and basis_format not in FORMATS[1:]:
+        _fail(path, f"bases is {basis_format!r}; a version {EXTENDED_VERSION} file stores them as one of {list(FORMATS[1:])}")
     online = policy.kind != "static"
+    win = _window_options(header.get("window", None), policy.kind, path)
     expected_names = LAYOUT_TENSORS + (SCALE_TENSORS if coefficients == "int8" else ()) + (SKETCH_TENSORS if online else ())
-    expected_names += BASIS_SCALE_TENSORS if basis_format == "int8" else ()
+    expected_names += (BASIS_SCALE_TENSORS if basis_format == "int8" else ()) + (WINDOW_TENSORS if win else ())
     missing = [n for n in expected_names if n not in tensors]
     extra = [n for n in tensors if n not in expected_names]
     if missing or extra:
@@ -449,6 +465,10 @@ def _build_state(header: Any, tensors: dict[str, np.ndarray], path, version: int
     if online:
         shapes["sketch_keys"] = (N, H, 2 * policy.ell_k, d)
         shapes["sketch_values"] = (N, H, 2 * policy.ell_v, d_v)
+    if win:
+        e = arrays["window_keys"].shape[2] if arrays["window_keys"].ndim == 4 else -1
+        shapes["window_keys"] = (N, H, e, d)
+        shapes["window_values"] = (N, H, e, d_v)
     for name, shape in shapes.items():
         if tuple(arrays[name].shape) != shape:
             _fail(path, f"{name} has shape {tuple(arrays[name].shape)}; expected {shape} (num_tokens = {T}, {J} chunks, ranks {r}/{r_v}, d = {d}, d_v = {d_v})")
@@ -502,8 +522,35 @@ def _build_state(header: Any, tensors: dict[str, np.ndarray], path, version: int
     elif sk is not None:
         _fail(path, f"a static state has no sketch, got {sk!r}")
 
+    exact = None
+    if win:
+        from subspace_ref.window import ExactWindow, compressed_count
+
+        e = arrays["window_keys"].shape[2]
+        if compressed_count(T + e, win[0], win[1]) != T:
+            _fail(path, f"num_tokens = {T} compressed and {e} exact tokens do not fit window = {win[0]}, min_tokens = {win[1]} (spec/window.md W1)")
+        exact = ExactWindow(*win, arrays["window_keys"], arrays["window_values"])
+
     layout = PackedLayout(**{name: arrays[name] for name in LAYOUT_TENSORS + SCALE_TENSORS + BASIS_SCALE_TENSORS if name in arrays}, num_tokens=T, basis_format=basis_format)
-    return SubspaceState(policy, layout, sketches, batched, "numpy")
+    return SubspaceState(policy, layout, sketches, batched, "numpy", exact)
+
+
+def _window_options(win: Any, kind: str, path) -> tuple[int, int, int] | None:
+    """(window, min_tokens, lookahead) from the header's ``window`` object (spec/window.md W1),
+    checked by the constructors' own rules; None when the state has no exact window."""
+    if win is None:
+        return None
+    from subspace_ref.window import options
+
+    if not isinstance(win, dict) or set(win) != {"size", "min_tokens", "lookahead"} or not all(type(v) is int for v in win.values()):
+        _fail(path, f"window must hold int size, min_tokens, lookahead; got {win!r}")
+    try:
+        out = options(win["size"], win["min_tokens"], win["lookahead"], kind)
+    except (TypeError, ValueError) as err:
+        _fail(path, f"invalid window: {err}")
+    if out[:2] == (0, 0):
+        _fail(path, "window has size = min_tokens = 0; such a state has no exact window and is saved without one")
+    return out
 
 
 def _widen(x: np.ndarray, dtype_name: str) -> np.ndarray:

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from subspace_ref import _checks
+from subspace_ref import window as _window
 from subspace_ref.arrays import array_family, clone, itemsize, numel, to_numpy
 from subspace_ref.basis_storage import check_format, stored_dtype
 from subspace_ref.calibration import StaticBasis, resolve_gamma
@@ -41,17 +42,19 @@ class SubspaceState:
     :meth:`to`), and appends run on the backend of that family, in place on its device.
     """
 
-    def __init__(self, policy: Policy, layout: PackedLayout, sketches: SketchBuffers | None, batched: bool, engine: str):
+    def __init__(self, policy: Policy, layout: PackedLayout, sketches: SketchBuffers | None, batched: bool, engine: str, window: _window.ExactWindow | None = None):
         self.policy = policy
         self.layout = layout
         self.sketches = sketches
         self.batched = batched
         self.engine = engine
+        # the exact recent tokens (spec/window.md); None: every token is in ``layout``
+        self.window = window
 
     # ----------------------------------------------------------------- construction
     @classmethod
     def static(cls, basis: StaticBasis, *, batch: int | None = None, dtype: Any = None, coefficients: str = "float", rope: Any = None,
-               bases: str = "native") -> "SubspaceState":
+               bases: str = "native", window: int = 0, min_tokens: int = 0) -> "SubspaceState":
         """A state over a calibrated basis (spec A6): one chunk per head, nothing else kept.
 
         ``coefficients="int8"`` stores coefficients as int8 with one float32 scale per token and
@@ -65,7 +68,14 @@ class SubspaceState:
         are post-RoPE (as a transformers cache receives them); the t-th token appended (t =
         0, 1, ..., its position) is stored as c_t = B R_t^{-1} k_t and attention rebuilds
         R_t B^T c_t. Same bytes as without, but attention costs O(r d) per token instead of
-        O(r); only the numpy backend implements it; such a state cannot be saved."""
+        O(r); only the numpy backend implements it; such a state cannot be saved.
+
+        ``window=W`` keeps the last W tokens exact (keys and values in ``dtype``, (d + d_v)
+        numbers per token and head) and ``min_tokens=M`` compresses nothing while the state holds
+        fewer than M tokens (seed 003 "Limitations": short sequences); tokens leaving the exact
+        part are appended to the compressed part in order, and attention merges both in one
+        blockwise softmax (spec/window.md W1-W3; the same keywords on :meth:`adaptive` and
+        :meth:`rotating`). W = M = 0 is the plain state."""
         if not isinstance(basis, StaticBasis):
             raise TypeError(f"basis must be a StaticBasis (see calibrate or StaticBasis.from_bases), got {type(basis).__name__}")
         if rope is not None:
@@ -74,6 +84,7 @@ class SubspaceState:
             if not isinstance(rope, RopeParams):
                 raise TypeError(f"rope must be a subspace_ref.rope.RopeParams (e.g. RopeParams.from_config(model.config)) or None, got {type(rope).__name__}")
             rope.planes(basis.B.shape[2])  # ValueError unless its rotary dims fit the head size
+        W, M, _ = _window.options(window, min_tokens, 0, "static")
         dtype = _checks.numpy_float_dtype("dtype", basis.B.dtype if dtype is None else dtype)
         n = _batch_size(batch)
         H, r, d = basis.B.shape
@@ -84,7 +95,8 @@ class SubspaceState:
         layout.store_basis("value", every, np.broadcast_to(basis.E.astype(dtype), (n, H, r_v, d_v)))
         layout.gamma[:] = basis.gamma
         layout.num_chunks[:] = 1
-        return cls(StaticPolicy(basis.rank_k, basis.rank_v, rope), layout, None, batch is not None, "numpy")
+        exact = _window.empty(W, M, 0, n, H, d, d_v, dtype)
+        return cls(StaticPolicy(basis.rank_k, basis.rank_v, rope), layout, None, batch is not None, "numpy", exact)
 
     @classmethod
     def adaptive(
@@ -107,6 +119,9 @@ class SubspaceState:
         dtype: Any = np.float64,
         coefficients: str = "float",
         bases: str = "native",
+        window: int = 0,
+        min_tokens: int = 0,
+        lookahead: int = 0,
     ) -> "SubspaceState":
         """Online bases from FD sketches with residual-triggered chunking (spec A7, seed 001 §5).
 
@@ -117,7 +132,15 @@ class SubspaceState:
         the trigger fires on nearly every token (see tests/test_adaptive_state.py).
         ``bases``: as in :meth:`static`; each snapshot is encoded when stored and the open chunk
         projects with the decoded stored basis (spec/storage.md S3).
+
+        ``window``, ``min_tokens``: an exact recent window and a length threshold, as in
+        :meth:`static` (spec/window.md W1-W3). ``lookahead=L_h`` (at most ``window``; seed 001
+        §7's added-latency mode, e.g. W/2): a chunk opened when a token leaves the window takes
+        its bases from the sketches after also inserting, in copies, the next L_h tokens, which
+        are still exact in the window (spec/window.md W4; one extra FD insertion of L_h rows per
+        trigger). 0 is the streaming default. Appends with lookahead run on the numpy backend.
         """
+        window, min_tokens, lookahead = _window.options(window, min_tokens, lookahead, "adaptive")
         heads, d, d_v, rk, rv, ek, ev, w = _online_args(heads, d, d_v, rank_k, rank_v, ell_k, ell_v, warmup)
         policy = AdaptivePolicy(
             rk, rv, ek, ev,
@@ -127,7 +150,7 @@ class SubspaceState:
             w,
             bool(sketch_reset),
         )
-        return cls._online(policy, heads, d, d_v, gamma, batch, dtype, coefficients, bases)
+        return cls._online(policy, heads, d, d_v, gamma, batch, dtype, coefficients, bases, (window, min_tokens, lookahead))
 
     @classmethod
     def rotating(
@@ -147,17 +170,21 @@ class SubspaceState:
         dtype: Any = np.float64,
         coefficients: str = "float",
         bases: str = "native",
+        window: int = 0,
+        min_tokens: int = 0,
     ) -> "SubspaceState":
         """One basis per head, refreshed from FD every ``refresh_every`` tokens with the stored
         coefficients rotated by the r x r change of basis (spec A8, seed 003 SubSpace-A).
         ``bases``: as in :meth:`adaptive`; the change of basis is taken between the decoded
-        stored bases (spec/storage.md S3)."""
+        stored bases (spec/storage.md S3). ``window``, ``min_tokens``: as in :meth:`static`
+        (spec/window.md W1-W3); refreshes see (and rotate) only the tokens that have left the window."""
+        window, min_tokens, _ = _window.options(window, min_tokens, 0, "rotating")
         heads, d, d_v, rk, rv, ek, ev, w = _online_args(heads, d, d_v, rank_k, rank_v, ell_k, ell_v, warmup)
         policy = RotatingPolicy(rk, rv, ek, ev, _checks.positive_int("refresh_every", refresh_every), w)
-        return cls._online(policy, heads, d, d_v, gamma, batch, dtype, coefficients, bases)
+        return cls._online(policy, heads, d, d_v, gamma, batch, dtype, coefficients, bases, (window, min_tokens, 0))
 
     @classmethod
-    def _online(cls, policy, heads, d, d_v, gamma, batch, dtype, coefficients, bases="native") -> "SubspaceState":
+    def _online(cls, policy, heads, d, d_v, gamma, batch, dtype, coefficients, bases="native", exact=(0, 0, 0)) -> "SubspaceState":
         if np.dtype(dtype) not in (np.float32, np.float64):
             raise TypeError(f"dtype must be float32 or float64 for an online NumPy state (its SVDs need them), got {dtype!r}; convert with state.to(...) for half precision")
         dtype = np.dtype(dtype)
@@ -172,7 +199,7 @@ class SubspaceState:
             filled_v=0,
             rows_seen=0,
         )
-        return cls(policy, layout, sketches, batch is not None, "numpy")
+        return cls(policy, layout, sketches, batch is not None, "numpy", _window.empty(*exact, n, heads, d, d_v, dtype))
 
     # ----------------------------------------------------------------- shape facts
     @property
@@ -208,7 +235,8 @@ class SubspaceState:
 
     @property
     def num_tokens(self) -> int:
-        return self.layout.num_tokens
+        """T: compressed tokens (``layout.num_tokens``) plus exact ones (spec/window.md W1)."""
+        return self.layout.num_tokens + (0 if self.window is None else self.window.count)
 
     @property
     def num_chunks(self) -> np.ndarray:
@@ -232,6 +260,8 @@ class SubspaceState:
             total += (numel(self.sketches.keys) + numel(self.sketches.values)) * itemsize(self.sketches.keys)
         if self.kind == "adaptive":
             total += chunks * 8
+        if self.window is not None:
+            total += self.window.nbytes  # spec/window.md W5
         return total
 
     @property
@@ -240,6 +270,8 @@ class SubspaceState:
         arrays = list(self.layout.arrays().values())
         if self.sketches is not None:
             arrays += [self.sketches.keys, self.sketches.values]
+        if self.window is not None:
+            arrays += list(self.window.arrays().values())
         return sum(numel(x) * itemsize(x) for x in arrays)
 
     @property
@@ -261,10 +293,11 @@ class SubspaceState:
         return self.batch * self.heads * self.num_tokens * (self.d + self.d_v) * itemsize(self.layout.gamma)
 
     def chunk_bounds(self, head: int, seq: int = 0) -> list[tuple[int, int]]:
-        """[start, end) token ranges of the chunks of one head (the last may be empty)."""
+        """[start, end) token ranges of the chunks of one head (the last may be empty); exact
+        window tokens (spec/window.md) are in no chunk."""
         starts = to_numpy(self.layout.chunk_starts[seq, head]).tolist()
         j = int(to_numpy(self.layout.num_chunks)[seq, head])
-        ends = starts[1:j] + [self.num_tokens]
+        ends = starts[1:j] + [self.layout.num_tokens]
         return list(zip(starts[:j], ends))
 
     # ----------------------------------------------------------------- operations
@@ -278,6 +311,9 @@ class SubspaceState:
             raise ValueError(f"keys has {k.shape[2]} tokens but values has {v.shape[2]}; expected the same number")
         if k.shape[2] == 0:
             return self
+        if self.window is not None:
+            _window.append(self, k, v)  # spec/window.md W2
+            return self
         from subspace_ref.registry import get_backend
         from subspace_ref.rope import refusal
 
@@ -289,7 +325,8 @@ class SubspaceState:
 
     def reconstruct(self) -> tuple[np.ndarray, np.ndarray]:
         """(K_hat, V_hat) the state stands for: each token's coefficients mapped through its
-        chunk's bases. (H, T, d) and (H, T, d_v), with a leading N for batched states; NumPy."""
+        chunk's bases, then the exact window tokens (spec/window.md W1). (H, T, d) and
+        (H, T, d_v), with a leading N for batched states; NumPy."""
         lay = self.layout.map_arrays(lambda _, x: to_numpy(x))
         n, h = lay.key_coef.shape[:2]
         dtype = lay.dtype
@@ -300,6 +337,9 @@ class SubspaceState:
                 for j, (a, b) in enumerate(self.chunk_bounds(head, s)):
                     K[s, head, a:b] = lay.coefficient_rows("key", s, head, a, b, dtype) @ lay.basis("key", (s, head, j), dtype)
                     V[s, head, a:b] = lay.coefficient_rows("value", s, head, a, b, dtype) @ lay.basis("value", (s, head, j), dtype)
+        if self.window is not None:
+            K = np.concatenate([K, to_numpy(self.window.keys).astype(dtype)], axis=2)
+            V = np.concatenate([V, to_numpy(self.window.values).astype(dtype)], axis=2)
         return (K, V) if self.batched else (K[0], V[0])
 
     def save(self, path) -> None:
@@ -321,7 +361,8 @@ class SubspaceState:
         sketches = None
         if self.sketches is not None:
             sketches = replace(self.sketches, keys=clone(self.sketches.keys), values=clone(self.sketches.values))
-        return SubspaceState(self.policy, layout, sketches, self.batched, self.engine)
+        exact = None if self.window is None else self.window.map_arrays(clone)
+        return SubspaceState(self.policy, layout, sketches, self.batched, self.engine, exact)
 
     def to(self, backend: str, device: Any = None, dtype: Any = None) -> "SubspaceState":
         """A copy whose arrays belong to ``backend``'s array family (e.g. "torch" for the torch and
@@ -346,6 +387,8 @@ class SubspaceState:
         state.layout = state.layout.map_arrays(lambda name, x: keep_dtype(x) if name in fixed else convert(x))
         if state.sketches is not None:
             state.sketches = replace(state.sketches, keys=convert(state.sketches.keys), values=convert(state.sketches.values))
+        if state.window is not None:
+            state.window = state.window.map_arrays(convert)
         # appends then run on the named backend (e.g. "triton" uses its projection kernel)
         state.engine = backend
         return state

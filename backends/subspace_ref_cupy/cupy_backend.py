@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from subspace_ref.arrays import array_family
+from subspace_ref import window
 from subspace_ref.backend import Availability
 from subspace_ref.rope import refusal
 from subspace_ref_cupy import _interop, _kernels
@@ -85,7 +86,7 @@ class CupyBackend:
     def not_supported_reasons(self, q: Any, state) -> list[str]:
         """Every reason :meth:`attend` would refuse ``(q, state)``: availability, array kinds and
         devices, dtypes, shapes with no compiled kernel, and shared memory per block."""
-        reasons: list[str] = []
+        reasons: list[str] = window.refusals("cupy", state)  # spec/window.md W3
         available = self.availability()
         if not available:
             reasons.append(f"the cupy backend is unavailable: {available.reason}")

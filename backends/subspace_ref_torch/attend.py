@@ -40,7 +40,7 @@ import math
 
 import torch
 
-from subspace_ref_torch import fd
+from subspace_ref_torch import fd, window
 
 TILE_ELEMENTS = 1 << 22
 # Token tiles of the value sums sum_t w_t d_t: summing tile partials bounds float32 rounding by
@@ -208,9 +208,15 @@ def attend(q: torch.Tensor, state, scale: float | None) -> torch.Tensor:
     q_proj = project_queries(q, state, scale, J, dtype)
     index = token_chunk_index(state, J) if J > 1 else None
     logits = coefficient_logits(q_proj, state, index)
+    T_c = state.layout.num_tokens
+    if state.window is not None:  # spec/window.md W3: exact tokens join the same softmax
+        logits = torch.cat([logits, window.exact_logits(q, state, scale, dtype)], dim=-1)
     weights, Z = softmax_weights(logits)
-    sums = chunk_value_coefficients(weights, state, J, index)
-    out = apply_value_bases(sums, state) / Z
+    sums = chunk_value_coefficients(weights[..., :T_c], state, J, index)
+    out = apply_value_bases(sums, state)
+    if state.window is not None:
+        out = out + window.exact_values(weights[..., T_c:], state)
+    out = out / Z
     return out.reshape(N, Hq, -1).to(q.dtype)
 
 

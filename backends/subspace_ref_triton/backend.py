@@ -19,6 +19,7 @@ import sys
 from dataclasses import replace
 from typing import Any, Callable
 
+from subspace_ref import window
 from subspace_ref.backend import Availability
 from subspace_ref.basis_storage import decoded_state
 from subspace_ref_triton._common import MAX_GROUP, MAX_HEAD_SIZE, MAX_RANK, SUPPORTED_DTYPES, dtype_name, interpreting
@@ -90,6 +91,7 @@ class TritonBackend:
         from subspace_ref_torch.backend import tensor_call_reasons
 
         reasons, q_ok, state_ok = tensor_call_reasons("triton", q, state, "state.to('triton', device='cuda')")
+        reasons += window.refusals("triton", state)  # spec/window.md W3
         if q_ok:
             qd = dtype_name(q.dtype)
             if qd not in self.dtypes:

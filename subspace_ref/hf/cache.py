@@ -85,7 +85,10 @@ class static_states:
     value basis), ``"values"`` keeps keys exact; ``coefficients="int8"`` stores spec A10 INT8
     coefficients; ``dtype`` defaults to :attr:`StateSpec.state_dtype`; ``basis_format`` is how
     bases are stored (spec/storage.md S1, S6), by default "float16" below float64 (seed 001 §10)
-    and "native" for float64 states (the exact oracle).
+    and "native" for float64 states (the exact oracle). ``window=W`` keeps the last W tokens
+    exact and ``min_tokens=M`` compresses nothing below M tokens (spec/window.md; the
+    :meth:`SubspaceState.static` keywords; an int, or per layer a mapping or a callable of the
+    layer index).
 
     ``rope``: bases calibrated on pre-RoPE keys (spec/rope.md P2): a
     :class:`~subspace_ref.rope.RopeParams` (``RopeParams.from_config(model.config)``; or one per
@@ -95,13 +98,14 @@ class static_states:
     only ``backend="numpy"`` runs it (the others refuse)."""
 
     def __init__(self, bases: Sequence[StaticBasis] | Mapping[int, StaticBasis], *, compress: str = "both", coefficients: str = "float", dtype: Any = None,
-                 basis_format: str | None = None, rope: Any = None):
+                 basis_format: str | None = None, rope: Any = None, window: Any = 0, min_tokens: Any = 0):
         self.bases = bases
         self.keys, self.values = _side(compress)
         self.coefficients = coefficients
         self.dtype = dtype
         self.basis_format = basis_format
         self.rope = rope
+        self.window, self.min_tokens = window, min_tokens
 
     def __call__(self, spec: StateSpec) -> SubspaceState:
         basis = self.bases[spec.layer_idx]
@@ -118,8 +122,11 @@ class static_states:
         if B is not basis.B or E is not basis.E:
             basis = StaticBasis.from_bases(B, E, gamma)
         dtype = self.dtype or spec.state_dtype
-        return SubspaceState.static(basis, batch=spec.batch, dtype=dtype, coefficients=self.coefficients,
-                                    bases=default_basis_format(self.basis_format, dtype), rope=per_layer(self.rope, spec.layer_idx))
+        return SubspaceState.static(
+            basis, batch=spec.batch, dtype=dtype, coefficients=self.coefficients, bases=default_basis_format(self.basis_format, dtype),
+            rope=per_layer(self.rope, spec.layer_idx), window=per_layer(self.window, spec.layer_idx),
+            min_tokens=per_layer(self.min_tokens, spec.layer_idx),
+        )
 
 
 def default_basis_format(basis_format: str | None, dtype: Any) -> str:
@@ -163,7 +170,8 @@ class adaptive_states(_online_states):
     per-head tuple, or per layer: a mapping or a callable of the layer index) and any keyword of
     :meth:`SubspaceState.adaptive` (``tau_k``, ``tau_v``, ``max_chunk``, ``warmup``,
     ``basis_format``: as in :class:`static_states`, the ``bases`` of the state;
-    ``sketch_reset``, ``gamma``, ``ell_k``, ``ell_v``; each may also be given per layer).
+    ``sketch_reset``, ``gamma``, ``ell_k``, ``ell_v``, and ``window``, ``min_tokens``,
+    ``lookahead`` of spec/window.md; each may also be given per layer).
     ``compress="keys"``/``"values"`` stores the other side at full rank (rank = head size: every
     FD basis of that side is complete and stores it exactly up to rounding). Caveat from the
     state API: the warm-up length W is shared by both sides and at most the smaller rank, so
@@ -178,7 +186,8 @@ class adaptive_states(_online_states):
 
 class rotating_states(_online_states):
     """Factory of rotating states (spec A8, seed 003 SubSpace-A); arguments as
-    :class:`adaptive_states` with :meth:`SubspaceState.rotating`'s keywords (``refresh_every``, ...)."""
+    :class:`adaptive_states` with :meth:`SubspaceState.rotating`'s keywords (``refresh_every``,
+    ``window``, ``min_tokens``, ...)."""
 
     kind = "rotating"
 
@@ -351,7 +360,8 @@ class SubspaceLayer(CacheLayerMixin):
         query position p seeing the state exactly as token-by-token decoding would at step p.
 
         Static and adaptive states: one append of the n tokens, then :func:`causal_attention`
-        (or one ``attend`` call when n = 1). Rotating states: a refresh after token t rewrites
+        (or one ``attend`` call when n = 1). States with an exact window (spec/window.md): one
+        token at a time, append then ``attend``. Rotating states: a refresh after token t rewrites
         all stored coefficients, so the block is cut after every refresh token t: tokens up to
         t-1 are appended and attended causally (no refresh among them), then token t is
         appended (its refresh runs) and its query attends the refreshed state via ``attend``.
@@ -364,7 +374,11 @@ class SubspaceLayer(CacheLayerMixin):
         if query.shape[2] != n:
             raise ValueError(f"layer {self.layer_idx}: {query.shape[2]} queries for {n} new tokens")
         cuts = [0]
-        if st.kind == "rotating":
+        if st.window is not None:
+            # spec/window.md W2: a token that is exact for query p may be compressed by the end
+            # of the block, so each query attends the state right after its own token's append
+            cuts += list(range(1, n))
+        elif st.kind == "rotating":
             m, W = st.policy.refresh_every, st.policy.warmup
             for t in range(T0, T0 + n):
                 if t >= W and (t + 1 - W) % m == 0:

@@ -79,6 +79,14 @@ def append_reference(state, keys: Any, values: Any) -> None:
     mask_v = rank_mask(policy.rank_v, open_E.shape[2], open_E)
     W = policy.warmup
     warm_B, warm_E = open_B, open_E
+    # online-sketch variants (spec/sketch_variants.md S1-S3); neutral values keep A7/A8 verbatim
+    stride = getattr(policy, "fd_stride", 1)
+    ring = getattr(policy, "ring_warm_start", 0)
+    reuse = getattr(policy, "reuse_angle", None)
+    ring_k = sk.ring_keys.copy() if ring else None
+    ring_v = sk.ring_values.copy() if ring else None
+    rows_inserted, svds = sk.rows_inserted, sk.svds
+    stack = lay.key_coef.shape[0] * lay.key_coef.shape[1]  # sketches per array: one per head
 
     for i in range(n_new):
         t = T + i
@@ -96,11 +104,35 @@ def append_reference(state, keys: Any, values: Any) -> None:
             # step 2: residuals from the coefficients; step 3: the trigger, before the FD update
             rho_k, rho_v = relative_residual(k, c), relative_residual(v, dv)
             open_start = xp.take_along_axis(chunk_starts, (num_chunks - 1)[..., None], axis=2)[..., 0]
-            fire = (t >= W) & ((rho_k > policy.tau_k) | (rho_v > policy.tau_v) | (t + 1 - open_start >= policy.max_chunk))
+            length = t + 1 - open_start
+            # S3.2: with reuse a chunk may outlive max_chunk, and the cap re-fires every max_chunk tokens
+            capped = (length >= policy.max_chunk) if reuse is None else (length % policy.max_chunk == 0)
+            fire = (t >= W) & ((rho_k > policy.tau_k) | (rho_v > policy.tau_v) | capped)
             if bool(fire.any()):
                 fn, fh = xp.nonzero(fire)
-                new_B = fd.top_directions(buf_k[fn, fh, :filled_k], open_B.shape[2]) * mask_k[fh]
-                new_E = fd.top_directions(buf_v[fn, fh, :filled_v], open_E.shape[2]) * mask_v[fh]
+                if ring:
+                    # S1 step 2: the fired heads' sketches rebuilt from the ring: the last rows
+                    # offered before t, oldest first, FD-inserted into empty buffers
+                    offered = -(-t // stride)
+                    slots = [q % ring for q in range(offered - min(offered, ring), offered)]
+                    src_k, filled_src_k, n_k = _fd_insert(xp.zeros((len(fn), 2 * policy.ell_k, open_B.shape[3]), dtype=buf_k.dtype), 0, ring_k[fn, fh][:, slots], policy.ell_k)
+                    src_v, filled_src_v, n_v = _fd_insert(xp.zeros((len(fn), 2 * policy.ell_v, open_E.shape[3]), dtype=buf_v.dtype), 0, ring_v[fn, fh][:, slots], policy.ell_v)
+                    svds += (n_k + n_v) * len(fn)
+                    src_k, src_v = src_k[:, :filled_src_k], src_v[:, :filled_src_v]
+                else:
+                    src_k, src_v = buf_k[fn, fh, :filled_k], buf_v[fn, fh, :filled_v]
+                new_B = fd.top_directions(src_k, open_B.shape[2]) * mask_k[fh]
+                new_E = fd.top_directions(src_v, open_E.shape[2]) * mask_v[fh]
+                svds += 2 * len(fn)
+                if reuse is not None:
+                    # S3 step 2: heads whose snapshot is within reuse_angle of the open bases on
+                    # keys and values keep their open chunk; only the others open one
+                    fresh = np.array([
+                        max(largest_principal_angle(open_B[a, b], new_B[i]), largest_principal_angle(open_E[a, b], new_E[i])) >= reuse
+                        for i, (a, b) in enumerate(zip(to_numpy(fn).tolist(), to_numpy(fh).tolist()))
+                    ], dtype=bool)
+                    fresh = xp.asarray(fresh)
+                    fn, fh, new_B, new_E = fn[fresh], fh[fresh], new_B[fresh], new_E[fresh]
                 j = num_chunks[fn, fh]
                 lay.key_bases[fn, fh, j] = new_B
                 lay.value_bases[fn, fh, j] = new_E
@@ -114,9 +146,17 @@ def append_reference(state, keys: Any, values: Any) -> None:
                     long = (t + 1 - open_start[fn, fh]) >= max(policy.ell_k, policy.ell_v)
                     buf_k[fn[long], fh[long]] = 0.0
                     buf_v[fn[long], fh[long]] = 0.0
-        # step 4 (A7) / step 3 (A8): the FD update
-        buf_k, filled_k = fd.insert(buf_k, filled_k, k[:, :, None], policy.ell_k)
-        buf_v, filled_v = fd.insert(buf_v, filled_v, v[:, :, None], policy.ell_v)
+        # step 4 (A7) / step 3 (A8): the FD update, of every stride-th token (S2), into the ring
+        # instead of the sketches when there is one (S1 step 1)
+        if t % stride == 0:
+            if ring:
+                ring_k[:, :, (t // stride) % ring] = k
+                ring_v[:, :, (t // stride) % ring] = v
+            else:
+                buf_k, filled_k, n_k = _fd_insert(buf_k, filled_k, k[:, :, None], policy.ell_k)
+                buf_v, filled_v, n_v = _fd_insert(buf_v, filled_v, v[:, :, None], policy.ell_v)
+                svds += (n_k + n_v) * stack
+            rows_inserted += 1
         if policy.kind == "rotating" and t >= W and (t + 1 - W) % policy.refresh_every == 0:
             # spec A8 step 4: new basis, and every stored coefficient moved into it by R = B B'^T
             new_B = fd.top_directions(buf_k, open_B.shape[2]) * mask_k
@@ -124,6 +164,7 @@ def append_reference(state, keys: Any, values: Any) -> None:
             lay = _rotated(lay, "key", t + 1, xp.einsum("nhrd,nhsd->nhrs", open_B, new_B))
             lay = _rotated(lay, "value", t + 1, xp.einsum("nhrd,nhsd->nhrs", open_E, new_E))
             open_B, open_E = new_B, new_E
+            svds += 2 * stack
 
     if policy.kind == "rotating" or T < W:
         # the only bases rewritten in place: the single rotating basis, or chunk 0 during warm-up
@@ -132,7 +173,36 @@ def append_reference(state, keys: Any, values: Any) -> None:
         key_bases[:, :, 0], value_bases[:, :, 0] = (open_B, open_E) if policy.kind == "rotating" else (warm_B, warm_E)
         lay = replace(lay, key_bases=key_bases, value_bases=value_bases)
     state.layout = replace(lay, num_chunks=num_chunks, chunk_starts=chunk_starts, num_tokens=T + n_new)
-    state.sketches = replace(sk, keys=buf_k, values=buf_v, filled_k=filled_k, filled_v=filled_v, rows_seen=sk.rows_seen + n_new)
+    state.sketches = replace(sk, keys=buf_k, values=buf_v, filled_k=filled_k, filled_v=filled_v, rows_seen=sk.rows_seen + n_new,
+        ring_keys=ring_k, ring_values=ring_v, rows_inserted=rows_inserted, svds=svds,
+    )
+
+
+def _fd_insert(buffer: Any, filled: int, rows: Any, ell: int) -> tuple[Any, int, int]:
+    """fd.insert (spec A4 steps 1-2) that also returns how many compactions (one SVD of every
+    buffer of the stack each) it ran: the SVD counter of spec/sketch_variants.md S2.3."""
+    count = [0]
+
+    def counted(buf, ell_):
+        count[0] += 1
+        return fd.compact(buf, ell_)
+
+    buffer, filled = fd.insert_rows(buffer.copy(), filled, rows, ell, counted)
+    return buffer, filled, count[0]
+
+
+def largest_principal_angle(A: Any, B: Any) -> float:
+    """Largest principal angle (radians) between the row spans of two bases (r, d) whose
+    non-zero rows are orthonormal (spec/sketch_variants.md S3.1); pi/2 when their numbers of
+    non-zero rows differ (or both are zero), as spans of different dimension are never reused."""
+    import scipy.linalg
+
+    a, b = to_numpy(A), to_numpy(B)
+    a = a[np.linalg.norm(a, axis=-1) > 0]
+    b = b[np.linalg.norm(b, axis=-1) > 0]
+    if len(a) != len(b) or len(a) == 0:
+        return float(np.pi / 2)
+    return float(np.max(scipy.linalg.subspace_angles(a.T, b.T)))
 
 
 def store(lay, which: str, index: Any, coef: Any) -> None:

@@ -145,6 +145,8 @@ def _expected_dtypes(dtype_name: str, coefficients: str, stored: bool) -> dict[s
 
 def _tensors_of(state) -> tuple[dict[str, np.ndarray], str]:
     lay = state.layout
+    if state.sketches is not None and state.sketches.ring_keys is not None:  # spec/sketch_variants.md S1.6
+        raise TypeError(f"cannot save a state with ring_warm_start={state.policy.ring_warm_start}: spec/persistence.md (format version {FORMAT_VERSION}) does not describe ring buffers")
     unknown = sorted(set(lay.arrays()) - set(LAYOUT_TENSORS + SCALE_TENSORS))
     if unknown:  # a layout field this schema does not describe: refuse rather than drop it
         raise TypeError(f"cannot save layout arrays {unknown}: spec/persistence.md (format version {FORMAT_VERSION}) does not describe them")
@@ -321,6 +323,12 @@ def _policy_from(header: dict[str, Any], path):
         for name in ("max_chunk", "refresh_every"):
             if hasattr(policy, name):
                 _checks.positive_int(name, getattr(policy, name))
+        if hasattr(policy, "fd_stride"):  # spec/sketch_variants.md S1.6: no file holds ring buffers
+            from subspace_ref.policies.adaptive import sketch_options
+
+            sketch_options(policy.ring_warm_start, policy.fd_stride, policy.reuse_angle, policy.sketch_reset)
+            if policy.ring_warm_start:
+                raise ValueError("ring_warm_start > 0 states are never saved (their ring buffers have no tensor in this format)")
         return policy
     except (TypeError, ValueError) as err:
         _fail(path, f"invalid {kind} policy: {err}")
@@ -340,6 +348,8 @@ def _typed(name: str, annotation: str, value: Any) -> Any:
         if type(value) not in (int, float):
             raise ValueError(f"{name} must be a number, got {value!r}")
         return float(value)
+    if annotation == "float | None":
+        return None if value is None else _typed(name, "float", value)
     if annotation == "bool":
         if type(value) is not bool:
             raise ValueError(f"{name} must be true or false, got {value!r}")

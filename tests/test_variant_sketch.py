@@ -272,3 +272,62 @@ def test_factory_forwards_the_options():
     state = adaptive_states(rank_k=3, rank_v=3, ring_warm_start=16, fd_stride=2, reuse_angle=lambda li: 0.1 * (li + 1))(
         StateSpec(1, 1, 2, 8, 8, torch.float64, torch.device("cpu")))
     assert (state.policy.ring_warm_start, state.policy.fd_stride, state.policy.reuse_angle) == (16, 2, 0.2)
+
+
+# ----------------------------------------------------------------------------- rows (tiny profile)
+@pytest.fixture(scope="module")
+def tiny_calibration(tmp_path_factory):
+    pytest.importorskip("torch")
+    from subspace_ref.experiments import _common as C, calibrate
+
+    from test_experiments import parse
+
+    out = tmp_path_factory.mktemp("variants")
+    ctx = C.make_context(parse(calibrate, ["--model", "tiny-random", "--profile", "tiny", "--no-progress", "--out", str(out)]))
+    record, svd = calibrate.ensure_calibration(ctx)
+    return ctx, record, svd
+
+
+def test_sketch_rows_build_and_score(tiny_calibration):
+    from subspace_ref.experiments.ppl import score
+    from subspace_ref.experiments.variant_rows import plain_rows, sketch
+
+    ctx, record, svd = tiny_calibration
+    rows = sketch.variants(ctx, record, svd)
+    assert [v.extra for v in rows] == [dict(ring_warm_start=64), dict(ring_warm_start=256), dict(fd_stride=2), dict(fd_stride=4),
+                                       dict(reuse_angle=0.2), dict(reuse_angle=0.5)]
+    assert all(v.group == "sketch" and v.plain == "adaptive" and v.backend == "numpy" for v in rows)
+    ids = ctx.eval_windows()[:1]
+    res = score(ctx.model, ids, rows[2].factory, backend=rows[2].backend)
+    assert np.isfinite(res["nll"]).all() and res["bytes_per_token"] > 0
+    plain = sketch.sketch_counters(ctx.model, ids, plain_rows(ctx, record, svd)["adaptive"])
+    strided = sketch.sketch_counters(ctx.model, ids, rows[3].factory)
+    T = ids.shape[1]
+    assert plain["fd_rows_per_token"] == 1.0 and strided["fd_rows_per_token"] == math.ceil(T / 4) / T  # S2.1
+    reuse = sketch.sketch_counters(ctx.model, ids, rows[5].factory)
+    assert reuse["chunks_mean"] <= plain["chunks_mean"]
+
+
+def test_rank_rows_build_and_score(tiny_calibration):
+    from subspace_ref.experiments.ppl import score
+    from subspace_ref.experiments.variant_rows import ranks
+
+    ctx, record, svd = tiny_calibration
+    rows = ranks.variants(ctx, record, svd)
+    assert [(v.group, v.plain) for v in rows] == [("ranks", "static")] * 2 + [("ranks", "adaptive")] * 2
+    ex = rows[0].extra
+    # S5 by hand: the layout pads every head to the widest one
+    rk, rv = ex["rank_k"], ex["rank_v"]
+    assert ex["coef_bytes_per_token_padded"] == 4 * sum(len(k) * (max(k) + max(v)) for k, v in zip(rk, rv))
+    assert ex["coef_bytes_per_token_unpadded"] <= ex["coef_bytes_per_token_padded"]
+    import torch
+
+    from subspace_ref.hf.cache import StateSpec
+
+    H, d = record["kv_heads"], record["d"]
+    state = rows[0].factory(StateSpec(0, 1, H, d, d, torch.float32, torch.device("cpu")))
+    state.append(np.ones((1, H, 3, d), np.float32), np.ones((1, H, 3, d), np.float32))
+    assert state.layout.key_coef.shape[3] == max(rk[0])
+    assert state.nbytes - state.basis_nbytes == 3 * H * (max(rk[0]) + max(rv[0])) * 4  # padded columns counted
+    res = score(ctx.model, ctx.eval_windows()[:1], rows[2].factory, backend=rows[2].backend)
+    assert np.isfinite(res["nll"]).all()

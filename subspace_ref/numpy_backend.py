@@ -143,7 +143,8 @@ def append_reference(state, keys: Any, values: Any) -> None:
                 if policy.sketch_reset:
                     # step 3b: forget what the closing chunk summarised, unless it was too short
                     # to have taught the sketch a full basis (a reset then would thrash)
-                    long = (t + 1 - open_start[fn, fh]) >= max(policy.ell_k, policy.ell_v)
+                    # (S2.4: "long" counts the rows the chunk fed to the sketches, tokens t' = 0 mod stride)
+                    long = (t // stride - (-(-open_start[fn, fh] // stride)) + 1) >= max(policy.ell_k, policy.ell_v)
                     buf_k[fn[long], fh[long]] = 0.0
                     buf_v[fn[long], fh[long]] = 0.0
         # step 4 (A7) / step 3 (A8): the FD update, of every stride-th token (S2), into the ring

@@ -331,3 +331,19 @@ def test_rank_rows_build_and_score(tiny_calibration):
     assert state.nbytes - state.basis_nbytes == 3 * H * (max(rk[0]) + max(rv[0])) * 4  # padded columns counted
     res = score(ctx.model, ctx.eval_windows()[:1], rows[2].factory, backend=rows[2].backend)
     assert np.isfinite(res["nll"]).all()
+
+
+def test_stride_reset_waits_for_ell_sketch_rows(rng):
+    """S2.4: with sketch_reset and stride m, a chunk resets the sketches only after feeding them
+    max(ell) rows, so on an exactly rank-3 stream every snapshot sees >= 3 independent rows and
+    every chunk has a complete rank-3 basis (counting tokens instead fails: chunks of 10 tokens
+    feed 2-3 rows, and the snapshot after such a reset is rank-deficient)."""
+    H, T, d, m, ell = 1, 400, 9, 4, 6
+    K = low_rank_stream(rng, H, T, d, 3)
+    state = build(H, d, ell_k=ell, ell_v=ell, max_chunk=10, sketch_reset=True, fd_stride=m).append(K, K)
+    bounds = state.chunk_bounds(0)
+    for j, (a, b) in enumerate(bounds):
+        B = state.layout.key_bases[0, 0, j]
+        assert np.count_nonzero(np.linalg.norm(B, axis=1) > 0.5) == 3, (j, a, b)
+    Kh, _ = state.reconstruct()
+    np.testing.assert_allclose(Kh, K, atol=1e-8)

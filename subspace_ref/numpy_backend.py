@@ -91,6 +91,14 @@ def append_reference(state, keys: Any, values: Any, ahead: tuple | None = None) 
         # (chunk 0 stays open until warm-up ends); they are rewritten in private copies
         lay = lay.with_private_bases()
     following = window.lookahead_stream(keys, values, ahead)  # spec/window.md W4; None: A7 as is
+    # online-sketch variants (spec/sketch_variants.md S1-S3); neutral values keep A7/A8 verbatim
+    stride = getattr(policy, "fd_stride", 1)
+    ring = getattr(policy, "ring_warm_start", 0)
+    reuse = getattr(policy, "reuse_angle", None)
+    ring_k = sk.ring_keys.copy() if ring else None
+    ring_v = sk.ring_values.copy() if ring else None
+    rows_inserted, svds = sk.rows_inserted, sk.svds
+    stack = lay.key_coef.shape[0] * lay.key_coef.shape[1]  # sketches per array: one per head
 
     for i in range(n_new):
         t = T + i
@@ -108,14 +116,42 @@ def append_reference(state, keys: Any, values: Any, ahead: tuple | None = None) 
             # step 2: residuals from the coefficients; step 3: the trigger, before the FD update
             rho_k, rho_v = relative_residual(k, c), relative_residual(v, dv)
             open_start = xp.take_along_axis(chunk_starts, (num_chunks - 1)[..., None], axis=2)[..., 0]
-            fire = (t >= W) & ((rho_k > policy.tau_k) | (rho_v > policy.tau_v) | (t + 1 - open_start >= policy.max_chunk))
+            length = t + 1 - open_start
+            # S3.2: with reuse a chunk may outlive max_chunk, and the cap re-fires every max_chunk tokens
+            capped = (length >= policy.max_chunk) if reuse is None else (length % policy.max_chunk == 0)
+            fire = (t >= W) & ((rho_k > policy.tau_k) | (rho_v > policy.tau_v) | capped)
             if bool(fire.any()):
                 fn, fh = xp.nonzero(fire)
-                snap_k, snap_fk, snap_v, snap_fv = window.anchor_buffers(buf_k, filled_k, buf_v, filled_v, policy, following, i)
+                if ring:
+                    # S1 step 2: the fired heads' sketches rebuilt from the ring: the last rows
+                    # offered before t, oldest first, FD-inserted into empty buffers
+                    offered = -(-t // stride)
+                    slots = [q % ring for q in range(offered - min(offered, ring), offered)]
+                    src_k, filled_src_k, n_k = _fd_insert(xp.zeros((len(fn), 2 * policy.ell_k, open_B.shape[3]), dtype=buf_k.dtype), 0, ring_k[fn, fh][:, slots], policy.ell_k)
+                    src_v, filled_src_v, n_v = _fd_insert(xp.zeros((len(fn), 2 * policy.ell_v, open_E.shape[3]), dtype=buf_v.dtype), 0, ring_v[fn, fh][:, slots], policy.ell_v)
+                    svds += (n_k + n_v) * len(fn)
+                    src_k, src_v = src_k[:, :filled_src_k], src_v[:, :filled_src_v]
+                else:
+                    # spec/window.md W4: with lookahead, copies of the sketches that also saw the
+                    # next L_h (already held) tokens; without, the sketches themselves
+                    snap_k, snap_fk, snap_v, snap_fv = window.anchor_buffers(buf_k, filled_k, buf_v, filled_v, policy, following, i)
+                    src_k, src_v = snap_k[fn, fh, :snap_fk], snap_v[fn, fh, :snap_fv]
+                new_B = fd.top_directions(src_k, open_B.shape[2]) * mask_k[fh]
+                new_E = fd.top_directions(src_v, open_E.shape[2]) * mask_v[fh]
+                svds += 2 * len(fn)
+                if reuse is not None:
+                    # S3 step 2: heads whose snapshot is within reuse_angle of the open bases on
+                    # keys and values keep their open chunk; only the others open one
+                    fresh = np.array([
+                        max(largest_principal_angle(open_B[a, b], new_B[i]), largest_principal_angle(open_E[a, b], new_E[i])) >= reuse
+                        for i, (a, b) in enumerate(zip(to_numpy(fn).tolist(), to_numpy(fh).tolist()))
+                    ], dtype=bool)
+                    fresh = xp.asarray(fresh)
+                    fn, fh, new_B, new_E = fn[fresh], fh[fresh], new_B[fresh], new_E[fresh]
                 j = num_chunks[fn, fh]
                 # the snapshot goes into spare chunk slot j, encoded; the open basis is its decoding
-                new_B = lay.store_basis("key", (fn, fh, j), fd.top_directions(snap_k[fn, fh, :snap_fk], open_B.shape[2]) * mask_k[fh])
-                new_E = lay.store_basis("value", (fn, fh, j), fd.top_directions(snap_v[fn, fh, :snap_fv], open_E.shape[2]) * mask_v[fh])
+                new_B = lay.store_basis("key", (fn, fh, j), new_B)
+                new_E = lay.store_basis("value", (fn, fh, j), new_E)
                 chunk_starts[fn, fh, j] = t + 1
                 num_chunks[fn, fh] = j + 1
                 open_B[fn, fh] = new_B
@@ -123,12 +159,21 @@ def append_reference(state, keys: Any, values: Any, ahead: tuple | None = None) 
                 if policy.sketch_reset:
                     # step 3b: forget what the closing chunk summarised, unless it was too short
                     # to have taught the sketch a full basis (a reset then would thrash)
-                    long = (t + 1 - open_start[fn, fh]) >= max(policy.ell_k, policy.ell_v)
+                    # (S2.4: "long" counts the rows the chunk fed to the sketches, tokens t' = 0 mod stride)
+                    long = (t // stride - (-(-open_start[fn, fh] // stride)) + 1) >= max(policy.ell_k, policy.ell_v)
                     buf_k[fn[long], fh[long]] = 0.0
                     buf_v[fn[long], fh[long]] = 0.0
-        # step 4 (A7) / step 3 (A8): the FD update
-        buf_k, filled_k = fd.insert(buf_k, filled_k, k[:, :, None], policy.ell_k)
-        buf_v, filled_v = fd.insert(buf_v, filled_v, v[:, :, None], policy.ell_v)
+        # step 4 (A7) / step 3 (A8): the FD update, of every stride-th token (S2), into the ring
+        # instead of the sketches when there is one (S1 step 1)
+        if t % stride == 0:
+            if ring:
+                ring_k[:, :, (t // stride) % ring] = k
+                ring_v[:, :, (t // stride) % ring] = v
+            else:
+                buf_k, filled_k, n_k = _fd_insert(buf_k, filled_k, k[:, :, None], policy.ell_k)
+                buf_v, filled_v, n_v = _fd_insert(buf_v, filled_v, v[:, :, None], policy.ell_v)
+                svds += (n_k + n_v) * stack
+            rows_inserted += 1
         if policy.kind == "rotating" and t >= W and (t + 1 - W) % policy.refresh_every == 0:
             # spec A8 step 4: new basis, and every stored coefficient moved into it by R = B B'^T
             # (R is taken between the decoded stored bases: spec/storage.md S3)
@@ -137,9 +182,39 @@ def append_reference(state, keys: Any, values: Any, ahead: tuple | None = None) 
             lay = _rotated(lay, "key", t + 1, xp.einsum("nhrd,nhsd->nhrs", open_B, new_B))
             lay = _rotated(lay, "value", t + 1, xp.einsum("nhrd,nhsd->nhrs", open_E, new_E))
             open_B, open_E = new_B, new_E
+            svds += 2 * stack
 
     state.layout = replace(lay, num_chunks=num_chunks, chunk_starts=chunk_starts, num_tokens=T + n_new)
-    state.sketches = replace(sk, keys=buf_k, values=buf_v, filled_k=filled_k, filled_v=filled_v, rows_seen=sk.rows_seen + n_new)
+    state.sketches = replace(sk, keys=buf_k, values=buf_v, filled_k=filled_k, filled_v=filled_v, rows_seen=sk.rows_seen + n_new,
+        ring_keys=ring_k, ring_values=ring_v, rows_inserted=rows_inserted, svds=svds,
+    )
+
+
+def _fd_insert(buffer: Any, filled: int, rows: Any, ell: int) -> tuple[Any, int, int]:
+    """fd.insert (spec A4 steps 1-2) that also returns how many compactions (one SVD of every
+    buffer of the stack each) it ran: the SVD counter of spec/sketch_variants.md S2.3."""
+    count = [0]
+
+    def counted(buf, ell_):
+        count[0] += 1
+        return fd.compact(buf, ell_)
+
+    buffer, filled = fd.insert_rows(buffer.copy(), filled, rows, ell, counted)
+    return buffer, filled, count[0]
+
+
+def largest_principal_angle(A: Any, B: Any) -> float:
+    """Largest principal angle (radians) between the row spans of two bases (r, d) whose
+    non-zero rows are orthonormal (spec/sketch_variants.md S3.1); pi/2 when their numbers of
+    non-zero rows differ (or both are zero), as spans of different dimension are never reused."""
+    import scipy.linalg
+
+    a, b = to_numpy(A), to_numpy(B)
+    a = a[np.linalg.norm(a, axis=-1) > 0]
+    b = b[np.linalg.norm(b, axis=-1) > 0]
+    if len(a) != len(b) or len(a) == 0:
+        return float(np.pi / 2)
+    return float(np.max(scipy.linalg.subspace_angles(a.T, b.T)))
 
 
 def store(lay, which: str, index: Any, coef: Any) -> None:

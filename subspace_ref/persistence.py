@@ -60,6 +60,17 @@ def _unpersisted(policy) -> list:
     return [f for f in dataclasses.fields(policy) if f.metadata.get("persisted", True) is False]
 
 
+def _optional(policy) -> list:
+    """Policy fields marked ``metadata={"optional": True}`` (the online-sketch variants): written
+    only when they differ from their neutral default, which a reader assumes when one is absent,
+    so a plain state's file is the version 1 file it always was."""
+    return [f for f in dataclasses.fields(policy) if f.metadata.get("optional", False)]
+
+
+def _written_optional(policy) -> list:
+    return [f for f in _optional(policy) if getattr(policy, f.name) != f.default]
+
+
 class StateFileError(ValueError):
     """A file that is not a valid saved state: not safetensors, truncated, corrupted, of another
     format or version, or with arrays inconsistent with each other or with the hyper-parameters."""
@@ -82,7 +93,7 @@ def save_state(state, path) -> None:
     tensors, dtype_name = _tensors_of(state)
     header = _state_header(state, dtype_name)
     # the oldest version that describes the state
-    extended = _bases(state) != "native" or getattr(state, "window", None) is not None
+    extended = _bases(state) != "native" or getattr(state, "window", None) is not None or bool(_written_optional(state.policy))
     version = EXTENDED_VERSION if extended else FORMAT_VERSION
     metadata = {"format": FORMAT_NAME, "format_version": str(version), "state": _canonical_json(header)}
     metadata["checksum"] = checksum(tensors, metadata)
@@ -176,6 +187,8 @@ def _expected_dtypes(dtype_name: str, coefficients: str, stored: bool, bases: st
 
 def _tensors_of(state) -> tuple[dict[str, np.ndarray], str]:
     lay = state.layout
+    if state.sketches is not None and state.sketches.ring_keys is not None:  # spec/sketch_variants.md S1.6
+        raise TypeError(f"cannot save a state with ring_warm_start={state.policy.ring_warm_start}: spec/persistence.md (format version {EXTENDED_VERSION}) does not describe ring buffers")
     unknown = sorted(set(lay.arrays()) - set(LAYOUT_TENSORS + SCALE_TENSORS + BASIS_SCALE_TENSORS))
     if unknown:  # a layout field this schema does not describe: refuse rather than drop it
         raise TypeError(f"cannot save layout arrays {unknown}: spec/persistence.md (format version {EXTENDED_VERSION}) does not describe them")
@@ -207,7 +220,7 @@ def _state_header(state, dtype_name: str) -> dict[str, Any]:
     policy = state.policy
     fields = {}
     for f in dataclasses.fields(policy):
-        if f in _unpersisted(policy):
+        if f in _unpersisted(policy) or (f in _optional(policy) and f not in _written_optional(policy)):
             continue
         value = getattr(policy, f.name)
         fields[f.name] = [int(x) for x in value] if isinstance(value, tuple) else value
@@ -270,7 +283,7 @@ def load_state(path):
         raise StateFileError(f"{path}: metadata 'state' is not valid JSON ({err})") from None
     # the writer uses the oldest version that describes the state: 2 exactly when it has
     # encoded bases or an exact window
-    extended = isinstance(header, dict) and ("window" in header or "bases" in header)
+    extended = isinstance(header, dict) and ("window" in header or "bases" in header or _has_optional_fields(header))
     expected_version = str(EXTENDED_VERSION if extended else FORMAT_VERSION)
     if metadata["format_version"] != expected_version:
         raise StateFileError(
@@ -336,6 +349,13 @@ def _fail(path, message: str):
     raise StateFileError(f"{path}: {message}")
 
 
+def _has_optional_fields(header: dict[str, Any]) -> bool:
+    """Whether the header's policy holds a field that only version 2 writes (an optional one)."""
+    cls = _policy_classes().get(header.get("kind"))
+    fields = header.get("policy")
+    return cls is not None and isinstance(fields, dict) and any(f.name in fields for f in _optional(cls))
+
+
 def _policy_from(header: dict[str, Any], path):
     """The policy dataclass from its JSON fields: every field present, each of its declared type,
     then the constructors' own checks."""
@@ -346,15 +366,17 @@ def _policy_from(header: dict[str, Any], path):
     if kind not in classes:
         _fail(path, f"kind is {kind!r}; expected one of {sorted(classes)}")
     cls = classes[kind]
-    names = [f.name for f in dataclasses.fields(cls) if f not in _unpersisted(cls)]
+    names = [f.name for f in dataclasses.fields(cls) if f not in _unpersisted(cls) and f not in _optional(cls)]
+    optional = [f.name for f in _optional(cls)]
     fields = header.get("policy")
-    if not isinstance(fields, dict) or set(fields) != set(names):
-        _fail(path, f"policy fields are {sorted(fields) if isinstance(fields, dict) else fields!r}; a {kind} state has {sorted(names)}")
+    if not isinstance(fields, dict) or not set(names) <= set(fields) <= set(names) | set(optional):
+        _fail(path, f"policy fields are {sorted(fields) if isinstance(fields, dict) else fields!r}; a {kind} state has {sorted(names)}"
+              + (f" and optionally {sorted(optional)}" if optional else ""))
     try:
         values = {}
         for f in dataclasses.fields(cls):
-            if f in _unpersisted(cls):
-                continue  # left at its default (None), as every saved state had it
+            if f in _unpersisted(cls) or (f in _optional(cls) and f.name not in fields):
+                continue  # left at its default: None for unpersisted fields, neutral for optional ones
             values[f.name] = _typed(f.name, str(f.type), fields[f.name])
         policy = cls(**values)
         if kind == "static":
@@ -370,6 +392,12 @@ def _policy_from(header: dict[str, Any], path):
         for name in ("max_chunk", "refresh_every"):
             if hasattr(policy, name):
                 _checks.positive_int(name, getattr(policy, name))
+        if hasattr(policy, "fd_stride"):  # spec/sketch_variants.md S1.6: no file holds ring buffers
+            from subspace_ref.policies.adaptive import sketch_options
+
+            sketch_options(policy.ring_warm_start, policy.fd_stride, policy.reuse_angle, policy.sketch_reset)
+            if policy.ring_warm_start:
+                raise ValueError("ring_warm_start > 0 states are never saved (their ring buffers have no tensor in this format)")
         return policy
     except (TypeError, ValueError) as err:
         _fail(path, f"invalid {kind} policy: {err}")
@@ -389,6 +417,8 @@ def _typed(name: str, annotation: str, value: Any) -> Any:
         if type(value) not in (int, float):
             raise ValueError(f"{name} must be a number, got {value!r}")
         return float(value)
+    if annotation == "float | None":
+        return None if value is None else _typed(name, "float", value)
     if annotation == "bool":
         if type(value) is not bool:
             raise ValueError(f"{name} must be true or false, got {value!r}")

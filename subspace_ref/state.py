@@ -15,6 +15,7 @@ from subspace_ref.calibration import StaticBasis, resolve_gamma
 from subspace_ref.layout import PackedLayout
 from subspace_ref.policies import AdaptivePolicy, RotatingPolicy, StaticPolicy
 from subspace_ref.policies._online import per_head_ranks, sketch_size, warmup_length
+from subspace_ref.policies.adaptive import sketch_options
 
 Policy = StaticPolicy | AdaptivePolicy | RotatingPolicy
 
@@ -31,6 +32,14 @@ class SketchBuffers:
     filled_k: int
     filled_v: int
     rows_seen: int
+    # spec/sketch_variants.md: ring buffers (N, H, W, d) / (N, H, W, d_v) of the last W sketch
+    # rows when ring_warm_start = W > 0 (S1), and two diagnostic counters (S2.3): rows each
+    # head's key sketch received, and SVDs run (compactions and snapshots, summed over sequences,
+    # heads, keys and values). The counters are not saved.
+    ring_keys: Any = None
+    ring_values: Any = None
+    rows_inserted: int = 0
+    svds: int = 0
 
 
 class SubspaceState:
@@ -122,6 +131,9 @@ class SubspaceState:
         window: int = 0,
         min_tokens: int = 0,
         lookahead: int = 0,
+        ring_warm_start: int = 0,
+        fd_stride: int = 1,
+        reuse_angle: float | None = None,
     ) -> "SubspaceState":
         """Online bases from FD sketches with residual-triggered chunking (spec A7, seed 001 §5).
 
@@ -139,9 +151,24 @@ class SubspaceState:
         its bases from the sketches after also inserting, in copies, the next L_h tokens, which
         are still exact in the window (spec/window.md W4; one extra FD insertion of L_h rows per
         trigger). 0 is the streaming default. Appends with lookahead run on the numpy backend.
+
+        Online-sketch variants (spec/sketch_variants.md; neutral defaults give the plain state):
+        ``ring_warm_start=W`` keeps the last W sketch rows per head in ring buffers (W (d + d_v)
+        numbers per head instead of the 2 (ell_k d + ell_v d_v) of the running sketches, which
+        are then not kept) and takes each trigger's snapshot from FD of them (S1, seed 001 §7;
+        cost: one FD of W rows per firing head); ``fd_stride=m`` feeds only tokens t with
+        t mod m = 0 to the sketches (S2, seed 001 §9/§14: m times fewer FD rows and
+        compactions); ``reuse_angle=a`` (radians in (0, pi/2)) lets a head keep its open chunk
+        and bases when the snapshot's largest principal angle to them is below ``a`` on keys
+        and values (S3, seed 001 §14: fewer chunks and basis bytes; costs the snapshot SVDs of
+        triggers that no longer open chunks). ``ring_warm_start`` and ``lookahead`` do not
+        combine (the ring replaces the sketches that lookahead would extend).
         """
         window, min_tokens, lookahead = _window.options(window, min_tokens, lookahead, "adaptive")
         heads, d, d_v, rk, rv, ek, ev, w = _online_args(heads, d, d_v, rank_k, rank_v, ell_k, ell_v, warmup)
+        ring, stride, reuse = sketch_options(ring_warm_start, fd_stride, reuse_angle, bool(sketch_reset))
+        if ring and lookahead:
+            raise ValueError(f"ring_warm_start={ring} and lookahead={lookahead} cannot be combined: the ring replaces the sketches that lookahead extends; set one of them to 0")
         policy = AdaptivePolicy(
             rk, rv, ek, ev,
             _checks.open_unit_interval("tau_k", tau_k),
@@ -149,6 +176,9 @@ class SubspaceState:
             _checks.positive_int("max_chunk", max_chunk),
             w,
             bool(sketch_reset),
+            ring,
+            stride,
+            reuse,
         )
         return cls._online(policy, heads, d, d_v, gamma, batch, dtype, coefficients, bases, (window, min_tokens, lookahead))
 
@@ -192,12 +222,18 @@ class SubspaceState:
         layout = _empty_layout(n, heads, max(policy.rank_k), d, max(policy.rank_v), d_v, dtype, coefficients, bases)
         layout.gamma[:] = resolve_gamma(gamma, policy.rank_k, d, dtype)
         layout.num_chunks[:] = 1
+        ring = getattr(policy, "ring_warm_start", 0)
+        # with a ring (spec/sketch_variants.md S1) the sketches are rebuilt at each trigger and
+        # nothing reads them in between, so none are kept: zero-row buffers
+        sketch_rows = (0, 0) if ring else (2 * policy.ell_k, 2 * policy.ell_v)
         sketches = SketchBuffers(
-            keys=np.zeros((n, heads, 2 * policy.ell_k, d), dtype=dtype),
-            values=np.zeros((n, heads, 2 * policy.ell_v, d_v), dtype=dtype),
+            keys=np.zeros((n, heads, sketch_rows[0], d), dtype=dtype),
+            values=np.zeros((n, heads, sketch_rows[1], d_v), dtype=dtype),
             filled_k=0,
             filled_v=0,
             rows_seen=0,
+            ring_keys=np.zeros((n, heads, ring, d), dtype=dtype) if ring else None,
+            ring_values=np.zeros((n, heads, ring, d_v), dtype=dtype) if ring else None,
         )
         return cls(policy, layout, sketches, batch is not None, "numpy", _window.empty(*exact, n, heads, d, d_v, dtype))
 
@@ -258,6 +294,8 @@ class SubspaceState:
         chunks = int(to_numpy(lay.num_chunks).sum())
         if self.sketches is not None:
             total += (numel(self.sketches.keys) + numel(self.sketches.values)) * itemsize(self.sketches.keys)
+            if self.sketches.ring_keys is not None:  # spec/sketch_variants.md S1.5
+                total += (numel(self.sketches.ring_keys) + numel(self.sketches.ring_values)) * itemsize(self.sketches.ring_keys)
         if self.kind == "adaptive":
             total += chunks * 8
         if self.window is not None:
@@ -361,6 +399,8 @@ class SubspaceState:
         sketches = None
         if self.sketches is not None:
             sketches = replace(self.sketches, keys=clone(self.sketches.keys), values=clone(self.sketches.values))
+            if sketches.ring_keys is not None:
+                sketches = replace(sketches, ring_keys=clone(sketches.ring_keys), ring_values=clone(sketches.ring_values))
         exact = None if self.window is None else self.window.map_arrays(clone)
         return SubspaceState(self.policy, layout, sketches, self.batched, self.engine, exact)
 
@@ -387,6 +427,8 @@ class SubspaceState:
         state.layout = state.layout.map_arrays(lambda name, x: keep_dtype(x) if name in fixed else convert(x))
         if state.sketches is not None:
             state.sketches = replace(state.sketches, keys=convert(state.sketches.keys), values=convert(state.sketches.values))
+            if state.sketches.ring_keys is not None:
+                state.sketches = replace(state.sketches, ring_keys=convert(state.sketches.ring_keys), ring_values=convert(state.sketches.ring_values))
         if state.window is not None:
             state.window = state.window.map_arrays(convert)
         # appends then run on the named backend (e.g. "triton" uses its projection kernel)

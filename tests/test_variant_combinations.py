@@ -75,3 +75,33 @@ def test_pre_rope_state_with_a_window_keeps_true_positions(rng):
     state.append(K, V)
     q = rng.standard_normal((H, D))
     np.testing.assert_allclose(sr.attend(q, state), exact_attention(q, K, V), rtol=1e-10, atol=1e-12)
+
+
+def test_optional_sketch_fields_are_written_only_when_set(rng, tmp_path):
+    """spec/persistence.md: a plain adaptive state's file has no optional policy field and is
+    version 1; fd_stride or reuse_angle make it version 2; both load back to the same policy, and
+    a version 1 file claiming an optional field is rejected."""
+    import json
+
+    from safetensors import safe_open
+
+    from subspace_ref.persistence import StateFileError
+
+    K, V = _kv(rng)
+    for kw, version in ((dict(), "1"), (dict(fd_stride=2), "2"), (dict(reuse_angle=0.3), "2")):
+        state = build("adaptive", K, V, **kw)
+        state.append(K, V)
+        path = tmp_path / f"s{len(kw)}{version}.safetensors"
+        state.save(path)
+        with safe_open(str(path), "np") as f:
+            meta = f.metadata()
+        fields = json.loads(meta["state"])["policy"]
+        assert meta["format_version"] == version
+        assert ("fd_stride" in fields) == ("fd_stride" in kw) and ("reuse_angle" in fields) == ("reuse_angle" in kw)
+        assert sr.SubspaceState.load(path).policy == state.policy
+    raw = path.read_bytes()
+    forged = raw.replace(b'"format_version":"2"', b'"format_version":"1"')
+    assert forged != raw
+    (tmp_path / "forged.safetensors").write_bytes(forged)
+    with pytest.raises(StateFileError):
+        sr.SubspaceState.load(tmp_path / "forged.safetensors")

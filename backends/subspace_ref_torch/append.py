@@ -114,6 +114,9 @@ def _rotated(lay, which: str, upto: int, R: torch.Tensor, own: bool):
 def append_online(state, keys: torch.Tensor, values: torch.Tensor, project=project_window) -> None:
     """Spec A7 (adaptive) or A8 (rotating); see the module docstring for the batching."""
     policy = state.policy
+    variants = sketch_variant_reasons(policy)
+    if variants:  # refused before anything changes (spec/sketch_variants.md S4)
+        raise NotImplementedError(f"the torch append does not implement {'; '.join(variants)}; append on the numpy backend (state.to('numpy'))")
     adaptive = policy.kind == "adaptive"
     n_new = keys.shape[2]
     T = state.layout.num_tokens
@@ -228,6 +231,19 @@ def append_online(state, keys: torch.Tensor, values: torch.Tensor, project=proje
 
     state.layout = replace(lay, num_chunks=num_chunks, chunk_starts=chunk_starts, num_tokens=T + n_new)
     state.sketches = replace(sk, keys=buf_k.to(sk.keys.dtype), values=buf_v.to(sk.values.dtype), filled_k=filled_k, filled_v=filled_v, rows_seen=sk.rows_seen + n_new)
+
+
+def sketch_variant_reasons(policy) -> list[str]:
+    """The online-sketch options of spec/sketch_variants.md set away from their neutral values:
+    the oracle implements them, this backend refuses them."""
+    out = []
+    if getattr(policy, "ring_warm_start", 0):
+        out.append(f"ring_warm_start={policy.ring_warm_start}")
+    if getattr(policy, "fd_stride", 1) != 1:
+        out.append(f"fd_stride={policy.fd_stride}")
+    if getattr(policy, "reuse_angle", None) is not None:
+        out.append(f"reuse_angle={policy.reuse_angle}")
+    return out
 
 
 def _next_window(window: int, first: int, size: int) -> int:

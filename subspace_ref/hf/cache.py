@@ -170,8 +170,9 @@ class adaptive_states(_online_states):
     per-head tuple, or per layer: a mapping or a callable of the layer index) and any keyword of
     :meth:`SubspaceState.adaptive` (``tau_k``, ``tau_v``, ``max_chunk``, ``warmup``,
     ``basis_format``: as in :class:`static_states`, the ``bases`` of the state;
-    ``sketch_reset``, ``gamma``, ``ell_k``, ``ell_v``, and ``window``, ``min_tokens``,
-    ``lookahead`` of spec/window.md; each may also be given per layer).
+    ``sketch_reset``, ``gamma``, ``ell_k``, ``ell_v``, ``window``, ``min_tokens``, ``lookahead``
+    of spec/window.md, and the online-sketch variants ``ring_warm_start``, ``fd_stride``,
+    ``reuse_angle`` of spec/sketch_variants.md; each may also be given per layer).
     ``compress="keys"``/``"values"`` stores the other side at full rank (rank = head size: every
     FD basis of that side is complete and stores it exactly up to rounding). Caveat from the
     state API: the warm-up length W is shared by both sides and at most the smaller rank, so

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -11,7 +11,13 @@ class AdaptivePolicy:
     token whose relative residual exceeds ``tau_k``/``tau_v`` or when a chunk reaches ``max_chunk``.
     The first ``warmup`` tokens are stored exactly (spec A7 step 0). With ``sketch_reset`` the
     sketches restart at every chunk boundary (spec A7 step 3b), so each snapshot summarises the
-    chunk that just closed instead of the whole history."""
+    chunk that just closed instead of the whole history.
+
+    Online-sketch variants (spec/sketch_variants.md, seed 001 §7, §9, §14), neutral by default:
+    ``ring_warm_start`` W > 0 takes each new chunk's bases from FD of the last W sketch rows kept
+    in ring buffers (S1); ``fd_stride`` m feeds only tokens t with t mod m = 0 to the sketches
+    (S2); ``reuse_angle`` keeps the open chunk when a trigger's snapshot lies within that largest
+    principal angle of the open bases, on keys and values (S3)."""
 
     rank_k: tuple[int, ...]
     rank_v: tuple[int, ...]
@@ -22,5 +28,30 @@ class AdaptivePolicy:
     max_chunk: int
     warmup: int
     sketch_reset: bool = False
+    # optional in saved files: written only when not neutral (spec/persistence.md version 2)
+    ring_warm_start: int = field(default=0, metadata={"optional": True})
+    fd_stride: int = field(default=1, metadata={"optional": True})
+    reuse_angle: float | None = field(default=None, metadata={"optional": True})
 
     kind = "adaptive"
+
+
+def sketch_options(ring_warm_start, fd_stride, reuse_angle, sketch_reset: bool) -> tuple[int, int, float | None]:
+    """The online-sketch options checked (spec/sketch_variants.md S1-S3): ring_warm_start an
+    int >= 0, fd_stride an int >= 1, reuse_angle None or radians in (0, pi/2). A ring replaces
+    the running sketches, so it does not combine with sketch_reset (S1.4)."""
+    import math
+
+    from subspace_ref import _checks
+
+    ring = _checks.integer("ring_warm_start", ring_warm_start)
+    if ring < 0:
+        raise ValueError(f"ring_warm_start must be an int >= 0 (0: no ring), got {ring}")
+    if ring and sketch_reset:
+        raise ValueError("ring_warm_start > 0 rebuilds the sketches from the ring at each trigger; it does not combine with sketch_reset=True (spec/sketch_variants.md S1.4)")
+    stride = _checks.positive_int("fd_stride", fd_stride)
+    if reuse_angle is not None:
+        reuse_angle = _checks.real("reuse_angle", reuse_angle)
+        if not 0.0 < reuse_angle < math.pi / 2:
+            raise ValueError(f"reuse_angle must be None or radians in the open interval (0, pi/2), got {reuse_angle}")
+    return ring, stride, reuse_angle

@@ -206,3 +206,26 @@ def test_load_model_local_dir_and_default_alias(loaded, tmp_path):
 def test_corpus_module_does_not_import_torch():
     code = "import sys, subspace_ref.models, subspace_ref.models.corpus; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parent.parent)
+
+
+def test_insert_copies_repeats_earlier_spans_within_rows():
+    """The copy objective the shipped model was fine-tuned with: every changed stretch of a row
+    repeats bytes that occur earlier in that row, rows not drawn stay untouched."""
+    torch = pytest.importorskip("torch")
+    from subspace_ref.models.train_default_model import insert_copies
+
+    rng = np.random.default_rng(3)
+    x = torch.as_tensor(rng.integers(0, 256, size=(64, 512)))
+    before = x.clone()
+    insert_copies(x, np.random.default_rng(0), frac=0.5, copies=1, span=(40, 96))
+    changed = (x != before).any(1)
+    assert 16 < int(changed.sum()) < 48  # about half of the rows
+    for row in np.flatnonzero(changed.numpy()):
+        pos = np.flatnonzero((x[row] != before[row]).numpy())
+        a, b = int(pos.min()), int(pos.max()) + 1
+        assert b - a <= 96
+        text, piece = bytes(x[row, :a].numpy().astype(np.uint8)), bytes(x[row, a:b].numpy().astype(np.uint8))
+        assert piece in text  # the changed bytes were copied from earlier in the row
+    x2 = before.clone()
+    insert_copies(x2, np.random.default_rng(0), frac=0.0, copies=3)
+    assert torch.equal(x2, before)

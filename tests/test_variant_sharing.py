@@ -263,7 +263,6 @@ def test_rows_run_and_report_heldout_logit_errors(tiny):
     assert res[rows[1].name]["bytes_per_token"] == g * plain["bytes_per_token"]
     # matched coefficient and basis bytes; only gamma has H_q entries instead of H (B2)
     assert plain["bytes_per_token"] <= res[rows[2].name]["bytes_per_token"] <= 1.01 * plain["bytes_per_token"]
-    print({k: (float(np.mean(v["nll"])), v["bytes_per_token"]) for k, v in res.items()}, float(np.mean(plain["nll"])), rows[0].extra)
     assert all(np.isfinite(r["nll"]).all() for r in res.values())
     ex = rows[0].extra
     # on the calibration moments the orderings S5/S6 hold by construction

@@ -89,7 +89,7 @@ def save_state(state, path) -> None:
     path = os.fspath(path)
     for f in _unpersisted(state.policy):
         if getattr(state.policy, f.name) is not None:  # refuse rather than drop it (before any write)
-            raise NotImplementedError(f"a state with policy field {f.name}={getattr(state.policy, f.name)!r} cannot be saved: this schema does not describe it (spec/rope.md §5)")
+            raise NotImplementedError(f"a state with policy field {f.name}={getattr(state.policy, f.name)!r} cannot be saved: this schema does not describe it ({f.metadata.get('spec', 'spec/rope.md §5')})")
     tensors, dtype_name = _tensors_of(state)
     header = _state_header(state, dtype_name)
     # the oldest version that describes the state

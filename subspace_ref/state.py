@@ -63,7 +63,7 @@ class SubspaceState:
     # ----------------------------------------------------------------- construction
     @classmethod
     def static(cls, basis: StaticBasis, *, batch: int | None = None, dtype: Any = None, coefficients: str = "float", rope: Any = None,
-               bases: str = "native", window: int = 0, min_tokens: int = 0) -> "SubspaceState":
+               bases: str = "native", window: int = 0, min_tokens: int = 0, query_group: int = 1) -> "SubspaceState":
         """A state over a calibrated basis (spec A6): one chunk per head, nothing else kept.
 
         ``coefficients="int8"`` stores coefficients as int8 with one float32 scale per token and
@@ -84,7 +84,16 @@ class SubspaceState:
         fewer than M tokens (seed 003 "Limitations": short sequences); tokens leaving the exact
         part are appended to the compressed part in order, and attention merges both in one
         blockwise softmax (spec/window.md W1-W3; the same keywords on :meth:`adaptive` and
-        :meth:`rotating`). W = M = 0 is the plain state."""
+        :meth:`rotating`). W = M = 0 is the plain state.
+
+        ``query_group=g`` (spec/sharing.md A3, seed 001 §11): ``basis`` has one head per QUERY
+        head (H_q = g H, e.g. from :func:`subspace_ref.sharing.calibrate_query_heads`); appends
+        take keys/values of the H KV heads and repeat KV head h for query heads g h .. g h + g - 1,
+        so each query head projects with its own key basis and attention maps query head i to
+        state head i (group 1). Values are stored per query head too (the layout has one head
+        count): g times the coefficient and basis bytes of a plain state at the same ranks
+        (spec/sharing.md B1). Every backend runs it (the repeat happens before the backend);
+        such a state cannot be saved (spec/sharing.md §6)."""
         if not isinstance(basis, StaticBasis):
             raise TypeError(f"basis must be a StaticBasis (see calibrate or StaticBasis.from_bases), got {type(basis).__name__}")
         if rope is not None:
@@ -98,6 +107,9 @@ class SubspaceState:
         n = _batch_size(batch)
         H, r, d = basis.B.shape
         r_v, d_v = basis.E.shape[1:]
+        query_group = _checks.positive_int("query_group", query_group)
+        if H % query_group:
+            raise ValueError(f"query_group = {query_group} must divide the basis's {H} heads (one per query head, H_q = query_group x KV heads)")
         layout = _empty_layout(n, H, r, d, r_v, d_v, dtype, coefficients, bases)
         every = (slice(None), slice(None), 0)
         layout.store_basis("key", every, np.broadcast_to(basis.B.astype(dtype), (n, H, r, d)))
@@ -105,7 +117,8 @@ class SubspaceState:
         layout.gamma[:] = basis.gamma
         layout.num_chunks[:] = 1
         exact = _window.empty(W, M, 0, n, H, d, d_v, dtype)
-        return cls(StaticPolicy(basis.rank_k, basis.rank_v, rope), layout, None, batch is not None, "numpy", exact)
+        policy = StaticPolicy(basis.rank_k, basis.rank_v, rope, None if query_group == 1 else query_group)
+        return cls(policy, layout, None, batch is not None, "numpy", exact)
 
     @classmethod
     def adaptive(
@@ -249,6 +262,12 @@ class SubspaceState:
     @property
     def heads(self) -> int:
         return self.layout.key_coef.shape[1]
+
+    @property
+    def kv_heads(self) -> int:
+        """Heads of the keys/values :meth:`append` takes: :attr:`heads`, or heads / g for a
+        per-query-head state (``query_group=g``, spec/sharing.md A3)."""
+        return self.heads // (getattr(self.policy, "query_group", None) or 1)
 
     @property
     def d(self) -> int:
@@ -443,20 +462,22 @@ class SubspaceState:
         if family != array_family(self.layout.key_coef):
             raise TypeError(f"{name} is a {family} array but the state holds {array_family(self.layout.key_coef)} arrays; convert one of them (state.to(...))")
         _checks.float_dtype(name, x)
-        lead = (self.batch, self.heads) if self.batched else (self.heads,)
+        lead = (self.batch, self.kv_heads) if self.batched else (self.kv_heads,)
         if x.ndim == len(lead) + 1:
             x = x[..., None, :]
         if self.batched:
-            _checks.shape(name, x, (self.batch, self.heads, None, dim))
+            _checks.shape(name, x, (self.batch, self.kv_heads, None, dim))
         else:
-            _checks.shape(name, x, (self.heads, None, dim))
+            _checks.shape(name, x, (self.kv_heads, None, dim))
             x = x[None]
         if family == "torch" and x.device != self.layout.key_coef.device:
             raise ValueError(f"{name} is on {x.device} but the state is on {self.layout.key_coef.device}")
         _checks.finite(name, x)
         x = x.astype(self.dtype) if family != "torch" else x.detach().to(self.dtype)
         _checks.finite_norms(name, x)
-        return x
+        from subspace_ref.sharing import repeat_kv_heads
+
+        return repeat_kv_heads(x, self.heads // self.kv_heads)  # spec/sharing.md A3 step 1
 
     def __repr__(self) -> str:
         return (

@@ -105,3 +105,16 @@ def test_optional_sketch_fields_are_written_only_when_set(rng, tmp_path):
     (tmp_path / "forged.safetensors").write_bytes(forged)
     with pytest.raises(StateFileError):
         sr.SubspaceState.load(tmp_path / "forged.safetensors")
+
+
+def test_per_query_head_bases_with_a_window_are_exact_at_full_rank(rng):
+    """spec/sharing.md A3 with spec/window.md W1: query_group repeats the KV heads before the
+    window sees them, so at full rank the state equals exact grouped-query attention."""
+    g = 2
+    K, V = _kv(rng)
+    eye = np.broadcast_to(np.eye(D), (H * g, D, D)).copy()
+    state = sr.SubspaceState.static(sr.StaticBasis.from_bases(eye, eye, 1.0), query_group=g, window=5)
+    state.append(K, V)
+    q = rng.standard_normal((H * g, D))
+    want = exact_attention(q, np.repeat(K, g, axis=0), np.repeat(V, g, axis=0))
+    np.testing.assert_allclose(sr.attend(q, state), want, rtol=1e-10, atol=1e-12)

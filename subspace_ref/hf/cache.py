@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -95,10 +95,16 @@ class static_states:
     layer, a mapping or a callable) given to :meth:`SubspaceState.static`. The state un-rotates
     each appended key at its position (the cache's token index, which is the model's position
     for unpadded sequences) and rotates rebuilt keys back when attending: O(r d) per token, and
-    only ``backend="numpy"`` runs it (the others refuse)."""
+    only ``backend="numpy"`` runs it (the others refuse).
+
+    ``share``: "kv_head" (default) takes bases with one head per KV head, shared by the query
+    heads of its group; "query_head" takes bases with one head per QUERY head (H_q = g H, e.g.
+    :func:`subspace_ref.sharing.calibrate_query_heads`) and builds ``SubspaceState.static(...,
+    query_group=g)`` states: g times the bytes of "kv_head" at the same ranks (values are stored
+    per query head too; spec/sharing.md A3, B1). Any backend."""
 
     def __init__(self, bases: Sequence[StaticBasis] | Mapping[int, StaticBasis], *, compress: str = "both", coefficients: str = "float", dtype: Any = None,
-                 basis_format: str | None = None, rope: Any = None, window: Any = 0, min_tokens: Any = 0):
+                 basis_format: str | None = None, rope: Any = None, window: Any = 0, min_tokens: Any = 0, share: str = "kv_head"):
         self.bases = bases
         self.keys, self.values = _side(compress)
         self.coefficients = coefficients
@@ -106,11 +112,20 @@ class static_states:
         self.basis_format = basis_format
         self.rope = rope
         self.window, self.min_tokens = window, min_tokens
+        if share not in ("kv_head", "query_head"):
+            raise ValueError(f'share must be "kv_head" or "query_head", got {share!r}')
+        self.share = share
 
     def __call__(self, spec: StateSpec) -> SubspaceState:
         basis = self.bases[spec.layer_idx]
         if not isinstance(basis, StaticBasis):
             raise TypeError(f"layer {spec.layer_idx}: expected a StaticBasis, got {type(basis).__name__}")
+        group = 1
+        if self.share == "query_head":  # spec/sharing.md A3: one basis head per query head
+            if basis.B.shape[0] % spec.heads:
+                raise ValueError(f"layer {spec.layer_idx}: share='query_head' needs bases with a multiple of the model's {spec.heads} KV heads (one per query head), got {basis.B.shape[0]}")
+            group = basis.B.shape[0] // spec.heads
+            spec = replace(spec, heads=basis.B.shape[0])
         if basis.B.shape[0] != spec.heads or basis.B.shape[2] != spec.head_dim or basis.E.shape[2] != spec.value_dim:
             raise ValueError(
                 f"layer {spec.layer_idx}: basis has {basis.B.shape[0]} heads of size {basis.B.shape[2]}/{basis.E.shape[2]}, "
@@ -125,7 +140,7 @@ class static_states:
         return SubspaceState.static(
             basis, batch=spec.batch, dtype=dtype, coefficients=self.coefficients, bases=default_basis_format(self.basis_format, dtype),
             rope=per_layer(self.rope, spec.layer_idx), window=per_layer(self.window, spec.layer_idx),
-            min_tokens=per_layer(self.min_tokens, spec.layer_idx),
+            min_tokens=per_layer(self.min_tokens, spec.layer_idx), query_group=group,
         )
 
 
@@ -277,7 +292,7 @@ class SubspaceLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         st = self.state
-        if key_states.ndim != 4 or key_states.shape[0] != st.batch or key_states.shape[1] != st.heads or key_states.shape[3] != st.d:
+        if key_states.ndim != 4 or key_states.shape[0] != st.batch or key_states.shape[1] != st.kv_heads or key_states.shape[3] != st.d:
             raise ValueError(f"layer {self.layer_idx}: keys of shape {tuple(key_states.shape)} do not fit the state {st!r} (batch {st.batch})")
         self.pending_keys, self.pending_values = key_states, value_states
         setattr(key_states, _attn.TAG, self)
@@ -453,7 +468,7 @@ class SubspaceCache(Cache):
     def adopt(self, state: SubspaceState, spec: StateSpec) -> SubspaceState:
         """``state`` checked against the layer's shapes and moved to the backend's array family
         and the keys' device; ValueError with the backend's reasons if it refuses the state."""
-        if state.batch != spec.batch or state.heads != spec.heads or state.d != spec.head_dim or state.d_v != spec.value_dim:
+        if state.batch != spec.batch or state.kv_heads != spec.heads or state.d != spec.head_dim or state.d_v != spec.value_dim:
             raise ValueError(
                 f"layer {spec.layer_idx}: state {state!r} (batch {state.batch}) does not fit the model's "
                 f"batch {spec.batch}, {spec.heads} KV heads of size {spec.head_dim}/{spec.value_dim}"

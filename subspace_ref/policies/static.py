@@ -10,10 +10,14 @@ from typing import Any
 class StaticPolicy:
     """One fixed basis per head; ranks per head (zero rows pad the rest). ``rope``: a
     :class:`~subspace_ref.rope.RopeParams` when the key basis is pre-RoPE and the state un-rotates
-    appended keys (spec/rope.md P2); not persisted (saving such a state is refused)."""
+    appended keys (spec/rope.md P2); not persisted (saving such a state is refused).
+    ``query_group``: g when the state holds one basis per QUERY head and takes keys/values of
+    H/g KV heads, repeating each for its g query heads (spec/sharing.md A3); None for the plain
+    one basis per KV head. Not persisted (saving such a state is refused)."""
 
     rank_k: tuple[int, ...]
     rank_v: tuple[int, ...]
     rope: Any = field(default=None, metadata={"persisted": False})
+    query_group: Any = field(default=None, metadata={"persisted": False, "spec": "spec/sharing.md §6"})
 
     kind = "static"

@@ -184,6 +184,17 @@ def insert_copies(x, rng: np.random.Generator, frac: float, copies: int, span=(4
     return x
 
 
+def insert_repeats(x, rng: np.random.Generator, frac: float):
+    """In a ``frac`` share of the rows, in place, the second half repeats the first half exactly:
+    the strongest signal for an induction circuit (every byte of the second half follows from
+    finding its predecessor in the first half), the one induction-head studies train on."""
+    n, L = x.shape
+    half = L // 2
+    for row in np.flatnonzero(rng.random(n) < frac):
+        x[row, half : 2 * half] = x[row, :half].clone()
+    return x
+
+
 def lr_at(step: int, total: int, peak: float, warmup: int, final_frac: float) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -216,6 +227,7 @@ def parse_args(argv=None):
     ap.add_argument("--init", type=Path, default=None, help="start from this saved model instead of from scratch")
     ap.add_argument("--copy-frac", type=float, default=0.0, help="share of training rows given copied spans (insert_copies)")
     ap.add_argument("--copies", type=int, default=2, help="copied spans per chosen row")
+    ap.add_argument("--repeat-frac", type=float, default=0.0, help="share of training rows whose second half repeats the first (insert_repeats)")
     return ap.parse_args(argv)
 
 
@@ -266,6 +278,8 @@ def main(argv=None) -> int:
             x = train_t[starts[:, None] + torch.arange(length)[None, :]]
             if args.copy_frac > 0:
                 x = insert_copies(x, rng, args.copy_frac, args.copies)
+            if args.repeat_frac > 0:
+                x = insert_repeats(x, rng, args.repeat_frac)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
                 logits = model(input_ids=x).logits
             loss = torch.nn.functional.cross_entropy(
@@ -335,6 +349,7 @@ def main(argv=None) -> int:
                 "its_training": json.loads((args.init / "training_report.json").read_text()).get("training"),
             },
             "copy_spans": {"row_share": args.copy_frac, "per_row": args.copies, "function": "insert_copies"},
+            "repeated_halves": {"row_share": args.repeat_frac, "function": "insert_repeats"},
             "phases": [{"steps": s, "window": l, "batch": b, "tokens": s * l * b} for s, l, b in phases],
             "total_steps": total,
             "tokens_seen": int(sum(s * l * b for s, l, b in phases)),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import zlib
 
@@ -89,3 +90,19 @@ def state_from_chunks(K, V, starts, key_bases, value_bases, gamma=1.0):
     policy = AdaptivePolicy((r,) * H, (r_v,) * H, r + 1, r_v + 1, 0.5, 0.5, 10**9, 0)
     sketches = SketchBuffers(np.zeros((1, H, 2 * r + 2, d)), np.zeros((1, H, 2 * r_v + 2, d_v)), 0, 0, 0)
     return SubspaceState(policy, layout, sketches, False, "numpy")
+
+
+@pytest.fixture(scope="session")
+def tiny_calibration(tmp_path_factory):
+    """``(ctx, record, svd)`` of the ``calibrate`` subcommand on the tiny random Llama (tiny
+    profile), computed once per session for every test of the variant rows."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from subspace_ref.experiments import _common as C, calibrate
+
+    p = argparse.ArgumentParser()
+    calibrate.add_arguments(p)
+    out = tmp_path_factory.mktemp("tiny_calibration")
+    ctx = C.make_context(p.parse_args(["--model", "tiny-random", "--profile", "tiny", "--no-progress", "--out", str(out)]))
+    record, svd = calibrate.ensure_calibration(ctx)
+    return ctx, record, svd

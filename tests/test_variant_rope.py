@@ -4,8 +4,6 @@ the cache and backends around them, persistence refusal, and the report rows."""
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -233,18 +231,9 @@ def test_torch_backend_refuses_pre_rope_state(rng):
 
 
 # ----------------------------------------------------------------------------- cache and rows
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    pytest.importorskip("transformers")
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_experiments import TINY, parse
-
-    from subspace_ref.experiments import _common as C, calibrate
-
-    args = parse(calibrate, TINY + ["--out", str(tmp_path_factory.mktemp("rope"))])
-    ctx = C.make_context(args)
-    record, svd = calibrate.ensure_calibration(ctx)
-    return ctx, record, svd
+@pytest.fixture
+def tiny(tiny_calibration):
+    return tiny_calibration
 
 
 def test_cache_pre_rope_full_rank_equals_stock_model(tiny):

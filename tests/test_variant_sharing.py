@@ -3,8 +3,6 @@ bases (A1, A1', A2), per-query-head static states (A3, B1), the cache argument, 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -213,18 +211,9 @@ def test_torch_backend_agrees_with_the_oracle(rng):
 
 
 # ----------------------------------------------------------------------------- cache and rows
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    pytest.importorskip("transformers")
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_experiments import TINY, parse
-
-    from subspace_ref.experiments import _common as C, calibrate
-
-    args = parse(calibrate, TINY + ["--out", str(tmp_path_factory.mktemp("sharing"))])
-    ctx = C.make_context(args)
-    record, svd = calibrate.ensure_calibration(ctx)
-    return ctx, record, svd
+@pytest.fixture
+def tiny(tiny_calibration):
+    return tiny_calibration
 
 
 def test_cache_per_query_full_rank_equals_stock_model(tiny):

@@ -275,19 +275,6 @@ def test_factory_forwards_the_options():
 
 
 # ----------------------------------------------------------------------------- rows (tiny profile)
-@pytest.fixture(scope="module")
-def tiny_calibration(tmp_path_factory):
-    pytest.importorskip("torch")
-    from subspace_ref.experiments import _common as C, calibrate
-
-    from test_experiments import parse
-
-    out = tmp_path_factory.mktemp("variants")
-    ctx = C.make_context(parse(calibrate, ["--model", "tiny-random", "--profile", "tiny", "--no-progress", "--out", str(out)]))
-    record, svd = calibrate.ensure_calibration(ctx)
-    return ctx, record, svd
-
-
 def test_sketch_rows_build_and_score(tiny_calibration):
     from subspace_ref.experiments.ppl import score
     from subspace_ref.experiments.variant_rows import plain_rows, sketch

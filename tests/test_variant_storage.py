@@ -231,17 +231,12 @@ def test_hf_factories_default_to_float16_bases_below_float64(rng):
     assert adaptive_states(rank_k=2, rank_v=2, basis_format="native")(spec32).layout.key_bases.dtype == np.float32
 
 
-def test_storage_rows_run_on_the_tiny_profile(tmp_path):
+def test_storage_rows_run_on_the_tiny_profile(tiny_calibration):
     """The variant rows build and one scores (tiny profile)."""
-    from subspace_ref.experiments import _common as C, calibrate
     from subspace_ref.experiments.ppl import score
     from subspace_ref.experiments.variant_rows import storage
 
-    from test_experiments import parse
-
-    args = parse(calibrate, ["--model", "tiny-random", "--profile", "tiny", "--no-progress", "--out", str(tmp_path)])
-    ctx = C.make_context(args)
-    record, svd = calibrate.ensure_calibration(ctx)
+    ctx, record, svd = tiny_calibration
     rows = storage.variants(ctx, record, svd)
     names = [v.name for v in rows]
     assert len(names) == len(set(names)) and {v.group for v in rows} == {"storage"}

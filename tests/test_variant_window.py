@@ -401,20 +401,13 @@ def test_torch_plain_state_unchanged_and_refusals(rng):
         assert any("exact window" in r for r in impl.not_supported_reasons(q[None], windowed))
 
 
-def test_rows_run_on_the_tiny_profile(tmp_path):
+def test_rows_run_on_the_tiny_profile(tiny_calibration):
     """Deliverable 5: the rows build and score; a window covering the whole context (64 >= 48
     tokens of the tiny profile) reproduces the stock model through the HF cache (W3.2)."""
-    import argparse
-
-    from subspace_ref.experiments import _common as C
-    from subspace_ref.experiments import calibrate, ppl
+    from subspace_ref.experiments import ppl
     from subspace_ref.experiments.variant_rows import window as rows_module
 
-    p = argparse.ArgumentParser()
-    calibrate.add_arguments(p)
-    args = p.parse_args(["--model", "tiny-random", "--profile", "tiny", "--no-progress", "--out", str(tmp_path)])
-    ctx = C.make_context(args)
-    record, svd = calibrate.ensure_calibration(ctx)
+    ctx, record, svd = tiny_calibration
     rows = {v.name: v for v in rows_module.variants(ctx, record, svd)}
     assert all(v.group == "window" and v.plain in ("static", "adaptive") for v in rows.values())
     ids = ctx.eval_windows(1)

@@ -25,6 +25,8 @@ TINY = ["--model", "tiny-random", "--profile", "tiny", "--no-progress"]
         (1.00, (0.2, 0.9), "costs"),  # same bytes, significantly worse
         (1.30, (-0.5, 0.5), "costs"),  # more bytes for nothing
         (1.30, (-2.0, -1.0), "trade-off"),  # more bytes, significantly better
+        (1.00, (-0.5, 0.5), "no effect"),  # same bytes, no significant difference
+        (0.95, (-0.5, 0.5), "no effect"),  # a 5% saving is below the 10% that counts
         (None, (-2.0, -1.0), "trade-off"),
     ],
 )
@@ -50,7 +52,7 @@ def test_tiny_run_scores_rows_against_their_plain_method(tmp_path, monkeypatch):
     names = [r["name"] for r in out["rows"]]
     assert names[:3] == [f"{n} r{out['rank']}" for n in ("static", "adaptive", "rotating")]
     row = out["rows"][-1]
-    assert row["bytes_vs_plain"] < 1.0 and row["verdict"] in ("pays off", "trade-off", "costs")
+    assert row["bytes_vs_plain"] < 1.0 and row["verdict"] in ("pays off", "trade-off", "costs", "no effect")
     assert row["vs_plain_pct_ci"][0] <= row["vs_plain_pct"] <= row["vs_plain_pct_ci"][1]
     assert out["groups_missing"] == ["storage"]
 

@@ -391,8 +391,11 @@ def variants_section(page: Page, data: dict) -> None:
         f"from the plain method with a {rule['level']:.0%} block bootstrap (blocks of {rule['bootstrap_block']} tokens) of the paired "
         f"per-token differences. Verdict: **pays off** = at most {rule['matched'] - 1:.0%} more bytes and significantly better, or at "
         f"least {1 - rule['saving']:.0%} fewer bytes and not significantly worse; **costs** = significantly worse without that byte "
-        "saving, or more bytes for no significant gain; **trade-off** otherwise. Bytes per token are what the states hold (float32 "
-        "states unless the row says otherwise), bases, scales, sketches and exact windows included.",
+        "saving, or more bytes for no significant gain; **no effect** = bytes within "
+        f"-{1 - rule['saving']:.0%}..+{rule['matched'] - 1:.0%} and no significant difference; **trade-off** otherwise. Bytes per token are what the states hold (float32 "
+        "states unless the row says otherwise), bases, scales, sketches and exact windows included. The plain rows use the cache "
+        "factories' defaults: float16 bases (seed 001 §10), float32 coefficients, calibrated γ = 1 bases (static), τ at the 95th "
+        "residual percentile with sketch reset (adaptive), refresh every m tokens (rotating).",
         "",
     )
     rows = []
@@ -403,9 +406,9 @@ def variants_section(page: Page, data: dict) -> None:
                      _f(r.get("bytes_vs_plain"), ".3f"), _f(r["chunks_mean"], ".1f"), r.get("verdict", "plain"), r.get("note", "")])
     page.add(*_table(["variant", "group", "ppl", "vs stock", "vs plain [95% CI]", "bytes/token", "bytes vs plain", "chunks/head",
                       "verdict", "note"], rows), "")
-    paying = [r["name"] for r in var["rows"] if r.get("verdict") == "pays off"]
-    costing = [r["name"] for r in var["rows"] if r.get("verdict") == "costs"]
-    page.add(f"**Pays off:** {', '.join(paying) if paying else 'none'}.", "", f"**Costs:** {', '.join(costing) if costing else 'none'}.", "")
+    for verdict in ("pays off", "costs", "no effect", "trade-off"):
+        names = [r["name"] for r in var["rows"] if r.get("verdict") == verdict]
+        page.add(f"**{verdict.capitalize()}:** {', '.join(names) if names else 'none'}.", "")
     if var.get("groups_missing"):
         page.add(f"Groups with no rows in this run: {', '.join(var['groups_missing'])}.", "")
 

@@ -10,6 +10,7 @@ chunks per head, and a verdict:
 * **pays off**: it costs at most 2% more bytes than its plain method and is significantly
   better, or it saves at least 10% of the bytes and is not significantly worse;
 * **costs**: significantly worse at no byte saving, or more bytes for no significant gain;
+* **no effect**: bytes within -10%..+2% of its plain method's and no significant difference;
 * **trade-off**: anything else (e.g. fewer bytes and significantly worse): the table says how much.
 
 Writes ``OUT/variants.json`` and ``OUT/variants.csv``; ``report`` turns them into the variants
@@ -56,6 +57,8 @@ def verdict(bytes_ratio: float | None, ci: tuple[float, float]) -> str:
         return "pays off"
     if (bytes_ratio > SAVING and worse) or (bytes_ratio > MATCHED and not better):
         return "costs"
+    if bytes_ratio > SAVING and not (better or worse):
+        return "no effect"
     return "trade-off"
 
 

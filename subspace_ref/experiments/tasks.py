@@ -151,7 +151,8 @@ def evaluate(ctx, inst: dict, plan: list[dict], svd, batch: int, tau: dict) -> l
                         ok.append(score_answer(logits_of(model, ids, entry["at"][L], svd, own_options), ids, xs[0]["answer_len"]))
                     ok = np.concatenate(ok)
                     lo, hi = bootstrap_ci(ok, seed=0)
-                    cells.append(dict(length=L, depth=depth, needle=with_needle, n=int(ok.size), accuracy=float(ok.mean()), ci=[lo, hi]))
+                    cells.append(dict(length=L, depth=depth, needle=with_needle, n=int(ok.size), accuracy=float(ok.mean()), ci=[lo, hi],
+                                      correct=ok.astype(int).tolist()))
         m_w = entry["at"].get(Lw, None) if Lw in entry["at"] else None
         nt, lam = [], []
         for i in range(0, len(wins), batch):
@@ -260,6 +261,23 @@ def figures(record: dict, folder: Path) -> list[Path]:
 
 
 # ----------------------------------------------------------------------------- the page
+def recall_validity(full_row: dict, lengths) -> dict:
+    """Per length: the full cache's recall with and without the needle and the paired bootstrap
+    interval of their difference (same haystacks and queries); the task is *valid* at a length
+    when that interval lies above 0, i.e. the needle measurably helps."""
+    from subspace_ref.tasks import bootstrap_ci
+
+    out = {}
+    for L in lengths:
+        withn = [c for c in full_row["needle"] if c["length"] == L and c["needle"]]
+        ctrl = {c["depth"]: c for c in full_row["needle"] if c["length"] == L and not c["needle"]}
+        a = np.concatenate([c["correct"] for c in withn])
+        b = np.concatenate([ctrl[c["depth"]]["correct"] for c in withn])
+        lo, hi = bootstrap_ci(a - b)
+        out[L] = dict(needle=float(a.mean()), control=float(b.mean()), difference=float((a - b).mean()), ci=[lo, hi], valid=bool(lo > 0))
+    return out
+
+
 def _ci(v: dict) -> str:
     lo, hi = v["ci"]
     return f"{v['accuracy']:.3f} [{lo:.3f}, {hi:.3f}]"
@@ -290,16 +308,20 @@ def markdown(record: dict, command: str) -> str:
          "## Validity of the recall task\n"]
     ctrl = [c for c in full["needle"] if not c["needle"]]
     withn = [c for c in full["needle"] if c["needle"]]
-    acc_n = np.mean([c["accuracy"] for c in withn])
-    acc_c = np.mean([c["accuracy"] for c in ctrl])
-    L.append(f"Full cache: {acc_n:.3f} with the needle vs {acc_c:.3f} without (control). "
-             + ("The needle helps: the task measures recall." if acc_n > acc_c + 0.1 else
-                "**The shipped model does not solve the recall task**: with the needle it does no better than without it, "
-                "so recall differences between caches below are noise, not long-range retrieval. Formats tried first "
-                "(`SECRET_KEY_17 = \"qzxw\"` then `assert SECRET_KEY_17 == \"`; `NEEDLE_17 = \"word\"` repeated; copied "
-                "`self._qzxw_name` identifiers; `from qzxw_module import qzxw`) scored 0/16 at 256 and 1000 bytes; the "
-                "line-copy format here was the best found. The byte-level 4-layer model has no usable induction over "
-                "hundreds of bytes.") + "\n")
+    validity = recall_validity(full, record["lengths"])
+    valid = [L for L, v in validity.items() if v["valid"]]
+    L.append("The task is valid at a length when the full cache recalls measurably more with the needle than without it: the "
+             "paired bootstrap interval of (with needle − control) over the same haystacks lies above 0. "
+             + (f"**Valid at {', '.join(map(str, valid))} bytes**" if valid else "**Valid at no length**")
+             + (f"; at {', '.join(str(x) for x in validity if x not in valid)} bytes the needle does not measurably help, so recall "
+                "differences between caches there are not long-range retrieval." if len(valid) < len(validity) else ".")
+             + " (The shipped model learned to copy from a fine-tune with copied spans and repeated halves: "
+             "`subspace_ref/models/train_default_model.py`; trained on code alone it scored no better than the control at any length.)\n")
+    L.append("| length | with needle | control | difference [95% CI] | valid |\n|---:|---|---|---|---|")
+    for Lx, v in validity.items():
+        L.append(f"| {Lx} | {v['needle']:.3f} | {v['control']:.3f} | {v['difference']:+.3f} [{v['ci'][0]:+.3f}, {v['ci'][1]:+.3f}] | "
+                 f"{'yes' if v['valid'] else 'no'} |")
+    L.append("")
     L.append("| length | depth | with needle | control (no needle) |\n|---:|---:|---|---|")
     for c in withn:
         cc = next(x for x in ctrl if x["length"] == c["length"] and x["depth"] == c["depth"])

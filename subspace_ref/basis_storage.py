@@ -42,6 +42,21 @@ def stored_dtype(fmt: str, dtype: Any) -> np.dtype:
     return np.dtype({"native": dtype, "float16": np.float16, "int8": np.int8}[fmt])
 
 
+def row_error_bound(fmt: str, d: int) -> float:
+    """Spec S2.1: a bound on |decode(encode(u)) - u| for a unit row u of length d: 0 for native,
+    2^-11 for float16 (relative rounding of every entry), 2^-4 + sqrt(d) 2^-10 for float8 e4m3
+    (3 mantissa bits, subnormal spacing 2^-9), sqrt(d) / 254 for int8 (|error| <= max|u| / 254 per
+    entry). The warm-up (spec A7 step 0) treats a token whose residual against the stored rows is
+    below twice this (relative to its norm) as already in their span: such a residual is the
+    storage error of those rows, and normalising it would add a row of noise (with int8 bases on
+    the shipped model, rows nearly parallel to earlier ones)."""
+    import math
+
+    if fmt == "native":
+        return 0.0
+    return {"float16": 2.0**-11, "float8_e4m3": 2.0**-4 + math.sqrt(d) * 2.0**-10, "int8": math.sqrt(d) / 254.0}[fmt]
+
+
 def is_float8(x: Any) -> bool:
     return "float8_e4m3fn" in str(x.dtype)
 

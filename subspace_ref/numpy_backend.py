@@ -15,6 +15,7 @@ from subspace_ref import frequent_directions as fd
 from subspace_ref import window
 from subspace_ref.arrays import namespace, to_numpy
 from subspace_ref.backend import Availability
+from subspace_ref.basis_storage import row_error_bound
 from subspace_ref.blockwise_softmax import SoftmaxPartial
 from subspace_ref.quantization import dequantize_rows, quantize_rows
 from subspace_ref.rope import rotate
@@ -29,9 +30,10 @@ def relative_residual(x: Any, coef: Any) -> Any:
     return xp.where(norm2 > 0, xp.sqrt(res2 / safe), 0.0)
 
 
-def warmup_row(basis: Any, x: Any) -> Any:
+def warmup_row(basis: Any, x: Any, floor: float = 0.0) -> Any:
     """Spec A7 step 0: the unit residual of x against the basis rows, or zero when x is (to
-    rounding) already in their span. basis (..., r, d), x (..., d) -> (..., d).
+    rounding, or to the storage error ``floor`` of encoded rows, spec/storage.md S2.1) already
+    in their span. basis (..., r, d), x (..., d) -> (..., d).
 
     The projection is removed twice: one pass of classical Gram-Schmidt loses orthogonality for
     nearly parallel tokens, two passes keep it to rounding ("twice is enough")."""
@@ -40,7 +42,7 @@ def warmup_row(basis: Any, x: Any) -> Any:
     for _ in range(2):
         residual = residual - xp.einsum("...rd,...r->...d", basis, xp.einsum("...rd,...d->...r", basis, residual))
     norm = xp.sqrt((residual * residual).sum(-1, keepdims=True))
-    floor = 10 * np.finfo(np.dtype(str(x.dtype))).eps * xp.sqrt((x * x).sum(-1, keepdims=True))
+    floor = max(10 * np.finfo(np.dtype(str(x.dtype))).eps, floor) * xp.sqrt((x * x).sum(-1, keepdims=True))
     return xp.where(norm > floor, residual / xp.where(norm > 0, norm, 1.0), 0.0)
 
 
@@ -105,8 +107,8 @@ def append_reference(state, keys: Any, values: Any, ahead: tuple | None = None) 
         k, v = keys[:, :, i], values[:, :, i]
         if t < W:  # step 0: exact warm-up rows in chunk 0, which is open for every head
             # (stored encoded at once; the open basis holds the decoded row: spec/storage.md S3)
-            open_B[:, :, t] = lay.store_basis("key", every + (t,), warmup_row(open_B, k))
-            open_E[:, :, t] = lay.store_basis("value", every + (t,), warmup_row(open_E, v))
+            open_B[:, :, t] = lay.store_basis("key", every + (t,), warmup_row(open_B, k, 2 * row_error_bound(lay.basis_format, k.shape[-1])))
+            open_E[:, :, t] = lay.store_basis("value", every + (t,), warmup_row(open_E, v, 2 * row_error_bound(lay.basis_format, v.shape[-1])))
         # step 1: coefficients with the open chunk's bases
         c = xp.einsum("nhrd,nhd->nhr", open_B, k)
         dv = xp.einsum("nhrd,nhd->nhr", open_E, v)

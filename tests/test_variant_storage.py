@@ -244,3 +244,29 @@ def test_storage_rows_run_on_the_tiny_profile(tiny_calibration):
     v = next(v for v in rows if v.extra.get("bases") == "float8_e4m3" and v.plain == "adaptive")
     result = score(ctx.model, ctx.eval_windows(), v.factory, backend=v.backend)
     assert np.isfinite(result["nll"]).all() and result["bytes_per_token"] > 0
+
+
+@pytest.mark.parametrize("fmt", ["float16", "float8_e4m3", "int8"])
+def test_warmup_of_repeated_tokens_adds_no_noise_rows(fmt):
+    """Found on the shipped model (layer 0 values repeat exactly for a repeated byte): the
+    residual of a token already in the span of *stored* warm-up rows is their storage error; the
+    warm-up must treat it as zero (spec/storage.md S2.1) instead of normalising it into a new row.
+    Before the fix, int8 bases got two nearly parallel rows (Gram off-diagonal 1.0) and a
+    reconstruction error of 586% on the warm-up chunk."""
+    from subspace_ref.basis_storage import row_error_bound
+
+    rng = np.random.default_rng(11)
+    d, r = 32, 16
+    base = rng.standard_normal((4, d))
+    seq = base[rng.integers(0, 4, size=24)]  # 24 tokens, 4 distinct
+    K = seq[None].astype(np.float32)
+    st = sr.SubspaceState.adaptive(1, d, rank_k=r, rank_v=r, tau_k=0.5, tau_v=0.5, max_chunk=64, bases=fmt, dtype=np.float32)
+    st.append(K, K)
+    E = st.layout.basis("key", (0, 0, 0), np.float64)
+    nonzero = np.linalg.norm(E, axis=1) > 0.5
+    assert nonzero.sum() == 4  # one row per distinct token, zero rows for the repeats
+    G = E[nonzero] @ E[nonzero].T
+    delta = row_error_bound(fmt, d)
+    assert np.abs(G - np.eye(4)).max() < 4 * delta
+    Kh, _ = st.reconstruct()
+    assert np.linalg.norm(Kh - K) / np.linalg.norm(K) < 4 * delta

@@ -38,6 +38,7 @@ from dataclasses import replace
 
 import torch
 
+from subspace_ref.basis_storage import row_error_bound
 from subspace_ref_torch import fd
 from subspace_ref_torch.convert import compute_dtype
 
@@ -160,8 +161,8 @@ def append_online(state, keys: torch.Tensor, values: torch.Tensor, project=proje
             # spec A7/A8 step 0: exact warm-up rows in chunk 0 (open for every head: no trigger
             # fires before W); then steps 1 and 4 for this one token
             k, v = k_all[:, :, i], v_all[:, :, i]
-            open_B[:, :, t] = lay.store_basis("key", every + (t,), fd.warmup_row(open_B, k))
-            open_E[:, :, t] = lay.store_basis("value", every + (t,), fd.warmup_row(open_E, v))
+            open_B[:, :, t] = lay.store_basis("key", every + (t,), fd.warmup_row(open_B, k, 2 * row_error_bound(lay.basis_format, k.shape[-1])))
+            open_E[:, :, t] = lay.store_basis("value", every + (t,), fd.warmup_row(open_E, v, 2 * row_error_bound(lay.basis_format, v.shape[-1])))
             store(lay, "key", t, torch.matmul(open_B, k[..., None])[..., 0])
             store(lay, "value", t, torch.matmul(open_E, v[..., None])[..., 0])
             buf_k, filled_k = fd.insert_(buf_k, filled_k, k[:, :, None], policy.ell_k)

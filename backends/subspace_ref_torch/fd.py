@@ -66,16 +66,17 @@ def relative_residual(x: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
     return torch.where(norm2 > 0, torch.sqrt(res2 / safe), torch.zeros_like(norm2))
 
 
-def warmup_row(basis: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def warmup_row(basis: torch.Tensor, x: torch.Tensor, floor: float = 0.0) -> torch.Tensor:
     """Spec A7 step 0: the unit residual of x against the basis rows, or zero when x is (to
-    rounding) already in their span. basis (..., r, d), x (..., d) -> (..., d). The projection is
-    removed twice, as in the oracle ("twice is enough" for classical Gram-Schmidt)."""
+    rounding, or to the storage error ``floor`` of encoded rows) already in their span, as the
+    oracle's ``warmup_row``. basis (..., r, d), x (..., d) -> (..., d). The projection is removed
+    twice ("twice is enough" for classical Gram-Schmidt)."""
     residual = x
     for _ in range(2):
         coef = torch.einsum("...rd,...d->...r", basis, residual)
         residual = residual - torch.einsum("...rd,...r->...d", basis, coef)
     norm = torch.sqrt((residual * residual).sum(-1, keepdim=True))
-    floor = 10 * eps(x.dtype) * torch.sqrt((x * x).sum(-1, keepdim=True))
+    floor = max(10 * eps(x.dtype), floor) * torch.sqrt((x * x).sum(-1, keepdim=True))
     unit = residual / torch.where(norm > 0, norm, torch.ones_like(norm))
     return torch.where(norm > floor, unit, torch.zeros_like(unit))
 

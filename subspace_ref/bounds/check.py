@@ -20,6 +20,7 @@ from subspace_ref.linalg import svd
 
 from subspace_ref import frequent_directions as fd
 from subspace_ref.arrays import to_numpy
+from subspace_ref.jsonable import jsonable
 from subspace_ref.bounds import statements as st
 
 #: Multiple of n*u in every rounding allowance (spec B0): covers both sides of a comparison,
@@ -125,25 +126,6 @@ def _fmt_ratio(x: float) -> str:
 
 def _fmt_opt(x) -> str:
     return "n/a" if x is None else f"{x:.4g}"
-
-
-def jsonable(x: Any) -> Any:
-    """Plain JSON types: NumPy scalars and arrays unwrapped, non-finite floats as strings
-    ("inf", "-inf", "nan") since JSON has no literal for them."""
-    if isinstance(x, dict):
-        return {k: jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [jsonable(v) for v in x]
-    if isinstance(x, np.ndarray):
-        return jsonable(x.tolist())
-    if isinstance(x, (np.floating, float)):
-        x = float(x)
-        return x if math.isfinite(x) else ("inf" if x > 0 else "-inf" if x < 0 else "nan")
-    if isinstance(x, np.integer):
-        return int(x)
-    if isinstance(x, np.bool_):
-        return bool(x)
-    return x
 
 
 # --------------------------------------------------------------------------- per-head quantities

@@ -26,7 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from subspace_ref.bounds.check import jsonable, check
+from subspace_ref.bounds.check import check
+from subspace_ref.jsonable import jsonable
 from subspace_ref.bounds.statements import CLAIMS, COUNTEREXAMPLES
 
 FAMILIES = ("lowrank", "drift", "rope", "sink")

@@ -24,6 +24,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from subspace_ref.jsonable import jsonable as _jsonable
 from subspace_ref.linalg import svd  # noqa: F401  (the runner's modules call C.svd)
 
 #: Default output folder of every subcommand.
@@ -342,22 +343,8 @@ class _Quiet:
 
 # ----------------------------------------------------------------------------- JSON / CSV
 def jsonable(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {str(k): jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [jsonable(v) for v in x]
-    if isinstance(x, np.ndarray):
-        return jsonable(x.tolist())
-    if isinstance(x, (np.floating, float)):
-        x = float(x)
-        return x if math.isfinite(x) else None
-    if isinstance(x, (np.integer,)):
-        return int(x)
-    if isinstance(x, np.bool_):
-        return bool(x)
-    if isinstance(x, Path):
-        return str(x)
-    return x
+    """JSON types; non-finite floats become null (a missing value in the runner's outputs)."""
+    return _jsonable(x, nonfinite="null")
 
 
 def write_json(path: Path, obj: Any) -> Path:

@@ -2,8 +2,9 @@
 kernel, beside a pure-torch ``*_reference`` with the same signature.
 
 One launch covers every sequence and head and both keys and values: grid
-``(N * H, ceil(n / BLOCK_N))``, one program per (sequence, head) and tile of new tokens. A
-program loads the head's basis once (``B = bases[n, h, chunk[n, h]]``: with ``chunk =
+``(N * H, min(ceil(n / BLOCK_N), MAX_GRID_Y))``, one program per (sequence, head) and tile of new
+tokens; above MAX_GRID_Y tiles (CUDA's limit on the second grid dimension, ~1.05M tokens) each
+program strides over the tiles, so an append of any length is one launch. A program loads the head's basis once (``B = bases[n, h, chunk[n, h]]``: with ``chunk =
 num_chunks - 1`` that is the open chunk of spec A9, read in place, no gather copy), computes
 ``c_t = B k_t`` for its tokens in float32 (16-bit inputs on tensor cores: their products are exact
 in float32, so this equals a float32 product of the stored values), writes the coefficients in
@@ -26,6 +27,7 @@ from subspace_ref_triton._tl import MAX_COMBINE, SUM_COMBINE, to_storage
 
 BLOCK_N = 16  # new tokens per program: the tl.dot minimum; decode appends one token anyway
 BLOCK_D = 32  # columns per step of the projection
+MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y (and .z)
 
 
 def _block_d(dim: int) -> int:
@@ -96,15 +98,17 @@ def _project_kernel(
     nh = tl.program_id(0).to(tl.int64)
     n = nh // H
     h = nh % H
-    tok = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    t_mask = tok < n_new
     j = tl.load(chunk_ptr + n * sc_n + h * sc_h)
-    _project_one(k_ptr + n * sk_n + h * sk_h, sk_t, kb_ptr + n * skb_n + h * skb_h + j * skb_j, skb_r,
-                 ok_ptr + n * sok_n + h * sok_h, sok_t, oks_ptr + n * soks_n + h * soks_h, soks_t,
-                 rk_ptr + nh * n_new, tok, t_mask, d, r, D, R, BLOCK_N, BLOCK_DK, WANT_RHO, NATIVE, MANUAL_BF16_K, QUANT)
-    _project_one(v_ptr + n * sv_n + h * sv_h, sv_t, vb_ptr + n * svb_n + h * svb_h + j * svb_j, svb_r,
-                 ov_ptr + n * sov_n + h * sov_h, sov_t, ovs_ptr + n * sovs_n + h * sovs_h, sovs_t,
-                 rv_ptr + nh * n_new, tok, t_mask, d_v, r_v, DV, RV, BLOCK_N, BLOCK_DV, WANT_RHO, NATIVE, MANUAL_BF16_V, QUANT)
+    # Grid-stride over the token tiles: the second grid dimension is capped at MAX_GRID_Y.
+    for t0 in range(tl.program_id(1) * BLOCK_N, n_new, tl.num_programs(1) * BLOCK_N):
+        tok = t0 + tl.arange(0, BLOCK_N)
+        t_mask = tok < n_new
+        _project_one(k_ptr + n * sk_n + h * sk_h, sk_t, kb_ptr + n * skb_n + h * skb_h + j * skb_j, skb_r,
+                     ok_ptr + n * sok_n + h * sok_h, sok_t, oks_ptr + n * soks_n + h * soks_h, soks_t,
+                     rk_ptr + nh * n_new, tok, t_mask, d, r, D, R, BLOCK_N, BLOCK_DK, WANT_RHO, NATIVE, MANUAL_BF16_K, QUANT)
+        _project_one(v_ptr + n * sv_n + h * sv_h, sv_t, vb_ptr + n * svb_n + h * svb_h + j * svb_j, svb_r,
+                     ov_ptr + n * sov_n + h * sov_h, sov_t, ovs_ptr + n * sovs_n + h * sovs_h, sovs_t,
+                     rv_ptr + nh * n_new, tok, t_mask, d_v, r_v, DV, RV, BLOCK_N, BLOCK_DV, WANT_RHO, NATIVE, MANUAL_BF16_V, QUANT)
 
 
 def _check_unit_stride(**arrays):
@@ -171,7 +175,13 @@ def project_launch(keys, values, key_bases, value_bases, chunk, out_key, out_val
         MANUAL_BF16_V=interpreting() and out_value.dtype == torch.bfloat16,
         QUANT=quant,
     )
-    return Launch(_project_kernel, (N * H, cdiv(n_new, BLOCK_N)), args, constexprs, 4), rho
+    return Launch(_project_kernel, project_grid(N, H, n_new), args, constexprs, 4), rho
+
+
+def project_grid(N: int, H: int, n_new: int) -> tuple[int, int]:
+    """Grid of :func:`project_append`: one program per (sequence, head) and tile of BLOCK_N new
+    tokens, at most MAX_GRID_Y tiles (the programs then stride over the rest)."""
+    return (N * H, max(1, min(cdiv(n_new, BLOCK_N), MAX_GRID_Y)))
 
 
 def relative_residual_reference(x, coef):

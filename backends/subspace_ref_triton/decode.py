@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from subspace_ref_triton._common import Launch, cdiv, interpreting, pow2_at_least
+from subspace_ref_triton.occupancy import GPU, full_wave_splits, resident_blocks
 from subspace_ref_triton._tl import MAX_COMBINE as _MAX
 from subspace_ref_triton._tl import SUM_COMBINE as _SUM
 from subspace_ref_triton._tl import to_storage
@@ -59,6 +60,12 @@ from subspace_ref_triton._tl import to_storage
 BLOCK_T = 64  # tokens per tile: a multiple of 16 (tl.dot), small enough that 2 tiles fit in L1
 BLOCK_D = 32  # columns of q and B_j per step of the query projection (the interpreter takes all d)
 MERGE_BLOCK_S = 16  # splits per merge step: a (16 x d_v) float32 tile stays in registers
+# No split shorter than this: below, the per-split cost (query projection, partial write, merge)
+# starts to dominate.
+MIN_SPLIT_TOKENS = 256
+# Resident split programs per SM when the compiled kernel cannot be asked (the offline compile
+# report's figure for the benchmark's shape: 179 registers x 4 warps -> 2 per SM on sm_90).
+FALLBACK_RESIDENT = 2
 # 16-bit pieces a float32 operand is cut into for a tensor-core product with exact 16-bit
 # coefficients: 2 x 11 bits for float16, 3 x 8 bits for bfloat16 (float32 has 24).
 _PARTS = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
@@ -70,7 +77,7 @@ _PARTS = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 @triton.jit
 def _decode_split_kernel(
     q_ptr, kc_ptr, vc_ptr, kb_ptr, vb_ptr, starts_ptr, nchunks_ptr, gamma_ptr, ks_ptr, vs_ptr,
-    pm_ptr, pz_ptr, po_ptr,
+    pm_ptr, pz_ptr, po_ptr, ntok_ptr,
     H, group, num_tokens, split_len, num_splits, scale,
     d, d_v, r, r_v,
     sq_n, sq_h,
@@ -84,7 +91,7 @@ def _decode_split_kernel(
     svs_n, svs_h, svs_t,
     G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, RV: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PARTS: tl.constexpr, NATIVE16: tl.constexpr,
-    Q_NATIVE: tl.constexpr, INT8: tl.constexpr,
+    Q_NATIVE: tl.constexpr, INT8: tl.constexpr, DEVICE_T: tl.constexpr, MIN_SPLIT: tl.constexpr,
 ):
     # No nested @triton.jit calls in the loops (tl.max, tl.sum, tl.zeros are; see _tl.py):
     # under the interpreter each one re-patches triton.language, so the 16-bit split products
@@ -122,6 +129,12 @@ def _decode_split_kernel(
     nj = tl.load(nchunks_ptr + n * snc_n + h * snc_h)
     logit_scale = tl.load(gamma_ptr + h).to(tl.float32) * scale
 
+    if DEVICE_T:
+        # The token count is read from the device and the split length derived from it, so a
+        # captured CUDA graph replays correctly as the cache grows (grid fixed by the capacity).
+        num_tokens = tl.load(ntok_ptr).to(tl.int32)
+        split_len = (num_tokens + num_splits - 1) // num_splits
+        split_len = tl.maximum((split_len + BLOCK_T - 1) // BLOCK_T * BLOCK_T, MIN_SPLIT)
     lo = s * split_len
     hi = tl.minimum(lo + split_len, num_tokens)
 
@@ -338,18 +351,45 @@ def _shapes(q, layout):
     return N, Hq, d, H, Hq // H, layout.key_coef.shape[3], layout.value_coef.shape[3], layout.value_bases.shape[4]
 
 
-def default_split_len(num_tokens: int, programs: int, device) -> int:
-    """Tokens per split: enough splits that ``programs`` (= N x H) x S fills the device about four
-    times over (flash-decoding: one query over a long cache still fills every SM), but no split
-    shorter than 256 tokens, where the per-split cost (query projection, partial write, merge)
-    would start to dominate. A multiple of BLOCK_T so that tiles of a static state stay aligned."""
+def default_split_len(num_tokens: int, programs: int, device, resident: int | None = None) -> int:
+    """Tokens per split: enough splits that ``programs`` (= N x H) x S fill the device's resident
+    program slots once (:func:`~subspace_ref_triton.occupancy.full_wave_splits`; ``resident``
+    programs per SM, default that of the split kernel at the benchmark's shape), no split
+    shorter than MIN_SPLIT_TOKENS. A multiple of BLOCK_T so that tiles of a static state stay
+    aligned. The interpreter runs programs one after another: about 4 programs in all."""
     device = torch.device(device)
     if device.type == "cuda" and not interpreting():
-        target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        splits = full_wave_splits(programs, num_tokens, resident or FALLBACK_RESIDENT, sms, MIN_SPLIT_TOKENS)
     else:
-        target = 4  # the interpreter runs programs one after another: fewer, longer splits
-    splits = max(1, min(cdiv(num_tokens, 256), cdiv(target, max(programs, 1))))
+        splits = max(1, min(cdiv(num_tokens, MIN_SPLIT_TOKENS), cdiv(4, max(programs, 1))))
     return cdiv(cdiv(num_tokens, splits), BLOCK_T) * BLOCK_T
+
+
+_RESIDENT: dict[tuple, int] = {}
+
+
+def resident_programs(launch: Launch, device) -> int:
+    """Programs of ``launch``'s kernel resident on one SM of ``device``, from the compiled kernel's
+    registers and shared memory (compiled once per configuration, cached). The interpreter and
+    any failure to read them give FALLBACK_RESIDENT."""
+    device = torch.device(device)
+    if device.type != "cuda" or interpreting():
+        return FALLBACK_RESIDENT
+    key = (device.index, launch.kernel.fn.__name__, tuple(sorted(launch.constexprs.items())), launch.num_warps)
+    if key not in _RESIDENT:
+        try:
+            compiled = launch.kernel.warmup(*launch.args, grid=launch.grid, **launch.constexprs, num_warps=launch.num_warps)
+            compiled._init_handles()
+            props = torch.cuda.get_device_properties(device)
+            gpu = GPU(props.name, 10 * props.major + props.minor, props.multi_processor_count,
+                      regs_per_sm=getattr(props, "regs_per_multiprocessor", 65536),
+                      max_warps_per_sm=getattr(props, "max_threads_per_multi_processor", 2048) // 32,
+                      smem_per_sm=getattr(props, "shared_memory_per_multiprocessor", 228 * 1024))
+            _RESIDENT[key] = max(1, resident_blocks(gpu, compiled.n_regs, launch.num_warps, compiled.metadata.shared).blocks_per_sm)
+        except Exception:  # noqa: BLE001 - an occupancy query must never fail a decode
+            _RESIDENT[key] = FALLBACK_RESIDENT
+    return _RESIDENT[key]
 
 
 def launch_config(d: int, d_v: int) -> dict:
@@ -370,7 +410,7 @@ def decode_partials(q, layout, scale: float, split_len: int, num_splits: int | N
 
 
 def split_launch(q, layout, scale: float, split_len: int, num_splits: int | None = None, *,
-                 block_t: int | None = None, num_warps: int | None = None):
+                 block_t: int | None = None, num_warps: int | None = None, num_tokens=None, outputs=None):
     """Per-split partials ``(m, Z, N)`` (spec A3.2) of coefficient-space attention (spec A3).
 
     q (N, H_q, d); ``layout`` a :class:`~subspace_ref.layout.PackedLayout` of torch tensors
@@ -380,20 +420,30 @@ def split_launch(q, layout, scale: float, split_len: int, num_splits: int | None
     ``m, Z`` (N, H_q, S) and ``N`` (N, H_q, S, d_v), with ``m`` including gamma * scale.
     ``block_t`` (a power of two >= 16) and ``num_warps`` override :func:`launch_config`.
 
+    ``num_tokens``: a one-element integer tensor on q's device holding T (the layout's
+    ``num_tokens`` is then not read); the kernel reads it and derives the split length from it
+    and ``num_splits`` (required), so the launch can be captured in a CUDA graph and replayed as
+    the cache grows (:class:`~subspace_ref_triton.workspace.DecodeWorkspace`). ``outputs``:
+    preallocated ``(m, Z, N)`` to write instead of new tensors.
+
     :func:`split_launch` returns the launch (not run) and the outputs it would fill, for
-    ahead-of-time compile checks (``tests/test_triton_compile.py``).
+    ahead-of-time compile checks (``subspace_ref_triton.gpu_report``).
     """
     N, Hq, d, H, group, r, r_v, d_v = _shapes(q, layout)
-    T = int(layout.num_tokens)
+    device_t = num_tokens is not None
+    if device_t and num_splits is None:
+        raise ValueError("a device-resident num_tokens needs num_splits (the grid does not depend on T)")
+    T = 0 if device_t else int(layout.num_tokens)
     S = cdiv(T, split_len) if num_splits is None else int(num_splits)
     dev = q.device
-    pm = torch.empty((N, Hq, S), dtype=torch.float32, device=dev)
-    pz = torch.empty((N, Hq, S), dtype=torch.float32, device=dev)
-    po = torch.empty((N, Hq, S, d_v), dtype=torch.float32, device=dev)
+    if outputs is None:
+        outputs = (torch.empty((N, Hq, S), dtype=torch.float32, device=dev), torch.empty((N, Hq, S), dtype=torch.float32, device=dev),
+                   torch.empty((N, Hq, S, d_v), dtype=torch.float32, device=dev))
+    pm, pz, po = outputs
     kc, vc, kb, vb = layout.key_coef, layout.value_coef, layout.key_bases, layout.value_bases
     st, nc = layout.chunk_starts, layout.num_chunks
     int8 = getattr(layout, "key_scale", None) is not None  # spec A10
-    # without INT8 the scale pointers are never read: any tensor will do
+    # without INT8 the scale pointers are never read, nor num_tokens without DEVICE_T: any tensor will do
     ks, vs = (layout.key_scale, layout.value_scale) if int8 else (kc, vc)
     for name, x in (("q", q), ("key_coef", kc), ("value_coef", vc), ("key_bases", kb), ("value_bases", vb), ("chunk_starts", st), ("key_scale", ks), ("value_scale", vs)):
         if x.stride(-1) != 1:
@@ -403,8 +453,8 @@ def split_launch(q, layout, scale: float, split_len: int, num_splits: int | None
     cfg.update({k: v for k, v in (("block_t", block_t), ("num_warps", num_warps)) if v is not None})
     args = (
         q, kc, vc, kb, vb, st, nc, layout.gamma.contiguous(), ks, vs,
-        pm, pz, po,
-        H, group, T, int(split_len), S, float(scale),
+        pm, pz, po, num_tokens if device_t else nc,
+        H, group, T, 0 if device_t else int(split_len), S, float(scale),
         d, d_v, r, r_v,
         q.stride(0), q.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2),
@@ -422,8 +472,9 @@ def split_launch(q, layout, scale: float, split_len: int, num_splits: int | None
         BLOCK_T=cfg["block_t"], BLOCK_D=pow2_at_least(d) if interpreting() else min(BLOCK_D, pow2_at_least(d)),
         PARTS=parts, NATIVE16=parts > 1 and not interpreting(),
         Q_NATIVE=parts > 1 and q.dtype == kb.dtype and not interpreting(), INT8=int8,
+        DEVICE_T=device_t, MIN_SPLIT=MIN_SPLIT_TOKENS if device_t else 1,
     )
-    return Launch(_decode_split_kernel, (N * H, S), args, constexprs, cfg["num_warps"]), (pm, pz, po)
+    return Launch(_decode_split_kernel, (N * H, S), args, constexprs, cfg["num_warps"]), outputs
 
 
 def merge_partials(m, z, o, dtype):
@@ -434,11 +485,11 @@ def merge_partials(m, z, o, dtype):
     return out
 
 
-def merge_launch(m, z, o, dtype):
-    """The launch of :func:`merge_partials` (not run) and its output."""
+def merge_launch(m, z, o, dtype, out=None):
+    """The launch of :func:`merge_partials` (not run) and its output (``out`` when given)."""
     N, Hq, S = m.shape
     d_v = o.shape[-1]
-    out = torch.empty((N, Hq, d_v), dtype=dtype, device=m.device)
+    out = torch.empty((N, Hq, d_v), dtype=dtype, device=m.device) if out is None else out
     args = (m.contiguous(), z.contiguous(), o.contiguous(), out, S, d_v, Hq, out.stride(0), out.stride(1))
     constexprs = dict(
         DV=pow2_at_least(d_v), BLOCK_S=min(MERGE_BLOCK_S, pow2_at_least(S, 1)),
@@ -452,7 +503,10 @@ def decode_attention(q, layout, scale: float | None = None, split_len: int | Non
     in q's dtype, accumulated in float32. ``scale`` defaults to 1/sqrt(d)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if split_len is None:
-        split_len = default_split_len(int(layout.num_tokens), q.shape[0] * layout.key_coef.shape[1], q.device)
+        T, programs, resident = int(layout.num_tokens), q.shape[0] * layout.key_coef.shape[1], None
+        if q.device.type == "cuda" and not interpreting():  # the compiled kernel's occupancy (cached)
+            resident = resident_programs(split_launch(q, layout, scale, T, 1, **launch)[0], q.device)
+        split_len = default_split_len(T, programs, q.device, resident)
     m, z, o = decode_partials(q, layout, scale, split_len, num_splits, **launch)
     return merge_partials(m, z, o, q.dtype)
 

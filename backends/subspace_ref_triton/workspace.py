@@ -1,0 +1,76 @@
+"""A decode step that can be captured in a CUDA graph: :class:`DecodeWorkspace`.
+
+``decode.decode_attention`` sizes its grid from the token count T (a host int), allocates its
+partials and output per call and, through ``subspace_ref.attend``, checks its inputs on the host:
+~100 us of host work per step, and nothing a CUDA graph can replay once T changes. The workspace
+fixes everything that a graph bakes in, once, from the cache's *capacity*:
+
+* the token count lives on the device (``num_tokens``, a one-element int64 tensor); the split
+  kernel reads it and derives the split length from it (``DEVICE_T``), so the grid
+  ``(N * H, S)`` depends on the capacity and the occupancy only;
+* S fills the device's resident program slots once (``occupancy.full_wave_splits`` with the
+  compiled kernel's registers and shared memory), splits of T beyond the current one are empty
+  and merge as the identity (spec A3.2);
+* the partials and the output are allocated here; :meth:`attend` allocates nothing, reads no
+  device value on the host and synchronises nothing (``tests/test_triton_launch.py`` runs it
+  under a guard that raises on any of these).
+
+The layout's tensors must stay the ones the workspace was built on (a graph replays their
+addresses): build the state with its final capacity (``layout.with_capacity``) first, and advance
+``num_tokens`` on the device as tokens are appended (:meth:`advance`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from subspace_ref_triton import decode
+from subspace_ref_triton._common import cdiv, interpreting
+from subspace_ref_triton.occupancy import full_wave_splits
+
+
+class DecodeWorkspace:
+    """Preallocated, graph-capturable coefficient-space attention (spec A2, A3, A3.2) of queries
+    (N, H_q, d) in ``dtype`` over ``layout`` (a torch :class:`~subspace_ref.layout.PackedLayout`
+    at its final capacity)."""
+
+    def __init__(self, layout, query_heads: int, dtype, scale: float | None = None, num_splits: int | None = None):
+        N, H, capacity = layout.key_coef.shape[:3]
+        d, d_v = layout.key_bases.shape[4], layout.value_bases.shape[4]
+        self.layout = layout
+        self.device = layout.key_coef.device
+        self.scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+        self.num_tokens = torch.full((1,), int(layout.num_tokens), dtype=torch.int64, device=self.device)
+        q_shape = (N, query_heads, d)
+        if num_splits is None:
+            probe = torch.empty(q_shape, dtype=dtype, device=self.device)
+            launch, _ = decode.split_launch(probe, layout, self.scale, 0, 1, num_tokens=self.num_tokens)
+            if self.device.type == "cuda" and not interpreting():
+                sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+                num_splits = full_wave_splits(N * H, capacity, decode.resident_programs(launch, self.device), sms, decode.MIN_SPLIT_TOKENS)
+            else:  # the interpreter runs programs one after another
+                num_splits = max(1, min(cdiv(capacity, decode.MIN_SPLIT_TOKENS), 4))
+        self.num_splits = int(num_splits)
+        f32 = dict(dtype=torch.float32, device=self.device)
+        self.partials = (torch.empty((N, query_heads, self.num_splits), **f32), torch.empty((N, query_heads, self.num_splits), **f32),
+                         torch.empty((N, query_heads, self.num_splits, d_v), **f32))
+        self.out = torch.empty((N, query_heads, d_v), dtype=dtype, device=self.device)
+
+    def launches(self, q):
+        """The split and merge launches of one step over ``q`` (built, not run)."""
+        split, _ = decode.split_launch(q, self.layout, self.scale, 0, self.num_splits, num_tokens=self.num_tokens, outputs=self.partials)
+        merge, _ = decode.merge_launch(*self.partials, self.out.dtype, out=self.out)
+        return split, merge
+
+    def attend(self, q):
+        """Spec A3 of q (N, H_q, d) over the first ``num_tokens`` tokens: ``self.out``, overwritten
+        by every call. No allocation, no host sync; q must have the workspace's shape and dtype."""
+        for launch in self.launches(q):
+            launch.run()
+        return self.out
+
+    def advance(self, count: int = 1) -> None:
+        """Count ``count`` more tokens, on the device (graph-capturable)."""
+        self.num_tokens.add_(count)

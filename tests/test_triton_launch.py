@@ -1,0 +1,196 @@
+"""Launch shapes of the Triton kernels: occupancy-sized grids, the graph-capturable decode step
+(:class:`subspace_ref_triton.workspace.DecodeWorkspace`) and appends of any length.
+
+The numerics run on Triton's CPU interpreter (as in ``test_triton_kernels.py``); the host side of
+the graph-capturable step runs under :func:`no_sync_no_alloc`, a guard that raises on every call
+that would synchronise with the device or allocate, with the launches recorded instead of run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+_SET_HERE = not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ
+if _SET_HERE:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from subspace_ref.layout import PackedLayout  # noqa: E402
+from subspace_ref_triton import TritonBackend, occupancy  # noqa: E402
+from subspace_ref_triton._common import Launch, interpreting  # noqa: E402
+
+try:
+    _AVAILABLE = TritonBackend().availability()
+    if _AVAILABLE:
+        from subspace_ref_triton import decode, project, workspace  # decorated now, for the interpreter or the GPU
+    DEVICE = "cpu" if interpreting() else "cuda"
+finally:
+    if _SET_HERE:
+        del os.environ["TRITON_INTERPRET"]
+needs_triton = pytest.mark.skipif(not _AVAILABLE, reason=f"triton backend unavailable: {_AVAILABLE.reason}")
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_environment(monkeypatch):
+    if _SET_HERE:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+# ------------------------------------------------------------------------------ the guard
+
+_SYNCING_TENSOR_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "__array__")
+_ALLOCATORS = ("empty", "zeros", "ones", "full", "tensor", "empty_like", "zeros_like", "ones_like", "full_like", "arange")
+
+
+class HotPathViolation(AssertionError):
+    pass
+
+
+@contextlib.contextmanager
+def no_sync_no_alloc(monkeypatch):
+    """Raise on host reads of device values (``.item()``, ``bool(t)``, ``.cpu()``, ...), on
+    ``torch.cuda.synchronize`` and on tensor allocation; record kernel launches instead of running
+    them. Yields the list of recorded launches."""
+    launches: list[Launch] = []
+
+    def refuse(what):
+        def raiser(*args, **kwargs):
+            raise HotPathViolation(f"{what} on the hot path")
+        return raiser
+
+    with monkeypatch.context() as m:
+        for name in _SYNCING_TENSOR_METHODS:
+            m.setattr(torch.Tensor, name, refuse(f"Tensor.{name}"))
+        for name in _ALLOCATORS:
+            m.setattr(torch, name, refuse(f"torch.{name}"))
+        m.setattr(torch.cuda, "synchronize", refuse("torch.cuda.synchronize"))
+        m.setattr(Launch, "run", lambda self: launches.append(self))
+        yield launches
+
+
+def test_the_guard_catches_syncs_and_allocations(monkeypatch):
+    x = torch.ones(3)
+    for bad in (lambda: x.sum().item(), lambda: bool(x[0] > 0), lambda: torch.empty(2), lambda: x.cpu(), lambda: int(x[0])):
+        with no_sync_no_alloc(monkeypatch), pytest.raises(HotPathViolation):
+            bad()
+    assert x.sum().item() == 3.0  # restored afterwards
+
+
+# ------------------------------------------------------------------------------ occupancy
+
+
+def test_resident_blocks_limits():
+    # the benchmark's bf16 split kernel on sm_90: 179 registers x 4 warps -> 2 blocks (registers)
+    occ = occupancy.resident_blocks(occupancy.H100, 179, 4, 23552)
+    assert (occ.blocks_per_sm, occ.limiter) == (2, "registers")
+    # 64 registers x 4 warps: 8 by registers, 16 by warps; 30 KB of shared memory allows 7 on sm_90
+    occ = occupancy.resident_blocks(occupancy.H100, 64, 4, 30 * 1024)
+    assert (occ.blocks_per_sm, occ.limiter) == (7, "shared memory")
+    assert occupancy.resident_blocks(occupancy.A100, 64, 4, 30 * 1024).blocks_per_sm == 5
+    assert occupancy.resident_blocks(occupancy.H100, 32, 1, 0).limiter == "blocks"
+    assert occ.waves(7 * 132, 132) == 1.0
+
+
+@pytest.mark.parametrize("programs", [1, 8, 64, 300])
+def test_full_wave_splits_fill_the_device_once(programs):
+    resident, sms = 2, 132
+    S = occupancy.full_wave_splits(programs, 1 << 20, resident, sms, 256)
+    assert programs * S <= max(resident * sms, programs)  # never a second wave
+    assert programs * (S + 1) > resident * sms  # one more split would start one
+    assert occupancy.full_wave_splits(programs, 300, resident, sms, 256) <= 2  # no split under 256 tokens
+
+
+# ------------------------------------------------------------------------------ appends of any length
+
+
+@needs_triton
+def test_append_grid_is_capped_for_two_million_tokens():
+    n_new, d, r = 2_000_000, 64, 8
+    x = torch.zeros(1, 1, 1, d).expand(1, 2, n_new, d)  # a stride-0 view: no 2M-token allocation
+    bases = torch.zeros(1, 2, 1, r, d)
+    out = torch.zeros(1, 1, 1, r).expand(1, 2, n_new, r)
+    launch, _ = project.project_launch(x, x, bases, bases, torch.zeros(1, 2, dtype=torch.int64), out, out)
+    assert launch.grid == (2, project.MAX_GRID_Y)
+    assert project.MAX_GRID_Y <= 65535 < -(-n_new // project.BLOCK_N)
+
+
+@needs_triton
+def test_programs_stride_over_tiles_beyond_the_grid_cap(monkeypatch, rng):
+    monkeypatch.setattr(project, "MAX_GRID_Y", 2)  # 7 tiles of 16 tokens over 2 programs per head
+    N, H, n_new, d, r = 1, 2, 100, 32, 5
+    keys = torch.as_tensor(rng.standard_normal((N, H, n_new, d)), dtype=torch.float32)
+    bases = torch.as_tensor(np.swapaxes(np.linalg.qr(rng.standard_normal((N, H, 1, d, r)))[0], -1, -2).copy(), dtype=torch.float32)
+    chunk = torch.zeros(N, H, dtype=torch.int64)
+    got = [torch.full((N, H, n_new, r), float("nan")) for _ in range(2)]
+    want = [torch.empty_like(g) for g in got]
+    launch, _ = project.project_launch(keys, keys, bases, bases, chunk, *got, True)
+    assert launch.grid == (N * H, 2)
+    rho = project.project_append(keys, keys, bases, bases, chunk, *got, True)
+    rho_ref = project.project_append_reference(keys, keys, bases, bases, chunk, *want, True)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(rho[0], rho_ref[0], rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------ graph-capturable decode
+
+
+def chunked_layout(rng, N, H, capacity, d, r, starts):
+    """A float32 torch layout with every row of its capacity filled and the given chunk starts."""
+    J = len(starts)
+    qr = lambda: np.swapaxes(np.linalg.qr(rng.standard_normal((N, H, J, d, r)))[0], -1, -2).copy()  # noqa: E731
+    f = lambda x: torch.as_tensor(x, dtype=torch.float32, device=DEVICE)  # noqa: E731
+    return PackedLayout(
+        f(rng.standard_normal((N, H, capacity, r))), f(rng.standard_normal((N, H, capacity, r))), f(qr()), f(qr()),
+        torch.as_tensor(np.broadcast_to(starts, (N, H, J)).copy(), device=DEVICE), torch.full((N, H), J, dtype=torch.int64, device=DEVICE),
+        f(rng.uniform(0.5, 1.5, H)), 1,
+    )
+
+
+@needs_triton
+def test_workspace_follows_the_device_token_count(rng):
+    """One workspace, grid fixed by the capacity, the token count advanced on the device: every
+    step equals the plain decode at that T (splits past T are empty and merge as the identity)."""
+    N, H, g, d, r, capacity = 1, 2, 3, 32, 6, 700
+    lay = chunked_layout(rng, N, H, capacity, d, r, [0, 5, 260, 300])
+    ws = workspace.DecodeWorkspace(lay, H * g, torch.float32)
+    assert ws.num_splits == 3  # the interpreter's choice: ceil(700 / 256) splits
+    q = torch.as_tensor(rng.standard_normal((N, H * g, d)), dtype=torch.float32, device=DEVICE)
+    for T in (1, 7, 290, 700):
+        ws.num_tokens.fill_(T)
+        got = ws.attend(q).clone()
+        want = decode.decode_attention_reference(q, replace(lay, num_tokens=T), ws.scale, split_len=64)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    ws.num_tokens.fill_(290)
+    ws.advance(3)
+    want = decode.decode_attention_reference(q, replace(lay, num_tokens=293), ws.scale, split_len=64)
+    torch.testing.assert_close(ws.attend(q), want, rtol=1e-5, atol=1e-6)
+
+
+@needs_triton
+def test_workspace_step_has_no_sync_and_no_allocation(rng, monkeypatch):
+    N, H, g, d, r, capacity = 2, 2, 2, 32, 4, 1000
+    lay = chunked_layout(rng, N, H, capacity, d, r, [0, 40])
+    ws = workspace.DecodeWorkspace(lay, H * g, torch.float32)
+    q = torch.zeros(N, H * g, d, device=DEVICE)
+    with no_sync_no_alloc(monkeypatch) as launches:
+        out = ws.attend(q)
+        ws.advance()
+    assert out is ws.out
+    split, merge = launches
+    assert split.grid == (N * H, ws.num_splits) and merge.grid == (N * H * g,)
+    assert split.constexprs["DEVICE_T"] and split.args[13] is ws.num_tokens
+    assert all(a is p for a, p in zip(split.args[10:13], ws.partials)) and merge.args[3] is ws.out
+
+
+@needs_triton
+def test_device_token_count_needs_a_fixed_split_count(rng):
+    lay = chunked_layout(rng, 1, 1, 10, 16, 2, [0])
+    with pytest.raises(ValueError, match="num_splits"):
+        decode.split_launch(torch.zeros(1, 1, 16), lay, 1.0, 0, None, num_tokens=torch.ones(1, dtype=torch.int64))

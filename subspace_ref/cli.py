@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "bounds": ("subspace_ref.bounds.sweep", "sweep the error bounds of spec/bounds.md; table, plot, theory page"),
     "roofline": ("subspace_ref.roofline_report", "measure decode time against the roofline model; plot"),
     "backends": ("subspace_ref.cli_backends", "list registered backends and why any is unavailable"),
+    "gpu-report": ("subspace_ref_triton.gpu_report", "compile every GPU kernel for sm_80/sm_90: registers, spills, occupancy, waves, roofline"),
 }
 
 

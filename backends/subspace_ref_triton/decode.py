@@ -57,7 +57,7 @@ from subspace_ref_triton._tl import MAX_COMBINE as _MAX
 from subspace_ref_triton._tl import SUM_COMBINE as _SUM
 from subspace_ref_triton._tl import to_storage
 
-BLOCK_T = 64  # tokens per tile: a multiple of 16 (tl.dot), small enough that 2 tiles fit in L1
+BLOCK_T = 64  # tokens per split-length unit (splits stay tile-aligned); the tile itself is launch_config's
 BLOCK_D = 32  # columns of q and B_j per step of the query projection (the interpreter takes all d)
 MERGE_BLOCK_S = 16  # splits per merge step: a (16 x d_v) float32 tile stays in registers
 # No split shorter than this: below, the per-split cost (query projection, partial write, merge)
@@ -392,14 +392,27 @@ def resident_programs(launch: Launch, device) -> int:
     return _RESIDENT[key]
 
 
-def launch_config(d: int, d_v: int) -> dict:
-    """Tile and warps of the split kernel. Up to head size 128: 64-token tiles, 4 warps (the
-    sm_90 build at d = 128, r = 32, g <= 16 uses <= 40 bytes of stack; 32-token tiles use none;
-    ``benchmarks/decode_gpu.py`` times both). Beyond: 32-token tiles and 8 warps, which spill
-    least at head size 256 (still a few hundred bytes)."""
-    if max(d, d_v) <= 128:
-        return dict(block_t=BLOCK_T, num_warps=4)
-    return dict(block_t=32, num_warps=8)
+def launch_config(d: int, d_v: int, dtype=None, int8: bool = False) -> dict:
+    """Tile and warps of the split kernel for the bases' ``dtype`` and coefficient storage, chosen
+    from the compile report (``subspace-kv gpu-report``, docs/gpu.md) as the configuration with
+    no spills on sm_80 and sm_90 and the most resident warps per SM, at d = 128, r = 32:
+
+    * 16-bit float coefficients: 32-token tiles, 4 warps (146 registers on sm_90: 3 programs
+      per SM; 64-token tiles take 179 and fit 2, and spill on sm_80);
+    * int8 coefficients (spec A10) with 16-bit bases: 64-token tiles, 4 warps (255 / 250
+      registers, 2 per SM; 32-token tiles spill 44 bytes on sm_80);
+    * float32 bases: 64-token tiles, 8 warps (114 registers: 2 programs of 8 warps; 4 warps take
+      194; with int8 coefficients 180, where 4 warps spill 28 bytes on sm_90);
+    * head sizes above 128: 32-token tiles and 8 warps, which spill least at 256.
+
+    ``benchmarks/decode_gpu.py`` times the alternatives on a GPU."""
+    if max(d, d_v) > 128:
+        return dict(block_t=32, num_warps=8)
+    if dtype == torch.float32:
+        return dict(block_t=64, num_warps=8)
+    if int8:
+        return dict(block_t=64, num_warps=4)
+    return dict(block_t=32, num_warps=4)
 
 
 def decode_partials(q, layout, scale: float, split_len: int, num_splits: int | None = None, *,
@@ -449,7 +462,7 @@ def split_launch(q, layout, scale: float, split_len: int, num_splits: int | None
         if x.stride(-1) != 1:
             raise ValueError(f"{name} must have a unit stride in its last dimension")
     parts = _PARTS[kb.dtype]
-    cfg = launch_config(d, d_v)
+    cfg = launch_config(d, d_v, kb.dtype, int8)
     cfg.update({k: v for k, v in (("block_t", block_t), ("num_warps", num_warps)) if v is not None})
     args = (
         q, kc, vc, kb, vb, st, nc, layout.gamma.contiguous(), ks, vs,

@@ -1,0 +1,300 @@
+"""``subspace-kv gpu-report``: static evidence about every shipped GPU kernel configuration, on a
+machine without a GPU.
+
+For each configuration the backends launch (Triton: the split, merge and projection kernels at
+the benchmark's shape for every state dtype and coefficient storage, eager and graph-capturable;
+CUDA: every template instantiation of the CuPy backend) and each of sm_80 / sm_90, compiled as it
+will launch (:mod:`subspace_ref_triton.compile_report`): registers, spills, stack, shared memory,
+resident programs per SM (:mod:`subspace_ref_triton.occupancy`) on an A100 (108 SMs) / H100
+(132 SMs), and for the decode kernels the waves of the benchmark's grid (8 KV heads x 32 query
+heads, d = 128, r = 32, N = 1 and 8, T = 32k) with the split count the launcher now picks and with
+the one it picked before (4 programs per SM assumed); then the roofline-predicted time of the
+benchmark's decode step (``subspace_ref.roofline``, spec R10) on both GPUs.
+
+A configuration is *default* when the backend launches it for the benchmark's setting (d = 128,
+r = 32, any dtype and coefficient storage); ``tests/test_triton_compile.py`` and
+``tests/test_cuda_sources.py`` fail when one of them spills. ``--exhaustive`` adds head sizes
+64-256, ranks 16-128 and GQA groups 1-32 for the Triton decode kernel.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from subspace_ref_triton.occupancy import A100, GPUS, H100, resident_blocks
+
+ARCH_GPU = {90: H100, 80: A100}
+ARCHS = (90, 80)
+# The benchmark's setting (benchmarks/decode_gpu.py): 32 query heads over 8 KV heads.
+H_KV, GROUP, D, RANK = 8, 4, 128, 32
+BENCH_BATCH = (1, 8)
+BENCH_TOKENS = 32768
+ROOFLINE_TOKENS = (4096, 32768, 131072)
+
+
+@dataclass
+class Row:
+    backend: str  # "triton" or "cuda"
+    kernel: str
+    config: str
+    default: bool
+    arch: int
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    stack: int
+    shared: int
+    num_warps: int
+    resident: int = 0
+    limiter: str = ""
+    waves: dict | None = None  # "N=1": (splits, waves now, waves with 4 programs/SM assumed)
+
+
+# ------------------------------------------------------------------------------------- Triton
+
+
+def _layout(torch, T, d, r, dtype, int8, J=1):
+    from subspace_ref.layout import PackedLayout
+
+    cdt = torch.int8 if int8 else dtype
+    scales = dict(key_scale=torch.zeros(1, H_KV, T), value_scale=torch.zeros(1, H_KV, T)) if int8 else {}
+    return PackedLayout(torch.zeros(1, H_KV, T, r, dtype=cdt), torch.zeros(1, H_KV, T, r, dtype=cdt),
+                        torch.zeros(1, H_KV, J, r, d, dtype=dtype), torch.zeros(1, H_KV, J, r, d, dtype=dtype),
+                        torch.zeros(1, H_KV, J, dtype=torch.int64), torch.ones(1, H_KV, dtype=torch.int64),
+                        torch.ones(H_KV, dtype=dtype), T, **scales)
+
+
+def triton_launches(exhaustive: bool = False):
+    """(kernel, config label, default?, Launch) of every Triton configuration reported. Tensors are
+    CPU tensors with the shapes, dtypes and 16-byte alignment of the real launch."""
+    import torch
+
+    from subspace_ref_triton import decode, project
+
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    out = []
+    T = 8192
+    shapes = [(D, RANK, GROUP)]
+    if exhaustive:
+        shapes += [(d, r, g) for d in (64, 128, 256) for r in (16, 32, 64, 128) for g in (1, 4, 8, 32) if r <= d and (d, r, g) != (D, RANK, GROUP)]
+    for d, r, g in shapes:
+        default = (d, r, g) == (D, RANK, GROUP)
+        for name, dt in dtypes.items():
+            for int8 in (False, True):
+                lay = _layout(torch, T, d, r, dt, int8)
+                q = torch.zeros(1, H_KV * g, d, dtype=dt)
+                for graph in (False, True):
+                    if graph and not (default and name == "bf16"):
+                        continue  # the graph-capturable variant differs by one load: reported at the default shape
+                    kw = dict(num_tokens=torch.zeros(1, dtype=torch.int64)) if graph else {}
+                    launch, _ = decode.split_launch(q, lay, 0.1, 0 if graph else 1024, 8, **kw)
+                    label = f"{name}{' int8' if int8 else ''} d={d} r={r} g={g} bt={launch.constexprs['BLOCK_T']} w={launch.num_warps}"
+                    out.append(("decode split" + (" (graph)" if graph else ""), label, default, launch))
+    for name in ("bf16", "fp32"):
+        m = torch.zeros(1, H_KV * GROUP, 40)
+        launch, _ = decode.merge_launch(m, m, torch.zeros(1, H_KV * GROUP, 40, D), dtypes[name])
+        out.append(("decode merge", f"{name} d_v={D}", True, launch))
+    for name, int8 in (("bf16", False), ("bf16", True), ("fp32", False)):
+        dt = dtypes[name]
+        keys = torch.zeros(1, H_KV, 16, D, dtype=dt)
+        bases = torch.zeros(1, H_KV, 1, RANK, D, dtype=dt)
+        coef = torch.zeros(1, H_KV, 16, RANK, dtype=torch.int8 if int8 else dt)
+        scales = dict(out_key_scale=torch.zeros(1, H_KV, 16), out_value_scale=torch.zeros(1, H_KV, 16)) if int8 else {}
+        launch, _ = project.project_launch(keys, keys, bases, bases, torch.zeros(1, H_KV, dtype=torch.int64), coef, coef.clone(), True, **scales)
+        out.append(("project", f"{name}{' int8' if int8 else ''} d={D} r={RANK} residuals", True, launch))
+    return out
+
+
+def triton_rows(exhaustive: bool = False) -> list[Row]:
+    from subspace_ref_triton.compile_report import launch_resources
+
+    rows = []
+    for kernel, label, default, launch in triton_launches(exhaustive):
+        for arch in ARCHS:
+            res = launch_resources(launch, arch)
+            rows.append(Row("triton", kernel, label, default, arch, res.registers, res.spill_stores, res.spill_loads, res.stack, res.shared, res.num_warps))
+    return rows
+
+
+# ------------------------------------------------------------------------------------- CUDA
+
+
+def cuda_default_names() -> set[str]:
+    """The CuPy backend's instantiations for the benchmark's setting, every dtype and storage."""
+    from subspace_ref_cupy import _kernels as K
+
+    names = set()
+    for dtype in K.CUDA_TYPES:
+        for coef in K.COEF_KINDS:
+            cfg = K.find_config(dtype, coef, D, D, RANK, RANK)
+            names |= {cfg.decode_name, cfg.project_name, cfg.merge_name}
+    return {n.replace(" ", "") for n in names}
+
+
+def cuda_rows(workdir: Path | None = None) -> tuple[list[Row], list[str]]:
+    """Rows of every CUDA instantiation for sm_80 and sm_90, and the nvcc failures (empty when
+    every file compiled)."""
+    from subspace_ref_cupy import _kernels as K
+
+    from subspace_ref_triton.compile_report import nvcc_compile, nvcc_resources
+
+    threads = {"decode_split_partial": K.DECODE_THREADS, "merge_splits": K.MERGE_THREADS, "project_append": K.PROJECT_THREADS}
+    defaults = cuda_default_names()
+    rows, failures = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for filename in K.SOURCES:
+            proc, cmd = nvcc_compile(filename, tuple(sorted(ARCHS)), Path(workdir or tmp))
+            if proc.returncode != 0:
+                failures.append(f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+                continue
+            for res in nvcc_resources(proc, threads):
+                rows.append(Row("cuda", res.kernel.split("<")[0].removeprefix(f"{K.NAMESPACE}::"), res.kernel, res.kernel.replace(" ", "") in defaults,
+                                res.arch, res.registers, res.spill_stores, res.spill_loads, res.stack, res.shared, res.num_warps))
+    return rows, failures
+
+
+# ------------------------------------------------------------------------------------- occupancy
+
+
+def _decode_shared(row: Row) -> int:
+    """Shared memory per block: Triton's allocation, or the CUDA decode kernel's dynamic carve-up
+    at the benchmark's GQA group plus its static shared memory."""
+    if row.backend == "cuda" and row.kernel == "decode_split_partial":
+        from subspace_ref_cupy import _kernels as K
+
+        args = [a.strip() for a in row.config.split("<", 1)[1].rstrip(">").split(",")]
+        d = int(args[2]) or D
+        return row.shared + K.decode_shared_bytes(GROUP, d, d, int(args[4]))
+    return row.shared
+
+
+def _old_triton_splits(programs: int, sms: int) -> int:
+    """The split count before the occupancy fix: 4 programs per SM assumed, >= 256 tokens."""
+    return max(1, min(math.ceil(BENCH_TOKENS / 256), math.ceil(4 * sms / programs)))
+
+
+def add_occupancy(rows: list[Row]) -> None:
+    from subspace_ref_cupy import _launch
+
+    from subspace_ref_triton.occupancy import full_wave_splits
+
+    for row in rows:
+        gpu = ARCH_GPU[row.arch]
+        occ = resident_blocks(gpu, row.registers, row.num_warps, _decode_shared(row))
+        row.resident, row.limiter = occ.blocks_per_sm, occ.limiter
+        if row.kernel.startswith("decode split") and "d=128 r=32 g=4" in row.config:
+            row.waves = {}
+            for N in BENCH_BATCH:
+                programs = N * H_KV
+                S = full_wave_splits(programs, BENCH_TOKENS, occ.blocks_per_sm, gpu.sms, 256)
+                old = _old_triton_splits(programs, gpu.sms)
+                row.waves[f"N={N}"] = (S, occ.waves(programs * S, gpu.sms), occ.waves(programs * old, gpu.sms))
+        elif row.kernel == "decode_split_partial" and row.default:
+            row.waves = {}
+            for N in BENCH_BATCH:
+                S, _ = _launch.choose_splits(N * H_KV, BENCH_TOKENS, gpu.sms)
+                row.waves[f"N={N}"] = (S, occ.waves(N * H_KV * S, gpu.sms), None)
+
+
+# ------------------------------------------------------------------------------------- roofline
+
+
+def roofline_rows() -> list[dict]:
+    """Spec R10: predicted time of the benchmark's attention step (all 8 KV heads x N) per GPU."""
+    from subspace_ref.roofline import Machine, Shape, Subspace, exact_cost, subspace_cost
+
+    out = []
+    for gpu in GPUS:
+        machine = Machine(gpu.name, gpu.bandwidth, gpu.flops)
+        for coef in ("float", "int8"):
+            for N in BENCH_BATCH:
+                for T in ROOFLINE_TOKENS:
+                    shape = Shape(D, D, GROUP, 2.0)
+                    sub = subspace_cost(T, shape, Subspace.static(RANK, coef=coef)).phase("attend").scaled(N * H_KV)
+                    full = exact_cost(T, shape).phase("attend").scaled(N * H_KV)
+                    out.append(dict(gpu=gpu.name, coef=coef, N=N, T=T, subspace_us=1e6 * float(sub.time(machine)),
+                                    sdpa_us=1e6 * float(full.time(machine)), bytes=float(sub.bytes)))
+    return out
+
+
+# ------------------------------------------------------------------------------------- report
+
+
+def build(exhaustive: bool = False, cuda: bool = True) -> dict:
+    """The whole report as plain data (rows, roofline, nvcc failures, what was skipped and why)."""
+    from subspace_ref_triton.compile_report import nvcc
+
+    skipped = []
+    rows = triton_rows(exhaustive)
+    failures: list[str] = []
+    if not cuda:
+        skipped.append("CUDA kernels: not asked for (--no-cuda)")
+    elif nvcc() is None:
+        skipped.append("CUDA kernels: nvcc not found on PATH, $CUDA_PATH or $CUDA_HOME")
+    else:
+        cuda_rows_, failures = cuda_rows()
+        rows += cuda_rows_
+    add_occupancy(rows)
+    return dict(rows=[asdict(r) for r in rows], roofline=roofline_rows(), nvcc_failures=failures, skipped=skipped)
+
+
+def default_spills(report: dict) -> list[str]:
+    """The default configurations that spill, one line each (empty: none)."""
+    return [f"{r['backend']} {r['kernel']} [{r['config']}] sm_{r['arch']}: {r['spill_stores']} B spill stores, {r['spill_loads']} B loads"
+            for r in report["rows"] if r["default"] and (r["spill_stores"] or r["spill_loads"])]
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        "| backend | kernel | configuration | default | arch | registers | spill st/ld (B) | stack (B) | shared (B) | warps | resident/SM | limiter "
+        "| N=1: S, waves (was) | N=8: S, waves (was) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["rows"]:
+        waves = []
+        for key in ("N=1", "N=8"):
+            w = (r.get("waves") or {}).get(key)
+            waves.append("" if w is None else f"{w[0]}, {w[1]:.2f}" + ("" if w[2] is None else f" ({w[2]:.2f})"))
+        lines.append(
+            f"| {r['backend']} | {r['kernel']} | {r['config']} | {'yes' if r['default'] else ''} | sm_{r['arch']} | {r['registers']} | "
+            f"{r['spill_stores']}/{r['spill_loads']} | {r['stack']} | {r['shared']} | {r['num_warps']} | {r['resident']} | {r['limiter']} | "
+            f"{waves[0]} | {waves[1]} |"
+        )
+    lines += ["", "Roofline-predicted attention time of one decode step (spec R10; 8 KV heads x N, d = 128, r = 32, bf16 bases):", "",
+              "| GPU | coefficients | N | T | subspace (us) | SDPA over the full cache (us) | ratio |", "|---|---|---|---|---|---|---|"]
+    for x in report["roofline"]:
+        lines.append(f"| {x['gpu']} | {x['coef']} | {x['N']} | {x['T']} | {x['subspace_us']:.1f} | {x['sdpa_us']:.1f} | {x['sdpa_us'] / x['subspace_us']:.2f} |")
+    for s in report["skipped"]:
+        lines.append(f"\nSkipped: {s}")
+    for f in report["nvcc_failures"]:
+        lines.append(f"\nnvcc failed:\n```\n{f}\n```")
+    spills = default_spills(report)
+    lines.append("\nDefault configurations that spill: " + ("none." if not spills else "\n- " + "\n- ".join(spills)))
+    return "\n".join(lines) + "\n"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--exhaustive", action="store_true", help="also head sizes 64-256, ranks 16-128, groups 1-32 (minutes)")
+    parser.add_argument("--no-cuda", action="store_true", help="skip the nvcc compile of the CuPy backend's kernels")
+    parser.add_argument("--out", default=None, help="write the markdown table here and the JSON beside it (.json)")
+
+
+def run(args) -> int:
+    """Exit status 1 when a default configuration spills or nvcc fails, else 0."""
+    if os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "y", "on"):
+        print("gpu-report compiles for the GPU: unset TRITON_INTERPRET")
+        return 2
+    report = build(args.exhaustive, not args.no_cuda)
+    text = markdown(report)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+        out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    return 1 if default_spills(report) or report["nvcc_failures"] else 0

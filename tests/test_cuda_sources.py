@@ -1,45 +1,27 @@
 """Offline nvcc compile of every CUDA source of the cupy backend (``backends/subspace_ref_cupy/kernels``).
 
-Each ``.cu`` file is compiled for sm_80 and sm_90 with warnings as errors, through a generated
-translation unit that instantiates exactly the template-ids the Python side launches
-(:func:`subspace_ref_cupy._kernels.name_expressions`), so a template the runtime would ask NVRTC
-for but that does not compile fails here, on machines without a GPU. The nvcc command lines and
-times are printed to the terminal (not captured), so the CI log shows that the compile ran.
-Skipped, with the reason, only when nvcc is absent.
+Each ``.cu`` file is compiled for sm_80 and sm_90 with warnings as errors and ``-Xptxas -v``,
+through a generated translation unit that instantiates exactly the template-ids the Python side
+launches (:func:`subspace_ref_cupy._kernels.name_expressions`), so a template the runtime would ask
+NVRTC for but that does not compile fails here, on machines without a GPU; ptxas's resource log
+(``subspace_ref_triton.compile_report``, the same as ``subspace-kv gpu-report``) must show no
+spill in the instantiations the benchmark's setting launches. One compile per file per run; the
+nvcc command lines and times are printed to the terminal (not captured), so the CI log shows that
+the compile ran. Skipped, with the reason, only when nvcc is absent.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
 from subspace_ref_cupy import _kernels
+from subspace_ref_triton import compile_report, gpu_report
 
-ARCH_FLAGS = ["-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90"]
-# --Werror all-warnings: nvcc's own and the device front end's warnings; -Xcompiler: the host
-# compiler's. --threads 2 compiles the two architectures side by side.
-WARNING_FLAGS = ["--Werror", "all-warnings", "-Xcompiler", "-Wall,-Werror"]
-NVCC_FLAGS = ["-std=c++17", *WARNING_FLAGS, *ARCH_FLAGS, "--threads", "2"]
-
-
-def _nvcc() -> str | None:
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    for var in ("CUDA_PATH", "CUDA_HOME"):
-        root = os.environ.get(var)
-        if root and (Path(root) / "bin" / "nvcc").is_file():
-            return str(Path(root) / "bin" / "nvcc")
-    return None
-
-
-NVCC = _nvcc()
+NVCC = compile_report.nvcc()
 CU_FILES = sorted(p.name for p in _kernels.KERNEL_DIR.glob("*.cu"))
+THREADS = {"decode_split_partial": _kernels.DECODE_THREADS, "merge_splits": _kernels.MERGE_THREADS, "project_append": _kernels.PROJECT_THREADS}
 
 
 def test_every_kernel_file_is_wired_to_python():
@@ -47,22 +29,36 @@ def test_every_kernel_file_is_wired_to_python():
     assert set(CU_FILES) == set(_kernels.SOURCES)
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH, $CUDA_PATH or $CUDA_HOME: CUDA sources not compiled")
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """filename -> (nvcc process, command, resources), compiled once for the module."""
+    if NVCC is None:
+        pytest.skip("nvcc not found on PATH, $CUDA_PATH or $CUDA_HOME: CUDA sources not compiled")
+    out = {}
+    for filename in CU_FILES:
+        workdir = tmp_path_factory.mktemp(filename.replace(".", "_"))
+        start = time.perf_counter()
+        proc, cmd = compile_report.nvcc_compile(filename, (80, 90), workdir)
+        out[filename] = (proc, cmd, compile_report.nvcc_resources(proc, THREADS) if proc.returncode == 0 else [], time.perf_counter() - start)
+    return out
+
+
 @pytest.mark.parametrize("filename", CU_FILES)
-def test_cuda_source_compiles(filename, tmp_path, capsys):
-    unit = tmp_path / f"instantiate_{filename}"
-    unit.write_text(_kernels.explicit_instantiation_unit(filename))
-    cmd = [NVCC, *NVCC_FLAGS, "-c", str(unit), "-o", str(tmp_path / f"{filename}.o")]
+def test_cuda_source_compiles(filename, compiled, capsys):
+    proc, cmd, resources, elapsed = compiled[filename]
     count = len(_kernels.name_expressions()[filename])
     with capsys.disabled():
-        print(f"\n[nvcc] {filename}: {count} instantiations\n[nvcc] {' '.join(cmd)}", flush=True)
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    elapsed = time.perf_counter() - start
-    with capsys.disabled():
-        print(f"[nvcc] {filename}: exit {proc.returncode} in {elapsed:.1f} s", flush=True)
+        print(f"\n[nvcc] {filename}: {count} instantiations\n[nvcc] {' '.join(cmd)}\n[nvcc] exit {proc.returncode} in {elapsed:.1f} s", flush=True)
     assert proc.returncode == 0, f"nvcc failed on {filename}:\n{proc.stdout}\n{proc.stderr}"
-    assert (tmp_path / f"{filename}.o").stat().st_size > 0
+    assert len(resources) == 2 * count  # every instantiation, for both architectures
+
+
+def test_default_instantiations_do_not_spill(compiled):
+    defaults = gpu_report.cuda_default_names()
+    rows = [r for _, _, resources, _ in compiled.values() for r in resources if r.kernel.replace(" ", "") in defaults]
+    assert {r.kernel.replace(" ", "") for r in rows} == defaults
+    spills = [f"{r.kernel} sm_{r.arch}: {r.spill_stores}/{r.spill_loads} B" for r in rows if r.spills]
+    assert not spills, "default CUDA instantiations spill registers:\n" + "\n".join(spills)
 
 
 # ----------------------------------------------------------------------------- NVRTC, as at run time

@@ -286,6 +286,7 @@ def _constants() -> dict[str, int]:
 def test_launch_constants_match_the_sources():
     c = _constants()
     assert c["kDecodeThreads"] == _kernels.DECODE_THREADS
+    assert c["kDecodeMinBlocks"] == _kernels.DECODE_MIN_BLOCKS
     assert c["kTokenTile"] == _kernels.TOKEN_TILE
     assert c["kMergeThreads"] == _kernels.MERGE_THREADS
     assert c["kProjectThreads"] == _kernels.PROJECT_THREADS

@@ -33,9 +33,10 @@ GENERIC = 0
 # add a third of the instantiations (and of the nvcc time) to save little on ranks <= 32.
 RANK_TILES = (64, 128, 256)
 
-# Must match the constants in the .cu files (kDecodeThreads, kTokenTile, kMergeThreads,
+# Must match the constants in the .cu files (kDecodeThreads, kDecodeMinBlocks, kTokenTile, kMergeThreads,
 # kProjectThreads); test_cupy_backend checks that they do.
 DECODE_THREADS = 128
+DECODE_MIN_BLOCKS = 4  # blocks per SM the decode kernel's registers are bounded for (kDecodeMinBlocks)
 TOKEN_TILE = 32
 MERGE_THREADS = 128
 PROJECT_THREADS = 128

@@ -72,9 +72,12 @@ def _ptr(x: Any):
 
 
 def choose_splits(blocks_per_split: int, num_tokens: int, sm_count: int) -> tuple[int, int]:
-    """(S, tokens per split): about two blocks per SM in all, no split shorter than
-    MIN_SPLIT_TOKENS, split length a multiple of the token tile; every split non-empty."""
-    want = math.ceil(2 * sm_count / max(blocks_per_split, 1))
+    """(S, tokens per split): as many blocks as the SMs hold at once (DECODE_MIN_BLOCKS per SM,
+    what the kernel's registers are bounded for; shared memory allows it at the benchmark's
+    shape, ``subspace-kv gpu-report``), rounded down so that no second, partly empty wave runs;
+    no split shorter than MIN_SPLIT_TOKENS, split length a multiple of the token tile; every split
+    non-empty."""
+    want = max(1, K.DECODE_MIN_BLOCKS * sm_count // max(blocks_per_split, 1))
     useful = math.ceil(num_tokens / MIN_SPLIT_TOKENS)
     splits = max(1, min(want, useful, MAX_SPLITS))
     split_len = math.ceil(math.ceil(num_tokens / splits) / K.TOKEN_TILE) * K.TOKEN_TILE

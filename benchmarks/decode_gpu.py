@@ -1,39 +1,49 @@
 """Decode-step benchmark on one CUDA GPU: coefficient-space attention (spec A2, A3) against torch
-SDPA over the full bf16 KV cache, in one run.
+SDPA (and flash-attention's ``flash_attn_with_kvcache`` when importable) over the full bf16 KV
+cache, in one run.
 
-Setting (the brief of issue 5): batch N in {1, 8}, 32 query heads over 8 KV heads (GQA group 4),
-d = d_v = 128, r = r_v = 32, bfloat16, T in {8k, 32k, 128k}.
+Setting (issues 5 and 21): batch N in {1, 8}, 32 query heads over 8 KV heads (GQA group 4),
+d = d_v = 128, r = r_v = 32, bfloat16 bases, float (bf16) and int8 coefficients (spec A10),
+T in {4k, 8k, 32k, 64k, 128k}.
 
 Per (N, T), all in the same process:
 
 * **sdpa** -- ``torch.nn.functional.scaled_dot_product_attention`` of one query token over the
   full bf16 K, V (N, 8, T, 128) with ``enable_gqa=True``, and **sdpa-expanded** with K, V
   expanded to 32 heads beforehand (the expansion is not timed). The faster of the two is the
-  baseline of the speedup column.
-* **<backend>-static** -- ``Backend.attend`` of every backend in ``--backend`` on a static state
-  (spec A6) holding the same T tokens, projected by the Triton projection kernel
+  baseline of the speedup column. **flash-attn** -- ``flash_attn_with_kvcache`` over the same
+  cache (N, T, 8, 128), when the ``flash_attn`` package imports.
+* **<backend>-static[-int8]** -- ``Backend.attend`` of every backend in ``--backend`` on a static
+  state (spec A6) holding the same T tokens, projected by the Triton projection kernel
   (``TritonBackend.append``, one launch); **triton-static-api** is the same through the public
-  ``subspace_ref.attend`` (argument checks included: one host sync for the finiteness check).
+  ``subspace_ref.attend`` (argument checks included).
 * **triton-<kind> bt=<tile> w=<warps>** -- the triton kernel with other tiles / warp counts
-  (``--no-sweep`` skips them), to pick ``launch_config`` from measurements.
-* **<backend>-adaptive** -- the same on an adaptive-layout state (spec A7/A9) with J = T / 256
-  chunks per head (``--chunk-tokens``): chunk j covers tokens [256 j, 256 (j + 1)) with its own
-  random orthonormal bases, coefficients those of the static state. It is synthetic -- building a
-  128k-token adaptive state by FD would take minutes and its boundaries depend on the data --
-  but it has exactly the layout and chunk count the kernel walks.
+  (``--no-sweep`` skips them), to check ``launch_config`` (chosen from the compile report) by
+  measurement.
+* **<backend>-adaptive[-int8]** -- the same on an adaptive-layout state (spec A7/A9) with
+  J = T / 256 chunks per head (``--chunk-tokens``): chunk j covers tokens [256 j, 256 (j + 1))
+  with its own random orthonormal bases, coefficients those of the static state. Synthetic --
+  building a 128k-token adaptive state by FD would take minutes and its boundaries depend on the
+  data -- but it has exactly the layout and chunk count the kernel walks.
+* **step-eager** / **step-graph** -- one whole decode step of the static float state: project
+  one new token into the cache (c = B k, d = E v, written at the device-resident row T), advance
+  T, attend (``subspace_ref_triton.workspace.DecodeWorkspace``); eagerly, and replayed from a
+  captured CUDA graph. The difference is the host overhead a graph removes.
 
 Columns: median time (``triton.testing.do_bench``, L2 flushed between calls, after its warm-up),
-bytes each method reads (SDPA: K and V; coefficient attention: coefficients of every token, the
-bases of every chunk in use, and the split partials written and read back by the merge),
-achieved bandwidth, its fraction of the device-to-device copy bandwidth measured in the same run
-(``dst.copy_(src)`` on 1 GiB, counted as read + write), speedup over the best SDPA, and
+bytes each method reads (SDPA: K and V; coefficient attention: coefficients (and int8 scales) of
+every token and the bases of every chunk in use; the split partials, ~1% at T >= 32k, are not
+counted), achieved bandwidth, its fraction of the device-to-device copy bandwidth measured in the
+same run (``dst.copy_(src)`` on 1 GiB, counted as read + write), speedup over the best SDPA, and
 max |out - torch backend out| on the same state (correctness on the GPU, at every size).
 
 Writes ``decode_gpu_<date>.json`` and ``decode_gpu_<date>.md`` (device name, date, git commit,
-versions, the table) into ``--out``.
+versions, the table) into ``--out``; ``--plot FILE.json ...`` draws time and speedup against T
+from such files (``decode_gpu_<date>.png``).
 
     python benchmarks/decode_gpu.py --out bench_results [--backend triton,cupy,torch]
-        [--batch 1 8] [--tokens 8192 32768 131072] [--no-adaptive]
+        [--batch 1 8] [--tokens 4096 ... 131072] [--coef float int8] [--no-adaptive] [--no-sweep]
+    python benchmarks/decode_gpu.py --plot bench_results/decode_gpu_*.json --out bench_results
 
 Exits with status 2 and a message when there is no CUDA GPU (or TRITON_INTERPRET is set).
 ``--smoke`` instead runs the whole script on the CPU under TRITON_INTERPRET=1 at tiny sizes, with
@@ -44,6 +54,7 @@ spent on it.
 from __future__ import annotations
 
 import argparse
+import functools
 import datetime as dt
 import json
 import math
@@ -120,13 +131,13 @@ def copy_bandwidth(device) -> float:
     n = (1 << 24) if SMOKE else (1 << 30)
     src = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 255)
     dst = torch.empty_like(src)
-    ms = bench(lambda: dst.copy_(src))
-    del src, dst
+    ms = bench(functools.partial(dst.copy_, src))
     return 2 * n / (ms * 1e-3)
 
 
-def build_states(N: int, T: int, K, V, chunk_tokens: int, adaptive: bool, gen, device):
-    """(static state, adaptive-layout state or None) in bf16 on ``device``."""
+def build_states(N: int, T: int, K, V, chunk_tokens: int, adaptive: bool, gen, device, coef: str = "float", spare: int = 0):
+    """(static state, adaptive-layout state or None) in bf16 on ``device``, with ``coef``
+    coefficients ("float" or "int8", spec A10) and room for ``spare`` more tokens."""
     import torch
 
     import subspace_ref as sr
@@ -139,7 +150,9 @@ def build_states(N: int, T: int, K, V, chunk_tokens: int, adaptive: bool, gen, d
     B = orthonormal(gen, (H_KV,), RANK, D, device, torch.float64).cpu().numpy()
     E = orthonormal(gen, (H_KV,), RANK, D, device, torch.float64).cpu().numpy()
     gamma = np.ones(H_KV)
-    static = sr.SubspaceState.static(sr.StaticBasis.from_bases(B, E, gamma), batch=N).to("triton", device=device, dtype=DTYPE)
+    static = sr.SubspaceState.static(sr.StaticBasis.from_bases(B, E, gamma), batch=N, coefficients=coef).to("triton", device=device, dtype=DTYPE)
+    if spare:
+        static.layout = static.layout.with_capacity(T + spare, 1)
     TritonBackend().append(static, K, V)  # spec A6, one projection launch for all N x H x T
     synchronize()
     if not adaptive:
@@ -156,6 +169,8 @@ def build_states(N: int, T: int, K, V, chunk_tokens: int, adaptive: bool, gen, d
         num_chunks=torch.full((N, H_KV), J, dtype=torch.int64, device=device),
         gamma=lay.gamma,
         num_tokens=T,
+        key_scale=getattr(lay, "key_scale", None),
+        value_scale=getattr(lay, "value_scale", None),
     )
     policy = AdaptivePolicy((RANK,) * H_KV, (RANK,) * H_KV, 2 * RANK, 2 * RANK, 0.5, 0.5, chunk_tokens, 0)
     return static, SubspaceState(policy, layout, None, True, "torch")
@@ -168,7 +183,9 @@ def coef_bytes(state, N: int, split_partials: int) -> int:
     T = lay.num_tokens
     J = int(lay.num_chunks.max())
     coef = N * H_KV * T * (lay.key_coef.shape[3] + lay.value_coef.shape[3]) * item
-    bases = N * H_KV * J * (lay.key_bases.shape[3] * D + lay.value_bases.shape[3] * D) * item
+    if getattr(lay, "key_scale", None) is not None:  # spec A10: one float32 scale per token, head, K/V
+        coef += N * H_KV * T * 2 * 4
+    bases = N * H_KV * J * (lay.key_bases.shape[3] * D + lay.value_bases.shape[3] * D) * lay.key_bases.element_size()
     partials = 2 * N * H_Q * split_partials * (D + 2) * 4  # written by the split kernel, read by the merge
     return coef + bases + partials
 
@@ -178,19 +195,26 @@ def main() -> None:
     ap.add_argument("--out", default="bench_results", help="folder for the JSON and markdown results")
     ap.add_argument("--backend", default="triton,torch", help="comma-separated backends to time on the same states (e.g. triton,cupy,torch)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 131072])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 32768, 65536, 131072])
+    ap.add_argument("--coef", nargs="+", default=["float", "int8"], choices=["float", "int8"], help="coefficient storage (spec A10)")
+    ap.add_argument("--no-graph", dest="graph", action="store_false", help="skip the eager / CUDA-graph decode step")
+    ap.add_argument("--plot", nargs="+", default=None, metavar="JSON", help="only draw the plots of these result files into --out")
     ap.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk of the adaptive layout (J = T / this)")
     ap.add_argument("--no-adaptive", action="store_true")
     ap.add_argument("--no-sweep", dest="sweep", action="store_false", help="skip the triton tile/warp sweep")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="check the script on the CPU interpreter at tiny sizes (timings meaningless)")
     args = ap.parse_args()
+    if args.plot:
+        plot(args.plot, Path(args.out))
+        return
 
     global SMOKE
     SMOKE = args.smoke
     if SMOKE:
         os.environ["TRITON_INTERPRET"] = "1"  # before anything imports the kernels
         args.batch, args.tokens, args.chunk_tokens = [1, 2], [300], 64
+        args.sweep = False
     elif os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         fail("TRITON_INTERPRET is set: the kernels would run on the CPU interpreter; unset it to benchmark")
     try:
@@ -201,13 +225,9 @@ def main() -> None:
     if not SMOKE and not torch.cuda.is_available():
         fail("no CUDA GPU: torch.cuda.is_available() is False. Run this on an H100/H200 machine (or --smoke to check the script on the CPU).")
 
-    import torch.nn.functional as F
 
-    import subspace_ref as sr
-    from subspace_ref.arrays import to_numpy
     from subspace_ref.backend import Availability
-    from subspace_ref.registry import backend_availability, get_backend
-    from subspace_ref_triton import decode
+    from subspace_ref.registry import backend_availability
 
     device = torch.device("cpu" if SMOKE else "cuda")
     props = None if SMOKE else torch.cuda.get_device_properties(device)
@@ -249,75 +269,197 @@ def main() -> None:
             K = torch.randn(N, H_KV, T, D, generator=gen, device=device, dtype=torch.bfloat16)
             V = torch.randn(N, H_KV, T, D, generator=gen, device=device, dtype=torch.bfloat16)
             q = torch.randn(N, H_Q, D, generator=gen, device=device, dtype=torch.bfloat16)
-            q4 = q[:, :, None, :]
-            kv_bytes = N * H_KV * T * 2 * D * 2
-            sdpa_rows = []
-            try:
-                ms = bench(lambda: F.scaled_dot_product_attention(q4, K, V, enable_gqa=True))
-                sdpa_rows.append(dict(method="sdpa", ms=ms, bytes=kv_bytes))
-            except (TypeError, RuntimeError) as err:  # torch < 2.5 has no enable_gqa
-                print(f"sdpa with enable_gqa: {err}")
-            Kx = K.repeat_interleave(H_Q // H_KV, dim=1)
-            Vx = V.repeat_interleave(H_Q // H_KV, dim=1)
-            ms = bench(lambda: F.scaled_dot_product_attention(q4, Kx, Vx))
-            sdpa_rows.append(dict(method="sdpa-expanded", ms=ms, bytes=4 * kv_bytes))
-            del Kx, Vx
-            base_ms = min(r["ms"] for r in sdpa_rows)
-
-            static, adaptive = build_states(N, T, K, V, args.chunk_tokens, not args.no_adaptive, gen, device)
-            del K, V
-            split_len = decode.default_split_len(T, N * H_KV, device)
-            splits = -(-T // split_len)
-            torch_impl = get_backend("torch")
-            states = [("static", static)] + ([("adaptive", adaptive)] if adaptive is not None else [])
-            for kind, state in states:
-                ref = torch_impl.attend(q, state, None).float()  # the torch backend on the same state
-                J = int(state.layout.num_chunks.max())
-                for name in names:
-                    row = dict(method=f"{name}-{kind}", chunks=J)
-                    if not usable[name]:
-                        rows.append(dict(row, N=N, T=T, skipped=usable[name].reason))
-                        continue
-                    try:
-                        impl = get_backend(name)
-                        st = state if impl.array_family == "torch" else state.to(name, device=str(device), dtype=DTYPE)
-                        qq = q if impl.array_family == "torch" else impl.converter(device=str(device), dtype=DTYPE)(q)
-                        reasons = impl.not_supported_reasons(qq, st)
-                        if reasons:
-                            rows.append(dict(row, N=N, T=T, skipped="; ".join(reasons)))
-                            continue
-                        out = impl.attend(qq, st, scale)
-                        diff = float((torch.as_tensor(np.asarray(to_numpy(out)), dtype=torch.float32).to(device) - ref).abs().max()) if impl.array_family != "torch" else float((out.float() - ref).abs().max())
-                        ms = bench(lambda: impl.attend(qq, st, scale))
-                        row.update(ms=ms, bytes=coef_bytes(state, N, splits if name == "triton" else 0), max_abs_diff_vs_torch=diff)
-                        if name == "triton":
-                            row.update(split_len=split_len, splits=splits)
-                        rows.append(dict(row, N=N, T=T))
-                        if name == "triton" and kind == "static":
-                            ms_api = bench(lambda: sr.attend(q, state, backend="triton", scale=scale))
-                            rows.append(dict(method="triton-static-api", chunks=J, ms=ms_api, bytes=row["bytes"], N=N, T=T))
-                        if name == "triton" and args.sweep:
-                            for bt, nw in SWEEP:
-                                fn = lambda bt=bt, nw=nw: decode.decode_attention(q, st.layout, scale, block_t=bt, num_warps=nw)  # noqa: E731
-                                d_sw = float((fn().float() - ref).abs().max())
-                                rows.append(dict(method=f"triton-{kind} bt={bt} w={nw}", chunks=J, ms=bench(fn), bytes=row["bytes"], N=N, T=T, max_abs_diff_vs_torch=d_sw))
-                    except Exception as err:  # noqa: BLE001 - one failing backend must not end the run
-                        traceback.print_exc()
-                        rows.append(dict(row, N=N, T=T, skipped=f"error: {type(err).__name__}: {err}"))
-            for r in sdpa_rows:
-                rows.append(dict(r, N=N, T=T))
-            for r in rows:
-                if r["N"] == N and r["T"] == T and "ms" in r:
-                    r["GBps"] = r["bytes"] / (r["ms"] * 1e-3) / 1e9
-                    r["bw_fraction"] = r["GBps"] * 1e9 / copy_bw
+            here = []
+            base_ms = baselines(here, q, K, V)
+            for coef in args.coef:
+                static, adaptive = build_states(N, T, K, V, args.chunk_tokens, not args.no_adaptive, gen, device, coef, spare=16 if coef == "float" else 0)
+                suffix = "" if coef == "float" else "-int8"
+                states = [("static" + suffix, static)] + ([("adaptive" + suffix, adaptive)] if adaptive is not None else [])
+                for kind, state in states:
+                    time_backends(here, names, usable, kind, state, q, scale, sweep=args.sweep)
+                if coef == "float" and args.graph:
+                    time_steps(here, static, q, K, V, scale)
+                del static, adaptive, states
+            for r in here:
+                r.update(N=N, T=T)
+                if "ms" in r:
                     r["speedup_vs_sdpa"] = base_ms / r["ms"]
-            for r in [r for r in rows if r["N"] == N and r["T"] == T]:
+                    if r.get("bytes"):
+                        r["GBps"] = r["bytes"] / (r["ms"] * 1e-3) / 1e9
+                        r["bw_fraction"] = r["GBps"] * 1e9 / copy_bw
                 print(format_row(r))
-            del static, adaptive, states
+            rows += here
+            K = V = None
             if not SMOKE:
                 torch.cuda.empty_cache()
 
     write_results(Path(args.out), meta, rows)
+
+
+def baselines(rows: list[dict], q, K, V) -> float:
+    """SDPA (GQA and expanded) and flash-attention over the full cache; returns the best SDPA ms."""
+    import torch
+    import torch.nn.functional as F
+
+    N, _, T, _ = K.shape
+    q4 = q[:, :, None, :]
+    kv_bytes = N * H_KV * T * 2 * D * 2
+    sdpa = []
+    try:
+        sdpa.append(dict(method="sdpa", ms=bench(functools.partial(F.scaled_dot_product_attention, q4, K, V, enable_gqa=True)), bytes=kv_bytes))
+    except (TypeError, RuntimeError) as err:  # torch < 2.5 has no enable_gqa
+        print(f"sdpa with enable_gqa: {err}")
+    Kx, Vx = K.repeat_interleave(H_Q // H_KV, dim=1), V.repeat_interleave(H_Q // H_KV, dim=1)
+    sdpa.append(dict(method="sdpa-expanded", ms=bench(functools.partial(F.scaled_dot_product_attention, q4, Kx, Vx)), bytes=4 * kv_bytes))
+    Kx = Vx = None
+    rows += sdpa
+    try:
+        from flash_attn import flash_attn_with_kvcache
+    except ImportError as err:
+        rows.append(dict(method="flash-attn", skipped=f"flash_attn not importable ({err})"))
+    else:
+        kc, vc = K.transpose(1, 2).contiguous(), V.transpose(1, 2).contiguous()  # (N, T, H, d)
+        rows.append(dict(method="flash-attn", ms=bench(functools.partial(flash_attn_with_kvcache, q[:, None], kc, vc, causal=True)), bytes=kv_bytes))
+        kc = vc = None
+    torch.cuda.empty_cache() if not SMOKE else None
+    return min(r["ms"] for r in sdpa)
+
+
+def time_backends(rows: list[dict], names, usable, kind: str, state, q, scale: float, sweep: bool) -> None:
+    """Every backend's attend on ``state``, its difference to the torch backend, the public API
+    and the tile/warp sweep of the triton kernel."""
+    import torch
+
+    import subspace_ref as sr
+    from subspace_ref.arrays import to_numpy
+    from subspace_ref.registry import get_backend
+    from subspace_ref_triton import decode
+
+    N = q.shape[0]
+    ref = get_backend("torch").attend(q, state, scale).float()
+    J = int(state.layout.num_chunks.max())
+    nbytes = coef_bytes(state, N, 0)
+    for name in names:
+        row = dict(method=f"{name}-{kind}", chunks=J)
+        if not usable[name]:
+            rows.append(dict(row, skipped=usable[name].reason))
+            continue
+        try:
+            impl = get_backend(name)
+            st = state if impl.array_family == "torch" else state.to(name, device=str(q.device), dtype=DTYPE)
+            qq = q if impl.array_family == "torch" else impl.converter(device=str(q.device), dtype=DTYPE)(q)
+            reasons = impl.not_supported_reasons(qq, st)
+            if reasons:
+                rows.append(dict(row, skipped="; ".join(reasons)))
+                continue
+            out = impl.attend(qq, st, scale)
+            # CuPy bfloat16 comes back as ml_dtypes.bfloat16, which torch cannot take: via float32
+            got = out.float() if impl.array_family == "torch" else torch.as_tensor(np.asarray(to_numpy(out), dtype=np.float32), device=q.device)
+            row.update(ms=bench(functools.partial(impl.attend, qq, st, scale)), bytes=nbytes, max_abs_diff_vs_torch=float((got - ref).abs().max()))
+            rows.append(row)
+            if name == "triton" and kind == "static":
+                ms_api = bench(functools.partial(sr.attend, q, state, backend="triton", scale=scale))
+                rows.append(dict(method="triton-static-api", chunks=J, ms=ms_api, bytes=nbytes))
+            if name == "triton" and sweep:
+                for bt, nw in SWEEP:
+                    fn = functools.partial(decode.decode_attention, q, st.layout, scale, block_t=bt, num_warps=nw)
+                    d_sw = float((fn().float() - ref).abs().max())
+                    rows.append(dict(method=f"triton-{kind} bt={bt} w={nw}", chunks=J, ms=bench(fn), bytes=nbytes, max_abs_diff_vs_torch=d_sw))
+        except Exception as err:  # noqa: BLE001 - one failing backend must not end the run
+            traceback.print_exc()
+            rows.append(dict(row, skipped=f"error: {type(err).__name__}: {err}"))
+
+
+def time_steps(rows: list[dict], state, q, K, V, scale: float) -> None:
+    """One decode step of a static float state (append one token at the device-resident row T,
+    advance T, attend), eager and replayed from a CUDA graph; the state's T is restored."""
+    import torch
+
+    from subspace_ref_triton.workspace import DecodeWorkspace
+
+    lay = state.layout
+    ws = DecodeWorkspace(lay, H_Q, q.dtype, scale)
+    T0 = int(lay.num_tokens)
+    k_new, v_new = K[:, :, -1:].clone(), V[:, :, -1:].clone()
+    B, E = lay.key_bases[:, :, 0], lay.value_bases[:, :, 0]  # (N, H, r, d): the static basis
+
+    def step():
+        # spec A6 for one token, written at row T on the device: graph-capturable
+        ws.layout.key_coef.index_copy_(2, ws.num_tokens, torch.matmul(k_new, B.mT).to(lay.key_coef.dtype))
+        ws.layout.value_coef.index_copy_(2, ws.num_tokens, torch.matmul(v_new, E.mT).to(lay.value_coef.dtype))
+        ws.advance(1)
+        return ws.attend(q)
+
+    def reset():
+        ws.num_tokens.fill_(T0)
+
+    try:
+        eager = bench(lambda: (reset(), step()))
+        rows.append(dict(method="step-eager", ms=eager))
+        if SMOKE:
+            rows.append(dict(method="step-graph", skipped="no CUDA graphs on the CPU interpreter"))
+            return
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up outside the capture: compiles, allocator pools
+                reset()
+                step()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        reset()
+        with torch.cuda.graph(graph):
+            step()
+        reset()
+        graph.replay()
+        want = get_torch_attend(state, q, scale, T0 + 1)
+        diff = float((ws.out.float() - want).abs().max())
+        rows.append(dict(method="step-graph", ms=bench(lambda: (reset(), graph.replay())), max_abs_diff_vs_torch=diff))
+    except Exception as err:  # noqa: BLE001
+        traceback.print_exc()
+        rows.append(dict(method="step-graph", skipped=f"error: {type(err).__name__}: {err}"))
+    finally:
+        reset()
+
+
+def get_torch_attend(state, q, scale, T):
+    """The torch backend's attention over the first T tokens of ``state``."""
+    from dataclasses import replace
+
+    from subspace_ref.registry import get_backend
+
+    view = state.copy()
+    view.layout = replace(view.layout, num_tokens=T)
+    return get_backend("torch").attend(q, view, scale).float()
+
+
+def plot(files: list[str], out: Path) -> None:
+    """Time and speedup over the best SDPA against T, one panel pair per batch size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        data = json.loads(Path(f).read_text())
+        rows = [r for r in data["rows"] if "ms" in r and " bt=" not in r["method"]]
+        batches = sorted({r["N"] for r in rows})
+        fig, axes = plt.subplots(2, len(batches), figsize=(6 * len(batches), 8), squeeze=False)
+        for col, N in enumerate(batches):
+            for method in sorted({r["method"] for r in rows if r["N"] == N}):
+                pts = sorted((r["T"], r["ms"] * 1e3, r.get("speedup_vs_sdpa", float("nan"))) for r in rows if r["N"] == N and r["method"] == method)
+                T, us, sp = zip(*pts)
+                axes[0][col].loglog(T, us, marker="o", label=method)
+                axes[1][col].semilogx(T, sp, marker="o", label=method)
+            axes[0][col].set(title=f"N = {N}: time per call", xlabel="T (tokens)", ylabel="us")
+            axes[1][col].set(title=f"N = {N}: speedup over the best SDPA", xlabel="T (tokens)", ylabel="x")
+            axes[0][col].legend(fontsize=7)
+        fig.suptitle(f"{data['meta']['device']}, commit {data['meta']['git_commit']}")
+        fig.tight_layout()
+        png = out / (Path(f).stem + ".png")
+        fig.savefig(png, dpi=110)
+        print(f"wrote {png}")
 
 
 COLUMNS = ("N", "T", "method", "chunks", "ms", "bytes", "GBps", "bw_fraction", "speedup_vs_sdpa", "max_abs_diff_vs_torch")
@@ -327,11 +469,8 @@ def format_row(r: dict) -> str:
     if "skipped" in r:
         return f"{r['method']:22s} skipped: {r['skipped']}"
     diff = r.get("max_abs_diff_vs_torch")
-    return (
-        f"{r['method']:22s} {r['ms'] * 1e3:9.1f} us  {r['bytes'] / 2**20:9.1f} MiB  {r['GBps']:7.0f} GB/s"
-        f"  {100 * r['bw_fraction']:5.1f}% of copy  x{r['speedup_vs_sdpa']:6.2f} vs SDPA"
-        + (f"  |diff| {diff:.2e}" if diff is not None else "")
-    )
+    bw = f"  {r['bytes'] / 2**20:9.1f} MiB  {r['GBps']:7.0f} GB/s  {100 * r['bw_fraction']:5.1f}% of copy" if "GBps" in r else ""
+    return f"{r['method']:22s} {r['ms'] * 1e3:9.1f} us{bw}  x{r['speedup_vs_sdpa']:6.2f} vs SDPA" + (f"  |diff| {diff:.2e}" if diff is not None else "")
 
 
 def write_results(out: Path, meta: dict, rows: list[dict]) -> None:
@@ -341,9 +480,9 @@ def write_results(out: Path, meta: dict, rows: list[dict]) -> None:
     lines = [
         f"# Decode attention on {meta['device']}",
         "",
-        f"{meta['date']}, commit `{meta['git_commit']}`, torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}. "
-        f"{H_Q} query heads, {H_KV} KV heads, d = d_v = {D}, r = r_v = {RANK}, {DTYPE}. "
-        f"Copy bandwidth (read + write) {meta['copy_bandwidth_GBps']} GB/s. Median of triton.testing.do_bench.",
+        (f"{meta['date']}, commit `{meta['git_commit']}`, torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}. "
+         f"{H_Q} query heads, {H_KV} KV heads, d = d_v = {D}, r = r_v = {RANK}, {DTYPE}. "
+         f"Copy bandwidth (read + write) {meta['copy_bandwidth_GBps']} GB/s. Median of triton.testing.do_bench."),
         "",
         "| N | T | method | chunks | time (us) | MiB read | GB/s | % of copy bw | speedup vs SDPA | max abs diff vs torch |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -353,9 +492,10 @@ def write_results(out: Path, meta: dict, rows: list[dict]) -> None:
             lines.append(f"| {r['N']} | {r['T']} | {r['method']} | {r.get('chunks', '')} | skipped: {r['skipped']} | | | | | |")
             continue
         diff = r.get("max_abs_diff_vs_torch")
+        mib, gbps, frac = (f"{r['bytes'] / 2**20:.1f}", f"{r['GBps']:.0f}", f"{100 * r['bw_fraction']:.1f}") if "GBps" in r else ("", "", "")
         lines.append(
-            f"| {r['N']} | {r['T']} | {r['method']} | {r.get('chunks', '')} | {r['ms'] * 1e3:.1f} | {r['bytes'] / 2**20:.1f} | "
-            f"{r['GBps']:.0f} | {100 * r['bw_fraction']:.1f} | {r['speedup_vs_sdpa']:.2f} | {'' if diff is None else f'{diff:.2e}'} |"
+            f"| {r['N']} | {r['T']} | {r['method']} | {r.get('chunks', '')} | {r['ms'] * 1e3:.1f} | {mib} | "
+            f"{gbps} | {frac} | {r['speedup_vs_sdpa']:.2f} | {'' if diff is None else f'{diff:.2e}'} |"
         )
     (out / f"decode_gpu_{stamp}.md").write_text("\n".join(lines) + "\n")
     print(f"\nwrote {out / f'decode_gpu_{stamp}.json'} and {out / f'decode_gpu_{stamp}.md'}")

@@ -68,7 +68,8 @@ def test_every_default_configuration_compiles_for_sm80_and_sm90(default_rows):
 
 
 def test_no_default_configuration_spills(default_rows):
-    spills = [f"{r['kernel']} [{r['config']}] sm_{r['arch']}: {r['spill_stores']}/{r['spill_loads']} B" for r in default_rows if r["spill_stores"] or r["spill_loads"]]
+    spills = [f"{r['kernel']} [{r['config']}] sm_{r['arch']}: {r['spill_stores']}/{r['spill_loads']} B"
+              for r in default_rows if r["spill_stores"] or r["spill_loads"]]
     assert not spills, "default launch configurations spill registers:\n" + "\n".join(spills)
 
 

@@ -105,7 +105,6 @@ def _decode_split_kernel(
     COEF = kb_ptr.dtype.element_ty
 
     offs_g = tl.arange(0, G)
-    offs_d = tl.arange(0, D)
     offs_dv = tl.arange(0, DV)
     offs_r = tl.arange(0, R)
     offs_rv = tl.arange(0, RV)

@@ -268,7 +268,8 @@ def markdown(report: dict) -> str:
     lines += ["", "Roofline-predicted attention time of one decode step (spec R10; 8 KV heads x N, d = 128, r = 32, bf16 bases):", "",
               "| GPU | coefficients | N | T | subspace (us) | SDPA over the full cache (us) | ratio |", "|---|---|---|---|---|---|---|"]
     for x in report["roofline"]:
-        lines.append(f"| {x['gpu']} | {x['coef']} | {x['N']} | {x['T']} | {x['subspace_us']:.1f} | {x['sdpa_us']:.1f} | {x['sdpa_us'] / x['subspace_us']:.2f} |")
+        ratio = x["sdpa_us"] / x["subspace_us"]
+        lines.append(f"| {x['gpu']} | {x['coef']} | {x['N']} | {x['T']} | {x['subspace_us']:.1f} | {x['sdpa_us']:.1f} | {ratio:.2f} |")
     for s in report["skipped"]:
         lines.append(f"\nSkipped: {s}")
     for f in report["nvcc_failures"]:

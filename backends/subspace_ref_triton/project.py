@@ -4,7 +4,8 @@ kernel, beside a pure-torch ``*_reference`` with the same signature.
 One launch covers every sequence and head and both keys and values: grid
 ``(N * H, min(ceil(n / BLOCK_N), MAX_GRID_Y))``, one program per (sequence, head) and tile of new
 tokens; above MAX_GRID_Y tiles (CUDA's limit on the second grid dimension, ~1.05M tokens) each
-program strides over the tiles, so an append of any length is one launch. A program loads the head's basis once (``B = bases[n, h, chunk[n, h]]``: with ``chunk =
+program strides over the tiles, so an append of any length is one launch. A program loads
+the head's basis per tile (``B = bases[n, h, chunk[n, h]]``: with ``chunk =
 num_chunks - 1`` that is the open chunk of spec A9, read in place, no gather copy), computes
 ``c_t = B k_t`` for its tokens in float32 (16-bit inputs on tensor cores: their products are exact
 in float32, so this equals a float32 product of the stored values), writes the coefficients in

@@ -74,6 +74,56 @@ __device__ __forceinline__ void project_query_row(const T* __restrict__ row, con
     }
 }
 
+// A flat index into rows of `width` elements as (row t, column i); advance() adds another
+// RowCol (the step, its column < width) to (t, i) without dividing.
+struct RowCol {
+    int t, i;
+    __device__ __forceinline__ static RowCol of(int flat, int width) { return RowCol{flat / width, flat % width}; }
+    __device__ __forceinline__ void advance(int& row, int& col, int width) const {
+        row += t;
+        col += i;
+        if (col >= width) {
+            col -= width;
+            ++row;
+        }
+    }
+};
+
+// Rows t0 .. t0 + tile_len - 1 of one head's coefficients (rows of `width` contiguous elements
+// from row `row0`), dequantised to float32, into a shared tile of kRowPad floats per row. The
+// tile is one contiguous block: consecutive threads read consecutive 16-byte vectors when a row
+// is a whole number of them (width a multiple of 16 / sizeof(CoefT), base aligned), else
+// consecutive elements; (row, column) advance by a step computed once per call, not by a
+// division per element.
+template <int kRowPad, typename CoefT>
+__device__ __forceinline__ void load_coef_tile(float* s_tile, const CoefT* __restrict__ coef, const float* __restrict__ scales,
+                                               long long row0, int tile_len, int width, int tid) {
+    constexpr int kVec = 16 / static_cast<int>(sizeof(CoefT));
+    const CoefT* base = coef + row0 * width;
+    if (width % kVec == 0 && reinterpret_cast<unsigned long long>(base) % 16 == 0) {
+        const int vecs = width / kVec;
+        const uint4* src = reinterpret_cast<const uint4*>(base);
+        const RowCol step = RowCol::of(kDecodeThreads, vecs);
+        RowCol at = RowCol::of(tid, vecs);
+        for (int idx = tid; idx < tile_len * vecs; idx += kDecodeThreads, step.advance(at.t, at.i, vecs)) {
+            const uint4 raw = src[idx];
+            CoefT e[kVec];
+            __builtin_memcpy(e, &raw, sizeof(raw));
+            float* dst = s_tile + at.t * kRowPad + at.i * kVec;
+#pragma unroll
+            for (int k = 0; k < kVec; ++k) {
+                dst[k] = CoefReader<CoefT>::load(e, scales, k, row0 + at.t);
+            }
+        }
+    } else {
+        const RowCol step = RowCol::of(kDecodeThreads, width);
+        RowCol at = RowCol::of(tid, width);
+        for (int idx = tid; idx < tile_len * width; idx += kDecodeThreads, step.advance(at.t, at.i, width)) {
+            s_tile[at.t * kRowPad + at.i] = CoefReader<CoefT>::load(base, scales, idx, row0 + at.t);
+        }
+    }
+}
+
 template <typename T, typename CoefT, int D, int DV, int RT>
 __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinBlocks)
 decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
@@ -188,18 +238,8 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
             const long long coef_row0 = nh * t_cap;
             for (int t0 = c_lo; t0 < c_hi; t0 += kTokenTile) {
                 const int tile_len = min(kTokenTile, c_hi - t0);
-                for (int idx = tid; idx < tile_len * rank; idx += kDecodeThreads) {
-                    const int t = idx / rank;
-                    const int i = idx - t * rank;
-                    const long long token = coef_row0 + t0 + t;
-                    s_kc[t * kRowPad + i] = CoefReader<CoefT>::load(key_coef, key_scale, token * rank + i, token);
-                }
-                for (int idx = tid; idx < tile_len * rank_v; idx += kDecodeThreads) {
-                    const int t = idx / rank_v;
-                    const int i = idx - t * rank_v;
-                    const long long token = coef_row0 + t0 + t;
-                    s_vc[t * kRowPad + i] = CoefReader<CoefT>::load(value_coef, value_scale, token * rank_v + i, token);
-                }
+                load_coef_tile<kRowPad>(s_kc, key_coef, key_scale, coef_row0 + t0, tile_len, rank, tid);
+                load_coef_tile<kRowPad>(s_vc, value_coef, value_scale, coef_row0 + t0, tile_len, rank_v, tid);
                 __syncthreads();
 
                 // Logits gamma * scale * q~_j . c_t; tokens past the tile end get -inf so that

@@ -95,3 +95,21 @@ def test_exhaustive_sweep_compiles():
         pytest.skip(reason)
     rows = _report(True)
     assert len(rows) > 100
+
+
+def test_report_flags_default_spills_and_renders():
+    """The report's verdict and table from synthetic rows (no compile)."""
+    from dataclasses import asdict
+
+    from subspace_ref_triton import gpu_report
+
+    rows = [gpu_report.Row("triton", "decode split", "bf16 d=128 r=32 g=4 bt=32 w=4", True, 90, 146, 0, 0, 0, 13312, 4),
+            gpu_report.Row("cuda", "project_append", "subspace::project_append<float, float, 0, 0, 256>", False, 80, 64, 8, 8, 16, 0, 4),
+            gpu_report.Row("triton", "project", "fp32", True, 80, 255, 12, 16, 16, 98368, 4)]
+    gpu_report.add_occupancy(rows)
+    assert rows[0].resident == 3 and rows[0].waves["N=1"][0] == 49
+    report = dict(rows=[asdict(r) for r in rows], roofline=gpu_report.roofline_rows(), nvcc_failures=[], skipped=[])
+    spills = gpu_report.default_spills(report)
+    assert len(spills) == 1 and "project [fp32] sm_80: 12 B" in spills[0]  # the non-default spill is listed, not flagged
+    text = gpu_report.markdown(report)
+    assert "| 49, 0.99 (1.33) |" in text and "Default configurations that spill: \n- triton project" in text

@@ -194,3 +194,31 @@ def test_device_token_count_needs_a_fixed_split_count(rng):
     lay = chunked_layout(rng, 1, 1, 10, 16, 2, [0])
     with pytest.raises(ValueError, match="num_splits"):
         decode.split_launch(torch.zeros(1, 1, 16), lay, 1.0, 0, None, num_tokens=torch.ones(1, dtype=torch.int64))
+
+
+@needs_triton
+def test_resident_programs_reads_the_compiled_kernel(monkeypatch):
+    """On a GPU the split count uses the compiled kernel's registers and shared memory: the
+    runtime path with a stand-in for Triton's compiled kernel and the device's properties."""
+    class Compiled:
+        n_regs, metadata = 146, type("Meta", (), {"shared": 13312})
+
+        def _init_handles(self):
+            pass
+
+    class Kernel:
+        fn = decode._decode_split_kernel.fn
+
+        def warmup(self, *args, grid, num_warps, **constexprs):
+            assert grid == (8, 1) and num_warps == 4 and "BLOCK_T" in constexprs
+            return Compiled()
+
+    props = type("Props", (), dict(name="H100", major=9, minor=0, multi_processor_count=132, regs_per_multiprocessor=65536,
+                                   max_threads_per_multi_processor=2048, shared_memory_per_multiprocessor=228 * 1024))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    monkeypatch.setattr(decode, "_RESIDENT", {})
+    launch = Launch(Kernel(), (8, 1), (), dict(BLOCK_T=32), 4)
+    assert decode.resident_programs(launch, "cuda:0") == 3  # 146 registers x 4 warps: 3 per SM
+    assert decode.default_split_len(32768, 8, "cuda:0", 3) == -(-32768 // (3 * 132 // 8) // 64) * 64
+    assert decode.default_split_len(32768, 8, "cuda:0") == -(-32768 // (decode.FALLBACK_RESIDENT * 132 // 8) // 64) * 64

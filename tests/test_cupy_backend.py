@@ -288,6 +288,8 @@ def test_launch_constants_match_the_sources():
     assert c["kDecodeThreads"] == _kernels.DECODE_THREADS
     assert c["kDecodeMinBlocks"] == _kernels.DECODE_MIN_BLOCKS
     assert c["kTokenTile"] == _kernels.TOKEN_TILE
+    assert c["kTokenTileLargeRank"] == _kernels.TOKEN_TILE_LARGE_RANK
+    assert c["kTokenTileRankLimit"] == _kernels.TOKEN_TILE_RANK_LIMIT
     assert c["kMergeThreads"] == _kernels.MERGE_THREADS
     assert c["kProjectThreads"] == _kernels.PROJECT_THREADS
     assert _kernels.PROJECT_WARPS == c["kProjectWarps"]

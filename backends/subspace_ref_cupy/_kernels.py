@@ -37,7 +37,9 @@ RANK_TILES = (64, 128, 256)
 # kProjectThreads); test_cupy_backend checks that they do.
 DECODE_THREADS = 128
 DECODE_MIN_BLOCKS = 4  # blocks per SM the decode kernel's registers are bounded for (kDecodeMinBlocks)
-TOKEN_TILE = 32
+TOKEN_TILE = 64  # kTokenTile: tokens per tile for rank tiles <= TOKEN_TILE_RANK_LIMIT
+TOKEN_TILE_LARGE_RANK = 32  # kTokenTileLargeRank: above it
+TOKEN_TILE_RANK_LIMIT = 128  # kTokenTileRankLimit
 MERGE_THREADS = 128
 PROJECT_THREADS = 128
 PROJECT_WARPS = PROJECT_THREADS // 32
@@ -125,9 +127,15 @@ def _config_set() -> frozenset[KernelConfig]:
     return _CONFIGS
 
 
+def token_tile(rt: int) -> int:
+    """Tokens per tile of ``decode_split_partial`` for rank tile ``rt`` (kTokenTileOf<RT> there)."""
+    return TOKEN_TILE if rt <= TOKEN_TILE_RANK_LIMIT else TOKEN_TILE_LARGE_RANK
+
+
 def decode_shared_bytes(group: int, d: int, d_v: int, rt: int) -> int:
     """Dynamic shared memory of ``decode_split_partial`` (the carve-up at the top of the kernel)."""
-    floats = group * (d + 2 * rt + TOKEN_TILE + d_v + 4) + 2 * TOKEN_TILE * (rt + 1)
+    tt = token_tile(rt)
+    floats = group * (d + 2 * rt + tt + d_v + 4) + 2 * tt * (rt + 1)
     return 4 * floats
 
 

@@ -23,12 +23,19 @@ constexpr int kDecodeWarps = kDecodeThreads / kWarpSize;
 // instantiations (subspace-kv gpu-report); with it none spills, and 4 blocks of 4 warps fit an
 // SM of sm_80 and sm_90 (shared memory allowing: see decode_shared_bytes).
 constexpr int kDecodeMinBlocks = 4;
-// One token per lane in the per-head softmax update, so a tile is exactly one warp wide.
-constexpr int kTokenTile = kWarpSize;
+// Tokens per tile: two per lane in the per-head softmax update (half the barriers per token of a
+// one-warp-wide tile) while the rank tile is at most kTokenTileRankLimit; one per lane above it,
+// where two 64-token tiles of RT + 1 floats per row would outgrow most GPUs' shared memory.
+constexpr int kTokenTile = 2 * kWarpSize;
+constexpr int kTokenTileLargeRank = kWarpSize;
+constexpr int kTokenTileRankLimit = 128;
+
+template <int RT>
+constexpr int kTokenTileOf = RT <= kTokenTileRankLimit ? kTokenTile : kTokenTileLargeRank;
 
 // Dynamic shared memory of decode_split_partial, in floats (the Python launcher uses the same
 // formula, subspace_ref_cupy._kernels.decode_shared_bytes):
-//   group * (d + 2 * RT + kTokenTile + d_v + 4) + 2 * kTokenTile * (RT + 1)
+//   group * (d + 2 * RT + TT + d_v + 4) + 2 * TT * (RT + 1),  TT = kTokenTileOf<RT>
 //
 // Template parameters: T is the dtype of q and of the bases; CoefT the coefficient storage (T, or
 // signed char for INT8 with per-token scales); D and DV the key and value head sizes, or 0 for
@@ -145,6 +152,8 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
     static_assert(DV >= 0, "DV is a head size, or 0 for a run-time one");
     static_assert(RT % kWarpSize == 0, "rank tiles are whole warps");
     constexpr int kRowPad = RT + 1;  // odd row stride: lanes reading one column hit distinct banks
+    constexpr int TT = kTokenTileOf<RT>;
+    constexpr int kPerLane = TT / kWarpSize;
     const int d = D > 0 ? D : d_rt;
     const int dv = DV > 0 ? DV : d_v_rt;
 
@@ -160,10 +169,10 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
     extern __shared__ float smem[];
     float* s_q = smem;                          // group x d
     float* s_qt = s_q + group * d;              // group x RT, scaled by gamma * scale
-    float* s_kc = s_qt + group * RT;            // kTokenTile x kRowPad
-    float* s_vc = s_kc + kTokenTile * kRowPad;  // kTokenTile x kRowPad
-    float* s_w = s_vc + kTokenTile * kRowPad;   // group x kTokenTile: logits, then weights
-    float* s_acc = s_w + group * kTokenTile;    // group x RT: value-coefficient accumulator
+    float* s_kc = s_qt + group * RT;            // TT x kRowPad
+    float* s_vc = s_kc + TT * kRowPad;  // TT x kRowPad
+    float* s_w = s_vc + TT * kRowPad;   // group x TT: logits, then weights
+    float* s_acc = s_w + group * TT;    // group x RT: value-coefficient accumulator
     float* s_out = s_acc + group * RT;          // group x d_v: N of spec A3, at scale s_mout
     float* s_m = s_out + group * dv;            // group: running max m
     float* s_z = s_m + group;                   // group: Z
@@ -183,7 +192,7 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
         s_out[i] = 0.0f;
     }
     // Columns rank..RT of the tiles are never loaded; zero makes them inert in the RT-long dots.
-    for (int i = tid; i < 2 * kTokenTile * kRowPad; i += kDecodeThreads) {
+    for (int i = tid; i < 2 * TT * kRowPad; i += kDecodeThreads) {
         s_kc[i] = 0.0f;
     }
     for (int i = tid; i < group; i += kDecodeThreads) {
@@ -236,17 +245,17 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
             __syncthreads();
 
             const long long coef_row0 = nh * t_cap;
-            for (int t0 = c_lo; t0 < c_hi; t0 += kTokenTile) {
-                const int tile_len = min(kTokenTile, c_hi - t0);
+            for (int t0 = c_lo; t0 < c_hi; t0 += TT) {
+                const int tile_len = min(TT, c_hi - t0);
                 load_coef_tile<kRowPad>(s_kc, key_coef, key_scale, coef_row0 + t0, tile_len, rank, tid);
                 load_coef_tile<kRowPad>(s_vc, value_coef, value_scale, coef_row0 + t0, tile_len, rank_v, tid);
                 __syncthreads();
 
                 // Logits gamma * scale * q~_j . c_t; tokens past the tile end get -inf so that
                 // they weigh exactly 0.
-                for (int idx = tid; idx < group * kTokenTile; idx += kDecodeThreads) {
-                    const int g = idx / kTokenTile;
-                    const int t = idx - g * kTokenTile;
+                for (int idx = tid; idx < group * TT; idx += kDecodeThreads) {
+                    const int g = idx / TT;
+                    const int t = idx - g * TT;
                     float logit = -SUBSPACE_INFINITY;
                     if (t < tile_len) {
                         logit = 0.0f;
@@ -260,14 +269,25 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
                 __syncthreads();
 
                 // Spec A3 steps 2.2-2.3 at tile granularity (A3.1: any partition of the tokens
-                // gives the same result), one warp per query head, one token per lane.
+                // gives the same result), one warp per query head, kPerLane tokens per lane.
                 for (int g = warp; g < group; g += kDecodeWarps) {
-                    const float logit = s_w[g * kTokenTile + lane];
+                    float logit[kPerLane];
+                    float tile_max = -SUBSPACE_INFINITY;
+#pragma unroll
+                    for (int k = 0; k < kPerLane; ++k) {
+                        logit[k] = s_w[g * TT + k * kWarpSize + lane];
+                        tile_max = fmaxf(tile_max, logit[k]);
+                    }
                     const float m_old = s_m[g];
-                    const float m_new = fmaxf(m_old, warp_max(logit));
-                    const float w = exp_shift(logit, m_new);
-                    const float w_sum = warp_sum(w);
-                    s_w[g * kTokenTile + lane] = w;
+                    const float m_new = fmaxf(m_old, warp_max(tile_max));
+                    float lane_sum = 0.0f;
+#pragma unroll
+                    for (int k = 0; k < kPerLane; ++k) {
+                        const float w = exp_shift(logit[k], m_new);
+                        s_w[g * TT + k * kWarpSize + lane] = w;
+                        lane_sum += w;
+                    }
+                    const float w_sum = warp_sum(lane_sum);
                     __syncwarp();
                     if (lane == 0) {
                         const float alpha = exp_shift(m_old, m_new);
@@ -285,7 +305,7 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
                     const int i = idx - g * RT;
                     float acc = s_acc[idx] * s_alpha[g];
                     for (int t = 0; t < tile_len; ++t) {
-                        acc += s_w[g * kTokenTile + t] * s_vc[t * kRowPad + i];
+                        acc += s_w[g * TT + t] * s_vc[t * kRowPad + i];
                     }
                     s_acc[idx] = acc;
                 }

@@ -34,8 +34,24 @@ class PackedLayout:
     key_basis_scale: Any = None  # (N, H, J_cap, r) float32 when bases are int8 (spec/storage.md S1)
     value_basis_scale: Any = None  # (N, H, J_cap, r_v)
     basis_format: str = "native"  # how key_bases/value_bases are stored (spec/storage.md S1)
+    # int4/int2 coefficients (spec/quantization.md Q2): key_coef/value_coef hold packed uint8 codes
+    key_group_scale: Any = None  # (N, H, ceil(T_cap / group), r) float16, per channel per token group
+    key_group_zero: Any = None
+    key_tail: Any = None  # (N, H, group, r) state dtype: the keys of the unfinished trailing group
+    value_token_scale: Any = None  # (N, H, T_cap) float16, per token
+    value_token_zero: Any = None
+    low_bits: int = 0  # 4 or 2 for int4/int2 coefficients, 0 otherwise
+    group: int = 0  # tokens per key group of low-bit coefficients
 
-    ARRAYS = ("key_coef", "value_coef", "key_bases", "value_bases", "chunk_starts", "num_chunks", "gamma", "key_scale", "value_scale", "key_basis_scale", "value_basis_scale")
+    ARRAYS = (
+        "key_coef", "value_coef", "key_bases", "value_bases", "chunk_starts", "num_chunks", "gamma", "key_scale", "value_scale", "key_basis_scale",
+        "value_basis_scale", "key_group_scale", "key_group_zero", "key_tail", "value_token_scale", "value_token_zero",
+    )
+
+    @property
+    def coefficients(self) -> str:
+        """How coefficients are stored: "float", "int8" (spec A10), "int4" or "int2" (spec/quantization.md)."""
+        return f"int{self.low_bits}" if self.low_bits else ("int8" if self.quantized else "float")
 
     @property
     def quantized(self) -> bool:
@@ -45,6 +61,10 @@ class PackedLayout:
     def coefficient_rows(self, which: str, n: int, h: int, a: int, b: int, dtype: Any) -> Any:
         """Rows [a, b) of the "key" or "value" coefficients of sequence n, head h, in ``dtype``,
         dequantised when the layout is int8 (spec A10)."""
+        if self.low_bits:
+            from subspace_ref.quantization import read_low_bit
+
+            return read_low_bit(self, which, a, b, dtype, self.num_tokens, (n, h))
         coef = getattr(self, f"{which}_coef")[n, h, a:b]
         if not self.quantized:
             return coef.astype(dtype)
@@ -87,7 +107,8 @@ class PackedLayout:
         names = ("key_bases", "value_bases", "key_basis_scale", "value_basis_scale")
         return replace(self, **{name: clone(getattr(self, name)) for name in names if getattr(self, name) is not None})
 
-    TOKEN_AXIS = ("key_coef", "value_coef", "key_scale", "value_scale")
+    TOKEN_AXIS = ("key_coef", "value_coef", "key_scale", "value_scale", "value_token_scale", "value_token_zero")
+    GROUP_AXIS = ("key_group_scale", "key_group_zero")
     CHUNK_AXIS = ("key_bases", "value_bases", "chunk_starts", "key_basis_scale", "value_basis_scale")
 
     def live_arrays(self) -> dict[str, Any]:
@@ -101,6 +122,8 @@ class PackedLayout:
                 x = x[:, :, :T]
             elif name in self.CHUNK_AXIS:
                 x = x[:, :, :J]
+            elif name in self.GROUP_AXIS:
+                x = x[:, :, : T // self.group]
             out[name] = x
         return out
 
@@ -125,6 +148,8 @@ class PackedLayout:
             value_scale=None if self.value_scale is None else grown(self.value_scale, 2, new_t),
             key_basis_scale=None if self.key_basis_scale is None else grown(self.key_basis_scale, 2, new_j),
             value_basis_scale=None if self.value_basis_scale is None else grown(self.value_basis_scale, 2, new_j),
+            **{name: grown(getattr(self, name), 2, new_t) for name in ("value_token_scale", "value_token_zero") if getattr(self, name) is not None},
+            **{name: grown(getattr(self, name), 2, -(-new_t // self.group)) for name in self.GROUP_AXIS if getattr(self, name) is not None},
         )
 
     def map_arrays(self, fn) -> "PackedLayout":

@@ -219,7 +219,7 @@ def test_schema_covers_every_layout_array_and_policy_field():
     from subspace_ref.layout import PackedLayout
     from subspace_ref.policies import AdaptivePolicy, RotatingPolicy, StaticPolicy
 
-    assert set(PackedLayout.ARRAYS) == set(persistence.LAYOUT_TENSORS + persistence.SCALE_TENSORS + persistence.BASIS_SCALE_TENSORS)
+    assert set(PackedLayout.ARRAYS) == set(persistence.LAYOUT_TENSORS + persistence.SCALE_TENSORS + persistence.BASIS_SCALE_TENSORS + persistence.LOW_BIT_TENSORS)
     spec = Path(__file__).resolve().parents[1].joinpath("spec", "persistence.md").read_text()
     for name in persistence.TENSOR_ORDER:
         assert f"`{name}`" in spec, f"tensor {name} is not described in spec/persistence.md"

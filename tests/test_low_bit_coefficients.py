@@ -219,3 +219,42 @@ def test_gpu_backends_refuse_with_the_declared_reason(backend):
         state, q = state.to("triton"), torch.from_numpy(q)
     reasons = impl.not_supported_reasons(q, state)
     assert any("int4 coefficients" in r for r in reasons), reasons
+
+
+@pytest.mark.parametrize("coefficients", FORMATS)
+def test_output_bound_with_low_bit_coefficients(coefficients):
+    """spec/quantization.md Q4.1-Q4.3, measured on a static state (one chunk, gamma = 1)."""
+    rng = np.random.default_rng(11)
+    H, d, T, G = 2, 16, 70, 8
+    basis = _basis(rng, H, d, r=6, r_v=6)
+    state = sr.SubspaceState.static(basis, coefficients=coefficients, group_size=G)
+    K = rng.standard_normal((H, T, d)) * 2
+    V = rng.standard_normal((H, T, d))
+    state.append(K, V)
+    K_hat, V_hat = state.reconstruct()
+    lay = state.layout
+    done = (T // G) * G
+    worst_ratio = 0.0
+    for h in range(H):
+        B, E = basis.B[h], basis.E[h]
+        proj_k = np.sum((K[h] - K[h] @ B.T @ B) ** 2, axis=1)
+        proj_v = np.sum((V[h] - V[h] @ E.T @ E) ** 2, axis=1)
+        sigma = np.zeros((T, B.shape[0]))
+        sigma[:done] = np.repeat(lay.key_group_scale[0, h, : T // G].astype(np.float64), G, axis=0)
+        tau = lay.value_token_scale[0, h, :T].astype(np.float64)
+        err_k = np.sum((K[h] - K_hat[h]) ** 2, axis=1)
+        err_v = np.sum((V[h] - V_hat[h]) ** 2, axis=1)
+        bound_k = proj_k + np.sum(sigma**2, axis=1) / 4
+        bound_v = proj_v + E.shape[0] * tau**2 / 4
+        assert (err_k <= bound_k * (1 + 1e-9)).all() and (err_v <= bound_v * (1 + 1e-9)).all()  # Q4.1, Q4.2
+        quant = err_k[:done] - proj_k[:done]
+        worst_ratio = max(worst_ratio, float(np.max(quant / (np.sum(sigma[:done] ** 2, axis=1) / 4))))
+        np.testing.assert_allclose(err_k[done:], proj_k[done:], rtol=1e-9, atol=1e-12)  # the tail is exact
+        for _ in range(5):  # Q4.3
+            q = rng.standard_normal(d) * 3
+            s = 1 / np.sqrt(d)
+            delta_q = s * np.linalg.norm(q) * np.sqrt(bound_k.max())
+            bound_o = 2 * np.tanh(delta_q / 2) * np.linalg.norm(V[h], axis=1).max() + np.sqrt(bound_v.max())
+            err_o = np.linalg.norm(exact_attention(q[None], K[h][None], V[h][None]) - exact_attention(q[None], K_hat[h][None], V_hat[h][None]))
+            assert err_o <= bound_o
+    assert worst_ratio > 1 / 3  # Q4.1's quantisation term is approached on some token

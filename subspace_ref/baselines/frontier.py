@@ -103,7 +103,10 @@ class _FrontierRuntime:
         t = torch.arange(T, device=q.device)[None, :]
         causal = causal_keep(n, T, q.device)
         exact = (t < self.sinks) | (t > pos - self.window) if (self.window or self.sinks) else torch.zeros_like(causal)
-        done = ((t // self.group) + 1) * self.group - 1 <= pos  # key t's group is complete at query p
+        # compressed tokens are t = S .. p - W, indexed u = t - S: key t's group is complete at
+        # query p when its last index is at most the last compressed index p - W - S
+        u = t - self.sinks
+        done = ((u // self.group) + 1) * self.group - 1 <= pos - self.window - self.sinks
         outs = []
         for h, (c, (Bk, Ev)) in enumerate(zip(self.heads, self.bases)):
             kk, vv = k[:, h].float(), v[:, h].float()

@@ -3,6 +3,8 @@ keys-per-channel-per-group / values-per-token storage, bytes, persistence and th
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -116,13 +118,13 @@ def test_keys_per_channel_per_group_values_per_token_tail_in_float(coefficients)
 @pytest.mark.parametrize("coefficients", FORMATS)
 def test_bytes_by_hand_count(coefficients):
     """Q3: packed codes, float16 scale and zero per value token and per key group and channel,
-    the unfinished key group in the state's dtype."""
+    the tail buffer of G key rows in the state's dtype."""
     rng = np.random.default_rng(3)
     basis = _basis(rng, r=5, r_v=7)
     state = sr.SubspaceState.static(basis, coefficients=coefficients, group_size=8)
     state.append(rng.standard_normal((2, 29, 16)), rng.standard_normal((2, 29, 16)))
     b = 4 if coefficients == "int4" else 2
-    per_head = 29 * (-(-5 * b // 8) + -(-7 * b // 8)) + 29 * 4 + 3 * 5 * 4 + 5 * 5 * 8
+    per_head = 29 * (-(-5 * b // 8) + -(-7 * b // 8)) + 29 * 4 + 3 * 5 * 4 + 8 * 5 * 8  # the tail buffer: G = 8 rows
     assert state.nbytes == 2 * per_head + state.basis_nbytes
 
 
@@ -258,3 +260,24 @@ def test_output_bound_with_low_bit_coefficients(coefficients):
             err_o = np.linalg.norm(exact_attention(q[None], K[h][None], V[h][None]) - exact_attention(q[None], K_hat[h][None], V_hat[h][None]))
             assert err_o <= bound_o
     assert worst_ratio > 1 / 3  # Q4.1's quantisation term is approached on some token
+
+
+def test_a_flipped_byte_in_a_low_bit_tensor_fails_the_checksum(tmp_path):
+    from subspace_ref.persistence import LOW_BIT_TENSORS, StateFileError
+
+    rng = np.random.default_rng(12)
+    state, _ = _states(rng, "int2", "adaptive")
+    state.append(rng.standard_normal((2, 21, 16)), rng.standard_normal((2, 21, 16)))
+    path = tmp_path / "s"
+    state.save(path)
+    data = path.read_bytes()
+    start = 8 + int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:start])
+    assert set(LOW_BIT_TENSORS) <= set(header)
+    for name in LOW_BIT_TENSORS + ("key_coef", "value_coef"):
+        a, _ = header[name]["data_offsets"]
+        corrupt = bytearray(data)
+        corrupt[start + a] ^= 0xFF
+        (tmp_path / "bad").write_bytes(bytes(corrupt))
+        with pytest.raises(StateFileError, match="checksum"):
+            sr.SubspaceState.load(tmp_path / "bad")

@@ -21,7 +21,7 @@ from typing import Any
 from subspace_ref.arrays import array_family
 
 POLICIES = ("static", "adaptive", "rotating")
-COEFFICIENT_FORMATS = ("float", "int8")
+COEFFICIENT_FORMATS = ("float", "int8", "int4", "int2")
 BASIS_FORMATS = ("native", "float16", "float8_e4m3", "int8")
 #: Online-sketch and window options set away from their neutral values (spec/sketch_variants.md,
 #: spec/window.md W4): the policy fields marked optional, and the window's lookahead.
@@ -105,7 +105,7 @@ def features(state) -> dict[str, Any]:
         "family": family,
         "device": _device(lay.key_coef) if family in ("numpy", "torch", "cupy") else "?",
         "dtype": _name(lay.dtype),
-        "coefficients": "int8" if lay.quantized else "float",
+        "coefficients": lay.coefficients,
         "bases": lay.basis_format,
         "window": state.window is not None,
         "rope": getattr(policy, "rope", None) is not None,

@@ -144,8 +144,9 @@ class TritonBackend:
         backend's append for the others (see the module docstring)."""
         from subspace_ref_torch import append as torch_append
 
-        if getattr(state.layout, "basis_format", "native") != "native":
-            # encoded bases (spec/storage.md S1): the torch backend's append decodes them
+        if getattr(state.layout, "basis_format", "native") != "native" or getattr(state.layout, "low_bits", 0):
+            # encoded bases (spec/storage.md S1) or int4/int2 coefficients (spec/quantization.md
+            # Q2): the torch backend's append decodes / quantises them
             torch_append.append(state, keys, values)
             return
         if state.policy.kind == "static" and dtype_name(state.layout.key_bases.dtype) in self.dtypes:

@@ -90,13 +90,20 @@ def _device(x: Any) -> str:
     return "cuda" if family == "cupy" else "cpu"
 
 
-def features(state) -> dict[str, Any]:
-    """The facts about ``state`` that capabilities are checked against."""
-    lay = state.layout
+def sketch_variants(state) -> list[str]:
+    """The options of :data:`SKETCH_VARIANTS` ``state`` sets away from their neutral values."""
     policy = state.policy
     variants = [f.name for f in dataclasses.fields(policy) if f.metadata.get("optional") and getattr(policy, f.name) != f.default]
     if state.window is not None and state.window.lookahead:
         variants.append("lookahead")
+    return variants
+
+
+def features(state) -> dict[str, Any]:
+    """The facts about ``state`` that capabilities are checked against (for appends also
+    :func:`sketch_variants`)."""
+    lay = state.layout
+    policy = state.policy
     try:
         family = array_family(lay.key_coef)
     except ValueError:
@@ -111,7 +118,6 @@ def features(state) -> dict[str, Any]:
         "rope": getattr(policy, "rope", None) is not None,
         "query_group": getattr(policy, "query_group", None) or 1,
         "policy": policy.kind,
-        "sketch_variants": variants,
         "d": state.d,
         "d_v": state.d_v,
         "ranks": (lay.key_coef.shape[3], lay.value_coef.shape[3]),
@@ -180,7 +186,7 @@ def append_reasons(backend: str, impl: Any, state) -> list[str]:
     out = _state_reasons(backend, caps, f)
     if f["policy"] not in caps.append_policies:
         out.append(f"the {backend} backend does not append to {f['policy']} states (it appends for {', '.join(caps.append_policies)})")
-    missing = [v for v in f["sketch_variants"] if v not in caps.sketch_variants]
+    missing = [v for v in sketch_variants(state) if v not in caps.sketch_variants]
     if missing:
         shown = [f"{v}={state.window.lookahead if v == 'lookahead' else getattr(state.policy, v)}" for v in missing]
         out.append(f"the {backend} append does not implement {'; '.join(shown)} (spec/sketch_variants.md, spec/window.md W4): append on the numpy backend (state.to('numpy'))")

@@ -16,6 +16,7 @@ from subspace_ref.capabilities import (
     append_reasons,
     attend_reasons,
     features,
+    sketch_variants,
     state_reasons,
     table,
 )
@@ -84,13 +85,13 @@ def test_append_refusals_come_from_the_declaration(rng):
     with pytest.raises(NotSupportedError, match="ring_warm_start=4; fd_stride=2") as err:
         state.append(torch.zeros(2, 8, dtype=torch.float64), torch.zeros(2, 8, dtype=torch.float64))
     assert len(err.value.reasons) == 1 and state.num_tokens == 0 and state.nbytes == before.nbytes
-    assert features(state)["sketch_variants"] == ["ring_warm_start", "fd_stride"]
+    assert sketch_variants(state) == ["ring_warm_start", "fd_stride"]
 
 
 def test_features_of_a_plain_state(rng):
     f = features(SubspaceState.static(_basis(rng)))
     assert f == {"family": "numpy", "device": "cpu", "dtype": "float64", "coefficients": "float", "bases": "native", "window": False,
-                 "rope": False, "query_group": 1, "policy": "static", "sketch_variants": [], "d": 8, "d_v": 8, "ranks": (3, 3)}
+                 "rope": False, "query_group": 1, "policy": "static", "d": 8, "d_v": 8, "ranks": (3, 3)}
 
 
 def test_backends_command_prints_the_table(capsys):

@@ -321,7 +321,8 @@ def test_fd_helpers_match_the_oracle(rng):
 # ------------------------------------------------------------------ by hand, without the harness
 def _attention_by_hand(q, state, scale=None):
     """softmax(gamma_h * scale * K_hat_h q) V_hat_h per query head, in float64 from the state's
-    reconstruction (spec A2): nothing of the backend's code path is shared."""
+    reconstruction (spec A2; exact window tokens with gamma = 1, spec/window.md W3): nothing of
+    the backend's code path is shared."""
     K, V = state.reconstruct()
     gamma = to_numpy(state.layout.gamma).astype(np.float64)
     s = 1 / np.sqrt(state.d) if scale is None else scale
@@ -329,7 +330,8 @@ def _attention_by_hand(q, state, scale=None):
     out = np.zeros((q.shape[0], state.d_v))
     for i in range(q.shape[0]):
         h = i // g
-        logits = gamma[h] * s * (K[h] @ q[i])
+        g_t = np.where(np.arange(K.shape[1]) < state.layout.num_tokens, gamma[h], 1.0)
+        logits = g_t * s * (K[h] @ q[i])
         w = np.exp(logits - logits.max())
         out[i] = (w / w.sum()) @ V[h]
     return out

@@ -11,7 +11,6 @@ from typing import Any, Callable
 from subspace_ref.arrays import array_family
 from subspace_ref.backend import Availability
 from subspace_ref.capabilities import Capabilities, attend_reasons
-from subspace_ref.layout import held_arrays
 
 
 class TorchBackend:
@@ -69,7 +68,8 @@ def device_reasons(q: Any, state) -> list[str]:
     reasons = []
     if q.device != sdev:
         reasons.append(f"q is on {q.device} but the state is on {sdev}; move one of them")
-    devices = {x.device for x in held_arrays(state).values()}
+    lay = state.layout
+    devices = {x.device for x in (lay.key_coef, lay.value_coef, lay.key_bases, lay.value_bases, lay.gamma)}  # what attend reads
     if len(devices) > 1:
         reasons.append(f"the state's arrays are spread over devices {sorted(map(str, devices))}")
     return reasons

@@ -24,6 +24,8 @@ class Dispatch:
 
     def setup(self, backend):
         self.target = C.target(backend)
+        if self.target.cuda and (C.torch is None or not C.torch.cuda.is_available()):
+            raise NotImplementedError(f"{backend}: torch sees no CUDA device")
         self.state = self.target.state(C.static_state(TINY_T, 16))
         self.q = C.query(self.target)
         q = np.random.default_rng(5).standard_normal((C.HEADS * C.GROUP, C.D)).astype(C.DTYPE)

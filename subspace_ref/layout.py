@@ -13,7 +13,7 @@ from typing import Any
 
 from subspace_ref.arrays import array_family, clone, grown, itemsize, numel, to_numpy
 from subspace_ref.basis_storage import decode, encode
-from subspace_ref.quantization import dequantize_rows
+from subspace_ref.quantization import dequantize_rows, read_low_bit
 
 #: Axis kinds of axis 2 (after N, H): TOKEN rows past ``layout.num_tokens`` and CHUNK rows past
 #: the largest ``num_chunks`` are spare capacity; FIXED arrays are live whole.
@@ -127,8 +127,6 @@ class PackedLayout:
         """Rows [a, b) of the "key" or "value" coefficients of sequence n, head h, in ``dtype``,
         dequantised when the layout is int8 (spec A10)."""
         if self.low_bits:
-            from subspace_ref.quantization import read_low_bit
-
             return read_low_bit(self, which, a, b, dtype, self.num_tokens, (n, h))
         coef = getattr(self, f"{which}_coef")[n, h, a:b]
         if not self.quantized:

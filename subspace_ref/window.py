@@ -148,11 +148,3 @@ def anchor_buffers(buf_k: Any, filled_k: int, buf_v: Any, filled_v: int, policy,
     buf_k, filled_k = insert(buf_k, filled_k, all_k[:, :, rows], policy.ell_k)
     buf_v, filled_v = insert(buf_v, filled_v, all_v[:, :, rows], policy.ell_v)
     return buf_k, filled_k, buf_v, filled_v
-
-
-def refusals(backend: str, state) -> list[str]:
-    """The reason a backend without the exact-window merge (spec/window.md W3) gives for a
-    windowed state, for its ``not_supported_reasons``; empty for a plain state."""
-    if getattr(state, "window", None) is None:
-        return []
-    return [f"the state keeps an exact window (window={state.window.size}, min_tokens={state.window.min_tokens}); the {backend} backend does not merge exact tokens: use the torch or numpy backend"]

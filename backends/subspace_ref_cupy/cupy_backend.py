@@ -88,7 +88,8 @@ class CupyBackend:
         devices, dtypes, shapes with no compiled kernel, and shared memory per block."""
         reasons: list[str] = window.refusals("cupy", state)  # spec/window.md W3
         if getattr(state.layout, "low_bits", 0):
-            reasons.append(f"the state has {state.layout.coefficients} coefficients (spec/quantization.md); the cupy kernels read float or int8 ones only")
+            fmt = state.layout.coefficients
+            reasons.append(f"the state has {fmt} coefficients (spec/quantization.md); the cupy kernels read float or int8 ones only")
         available = self.availability()
         if not available:
             reasons.append(f"the cupy backend is unavailable: {available.reason}")
@@ -163,7 +164,8 @@ class CupyBackend:
 
     def _shared_memory_reasons(self, q: Any, state) -> list[str]:
         if getattr(state.layout, "low_bits", 0):  # refused before anything changes
-            raise NotImplementedError(f"the cupy backend cannot append to {state.layout.coefficients} coefficients (spec/quantization.md); append on the torch or numpy backend")
+            fmt = state.layout.coefficients
+            raise NotImplementedError(f"the cupy backend cannot append to {fmt} coefficients (spec/quantization.md); append on the torch or numpy backend")
         import cupy
 
         from subspace_ref_cupy import _launch
@@ -211,7 +213,8 @@ class CupyBackend:
         (INT8 layouts quantised in the kernel, spec A10). Spec A7/A8 (adaptive, rotating): the
         oracle's token loop (:func:`subspace_ref.numpy_backend.append_reference`) on CuPy arrays."""
         if getattr(state.layout, "low_bits", 0):  # refused before anything changes
-            raise NotImplementedError(f"the cupy backend cannot append to {state.layout.coefficients} coefficients (spec/quantization.md); append on the torch or numpy backend")
+            fmt = state.layout.coefficients
+            raise NotImplementedError(f"the cupy backend cannot append to {fmt} coefficients (spec/quantization.md); append on the torch or numpy backend")
         import cupy
 
         from subspace_ref_cupy import _launch

@@ -101,7 +101,8 @@ class TritonBackend:
         state = decoded_state(state)  # attend decodes encoded bases first (spec/storage.md S2)
         lay = state.layout
         if getattr(lay, "low_bits", 0):
-            reasons.append(f"the state has {lay.coefficients} coefficients (spec/quantization.md); the triton decode kernel reads float or int8 ones only: attend with backend='torch'")
+            reasons.append(f"the state has {lay.coefficients} coefficients (spec/quantization.md); the triton decode kernel reads float or int8 ones only: "
+                           "attend with backend='torch'")
         quantized = getattr(lay, "key_scale", None) is not None  # int8 coefficients, spec A10
         sd = dtype_name(lay.key_bases.dtype)
         if sd not in self.dtypes:

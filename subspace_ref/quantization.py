@@ -180,7 +180,8 @@ def store_low_bit(lay, which: str, a: int, b: int, coef: Any) -> None:
         return
     G = lay.group
     g0 = a // G
-    full = _concat([lay.key_tail[:, :, : a - g0 * G].to(coef.dtype) if array_family(coef) == "torch" else lay.key_tail[:, :, : a - g0 * G].astype(coef.dtype), coef], axis=2)
+    head = lay.key_tail[:, :, : a - g0 * G]
+    full = _concat([head.to(coef.dtype) if array_family(coef) == "torch" else head.astype(coef.dtype), coef], axis=2)
     done = (full.shape[2] // G) * G
     if done:
         N, H, _, r = full.shape

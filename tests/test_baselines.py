@@ -204,6 +204,7 @@ def test_command_quick(tmp_path):
     assert baselines.run(args) == 0
     rec = json.loads((tmp_path / "out" / "baselines.json").read_text())
     assert {r["family"] for r in rec["rows"]} >= {"stock", "quantized KV", "sliding window", "StreamingLLM", "H2O", "subspace", "subspace INT8", "subspace + window"}
+    assert "subspace (issue 16)" in {r["family"] for r in rec["rows"]} and "Scope and limits" in (tmp_path / "docs" / "baselines.md").read_text()
     assert all(c["max_abs_token_nll_diff"] < 1e-3 for c in rec["full_budget_checks"])
     assert (tmp_path / "out" / "baselines.csv").exists()
     page = (tmp_path / "docs" / "baselines.md").read_text()
@@ -226,7 +227,7 @@ def test_frontier_runtime_is_the_state(window):
     Wk = np.linalg.qr(rng.standard_normal((H, d, d)))[0].transpose(0, 2, 1)
     Wv = np.linalg.qr(rng.standard_normal((H, d, d)))[0].transpose(0, 2, 1)
     alloc = Allocation(((HeadAllocation(r, rv, 4, 4, "pre_rope"),) * H,), G, window=window)
-    runtime = Frontier(alloc, "t").with_bases([{"Wk": Wk * 0, "Wv": Wv}], [{"Wk": Wk}], rope).runtime(0)
+    runtime = Frontier(alloc, "t").with_bases([{"Wv": Wv}], [{"Wk": Wk}], rope).runtime(0)  # keys: pre-RoPE bases only
     k_pre = rng.standard_normal((H, T, r)) @ Wk[:, :r] * 3 + 0.1 * rng.standard_normal((H, T, d))
     k = rotate(k_pre, np.arange(T), rope)
     v = rng.standard_normal((H, T, d))

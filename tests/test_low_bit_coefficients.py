@@ -63,7 +63,8 @@ def test_pack_round_trip(bits):
 def _states(rng, coefficients, kind, G=8):
     H, d = 2, 16
     if kind == "static":
-        return sr.SubspaceState.static(_basis(rng, H, d), coefficients=coefficients, group_size=G), sr.SubspaceState.static(_basis(np.random.default_rng(7), H, d))
+        low = sr.SubspaceState.static(_basis(rng, H, d), coefficients=coefficients, group_size=G)
+        return low, sr.SubspaceState.static(_basis(np.random.default_rng(7), H, d))
     make = getattr(sr.SubspaceState, kind)
     opts = dict(rank_k=5, rank_v=4, **({"refresh_every": 9} if kind == "rotating" else {}))
     return make(H, d, coefficients=coefficients, group_size=G, **opts), make(H, d, **opts)

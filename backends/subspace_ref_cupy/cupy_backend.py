@@ -170,8 +170,6 @@ class CupyBackend:
         return reasons
 
     def _shared_memory_reasons(self, q: Any, state) -> list[str]:
-        if getattr(state.layout, "low_bits", 0):  # refused before anything changes
-            raise NotImplementedError(f"the cupy backend cannot append to {state.layout.coefficients} coefficients (spec/quantization.md); append on the torch or numpy backend")
         import cupy
 
         from subspace_ref_cupy import _launch
@@ -219,7 +217,8 @@ class CupyBackend:
         (INT8 layouts quantised in the kernel, spec A10). Spec A7/A8 (adaptive, rotating): the
         oracle's token loop (:func:`subspace_ref.numpy_backend.append_reference`) on CuPy arrays."""
         if getattr(state.layout, "low_bits", 0):  # refused before anything changes
-            raise NotImplementedError(f"the cupy backend cannot append to {state.layout.coefficients} coefficients (spec/quantization.md); append on the torch or numpy backend")
+            fmt = state.layout.coefficients
+            raise NotImplementedError(f"the cupy backend cannot append to {fmt} coefficients (spec/quantization.md); append on the torch or numpy backend")
         import cupy
 
         from subspace_ref_cupy import _launch

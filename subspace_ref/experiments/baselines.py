@@ -448,8 +448,11 @@ def frontier_sections(record: dict) -> list[str]:
              "on the Python standard library. Its attention is mostly local (a 512-token window loses almost nothing), which "
              "favours eviction; a larger model with long-range retrieval, other tokenisers or other text may rank the methods "
              "differently. Nothing here is evidence for a larger model.")
-    L.append(f"* {record['meta']['eval_windows']} held-out windows: the intervals resample whole windows (tokens inside one "
-             "window are correlated), so differences well under the interval widths above are not resolved.")
+    n, T = record["meta"]["eval_windows"], record["geometry"]["context"]
+    L.append(f"* Sample: {n} held-out windows of {T} tokens ({n * (T - 1)} predicted tokens). The independent unit is the "
+             "window (tokens inside one are correlated), so the intervals resample windows; the number was set by the "
+             "CPU time of one regeneration on 2 shared cores, and the interval widths above show what it resolves: "
+             "differences well inside them are not resolved, and more windows (`--windows`) narrow them as 1/sqrt(n).")
     L.append("* The allocator's loss is a proxy measured on the first calibration tokens (per-head output-error terms summed "
              "over layers, without each layer's effect on the NLL); where it ranks configurations differently from the "
              "measured perplexity, the table says so. Per-head and per-side bits are evaluated here; a `SubspaceState` holds "
@@ -517,6 +520,7 @@ def run(args: argparse.Namespace) -> int:
     np.savez_compressed(ctx.out / "baselines_tokens.npz", **{k.replace("/", "_"): v for k, v in tokens.items()})
     figs = figures(record, ctx.figures)
     command = "subspace-kv baselines" + (" --quick" if args.quick else "") + (f" --windows {args.windows}" if args.windows else "") \
+        + ("" if tuple(args.budgets) == EXTRA_BUDGETS else " --budgets " + ",".join(f"{f:g}" for f in args.budgets)) \
         + ("" if args.model == "default" else f" --model {args.model}")
     if not args.no_docs:
         docs = Path(args.docs)

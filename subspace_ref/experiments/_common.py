@@ -77,7 +77,7 @@ class Profile:
     name: str
     calib_windows: int  # training-split windows for the bases
     holdout_windows: int  # training-split windows (other seed) for gamma and tau
-    eval_windows: int  # held-out windows for perplexity
+    eval_windows: int  # held-out windows for perplexity: the unit every interval resamples
     spectra_windows: int
     context: int | None  # window length; None = the model's maximum
     rank_fractions: tuple[float, ...]  # uniform ranks for static states
@@ -90,9 +90,10 @@ class Profile:
     rotating: bool
     max_chunk: int
     refresh_every: int
-    bounds_windows: int  # windows captured for the falsifier-4 correlations
+    bounds_windows: int  # windows captured for the falsifier-4 correlations (the independent unit)
     bounds_fractions: tuple[float, ...]
     bounds_lengths: tuple[float, ...]  # prefix lengths as fractions of the context
+    bounds_queries: int = 4  # query positions per head and state for falsifier 4 (the last, then evenly spaced)
     batch: int = 4
     paper_taus: tuple[float, ...] = ()  # extra adaptive runs at r ≈ d/4 with seed 001's "typical" τ
     pre_rope: bool = True  # static runs on a pre-RoPE key basis (seed 003 RoPE ablation)
@@ -100,11 +101,11 @@ class Profile:
 
 PROFILES = {
     "full": Profile(
-        name="full", calib_windows=8, holdout_windows=2, eval_windows=4, spectra_windows=4, context=None,
+        name="full", calib_windows=8, holdout_windows=2, eval_windows=8, spectra_windows=4, context=None,
         rank_fractions=(1 / 16, 1 / 8, 3 / 16, 1 / 4, 3 / 8, 1 / 2, 3 / 4), online_fractions=(1 / 8, 1 / 4, 1 / 2, 3 / 4),
         energies=(0.90, 0.95, 0.98, 0.99), gammas=("unit", "paper", "mse"), sides=True, int8=True,
         sketch_resets=(False, True), rotating=True, max_chunk=256, refresh_every=64,
-        bounds_windows=1, bounds_fractions=(1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4), bounds_lengths=(1 / 4, 1 / 2, 1.0),
+        bounds_windows=4, bounds_fractions=(1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4), bounds_lengths=(1 / 4, 1 / 2, 1.0),
         paper_taus=(0.2,),
     ),
     "quick": Profile(

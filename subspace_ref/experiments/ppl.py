@@ -12,8 +12,8 @@ decoding with that cache (spec/models.md M6) -- and against the stock model. Run
   (``calibrate``), maximum chunk L, with and without ``sketch_reset`` (spec A7.1);
 * rotating states (seed 003 SubSpace-A), refresh every m tokens.
 
-Each run records perplexity, its change from the stock model with a 95% block-bootstrap
-interval, perplexity by context-length bucket, chunks per head, and KV bytes per token: what the
+Each run records perplexity, its change from the stock model with a 95% interval that resamples
+whole windows (:mod:`~subspace_ref.experiments.statistics`), perplexity by context-length bucket, chunks per head, and KV bytes per token: what the
 states really hold (``state.nbytes`` summed over layers and windows, divided by the tokens)
 beside the uncompressed K/V in the same dtype. Writes ``OUT/ppl.json``, ``OUT/ppl.csv``,
 ``OUT/ppl_tokens.npz`` (per-token NLL of every run, for paired tests) and three figures.
@@ -29,9 +29,8 @@ import time
 import numpy as np
 
 from subspace_ref.experiments import _common as C
+from subspace_ref.experiments import statistics as S
 from subspace_ref.experiments.calibrate import basis_from_svd, ensure_calibration, load_svd, static_basis
-
-BOOTSTRAP_BLOCK = 64
 
 
 # ----------------------------------------------------------------------------- scoring
@@ -205,8 +204,7 @@ def mean_ranks(spec: dict, record: dict) -> tuple[float, float, int]:
 
 def summarize_run(spec: dict, res: dict, base: dict, edges: list[int], record: dict) -> dict:
     nll, nll0 = res["nll"], base["nll"]
-    diff = nll - nll0
-    lo, hi = C.block_bootstrap(diff, BOOTSTRAP_BLOCK)
+    lo, hi = S.relative_perplexity_interval(list(nll), list(nll0))  # whole windows resampled, paired
     mean_nll = float(nll.mean())
     rk, rv, rmax = mean_ranks(spec, record)
     pos = by_position(nll, edges)
@@ -219,7 +217,7 @@ def summarize_run(spec: dict, res: dict, base: dict, edges: list[int], record: d
     row.update(
         rank_k=rk, rank_v=rv, rank_max=rmax, ppl=math.exp(mean_nll), nll=mean_nll,
         delta_pct=C.percent(math.exp(mean_nll - base["nll_mean"]) - 1.0),
-        delta_pct_ci=[C.percent(math.exp(lo) - 1.0), C.percent(math.exp(hi) - 1.0)],
+        delta_pct_ci=[C.percent(lo), C.percent(hi)],
         bytes_per_token=res["bytes_per_token"], full_bytes_per_token=res["full_bytes_per_token"],
         compression=res["full_bytes_per_token"] / res["bytes_per_token"] if res["bytes_per_token"] else None,
         chunks_mean=res["chunks_mean"], chunks_max=res["chunks_max"], seconds=res["seconds"],
@@ -266,7 +264,7 @@ def ppl_run(ctx: C.Context, *, only: set[str] | None = None) -> dict:
     out = dict(
         meta=C.meta(ctx, "ppl"),
         d=ctx.d, tokens=int(ids.size), windows=int(ids.shape[0]), context=int(ids.shape[1]),
-        position_edges=edges, bootstrap=dict(block=BOOTSTRAP_BLOCK, reps=1000, level=0.95),
+        position_edges=edges, bootstrap=dict(unit="window", windows=int(ids.shape[0]), reps=S.REPS, level=S.LEVEL),
         baseline=dict(ppl=math.exp(base["nll_mean"]), nll=base["nll_mean"], seconds=base["seconds"],
                       by_position={k: dict(ppl=math.exp(v)) for k, v in base["by_position"].items()},
                       full_bytes_per_token_float32=full_bpt, full_bytes_per_token_float16=full_bpt // 2),

@@ -3,8 +3,8 @@
 Every row of every group in :mod:`subspace_ref.experiments.variant_rows` is scored on the same
 held-out windows as the plain static, adaptive and rotating states at the same rank
 (:func:`~subspace_ref.experiments.variant_rows.plain_rank`) and as the stock model. A row
-records perplexity, its change from the stock model and from its plain method (95% block
-bootstrap of the paired per-token NLL differences), KV bytes per token as the states hold them,
+records perplexity, its change from the stock model and from its plain method (95% interval
+resampling whole held-out windows, paired: :mod:`~subspace_ref.experiments.statistics`), KV bytes per token as the states hold them,
 chunks per head, and a verdict:
 
 * **pays off**: it costs at most 2% more bytes than its plain method and is significantly
@@ -29,7 +29,8 @@ import numpy as np
 
 from subspace_ref.experiments import _common as C
 from subspace_ref.experiments.calibrate import ensure_calibration
-from subspace_ref.experiments.ppl import BOOTSTRAP_BLOCK, score
+from subspace_ref.experiments import statistics as S
+from subspace_ref.experiments.ppl import score
 from subspace_ref.experiments.variant_rows import GROUPS, Variant, plain_rank, plain_rows
 
 #: a variant "saves" bytes below this share of its plain method's, and "matches" them below the other
@@ -75,10 +76,10 @@ def summarize(name: str, group: str, plain: str, res: dict, base: dict, ref: dic
                bytes_per_token=res["bytes_per_token"], full_bytes_per_token=res["full_bytes_per_token"],
                chunks_mean=res["chunks_mean"], chunks_max=res["chunks_max"], seconds=res["seconds"], note=note, extra=extra or {})
     if ref is not None:
-        diff = nll - ref["nll"].astype(np.float64)
-        lo, hi = C.block_bootstrap(diff, BOOTSTRAP_BLOCK)
-        out["vs_plain_pct"] = C.percent(math.exp(diff.mean()) - 1.0)
-        out["vs_plain_pct_ci"] = [C.percent(math.exp(lo) - 1.0), C.percent(math.exp(hi) - 1.0)]
+        ref_nll = ref["nll"].astype(np.float64)
+        lo, hi = S.relative_perplexity_interval(list(nll), list(ref_nll))  # whole windows resampled, paired
+        out["vs_plain_pct"] = C.percent(math.exp(nll.mean() - ref_nll.mean()) - 1.0)
+        out["vs_plain_pct_ci"] = [C.percent(lo), C.percent(hi)]
         ratio = None
         if res["bytes_per_token"] and ref["bytes_per_token"]:
             ratio = res["bytes_per_token"] / ref["bytes_per_token"]
@@ -104,7 +105,7 @@ def variants_run(ctx: C.Context, groups=GROUPS) -> dict:
         out_rows.append(summarize(row.name, row.group, row.plain, res, base, plain_res[row.plain], row.note, row.extra))
     out = dict(meta=C.meta(ctx, "variants"), rank=rank, d=ctx.d, windows=int(ids.shape[0]), context=int(ids.shape[1]),
                stock_ppl=math.exp(float(base["nll"].mean())), groups_missing=missing,
-               rule=dict(saving=SAVING, matched=MATCHED, bootstrap_block=BOOTSTRAP_BLOCK, level=0.95), rows=out_rows)
+               rule=dict(saving=SAVING, matched=MATCHED, bootstrap_unit="window", level=S.LEVEL), rows=out_rows)
     C.write_json(ctx.out / "variants.json", out)
     C.write_csv(ctx.out / "variants.csv", [{k: v for k, v in r.items() if k != "extra"} for r in out_rows])
     return out

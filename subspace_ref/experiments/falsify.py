@@ -557,8 +557,8 @@ def plot(ctx: C.Context, bounds: dict) -> None:
         ax.set_ylabel(yl)
         c = sp.get(f"{a} ~ {b}", {})
         ax.set_title(f"Spearman ρ = {_fmt(c.get('rho'))} (n = {c.get('n', 0)})", fontsize=8)
-    axes[0].legend(fontsize=6)
-    fig.suptitle("Do the seeds' predictors track the observed attention errors? (every layer, rank, context length)", fontsize=8)
+    axes[-1].legend(**C.LEGEND_OUTSIDE)
+    fig.suptitle("Do the seeds' predictors track the observed attention errors? (every layer, rank, context length)")
     fig.tight_layout()
     C.save_figure(fig, ctx.figures / "falsify_errors.png")
 

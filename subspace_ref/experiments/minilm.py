@@ -326,7 +326,7 @@ def plot(figdir: Path, record: dict) -> None:
         mat = np.array([s[side]["ranks"]["0.95"] for s in record["spectra"]])
         im = axes[col].imshow(mat, vmin=1, vmax=d, cmap="viridis")
         for (i, j), v in np.ndenumerate(mat):
-            axes[col].text(j, i, str(v), ha="center", va="center", fontsize=5, color="w" if v < 0.6 * d else "k")
+            axes[col].text(j, i, str(v), ha="center", va="center", fontsize=8, color="w" if v < 0.6 * d else "k")
         axes[col].set_title(f"{side}: rank for 95% energy (d = {d})")
         axes[col].set_xlabel("head")
         axes[col].set_ylabel("layer")
@@ -339,8 +339,8 @@ def plot(figdir: Path, record: dict) -> None:
     ax.set_xlabel("rank r")
     ax.set_ylabel("energy kept (mean over heads)")
     ax.set_title("solid keys, dashed values")
-    ax.legend(fontsize=5)
-    fig.suptitle("all-MiniLM-L6-v2: spectra of keys and values (uncentred)", fontsize=8)
+    ax.legend(fontsize=8)
+    fig.suptitle("all-MiniLM-L6-v2: spectra of keys and values (uncentred)")
     fig.tight_layout()
     C.save_figure(fig, figdir / "minilm_spectra.png")
 
@@ -359,13 +359,13 @@ def plot(figdir: Path, record: dict) -> None:
     axes[0].set_yscale("log")
     axes[0].set_xlabel("rank r (per head)")
     axes[0].set_ylabel("1 − mean cosine to exact embedding")
-    axes[0].legend(fontsize=6)
+    axes[-1].legend(**C.LEGEND_OUTSIDE)
     axes[1].set_xlabel("rank r (per head)")
     axes[1].set_ylabel("nearest neighbour unchanged (share)")
     axes[1].set_ylim(0, 1.02)
     for ax in axes:
         ax.axvline(d / 4, color="grey", lw=0.6, ls=":")
-    fig.suptitle(f"all-MiniLM-L6-v2 embedding fidelity, K/V projected per head ({record['sentences']['evaluation']} held-out docstrings)", fontsize=8)
+    fig.suptitle(f"all-MiniLM-L6-v2 embedding fidelity, K/V projected per head ({record['sentences']['evaluation']} held-out docstrings)")
     fig.tight_layout()
     C.save_figure(fig, figdir / "minilm_fidelity.png")
 

@@ -219,23 +219,19 @@ def figures(record: dict, folder: Path) -> list[Path]:
     plt = C.pyplot()
     rows = record["rows"]
     Ls, Ds = record["lengths"], record["depths"]
-    ncol = 6
-    nrow = -(-len(rows) // ncol)
-    fig, axes = plt.subplots(nrow, ncol, figsize=(1.9 * ncol, 1.7 * nrow), squeeze=False)
-    for ax, r in zip(axes.ravel(), rows):
-        M = np.array([[next(c["accuracy"] for c in r["needle"] if c["length"] == L and c["depth"] == d and c["needle"]) for d in Ds] for L in Ls])
-        ax.imshow(M, vmin=0, vmax=1, cmap="viridis", aspect="auto")
-        for i in range(len(Ls)):
-            for j in range(len(Ds)):
-                ax.text(j, i, f"{M[i, j]:.2f}", ha="center", va="center", fontsize=6, color="w" if M[i, j] < 0.5 else "k")
-        ax.set_title(r["key"], fontsize=6)
-        ax.set_xticks(range(len(Ds)))
-        ax.set_xticklabels([f"{d:.0%}" for d in Ds], fontsize=5)
-        ax.set_yticks(range(len(Ls)))
-        ax.set_yticklabels([str(L) for L in Ls], fontsize=5)
-    for ax in axes.ravel()[len(rows):]:
-        ax.axis("off")
-    fig.suptitle("Recall accuracy: context length (rows) x needle depth (columns), per method")
+    cells = [(L, d) for L in Ls for d in Ds]
+    M = np.array([[next(c["accuracy"] for c in r["needle"] if c["length"] == L and c["depth"] == d and c["needle"]) for L, d in cells]
+                  for r in rows])
+    fig, ax = plt.subplots(figsize=(1.0 + 0.75 * len(cells), 1.2 + 0.3 * len(rows)))
+    im = ax.imshow(M, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+    for i in range(M.shape[0]):
+        for j in range(M.shape[1]):
+            ax.text(j, i, f"{M[i, j]:.2f}", ha="center", va="center", fontsize=8, color="w" if M[i, j] < 0.5 else "k")
+    ax.set_xticks(range(len(cells)), [f"{L} B\n{d:.0%}" for L, d in cells])
+    ax.set_yticks(range(len(rows)), [r["key"] for r in rows])
+    ax.set_xlabel("context length (bytes) and needle depth")
+    fig.colorbar(im, ax=ax, label="recall (share of instances)", fraction=0.04, pad=0.02)
+    ax.set_title("Recall by method, context length and needle depth")
     fig.tight_layout()
     p1 = C.save_figure(fig, folder / "tasks_needle_heatmaps.png")
 
@@ -253,8 +249,8 @@ def figures(record: dict, folder: Path) -> list[Path]:
         ax.set_xticklabels(labels)
         ax.set_xlabel("position (context length, bytes)")
         ax.set_title(t)
-    axes[0].legend(fontsize=4, ncol=2)
     fig.tight_layout()
+    C.legend_right(fig, axes[0])
     p2 = C.save_figure(fig, folder / "tasks_by_position.png")
     return [p1, p2]
 

@@ -103,7 +103,7 @@ class Profile:
 
 PROFILES = {
     "full": Profile(
-        name="full", calib_windows=8, holdout_windows=2, eval_windows=8, spectra_windows=4, context=None,
+        name="full", calib_windows=8, holdout_windows=2, eval_windows=12, spectra_windows=4, context=None,
         rank_fractions=(1 / 16, 1 / 8, 3 / 16, 1 / 4, 3 / 8, 1 / 2, 3 / 4), online_fractions=(1 / 8, 1 / 4, 1 / 2, 3 / 4),
         energies=(0.90, 0.95, 0.98, 0.99), gammas=("unit", "paper", "mse"), sides=True, int8=True,
         sketch_resets=(False, True), rotating=True, max_chunk=256, refresh_every=64,

@@ -30,6 +30,7 @@ import numpy as np
 
 from subspace_ref.experiments import _common as C
 from subspace_ref.experiments import statistics as S
+from subspace_ref.experiments.page import pct_ci, text_table
 from subspace_ref.experiments.calibrate import basis_from_svd, ensure_calibration, load_svd, static_basis
 
 
@@ -394,18 +395,15 @@ def plot(ctx: C.Context, out: dict) -> None:
 
 # ----------------------------------------------------------------------------- CLI
 def table(out: dict, rows: list[dict] | None = None) -> str:
-    """The plain-text table: method, rank, ppl, Δppl %, KV bytes/token, chunks."""
+    """The printed table: method, rank, ppl, Δppl % with its 95% interval (windows resampled), KV bytes/token, chunks."""
     rows = out["runs"] if rows is None else rows
     b = out["baseline"]
-    head = f"{'method':<34} {'rank k/v':>11} {'ppl':>8} {'Δppl %':>16} {'KV B/token':>11} {'chunks':>7}"
-    lines = [head, "-" * len(head), f"{'stock model (full K/V, fp32)':<34} {out['d']:>11} {b['ppl']:>8.3f} {'':>16} {b['full_bytes_per_token_float32']:>11.0f} {'':>7}"]
+    body = [["stock model (full K/V, fp32)", out["d"], f"{b['ppl']:.3f}", "", f"{b['full_bytes_per_token_float32']:.0f}", ""]]
     for r in rows:
         rk = f"{r['rank_k']:.1f}/{r['rank_v']:.1f}" if r.get("energy") else f"{r['rank_k']:.0f}/{r['rank_v']:.0f}"
-        ci = r["delta_pct_ci"]
-        dp = f"{r['delta_pct']:+.2f} [{ci[0]:+.1f},{ci[1]:+.1f}]" if abs(r["delta_pct"]) < 100 else f"{r['delta_pct']:+.0f}"
-        ch = "" if r["chunks_mean"] is None else f"{r['chunks_mean']:.1f}"
-        lines.append(f"{r['name']:<34} {rk:>11} {r['ppl']:>8.3f} {dp:>16} {r['bytes_per_token']:>11.0f} {ch:>7}")
-    return "\n".join(lines)
+        body.append([r["name"], rk, f"{r['ppl']:.3f}", pct_ci(r["delta_pct"], r["delta_pct_ci"]), f"{r['bytes_per_token']:.0f}",
+                     "" if r["chunks_mean"] is None else f"{r['chunks_mean']:.1f}"])
+    return text_table(["method", "rank k/v", "ppl", "Δppl [95% interval]", "KV B/token", "chunks"], body, "lrrrrr")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

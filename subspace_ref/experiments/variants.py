@@ -30,6 +30,7 @@ import numpy as np
 from subspace_ref.experiments import _common as C
 from subspace_ref.experiments.calibrate import ensure_calibration
 from subspace_ref.experiments import statistics as S
+from subspace_ref.experiments.page import num, pct_ci, text_table
 from subspace_ref.experiments.ppl import score
 from subspace_ref.experiments.variant_rows import GROUPS, Variant, plain_rank, plain_rows
 
@@ -112,16 +113,10 @@ def variants_run(ctx: C.Context, groups=GROUPS) -> dict:
 
 
 def table(out: dict) -> str:
-    head = f"{'variant':44s} {'group':8s} {'ppl':>8s} {'vs plain %':>22s} {'B/token':>9s} {'bytes/plain':>11s} {'chunks':>7s}  verdict"
-    lines = [head, "-" * len(head)]
-    for r in out["rows"]:
-        ci = r.get("vs_plain_pct_ci")
-        vs = f"{r['vs_plain_pct']:+.2f} [{ci[0]:+.2f},{ci[1]:+.2f}]" if ci else "–"
-        bpt = f"{r['bytes_per_token']:.0f}" if r["bytes_per_token"] else "–"
-        ratio = f"{r['bytes_vs_plain']:.3f}" if r.get("bytes_vs_plain") else "–"
-        ch = f"{r['chunks_mean']:.1f}" if r["chunks_mean"] is not None else "–"
-        lines.append(f"{r['name'][:44]:44s} {r['group']:8s} {r['ppl']:8.3f} {vs:>22s} {bpt:>9s} {ratio:>11s} {ch:>7s}  {r.get('verdict', '')}")
-    return "\n".join(lines)
+    body = [[r["name"], r["group"], f"{r['ppl']:.3f}", pct_ci(r["vs_plain_pct"], r["vs_plain_pct_ci"]) if r.get("vs_plain_pct_ci") else "–",
+             num(r["bytes_per_token"], ".0f"), num(r.get("bytes_vs_plain"), ".3f"), num(r["chunks_mean"], ".1f"), r.get("verdict", "")]
+            for r in out["rows"]]
+    return text_table(["variant", "group", "ppl", "vs plain [95% interval]", "B/token", "bytes/plain", "chunks", "verdict"], body, "llrrrrrl")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

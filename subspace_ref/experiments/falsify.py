@@ -13,8 +13,6 @@ Writes ``OUT/falsify.json`` and ``OUT/figures/falsify_errors.png``.
 from __future__ import annotations
 
 import argparse
-import math
-import sys
 
 import numpy as np
 
@@ -584,8 +582,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"  [{'held' if c['held'] else 'did not hold'}] {c['source']}: {c['claim']} -- {c['numbers']}")
     return 0
 
-
-if __name__ == "__main__":  # pragma: no cover
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    sys.exit(run(p.parse_args()))

@@ -117,8 +117,3 @@ def full(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     return full(args) if args.full else quick(args)
 
-
-if __name__ == "__main__":  # pragma: no cover
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    sys.exit(run(p.parse_args()))

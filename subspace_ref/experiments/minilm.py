@@ -398,8 +398,3 @@ def run(args: argparse.Namespace) -> int:
     print(f"  equivalence with subspace_ref.attend (layer 0): max |diff| {rec['equivalence_max_abs_diff']:.2e}")
     return 0
 
-
-if __name__ == "__main__":  # pragma: no cover
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    sys.exit(run(p.parse_args()))

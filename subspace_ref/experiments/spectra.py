@@ -21,7 +21,6 @@ Writes ``OUT/spectra.json`` and figures ``spectra_energy.png``, ``spectra_sigma.
 from __future__ import annotations
 
 import argparse
-import sys
 
 import numpy as np
 
@@ -223,8 +222,3 @@ def run(args: argparse.Namespace) -> int:
                   f"energy at d/4 {[round(x, 3) for x in e[side]['energy_at_d4_post']]}")
     return 0
 
-
-if __name__ == "__main__":  # pragma: no cover
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    sys.exit(run(p.parse_args()))

@@ -21,7 +21,6 @@ import argparse
 import hashlib
 import json
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -390,8 +389,3 @@ def run(args: argparse.Namespace) -> int:
               f"lambada {r['lambada']['accuracy']:.3f}  {r['seconds']:.0f}s")
     return 0
 
-
-if __name__ == "__main__":  # pragma: no cover
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    sys.exit(run(p.parse_args()))

@@ -23,7 +23,6 @@ import argparse
 import importlib
 import importlib.util
 import math
-import sys
 
 import numpy as np
 
@@ -135,8 +134,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"groups without rows: {', '.join(out['groups_missing'])}")
     return 0
 
-
-if __name__ == "__main__":  # pragma: no cover
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    sys.exit(run(p.parse_args()))

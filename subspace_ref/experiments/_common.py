@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import argparse
 import csv
-import ctypes
 import hashlib
 import json
 import math
 import os
 import platform
-import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -25,6 +23,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from subspace_ref.jsonable import jsonable as _jsonable
+from subspace_ref.threads import limit_threads as _limit_threads
 from subspace_ref.linalg import svd  # noqa: F401  (the runner's modules call C.svd)
 
 #: Default output folder of every subcommand.
@@ -43,32 +42,12 @@ SEED_BASES, SEED_HOLDOUT_CALIB, SEED_EVAL = 1, 2, 0
 
 # ----------------------------------------------------------------------------- threads
 def limit_threads(n: int = 1) -> None:
-    """At most ``n`` threads for torch and for every OpenBLAS already loaded (NumPy's, SciPy's).
+    """At most ``n`` threads for BLAS (:func:`subspace_ref.threads.limit_threads`) and for torch,
+    which the runner always loads."""
+    import torch
 
-    On a small shared machine threaded BLAS only adds contention (a 2048 x 64 SVD ran 10x slower
-    with two threads under load). The environment variables are read only when a BLAS loads, so
-    the already-loaded libraries are told directly (what threadpoolctl does)."""
-    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ.setdefault(var, str(n))
-    try:
-        import torch
-
-        torch.set_num_threads(n)
-    except ImportError:  # pragma: no cover - the models extra is required anyway
-        pass
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:  # not Linux: nothing to do beyond the environment
-        return
-    for path in sorted(set(re.findall(r"\S*openblas\S*\.so\S*", maps))):
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        for name in ("openblas_set_num_threads", "scipy_openblas_set_num_threads", "scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_"):
-            fn = getattr(lib, name, None)
-            if fn is not None:
-                fn(ctypes.c_int(n))
+    _limit_threads(n)
+    torch.set_num_threads(n)
 
 
 # ----------------------------------------------------------------------------- profiles
@@ -133,16 +112,17 @@ def ranks_from(fractions: Iterable[float], d: int) -> list[int]:
 
 
 # ----------------------------------------------------------------------------- arguments
-def add_common_arguments(parser: argparse.ArgumentParser, default_profile: str = "full") -> None:
+def add_common_arguments(parser: argparse.ArgumentParser, default_profile: str | None = "full") -> None:
     parser.add_argument("--model", default="default",
                         help='"default" (the shipped stdlib Llama), a local checkpoint folder, or "tiny-random" (a tiny random Llama, for tests)')
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
     parser.add_argument("--profile", choices=sorted(PROFILES), default=default_profile,
-                        help=f"sizes of the run (default {default_profile}; tiny is for tests)")
+                        help="sizes of the run: windows, ranks, variants (default "
+                             + (default_profile or "quick without --full, full with it") + "; tiny is for tests)")
     parser.add_argument("--context", type=int, default=None, help="window length in tokens (default: the profile's, else the model's maximum)")
-    parser.add_argument("--threads", type=int, default=1, help="torch and BLAS threads (default 1)")
-    parser.add_argument("--backend", default="torch", help="backend for float states (INT8 states always use numpy)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--threads", type=int, default=1, help="torch and BLAS threads (default 1: fastest on a shared 2-core machine)")
+    parser.add_argument("--backend", default="torch", help="backend for float states: torch (default) or numpy; INT8 states always use numpy")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
 
 
 # ----------------------------------------------------------------------------- model
@@ -282,7 +262,10 @@ _CONTEXTS: dict[tuple, Context] = {}
 
 def make_context(args: argparse.Namespace) -> Context:
     """The run's :class:`Context`; the model is loaded once per process and model name."""
-    limit_threads(getattr(args, "threads", 1) or 1)
+    from subspace_ref.cli import threads
+
+    limit_threads(threads(args))
+    require_pyplot()
     profile = PROFILES[getattr(args, "profile", "full")]
     key = (args.model,)
     if key in _CONTEXTS:
@@ -397,7 +380,18 @@ def meta(ctx: Context, command: str, **extra) -> dict:
 
 
 # ----------------------------------------------------------------------------- figures
+def require_pyplot() -> None:
+    """Fail before any work when matplotlib (every runner subcommand draws figures) is missing."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as err:
+        from subspace_ref.cli import MissingDependency
+
+        raise MissingDependency("needs matplotlib for its figures: pip install 'subspace_ref[models]' (or pip install matplotlib)") from err
+
+
 def pyplot():
+    require_pyplot()
     import matplotlib
 
     matplotlib.use("Agg")

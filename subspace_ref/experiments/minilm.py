@@ -373,11 +373,11 @@ def plot(figdir: Path, record: dict) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-path", default=None, help=f"a local BERT folder (default: the {PACKAGE} package's bundled model)")
     parser.add_argument("--out", type=Path, default=C.DEFAULT_OUT, help=f"output folder (default {C.DEFAULT_OUT})")
-    parser.add_argument("--calib-sentences", type=int, default=192)
-    parser.add_argument("--holdout-sentences", type=int, default=64)
-    parser.add_argument("--eval-sentences", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--calib-sentences", type=int, default=192, help="stdlib docstrings the bases are computed from (default 192)")
+    parser.add_argument("--holdout-sentences", type=int, default=64, help="other docstrings that fit γ (default 64)")
+    parser.add_argument("--eval-sentences", type=int, default=64, help="held-out docstrings whose embeddings are compared (default 64)")
+    parser.add_argument("--threads", type=int, default=1, help="torch and BLAS threads (default 1)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -32,6 +32,8 @@ DEFAULT_OUT = Path("results/experiments")
 DEFAULT_DOCS = Path("docs")
 #: Resolution of every figure: legible at 100% zoom (issue 20).
 FIGURE_DPI = 150
+#: A figure larger than this is stored with a 256-colour palette (same resolution; docs stay small).
+MAX_FIGURE_BYTES = 200_000
 #: Keyword arguments of ``legend`` that put it right of the axes, off the data.
 LEGEND_OUTSIDE = dict(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False)
 
@@ -403,12 +405,18 @@ def pyplot():
 
 
 def save_figure(fig, path: Path, dpi: int = FIGURE_DPI) -> Path:
-    """PNG at ``dpi`` (legends outside the axes are kept by the tight bounding box)."""
+    """PNG at ``dpi`` (legends outside the axes are kept by the tight bounding box); one over
+    :data:`MAX_FIGURE_BYTES` is re-stored with a 256-colour palette rather than at a lower resolution."""
     plt = pyplot()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi, bbox_inches="tight")
     plt.close(fig)
+    if path.stat().st_size > MAX_FIGURE_BYTES:
+        from PIL import Image
+
+        with Image.open(path) as im:
+            im.convert("RGB").quantize(256).save(path, optimize=True)
     return path
 
 

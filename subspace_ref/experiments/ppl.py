@@ -402,7 +402,7 @@ def table(out: dict, rows: list[dict] | None = None) -> str:
         rk = f"{r['rank_k']:.1f}/{r['rank_v']:.1f}" if r.get("energy") else f"{r['rank_k']:.0f}/{r['rank_v']:.0f}"
         body.append([r["name"], rk, f"{r['ppl']:.3f}", pct_ci(r["delta_pct"], r["delta_pct_ci"]), f"{r['bytes_per_token']:.0f}",
                      "" if r["chunks_mean"] is None else f"{r['chunks_mean']:.1f}"])
-    return text_table(["method", "rank k/v", "ppl", "Δppl [95% interval]", "KV B/token", "chunks"], body, "lrrrrr")
+    return text_table(["method", "rank k/v", "ppl", "Δppl % [95% interval]", "KV B/token", "chunks"], body, "lrrrrr")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

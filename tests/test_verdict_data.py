@@ -130,3 +130,16 @@ def test_falsifier_4_probes_several_queries_per_state():
     assert pos[0] == 1023 and len(pos) == 4 and min(pos) >= 512
     assert F.query_positions(24, 1) == [23]
     assert np.all(np.diff(pos) < 0)
+
+
+def test_rope_verdict_reads_every_layer_and_the_perplexity_runs():
+    def spectra(layers):
+        return dict(layers=[dict(keys=dict(post=dict(ranks={"0.95": post}), pre=dict(ranks={"0.95": pre}))) for post, pre in layers])
+
+    low = ([20, 20], [20, 20])
+    assert F.verdict_rope(spectra([low, low]), d=64)["verdict"] == "supported"
+    # a later layer whose keys need r near d under RoPE only: the heads of every layer are counted
+    assert F.verdict_rope(spectra([low, ([60, 60], [20, 20]), ([60, 60], [20, 20])]), d=64)["verdict"] == "refuted"
+    # and the perplexity runs: the post-RoPE basis needs r = 48 for 1%, the pre-RoPE basis 16
+    rows = [row(rank=16, delta=5.0), row(rank=48, delta=0.8), row("static-pre", rank=16, delta=0.9)]
+    assert F.verdict_rope(spectra([low, low]), d=64, rows=rows)["verdict"] == "refuted"

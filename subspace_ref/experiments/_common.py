@@ -76,7 +76,7 @@ class Profile:
     bounds_windows: int  # windows captured for the falsifier-4 correlations (the independent unit)
     bounds_fractions: tuple[float, ...]
     bounds_lengths: tuple[float, ...]  # prefix lengths as fractions of the context
-    bounds_queries: int = 4  # query positions per head and state for falsifier 4 (the last, then evenly spaced)
+    bounds_queries: int = 2  # query positions per head and state for falsifier 4 (the last, then evenly spaced)
     batch: int = 4
     paper_taus: tuple[float, ...] = ()  # extra adaptive runs at r ≈ d/4 with seed 001's "typical" τ
     pre_rope: bool = True  # static runs on a pre-RoPE key basis (seed 003 RoPE ablation)

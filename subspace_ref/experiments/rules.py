@@ -70,7 +70,7 @@ FALSIFIERS = {
         "windows, several query positions per head",
         (Revision("2026-11-21", "the within-rank condition added",
                   "the first full run showed the pooled correlations to be carried by the rank (pooled alone: supported)", True),
-         Revision(_AUDIT, "4 windows and 4 query positions per state instead of 1 and 1",
+         Revision(_AUDIT, "4 windows and 2 query positions per state instead of 1 and 1",
                   "one window and one query per head cannot tell a predictor from the window it was measured on", False))),
     "003-3": Rule(
         "refuted when r near d is required (post-RoPE static basis needs r ≥ 3d/4 for Δppl ≤ 1%, or half the KV heads need "

@@ -17,6 +17,10 @@ One module per subcommand, each exposing ``add_arguments(parser)`` and ``run(arg
                           the above in sequence (``--full``)
 ========================  ==============================================================
 
+Shared by them: ``_common`` (model, corpus windows, profiles, JSON, figures), ``statistics``
+(intervals that resample whole windows or instances), ``rules`` (every verdict's decision rule with
+its revision history), ``page`` (the one markdown/text table and page builder).
+
 Every subcommand writes JSON (and CSV where tabular) under ``--out`` (default
 ``results/experiments``) and figures under ``OUT/figures``; ``report`` copies the figures it
 references to ``docs/figures``. ``python -m subspace_ref.experiments SUBCOMMAND ...`` runs one

@@ -15,10 +15,11 @@ DESCRIPTION = (
     "the papers' experiments, accuracy tasks, baselines, error bounds and benchmarks on the shipped model."
 )
 EPILOG = """\
-first steps (times measured on 2 shared CPU cores, one thread):
+first steps (times on 2 idle CPU cores, one thread; many times longer when other jobs share the cores):
   subspace-kv demo                    synthetic streams through every kind of state (about 5 s)
-  subspace-kv experiments             the short experiment table on the shipped model (about 2 min)
-  subspace-kv experiments --full      every experiment and docs/experiments.md (about 30 min)
+  subspace-kv experiments             the short experiment table on the shipped model (about 1 min)
+  subspace-kv experiments --full      every experiment and docs/experiments.md (about 25 min)
+  subspace-kv tasks                   accuracy tasks and docs/tasks.md (about 6 min)
   subspace-kv SUBCOMMAND --help       the options of one subcommand
 """
 

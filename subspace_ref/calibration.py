@@ -152,6 +152,8 @@ def calibrate(
     for name, rank, dim in (("rank_k", rank_k, K.shape[2]), ("rank_v", rank_v, V.shape[2])):
         if rank is None and energy is None:
             raise ValueError(f"give {name} or energy: one of them chooses the rank")
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, (int, np.integer))):
+            raise ValueError(f"{name} must be a whole number of directions (an int), got {rank!r}")
         if rank is not None and not 1 <= int(rank) <= dim:
             raise ValueError(f"{name} must lie in [1, {dim}], got {rank}")
     B, ranks_k = _bases(K, rank_k, energy, "rank_k")

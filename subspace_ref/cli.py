@@ -10,11 +10,24 @@ import sys
 
 from subspace_ref.experiments import SUBCOMMANDS as EXPERIMENTS
 
+DESCRIPTION = (
+    "Compress a transformer's KV cache onto per-head low-rank subspaces and measure what it costs: "
+    "the papers' experiments, accuracy tasks, baselines, error bounds and benchmarks on the shipped model."
+)
+EPILOG = """\
+first steps (times on 2 idle CPU cores, one thread; many times longer when other jobs share the cores):
+  subspace-kv demo                    synthetic streams through every kind of state (about 5 s)
+  subspace-kv experiments             the short experiment table on the shipped model (about 1 min)
+  subspace-kv experiments --full      every experiment and docs/experiments.md (about 25 min)
+  subspace-kv tasks                   accuracy tasks and docs/tasks.md (about 6 min)
+  subspace-kv SUBCOMMAND --help       the options of one subcommand
+"""
+
 SUBCOMMANDS = {
     **EXPERIMENTS,
     "baselines": ("subspace_ref.experiments.baselines", "quantization and eviction baselines at matched KV bytes"),
-    "tasks": ("subspace_ref.experiments.tasks", "accuracy tasks: needle recall, next-token and last-identifier accuracy (work in progress)"),
-    "demo": ("subspace_ref.demo", "compress a synthetic low-rank stream; print memory ratio and error"),
+    "tasks": ("subspace_ref.experiments.tasks", "accuracy tasks (needle recall, next-token, last identifier) under every cache; docs/tasks.md"),
+    "demo": ("subspace_ref.demo", "compress a synthetic low-rank stream; print memory ratio and error (seconds)"),
     "bounds": ("subspace_ref.bounds.sweep", "sweep the error bounds of spec/bounds.md; table, plot, theory page"),
     "roofline": ("subspace_ref.roofline_report", "measure decode time against the roofline model; plot"),
     "backends": ("subspace_ref.cli_backends", "list registered backends and why any is unavailable"),
@@ -22,23 +35,49 @@ SUBCOMMANDS = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="subspace-kv", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+def build_parser() -> tuple[argparse.ArgumentParser, dict]:
+    """The parser with every subcommand, and the modules that could be imported."""
+    parser = argparse.ArgumentParser(prog="subspace-kv", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", dest="global_threads", type=int, default=None, metavar="N",
+                        help="BLAS/OpenMP/torch threads for the whole command (default: 1, or the subcommand's own --threads)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
     modules = {}
     for name, (module, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text)
         try:
             modules[name] = importlib.import_module(module)
         except ImportError as err:  # a subcommand whose optional dependencies are missing
             p.set_defaults(_missing=f"{name} needs {err.name}: {err}")
             continue
         modules[name].add_arguments(p)
+    return parser, modules
+
+
+def threads(args: argparse.Namespace) -> int:
+    """The thread count of a parsed command: the global ``--threads``, else the subcommand's, else 1."""
+    return getattr(args, "global_threads", None) or getattr(args, "threads", None) or 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    from subspace_ref.threads import limit_threads
+
+    parser, modules = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "_missing", None):
         print(args._missing, file=sys.stderr)
         return 2
-    return int(modules[args.command].run(args) or 0)
+    # one thread unless asked: threaded BLAS on small matrices only adds contention on a shared machine
+    limit_threads(threads(args))
+    try:
+        return int(modules[args.command].run(args) or 0)
+    except MissingDependency as err:
+        print(f"subspace-kv {args.command}: {err}", file=sys.stderr)
+        return 2
+
+
+class MissingDependency(ImportError):
+    """An optional package a subcommand needs, named with the extra that installs it."""
 
 
 if __name__ == "__main__":

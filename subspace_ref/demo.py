@@ -25,11 +25,11 @@ def synthetic_layer(rng, heads: int, tokens: int, d: int, rank: int, noise: floa
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--d", type=int, default=64)
-    parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens streamed through each state (default 4096)")
+    parser.add_argument("--heads", type=int, default=4, help="KV heads; twice as many query heads attend (GQA; default 4)")
+    parser.add_argument("--d", type=int, default=64, help="head size (default 64)")
+    parser.add_argument("--rank", type=int, default=16, help="rank of every state; the stream itself has rank/2 plus noise (default 16)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the synthetic stream (default 0)")
 
 
 def run(args) -> int:
@@ -43,7 +43,7 @@ def run(args) -> int:
         "adaptive + sketch_reset": sr.SubspaceState.adaptive(args.heads, args.d, rank_k=args.rank, rank_v=args.rank, tau_k=0.3, tau_v=0.3, max_chunk=512, sketch_reset=True),
         "rotating (seed 003, m = 64)": sr.SubspaceState.rotating(args.heads, args.d, rank_k=args.rank, rank_v=args.rank, refresh_every=64),
     }
-    print(f"{args.tokens} tokens, {args.heads} heads, d = {args.d}, rank {args.rank}; subspace switches halfway; float64")
+    print(f"{args.tokens} tokens, {args.heads} heads, d = {args.d}, rank {args.rank}; subspace switches halfway; float64", flush=True)
     print(f"{'state':<42} {'bytes/full':>10} {'chunks':>7} {'rel. output error':>18} {'append s':>9}")
     for name, state in states.items():
         start = time.perf_counter()
@@ -52,13 +52,6 @@ def run(args) -> int:
         out = sr.attend(q, state)
         err = np.linalg.norm(out - exact) / np.linalg.norm(exact)
         ratio = state.nbytes / state.full_cache_nbytes
-        print(f"{name:<42} {ratio:>10.3f} {state.num_chunks.mean():>7.1f} {err:>18.2e} {elapsed:>9.2f}")
+        print(f"{name:<42} {ratio:>10.3f} {state.num_chunks.mean():>7.1f} {err:>18.2e} {elapsed:>9.2f}", flush=True)  # one line per state as it ends
     return 0
 
-
-if __name__ == "__main__":
-    import argparse
-
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    raise SystemExit(run(p.parse_args()))

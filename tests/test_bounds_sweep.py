@@ -126,3 +126,16 @@ def test_synthetic_streams_have_the_stated_structure():
     Ks, _, _ = sweep.synthetic_stream("sink", 16, 64, 2, 4, 0)
     norms = np.linalg.norm(Ks[0], axis=1)
     assert norms[0] > 4 * np.median(norms[1:])  # one dominant token
+
+
+def test_theory_page_states_its_scope_and_sweeps_the_model_by_default(quick_run):
+    import argparse
+
+    from subspace_ref.bounds.sweep import add_arguments, capture_model
+
+    _, _, theory = quick_run
+    assert "## Scope and limits" in theory.read_text()
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert capture_model(p.parse_args([])) and not capture_model(p.parse_args(["--quick"]))
+    assert not capture_model(p.parse_args(["--no-capture-default-model"]))

@@ -145,6 +145,21 @@ def test_quick_suite_writes_results_page_and_instances(tmp_path):
     keys = [r["key"] for r in record["rows"]]
     assert keys[0] == "full cache" and any(k.startswith("adaptive") for k in keys) and any("sliding window" in k for k in keys)
     for r in record["rows"]:
-        assert 0.0 <= r["needle_accuracy"] <= 1.0 and r["needle_ci"][0] <= r["needle_accuracy"] <= r["needle_ci"][1]
+        rec = T.recall_at(r, record["lengths"])
+        assert 0.0 <= rec["accuracy"] <= 1.0 and rec["ci"][0] <= rec["accuracy"] <= rec["ci"][1]
     page = (tmp_path / "docs" / "tasks.md").read_text()
     assert "## Summary" in page and (tmp_path / "docs" / "figures" / "tasks_needle_heatmaps.png").exists()
+
+
+def test_summary_recall_pools_only_the_valid_lengths():
+    """A length where the needle does not help is no retrieval test: it must not enter the recall column."""
+    from subspace_ref.experiments import tasks as T
+
+    def cell(length, needle, correct):
+        return dict(length=length, depth=0.5, needle=needle, correct=correct, n=len(correct), accuracy=float(np.mean(correct)))
+
+    full = dict(needle=[cell(256, True, [1] * 8), cell(256, False, [0] * 8), cell(1000, True, [0] * 8), cell(1000, False, [0] * 8)])
+    validity = T.recall_validity(full, [256, 1000])
+    assert validity[256]["valid"] and not validity[1000]["valid"]
+    rec = T.recall_at(full, [L for L, v in validity.items() if v["valid"]])
+    assert rec["accuracy"] == 1.0 and rec["n"] == 8

@@ -17,6 +17,10 @@ One module per subcommand, each exposing ``add_arguments(parser)`` and ``run(arg
                           the above in sequence (``--full``)
 ========================  ==============================================================
 
+Shared by them: ``_common`` (model, corpus windows, profiles, JSON, figures), ``statistics``
+(intervals that resample whole windows or instances), ``rules`` (every verdict's decision rule with
+its revision history), ``page`` (the one markdown/text table and page builder).
+
 Every subcommand writes JSON (and CSV where tabular) under ``--out`` (default
 ``results/experiments``) and figures under ``OUT/figures``; ``report`` copies the figures it
 references to ``docs/figures``. ``python -m subspace_ref.experiments SUBCOMMAND ...`` runs one
@@ -25,7 +29,7 @@ without the ``subspace-kv`` entry points.
 
 #: subcommand name -> (module, help): the entries for subspace_ref.cli.SUBCOMMANDS.
 SUBCOMMANDS = {
-    "experiments": ("subspace_ref.experiments.main_job", "the experiments: --quick table (default, < 5 min) or --full run and report"),
+    "experiments": ("subspace_ref.experiments.main_job", "the experiments: --quick table (default, about 1 min) or --full run and docs/experiments.md (about 25 min)"),
     "calibrate": ("subspace_ref.experiments.calibrate", "static bases, energy ranks, gamma and tau from calibration text"),
     "ppl": ("subspace_ref.experiments.ppl", "perplexity vs rank for static, adaptive, rotating states"),
     "spectra": ("subspace_ref.experiments.spectra", "K/V singular values, energy vs rank, pre/post RoPE, residual traces"),

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import argparse
 import csv
-import ctypes
 import hashlib
 import json
 import math
 import os
 import platform
-import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -25,14 +23,19 @@ from typing import Any, Iterable
 import numpy as np
 
 from subspace_ref.jsonable import jsonable as _jsonable
+from subspace_ref.threads import limit_threads as _limit_threads
 from subspace_ref.linalg import svd  # noqa: F401  (the runner's modules call C.svd)
 
 #: Default output folder of every subcommand.
 DEFAULT_OUT = Path("results/experiments")
 #: Where ``report`` writes the page and its figures.
 DEFAULT_DOCS = Path("docs")
-#: Figures larger than this are re-rendered at a lower resolution.
-MAX_FIGURE_BYTES = 190_000
+#: Resolution of every figure: legible at 100% zoom (issue 20).
+FIGURE_DPI = 150
+#: A figure larger than this is stored with a 256-colour palette (same resolution; docs stay small).
+MAX_FIGURE_BYTES = 200_000
+#: Keyword arguments of ``legend`` that put it right of the axes, off the data.
+LEGEND_OUTSIDE = dict(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False)
 
 #: Seeds of the corpus windows: calibration bases and held-out calibration (gamma, tau) come from
 #: the training split, evaluation from the held-out split (seed 0 = the training report's windows).
@@ -41,32 +44,12 @@ SEED_BASES, SEED_HOLDOUT_CALIB, SEED_EVAL = 1, 2, 0
 
 # ----------------------------------------------------------------------------- threads
 def limit_threads(n: int = 1) -> None:
-    """At most ``n`` threads for torch and for every OpenBLAS already loaded (NumPy's, SciPy's).
+    """At most ``n`` threads for BLAS (:func:`subspace_ref.threads.limit_threads`) and for torch,
+    which the runner always loads."""
+    import torch
 
-    On a small shared machine threaded BLAS only adds contention (a 2048 x 64 SVD ran 10x slower
-    with two threads under load). The environment variables are read only when a BLAS loads, so
-    the already-loaded libraries are told directly (what threadpoolctl does)."""
-    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ.setdefault(var, str(n))
-    try:
-        import torch
-
-        torch.set_num_threads(n)
-    except ImportError:  # pragma: no cover - the models extra is required anyway
-        pass
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:  # not Linux: nothing to do beyond the environment
-        return
-    for path in sorted(set(re.findall(r"\S*openblas\S*\.so\S*", maps))):
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        for name in ("openblas_set_num_threads", "scipy_openblas_set_num_threads", "scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_"):
-            fn = getattr(lib, name, None)
-            if fn is not None:
-                fn(ctypes.c_int(n))
+    _limit_threads(n)
+    torch.set_num_threads(n)
 
 
 # ----------------------------------------------------------------------------- profiles
@@ -77,7 +60,7 @@ class Profile:
     name: str
     calib_windows: int  # training-split windows for the bases
     holdout_windows: int  # training-split windows (other seed) for gamma and tau
-    eval_windows: int  # held-out windows for perplexity
+    eval_windows: int  # held-out windows for perplexity: the unit every interval resamples
     spectra_windows: int
     context: int | None  # window length; None = the model's maximum
     rank_fractions: tuple[float, ...]  # uniform ranks for static states
@@ -90,9 +73,10 @@ class Profile:
     rotating: bool
     max_chunk: int
     refresh_every: int
-    bounds_windows: int  # windows captured for the falsifier-4 correlations
+    bounds_windows: int  # windows captured for the falsifier-4 correlations (the independent unit)
     bounds_fractions: tuple[float, ...]
     bounds_lengths: tuple[float, ...]  # prefix lengths as fractions of the context
+    bounds_queries: int = 2  # query positions per head and state for falsifier 4 (the last, then evenly spaced)
     batch: int = 4
     paper_taus: tuple[float, ...] = ()  # extra adaptive runs at r ≈ d/4 with seed 001's "typical" τ
     pre_rope: bool = True  # static runs on a pre-RoPE key basis (seed 003 RoPE ablation)
@@ -100,11 +84,11 @@ class Profile:
 
 PROFILES = {
     "full": Profile(
-        name="full", calib_windows=8, holdout_windows=2, eval_windows=4, spectra_windows=4, context=None,
+        name="full", calib_windows=8, holdout_windows=2, eval_windows=12, spectra_windows=4, context=None,
         rank_fractions=(1 / 16, 1 / 8, 3 / 16, 1 / 4, 3 / 8, 1 / 2, 3 / 4), online_fractions=(1 / 8, 1 / 4, 1 / 2, 3 / 4),
         energies=(0.90, 0.95, 0.98, 0.99), gammas=("unit", "paper", "mse"), sides=True, int8=True,
         sketch_resets=(False, True), rotating=True, max_chunk=256, refresh_every=64,
-        bounds_windows=1, bounds_fractions=(1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4), bounds_lengths=(1 / 4, 1 / 2, 1.0),
+        bounds_windows=4, bounds_fractions=(1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4), bounds_lengths=(1 / 4, 1 / 2, 1.0),
         paper_taus=(0.2,),
     ),
     "quick": Profile(
@@ -130,16 +114,17 @@ def ranks_from(fractions: Iterable[float], d: int) -> list[int]:
 
 
 # ----------------------------------------------------------------------------- arguments
-def add_common_arguments(parser: argparse.ArgumentParser, default_profile: str = "full") -> None:
+def add_common_arguments(parser: argparse.ArgumentParser, default_profile: str | None = "full") -> None:
     parser.add_argument("--model", default="default",
                         help='"default" (the shipped stdlib Llama), a local checkpoint folder, or "tiny-random" (a tiny random Llama, for tests)')
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
     parser.add_argument("--profile", choices=sorted(PROFILES), default=default_profile,
-                        help=f"sizes of the run (default {default_profile}; tiny is for tests)")
+                        help="sizes of the run: windows, ranks, variants (default "
+                             + (default_profile or "quick without --full, full with it") + "; tiny is for tests)")
     parser.add_argument("--context", type=int, default=None, help="window length in tokens (default: the profile's, else the model's maximum)")
-    parser.add_argument("--threads", type=int, default=1, help="torch and BLAS threads (default 1)")
-    parser.add_argument("--backend", default="torch", help="backend for float states (INT8 states always use numpy)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--threads", type=int, default=1, help="torch and BLAS threads (default 1: fastest on a shared 2-core machine)")
+    parser.add_argument("--backend", default="torch", help="backend for float states: torch (default) or numpy; INT8 states always use numpy")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
 
 
 # ----------------------------------------------------------------------------- model
@@ -279,7 +264,10 @@ _CONTEXTS: dict[tuple, Context] = {}
 
 def make_context(args: argparse.Namespace) -> Context:
     """The run's :class:`Context`; the model is loaded once per process and model name."""
-    limit_threads(getattr(args, "threads", 1) or 1)
+    from subspace_ref.cli import threads
+
+    limit_threads(threads(args))
+    require_pyplot()
     profile = PROFILES[getattr(args, "profile", "full")]
     key = (args.model,)
     if key in _CONTEXTS:
@@ -394,28 +382,55 @@ def meta(ctx: Context, command: str, **extra) -> dict:
 
 
 # ----------------------------------------------------------------------------- figures
+def require_pyplot() -> None:
+    """Fail before any work when matplotlib (every runner subcommand draws figures) is missing."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as err:
+        from subspace_ref.cli import MissingDependency
+
+        raise MissingDependency("needs matplotlib for its figures: pip install 'subspace_ref[models]' (or pip install matplotlib)") from err
+
+
 def pyplot():
+    require_pyplot()
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    plt.rcParams.update({"font.size": 8, "axes.titlesize": 9, "legend.fontsize": 7, "figure.dpi": 90})
+    plt.rcParams.update({"font.size": 10, "axes.titlesize": 10, "legend.fontsize": 8, "xtick.labelsize": 9, "ytick.labelsize": 9,
+                         "figure.dpi": FIGURE_DPI})
     return plt
 
 
-def save_figure(fig, path: Path, dpi: int = 90) -> Path:
-    """PNG at ``dpi``, re-rendered smaller until it is under :data:`MAX_FIGURE_BYTES`."""
+def save_figure(fig, path: Path, dpi: int = FIGURE_DPI) -> Path:
+    """PNG at ``dpi`` (legends outside the axes are kept by the tight bounding box); one over
+    :data:`MAX_FIGURE_BYTES` is re-stored with a 256-colour palette rather than at a lower resolution."""
     plt = pyplot()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    while True:
-        fig.savefig(path, dpi=dpi, bbox_inches="tight")
-        if path.stat().st_size <= MAX_FIGURE_BYTES or dpi <= 40:
-            break
-        dpi = int(dpi * 0.8)
+    fig.savefig(path, dpi=dpi, bbox_inches="tight")
     plt.close(fig)
+    if path.stat().st_size > MAX_FIGURE_BYTES:
+        from PIL import Image
+
+        with Image.open(path) as im:
+            im.convert("RGB").quantize(256).save(path, optimize=True)
     return path
+
+
+def legend_right(fig, ax) -> None:
+    """One legend for the whole figure, right of every panel, from ``ax``'s labelled artists."""
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 0.95), frameon=False)
+
+
+def symlog_percent(ax, axis: str = "y") -> None:
+    """A percent axis that shows decreases too: logarithmic beyond ±1%, linear inside, where a
+    compressed cache can beat the stock model by noise (a negative Δppl is drawn where it is,
+    not clipped to a small positive number)."""
+    (ax.set_yscale if axis == "y" else ax.set_xscale)("symlog", linthresh=1.0, linscale=0.5)
 
 
 # ----------------------------------------------------------------------------- small statistics

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -335,8 +334,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"  r={r}: tau_k per layer {[round(x, 3) for x in t['tau_k']]}, tau_v {[round(x, 3) for x in t['tau_v']]}")
     return 0
 
-
-if __name__ == "__main__":  # pragma: no cover
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    sys.exit(run(p.parse_args()))

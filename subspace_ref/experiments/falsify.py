@@ -2,40 +2,10 @@
 verdict and the numbers behind it, plus the papers' quantitative claims (seed 001 §4, §12; seed
 003 "Protocols").
 
-Verdicts are about the *claim* a falsifier tests: ``supported`` (the falsifier did not fire),
-``refuted`` (it fired), ``inconclusive`` (the data cannot decide). The decision rules, fixed
-before looking at the numbers, are below; each verdict function is pure (tables in, verdict out)
-and unit-tested on made-up tables.
-
-=========  ===================================================================================
-001-1      "No r ≪ d achieves ≤1% PPL increase": refuted when no run compressing both keys and
-003-1      values with every head's r, r_v ≤ d/4 has Δppl ≤ 1% (seed 003 states r ≤ d_k/4 and
-           r_v ≤ d_v/4; seed 001's r ≪ d is read the same way). One corpus (held-out stdlib).
-           001-1 counts seed 001's coefficient-space methods (post-RoPE static, adaptive,
-           rotating); 003-1 also the pre-RoPE-basis ablation (seed 003: "report best").
-001-2      "Adaptive underperforms static at matched r": refuted when the better adaptive variant
-           (with/without sketch_reset) has higher perplexity than the static basis (γ = 1) at more
-           than half of the matched ranks.
-003-2      "Adaptive online methods do not significantly outperform global bases at the same
-           rank": refuted unless the best online state (adaptive or rotating) beats the static
-           basis with a 95% block-bootstrap interval of the paired NLL difference below 0 at more
-           than half of the ranks.
-001-3      "Error or quality degrades sharply with context length despite chunking": refuted when
-           the adaptive run with the lowest overall Δppl has a Δppl in the last context bucket
-           (C/2..C) more than 1 percentage point above and more than twice that of the C/16..C/4
-           bucket.
-003-3      "RoPE consistently destroys low-rank structure (requiring r near d_k)": refuted when r
-           near d is required -- the post-RoPE static basis needs r ≥ 3d/4 for Δppl ≤ 1%, or
-           half the KV heads need r ≥ 3d/4 for 95% of their post-RoPE key energy -- and RoPE is
-           the reason: the pre-RoPE basis meets 1% at a smaller rank, or pre-RoPE keys have a
-           smaller median r95. Inconclusive when r near d is required but not because of RoPE.
-001-4      "FD ε and operator-norm residuals fail to predict observed logit/output errors":
-           spec/bounds.md's ``check`` on states built from the model's own captured caches
-           (static, adaptive, rotating; several ranks, every layer, several context lengths);
-           refuted when any of FD ε_K ~ logit error, FD ε_V ~ output error, max_j‖ΔK_j‖ ~ logit
-           error, max_j‖ΔV_j‖ ~ output error has pooled Spearman ρ < 0.5 or p ≥ 0.05, or a
-           median Spearman ρ below 0.3 among the states of one rank.
-=========  ===================================================================================
+Verdicts are about the *claim* a falsifier tests. The decision rules and their revision history
+live in :mod:`subspace_ref.experiments.rules` (several were revised after numbers were seen; the
+page says which). Each verdict function is pure (tables in, verdict out) and unit-tested on
+made-up tables, including that it reads every part of the data its claim is about.
 
 Writes ``OUT/falsify.json`` and ``OUT/figures/falsify_errors.png``.
 """
@@ -43,45 +13,18 @@ Writes ``OUT/falsify.json`` and ``OUT/figures/falsify_errors.png``.
 from __future__ import annotations
 
 import argparse
-import math
-import sys
 
 import numpy as np
 
 from subspace_ref.experiments import _common as C
+from subspace_ref.experiments import rules as R
+from subspace_ref.experiments import statistics as S
 
 THRESHOLD_PCT = 1.0  # "≤ 1% PPL increase" (both seeds)
 SPEARMAN_MIN = 0.5
 P_MAX = 0.05
 WITHIN_MIN = 0.3
 NEAR_D = 0.75  # "r near d_k"
-
-
-#: The decision rule of each falsifier as the report prints it, and how it changed during
-#: development (the report says so; a rule revised after seeing numbers is weaker evidence).
-RULES = {
-    "001-1": ("refuted when no run compressing keys and values with every head's r, r_v ≤ d/4 has Δppl ≤ 1%; "
-              "counts the post-RoPE coefficient-space caches (static, adaptive, rotating)", None),
-    "003-1": ("as 001-1, also counting the pre-RoPE-basis ablation (seed 003: \"compare bases computed pre- vs post-RoPE; report best\")",
-              "the ablation was added, and kept out of 001-1, after the first runs on the trained model showed keys to be the bottleneck; "
-              "its numbers were not known then"),
-    "001-2": ("refuted when the better adaptive variant has higher perplexity than static (γ = 1) at more than half of the matched ranks", None),
-    "003-2": ("refuted unless the best online state beats static with a 95% block-bootstrap interval of the paired NLL difference "
-              "below 0 at more than half of the ranks", None),
-    "001-3": ("refuted when the adaptive run with the lowest overall Δppl has, in the last context bucket, a Δppl more than "
-              "1 point above and more than twice that of the C/16–C/4 bucket",
-              "first written for the adaptive rank nearest d/4; changed to the best adaptive run after seeing that at d/4 every "
-              "method is already above +100%, where growth with context says little"),
-    "001-4": ("refuted when any of FD ε_K ~ logit error, FD ε_V ~ output error, max‖ΔK_j‖ ~ logit error, max‖ΔV_j‖ ~ output error "
-              "has pooled Spearman ρ < 0.5 or p ≥ 0.05, or median ρ < 0.3 among the states of one rank",
-              "the within-rank condition was added after the first full run showed the pooled correlations to be carried by the rank "
-              "(pooled alone: supported)"),
-    "003-3": ("refuted when r near d is required (post-RoPE static basis needs r ≥ 3d/4 for Δppl ≤ 1%, or half the KV heads need "
-              "r ≥ 3d/4 for 95% of post-RoPE key energy) and RoPE is the reason (pre-RoPE basis meets 1% at a smaller rank, or "
-              "pre-RoPE keys have a smaller median r95); inconclusive when only the first holds",
-              "first spectral only (which gives supported: no head needs r ≥ 3d/4 for 95% energy); the perplexity criterion was "
-              "added with the pre-RoPE ablation after the first runs on the trained model"),
-}
 
 
 # ----------------------------------------------------------------------------- verdicts (pure)
@@ -174,24 +117,32 @@ def verdict_online_significance(comparisons: list[dict]) -> dict:
 
 
 def verdict_context(rows: list[dict], d: int, buckets: list[str], errors_vs_length: dict | None = None) -> dict:
-    """Falsifier 001-3 from adaptive rows' ``by_position`` Δppl (bucket labels in order), at the
-    adaptive run with the lowest overall Δppl (the operating point closest to usable: at a rank
-    where the model is already broken, growth with context says little)."""
-    ada = [r for r in rows if r["method"] == "adaptive"]
+    """Falsifier 001-3 from adaptive rows' ``by_position`` Δppl (bucket labels in order). Judged at
+    the best run (lowest overall Δppl: at a rank where the model is already broken, growth with
+    context says little) of *each* sketch variant (paper sketches, sketch_reset): refuted when
+    the rise is sharp for every variant, supported when for none, inconclusive when they disagree."""
+    ada = [r for r in rows if r["method"] == "adaptive" and r.get("by_position")]
     if not ada or len(buckets) < 3:
-        return dict(verdict="inconclusive", why="no adaptive run with position buckets", per_bucket={})
+        return dict(verdict="inconclusive", why="no adaptive run with position buckets", per_bucket={}, variants={})
+    ref, last = buckets[1], buckets[-1]
+    variants = {}
+    for reset in sorted({bool(r.get("sketch_reset")) for r in ada}):
+        best = min((r for r in ada if bool(r.get("sketch_reset")) == reset), key=lambda r: r["delta_pct"])
+        dref, dlast = best["by_position"][ref]["delta_pct"], best["by_position"][last]["delta_pct"]
+        variants["sketch_reset" if reset else "paper sketches"] = dict(
+            run=best["name"], rank=best["rank"], ref=dref, last=dlast, sharp=(dlast - dref > 1.0) and (dlast > 2 * dref),
+            per_bucket={b: best["by_position"][b]["delta_pct"] for b in buckets})
+    fired = [v["sharp"] for v in variants.values()]
+    verdict = "refuted" if all(fired) else ("supported" if not any(fired) else "inconclusive")
+    why = "; ".join(f"{v['run']}: Δppl {v['ref']:+.2f}% at context {ref} vs {v['last']:+.2f}% at {last} "
+                    f"({'a sharp' if v['sharp'] else 'no sharp'} rise)" for v in variants.values())
+    why += " (rule: > 1 point and > 2×, at the best run of every sketch variant" + ("; the variants disagree)" if verdict == "inconclusive" else ")")
     best = min(ada, key=lambda r: r["delta_pct"])
     target = best["rank"]
-    ref, last = buckets[1], buckets[-1]
-    dref, dlast = best["by_position"][ref]["delta_pct"], best["by_position"][last]["delta_pct"]
-    sharp = (dlast - dref > 1.0) and (dlast > 2 * dref)
-    verdict = "refuted" if sharp else "supported"
-    why = (f"{best['name']}: Δppl {dref:+.2f}% at context {ref} vs {dlast:+.2f}% at {last} "
-           f"({'a sharp' if sharp else 'no sharp'} rise: rule > 1 point and > 2×)")
     others = {r["name"]: {b: r["by_position"][b]["delta_pct"] for b in buckets} for r in rows
               if r.get("rank") == target and r.get("compress", "both") == "both" and not r.get("energy")
               and r["method"] in ("static", "adaptive", "rotating") and r.get("coefficients", "float") == "float"}
-    return dict(verdict=verdict, why=why, rank=target, method=best["name"],
+    return dict(verdict=verdict, why=why, rank=target, method=best["name"], variants=variants,
                 per_bucket={b: best["by_position"][b]["delta_pct"] for b in buckets}, same_rank=others,
                 errors_vs_length=errors_vs_length or {})
 
@@ -308,13 +259,9 @@ def claims(ppl: dict, spectra: dict, calib: dict, bounds: dict | None) -> list[d
         out.append(dict(source="seed 001 §12", claim="≈ 3–4× fewer KV bytes at r = d/4",
                         held=comp is not None and comp >= 2.85,  # "≈": within 5% of 3x
                         numbers=f"static r={r4}: {best['bytes_per_token']:.0f} vs {best['full_bytes_per_token']:.0f} B/token = {comp:.2f}×"))
-    ada = [r for r in rows if r["method"] == "adaptive" and r.get("rank") == r4 and r.get("tau_source", "calibrated") == "calibrated"]
-    if ada:
-        best = min(ada, key=lambda r: r["ppl"])
-        out.append(dict(source="seed 001 §12", claim="the adaptive subspace keeps KV-byte savings (few chunks)",
-                        held=best["compression"] is not None and best["compression"] > 1.0,
-                        numbers=f"{best['name']}: {best['chunks_mean']:.1f} chunks per head, {best['bytes_per_token']:.0f} B/token "
-                                f"({best['compression']:.2f}× vs full), Δppl {best['delta_pct']:+.2f}%"))
+    savings = claim_adaptive_savings(rows)
+    if savings:
+        out.append(savings)
     pt = [r for r in rows if r["method"] == "adaptive" and str(r.get("tau_source", "")).startswith("paper")]
     if pt:
         x = pt[0]
@@ -329,12 +276,19 @@ def claims(ppl: dict, spectra: dict, calib: dict, bounds: dict | None) -> list[d
                         numbers=f"held-out MSE γ / √(r/d): median {g['median']:.2f} (range {g['min']:.2f}–{g['max']:.2f})"
                                 + (f"; in-sample MSE γ = 1 exactly (|γ−1| ≤ {calib['gamma_in_sample_max_abs_deviation']:.0e})"
                                    if calib.get("gamma_in_sample_max_abs_deviation") is not None else "")))
-    gp = [r for r in rows if r["method"] == "static" and r.get("gamma") == "paper" and r.get("rank") == r4 and r.get("compress") == "both"]
-    gu = [r for r in rows if r["method"] == "static" and r.get("gamma") == "unit" and r.get("rank") == r4 and r.get("compress") == "both" and r.get("coefficients") == "float"]
-    if gp and gu:
-        out.append(dict(source="seed 001 §4", claim="γ_B⁰ = √(r/d) is a sensible default logit scale",
-                        held=gp[0]["delta_pct"] <= gu[0]["delta_pct"] + THRESHOLD_PCT,
-                        numbers=f"r={r4}: Δppl {gp[0]['delta_pct']:+.2f}% with γ = √(r/d) vs {gu[0]['delta_pct']:+.2f}% with γ = 1"))
+    pairs = []
+    for r in sorted({x["rank"] for x in rows if x.get("rank")}):
+        gp = [x for x in rows if x["method"] == "static" and x.get("gamma") == "paper" and x.get("rank") == r and x.get("compress") == "both"
+              and x.get("coefficients") == "float" and not x.get("energy")]
+        gu = [x for x in rows if x["method"] == "static" and x.get("gamma") == "unit" and x.get("rank") == r and x.get("compress") == "both"
+              and x.get("coefficients") == "float" and not x.get("energy")]
+        if gp and gu:
+            pairs.append((r, gp[0]["delta_pct"], gu[0]["delta_pct"]))
+    if pairs:  # every rank with both runs, not only d/4
+        rule = R.CLAIMS["γ default"]
+        out.append(dict(rule=rule.text, revised=rule.history(), source="seed 001 §4", claim="γ_B⁰ = √(r/d) is a sensible default logit scale (at every rank, ≤ 1 point worse than γ = 1)",
+                        held=all(p <= u + THRESHOLD_PCT for _, p, u in pairs),
+                        numbers="; ".join(f"r={r}: Δppl {p:+.2f}% with γ = √(r/d) vs {u:+.2f}% with γ = 1" for r, p, u in pairs)))
     q8 = [r for r in rows if r.get("coefficients") == "int8" and r.get("rank")]
     if q8:
         diffs = []
@@ -348,23 +302,9 @@ def claims(ppl: dict, spectra: dict, calib: dict, bounds: dict | None) -> list[d
             out.append(dict(source="seed 003 Protocols / seed 001 §10", claim="INT8 coefficients cost little accuracy (≤ 1% perplexity over float coefficients)",
                             held=all(abs(x[1]) <= THRESHOLD_PCT for x in diffs),
                             numbers=f"ppl(INT8)/ppl(float) − 1 over ranks: worst {worst[1]:+.2f}% (r={worst[0]}); bytes {min(x[2] for x in diffs):.2f}–{max(x[2] for x in diffs):.2f}× smaller"))
-    en = [r for r in rows if r.get("energy") and r.get("gamma") == "unit"]
-    un = [r for r in rows if r["method"] == "static" and r.get("gamma") == "unit" and r.get("compress") == "both" and r.get("coefficients") == "float" and not r.get("energy")]
-    if en and len(un) >= 2:
-        wins = []
-        for e in en:
-            # uniform perplexity at the energy run's bytes, interpolated in log-bytes
-            pts = sorted(un, key=lambda r: r["bytes_per_token"])
-            xs = np.log([r["bytes_per_token"] for r in pts])
-            ys = np.log([max(r["ppl"], 1e-9) for r in pts])
-            x = math.log(e["bytes_per_token"])
-            if xs[0] <= x <= xs[-1]:
-                wins.append((e["name"], e["ppl"], math.exp(float(np.interp(x, xs, ys)))))
-        if wins:
-            better = sum(a < b for _, a, b in wins)
-            out.append(dict(source="seed 003 Protocols / seed 001 §10", claim="per-head energy ranks beat uniform ranks at equal memory",
-                            held=better > len(wins) / 2,
-                            numbers="; ".join(f"{n}: ppl {a:.3f} vs uniform {b:.3f} at the same bytes" for n, a, b in wins)))
+    energy = claim_energy_ranks(rows)
+    if energy:
+        out.append(energy)
     if spectra:
         post, pre = [], []
         for entry in spectra["layers"]:
@@ -374,10 +314,9 @@ def claims(ppl: dict, spectra: dict, calib: dict, bounds: dict | None) -> list[d
                         held=float(np.median(post)) - float(np.median(pre)) <= d / 8,
                         numbers=f"median r95 of keys: post-RoPE {np.median(post):g}, pre-RoPE {np.median(pre):g} (d = {d})"))
     if bounds and bounds.get("spearman", {}).get("pooled"):
-        c = bounds["spearman"]["pooled"].get("fd_eps_k ~ max_chunk_residual_k", {})
-        if c.get("rho") is not None:
-            out.append(dict(source="seed 001 §12", claim="FD ε correlates with measured operator residuals",
-                            held=c["rho"] >= SPEARMAN_MIN and c["p"] < P_MAX, numbers=f"Spearman ρ = {c['rho']:.2f} (p = {c['p']:.1e}, n = {c['n']})"))
+        fd = claim_fd_residuals(bounds["spearman"]["pooled"])
+        if fd:
+            out.append(fd)
         fails = bounds.get("paper_form_failures", {})
         if fails:
             out.append(dict(source="seed 001 §8", claim="the paper's error bounds hold on the model's caches",
@@ -386,7 +325,68 @@ def claims(ppl: dict, spectra: dict, calib: dict, bounds: dict | None) -> list[d
     return out
 
 
+def claim_adaptive_savings(rows: list[dict]) -> dict | None:
+    """Seed 001 §12 "adaptive keeps KV-byte savings": held when the best calibrated-τ adaptive run
+    of *every* rank stores fewer bytes than the full cache (a saving at one rank says nothing of
+    the others)."""
+    ada = [r for r in rows if r["method"] == "adaptive" and r.get("tau_source", "calibrated") == "calibrated" and r.get("compression")]
+    if not ada:
+        return None
+    best = [min((r for r in ada if r["rank"] == k), key=lambda r: r["ppl"]) for k in sorted({r["rank"] for r in ada})]
+    rule = R.CLAIMS["adaptive savings"]
+    return dict(rule=rule.text, revised=rule.history(), source="seed 001 §12", claim="the adaptive subspace keeps KV-byte savings (few chunks), at every rank",
+                held=all(b["compression"] > 1.0 for b in best),
+                numbers="; ".join(f"{b['name']}: {b['chunks_mean']:.1f} chunks per head, {b['bytes_per_token']:.0f} B/token "
+                                  f"({b['compression']:.2f}× vs full), Δppl {b['delta_pct']:+.2f}%" for b in best))
+
+
+def claim_energy_ranks(rows: list[dict]) -> dict | None:
+    """Seed 003 / 001 §10 "per-head energy ranks beat uniform ranks at equal memory", judged on
+    measured runs only (no interpolation across the rank→perplexity cliff): an energy-rank run wins
+    when it has a lower perplexity than every uniform run (same γ) that stores at most its bytes,
+    loses when one of those is at least as good; with no uniform run at ≤ its bytes it is not
+    judged. Held when the energy runs win more often than they lose."""
+    judged = []
+    for e in [r for r in rows if r.get("energy") and r.get("bytes_per_token")]:
+        cheaper = [u for u in rows if u["method"] == "static" and u.get("gamma") == e.get("gamma") and u.get("compress") == "both"
+                   and u.get("coefficients") == "float" and not u.get("energy") and u.get("bytes_per_token")
+                   and u["bytes_per_token"] <= e["bytes_per_token"]]
+        if cheaper:
+            rival = min(cheaper, key=lambda u: u["ppl"])
+            judged.append((e, rival, e["ppl"] < rival["ppl"]))
+    if not judged:
+        return None
+    wins = sum(w for _, _, w in judged)
+    rule = R.CLAIMS["energy ranks"]
+    return dict(rule=rule.text, revised=rule.history(), source="seed 003 Protocols / seed 001 §10", claim="per-head energy ranks beat uniform ranks at equal memory",
+                held=wins > len(judged) - wins,
+                numbers=f"wins {wins} of {len(judged)}: " + "; ".join(
+                    f"{e['name']} ppl {e['ppl']:.3f} at {e['bytes_per_token']:.0f} B/token vs best uniform at ≤ those bytes "
+                    f"{u['name']} ppl {u['ppl']:.3f} at {u['bytes_per_token']:.0f}" for e, u, _ in judged))
+
+
+def claim_fd_residuals(pooled: dict) -> dict | None:
+    """Seed 001 §12 "FD ε correlates with measured operator residuals", for keys *and* values:
+    held when both pooled Spearman ρ ≥ 0.5 with p < 0.05."""
+    sides = {side: pooled.get(f"fd_eps_{side} ~ max_chunk_residual_{side}", {}) for side in ("k", "v")}
+    if any(c.get("rho") is None for c in sides.values()):
+        return None
+    rule = R.CLAIMS["FD ε ~ residuals"]
+    return dict(rule=rule.text, revised=rule.history(), source="seed 001 §12", claim="FD ε correlates with measured operator residuals (keys and values)",
+                held=all(c["rho"] >= SPEARMAN_MIN and c["p"] < P_MAX for c in sides.values()),
+                numbers="; ".join(f"{'keys' if side == 'k' else 'values'}: Spearman ρ = {c['rho']:.2f} (p = {c['p']:.1e}, n = {c['n']}"
+                                  + (f", windows resampled [{c['rho_ci_windows'][0]:.2f}, {c['rho_ci_windows'][1]:.2f}]" if c.get("rho_ci_windows") else "")
+                                  + ")" for side, c in sides.items()))
+
+
 # ----------------------------------------------------------------------------- the bounds data (falsifier 4)
+def query_positions(T: int, n: int) -> list[int]:
+    """``n`` query positions of a ``T``-token prefix: the last, then evenly spaced back to T/2. Each
+    probes the state holding all T keys (a bound holds for any query); the earlier ones see up to
+    T/2 later keys, which a causal decoder would not, and they are scored the same way."""
+    return sorted({T - 1 - int(round(i * (T // 2) / max(n, 1))) for i in range(n)}, reverse=True)
+
+
 def bounds_records(ctx: C.Context, record: dict, svd: list[dict]) -> dict:
     """check() (spec/bounds.md) on states built from the model's captured caches; Spearman
     correlations of the predictors with the observed errors."""
@@ -418,22 +418,27 @@ def bounds_records(ctx: C.Context, record: dict, svd: list[dict]) -> dict:
         else:
             st = SubspaceState.rotating(H, d, V.shape[2], rank_k=r, rank_v=r, refresh_every=p.refresh_every, dtype=np.float64)
         st.append(K, V)
-        try:
-            rep = check(Q[:, T - 1], K, V, st)
-        except np.linalg.LinAlgError as err:  # LAPACK gesdd inside check() can fail on ordinary matrices
-            skipped.append(dict(window=w, layer=li, rank=r, kind=kind, tokens=T, error=str(err)))
-            continue
-        pr = {k: v for k, v in rep.predictors.items() if not isinstance(v, list)}
-        pr["bound_B2.c"] = rep.row("B2.c").bound
-        pr["bound_B4.4.c"] = rep.row("B4.4.c").bound
-        pr.update(window=w, layer=li, rank=r, kind=kind, tokens=T, chunks=int(max(rep.info["chunks"])))
-        preds.append(pr)
-        for row in rep.rows:
-            if row.id in ("B1", "B2", "B4.2", "B4.3", "B4.4", "B6.1", "B7", "B8") and row.applicable:
-                c = claim_counts.setdefault(row.id, dict(applicable=0, failed=0))
-                c["applicable"] += 1
-                c["failed"] += int(not row.held)
+        for qi, t_q in enumerate(query_positions(T, p.bounds_queries)):
+            try:
+                rep = check(Q[:, t_q], K, V, st)
+            except np.linalg.LinAlgError as err:  # LAPACK gesdd inside check() can fail on ordinary matrices
+                skipped.append(dict(window=w, layer=li, rank=r, kind=kind, tokens=T, query=t_q, error=str(err)))
+                continue
+            pr = {k: v for k, v in rep.predictors.items() if not isinstance(v, list)}
+            pr["bound_B2.c"] = rep.row("B2.c").bound
+            pr["bound_B4.4.c"] = rep.row("B4.4.c").bound
+            pr.update(window=w, layer=li, rank=r, kind=kind, tokens=T, query=t_q, chunks=int(max(rep.info["chunks"])))
+            preds.append(pr)
+            for row in rep.rows if qi == 0 else ():  # the paper-form counts: one query per state, as before
+                if row.id in ("B1", "B2", "B4.2", "B4.3", "B4.4", "B6.1", "B7", "B8") and row.applicable:
+                    c = claim_counts.setdefault(row.id, dict(applicable=0, failed=0))
+                    c["applicable"] += 1
+                    c["failed"] += int(not row.held)
     pooled = {f"{a} ~ {b}": C.spearman([x.get(a) for x in preds], [x.get(b) for x in preds]) for a, b in PREDICTOR_PAIRS + EXTRA_PAIRS}
+    by_window = [[x for x in preds if x["window"] == w] for w in range(ids.shape[0])]
+    for a, b in PREDICTOR_PAIRS + EXTRA_PAIRS:  # the records of one window share it: resample windows, not records
+        pooled[f"{a} ~ {b}"]["rho_ci_windows"] = S.resampled_interval(
+            by_window, lambda recs, a=a, b=b: C.spearman([x.get(a) for x in recs], [x.get(b) for x in recs])["rho"])
     within = {}
     for r in ranks:
         sub = [x for x in preds if x["rank"] == r]
@@ -449,14 +454,14 @@ def bounds_records(ctx: C.Context, record: dict, svd: list[dict]) -> dict:
             logit_error=float(np.median([x["logit_error"] for x in preds if x["kind"] == kind and x["tokens"] == T and x["rank"] == r4])),
             relative_output_error=float(np.median([x["relative_output_error"] for x in preds if x["kind"] == kind and x["tokens"] == T and x["rank"] == r4])),
         ) for T in lengths}
-    return dict(records=preds, lengths=lengths, ranks=ranks, rank_for_length=r4,
+    return dict(records=preds, lengths=lengths, ranks=ranks, rank_for_length=r4, windows=int(ids.shape[0]), queries=p.bounds_queries,
                 spearman=dict(pooled=pooled, within_rank=within, by_kind=by_kind), skipped=skipped,
                 errors_vs_length=vs_len, paper_form_failures=claim_counts)
 
 
 def online_comparisons(ppl: dict, tokens: dict) -> list[dict]:
     """Per rank: the best online run (adaptive or rotating) against static γ = 1, paired."""
-    from subspace_ref.experiments.ppl import BOOTSTRAP_BLOCK, token_key
+    from subspace_ref.experiments.ppl import token_key
 
     rows = ppl["runs"]
     out = []
@@ -468,9 +473,8 @@ def online_comparisons(ppl: dict, tokens: dict) -> list[dict]:
             continue
         best = min(onl, key=lambda x: x["ppl"])
         a, b = tokens[token_key(best["name"])].astype(np.float64), tokens[token_key(sta[0]["name"])].astype(np.float64)
-        diff = a - b
-        lo, hi = C.block_bootstrap(diff, BOOTSTRAP_BLOCK)
-        out.append(dict(rank=r, online=best["name"], static=sta[0]["name"], delta_nll=float(diff.mean()), delta_nll_ci=[lo, hi],
+        lo, hi = S.paired_difference_interval(list(a), list(b))  # whole windows resampled, paired
+        out.append(dict(rank=r, online=best["name"], static=sta[0]["name"], delta_nll=float(a.mean() - b.mean()), delta_nll_ci=[lo, hi],
                         online_delta_pct=best["delta_pct"], static_delta_pct=sta[0]["delta_pct"]))
     return out
 
@@ -512,7 +516,8 @@ def falsify_run(ctx: C.Context) -> dict:
              **verdict_rope(spectra, d, ppl["runs"])),
     ]
     for f in falsifiers:
-        f["rule"], f["revised"] = RULES[f["id"]]
+        rule = R.FALSIFIERS[f["id"]]
+        f["rule"], f["revised"], f["revised_after_numbers"] = rule.text, rule.history(), rule.revised_after_numbers
     out = dict(
         meta=C.meta(ctx, "falsify"), d=d, falsifiers=falsifiers,
         claims=claims(ppl, spectra, calib, bounds),
@@ -550,8 +555,8 @@ def plot(ctx: C.Context, bounds: dict) -> None:
         ax.set_ylabel(yl)
         c = sp.get(f"{a} ~ {b}", {})
         ax.set_title(f"Spearman ρ = {_fmt(c.get('rho'))} (n = {c.get('n', 0)})", fontsize=8)
-    axes[0].legend(fontsize=6)
-    fig.suptitle("Do the seeds' predictors track the observed attention errors? (every layer, rank, context length)", fontsize=8)
+    axes[-1].legend(**C.LEGEND_OUTSIDE)
+    fig.suptitle("Do the seeds' predictors track the observed attention errors? (every layer, rank, context length)")
     fig.tight_layout()
     C.save_figure(fig, ctx.figures / "falsify_errors.png")
 
@@ -577,8 +582,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"  [{'held' if c['held'] else 'did not hold'}] {c['source']}: {c['claim']} -- {c['numbers']}")
     return 0
 
-
-if __name__ == "__main__":  # pragma: no cover
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    sys.exit(run(p.parse_args()))

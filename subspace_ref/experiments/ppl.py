@@ -12,8 +12,8 @@ decoding with that cache (spec/models.md M6) -- and against the stock model. Run
   (``calibrate``), maximum chunk L, with and without ``sketch_reset`` (spec A7.1);
 * rotating states (seed 003 SubSpace-A), refresh every m tokens.
 
-Each run records perplexity, its change from the stock model with a 95% block-bootstrap
-interval, perplexity by context-length bucket, chunks per head, and KV bytes per token: what the
+Each run records perplexity, its change from the stock model with a 95% interval that resamples
+whole windows (:mod:`~subspace_ref.experiments.statistics`), perplexity by context-length bucket, chunks per head, and KV bytes per token: what the
 states really hold (``state.nbytes`` summed over layers and windows, divided by the tokens)
 beside the uncompressed K/V in the same dtype. Writes ``OUT/ppl.json``, ``OUT/ppl.csv``,
 ``OUT/ppl_tokens.npz`` (per-token NLL of every run, for paired tests) and three figures.
@@ -23,15 +23,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 
 import numpy as np
 
 from subspace_ref.experiments import _common as C
+from subspace_ref.experiments import statistics as S
+from subspace_ref.experiments.page import pct_ci, text_table
 from subspace_ref.experiments.calibrate import basis_from_svd, ensure_calibration, load_svd, static_basis
-
-BOOTSTRAP_BLOCK = 64
 
 
 # ----------------------------------------------------------------------------- scoring
@@ -205,8 +204,7 @@ def mean_ranks(spec: dict, record: dict) -> tuple[float, float, int]:
 
 def summarize_run(spec: dict, res: dict, base: dict, edges: list[int], record: dict) -> dict:
     nll, nll0 = res["nll"], base["nll"]
-    diff = nll - nll0
-    lo, hi = C.block_bootstrap(diff, BOOTSTRAP_BLOCK)
+    lo, hi = S.relative_perplexity_interval(list(nll), list(nll0))  # whole windows resampled, paired
     mean_nll = float(nll.mean())
     rk, rv, rmax = mean_ranks(spec, record)
     pos = by_position(nll, edges)
@@ -219,7 +217,7 @@ def summarize_run(spec: dict, res: dict, base: dict, edges: list[int], record: d
     row.update(
         rank_k=rk, rank_v=rv, rank_max=rmax, ppl=math.exp(mean_nll), nll=mean_nll,
         delta_pct=C.percent(math.exp(mean_nll - base["nll_mean"]) - 1.0),
-        delta_pct_ci=[C.percent(math.exp(lo) - 1.0), C.percent(math.exp(hi) - 1.0)],
+        delta_pct_ci=[C.percent(lo), C.percent(hi)],
         bytes_per_token=res["bytes_per_token"], full_bytes_per_token=res["full_bytes_per_token"],
         compression=res["full_bytes_per_token"] / res["bytes_per_token"] if res["bytes_per_token"] else None,
         chunks_mean=res["chunks_mean"], chunks_max=res["chunks_max"], seconds=res["seconds"],
@@ -266,7 +264,7 @@ def ppl_run(ctx: C.Context, *, only: set[str] | None = None) -> dict:
     out = dict(
         meta=C.meta(ctx, "ppl"),
         d=ctx.d, tokens=int(ids.size), windows=int(ids.shape[0]), context=int(ids.shape[1]),
-        position_edges=edges, bootstrap=dict(block=BOOTSTRAP_BLOCK, reps=1000, level=0.95),
+        position_edges=edges, bootstrap=dict(unit="window", windows=int(ids.shape[0]), reps=S.REPS, level=S.LEVEL),
         baseline=dict(ppl=math.exp(base["nll_mean"]), nll=base["nll_mean"], seconds=base["seconds"],
                       by_position={k: dict(ppl=math.exp(v)) for k, v in base["by_position"].items()},
                       full_bytes_per_token_float32=full_bpt, full_bytes_per_token_float16=full_bpt // 2),
@@ -329,8 +327,8 @@ def plot(ctx: C.Context, out: dict) -> None:
     uniform = [r for r in rows if not r.get("energy")]
     energy = [r for r in rows if r.get("energy")]
 
-    def yv(x):
-        return max(x, 1e-3)
+    def yv(x):  # drawn as measured: a negative Δppl (the cache beat the stock model by noise) sits below 0
+        return x
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for label, want, style in SERIES:
@@ -344,12 +342,13 @@ def plot(ctx: C.Context, out: dict) -> None:
                        color="k" if g == "unit" else "C2", zorder=5, label=f"static per-head energy ranks γ={g} (mean rank)")
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.axvline(d / 4, color="grey", lw=0.8, ls=":")
-    ax.text(d / 4, ax.get_ylim()[1] if ax.get_ylim()[1] > 1 else 1, " d/4", va="top", fontsize=7, color="grey")
-    ax.set_yscale("log")
+    C.symlog_percent(ax)
+    ax.axhline(0.0, color="k", lw=0.5)
+    ax.text(d / 4, ax.get_ylim()[1], " d/4", va="top", fontsize=8, color="grey")
     ax.set_xlabel("rank r = r_v (per KV head)")
-    ax.set_ylabel("perplexity increase over the stock model (%)")
-    ax.set_title(f"Held-out perplexity vs rank ({out['tokens']} tokens, context {out['context']}); dashed: 1%")
-    ax.legend(fontsize=6, ncol=2)
+    ax.set_ylabel("Δppl over the stock model (%)\n(log beyond ±1%, linear inside)")
+    ax.set_title(f"Held-out perplexity vs rank ({out['windows']} windows of {out['context']} tokens); dashed: +1%")
+    ax.legend(**C.LEGEND_OUTSIDE)
     C.save_figure(fig, ctx.figures / "ppl_vs_rank.png")
 
     target = out["by_position_rank"]
@@ -366,7 +365,7 @@ def plot(ctx: C.Context, out: dict) -> None:
     ax.set_xlabel("context length of the predicted token (tokens)")
     ax.set_ylabel("perplexity increase (%)")
     ax.set_title(f"Degradation with context length at r = {target} (d = {d})")
-    ax.legend(fontsize=6, ncol=2)
+    ax.legend(**C.LEGEND_OUTSIDE)
     C.save_figure(fig, ctx.figures / "ppl_by_position.png")
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
@@ -381,31 +380,29 @@ def plot(ctx: C.Context, out: dict) -> None:
                        color="k" if g == "unit" else "C2", zorder=5, label=f"per-head energy ranks γ={g}")
     full = out["baseline"]["full_bytes_per_token_float32"]
     ax.axvline(full, color="k", lw=0.8, ls="--")
-    ax.text(full, 1.0, " full K/V (fp32)", fontsize=7, rotation=90, va="bottom")
+    ax.text(full, 1.0, " full K/V (fp32)", fontsize=8, rotation=90, va="bottom")
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xscale("log")
-    ax.set_yscale("log")
+    C.symlog_percent(ax)
+    ax.axhline(0.0, color="k", lw=0.5)
     ax.set_xlabel("KV bytes per token (state.nbytes / tokens, all layers)")
-    ax.set_ylabel("perplexity increase (%)")
+    ax.set_ylabel("Δppl (%), log beyond ±1%")
     ax.set_title("Quality against memory")
-    ax.legend(fontsize=6, ncol=2)
+    ax.legend(**C.LEGEND_OUTSIDE)
     C.save_figure(fig, ctx.figures / "ppl_vs_bytes.png")
 
 
 # ----------------------------------------------------------------------------- CLI
 def table(out: dict, rows: list[dict] | None = None) -> str:
-    """The plain-text table: method, rank, ppl, Δppl %, KV bytes/token, chunks."""
+    """The printed table: method, rank, ppl, Δppl % with its 95% interval (windows resampled), KV bytes/token, chunks."""
     rows = out["runs"] if rows is None else rows
     b = out["baseline"]
-    head = f"{'method':<34} {'rank k/v':>11} {'ppl':>8} {'Δppl %':>16} {'KV B/token':>11} {'chunks':>7}"
-    lines = [head, "-" * len(head), f"{'stock model (full K/V, fp32)':<34} {out['d']:>11} {b['ppl']:>8.3f} {'':>16} {b['full_bytes_per_token_float32']:>11.0f} {'':>7}"]
+    body = [["stock model (full K/V, fp32)", out["d"], f"{b['ppl']:.3f}", "", f"{b['full_bytes_per_token_float32']:.0f}", ""]]
     for r in rows:
         rk = f"{r['rank_k']:.1f}/{r['rank_v']:.1f}" if r.get("energy") else f"{r['rank_k']:.0f}/{r['rank_v']:.0f}"
-        ci = r["delta_pct_ci"]
-        dp = f"{r['delta_pct']:+.2f} [{ci[0]:+.1f},{ci[1]:+.1f}]" if abs(r["delta_pct"]) < 100 else f"{r['delta_pct']:+.0f}"
-        ch = "" if r["chunks_mean"] is None else f"{r['chunks_mean']:.1f}"
-        lines.append(f"{r['name']:<34} {rk:>11} {r['ppl']:>8.3f} {dp:>16} {r['bytes_per_token']:>11.0f} {ch:>7}")
-    return "\n".join(lines)
+        body.append([r["name"], rk, f"{r['ppl']:.3f}", pct_ci(r["delta_pct"], r["delta_pct_ci"]), f"{r['bytes_per_token']:.0f}",
+                     "" if r["chunks_mean"] is None else f"{r['chunks_mean']:.1f}"])
+    return text_table(["method", "rank k/v", "ppl", "Δppl % [95% interval]", "KV B/token", "chunks"], body, "lrrrrr")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -419,8 +416,3 @@ def run(args: argparse.Namespace) -> int:
     print(table(out))
     return 0
 
-
-if __name__ == "__main__":  # pragma: no cover
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    sys.exit(run(p.parse_args()))

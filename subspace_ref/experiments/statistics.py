@@ -71,3 +71,20 @@ def paired_difference_interval(
     sb, cb = _sums_counts(b)
     idx = np.random.default_rng(seed).integers(0, ca.size, size=(reps, ca.size))
     return _percentiles(sa[idx].sum(1) / ca[idx].sum(1) - sb[idx].sum(1) / cb[idx].sum(1), level)
+
+
+def resampled_interval(units: Sequence[Sequence], statistic, reps: int = 200, seed: int = 0, level: float = LEVEL) -> tuple[float, float] | None:
+    """Percentile interval of ``statistic(pooled records)`` with whole units (lists of records, e.g.
+    the states built from one captured window) resampled with replacement; None when fewer than two
+    units or the statistic is undefined on every draw. For statistics that are not means (a rank
+    correlation), where records of one unit share their window and are not independent draws."""
+    units = [list(u) for u in units if len(u)]
+    if len(units) < 2:
+        return None
+    rng = np.random.default_rng(seed)
+    draws = []
+    for idx in rng.integers(0, len(units), size=(reps, len(units))):
+        value = statistic([rec for i in idx for rec in units[i]])
+        if value is not None and np.isfinite(value):
+            draws.append(value)
+    return _percentiles(np.asarray(draws), level) if draws else None

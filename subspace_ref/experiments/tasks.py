@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ import numpy as np
 
 from subspace_ref.experiments import _common as C
 from subspace_ref.experiments.baselines import bases_for
+from subspace_ref.experiments.page import Page, model_scope
 
 DEFAULT_OUT = Path("results/tasks")
 LENGTHS, DEPTHS = (256, 512, 1000), (0.1, 0.5, 0.9)
@@ -47,6 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="tests: short instances, 2 budgets' worth of methods")
     parser.add_argument("--docs", type=Path, default=C.DEFAULT_DOCS, help="where tasks.md and its figures go (default docs)")
     parser.add_argument("--no-docs", action="store_true", help="do not write the docs page")
+    parser.add_argument("--page-only", action="store_true", help="rewrite DOCS/tasks.md and its figures from OUT/tasks.json (no model runs)")
 
 
 # ----------------------------------------------------------------------------- methods
@@ -179,8 +180,7 @@ def evaluate(ctx, inst: dict, plan: list[dict], svd, batch: int, tau: dict) -> l
                 lam_by[C.bucket_label(a, b)] = dict(n=int(sel.sum()), accuracy=float(lam[sel].mean()), ci=list(bootstrap_ci(lam[sel], groups=lam_groups[sel])))
         row = dict(key=entry["key"], family=entry["family"], budget=entry["budget"],
                    bytes={str(L): method_bytes(entry["at"][L], L, model) for L in entry["at"]},
-                   needle=cells, needle_accuracy=float(np.mean([c["accuracy"] for c in cells if c["needle"]])),
-                   needle_ci=list(bootstrap_ci(np.concatenate([[1] * round(c["accuracy"] * c["n"]) + [0] * (c["n"] - round(c["accuracy"] * c["n"])) for c in cells if c["needle"]]))),
+                   needle=cells,
                    next_token=dict(accuracy=float(nt.mean()), ci=list(bootstrap_ci(nt, groups=grp)), by_position=by_pos),
                    lambada=dict(n=int(lam.size), accuracy=float(lam.mean()) if lam.size else float("nan"),
                                 ci=list(bootstrap_ci(lam, groups=lam_groups)), by_position=lam_by),
@@ -220,23 +220,19 @@ def figures(record: dict, folder: Path) -> list[Path]:
     plt = C.pyplot()
     rows = record["rows"]
     Ls, Ds = record["lengths"], record["depths"]
-    ncol = 6
-    nrow = -(-len(rows) // ncol)
-    fig, axes = plt.subplots(nrow, ncol, figsize=(1.9 * ncol, 1.7 * nrow), squeeze=False)
-    for ax, r in zip(axes.ravel(), rows):
-        M = np.array([[next(c["accuracy"] for c in r["needle"] if c["length"] == L and c["depth"] == d and c["needle"]) for d in Ds] for L in Ls])
-        ax.imshow(M, vmin=0, vmax=1, cmap="viridis", aspect="auto")
-        for i in range(len(Ls)):
-            for j in range(len(Ds)):
-                ax.text(j, i, f"{M[i, j]:.2f}", ha="center", va="center", fontsize=6, color="w" if M[i, j] < 0.5 else "k")
-        ax.set_title(r["key"], fontsize=6)
-        ax.set_xticks(range(len(Ds)))
-        ax.set_xticklabels([f"{d:.0%}" for d in Ds], fontsize=5)
-        ax.set_yticks(range(len(Ls)))
-        ax.set_yticklabels([str(L) for L in Ls], fontsize=5)
-    for ax in axes.ravel()[len(rows):]:
-        ax.axis("off")
-    fig.suptitle("Recall accuracy: context length (rows) x needle depth (columns), per method")
+    cells = [(L, d) for L in Ls for d in Ds]
+    M = np.array([[next(c["accuracy"] for c in r["needle"] if c["length"] == L and c["depth"] == d and c["needle"]) for L, d in cells]
+                  for r in rows])
+    fig, ax = plt.subplots(figsize=(1.0 + 0.75 * len(cells), 1.2 + 0.3 * len(rows)))
+    im = ax.imshow(M, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+    for i in range(M.shape[0]):
+        for j in range(M.shape[1]):
+            ax.text(j, i, f"{M[i, j]:.2f}", ha="center", va="center", fontsize=8, color="w" if M[i, j] < 0.5 else "k")
+    ax.set_xticks(range(len(cells)), [f"{L} B\n{d:.0%}" for L, d in cells])
+    ax.set_yticks(range(len(rows)), [r["key"] for r in rows])
+    ax.set_xlabel("context length (bytes) and needle depth")
+    fig.colorbar(im, ax=ax, label="recall (share of instances)", fraction=0.04, pad=0.02)
+    ax.set_title("Recall by method, context length and needle depth")
     fig.tight_layout()
     p1 = C.save_figure(fig, folder / "tasks_needle_heatmaps.png")
 
@@ -254,8 +250,8 @@ def figures(record: dict, folder: Path) -> list[Path]:
         ax.set_xticklabels(labels)
         ax.set_xlabel("position (context length, bytes)")
         ax.set_title(t)
-    axes[0].legend(fontsize=4, ncol=2)
     fig.tight_layout()
+    C.legend_right(fig, axes[0])
     p2 = C.save_figure(fig, folder / "tasks_by_position.png")
     return [p1, p2]
 
@@ -278,79 +274,115 @@ def recall_validity(full_row: dict, lengths) -> dict:
     return out
 
 
+def recall_at(row: dict, lengths) -> dict:
+    """Recall of ``row`` pooled over the needle instances of ``lengths`` only (the valid ones: a
+    length where the needle does not help measures no retrieval), instances resampled."""
+    from subspace_ref.tasks import bootstrap_ci
+
+    ok = [np.asarray(c["correct"], dtype=float) for c in row["needle"] if c["needle"] and c["length"] in lengths]
+    if not ok:
+        return dict(accuracy=float("nan"), ci=[float("nan"), float("nan")], n=0)
+    x = np.concatenate(ok)
+    return dict(accuracy=float(x.mean()), ci=list(bootstrap_ci(x)), n=int(x.size))
+
+
 def _ci(v: dict) -> str:
     lo, hi = v["ci"]
     return f"{v['accuracy']:.3f} [{lo:.3f}, {hi:.3f}]"
 
 
-def markdown(record: dict, command: str) -> str:
+def write_page(record: dict, command: str, docs: Path, figures_from: Path) -> Path:
+    """``DOCS/tasks.md`` and its figures, from the ``tasks.json`` record alone."""
     meta, rows = record["meta"], record["rows"]
     full = rows[0]
-    L = ["# Accuracy tasks under compressed KV caches\n",
-         f"_Generated by `{command}` in {meta['runtime_s']:.0f} s ({meta['environment'].get('cpu_count')} CPUs, "
-         f"{meta['settings'].get('threads', '')}); do not edit by hand: rerun the command._\n",
-         f"Model: {meta['model'].get('description')}. Task seed {meta['task_seed']}; instances (sha256 prefix "
-         f"`{meta['instances_sha256']}`) are saved in `tasks_instances.json` in the output folder, so two runs compare exactly. "
-         f"All intervals are 95% percentile bootstrap intervals (1000 resamples, seed 0; next-token and LAMBADA resample whole windows).\n",
-         "## Tasks\n",
-         f"* **Recall (needle in a haystack)**: held-out code of {', '.join(map(str, record['lengths']))} bytes; at {', '.join(f'{d:.0%}' for d in record['depths'])} "
-         f"of the way in, a distinct held-out line of 50-80 bytes; the context ends with that line's first 32 bytes and the "
-         f"answer is its next 6 bytes (greedy exact match). {meta['needles_per_cell']} instances per cell, plus a *control* "
-         "(same haystack and query, no needle) scored under the full cache.",
-         f"* **Next-token top-1** on {meta['windows']} held-out windows of {record['window_length']} bytes, by position.",
-         f"* **LAMBADA-style**: {meta['lambada_targets']} targets: the last identifier (>= 3 bytes) of a line that already occurred "
-         "earlier in the window; every byte must be the greedy prediction.\n",
-         "Methods: the full cache; static (calibrated bases, γ = 1), adaptive (τ per layer at the 95th percentile of held-out "
-         "calibration residuals, seed 001 §10; sketches reset at chunk boundaries) and "
-         f"rotating states at r = {', '.join(map(str, meta['own_ranks']))} (no byte budget: ranks shown); every baseline of "
-         "`subspace_ref.baselines.methods_at` at 50/25/12.5% of the full fp16 cache, configured for the length of each "
-         "instance (a window of capacity f·L for an L-byte instance), bytes counted by `subspace_ref/baselines/budget.py`.\n",
-         "## Validity of the recall task\n"]
-    ctrl = [c for c in full["needle"] if not c["needle"]]
-    withn = [c for c in full["needle"] if c["needle"]]
+    page = Page(Path(docs) / "tasks.md", figures_from)
+    page.add("# Accuracy tasks under compressed KV caches", "",
+             f"_Generated by `{command}` in {meta['runtime_s']:.0f} s ({meta['environment'].get('cpu_count')} CPUs, "
+             f"{meta['settings'].get('threads', '')}); do not edit by hand: rerun the command "
+             "(`subspace-kv tasks --page-only` rewrites this page from the saved `tasks.json`)._", "",
+             f"Model: {meta['model'].get('description')}. Task seed {meta['task_seed']}; instances (sha256 prefix "
+             f"`{meta['instances_sha256']}`) are saved in `tasks_instances.json` in the output folder, so two runs compare exactly. "
+             "All intervals are 95% percentile bootstrap intervals (seed 0) that resample the independent unit: a needle "
+             "instance for recall, a whole window for next-token and LAMBADA (`subspace_ref/experiments/statistics.py`).", "",
+             "Terms: a *window* is one held-out text sequence that is scored; *sliding window* is the name of a baseline "
+             "that keeps only the most recent tokens (`docs/baselines.md`).", "",
+             "## Tasks", "",
+             f"* **Recall (needle in a haystack)**: held-out code of {', '.join(map(str, record['lengths']))} bytes; at "
+             f"{', '.join(f'{d:.0%}' for d in record['depths'])} of the way in, a distinct held-out line of 50-80 bytes; the context "
+             "ends with that line's first 32 bytes and the answer is its next 6 bytes (greedy exact match). "
+             f"{meta['needles_per_cell']} instances per cell, plus a *control* (same haystack and query, no needle) scored under the full cache.",
+             f"* **Next-token top-1** on {meta['windows']} held-out windows of {record['window_length']} bytes, by position.",
+             f"* **LAMBADA-style**: {meta['lambada_targets']} targets: the last identifier (>= 3 bytes) of a line that already occurred "
+             "earlier in the window; every byte must be the greedy prediction.", "",
+             "Methods: the full cache; static (calibrated bases, γ = 1), adaptive (τ per layer at the 95th percentile of held-out "
+             "calibration residuals, seed 001 §10; sketches reset at chunk boundaries) and "
+             f"rotating states at r = {', '.join(map(str, meta['own_ranks']))} (no byte budget: ranks shown); every baseline of "
+             "`subspace_ref.baselines.methods_at` at 50/25/12.5% of the full fp16 cache, configured for the length of each "
+             "instance (a sliding window of capacity f·L for an L-byte instance), bytes counted by `subspace_ref/baselines/budget.py`.", "",
+             "## Validity of the recall task", "")
     validity = recall_validity(full, record["lengths"])
     valid = [L for L, v in validity.items() if v["valid"]]
-    L.append("The task is valid at a length when the full cache recalls measurably more with the needle than without it: the "
+    page.add("The task is valid at a length when the full cache recalls measurably more with the needle than without it: the "
              "paired bootstrap interval of (with needle − control) over the same haystacks lies above 0. "
              + (f"**Valid at {', '.join(map(str, valid))} bytes**" if valid else "**Valid at no length**")
              + (f"; at {', '.join(str(x) for x in validity if x not in valid)} bytes the needle does not measurably help, so recall "
-                "differences between caches there are not long-range retrieval." if len(valid) < len(validity) else ".")
+                "there is no retrieval test and the summary leaves it out." if len(valid) < len(validity) else ".")
              + " (The shipped model learned to copy from a fine-tune with copied spans and repeated halves: "
-             "`subspace_ref/models/train_default_model.py`; trained on code alone it scored no better than the control at any length.)\n")
-    L.append("| length | with needle | control | difference [95% CI] | valid |\n|---:|---|---|---|---|")
-    for Lx, v in validity.items():
-        L.append(f"| {Lx} | {v['needle']:.3f} | {v['control']:.3f} | {v['difference']:+.3f} [{v['ci'][0]:+.3f}, {v['ci'][1]:+.3f}] | "
-                 f"{'yes' if v['valid'] else 'no'} |")
-    L.append("")
-    L.append("| length | depth | with needle | control (no needle) |\n|---:|---:|---|---|")
-    for c in withn:
-        cc = next(x for x in ctrl if x["length"] == c["length"] and x["depth"] == c["depth"])
-        L.append(f"| {c['length']} | {c['depth']:.0%} | {_ci(c)} | {_ci(cc)} |")
-    L.append("\n## Summary\n")
-    L.append("| method | bytes (% of full, at " + str(record["window_length"]) + ") | recall | next-token top-1 | LAMBADA-style | s |")
-    L.append("|---|---:|---|---|---|---:|")
+             "`subspace_ref/models/train_default_model.py`; trained on code alone it scored no better than the control at any length.)", "")
+    page.table(["length", "with needle", "control", "difference [95% CI]", "valid"],
+               [[Lx, f"{v['needle']:.3f}", f"{v['control']:.3f}", f"{v['difference']:+.3f} [{v['ci'][0]:+.3f}, {v['ci'][1]:+.3f}]",
+                 "yes" if v["valid"] else "no"] for Lx, v in validity.items()], "rllll")
+    ctrl = {(c["length"], c["depth"]): c for c in full["needle"] if not c["needle"]}
+    page.table(["length", "depth", "with needle", "control (no needle)"],
+               [[c["length"], f"{c['depth']:.0%}", _ci(c), _ci(ctrl[c["length"], c["depth"]])] for c in full["needle"] if c["needle"]], "rrll")
+    page.add("## Summary", "",
+             f"Recall pools the needle instances of the valid lengths only ({', '.join(map(str, valid)) or 'none'} bytes: "
+             f"{len(valid) * len(record['depths']) * meta['needles_per_cell']} instances per method); its interval resamples instances, "
+             "next-token and LAMBADA intervals resample whole windows.", "")
+    body = []
     for r in rows:
         b = r["bytes"].get(str(record["window_length"]))
         bb = f"{100 * b['fraction_of_full']:.1f}% ({b['name']})" if b else ("100%" if r["family"] == "full" else "rank " + r["key"].split()[-1])
-        rec = dict(accuracy=r["needle_accuracy"], ci=r["needle_ci"])
-        L.append(f"| {r['key']} | {bb} | {_ci(rec)} | {_ci(r['next_token'])} | {_ci(r['lambada'])} | {r['seconds']:.0f} |")
+        body.append([r["key"], bb, _ci(recall_at(r, valid)), _ci(r["next_token"]), _ci(r["lambada"]), f"{r['seconds']:.0f}"])
+    page.table(["method", f"bytes (% of full, at {record['window_length']})", "recall (valid lengths)", "next-token top-1", "LAMBADA-style", "s"],
+               body, "lrlllr")
     labels = list(full["next_token"]["by_position"])
-    L.append("\n## Next-token top-1 accuracy by position\n")
-    L.append("| method | " + " | ".join(labels) + " |\n|---|" + "---|" * len(labels))
-    for r in rows:
-        L.append(f"| {r['key']} | " + " | ".join(_ci(r["next_token"]["by_position"][k]) for k in labels) + " |")
-    L.append("\n## LAMBADA-style accuracy by position\n")
-    L.append("| method | " + " | ".join(f"{k} (n={full['lambada']['by_position'][k]['n']})" for k in labels if k in full["lambada"]["by_position"]) + " |")
-    L.append("|---|" + "---|" * sum(k in full["lambada"]["by_position"] for k in labels))
-    for r in rows:
-        L.append(f"| {r['key']} | " + " | ".join(_ci(r["lambada"]["by_position"][k]) for k in labels if k in r["lambada"]["by_position"]) + " |")
-    L.append("\n![Recall heat maps](figures/tasks_needle_heatmaps.png)\n")
-    L.append("![Accuracy by position](figures/tasks_by_position.png)\n")
-    L.append("Outputs: `tasks.json`, `tasks_instances.json` in the output folder.\n")
-    return "\n".join(L) + "\n"
+    page.add("## Next-token top-1 accuracy by position", "")
+    page.table(["method"] + labels, [[r["key"]] + [_ci(r["next_token"]["by_position"][k]) for k in labels] for r in rows])
+    lam = [k for k in labels if k in full["lambada"]["by_position"]]
+    page.add("## LAMBADA-style accuracy by position", "")
+    page.table(["method"] + [f"{k} (n={full['lambada']['by_position'][k]['n']})" for k in lam],
+               [[r["key"]] + [_ci(r["lambada"]["by_position"][k]) if k in r["lambada"]["by_position"] else "–" for k in lam] for r in rows])
+    page.figure("tasks_needle_heatmaps.png", "Recall by method (rows), context length and needle depth (columns).")
+    page.figure("tasks_by_position.png", "Next-token and LAMBADA-style accuracy by position.")
+    page.scope_and_limits(model_scope(meta["model"]) + [
+        f"Sample sizes: {meta['needles_per_cell']} needle instances per (length, depth) cell, so a recall difference of a cell is "
+        "resolved only to about ±0.3; the summary pools the cells of the valid lengths. "
+        f"{meta['windows']} windows for next-token and LAMBADA; {meta['lambada_targets']} LAMBADA-style targets in all.",
+        "Recall is valid only where the full cache beats its no-needle control (table above); elsewhere the model does not "
+        "retrieve, and no cache can be judged on retrieval there.",
+        "Byte budgets are fractions of each instance's own full fp16 cache; this project's own states are shown by rank, "
+        "without a budget (`docs/experiments.md` has their bytes).",
+    ])
+    page.add("Outputs: `tasks.json`, `tasks_instances.json` in the output folder.")
+    return page.write()
+
+
+def page_only(args: argparse.Namespace) -> int:
+    """Rewrite the page and its figures from ``OUT/tasks.json`` without rerunning the tasks."""
+    record = C.read_json(Path(args.out) / "tasks.json")
+    if record is None:
+        print(f"tasks --page-only: no {Path(args.out) / 'tasks.json'}; run `subspace-kv tasks` first", file=sys.stderr)
+        return 2
+    figures(record, Path(args.out) / "figures")
+    path = write_page(record, record["meta"].get("command", "subspace-kv tasks"), Path(args.docs), Path(args.out) / "figures")
+    print(f"tasks: page {path} from {Path(args.out) / 'tasks.json'}")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.page_only:
+        return page_only(args)
     lengths, depths, budgets = LENGTHS, DEPTHS, BUDGETS
     if args.quick:
         args.profile = "tiny"
@@ -362,24 +394,17 @@ def run(args: argparse.Namespace) -> int:
     record, inst = run_suite(ctx, args.needles, args.windows, args.seed, args.batch, lengths, depths, budgets)
     record["meta"]["runtime_s"] = round(time.perf_counter() - ctx.started, 2)
     record["meta"]["settings"]["threads"] = f"{args.threads} threads"
+    record["meta"]["command"] = "subspace-kv tasks" + (" --quick" if args.quick else "") + ("" if args.model == "default" else f" --model {args.model}")
     C.write_json(ctx.out / "tasks.json", record)
     C.write_json(ctx.out / "tasks_instances.json", inst)
-    figs = figures(record, ctx.figures)
-    command = "subspace-kv tasks" + (" --quick" if args.quick else "") + ("" if args.model == "default" else f" --model {args.model}")
+    figures(record, ctx.figures)
     if not args.no_docs:
-        docs = Path(args.docs)
-        (docs / "figures").mkdir(parents=True, exist_ok=True)
-        for p in figs:
-            shutil.copyfile(p, docs / "figures" / p.name)
-        (docs / "tasks.md").write_text(markdown(record, command))
+        write_page(record, record["meta"]["command"], Path(args.docs), ctx.figures)
     print(f"tasks: {len(record['rows'])} methods, {record['meta']['runtime_s']:.0f} s -> {ctx.out / 'tasks.json'}")
+    valid = [L for L, v in recall_validity(record["rows"][0], record["lengths"]).items() if v["valid"]]
+    print(f"  recall pooled over the valid lengths {valid or 'none'} (the needle measurably helps the full cache)")
     for r in record["rows"]:
-        print(f"  {r['key']:<28} recall {r['needle_accuracy']:.3f}  next-token {r['next_token']['accuracy']:.3f}  "
+        print(f"  {r['key']:<28} recall {recall_at(r, valid)['accuracy']:.3f}  next-token {r['next_token']['accuracy']:.3f}  "
               f"lambada {r['lambada']['accuracy']:.3f}  {r['seconds']:.0f}s")
     return 0
 
-
-if __name__ == "__main__":  # pragma: no cover
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    sys.exit(run(p.parse_args()))

@@ -3,8 +3,8 @@
 Every row of every group in :mod:`subspace_ref.experiments.variant_rows` is scored on the same
 held-out windows as the plain static, adaptive and rotating states at the same rank
 (:func:`~subspace_ref.experiments.variant_rows.plain_rank`) and as the stock model. A row
-records perplexity, its change from the stock model and from its plain method (95% block
-bootstrap of the paired per-token NLL differences), KV bytes per token as the states hold them,
+records perplexity, its change from the stock model and from its plain method (95% interval
+resampling whole held-out windows, paired: :mod:`~subspace_ref.experiments.statistics`), KV bytes per token as the states hold them,
 chunks per head, and a verdict:
 
 * **pays off**: it costs at most 2% more bytes than its plain method and is significantly
@@ -23,13 +23,14 @@ import argparse
 import importlib
 import importlib.util
 import math
-import sys
 
 import numpy as np
 
 from subspace_ref.experiments import _common as C
 from subspace_ref.experiments.calibrate import ensure_calibration
-from subspace_ref.experiments.ppl import BOOTSTRAP_BLOCK, score
+from subspace_ref.experiments import statistics as S
+from subspace_ref.experiments.page import num, pct_ci, text_table
+from subspace_ref.experiments.ppl import score
 from subspace_ref.experiments.variant_rows import GROUPS, Variant, plain_rank, plain_rows
 
 #: a variant "saves" bytes below this share of its plain method's, and "matches" them below the other
@@ -75,10 +76,10 @@ def summarize(name: str, group: str, plain: str, res: dict, base: dict, ref: dic
                bytes_per_token=res["bytes_per_token"], full_bytes_per_token=res["full_bytes_per_token"],
                chunks_mean=res["chunks_mean"], chunks_max=res["chunks_max"], seconds=res["seconds"], note=note, extra=extra or {})
     if ref is not None:
-        diff = nll - ref["nll"].astype(np.float64)
-        lo, hi = C.block_bootstrap(diff, BOOTSTRAP_BLOCK)
-        out["vs_plain_pct"] = C.percent(math.exp(diff.mean()) - 1.0)
-        out["vs_plain_pct_ci"] = [C.percent(math.exp(lo) - 1.0), C.percent(math.exp(hi) - 1.0)]
+        ref_nll = ref["nll"].astype(np.float64)
+        lo, hi = S.relative_perplexity_interval(list(nll), list(ref_nll))  # whole windows resampled, paired
+        out["vs_plain_pct"] = C.percent(math.exp(nll.mean() - ref_nll.mean()) - 1.0)
+        out["vs_plain_pct_ci"] = [C.percent(lo), C.percent(hi)]
         ratio = None
         if res["bytes_per_token"] and ref["bytes_per_token"]:
             ratio = res["bytes_per_token"] / ref["bytes_per_token"]
@@ -104,23 +105,17 @@ def variants_run(ctx: C.Context, groups=GROUPS) -> dict:
         out_rows.append(summarize(row.name, row.group, row.plain, res, base, plain_res[row.plain], row.note, row.extra))
     out = dict(meta=C.meta(ctx, "variants"), rank=rank, d=ctx.d, windows=int(ids.shape[0]), context=int(ids.shape[1]),
                stock_ppl=math.exp(float(base["nll"].mean())), groups_missing=missing,
-               rule=dict(saving=SAVING, matched=MATCHED, bootstrap_block=BOOTSTRAP_BLOCK, level=0.95), rows=out_rows)
+               rule=dict(saving=SAVING, matched=MATCHED, bootstrap_unit="window", level=S.LEVEL), rows=out_rows)
     C.write_json(ctx.out / "variants.json", out)
     C.write_csv(ctx.out / "variants.csv", [{k: v for k, v in r.items() if k != "extra"} for r in out_rows])
     return out
 
 
 def table(out: dict) -> str:
-    head = f"{'variant':44s} {'group':8s} {'ppl':>8s} {'vs plain %':>22s} {'B/token':>9s} {'bytes/plain':>11s} {'chunks':>7s}  verdict"
-    lines = [head, "-" * len(head)]
-    for r in out["rows"]:
-        ci = r.get("vs_plain_pct_ci")
-        vs = f"{r['vs_plain_pct']:+.2f} [{ci[0]:+.2f},{ci[1]:+.2f}]" if ci else "–"
-        bpt = f"{r['bytes_per_token']:.0f}" if r["bytes_per_token"] else "–"
-        ratio = f"{r['bytes_vs_plain']:.3f}" if r.get("bytes_vs_plain") else "–"
-        ch = f"{r['chunks_mean']:.1f}" if r["chunks_mean"] is not None else "–"
-        lines.append(f"{r['name'][:44]:44s} {r['group']:8s} {r['ppl']:8.3f} {vs:>22s} {bpt:>9s} {ratio:>11s} {ch:>7s}  {r.get('verdict', '')}")
-    return "\n".join(lines)
+    body = [[r["name"], r["group"], f"{r['ppl']:.3f}", pct_ci(r["vs_plain_pct"], r["vs_plain_pct_ci"]) if r.get("vs_plain_pct_ci") else "–",
+             num(r["bytes_per_token"], ".0f"), num(r.get("bytes_vs_plain"), ".3f"), num(r["chunks_mean"], ".1f"), r.get("verdict", "")]
+            for r in out["rows"]]
+    return text_table(["variant", "group", "ppl", "vs plain [95% interval]", "B/token", "bytes/plain", "chunks", "verdict"], body, "llrrrrrl")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -139,8 +134,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"groups without rows: {', '.join(out['groups_missing'])}")
     return 0
 
-
-if __name__ == "__main__":  # pragma: no cover
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    sys.exit(run(p.parse_args()))

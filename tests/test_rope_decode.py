@@ -1,0 +1,87 @@
+"""Pre-RoPE static states (spec/rope.md P2-P3) on the accelerated backends, against the float64
+oracle with the differential harness's derived tolerance (tests/differential/tolerance.py):
+torch on the CPU, Triton's fused kernel under TRITON_INTERPRET=1 (skipped with its reason when
+it cannot run here). Composed with GQA, int8 coefficients (spec A10), float16 bases
+(spec/storage.md S1) and the exact window (spec/window.md W3)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import subspace_ref as sr
+from subspace_ref import StaticBasis, SubspaceState
+from subspace_ref.arrays import to_numpy
+from subspace_ref.rope import RopeParams, rotate
+
+from conftest import random_orthonormal
+from differential.tolerance import reference_error, tolerance
+
+torch = pytest.importorskip("torch")
+
+# (name, layout, rotary_dim, scaling, H, group, d, r, T, coefficients, bases, window)
+CASES = [
+    ("half", "half", None, 1.0, 2, 1, 16, 6, 40, "float", "native", 0),
+    ("interleaved-partial-gqa", "interleaved", 8, 1.2, 2, 3, 12, 5, 37, "float", "native", 0),
+    ("int8-gqa", "half", None, 1.0, 2, 2, 16, 6, 50, "int8", "native", 0),
+    ("f16bases-window", "half", None, 1.0, 2, 2, 16, 6, 45, "float", "float16", 7),
+    ("tiles", "half", None, 1.0, 1, 2, 16, 4, 2600, "int8", "native", 0),  # > VALUE_TILE: several tiles, base angles > 0
+]
+
+
+def rope_params(d, layout, rotary_dim, scaling):
+    rot = d if rotary_dim is None else rotary_dim
+    return RopeParams(1.0 / 50.0 ** (np.arange(0, rot, 2) / rot), layout, scaling)
+
+
+def build(case, rng):
+    name, layout, rot, scaling, H, g, d, r, T, coefficients, bases, window = case
+    rope = rope_params(d, layout, rot, scaling)
+    basis = StaticBasis.from_bases(random_orthonormal(rng, H, r=r, d=d), random_orthonormal(rng, H, r=r, d=d), gamma=1.3)
+    state = SubspaceState.static(basis, rope=rope, coefficients=coefficients, bases=bases, window=window)
+    # post-RoPE keys of pre-RoPE keys near the basis span, as a model gives them
+    pre = np.einsum("htr,hrd->htd", rng.standard_normal((H, T, r)) * 3, basis.B) + 0.05 * rng.standard_normal((H, T, d))
+    keys = rotate(pre, np.arange(T), rope)
+    values = rng.standard_normal((H, T, d))
+    q = rng.standard_normal((H * g, d)) * 2
+    return state, keys, values, q
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_torch_pre_rope_attend_matches_oracle(case, dtype, rng):
+    state, keys, values, q = build(case, rng)
+    state.append(keys, values)
+    want = sr.attend(q, state)
+    ref = reference_error(state.copy(), q[None], None, want[None], dtype)
+    tst = state.to("torch", dtype=dtype)
+    got = to_numpy(sr.attend(torch.as_tensor(q, dtype=getattr(torch, dtype)), tst, backend="torch")).astype(np.float64)
+    err = np.abs(got - want).max()
+    assert err <= tolerance(ref, want, dtype), (err, ref)
+
+
+@pytest.mark.parametrize("case", CASES[:4], ids=[c[0] for c in CASES[:4]])
+def test_torch_pre_rope_append_matches_oracle(case, rng):
+    """P2 on torch: appends in two blocks (positions continue across appends) store the
+    oracle's coefficients (float64: to rounding; int8: the same codes)."""
+    state, keys, values, _ = build(case, rng)
+    tst = state.to("torch")
+    half = keys.shape[1] // 2
+    for sl in (slice(0, half), slice(half, None)):
+        state.append(keys[:, sl], values[:, sl])
+        tst.append(torch.as_tensor(keys[:, sl]), torch.as_tensor(values[:, sl]))
+    want, got = state.layout.live_arrays(), tst.layout.live_arrays()
+    for name in want:
+        np.testing.assert_allclose(to_numpy(got[name]), want[name], rtol=0, atol=1e-12, err_msg=name)
+
+
+def test_pre_rope_decode_is_not_a_plain_static_decode(rng):
+    """The rotation matters: the same coefficients attended without it (a plain static state)
+    give a different result, and so would a backend that dropped R_t."""
+    state, keys, values, q = build(CASES[0], rng)
+    state.append(keys, values)
+    plain = SubspaceState.static(StaticBasis.from_bases(state.layout.key_bases[0, :, 0], state.layout.value_bases[0, :, 0], gamma=1.3))
+    plain.layout = state.layout
+    tst = state.to("torch")
+    got = to_numpy(sr.attend(torch.as_tensor(q), tst, backend="torch"))
+    assert np.abs(got - sr.attend(q, plain)).max() > 1e-3

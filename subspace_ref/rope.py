@@ -204,7 +204,7 @@ def calibrate_rope_planes(
 
 
 #: Backends that implement spec/rope.md P2 (append) and P3 (attend).
-IMPLEMENTED_BY = ("numpy", "torch")
+IMPLEMENTED_BY = ("numpy", "torch", "triton")
 
 
 def refusal(state, backend: str) -> list[str]:

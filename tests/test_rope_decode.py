@@ -85,3 +85,46 @@ def test_pre_rope_decode_is_not_a_plain_static_decode(rng):
     tst = state.to("torch")
     got = to_numpy(sr.attend(torch.as_tensor(q), tst, backend="torch"))
     assert np.abs(got - sr.attend(q, plain)).max() > 1e-3
+
+
+def _triton_or_skip():
+    info = {b.name: b for b in sr.backends()}.get("triton")
+    if info is None or not info.available:
+        pytest.skip(f"triton backend unavailable: {None if info is None else info.reason}")
+
+
+TRITON_CASES = [c for c in CASES if c[0] != "tiles"] + [("splits", "half", None, 1.0, 1, 2, 16, 4, 300, "int8", "native", 0)]
+
+
+@pytest.mark.parametrize("case", [c for c in TRITON_CASES if not c[-1]], ids=[c[0] for c in TRITON_CASES if not c[-1]])
+def test_triton_pre_rope_kernel_matches_oracle(case, rng):
+    """The fused kernel (rebuild, RoPE by angle addition, logits, online softmax, values in
+    coefficient space) in float32 against the float64 oracle, tolerance derived as the harness
+    does; several splits merged (split_len of 2 tiles)."""
+    _triton_or_skip()
+    from subspace_ref.basis_storage import decoded_state
+    from subspace_ref_triton import rope_decode
+
+    state, keys, values, q = build(case, rng)
+    state.append(keys, values)
+    want = sr.attend(q, state)
+    ref = reference_error(state.copy(), q[None], None, want[None], "float32")
+    tst = state.to("triton", dtype="float32")
+    qt = torch.as_tensor(q, dtype=torch.float32)
+    got = to_numpy(sr.attend(qt, tst, backend="triton")).astype(np.float64)
+    assert np.abs(got - want).max() <= tolerance(ref, want, "float32")
+    split = to_numpy(rope_decode.decode_attention(qt[None], decoded_state(tst).layout, tst.policy.rope, split_len=2 * rope_decode.BLOCK_T))[0]
+    assert np.abs(split - want).max() <= tolerance(ref, want, "float32")
+
+
+def test_triton_pre_rope_append_then_attend(rng):
+    """P2 through the triton backend's append (keys un-rotated before projection) then P3."""
+    _triton_or_skip()
+    state, keys, values, q = build(CASES[2], rng)
+    tst = state.to("triton", dtype="float32")
+    state.append(keys, values)
+    tst.append(torch.as_tensor(keys, dtype=torch.float32), torch.as_tensor(values, dtype=torch.float32))
+    want = sr.attend(q, state)
+    ref = reference_error(state.copy(), q[None], None, want[None], "float32")
+    got = to_numpy(sr.attend(torch.as_tensor(q, dtype=torch.float32), tst, backend="triton")).astype(np.float64)
+    assert np.abs(got - want).max() <= tolerance(ref, want, "float32") + 1e-6 * np.abs(want).max()

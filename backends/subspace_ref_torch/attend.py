@@ -297,7 +297,7 @@ def chunk_value_coefficients(weights: torch.Tensor, state, num_chunks: int, chun
         if scales_after(state, dtype):
             weights = weights * lay.value_scale[:, :, None, :T]
         w = weights.reshape(N * H, g, T)
-        acc = None
+        acc = torch.zeros((N * H, g, r_v), dtype=dtype, device=weights.device) if T == 0 else None  # every token in the exact window
         for a, b, rows in raw_tiles(state, "value", T, dtype):
             rows = rows.reshape(N * H, b - a, r_v)
             acc = torch.bmm(w[..., a:b], rows) if acc is None else acc.baddbmm_(w[..., a:b], rows)

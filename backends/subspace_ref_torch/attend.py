@@ -52,6 +52,10 @@ TILE_ELEMENTS = 1 << 22
 # keep the error below the oracle's (per-query BLAS gemv) while 64 tiles of 1024 cost ~30%.
 VALUE_TILE = 1024
 MAX_VALUE_TILES = 16
+# Rebuilt keys of a tile, N H tile d numbers, are as many per token as an exact cache holds and
+# pass through the rotation several times: tiles of this many numbers (512 KiB in float32, a
+# CPU core's L2) keep those passes out of DRAM.
+ROPE_TILE_ELEMENTS = 1 << 17
 
 
 def work_dtype(q: torch.Tensor, state) -> torch.dtype:
@@ -129,7 +133,7 @@ def scales_after(state, dtype: torch.dtype) -> bool:
     return state.layout.quantized and dtype != torch.float64
 
 
-def raw_tiles(state, which: str, T: int, dtype: torch.dtype):
+def raw_tiles(state, which: str, T: int, dtype: torch.dtype, starts: range | None = None):
     """(a, b, rows) over the token tiles of :func:`token_tiles`: rows (N, H, b - a, r) of the
     stored coefficients in ``dtype``, WITHOUT int8 scales (spec A10: c_t = s_t q_t; callers
     apply s_t to the logits or the weights, one multiply per token instead of r). Float
@@ -137,7 +141,7 @@ def raw_tiles(state, which: str, T: int, dtype: torch.dtype):
     buffer (exact: |q| <= 127), so no full-size float copy is ever made. In float64 int8 rows
     come dequantised (:func:`scales_after`)."""
     coef = getattr(state.layout, f"{which}_coef")
-    starts = token_tiles(T)
+    starts = token_tiles(T) if starts is None else starts
     buffer = None
     for a in starts:
         b = min(T, a + starts.step)
@@ -253,22 +257,21 @@ def rope_logits(q: torch.Tensor, state, scale: float | None, dtype: torch.dtype)
     T = lay.num_tokens
     m = rope.inv_freq.size
     order = _rope_order(rope, d, q.device)
-    qg = q.reshape(N, H, Hq // H, d).to(dtype)[..., order] * logit_scale(state, d, scale, dtype)[None, :, None, None]
-    B = lay.basis("key", (slice(None), slice(None), 0), dtype)[..., order]  # (N, H, r, d)
-    logits = torch.empty((N, H, Hq // H, T), dtype=dtype, device=q.device)
-    keys = None
-    for a, b, rows in raw_tiles(state, "key", T, dtype):
-        u = torch.matmul(rows, B)  # (N, H, b - a, d), planes' first dims, second dims, fixed dims
+    g = Hq // H
+    # 3-D batched products over N * H (torch.matmul on 4-D operands takes a slower CPU path)
+    qg = (q.reshape(N, H, g, d).to(dtype)[..., order] * logit_scale(state, d, scale, dtype)[None, :, None, None]).reshape(N * H, g, d)
+    B = lay.basis("key", (slice(None), slice(None), 0), dtype)[..., order].reshape(N * H, -1, d)  # (N H, r, d)
+    logits = torch.empty((N * H, g, T), dtype=dtype, device=q.device)
+    tile = max(16, ROPE_TILE_ELEMENTS // (N * H * d))
+    for a, b, rows in raw_tiles(state, "key", T, dtype, range(0, T, tile)):
+        keys = torch.bmm(rows.reshape(N * H, b - a, -1), B)  # (N H, b - a, d): planes' first dims, second dims, fixed dims
         cos, sin = rope_tables(rope, a, b - a, dtype, q.device)
-        if keys is None or keys.shape[2] != b - a:
-            keys = torch.empty_like(u)
-        ua, ub = u[..., :m], u[..., m : 2 * m]
-        torch.mul(ua, cos, out=keys[..., :m])
-        keys[..., :m].addcmul_(ub, sin, value=-1)
-        torch.mul(ua, sin, out=keys[..., m : 2 * m])
-        keys[..., m : 2 * m].addcmul_(ub, cos)
-        keys[..., 2 * m :] = u[..., 2 * m :]
-        logits[..., a:b] = torch.matmul(qg, keys.mT)
+        ua, ub = keys[..., :m], keys[..., m : 2 * m]
+        rotated_a = ua * cos - ub * sin
+        ub.mul_(cos).addcmul_(ua, sin)  # in place: ua is no longer needed after rotated_a
+        ua.copy_(rotated_a)
+        logits[..., a:b] = torch.bmm(qg, keys.mT)
+    logits = logits.view(N, H, g, T)
     if scales_after(state, dtype):
         logits.mul_(lay.key_scale[:, :, None, :T])
     return logits

@@ -24,6 +24,7 @@ import numpy as np
 
 from subspace_ref import _checks
 from subspace_ref.arrays import array_family, to_numpy
+from subspace_ref.layout import STATE_ARRAYS, live_arrays
 
 FORMAT_NAME = "subspace_ref.state"
 FORMAT_VERSION = 1
@@ -34,14 +35,17 @@ FORMAT_VERSION = 1
 EXTENDED_VERSION = 2
 READ_VERSIONS = (FORMAT_VERSION, EXTENDED_VERSION)
 
-#: Tensor names in checksum order. The scales are present for int8 coefficients only (spec A10),
-#: the sketch tensors for online states only.
+#: Tensor names by group. The scales are present for int8 coefficients only (spec A10), the
+#: sketch tensors for online states only.
 LAYOUT_TENSORS = ("key_coef", "value_coef", "key_bases", "value_bases", "chunk_starts", "num_chunks", "gamma")
 SCALE_TENSORS = ("key_scale", "value_scale")
 SKETCH_TENSORS = ("sketch_keys", "sketch_values")
 BASIS_SCALE_TENSORS = ("key_basis_scale", "value_basis_scale")  # int8 bases only (version 2)
 WINDOW_TENSORS = ("window_keys", "window_values")  # exact window only (version 2)
-TENSOR_ORDER = LAYOUT_TENSORS + SCALE_TENSORS + SKETCH_TENSORS + BASIS_SCALE_TENSORS + WINDOW_TENSORS
+#: Arrays of the state enumeration (subspace_ref.layout.STATE_ARRAYS) that no file holds, and why.
+UNSAVED = {"ring_keys": "ring_warm_start > 0 (spec/sketch_variants.md S1.6)", "ring_values": "ring_warm_start > 0 (spec/sketch_variants.md S1.6)"}
+#: Tensor names in file and checksum order: the state enumeration's order.
+TENSOR_ORDER = tuple(a.name for a in STATE_ARRAYS if a.name not in UNSAVED)
 
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 _COEFFICIENTS = {"float": None, "int8": "int8"}  # coefficient storage -> coefficient dtype (None: the state's)
@@ -187,21 +191,16 @@ def _expected_dtypes(dtype_name: str, coefficients: str, stored: bool, bases: st
 
 def _tensors_of(state) -> tuple[dict[str, np.ndarray], str]:
     lay = state.layout
+    cut = live_arrays(state)
     if state.sketches is not None and state.sketches.ring_keys is not None:  # spec/sketch_variants.md S1.6
         raise TypeError(f"cannot save a state with ring_warm_start={state.policy.ring_warm_start}: spec/persistence.md (format version {EXTENDED_VERSION}) does not describe ring buffers")
-    unknown = sorted(set(lay.arrays()) - set(LAYOUT_TENSORS + SCALE_TENSORS + BASIS_SCALE_TENSORS))
-    if unknown:  # a layout field this schema does not describe: refuse rather than drop it
-        raise TypeError(f"cannot save layout arrays {unknown}: spec/persistence.md (format version {EXTENDED_VERSION}) does not describe them")
+    unknown = sorted(set(cut) - set(TENSOR_ORDER))
+    if unknown:  # an array this schema does not describe: refuse rather than drop it
+        raise TypeError(f"cannot save arrays {unknown}: spec/persistence.md (format version {EXTENDED_VERSION}) does not describe them")
     dtype_name = _dtype_name(lay.gamma)
     if dtype_name not in _FLOAT_DTYPES:
         raise TypeError(f"cannot save a state of dtype {dtype_name}; expected one of {', '.join(_FLOAT_DTYPES)}")
     want = _expected_dtypes(dtype_name, _coefficients(state), stored=False, bases=_bases(state))
-    cut = lay.live_arrays()
-    if state.sketches is not None:
-        cut["sketch_keys"] = state.sketches.keys
-        cut["sketch_values"] = state.sketches.values
-    if getattr(state, "window", None) is not None:
-        cut.update(state.window.arrays())
     tensors = {}
     for name in TENSOR_ORDER:
         if name not in cut:
@@ -250,9 +249,8 @@ def checksum(tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> str:
     spec/persistence.md §3 describes: the same bytes give the same digest on every machine."""
     h = hashlib.sha256()
     h.update(_canonical_json({k: v for k, v in metadata.items() if k != "checksum"}).encode())
-    for name in TENSOR_ORDER:
-        if name not in tensors:
-            continue
+    # every tensor, in file order; names outside it (refused on load anyway) after, sorted
+    for name in [n for n in TENSOR_ORDER if n in tensors] + sorted(set(tensors) - set(TENSOR_ORDER)):
         x = np.ascontiguousarray(tensors[name])
         x = x.astype(x.dtype.newbyteorder("<"), copy=False)
         h.update(b"\0" + name.encode() + b"\0" + x.dtype.str.encode() + b"\0" + _canonical_json(list(x.shape)).encode() + b"\0")

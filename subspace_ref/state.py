@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from subspace_ref import _checks
 from subspace_ref import window as _window
-from subspace_ref.arrays import array_family, clone, itemsize, numel, to_numpy
+from subspace_ref.arrays import array_family, clone, itemsize, to_numpy
 from subspace_ref.basis_storage import check_format, stored_dtype
 from subspace_ref.calibration import StaticBasis, resolve_gamma
-from subspace_ref.layout import PackedLayout
+from subspace_ref.layout import PackedLayout, allocated_nbytes, counted_nbytes, mapped_parts
 from subspace_ref.policies import AdaptivePolicy, RotatingPolicy, StaticPolicy
 from subspace_ref.policies._online import per_head_ranks, sketch_size, warmup_length
 from subspace_ref.policies.adaptive import sketch_options
@@ -302,47 +302,21 @@ class SubspaceState:
     @property
     def nbytes(self) -> int:
         """Bytes the cache really holds: coefficients of the tokens, bases of the chunks in use,
-        gamma, and for online states the FD sketches and chunk offsets. Spare capacity is not
-        counted (see :attr:`allocated_nbytes`)."""
-        lay = self.layout
-        n, h = lay.key_coef.shape[:2]
-        per_token = (lay.key_coef.shape[3] + lay.value_coef.shape[3]) * itemsize(lay.key_coef)
-        if lay.quantized:
-            per_token += itemsize(lay.key_scale) + itemsize(lay.value_scale)
-        total = n * h * lay.num_tokens * per_token + self.basis_nbytes
-        chunks = int(to_numpy(lay.num_chunks).sum())
-        if self.sketches is not None:
-            total += (numel(self.sketches.keys) + numel(self.sketches.values)) * itemsize(self.sketches.keys)
-            if self.sketches.ring_keys is not None:  # spec/sketch_variants.md S1.5
-                total += (numel(self.sketches.ring_keys) + numel(self.sketches.ring_values)) * itemsize(self.sketches.ring_keys)
-        if self.kind == "adaptive":
-            total += chunks * 8
-        if self.window is not None:
-            total += self.window.nbytes  # spec/window.md W5
-        return total
+        gamma, and for online states the FD sketches (and ring buffers) and, adaptive, the chunk
+        offsets; the exact window. Spare capacity is not counted (see :attr:`allocated_nbytes`).
+        Every array of :data:`subspace_ref.layout.STATE_ARRAYS` with its counting rule."""
+        return counted_nbytes(self)
 
     @property
     def allocated_nbytes(self) -> int:
-        """Bytes of every array the state holds, spare capacity included."""
-        arrays = list(self.layout.arrays().values())
-        if self.sketches is not None:
-            arrays += [self.sketches.keys, self.sketches.values]
-        if self.window is not None:
-            arrays += list(self.window.arrays().values())
-        return sum(numel(x) * itemsize(x) for x in arrays)
+        """Bytes of every array the state holds, spare capacity included (>= :attr:`nbytes`)."""
+        return allocated_nbytes(self)
 
     @property
     def basis_nbytes(self) -> int:
         """Bytes of the bases of the chunks in use, in their stored format (plus one float32
         scale per basis row for int8 bases), plus gamma (spec/storage.md S4)."""
-        lay = self.layout
-        chunks = int(to_numpy(lay.num_chunks).sum())
-        per_chunk = lay.key_bases.shape[3] * lay.key_bases.shape[4] + lay.value_bases.shape[3] * lay.value_bases.shape[4]
-        if lay.key_basis_scale is not None:
-            per_chunk_scales = (lay.key_bases.shape[3] + lay.value_bases.shape[3]) * itemsize(lay.key_basis_scale)
-        else:
-            per_chunk_scales = 0
-        return chunks * (per_chunk * itemsize(lay.key_bases) + per_chunk_scales) + self.heads * itemsize(lay.gamma)
+        return counted_nbytes(self, ("key_bases", "value_bases", "key_basis_scale", "value_basis_scale", "gamma"))
 
     @property
     def full_cache_nbytes(self) -> int:
@@ -414,14 +388,8 @@ class SubspaceState:
 
     def copy(self) -> "SubspaceState":
         """An independent copy (arrays copied, spare capacity dropped)."""
-        layout = replace(self.layout, **{name: clone(x) for name, x in self.layout.live_arrays().items()})
-        sketches = None
-        if self.sketches is not None:
-            sketches = replace(self.sketches, keys=clone(self.sketches.keys), values=clone(self.sketches.values))
-            if sketches.ring_keys is not None:
-                sketches = replace(sketches, ring_keys=clone(sketches.ring_keys), ring_values=clone(sketches.ring_values))
-        exact = None if self.window is None else self.window.map_arrays(clone)
-        return SubspaceState(self.policy, layout, sketches, self.batched, self.engine, exact)
+        parts = mapped_parts(self, lambda a, x: clone(self.layout.live(a.axis, x)))
+        return SubspaceState(self.policy, parts["layout"], parts["sketches"], self.batched, self.engine, parts["window"])
 
     def to(self, backend: str, device: Any = None, dtype: Any = None) -> "SubspaceState":
         """A copy whose arrays belong to ``backend``'s array family (e.g. "torch" for the torch and
@@ -437,22 +405,12 @@ class SubspaceState:
             raise TypeError(f"dtype must be one of float16, bfloat16, float32, float64; got {dtype!r}")
         convert = target.converter(device=device, dtype=dtype)
         keep_dtype = target.converter(device=device)
-        state = self.copy()
-        # int8 coefficients and their float32 scales keep their dtypes (spec A10), and so do
-        # bases stored in a format of their own (spec/storage.md S1)
-        fixed = ("key_scale", "value_scale", "key_coef", "value_coef") if self.layout.quantized else ()
-        if self.layout.basis_format != "native":
-            fixed += ("key_bases", "value_bases", "key_basis_scale", "value_basis_scale")
-        state.layout = state.layout.map_arrays(lambda name, x: keep_dtype(x) if name in fixed else convert(x))
-        if state.sketches is not None:
-            state.sketches = replace(state.sketches, keys=convert(state.sketches.keys), values=convert(state.sketches.values))
-            if state.sketches.ring_keys is not None:
-                state.sketches = replace(state.sketches, ring_keys=convert(state.sketches.ring_keys), ring_values=convert(state.sketches.ring_values))
-        if state.window is not None:
-            state.window = state.window.map_arrays(convert)
+        # int8 coefficients, their float32 scales and bases stored in a format of their own keep
+        # their dtypes (spec A10, spec/storage.md S1): each array's dtype rule says which
+        copy = self.copy()
+        parts = mapped_parts(copy, lambda a, x: convert(x) if copy.layout.converts(a.dtype) else keep_dtype(x))
         # appends then run on the named backend (e.g. "triton" uses its projection kernel)
-        state.engine = backend
-        return state
+        return SubspaceState(self.policy, parts["layout"], parts["sketches"], self.batched, backend, parts["window"])
 
     # ----------------------------------------------------------------- helpers
     def _tokens(self, name: str, x: Any, dim: int) -> Any:

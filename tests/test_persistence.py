@@ -412,6 +412,30 @@ def test_every_flipped_byte_is_detected(tmp_path, saved):
             SubspaceState.load(bad)
 
 
+def test_a_flipped_byte_in_any_tensor_fails_the_checksum(tmp_path):
+    """Every tensor of a version 2 file (window, int8 bases and coefficients with their scales,
+    sketches) is under the checksum: a flipped byte anywhere in any of them is refused as a
+    checksum mismatch, before any consistency check could happen to catch it."""
+    rng = np.random.default_rng(12)
+    state = make_state("adaptive", rng, tokens=14, coefficients="int8", bases="int8", window=3)
+    path = tmp_path / "v2"
+    state.save(path)
+    data = path.read_bytes()
+    start = 8 + int.from_bytes(data[:8], "little")
+    layout = json.loads(data[8:start])
+    layout.pop("__metadata__")
+    assert set(layout) == set(persistence.TENSOR_ORDER)  # every tensor the format has
+    bad = tmp_path / "flip"
+    for name, entry in layout.items():
+        a, b = entry["data_offsets"]
+        for i in sorted({a, (a + b) // 2, b - 1}):
+            corrupt = bytearray(data)
+            corrupt[start + i] ^= 0x01
+            bad.write_bytes(bytes(corrupt))
+            with pytest.raises(StateFileError, match="checksum mismatch"):
+                SubspaceState.load(bad)
+
+
 @settings(max_examples=60, deadline=None)
 @given(position=st.floats(0, 1, exclude_max=True), mask=st.integers(1, 255))
 def test_random_corruption_is_detected_or_harmless(tmp_path_factory, position, mask):

@@ -198,9 +198,12 @@ def one_chunk_logits(q0: torch.Tensor, state) -> torch.Tensor:
     T = lay.num_tokens
     if lay.key_coef.dtype == q0.dtype:
         return torch.matmul(q0, lay.key_coef[:, :, :T].mT)
-    logits = torch.empty(q0.shape[:3] + (T,), dtype=q0.dtype, device=q0.device)
+    N, H, g, r = q0.shape
+    q3 = q0.reshape(N * H, g, r)
+    logits = torch.empty((N * H, g, T), dtype=q0.dtype, device=q0.device)
     for a, b, rows in raw_tiles(state, "key", T, q0.dtype):
-        logits[..., a:b] = torch.matmul(q0, rows.mT)
+        torch.bmm(q3, rows.reshape(N * H, b - a, r).mT, out=logits[..., a:b])  # written in place, no copy
+    logits = logits.view(N, H, g, T)
     if scales_after(state, q0.dtype):
         logits.mul_(lay.key_scale[:, :, None, :T])
     return logits
@@ -270,7 +273,7 @@ def rope_logits(q: torch.Tensor, state, scale: float | None, dtype: torch.dtype)
         rotated_a = ua * cos - ub * sin
         ub.mul_(cos).addcmul_(ua, sin)  # in place: ua is no longer needed after rotated_a
         ua.copy_(rotated_a)
-        logits[..., a:b] = torch.bmm(qg, keys.mT)
+        torch.bmm(qg, keys.mT, out=logits[..., a:b])
     logits = logits.view(N, H, g, T)
     if scales_after(state, dtype):
         logits.mul_(lay.key_scale[:, :, None, :T])

@@ -132,7 +132,8 @@ def main() -> None:
 
     basis = sr.StaticBasis.from_bases(orthonormal(gen, H, r, d), orthonormal(gen, H, r, d), gamma=1.0)
     header = (
-        f"{'T':>6} {'format':>10} | {'copy GB/s':>9} {'read GB/s':>9} | {'SDPA ms':>8} {'GB/s':>6} | {'attend ms':>9} {'backend ms':>10} {'GB/s':>6} {'%copy':>6} {'%read':>6} | "
+        f"{'T':>6} {'format':>10} | {'copy GB/s':>9} {'read GB/s':>9} | {'SDPA ms':>8} {'GB/s':>6} | "
+        f"{'attend ms':>9} {'backend ms':>10} {'GB/s':>6} {'%copy':>6} {'%read':>6} | "
         f"{'ratio':>6} {'ratio(backend)':>14} | {'append us/tok':>13} {'amortised':>9} {'growth/T':>8}"
     )
     print(header)
@@ -177,7 +178,8 @@ def measure_row(args, fmt: str, basis, K, V, q, backend, src, dst, gen):
 
     with torch.inference_mode():
         t_sdpa, t_att, t_bk, t_copy, t_read = interleaved(
-            [sdpa, lambda: sr.attend(q_state, state, backend="torch"), lambda: backend.attend(q_backend, state, None), lambda: dst.copy_(src), lambda: src.sum()],
+            [sdpa, lambda: sr.attend(q_state, state, backend="torch"), lambda: backend.attend(q_backend, state, None),
+             lambda: dst.copy_(src), lambda: src.sum()],
             args.repeats,
             args.warmup,
         )
@@ -207,8 +209,9 @@ def measure_row(args, fmt: str, basis, K, V, q, backend, src, dst, gen):
 
     bw = bytes_att / t_bk / 1e9
     print(
-        f"{T:>6} {fmt:>10} | {copy_gbs:9.2f} {read_gbs:9.2f} | {t_sdpa * 1e3:8.3f} {bytes_sdpa / t_sdpa / 1e9:6.2f} | {t_att * 1e3:9.3f} {t_bk * 1e3:10.3f} {bw:6.2f} "
-        f"{100 * bw / copy_gbs:5.0f}% {100 * bw / read_gbs:5.0f}% | {t_att / t_sdpa:6.3f} {t_bk / t_sdpa:14.3f} | {t_app * 1e6:13.1f} {amortised * 1e6:9.1f} {growth_share * 1e6:8.2f}"
+        f"{T:>6} {fmt:>10} | {copy_gbs:9.2f} {read_gbs:9.2f} | {t_sdpa * 1e3:8.3f} {bytes_sdpa / t_sdpa / 1e9:6.2f} | "
+        f"{t_att * 1e3:9.3f} {t_bk * 1e3:10.3f} {bw:6.2f} {100 * bw / copy_gbs:5.0f}% {100 * bw / read_gbs:5.0f}% | "
+        f"{t_att / t_sdpa:6.3f} {t_bk / t_sdpa:14.3f} | {t_app * 1e6:13.1f} {amortised * 1e6:9.1f} {growth_share * 1e6:8.2f}"
     )
     return (T, fmt, t_sdpa, t_att, t_bk, bw)
 

@@ -489,7 +489,25 @@ def summary(T: int, shape: Shape, sub: Subspace, machine: Machine) -> str:
 
 
 __all__ = [
-    "Cost", "Machine", "PHASES", "ROPE_FLOPS_PER_DIM", "Shape", "Subspace", "Term", "break_even", "binding_roofs", "exact_cost",
-    "exact_layer_cost", "h100", "measure_cpu", "measure_torch", "predicted_time", "speedup", "state_cost", "subspace_cost",
-    "subspace_for_state", "summary", "svd_flops",
+    "PHASES",
+    "ROPE_FLOPS_PER_DIM",
+    "Cost",
+    "Machine",
+    "Shape",
+    "Subspace",
+    "Term",
+    "binding_roofs",
+    "break_even",
+    "exact_cost",
+    "exact_layer_cost",
+    "h100",
+    "measure_cpu",
+    "measure_torch",
+    "predicted_time",
+    "speedup",
+    "state_cost",
+    "subspace_cost",
+    "subspace_for_state",
+    "summary",
+    "svd_flops",
 ]

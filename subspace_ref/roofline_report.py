@@ -230,9 +230,11 @@ def binding_table(T: int, shape: Shape, r: int, cpu: Machine) -> str:
     and int8 coefficients) on this CPU (measured) and, from the model, on an H100."""
     subs = {f"static r={r} {coef}{' pre-RoPE' if rope else ''}": Subspace.static(r, coef=coef, rope=rope)
             for rope in (False, True) for coef in ("float", "int8")}
-    lines = [f"which roof binds (model, attend phase, T = {T}, d = {shape.d}, {shape.elem_bytes:g}-byte elements; ratio = predicted time / exact's on the same machine):"]
+    lines = [f"which roof binds (model, attend phase, T = {T}, d = {shape.d}, {shape.elem_bytes:g}-byte elements; "
+             "ratio = predicted time / exact's on the same machine):"]
     for row in binding_roofs(T, shape, subs, (cpu, h100(), h100(tensor_cores=True))):
-        lines.append(f"  {row['config']:<28} {row['machine']:<45} {row['intensity']:7.1f} FLOP/B  {row['bound']:<7} bound  {row['ratio_to_exact']:.3f}x exact")
+        lines.append(f"  {row['config']:<28} {row['machine']:<45} {row['intensity']:7.1f} FLOP/B  "
+                     f"{row['bound']:<7} bound  {row['ratio_to_exact']:.3f}x exact")
     return "\n".join(lines)
 
 

@@ -211,7 +211,9 @@ def refusal(state, backend: str) -> list[str]:
     """The reason a backend outside :data:`IMPLEMENTED_BY` refuses a pre-RoPE state (spec/rope.md P2)."""
     if getattr(state.policy, "rope", None) is None or backend in IMPLEMENTED_BY:
         return []
-    return [f"the state un-rotates appended keys (SubspaceState.static(..., rope=...), spec/rope.md P2); the {backend} backend does not implement it: use backend {' or '.join(map(repr, IMPLEMENTED_BY))}"]
+    use = " or ".join(map(repr, IMPLEMENTED_BY))
+    return [f"the state un-rotates appended keys (SubspaceState.static(..., rope=...), spec/rope.md P2); "
+            f"the {backend} backend does not implement it: use backend {use}"]
 
 
 __all__ = ["IMPLEMENTED_BY", "LAYOUTS", "RopeParams", "calibrate_rope_planes", "plane_basis", "plane_energy", "plane_pairs", "refusal", "rotate"]

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import random_orthonormal
+from differential.tolerance import reference_error, tolerance
 
 import subspace_ref as sr
 from subspace_ref import StaticBasis, SubspaceState
 from subspace_ref.arrays import to_numpy
 from subspace_ref.rope import RopeParams, rotate
-
-from conftest import random_orthonormal
-from differential.tolerance import reference_error, tolerance
 
 torch = pytest.importorskip("torch")
 
@@ -35,7 +34,7 @@ def rope_params(d, layout, rotary_dim, scaling):
 
 
 def build(case, rng):
-    name, layout, rot, scaling, H, g, d, r, T, coefficients, bases, window = case
+    _, layout, rot, scaling, H, g, d, r, T, coefficients, bases, window = case
     rope = rope_params(d, layout, rot, scaling)
     basis = StaticBasis.from_bases(random_orthonormal(rng, H, r=r, d=d), random_orthonormal(rng, H, r=r, d=d), gamma=1.3)
     state = SubspaceState.static(basis, rope=rope, coefficients=coefficients, bases=bases, window=window)
@@ -102,8 +101,9 @@ def test_triton_pre_rope_kernel_matches_oracle(case, rng):
     coefficient space) in float32 against the float64 oracle, tolerance derived as the harness
     does; several splits merged (split_len of 2 tiles)."""
     _triton_or_skip()
-    from subspace_ref.basis_storage import decoded_state
     from subspace_ref_triton import rope_decode
+
+    from subspace_ref.basis_storage import decoded_state
 
     state, keys, values, q = build(case, rng)
     state.append(keys, values)

@@ -242,10 +242,8 @@ def tiny(tiny_calibration):
 def test_cache_pre_rope_full_rank_equals_stock_model(tiny):
     """Through SubspaceCache (prefill evaluator and decode): a full-rank pre-RoPE state gives the
     stock model's log-probabilities (R2), on the numpy and the torch backend."""
-    import torch
-
     from subspace_ref.experiments.ppl import score
-    from subspace_ref.hf import SubspaceCache, static_states
+    from subspace_ref.hf import static_states
 
     ctx, record, svd = tiny
     ids = ctx.eval_windows()[:1]

@@ -179,10 +179,10 @@ def split_launch(q, layout, rope, scale: float, split_len: int):
         ks.stride(0), ks.stride(1), ks.stride(2) if int8 else 0,
         vs.stride(0), vs.stride(1), vs.stride(2) if int8 else 0,
     )
-    constexprs = dict(
-        G=pow2_at_least(group), M=pow2_at_least(m), F=pow2_at_least(f), DV=pow2_at_least(d_v),
-        R=pow2_at_least(r), RV=pow2_at_least(r_v), BLOCK_T=BLOCK_T, INT8=int8, HAS_FIXED=f > 0,
-    )
+    constexprs = {
+        "G": pow2_at_least(group), "M": pow2_at_least(m), "F": pow2_at_least(f), "DV": pow2_at_least(d_v),
+        "R": pow2_at_least(r), "RV": pow2_at_least(r_v), "BLOCK_T": BLOCK_T, "INT8": int8, "HAS_FIXED": f > 0,
+    }
     return Launch(_rope_split_kernel, (N * H, S), args, constexprs, 4), (pm, pz, po)
 
 

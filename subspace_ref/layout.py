@@ -16,6 +16,9 @@ from subspace_ref.arrays import clone, grown, itemsize, numel, to_numpy
 #: Axis kinds of axis 2 (after N, H): TOKEN rows past ``layout.num_tokens`` and CHUNK rows past
 #: the largest ``num_chunks`` are spare capacity; FIXED arrays are live whole.
 TOKEN, CHUNK, FIXED = "token", "chunk", "fixed"
+#: GROUP rows are key groups of ``layout.group`` tokens (int4/int2 coefficients, spec/quantization.md
+#: Q2): rows past num_tokens // group are spare capacity (or an unfinished group, held in key_tail).
+GROUP = "group"
 #: Dtype rules on conversion (``state.to(dtype=...)``): "state" arrays take the new floating
 #: dtype; "coefficients" arrays unless coefficients are stored as integers (spec A10); "bases"
 #: arrays unless bases are stored in a format of their own (spec/storage.md S1); "own" never.
@@ -59,6 +62,12 @@ STATE_ARRAYS = (
     StateArray("window_values", "window", "values", FIXED, "state"),  # (N, H, e, d_v)
     StateArray("ring_keys", "sketches", "ring_keys", FIXED, "state"),  # (N, H, W, d) (spec/sketch_variants.md S1)
     StateArray("ring_values", "sketches", "ring_values", FIXED, "state"),
+    # int4/int2 coefficients (spec/quantization.md Q2): key_coef/value_coef then hold packed uint8 codes
+    StateArray("key_group_scale", "layout", "key_group_scale", GROUP, "own"),  # (N, H, ceil(T_cap / G), r) float16
+    StateArray("key_group_zero", "layout", "key_group_zero", GROUP, "own"),
+    StateArray("key_tail", "layout", "key_tail", FIXED, "state"),  # (N, H, G, r): the unfinished key group, in float
+    StateArray("value_token_scale", "layout", "value_token_scale", TOKEN, "own"),  # (N, H, T_cap) float16
+    StateArray("value_token_zero", "layout", "value_token_zero", TOKEN, "own"),
 )
 BY_NAME = {a.name: a for a in STATE_ARRAYS}
 
@@ -89,8 +98,21 @@ class PackedLayout:
     key_basis_scale: Any = None  # (N, H, J_cap, r) float32 when bases are int8 (spec/storage.md S1)
     value_basis_scale: Any = None  # (N, H, J_cap, r_v)
     basis_format: str = "native"  # how key_bases/value_bases are stored (spec/storage.md S1)
+    # int4/int2 coefficients (spec/quantization.md Q2): key_coef/value_coef hold packed uint8 codes
+    key_group_scale: Any = None  # (N, H, ceil(T_cap / group), r) float16, per channel per token group
+    key_group_zero: Any = None
+    key_tail: Any = None  # (N, H, group, r) state dtype: the keys of the unfinished trailing group
+    value_token_scale: Any = None  # (N, H, T_cap) float16, per token
+    value_token_zero: Any = None
+    low_bits: int = 0  # 4 or 2 for int4/int2 coefficients, 0 otherwise
+    group: int = 0  # tokens per key group of low-bit coefficients
 
     ARRAYS = tuple(a.attr for a in STATE_ARRAYS if a.part == "layout")
+
+    @property
+    def coefficients(self) -> str:
+        """How coefficients are stored: "float", "int8" (spec A10), "int4" or "int2" (spec/quantization.md)."""
+        return f"int{self.low_bits}" if self.low_bits else ("int8" if self.quantized else "float")
 
     @property
     def quantized(self) -> bool:
@@ -100,6 +122,10 @@ class PackedLayout:
     def coefficient_rows(self, which: str, n: int, h: int, a: int, b: int, dtype: Any) -> Any:
         """Rows [a, b) of the "key" or "value" coefficients of sequence n, head h, in ``dtype``,
         dequantised when the layout is int8 (spec A10)."""
+        if self.low_bits:
+            from subspace_ref.quantization import read_low_bit
+
+            return read_low_bit(self, which, a, b, dtype, self.num_tokens, (n, h))
         coef = getattr(self, f"{which}_coef")[n, h, a:b]
         if not self.quantized:
             return coef.astype(dtype)
@@ -151,12 +177,14 @@ class PackedLayout:
             return x[:, :, : self.num_tokens]
         if axis == CHUNK:
             return x[:, :, : int(to_numpy(self.num_chunks).max())]
+        if axis == GROUP:
+            return x[:, :, : self.num_tokens // self.group]
         return x
 
     def converts(self, rule: str) -> bool:
         """Whether an array of dtype rule ``rule`` (:data:`DTYPE_RULES`) takes a new dtype on conversion."""
         if rule == "coefficients":
-            return not self.quantized
+            return not self.quantized and not self.low_bits
         if rule == "bases":
             return self.basis_format == "native"
         return rule == "state"
@@ -171,7 +199,7 @@ class PackedLayout:
         j_cap = self.key_bases.shape[2]
         new_t = t_cap if tokens <= t_cap else _capacity(tokens, t_cap)
         new_j = j_cap if chunks <= j_cap else _capacity(chunks, j_cap)
-        size = {TOKEN: new_t, CHUNK: new_j}
+        size = {TOKEN: new_t, CHUNK: new_j, GROUP: -(-new_t // self.group) if self.group else 0}
         return replace(self, **{name: grown(x, 2, size[BY_NAME[name].axis]) for name, x in self.arrays().items() if BY_NAME[name].axis in size})
 
     def map_arrays(self, fn) -> "PackedLayout":
@@ -227,6 +255,8 @@ def counted_nbytes(state, names=None) -> int:
         per_row = numel(x) // (x.shape[0] * x.shape[1] * rows) * itemsize(x) if rows else 0
         if a.axis == TOKEN:
             total += x.shape[0] * x.shape[1] * lay.num_tokens * per_row
+        elif a.axis == GROUP:
+            total += x.shape[0] * x.shape[1] * (lay.num_tokens // lay.group) * per_row
         else:
             chunks = int(to_numpy(lay.num_chunks).sum()) if chunks is None else chunks
             total += chunks * per_row

@@ -14,6 +14,7 @@ from subspace_ref.basis_storage import check_format, stored_dtype
 from subspace_ref.calibration import StaticBasis, resolve_gamma
 from subspace_ref.layout import PackedLayout, allocated_nbytes, counted_nbytes, mapped_parts
 from subspace_ref.policies import AdaptivePolicy, RotatingPolicy, StaticPolicy
+from subspace_ref.quantization import DEFAULT_GROUP, LOW_BITS, packed_width
 from subspace_ref.policies._online import per_head_ranks, sketch_size, warmup_length
 from subspace_ref.policies.adaptive import sketch_options
 
@@ -63,11 +64,13 @@ class SubspaceState:
     # ----------------------------------------------------------------- construction
     @classmethod
     def static(cls, basis: StaticBasis, *, batch: int | None = None, dtype: Any = None, coefficients: str = "float", rope: Any = None,
-               bases: str = "native", window: int = 0, min_tokens: int = 0, query_group: int = 1) -> "SubspaceState":
+               bases: str = "native", window: int = 0, min_tokens: int = 0, query_group: int = 1, group_size: int = DEFAULT_GROUP) -> "SubspaceState":
         """A state over a calibrated basis (spec A6): one chunk per head, nothing else kept.
 
         ``coefficients="int8"`` stores coefficients as int8 with one float32 scale per token and
-        head (spec A10). ``bases`` is how the bases are stored (spec/storage.md S1): "native"
+        head (spec A10); "int4" and "int2" store packed codes with float16 scales and zero points,
+        keys per channel over groups of ``group_size`` tokens (the unfinished last group in float),
+        values per token (KIVI's choice; spec/quantization.md Q1-Q3). ``bases`` is how the bases are stored (spec/storage.md S1): "native"
         (in ``dtype``, the default: a float64 state stays the exact oracle), "float16",
         "float8_e4m3" or "int8" (one float32 scale per basis row); attention and appends use the
         decoded stored bases. Bytes: :attr:`basis_nbytes` (spec/storage.md S4).
@@ -110,7 +113,7 @@ class SubspaceState:
         query_group = _checks.positive_int("query_group", query_group)
         if H % query_group:
             raise ValueError(f"query_group = {query_group} must divide the basis's {H} heads (one per query head, H_q = query_group x KV heads)")
-        layout = _empty_layout(n, H, r, d, r_v, d_v, dtype, coefficients, bases)
+        layout = _empty_layout(n, H, r, d, r_v, d_v, dtype, coefficients, bases, group_size)
         every = (slice(None), slice(None), 0)
         layout.store_basis("key", every, np.broadcast_to(basis.B.astype(dtype), (n, H, r, d)))
         layout.store_basis("value", every, np.broadcast_to(basis.E.astype(dtype), (n, H, r_v, d_v)))
@@ -141,6 +144,7 @@ class SubspaceState:
         dtype: Any = np.float64,
         coefficients: str = "float",
         bases: str = "native",
+        group_size: int = DEFAULT_GROUP,
         window: int = 0,
         min_tokens: int = 0,
         lookahead: int = 0,
@@ -193,7 +197,7 @@ class SubspaceState:
             stride,
             reuse,
         )
-        return cls._online(policy, heads, d, d_v, gamma, batch, dtype, coefficients, bases, (window, min_tokens, lookahead))
+        return cls._online(policy, heads, d, d_v, gamma, batch, dtype, coefficients, bases, (window, min_tokens, lookahead), group_size)
 
     @classmethod
     def rotating(
@@ -213,6 +217,7 @@ class SubspaceState:
         dtype: Any = np.float64,
         coefficients: str = "float",
         bases: str = "native",
+        group_size: int = DEFAULT_GROUP,
         window: int = 0,
         min_tokens: int = 0,
     ) -> "SubspaceState":
@@ -224,15 +229,15 @@ class SubspaceState:
         window, min_tokens, _ = _window.options(window, min_tokens, 0, "rotating")
         heads, d, d_v, rk, rv, ek, ev, w = _online_args(heads, d, d_v, rank_k, rank_v, ell_k, ell_v, warmup)
         policy = RotatingPolicy(rk, rv, ek, ev, _checks.positive_int("refresh_every", refresh_every), w)
-        return cls._online(policy, heads, d, d_v, gamma, batch, dtype, coefficients, bases, (window, min_tokens, 0))
+        return cls._online(policy, heads, d, d_v, gamma, batch, dtype, coefficients, bases, (window, min_tokens, 0), group_size)
 
     @classmethod
-    def _online(cls, policy, heads, d, d_v, gamma, batch, dtype, coefficients, bases="native", exact=(0, 0, 0)) -> "SubspaceState":
+    def _online(cls, policy, heads, d, d_v, gamma, batch, dtype, coefficients, bases="native", exact=(0, 0, 0), group_size=None) -> "SubspaceState":
         if np.dtype(dtype) not in (np.float32, np.float64):
             raise TypeError(f"dtype must be float32 or float64 for an online NumPy state (its SVDs need them), got {dtype!r}; convert with state.to(...) for half precision")
         dtype = np.dtype(dtype)
         n = _batch_size(batch)
-        layout = _empty_layout(n, heads, max(policy.rank_k), d, max(policy.rank_v), d_v, dtype, coefficients, bases)
+        layout = _empty_layout(n, heads, max(policy.rank_k), d, max(policy.rank_v), d_v, dtype, coefficients, bases, group_size)
         layout.gamma[:] = resolve_gamma(gamma, policy.rank_k, d, dtype)
         layout.num_chunks[:] = 1
         ring = getattr(policy, "ring_warm_start", 0)
@@ -459,16 +464,28 @@ def _online_args(heads, d, d_v, rank_k, rank_v, ell_k, ell_v, warmup):
     return heads, d, d_v, rk, rv, ek, ev, warmup_length(warmup, rk, rv)
 
 
-def _empty_layout(n: int, H: int, r: int, d: int, r_v: int, d_v: int, dtype, coefficients: str, bases: str = "native") -> PackedLayout:
-    if coefficients not in ("float", "int8"):
-        raise ValueError(f'coefficients must be "float" or "int8", got {coefficients!r}')
+def _empty_layout(n: int, H: int, r: int, d: int, r_v: int, d_v: int, dtype, coefficients: str, bases: str = "native",
+                  group_size: int | None = DEFAULT_GROUP) -> PackedLayout:
+    if coefficients not in ("float", "int8", *LOW_BITS):
+        raise ValueError(f'coefficients must be "float", "int8", "int4" or "int2", got {coefficients!r}')
+    bits = LOW_BITS.get(coefficients, 0)
+    group = _checks.positive_int("group_size", DEFAULT_GROUP if group_size is None else group_size) if bits else 0
     bases = check_format("bases", bases)
     basis_dtype = stored_dtype(bases, dtype)
     quantized = coefficients == "int8"
-    coef_dtype = np.int8 if quantized else dtype
+    coef_dtype = np.int8 if quantized else np.uint8 if bits else dtype
+    low_bit = {}
+    if bits:  # spec/quantization.md Q2
+        low_bit = dict(
+            key_group_scale=np.zeros((n, H, 0, r), dtype=np.float16), key_group_zero=np.zeros((n, H, 0, r), dtype=np.float16),
+            key_tail=np.zeros((n, H, group, r), dtype=dtype),
+            value_token_scale=np.zeros((n, H, 0), dtype=np.float16), value_token_zero=np.zeros((n, H, 0), dtype=np.float16),
+            low_bits=bits, group=group,
+        )
     return PackedLayout(
-        key_coef=np.zeros((n, H, 0, r), dtype=coef_dtype),
-        value_coef=np.zeros((n, H, 0, r_v), dtype=coef_dtype),
+        **low_bit,
+        key_coef=np.zeros((n, H, 0, packed_width(r, bits) if bits else r), dtype=coef_dtype),
+        value_coef=np.zeros((n, H, 0, packed_width(r_v, bits) if bits else r_v), dtype=coef_dtype),
         key_scale=np.zeros((n, H, 0), dtype=np.float32) if quantized else None,
         value_scale=np.zeros((n, H, 0), dtype=np.float32) if quantized else None,
         key_bases=np.zeros((n, H, 1, r, d), dtype=basis_dtype),

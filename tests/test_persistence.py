@@ -219,7 +219,7 @@ def test_schema_covers_every_layout_array_and_policy_field():
     from subspace_ref.layout import PackedLayout
     from subspace_ref.policies import AdaptivePolicy, RotatingPolicy, StaticPolicy
 
-    assert set(PackedLayout.ARRAYS) == set(persistence.LAYOUT_TENSORS + persistence.SCALE_TENSORS + persistence.BASIS_SCALE_TENSORS)
+    assert set(PackedLayout.ARRAYS) == set(persistence.LAYOUT_TENSORS + persistence.SCALE_TENSORS + persistence.BASIS_SCALE_TENSORS + persistence.LOW_BIT_TENSORS)
     spec = Path(__file__).resolve().parents[1].joinpath("spec", "persistence.md").read_text()
     for name in persistence.TENSOR_ORDER:
         assert f"`{name}`" in spec, f"tensor {name} is not described in spec/persistence.md"
@@ -424,7 +424,8 @@ def test_a_flipped_byte_in_any_tensor_fails_the_checksum(tmp_path):
     start = 8 + int.from_bytes(data[:8], "little")
     layout = json.loads(data[8:start])
     layout.pop("__metadata__")
-    assert set(layout) == set(persistence.TENSOR_ORDER)  # every tensor the format has
+    # every tensor the format has, but the int4/int2 ones (tests/test_low_bit_coefficients.py)
+    assert set(layout) == set(persistence.TENSOR_ORDER) - set(persistence.LOW_BIT_TENSORS)
     bad = tmp_path / "flip"
     for name, entry in layout.items():
         a, b = entry["data_offsets"]

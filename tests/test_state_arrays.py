@@ -29,7 +29,7 @@ def variant_states(draw):
     common = dict(
         batch=draw(st.sampled_from([None, 2])),
         dtype=draw(st.sampled_from([np.float32, np.float64])),
-        coefficients=draw(st.sampled_from(["float", "int8"])),
+        coefficients=draw(st.sampled_from(["float", "int8", "int4", "int2"])),
         bases=draw(st.sampled_from(["native", "float16", "float8_e4m3", "int8"])),
         window=draw(st.sampled_from([0, 3])),
         min_tokens=draw(st.sampled_from([0, 5])),
@@ -99,7 +99,7 @@ def test_enumeration_lists_every_array_the_parts_hold(state):
 def test_enumeration_is_well_formed():
     names = [a.name for a in STATE_ARRAYS]
     assert len(names) == len(set(names))
-    assert all(a.dtype in DTYPE_RULES and a.counted in COUNT_RULES and a.axis in ("token", "chunk", "fixed") for a in STATE_ARRAYS)
+    assert all(a.dtype in DTYPE_RULES and a.counted in COUNT_RULES and a.axis in ("token", "chunk", "fixed", "group") for a in STATE_ARRAYS)
 
 
 def test_ring_state_counts_its_rings_in_both_byte_counts():

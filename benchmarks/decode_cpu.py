@@ -107,7 +107,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--appends", type=int, default=200)
     ap.add_argument("--stat", choices=("median", "min"), default="median", help="statistic over repeats (min filters preemption)")
-    ap.add_argument("--formats", nargs="+", default=["float"], choices=("float", "int8", "rope-float", "rope-int8"),
+    ap.add_argument("--formats", nargs="+", default=["float"], choices=("float", "int8", "int4", "rope-float", "rope-int8", "rope-int4"),
                     help="coefficient format and key basis kind of the state (rope-*: pre-RoPE, spec/rope.md P3)")
     ap.add_argument("--neighbours", type=int, default=0, help="busy-loop processes started beside the benchmark (contention)")
     args = ap.parse_args()
@@ -187,7 +187,9 @@ def measure_row(args, fmt: str, basis, K, V, q, backend, src, dst, gen):
     copy_gbs, read_gbs = 2 * src_bytes / t_copy / 1e9, src_bytes / t_read / 1e9
 
     bytes_sdpa = 2 * H * T * d * 4 + q.numel() * 4
-    per_coef = 1 + 4 / r if coefficients == "int8" else 4  # spec R4.3: int8 codes and one float32 scale per token
+    # spec R4.3: int8 codes and one float32 scale per token; int4 (spec/quantization.md Q3): half a byte per code
+    # and float16 scale and zero point per token (values) or per channel and group (keys), counted approximately
+    per_coef = {"int8": 1 + 4 / r, "int4": 0.5 + 4 / r}.get(coefficients, 4)
     bytes_att = H * T * 2 * r * per_coef + 2 * H * r * d * 4 + q.numel() * 4
 
     # append one token at a time to a state holding T tokens. The first append grows the

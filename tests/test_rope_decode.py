@@ -25,6 +25,7 @@ CASES = [
     ("int8-gqa", "half", None, 1.0, 2, 2, 16, 6, 50, "int8", "native", 0),
     ("f16bases-window", "half", None, 1.0, 2, 2, 16, 6, 45, "float", "float16", 7),
     ("tiles", "half", None, 1.0, 1, 2, 16, 4, 2600, "int8", "native", 0),  # > VALUE_TILE: several tiles, base angles > 0
+    ("int4-tiles", "half", None, 1.0, 1, 2, 16, 4, 2100, "int4", "native", 0),  # key groups and a float tail
 ]
 
 
@@ -92,7 +93,7 @@ def _triton_or_skip():
         pytest.skip(f"triton backend unavailable: {None if info is None else info.reason}")
 
 
-TRITON_CASES = [c for c in CASES if c[0] != "tiles"] + [("splits", "half", None, 1.0, 1, 2, 16, 4, 300, "int8", "native", 0)]
+TRITON_CASES = [c for c in CASES if not c[0].endswith("tiles")] + [("splits", "half", None, 1.0, 1, 2, 16, 4, 300, "int8", "native", 0)]
 
 
 @pytest.mark.parametrize("case", [c for c in TRITON_CASES if not c[-1]], ids=[c[0] for c in TRITON_CASES if not c[-1]])
@@ -128,3 +129,21 @@ def test_triton_pre_rope_append_then_attend(rng):
     ref = reference_error(state.copy(), q[None], None, want[None], "float32")
     got = to_numpy(sr.attend(torch.as_tensor(q, dtype=torch.float32), tst, backend="triton")).astype(np.float64)
     assert np.abs(got - want).max() <= tolerance(ref, want, "float32") + 1e-6 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("coefficients", ["int4", "int2"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("T", [7, 2100])  # the float tail alone; several tiles of whole key groups, then the tail
+def test_torch_one_chunk_low_bit_path_matches_oracle(coefficients, dtype, T, rng):
+    """The one-chunk int4/int2 path of the torch attend (scaled query and one bias per key
+    group, codes contracted as packed, value scales in the weights) within the harness's
+    derived tolerance, GQA g = 2."""
+    H, d, r = 2, 16, 6
+    basis = StaticBasis.from_bases(random_orthonormal(rng, H, r=r, d=d), random_orthonormal(rng, H, r=r, d=d), gamma=0.8)
+    state = SubspaceState.static(basis, coefficients=coefficients)
+    state.append(np.einsum("htr,hrd->htd", rng.standard_normal((H, T, r)) * 3, basis.B), rng.standard_normal((H, T, d)))
+    q = rng.standard_normal((H * 2, d)) * 2
+    want = sr.attend(q, state)
+    ref = reference_error(state.copy(), q[None], None, want[None], dtype)
+    got = to_numpy(sr.attend(torch.as_tensor(q, dtype=getattr(torch, dtype)), state.to("torch", dtype=dtype), backend="torch")).astype(np.float64)
+    assert np.abs(got - want).max() <= tolerance(ref, want, dtype)

@@ -107,11 +107,11 @@ class Attend:
 
 class AttendFormats:
     """Torch-cpu decode of static states by coefficient format and key basis kind (issue 16):
-    float32 or int8 coefficients (spec A10), plain or pre-RoPE (spec/rope.md P3, cost spec R13).
+    float32, int8 (spec A10) or int4 coefficients, plain or pre-RoPE (spec/rope.md P3, cost spec R13).
     ``track_speedup_vs_exact`` is torch SDPA's time over the attend's, both measured in the same
-    process and thread count. int4/int2 formats join the grid when the library stores them."""
+    process and thread count. int4 is spec/quantization.md's format (KIVI groups)."""
 
-    params = (["float", "int8", "rope-float", "rope-int8"], C.CONTEXTS)
+    params = (["float", "int8", "int4", "rope-float", "rope-int8", "rope-int4"], C.CONTEXTS)
     param_names = ["format", "T"]
     timeout = 600
 

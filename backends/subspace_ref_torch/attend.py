@@ -317,13 +317,14 @@ def low_bit_logits(q0: torch.Tensor, state) -> torch.Tensor:
         n_g = (b - a) // G
         s = lay.key_group_scale[:, :, a // G : b // G].to(dtype)[:, :, :, None, :]  # (N, H, n_g, 1, r)
         z = lay.key_group_zero[:, :, a // G : b // G].to(dtype)[:, :, :, None, :]
-        qs = q0[:, :, None] * s  # (N, H, n_g, g, r)
-        part = (q0[:, :, None] * z).sum(-1, keepdim=True)  # (N, H, n_g, g, 1)
-        packed = lay.key_coef[:, :, a:b].reshape(N, H, n_g, G, -1)
+        # 3-D products over (N, H, group): torch.matmul on 5-D operands loops over the batch in Python-visible ops
+        qs = (q0[:, :, None] * s).reshape(N * H * n_g, g, r)
+        part = (q0[:, :, None] * z).sum(-1).reshape(N * H * n_g, g, 1)
+        packed = lay.key_coef[:, :, a:b].reshape(N * H * n_g, G, -1)
         for i, codes in _code_planes(packed, bits, dtype):
-            cols = qs[..., i::per]
-            part = part + torch.matmul(cols, codes[..., : cols.shape[-1]].mT)  # (N, H, n_g, g, G)
-        logits[..., a:b] = part.permute(0, 1, 3, 2, 4).reshape(N, H, g, b - a)
+            cols = qs[..., i::per].contiguous()
+            part = torch.baddbmm(part, cols, codes[..., : cols.shape[-1]].mT)  # (N H n_g, g, G)
+        logits[..., a:b] = part.view(N, H, n_g, g, G).permute(0, 1, 3, 2, 4).reshape(N, H, g, b - a)
     if complete < T:
         logits[..., complete:] = torch.matmul(q0, lay.key_tail[:, :, : T - complete].to(dtype).mT)
     return logits
@@ -345,7 +346,7 @@ def low_bit_value_sums(weights: torch.Tensor, state) -> torch.Tensor:
         b = min(T, a + starts.step)
         for i, codes in _code_planes(lay.value_coef[:, :, a:b], bits, dtype):
             n_cols = len(range(i, r_v, per))
-            acc[..., i::per] += torch.matmul(ws[..., a:b], codes[..., :n_cols])
+            acc[..., i::per] += torch.bmm(ws[..., a:b].reshape(N * H, g, b - a), codes[..., :n_cols].reshape(N * H, b - a, n_cols)).view(N, H, g, n_cols)
     return acc + bias
 
 

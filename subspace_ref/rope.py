@@ -203,17 +203,4 @@ def calibrate_rope_planes(
     return StaticBasis(B=B, E=E, gamma=resolve_gamma(gamma, ranks, K.shape[2], K.dtype), rank_k=ranks, rank_v=(int(rank_v),) * K.shape[0])
 
 
-#: Backends that implement spec/rope.md P2 (append) and P3 (attend).
-IMPLEMENTED_BY = ("numpy", "torch", "triton")
-
-
-def refusal(state, backend: str) -> list[str]:
-    """The reason a backend outside :data:`IMPLEMENTED_BY` refuses a pre-RoPE state (spec/rope.md P2)."""
-    if getattr(state.policy, "rope", None) is None or backend in IMPLEMENTED_BY:
-        return []
-    use = " or ".join(map(repr, IMPLEMENTED_BY))
-    return [f"the state un-rotates appended keys (SubspaceState.static(..., rope=...), spec/rope.md P2); "
-            f"the {backend} backend does not implement it: use backend {use}"]
-
-
-__all__ = ["IMPLEMENTED_BY", "LAYOUTS", "RopeParams", "calibrate_rope_planes", "plane_basis", "plane_energy", "plane_pairs", "refusal", "rotate"]
+__all__ = ["LAYOUTS", "RopeParams", "calibrate_rope_planes", "plane_basis", "plane_energy", "plane_pairs", "rotate"]

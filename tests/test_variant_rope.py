@@ -216,21 +216,28 @@ def test_persistence_refuses_pre_rope_state_and_keeps_plain_static(tmp_path, rng
 
 
 def test_backends_without_rope_refuse_pre_rope_state(rng):
-    """Backends outside rope.IMPLEMENTED_BY refuse a pre-RoPE state, and an append routed to
-    one raises before anything changes (torch implements P2-P3: tests/test_rope_decode.py)."""
-    from subspace_ref.rope import IMPLEMENTED_BY, refusal
+    """A backend whose capabilities lack ``rope`` refuses a pre-RoPE state (attend and append),
+    and the refused append changes nothing; torch and triton declare it (tests/test_rope_decode.py)."""
+    import dataclasses
+
+    from subspace_ref.capabilities import append_reasons, attend_reasons
 
     torch = pytest.importorskip("torch")
     st = SubspaceState.static(identity_basis(), rope=params())
     st.append(rng.standard_normal((H, 2, D)), rng.standard_normal((H, 2, D)))
-    assert "torch" in IMPLEMENTED_BY and refusal(st, "torch") == []
-    assert any("rope" in r for r in refusal(st, "cupy"))
     tst = st.to("torch")
-    tst.engine = "cupy"  # as if converted for a backend without P2
-    before = {k: v.clone() for k, v in tst.layout.live_arrays().items()}
-    with pytest.raises(NotImplementedError, match="rope"):
-        tst.append(torch.zeros(H, D, dtype=torch.float64), torch.zeros(H, D, dtype=torch.float64))
-    assert tst.num_tokens == 2 and all(torch.equal(before[k], v) for k, v in tst.layout.live_arrays().items())
+    impl = subspace_ref.get_backend("torch")
+    assert impl.capabilities.rope and attend_reasons("torch", impl, torch.zeros(1, H, D, dtype=torch.float64), tst) == []
+
+    class WithoutRope:  # the torch backend with rope taken out of its declaration
+        name = "torch-without-rope"
+        capabilities = dataclasses.replace(impl.capabilities, rope=False)
+
+        def call_reasons(self, q, state):
+            return []
+
+    assert any("rope" in r for r in attend_reasons("torch-without-rope", WithoutRope(), torch.zeros(1, H, D, dtype=torch.float64), tst))
+    assert any("rope" in r for r in append_reasons("torch-without-rope", WithoutRope(), tst))
 
 
 # ----------------------------------------------------------------------------- cache and rows

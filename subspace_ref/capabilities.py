@@ -138,7 +138,7 @@ def _state_reasons(backend: str, caps: Capabilities, f: dict[str, Any]) -> list[
     if f["bases"] not in caps.basis_formats:
         out.append(f"the state stores its bases as {f['bases']} (spec/storage.md S1); the {backend} backend reads {', '.join(caps.basis_formats)}: use the torch or numpy backend")
     if f["rope"] and not caps.rope:
-        out.append(f"the state un-rotates appended keys (SubspaceState.static(..., rope=...), spec/rope.md P2); the {backend} backend does not implement it: use backend 'numpy'")
+        out.append(f"the state un-rotates appended keys (SubspaceState.static(..., rope=...), spec/rope.md P2); the {backend} backend does not implement it: use backend 'numpy', 'torch' or 'triton'")
     if f["query_group"] > 1 and not caps.query_sharing:
         out.append(f"the state has one head per query head (query_group={f['query_group']}, spec/sharing.md A3); the {backend} backend does not run it")
     for what, size, limit in (("key head size d", f["d"], caps.max_head_size), ("value head size d_v", f["d_v"], caps.max_head_size),

@@ -25,6 +25,15 @@ SOFTMAX_FLOPS_PER_LOGIT = 5
 #: spec R4.3: bytes of one INT8 coefficient and of the float32 scale stored per token per head.
 INT8_BYTES = 1
 INT8_SCALE_BYTES = 4
+#: spec R13.2-R13.3: FLOPs per key dimension and token to generate cos/sin by angle addition
+#: (3 per dimension: two products and a sum for each of cos, sin of a plane) and to rotate
+#: (3 per dimension: four products and two sums per plane).
+ROPE_FLOPS_PER_DIM = 6
+#: spec R13.6: NVIDIA H100 SXM5 datasheet peaks (HBM3 3.35 TB/s; 67 TFLOP/s float32 on CUDA
+#: cores; 989 TFLOP/s dense bf16/fp16 on tensor cores). A model, not a measurement.
+H100_BANDWIDTH = 3.35e12
+H100_FP32_FLOPS = 67e12
+H100_TENSOR_FLOPS = 989e12
 #: spec R1.5: the phases of one decode step.
 PHASES = ("attend", "append", "fd")
 
@@ -134,7 +143,8 @@ class Subspace:
     ``chunks`` fixes J; otherwise ``max_chunk`` = L gives J = ceil(T / L) (spec R3.1); with
     neither J = 1. ``ell_k``/``ell_v`` are the FD sketch sizes of an online state (None: static,
     no sketches). ``refresh_every`` marks the rotating state of spec A8. ``coef`` is "float"
-    (coefficients stored like the cache, ``elem_bytes`` each) or "int8" (spec R4.3).
+    (coefficients stored like the cache, ``elem_bytes`` each) or "int8" (spec R4.3). ``rope``
+    marks a pre-RoPE static state, whose attend rebuilds and rotates every key (spec R13).
     """
 
     r: int
@@ -145,6 +155,7 @@ class Subspace:
     ell_v: int | None = None
     refresh_every: int | None = None
     coef: str = "float"
+    rope: bool = False  # a pre-RoPE static state (spec/rope.md P3): the attend of spec R13
 
     def __post_init__(self):
         if self.coef not in ("float", "int8"):
@@ -153,11 +164,13 @@ class Subspace:
             raise ValueError("give both ell_k and ell_v (an online state) or neither (static)")
         if self.chunks is not None and self.max_chunk is not None:
             raise ValueError("give chunks (fixed J) or max_chunk (J = ceil(T/L)), not both")
+        if self.rope and (self.online or self.max_chunk is not None or self.chunks not in (None, 1)):
+            raise ValueError("rope=True describes a static state (one chunk, no sketches): spec/rope.md P2")
 
     @classmethod
-    def static(cls, r: int, r_v: int | None = None, coef: str = "float") -> "Subspace":
-        """Spec A6: one basis, no sketches."""
-        return cls(r, r if r_v is None else r_v, chunks=1, coef=coef)
+    def static(cls, r: int, r_v: int | None = None, coef: str = "float", rope: bool = False) -> "Subspace":
+        """Spec A6: one basis, no sketches (``rope``: pre-RoPE, spec/rope.md P2-P3)."""
+        return cls(r, r if r_v is None else r_v, chunks=1, coef=coef, rope=rope)
 
     @classmethod
     def adaptive(cls, r: int, r_v: int | None = None, *, max_chunk: int = 256, chunks: int | None = None,
@@ -219,16 +232,27 @@ def subspace_cost(T: Any, shape: Shape, sub: Subspace) -> Cost:
     else:
         ck, cv = r * e, rv * e
         quant = 0.0
-    terms = [
-        Term("query_proj", "attend", 2.0 * g * J * r * d, J * r * d * e),  # R3.2, R4.2
-        Term("logits", "attend", 2.0 * g * T * r, T * ck),  # R3.3, R4.1
+    if sub.rope:
+        key_terms = [
+            Term("rebuild", "attend", 2.0 * T * r * d, r * d * e),  # R13.1 (B read once, R4.2)
+            Term("rope", "attend", ROPE_FLOPS_PER_DIM * T * d, 0.0 * T),  # R13.2, R13.3
+            Term("logits", "attend", 2.0 * g * T * d, T * ck),  # R13.4, R4.1
+        ]
+    else:
+        key_terms = [
+            Term("query_proj", "attend", 2.0 * g * J * r * d, J * r * d * e),  # R3.2, R4.2
+            Term("logits", "attend", 2.0 * g * T * r, T * ck),  # R3.3, R4.1
+        ]
+    terms = key_terms + [
         Term("softmax", "attend", SOFTMAX_FLOPS_PER_LOGIT * g * T, 0.0 * T),  # R3.4
         Term("aggregate", "attend", 2.0 * g * T * rv, T * cv),  # R3.5, R4.1
         Term("reconstruct", "attend", 2.0 * g * J * rv * dv, J * rv * dv * e),  # R3.6, R4.2
         Term("merge", "attend", g * ((J - 1) * (dv + 3) + dv), 0.0 * J),  # R3.7
         Term("query_io", "attend", 0.0, g * (d + dv) * e),  # R4.4
         # R5.2: read k_t, v_t and the open chunk's bases, project, write the coefficients
-        Term("append", "append", 2.0 * (r * d + rv * dv) + quant, (d + dv) * e + (r * d + rv * dv) * e + ck + cv),
+        # (R13.5: a pre-RoPE state also un-rotates k_t)
+        Term("append", "append", 2.0 * (r * d + rv * dv) + quant + (ROPE_FLOPS_PER_DIM * d if sub.rope else 0.0),
+             (d + dv) * e + (r * d + rv * dv) * e + ck + cv),
     ]
     if sub.online:
         terms += _online_terms(T, J, shape, sub)
@@ -286,11 +310,12 @@ def subspace_for_state(state, head: int = 0, seq: int = 0) -> Subspace:
     p = state.policy
     coef = "int8" if getattr(state.layout, "quantized", False) else "float"
     J = int(np.asarray(state.num_chunks).reshape(-1, state.heads)[seq, head])
+    rope = getattr(p, "rope", None) is not None
     online = getattr(p, "ell_k", None)
     return Subspace(
         r=p.rank_k[head], r_v=p.rank_v[head], chunks=J,
         ell_k=p.ell_k if online else None, ell_v=p.ell_v if online else None,
-        refresh_every=getattr(p, "refresh_every", None), coef=coef,
+        refresh_every=getattr(p, "refresh_every", None), coef=coef, rope=rope,
     )
 
 
@@ -332,6 +357,26 @@ class Machine:
 
     def __str__(self) -> str:
         return f"{self.name}: {self.bandwidth / 1e9:.3g} GB/s, {self.flops / 1e9:.3g} GFLOP/s"
+
+
+def h100(tensor_cores: bool = False) -> Machine:
+    """The H100 SXM5 roofline from its datasheet (spec R13.6): float32 CUDA cores, or the dense
+    16-bit tensor-core rate for kernels whose O(r d) products run on tensor cores."""
+    return Machine("H100 SXM5 (datasheet, " + ("bf16 tensor cores)" if tensor_cores else "fp32 CUDA cores)"),
+                   H100_BANDWIDTH, H100_TENSOR_FLOPS if tensor_cores else H100_FP32_FLOPS)
+
+
+def binding_roofs(T: int, shape: Shape, subs: dict[str, Subspace], machines: Iterable[Machine]) -> list[dict]:
+    """Spec R13.7: for each configuration and machine, the attend phase's FLOPs per byte, the
+    roof that binds (R10.2) and the predicted time over exact attention's on that machine."""
+    exact = exact_cost(T, shape).phase("attend")
+    rows = []
+    for name, sub in subs.items():
+        cost = subspace_cost(T, shape, sub).phase("attend")
+        for m in machines:
+            rows.append(dict(config=name, machine=m.name, intensity=float(cost.intensity), bound=cost.bound(m),
+                             ratio_to_exact=float(cost.time(m) / exact.time(m))))
+    return rows
 
 
 def _median_time(fn: Callable[[], Any], repeats: int, sync: Callable[[], Any] = lambda: None) -> float:
@@ -444,7 +489,25 @@ def summary(T: int, shape: Shape, sub: Subspace, machine: Machine) -> str:
 
 
 __all__ = [
-    "Cost", "Machine", "PHASES", "Shape", "Subspace", "Term", "break_even", "exact_cost", "exact_layer_cost",
-    "measure_cpu", "measure_torch", "predicted_time", "speedup", "state_cost", "subspace_cost",
-    "subspace_for_state", "summary", "svd_flops",
+    "PHASES",
+    "ROPE_FLOPS_PER_DIM",
+    "Cost",
+    "Machine",
+    "Shape",
+    "Subspace",
+    "Term",
+    "binding_roofs",
+    "break_even",
+    "exact_cost",
+    "exact_layer_cost",
+    "h100",
+    "measure_cpu",
+    "measure_torch",
+    "predicted_time",
+    "speedup",
+    "state_cost",
+    "subspace_cost",
+    "subspace_for_state",
+    "summary",
+    "svd_flops",
 ]

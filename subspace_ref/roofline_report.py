@@ -24,7 +24,7 @@ from typing import Any, Callable
 import numpy as np
 
 from subspace_ref.workloads import grown_states, near_subspace_tokens, spanning_basis
-from subspace_ref.roofline import Machine, Shape, Subspace, break_even, exact_layer_cost, measure_cpu, measure_torch, state_cost
+from subspace_ref.roofline import Machine, Shape, Subspace, binding_roofs, break_even, exact_layer_cost, h100, measure_cpu, measure_torch, state_cost
 
 #: (backend, device) of each target; GPU targets need CUDA.
 TARGETS = {
@@ -225,6 +225,19 @@ def sweep(args) -> tuple[list[Point], dict[str, Machine], dict[str, str]]:
 
 
 # ----------------------------------------------------------------------------- output
+def binding_table(T: int, shape: Shape, r: int, cpu: Machine) -> str:
+    """Spec R13.7: which roof binds the attend phase of static states (plain and pre-RoPE, float
+    and int8 coefficients) on this CPU (measured) and, from the model, on an H100."""
+    subs = {f"static r={r} {coef}{' pre-RoPE' if rope else ''}": Subspace.static(r, coef=coef, rope=rope)
+            for rope in (False, True) for coef in ("float", "int8")}
+    lines = [f"which roof binds (model, attend phase, T = {T}, d = {shape.d}, {shape.elem_bytes:g}-byte elements; "
+             "ratio = predicted time / exact's on the same machine):"]
+    for row in binding_roofs(T, shape, subs, (cpu, h100(), h100(tensor_cores=True))):
+        lines.append(f"  {row['config']:<28} {row['machine']:<45} {row['intensity']:7.1f} FLOP/B  "
+                     f"{row['bound']:<7} bound  {row['ratio_to_exact']:.3f}x exact")
+    return "\n".join(lines)
+
+
 def format_table(points: list[Point]) -> str:
     head = f"{'target':<11} {'state':<9} {'T':>6} {'r':>4} {'J':>6} {'measured':>11} {'roofline':>11} {'ratio':>8} {'bound':<8} {'GB/s':>7}"
     rows = [head, "-" * len(head)]
@@ -354,6 +367,7 @@ def run(args) -> int:
         be_s = break_even(shape, Subspace.static(r), cpu, phases=("attend",))
         be_a = break_even(shape, Subspace.adaptive(r, max_chunk=MAX_CHUNK), cpu, phases=("attend",))
         print(f"model break-even T on {cpu.name} (attend, float32): static r={r}: {be_s}; adaptive r={r}, L={MAX_CHUNK}: {be_a}")
+    print(binding_table(args.contexts[-1], shape, args.ranks[-1], cpu))
     with open(args.out / "roofline.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(asdict(points[0])))
         w.writeheader()

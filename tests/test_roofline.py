@@ -313,3 +313,30 @@ def test_roofline_report_smoke(tmp_path, capsys):
     assert len(rows) == 1 + 2 * 2 + 2  # header; static and adaptive at 2 lengths; exact at 2 lengths
     assert (tmp_path / "roofline.png").stat().st_size > 0
     assert "bandwidth_Bps" in (tmp_path / "machine.json").read_text()
+
+
+def test_R13_pre_rope_counts_by_hand():
+    """Spec R13 worked by hand at d = d_v = 4, r = r_v = 2, g = 2, T = 10, e = 4."""
+    from subspace_ref.roofline import Shape, Subspace, subspace_cost
+
+    c = subspace_cost(10, Shape(4, 4, 2, 4.0), Subspace.static(2, rope=True))
+    assert c.term("rebuild").flops == 2 * 10 * 2 * 4 and c.term("rebuild").bytes == 2 * 4 * 4
+    assert c.term("rope").flops == 6 * 10 * 4 and c.term("rope").bytes == 0
+    assert c.term("logits").flops == 2 * 2 * 10 * 4 and c.term("logits").bytes == 10 * 2 * 4
+    assert "query_proj" not in c.names()
+    plain = subspace_cost(10, Shape(4, 4, 2, 4.0), Subspace.static(2))
+    assert c.term("append").flops == plain.term("append").flops + 6 * 4
+    assert c.phase("attend").bytes == plain.phase("attend").bytes  # same bytes, more FLOPs
+
+
+def test_R13_binding_roofs_cpu_compute_h100_tensor_memory():
+    from subspace_ref.roofline import Machine, Shape, Subspace, binding_roofs, h100
+
+    cpu = Machine("cpu", 10e9, 50e9)
+    rows = binding_roofs(16384, Shape(128, 128, 1, 4.0), {"pre": Subspace.static(32, rope=True), "plain": Subspace.static(32)},
+                         (cpu, h100(), h100(tensor_cores=True)))
+    bound = {(r["config"], r["machine"]): r["bound"] for r in rows}
+    assert bound[("pre", "cpu")] == "compute" and bound[("plain", "cpu")] == "memory"
+    assert bound[("pre", h100(tensor_cores=True).name)] == "memory" and bound[("pre", h100().name)] == "compute"
+    with pytest.raises(ValueError, match="static"):
+        Subspace.adaptive(8, max_chunk=4).__class__(8, 8, max_chunk=4, rope=True)

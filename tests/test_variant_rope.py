@@ -215,19 +215,29 @@ def test_persistence_refuses_pre_rope_state_and_keeps_plain_static(tmp_path, rng
     assert all(np.array_equal(a, b) for a, b in zip(back.layout.live_arrays().values(), plain.layout.live_arrays().values()))
 
 
-def test_torch_backend_refuses_pre_rope_state(rng):
+def test_backends_without_rope_refuse_pre_rope_state(rng):
+    """A backend whose capabilities lack ``rope`` refuses a pre-RoPE state (attend and append),
+    and the refused append changes nothing; torch and triton declare it (tests/test_rope_decode.py)."""
+    import dataclasses
+
+    from subspace_ref.capabilities import append_reasons, attend_reasons
+
     torch = pytest.importorskip("torch")
     st = SubspaceState.static(identity_basis(), rope=params())
     st.append(rng.standard_normal((H, 2, D)), rng.standard_normal((H, 2, D)))
     tst = st.to("torch")
-    reasons = subspace_ref.get_backend("torch").not_supported_reasons(torch.zeros(H, D, dtype=torch.float64), tst)
-    assert any("rope" in r for r in reasons)
-    before = {k: v.clone() for k, v in tst.layout.live_arrays().items()}
-    with pytest.raises(NotImplementedError, match="rope"):
-        tst.append(torch.zeros(H, D, dtype=torch.float64), torch.zeros(H, D, dtype=torch.float64))
-    assert tst.num_tokens == 2 and all(torch.equal(before[k], v) for k, v in tst.layout.live_arrays().items())
-    with pytest.raises(ValueError, match="rope"):
-        subspace_ref.attend(torch.zeros(H, D, dtype=torch.float64), tst, backend="torch")
+    impl = subspace_ref.get_backend("torch")
+    assert impl.capabilities.rope and attend_reasons("torch", impl, torch.zeros(1, H, D, dtype=torch.float64), tst) == []
+
+    class WithoutRope:  # the torch backend with rope taken out of its declaration
+        name = "torch-without-rope"
+        capabilities = dataclasses.replace(impl.capabilities, rope=False)
+
+        def call_reasons(self, q, state):
+            return []
+
+    assert any("rope" in r for r in attend_reasons("torch-without-rope", WithoutRope(), torch.zeros(1, H, D, dtype=torch.float64), tst))
+    assert any("rope" in r for r in append_reasons("torch-without-rope", WithoutRope(), tst))
 
 
 # ----------------------------------------------------------------------------- cache and rows
@@ -238,11 +248,9 @@ def tiny(tiny_calibration):
 
 def test_cache_pre_rope_full_rank_equals_stock_model(tiny):
     """Through SubspaceCache (prefill evaluator and decode): a full-rank pre-RoPE state gives the
-    stock model's log-probabilities (R2), and the cache's torch backend refuses it."""
-    import torch
-
+    stock model's log-probabilities (R2), on the numpy and the torch backend."""
     from subspace_ref.experiments.ppl import score
-    from subspace_ref.hf import SubspaceCache, static_states
+    from subspace_ref.hf import static_states
 
     ctx, record, svd = tiny
     ids = ctx.eval_windows()[:1]
@@ -252,10 +260,8 @@ def test_cache_pre_rope_full_rank_equals_stock_model(tiny):
     stock = score(ctx.model, ids)["nll"]
     got = score(ctx.model, ids, static_states(full, rope=rope), backend="numpy")["nll"]
     np.testing.assert_allclose(got, stock, atol=1e-4)
-    from subspace_ref.hf.attention import subspace_attention_enabled
-
-    with torch.no_grad(), subspace_attention_enabled(ctx.model), pytest.raises(ValueError, match="rope"):
-        ctx.model(input_ids=torch.as_tensor(ids), past_key_values=SubspaceCache(ctx.model.config, static_states(full, rope=rope), backend="torch"))
+    got_torch = score(ctx.model, ids, static_states(full, rope=rope), backend="torch")["nll"]
+    np.testing.assert_allclose(got_torch, stock, atol=1e-4)
 
 
 def test_rows_run_and_pre_rope_row_equals_projection_ablation(tiny):

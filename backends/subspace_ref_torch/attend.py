@@ -36,8 +36,10 @@ tokens (a loop over at most T / tile iterations, with tile chosen so a tile's ga
 
 from __future__ import annotations
 
+import functools
 import math
 
+import numpy as np
 import torch
 
 from subspace_ref_torch import fd, window
@@ -50,6 +52,10 @@ TILE_ELEMENTS = 1 << 22
 # keep the error below the oracle's (per-query BLAS gemv) while 64 tiles of 1024 cost ~30%.
 VALUE_TILE = 1024
 MAX_VALUE_TILES = 16
+# Rebuilt keys of a tile, N H tile d numbers, are as many per token as an exact cache holds and
+# pass through the rotation several times: tiles of this many numbers (512 KiB in float32, a
+# CPU core's L2) keep those passes out of DRAM.
+ROPE_TILE_ELEMENTS = 1 << 17
 
 
 def work_dtype(q: torch.Tensor, state) -> torch.dtype:
@@ -117,6 +123,47 @@ def coefficient_rows(state, which: str, a: int, b: int, dtype: torch.dtype) -> t
     return fd.dequantize_rows(coef, scale[:, :, a:b], dtype)
 
 
+def token_tiles(T: int) -> range:
+    """Starts of the token tiles of the one-chunk paths: VALUE_TILE tokens, or longer so that
+    there are at most MAX_VALUE_TILES of them (see :data:`VALUE_TILE`)."""
+    return range(0, T, max(VALUE_TILE, -(-T // MAX_VALUE_TILES)))
+
+
+def scales_after(state, dtype: torch.dtype) -> bool:
+    """Whether int8 scales are applied to logits and weights (one multiply per token) instead
+    of to the coefficients. Below float64 this is a change of rounding order within the
+    oracle's float32 error; in float64 the oracle's dequantised value fl32(q s) differs from
+    q s by 2^-24 relative, far above float64 rounding, so float64 dequantises as the oracle."""
+    return state.layout.quantized and dtype != torch.float64
+
+
+def raw_tiles(state, which: str, T: int, dtype: torch.dtype, starts: range | None = None):
+    """(a, b, rows) over the token tiles of :func:`token_tiles`: rows (N, H, b - a, r) of the
+    stored coefficients in ``dtype``, WITHOUT int8 scales (spec A10: c_t = s_t q_t; callers
+    apply s_t to the logits or the weights, one multiply per token instead of r). Float
+    coefficients in ``dtype`` are views; int8 ones are converted tile by tile into one reused
+    buffer (exact: |q| <= 127), so no full-size float copy is ever made. In float64 int8 rows
+    come dequantised (:func:`scales_after`)."""
+    coef = getattr(state.layout, f"{which}_coef")
+    starts = token_tiles(T) if starts is None else starts
+    buffer = None
+    for a in starts:
+        b = min(T, a + starts.step)
+        if state.layout.low_bits or (state.layout.quantized and not scales_after(state, dtype)):
+            # int4/int2 (spec/quantization.md Q2) and float64 int8: dequantised per tile
+            yield a, b, coefficient_rows(state, which, a, b, dtype)
+            continue
+        rows = coef[:, :, a:b]
+        if rows.dtype == dtype:
+            yield a, b, rows
+            continue
+        if buffer is None:
+            buffer = torch.empty(rows.shape, dtype=dtype, device=rows.device)
+        tile = buffer[:, :, : b - a]
+        tile.copy_(rows)
+        yield a, b, tile
+
+
 def _tile(state, g: int) -> int:
     lay = state.layout
     N, H = lay.key_coef.shape[:2]
@@ -134,7 +181,7 @@ def coefficient_logits(q_proj: torch.Tensor, state, chunk_index: torch.Tensor | 
     T = lay.num_tokens
     dtype = q_proj.dtype
     if J == 1:
-        return torch.matmul(q_proj[:, :, 0], coefficient_rows(state, "key", 0, T, dtype).mT)
+        return one_chunk_logits(q_proj[:, :, 0], state)
     device = q_proj.device
     n_idx = torch.arange(N, device=device)[:, None, None]
     h_idx = torch.arange(H, device=device)[None, :, None]
@@ -146,6 +193,161 @@ def coefficient_logits(q_proj: torch.Tensor, state, chunk_index: torch.Tensor | 
         coef = coefficient_rows(state, "key", a, b, dtype)[..., None]  # (N, H, b - a, r, 1)
         logits[:, :, :, a:b] = torch.matmul(q_tok, coef)[..., 0].transpose(-1, -2)
     return logits
+
+
+def one_chunk_logits(q0: torch.Tensor, state) -> torch.Tensor:
+    """Logits (N, H, g, T) of a one-chunk state from projected queries q0 (N, H, g, r): one
+    matmul over float coefficients of the work dtype, else one per token tile (int8 converted
+    per tile, scales applied per token: :func:`raw_tiles`)."""
+    lay = state.layout
+    T = lay.num_tokens
+    if lay.key_coef.dtype == q0.dtype:
+        return torch.matmul(q0, lay.key_coef[:, :, :T].mT)
+    if lay.low_bits and q0.dtype != torch.float64:
+        return low_bit_logits(q0, state)
+    N, H, g, r = q0.shape
+    q3 = q0.reshape(N * H, g, r)
+    logits = torch.empty((N * H, g, T), dtype=q0.dtype, device=q0.device)
+    for a, b, rows in raw_tiles(state, "key", T, q0.dtype):
+        torch.bmm(q3, rows.reshape(N * H, b - a, r).mT, out=logits[..., a:b])  # written in place, no copy
+    logits = logits.view(N, H, g, T)
+    if scales_after(state, q0.dtype):
+        logits.mul_(lay.key_scale[:, :, None, :T])
+    return logits
+
+
+@functools.lru_cache(maxsize=16)
+def _rope_order(rope, d: int, device: torch.device) -> torch.Tensor:
+    """A permutation of the d dims: the first dims of the m rotating planes, their second dims,
+    then the fixed dims. Applied to the basis columns and the query alike (a dot product is
+    invariant under it), it turns the rotation of any layout into two contiguous halves."""
+    pairs = rope.planes(d)
+    m = rope.inv_freq.size
+    order = np.concatenate([pairs[:m, 0], pairs[:m, 1], pairs[m:].reshape(-1)])
+    return torch.as_tensor(order, device=device)
+
+
+@functools.lru_cache(maxsize=16)
+def _rope_offsets(rope, n: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of k theta_i for offsets k < n, (n, m), computed in float64 then cast."""
+    angles = np.arange(n, dtype=np.float64)[:, None] * rope.inv_freq[None, :]
+    return (torch.as_tensor(np.cos(angles), dtype=dtype, device=device), torch.as_tensor(np.sin(angles), dtype=dtype, device=device))
+
+
+def rope_tables(rope, a: int, n: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a_s cos(t theta_i), a_s sin(t theta_i)) for positions t = a .. a + n - 1, (n, m), by the
+    angle addition cos((a + k) theta) = cos(a theta) cos(k theta) - sin(a theta) sin(k theta):
+    the tile's base angle in float64 (m values), the offsets from a cached table. No table of
+    all T positions is kept or read (it would be T d/2 numbers per layer: bytes a fused kernel
+    does not move). In float64 the tables are the oracle's own, cos(fl(t theta)) from
+    :meth:`RopeParams.cos_sin`: the angle addition differs from them by the rounding of the
+    angle, ~|t theta| 2^-53, which float64 outputs resolve."""
+    if dtype == torch.float64:
+        cos, sin = rope.cos_sin(np.arange(a, a + n))
+        return torch.as_tensor(cos, device=device), torch.as_tensor(sin, device=device)
+    ck, sk = _rope_offsets(rope, n, dtype, device)
+    base = a * rope.inv_freq
+    ca = torch.as_tensor(rope.attention_scaling * np.cos(base), dtype=dtype, device=device)
+    sa = torch.as_tensor(rope.attention_scaling * np.sin(base), dtype=dtype, device=device)
+    return ck * ca - sk * sa, sk * ca + ck * sa
+
+
+def rope_logits(q: torch.Tensor, state, scale: float | None, dtype: torch.dtype) -> torch.Tensor:
+    """Spec/rope.md P3 steps 1-2 on a (one-chunk) pre-RoPE static state: logits (N, H, g, T).
+
+    Per tile of tokens: the keys rebuilt, u_t = B^T c_t (one batched matmul over sequences and
+    heads), rotated to their positions t (R_t, from :func:`rope_tables`), and multiplied with
+    the g query heads of the group, gamma_h * scale folded into the queries. Rebuilding the
+    key serves all g query heads; rotating the query instead costs the O(r d) per token once
+    per query head (spec/roofline.md R13)."""
+    lay = state.layout
+    rope = state.policy.rope
+    N, Hq, d = q.shape
+    H = lay.key_coef.shape[1]
+    T = lay.num_tokens
+    m = rope.inv_freq.size
+    order = _rope_order(rope, d, q.device)
+    g = Hq // H
+    # 3-D batched products over N * H (torch.matmul on 4-D operands takes a slower CPU path)
+    qg = (q.reshape(N, H, g, d).to(dtype)[..., order] * logit_scale(state, d, scale, dtype)[None, :, None, None]).reshape(N * H, g, d)
+    B = lay.basis("key", (slice(None), slice(None), 0), dtype)[..., order].reshape(N * H, -1, d)  # (N H, r, d)
+    logits = torch.empty((N * H, g, T), dtype=dtype, device=q.device)
+    tile = max(16, ROPE_TILE_ELEMENTS // (N * H * d))
+    for a, b, rows in raw_tiles(state, "key", T, dtype, range(0, T, tile)):
+        keys = torch.bmm(rows.reshape(N * H, b - a, -1), B)  # (N H, b - a, d): planes' first dims, second dims, fixed dims
+        cos, sin = rope_tables(rope, a, b - a, dtype, q.device)
+        ua, ub = keys[..., :m], keys[..., m : 2 * m]
+        rotated_a = ua * cos - ub * sin
+        ub.mul_(cos).addcmul_(ua, sin)  # in place: ua is no longer needed after rotated_a
+        ua.copy_(rotated_a)
+        torch.bmm(qg, keys.mT, out=logits[..., a:b])
+    logits = logits.view(N, H, g, T)
+    if scales_after(state, dtype):
+        logits.mul_(lay.key_scale[:, :, None, :T])
+    return logits
+
+
+def _code_planes(packed: torch.Tensor, bits: int, dtype: torch.dtype):
+    """(i, codes_i) for the 8 / bits code positions of a byte (spec/quantization.md Q1: code
+    i of a byte in bits [i bits, (i + 1) bits)): codes_i holds codes i, i + per, i + 2 per, ...
+    of each row, in ``dtype`` (exact: < 2^bits). Contracting with the matching columns
+    ``[..., i::per]`` of the other operand avoids interleaving the codes back."""
+    per = 8 // bits
+    mask = (1 << bits) - 1
+    for i in range(per):
+        yield i, ((packed >> (i * bits)) & mask).to(dtype)
+
+
+def low_bit_logits(q0: torch.Tensor, state) -> torch.Tensor:
+    """Logits (N, H, g, T) of a one-chunk int4/int2 state (spec/quantization.md Q2) from projected
+    queries q0 (N, H, g, r), below float64. Keys of a complete group G are c = q s_G + z_G per
+    channel, so q~ . c_t = (q~ * s_G) . q_t + q~ . z_G: the scaled query and one bias per group,
+    the codes unpacked per tile and contracted as they lie in the bytes (:func:`_code_planes`);
+    the float tail of the unfinished group is read as it is."""
+    lay = state.layout
+    N, H, g, r = q0.shape
+    T, G, bits, dtype = lay.num_tokens, lay.group, lay.low_bits, q0.dtype
+    per = 8 // bits
+    complete = (T // G) * G
+    logits = torch.empty((N, H, g, T), dtype=dtype, device=q0.device)
+    starts = token_tiles(complete)
+    step = -(-starts.step // G) * G
+    for a in range(0, complete, step):
+        b = min(complete, a + step)
+        n_g = (b - a) // G
+        s = lay.key_group_scale[:, :, a // G : b // G].to(dtype)[:, :, :, None, :]  # (N, H, n_g, 1, r)
+        z = lay.key_group_zero[:, :, a // G : b // G].to(dtype)[:, :, :, None, :]
+        # 3-D products over (N, H, group): torch.matmul on 5-D operands loops over the batch in Python-visible ops
+        qs = (q0[:, :, None] * s).reshape(N * H * n_g, g, r)
+        part = (q0[:, :, None] * z).sum(-1).reshape(N * H * n_g, g, 1)
+        packed = lay.key_coef[:, :, a:b].reshape(N * H * n_g, G, -1)
+        for i, codes in _code_planes(packed, bits, dtype):
+            cols = qs[..., i::per].contiguous()
+            part = torch.baddbmm(part, cols, codes[..., : cols.shape[-1]].mT)  # (N H n_g, g, G)
+        logits[..., a:b] = part.view(N, H, n_g, g, G).permute(0, 1, 3, 2, 4).reshape(N, H, g, b - a)
+    if complete < T:
+        logits[..., complete:] = torch.matmul(q0, lay.key_tail[:, :, : T - complete].to(dtype).mT)
+    return logits
+
+
+def low_bit_value_sums(weights: torch.Tensor, state) -> torch.Tensor:
+    """sum_t w_t d_t (N, H, g, r_v) over a one-chunk int4/int2 state, below float64: values are
+    d_t = q_t s_t + z_t per token (spec/quantization.md Q2), so the sum is (w * s) . q plus
+    (w . z) on every channel; codes unpacked per tile of :func:`token_tiles`."""
+    lay = state.layout
+    N, H, g, T = weights.shape
+    r_v, bits, dtype = lay.value_bases.shape[3], lay.low_bits, weights.dtype
+    per = 8 // bits
+    ws = weights * lay.value_token_scale[:, :, None, :T].to(dtype)
+    bias = (weights * lay.value_token_zero[:, :, None, :T].to(dtype)).sum(-1, keepdim=True)  # (N, H, g, 1)
+    acc = torch.zeros((N, H, g, r_v), dtype=dtype, device=weights.device)
+    starts = token_tiles(T)
+    for a in starts:
+        b = min(T, a + starts.step)
+        for i, codes in _code_planes(lay.value_coef[:, :, a:b], bits, dtype):
+            n_cols = len(range(i, r_v, per))
+            acc[..., i::per] += torch.bmm(ws[..., a:b].reshape(N * H, g, b - a), codes[..., :n_cols].reshape(N * H, b - a, n_cols)).view(N, H, g, n_cols)
+    return acc + bias
 
 
 def softmax_weights(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,16 +366,20 @@ def chunk_value_coefficients(weights: torch.Tensor, state, num_chunks: int, chun
     r_v = lay.value_bases.shape[3]
     dtype = weights.dtype
     if num_chunks == 1:
-        if T <= VALUE_TILE:
-            return torch.matmul(weights, coefficient_rows(state, "value", 0, T, dtype))[:, :, None]  # (N, H, 1, g, r_v)
         # two-level sum over tokens: BLAS accumulates a long inner product sequentially in
         # float32 (error ~ T eps); tiles of VALUE_TILE tokens, then a sum over tiles
         # (3-D bmm: torch.matmul on the 4-D tiles takes a path several times slower on CPU for
         # tiles of ~1k tokens)
-        tile = max(VALUE_TILE, -(-T // MAX_VALUE_TILES))
+        if lay.low_bits and dtype != torch.float64:
+            return low_bit_value_sums(weights, state)[:, :, None]
+        if scales_after(state, dtype):
+            weights = weights * lay.value_scale[:, :, None, :T]
         w = weights.reshape(N * H, g, T)
-        parts = [torch.bmm(w[..., a : a + tile], coefficient_rows(state, "value", a, min(T, a + tile), dtype).reshape(N * H, -1, r_v)) for a in range(0, T, tile)]
-        return torch.stack(parts).sum(0).view(N, H, 1, g, r_v)
+        acc = torch.zeros((N * H, g, r_v), dtype=dtype, device=weights.device) if T == 0 else None  # every token in the exact window
+        for a, b, rows in raw_tiles(state, "value", T, dtype):
+            rows = rows.reshape(N * H, b - a, r_v)
+            acc = torch.bmm(w[..., a:b], rows) if acc is None else acc.baddbmm_(w[..., a:b], rows)
+        return acc.view(N, H, 1, g, r_v)
     device = weights.device
     J = num_chunks
     base = (torch.arange(N, device=device)[:, None] * H + torch.arange(H, device=device)[None, :]) * J
@@ -209,9 +415,11 @@ def attend(q: torch.Tensor, state, scale: float | None) -> torch.Tensor:
     N, Hq, _ = q.shape
     dtype = work_dtype(q, state)
     J = used_chunks(state)
-    q_proj = project_queries(q, state, scale, J, dtype)
     index = token_chunk_index(state, J) if J > 1 else None
-    logits = coefficient_logits(q_proj, state, index)
+    if getattr(state.policy, "rope", None) is not None:  # spec/rope.md P3 (static: J = 1)
+        logits = rope_logits(q, state, scale, dtype)
+    else:
+        logits = coefficient_logits(project_queries(q, state, scale, J, dtype), state, index)
     T_c = state.layout.num_tokens
     if state.window is not None:  # spec/window.md W3: exact tokens join the same softmax
         logits = torch.cat([logits, window.exact_logits(q, state, scale, dtype)], dim=-1)
@@ -226,6 +434,12 @@ def attend(q: torch.Tensor, state, scale: float | None) -> torch.Tensor:
 
 __all__ = [
     "apply_value_bases",
+    "one_chunk_logits",
+    "raw_tiles",
+    "rope_logits",
+    "rope_tables",
+    "scales_after",
+    "token_tiles",
     "attend",
     "chunk_value_coefficients",
     "coefficient_rows",

@@ -149,7 +149,7 @@ class TritonBackend:
             # Q2): the torch backend's append decodes / quantises them
             torch_append.append(state, keys, values)
             return
-        if state.policy.kind == "static" and dtype_name(state.layout.key_bases.dtype) in self.dtypes:
+        if state.policy.kind == "static" and getattr(state.policy, "rope", None) is None and dtype_name(state.layout.key_bases.dtype) in self.dtypes:
             self._append_static(state, keys, values)
             return
         _, project = _kernels()
@@ -176,4 +176,9 @@ class TritonBackend:
         """Spec A2/A3 (flash-decoding, A3.2) of q (N, H_q, d) -> (N, H_q, d_v) in q's dtype."""
         decode, _ = _kernels()
         # bases stored encoded (spec/storage.md S1) are decoded before the launch: J r d entries
-        return decode.decode_attention(q.contiguous(), decoded_state(state).layout, scale)
+        layout = decoded_state(state).layout
+        if getattr(state.policy, "rope", None) is not None:  # spec/rope.md P3: the fused rebuild + RoPE kernel
+            from subspace_ref_triton import rope_decode
+
+            return rope_decode.decode_attention(q.contiguous(), layout, state.policy.rope, scale)
+        return decode.decode_attention(q.contiguous(), layout, scale)

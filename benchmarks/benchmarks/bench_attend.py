@@ -103,3 +103,44 @@ class Attend:
         return float(self.state.num_chunks.mean())
 
     track_chunks.unit = "chunks"
+
+
+class AttendFormats:
+    """Torch-cpu decode of static states by coefficient format and key basis kind (issue 16):
+    float32, int8 (spec A10) or int4 coefficients, plain or pre-RoPE (spec/rope.md P3, cost spec R13).
+    ``track_speedup_vs_exact`` is torch SDPA's time over the attend's, both measured in the same
+    process and thread count. int4 is spec/quantization.md's format (KIVI groups)."""
+
+    params = (["float", "int8", "int4", "rope-float", "rope-int8", "rope-int4"], C.CONTEXTS)
+    param_names = ["format", "T"]
+    timeout = 600
+
+    def setup(self, fmt, T):
+        import numpy as np
+
+        from subspace_ref import SubspaceState
+        from subspace_ref.rope import RopeParams
+        from subspace_ref.workloads import spanning_basis
+
+        self.target = C.target("torch-cpu")
+        rope = RopeParams(1.0 / 10000.0 ** (np.arange(0, C.D, 2) / C.D)) if fmt.startswith("rope") else None
+        state = SubspaceState.static(spanning_basis(C.HEADS, C.D, 32, C.DTYPE), dtype=C.DTYPE, coefficients=fmt.split("-")[-1], rope=rope)
+        state = self.target.state(state)
+        for a in range(0, T, 16384):
+            n = min(16384, T - a)
+            state.append(self.target.convert(C.tokens(1 + a, n)), self.target.convert(C.tokens(10**6 + a, n)))
+        self.state = state
+        self.q = C.query(self.target)
+
+    def _attend(self):
+        return attend(self.q, self.state, backend="torch")
+
+    def time_attend(self, fmt, T):
+        self._attend()
+
+    def track_speedup_vs_exact(self, fmt, T):
+        """SDPA's time over this attend's (same run, same threads). Above 1: faster than exact."""
+        exact = C.median_seconds(C.exact_baseline(self.target, T), self.target.sync)
+        return float(exact / C.median_seconds(self._attend, self.target.sync))
+
+    track_speedup_vs_exact.unit = "x"

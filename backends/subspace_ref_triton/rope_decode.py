@@ -1,0 +1,202 @@
+"""Decode attention over a pre-RoPE static state (spec/rope.md P3) as one fused Triton kernel per
+split of the token axis, merged by :func:`subspace_ref_triton.decode.merge_partials`.
+
+A program owns one (sequence, KV head) and one split, and per tile of ``BLOCK_T`` tokens
+
+1. rebuilds the keys from their coefficients, ``u_t = B^T c_t`` (int8 coefficients, spec A10,
+   converted exactly in the kernel, their scales applied to the logits), as three products with
+   the basis columns of the planes' first dims, second dims and the fixed dims (the layout's
+   planes, ``RopeParams.planes``, become contiguous halves: no gather of the rebuilt key);
+2. rotates them to their positions, ``R_t u_t``: cos/sin of ``t theta_i`` by angle addition of
+   the tile's base angle (float64, m numbers per tile) and the offsets ``k theta_i`` (float64,
+   once per program), so no table of positions is read from memory;
+3. takes the logits with the g query heads of the GQA group (``gamma_h * scale`` applied to the
+   float32 logits), and runs the one-pass softmax of spec A3 with the values kept in coefficient
+   space (``g x r_v`` accumulator), mapped through ``E`` once per split.
+
+Rebuilding the key (not rotating the query per token) serves all g query heads with one
+``O(r d)`` product per token: spec/roofline.md R13. Everything is float32 (``ieee`` products):
+the rebuild is O(r d) per token, so the tensor-core splitting of :mod:`decode` would buy
+nothing measurable here before the kernel is timed on a GPU (docs/gpu.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from subspace_ref_triton._common import Launch, cdiv, pow2_at_least
+from subspace_ref_triton._tl import MAX_COMBINE as _MAX
+from subspace_ref_triton._tl import SUM_COMBINE as _SUM
+from subspace_ref_triton.decode import default_split_len, merge_partials
+
+BLOCK_T = 32  # tokens per tile: three (BLOCK_T x d/2) float32 key parts live at once
+
+
+@triton.jit
+def _rope_split_kernel(
+    q_ptr, kc_ptr, vc_ptr, kb_ptr, vb_ptr, gamma_ptr, ks_ptr, vs_ptr, order_ptr, freq_ptr,
+    pm_ptr, pz_ptr, po_ptr,
+    H, group, num_tokens, split_len, num_splits, scale, rope_scale,
+    d, d_v, r, r_v, m, f,
+    sq_n, sq_h,
+    skc_n, skc_h, skc_t,
+    svc_n, svc_h, svc_t,
+    skb_n, skb_h, skb_r,
+    svb_n, svb_h, svb_r,
+    sks_n, sks_h, sks_t,
+    svs_n, svs_h, svs_t,
+    G: tl.constexpr, M: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, RV: tl.constexpr,
+    BLOCK_T: tl.constexpr, INT8: tl.constexpr, HAS_FIXED: tl.constexpr,
+):
+    nh = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    n = nh // H
+    h = nh % H
+
+    offs_g = tl.arange(0, G)
+    offs_m = tl.arange(0, M)
+    offs_dv = tl.arange(0, DV)
+    offs_r = tl.arange(0, R)
+    offs_rv = tl.arange(0, RV)
+    offs_t = tl.arange(0, BLOCK_T)
+    g_mask = offs_g < group
+    m_mask = offs_m < m
+    r_mask = offs_r < r
+    rv_mask = offs_rv < r_v
+
+    # the dims of plane i: first dim order[i], second order[m + i]; fixed dims order[2m:]
+    dim_a = tl.load(order_ptr + offs_m, mask=m_mask, other=0)
+    dim_b = tl.load(order_ptr + m + offs_m, mask=m_mask, other=0)
+    q_rows = q_ptr + n * sq_n + (h * group + offs_g)[:, None] * sq_h
+    qa = tl.load(q_rows + dim_a[None, :], mask=g_mask[:, None] & m_mask[None, :], other=0.0).to(tl.float32)
+    qb = tl.load(q_rows + dim_b[None, :], mask=g_mask[:, None] & m_mask[None, :], other=0.0).to(tl.float32)
+    kb_rows = kb_ptr + n * skb_n + h * skb_h + offs_r[:, None] * skb_r
+    Ba = tl.load(kb_rows + dim_a[None, :], mask=r_mask[:, None] & m_mask[None, :], other=0.0).to(tl.float32)  # (R, M)
+    Bb = tl.load(kb_rows + dim_b[None, :], mask=r_mask[:, None] & m_mask[None, :], other=0.0).to(tl.float32)
+    if HAS_FIXED:
+        offs_f = tl.arange(0, F)
+        f_mask = offs_f < f
+        dim_f = tl.load(order_ptr + 2 * m + offs_f, mask=f_mask, other=0)
+        qf = tl.load(q_rows + dim_f[None, :], mask=g_mask[:, None] & f_mask[None, :], other=0.0).to(tl.float32)
+        Bf = tl.load(kb_rows + dim_f[None, :], mask=r_mask[:, None] & f_mask[None, :], other=0.0).to(tl.float32)
+
+    # cos/sin of k theta_i for the offsets k < BLOCK_T of a tile, in float64, once per program
+    theta = tl.load(freq_ptr + offs_m, mask=m_mask, other=0.0)  # float64
+    off_angle = offs_t.to(tl.float64)[:, None] * theta[None, :]
+    ck = tl.cos(off_angle).to(tl.float32)
+    sk = tl.sin(off_angle).to(tl.float32)
+
+    kc_base = kc_ptr + n * skc_n + h * skc_h
+    vc_base = vc_ptr + n * svc_n + h * svc_h
+    ks_base = ks_ptr + n * sks_n + h * sks_h
+    vs_base = vs_ptr + n * svs_n + h * svs_h
+    logit_scale = tl.load(gamma_ptr + h).to(tl.float32) * scale
+
+    lo = s * split_len
+    hi = tl.minimum(lo + split_len, num_tokens)
+    m_i = tl.full([G], float("-inf"), tl.float32)
+    z_i = tl.full([G], 0.0, tl.float32)
+    acc = tl.full([G, RV], 0.0, tl.float32)
+    for t0 in range(lo, hi, BLOCK_T):
+        t_mask = t0 + offs_t < hi
+        c = tl.load(kc_base + (t0 + offs_t)[:, None] * skc_t + offs_r[None, :], mask=t_mask[:, None] & r_mask[None, :], other=0).to(tl.float32)
+        dvals = tl.load(vc_base + (t0 + offs_t)[:, None] * svc_t + offs_rv[None, :], mask=t_mask[:, None] & rv_mask[None, :], other=0).to(tl.float32)
+        # step 1: rebuild; step 2: rotate to positions t0 + k (angle addition, scale a folded in)
+        ua = tl.dot(c, Ba, input_precision="ieee")  # (BLOCK_T, M)
+        ub = tl.dot(c, Bb, input_precision="ieee")
+        base = theta * t0  # float64
+        ca = (tl.cos(base) * rope_scale).to(tl.float32)
+        sa = (tl.sin(base) * rope_scale).to(tl.float32)
+        cos_t = ck * ca[None, :] - sk * sa[None, :]
+        sin_t = sk * ca[None, :] + ck * sa[None, :]
+        ra = ua * cos_t - ub * sin_t
+        rb = ua * sin_t + ub * cos_t
+        # step 3: logits of the g query heads
+        logits = tl.dot(qa, tl.trans(ra), input_precision="ieee")
+        logits = tl.dot(qb, tl.trans(rb), acc=logits, input_precision="ieee")
+        if HAS_FIXED:
+            uf = tl.dot(c, Bf, input_precision="ieee")
+            logits = tl.dot(qf, tl.trans(uf), acc=logits, input_precision="ieee")
+        logits = logits * logit_scale
+        if INT8:  # spec A10: k_t = s_t R_t B^T q_t
+            logits = logits * tl.load(ks_base + (t0 + offs_t) * sks_t, mask=t_mask, other=0.0)[None, :]
+        logits = tl.where(t_mask[None, :], logits, float("-inf"))
+        m_new = tl.maximum(m_i, tl.reduce(logits, 1, _MAX))
+        alpha = tl.exp(m_i - m_new)
+        w = tl.exp(logits - m_new[:, None])
+        z_i = z_i * alpha + tl.reduce(w, 1, _SUM)
+        if INT8:
+            w = w * tl.load(vs_base + (t0 + offs_t) * svs_t, mask=t_mask, other=0.0)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(w, dvals, input_precision="ieee")
+        m_i = m_new
+
+    E = tl.load(vb_ptr + n * svb_n + h * svb_h + offs_rv[:, None] * svb_r + offs_dv[None, :],
+                mask=rv_mask[:, None] & (offs_dv < d_v)[None, :], other=0.0).to(tl.float32)
+    o_i = tl.dot(acc, E, input_precision="ieee")
+    row = (n * H + h) * group + offs_g
+    tl.store(pm_ptr + row * num_splits + s, m_i, mask=g_mask)
+    tl.store(pz_ptr + row * num_splits + s, z_i, mask=g_mask)
+    tl.store(po_ptr + (row * num_splits + s)[:, None] * d_v + offs_dv[None, :], o_i, mask=g_mask[:, None] & (offs_dv < d_v)[None, :])
+
+
+def split_launch(q, layout, rope, scale: float, split_len: int):
+    """The split kernel's launch (not run) and the partials (m, Z, N) it fills, float32, in the
+    format of :func:`subspace_ref_triton.decode.split_launch` (m includes gamma * scale).
+    ``layout``: a one-chunk layout of torch tensors (a static state's, bases decoded)."""
+    N, Hq, d = q.shape
+    H = layout.key_coef.shape[1]
+    group = Hq // H
+    r, r_v, d_v = layout.key_coef.shape[3], layout.value_coef.shape[3], layout.value_bases.shape[4]
+    T = int(layout.num_tokens)
+    S = cdiv(T, split_len)
+    dev = q.device
+    pm = torch.empty((N, Hq, S), dtype=torch.float32, device=dev)
+    pz = torch.empty((N, Hq, S), dtype=torch.float32, device=dev)
+    po = torch.empty((N, Hq, S, d_v), dtype=torch.float32, device=dev)
+    kc, vc = layout.key_coef, layout.value_coef
+    kb, vb = layout.key_bases[:, :, 0], layout.value_bases[:, :, 0]
+    int8 = getattr(layout, "key_scale", None) is not None
+    ks, vs = (layout.key_scale, layout.value_scale) if int8 else (kc, vc)  # never read without INT8
+    m = rope.inv_freq.size
+    pairs = rope.planes(d)
+    order = torch.as_tensor([*pairs[:m, 0], *pairs[:m, 1], *pairs[m:].reshape(-1)], dtype=torch.int32, device=dev)
+    freq = torch.tensor(rope.inv_freq, dtype=torch.float64, device=dev)
+    f = d - 2 * m
+    args = (
+        q, kc, vc, kb, vb, layout.gamma.contiguous(), ks, vs, order, freq,
+        pm, pz, po,
+        H, group, T, int(split_len), S, float(scale), float(rope.attention_scaling),
+        d, d_v, r, r_v, m, f,
+        q.stride(0), q.stride(1),
+        kc.stride(0), kc.stride(1), kc.stride(2),
+        vc.stride(0), vc.stride(1), vc.stride(2),
+        kb.stride(0), kb.stride(1), kb.stride(2),
+        vb.stride(0), vb.stride(1), vb.stride(2),
+        ks.stride(0), ks.stride(1), ks.stride(2) if int8 else 0,
+        vs.stride(0), vs.stride(1), vs.stride(2) if int8 else 0,
+    )
+    constexprs = {
+        "G": pow2_at_least(group), "M": pow2_at_least(m), "F": pow2_at_least(f), "DV": pow2_at_least(d_v),
+        "R": pow2_at_least(r), "RV": pow2_at_least(r_v), "BLOCK_T": BLOCK_T, "INT8": int8, "HAS_FIXED": f > 0,
+    }
+    return Launch(_rope_split_kernel, (N * H, S), args, constexprs, 4), (pm, pz, po)
+
+
+def decode_attention(q, layout, rope, scale: float | None = None, split_len: int | None = None):
+    """Spec/rope.md P3 of q (N, H_q, d) over a pre-RoPE static state's ``layout``: (N, H_q, d_v)
+    in q's dtype, float32 inside."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    T = int(layout.num_tokens)
+    if split_len is None:
+        split_len = default_split_len(T, q.shape[0] * layout.key_coef.shape[1], q.device)
+        split_len = cdiv(split_len, BLOCK_T) * BLOCK_T
+    launch, (pm, pz, po) = split_launch(q, layout, rope, scale, split_len)
+    launch.run()
+    return merge_partials(pm, pz, po, q.dtype)
+
+
+__all__ = ["BLOCK_T", "decode_attention", "split_launch"]

@@ -1,0 +1,149 @@
+"""Pre-RoPE static states (spec/rope.md P2-P3) on the accelerated backends, against the float64
+oracle with the differential harness's derived tolerance (tests/differential/tolerance.py):
+torch on the CPU, Triton's fused kernel under TRITON_INTERPRET=1 (skipped with its reason when
+it cannot run here). Composed with GQA, int8 coefficients (spec A10), float16 bases
+(spec/storage.md S1) and the exact window (spec/window.md W3)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import random_orthonormal
+from differential.tolerance import reference_error, tolerance
+
+import subspace_ref as sr
+from subspace_ref import StaticBasis, SubspaceState
+from subspace_ref.arrays import to_numpy
+from subspace_ref.rope import RopeParams, rotate
+
+torch = pytest.importorskip("torch")
+
+# (name, layout, rotary_dim, scaling, H, group, d, r, T, coefficients, bases, window)
+CASES = [
+    ("half", "half", None, 1.0, 2, 1, 16, 6, 40, "float", "native", 0),
+    ("interleaved-partial-gqa", "interleaved", 8, 1.2, 2, 3, 12, 5, 37, "float", "native", 0),
+    ("int8-gqa", "half", None, 1.0, 2, 2, 16, 6, 50, "int8", "native", 0),
+    ("f16bases-window", "half", None, 1.0, 2, 2, 16, 6, 45, "float", "float16", 7),
+    ("tiles", "half", None, 1.0, 1, 2, 16, 4, 2600, "int8", "native", 0),  # > VALUE_TILE: several tiles, base angles > 0
+    ("int4-tiles", "half", None, 1.0, 1, 2, 16, 4, 2100, "int4", "native", 0),  # key groups and a float tail
+]
+
+
+def rope_params(d, layout, rotary_dim, scaling):
+    rot = d if rotary_dim is None else rotary_dim
+    return RopeParams(1.0 / 50.0 ** (np.arange(0, rot, 2) / rot), layout, scaling)
+
+
+def build(case, rng):
+    _, layout, rot, scaling, H, g, d, r, T, coefficients, bases, window = case
+    rope = rope_params(d, layout, rot, scaling)
+    basis = StaticBasis.from_bases(random_orthonormal(rng, H, r=r, d=d), random_orthonormal(rng, H, r=r, d=d), gamma=1.3)
+    state = SubspaceState.static(basis, rope=rope, coefficients=coefficients, bases=bases, window=window)
+    # post-RoPE keys of pre-RoPE keys near the basis span, as a model gives them
+    pre = np.einsum("htr,hrd->htd", rng.standard_normal((H, T, r)) * 3, basis.B) + 0.05 * rng.standard_normal((H, T, d))
+    keys = rotate(pre, np.arange(T), rope)
+    values = rng.standard_normal((H, T, d))
+    q = rng.standard_normal((H * g, d)) * 2
+    return state, keys, values, q
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_torch_pre_rope_attend_matches_oracle(case, dtype, rng):
+    state, keys, values, q = build(case, rng)
+    state.append(keys, values)
+    want = sr.attend(q, state)
+    ref = reference_error(state.copy(), q[None], None, want[None], dtype)
+    tst = state.to("torch", dtype=dtype)
+    got = to_numpy(sr.attend(torch.as_tensor(q, dtype=getattr(torch, dtype)), tst, backend="torch")).astype(np.float64)
+    err = np.abs(got - want).max()
+    assert err <= tolerance(ref, want, dtype), (err, ref)
+
+
+@pytest.mark.parametrize("case", CASES[:4], ids=[c[0] for c in CASES[:4]])
+def test_torch_pre_rope_append_matches_oracle(case, rng):
+    """P2 on torch: appends in two blocks (positions continue across appends) store the
+    oracle's coefficients (float64: to rounding; int8: the same codes)."""
+    state, keys, values, _ = build(case, rng)
+    tst = state.to("torch")
+    half = keys.shape[1] // 2
+    for sl in (slice(0, half), slice(half, None)):
+        state.append(keys[:, sl], values[:, sl])
+        tst.append(torch.as_tensor(keys[:, sl]), torch.as_tensor(values[:, sl]))
+    want, got = state.layout.live_arrays(), tst.layout.live_arrays()
+    for name in want:
+        np.testing.assert_allclose(to_numpy(got[name]), want[name], rtol=0, atol=1e-12, err_msg=name)
+
+
+def test_pre_rope_decode_is_not_a_plain_static_decode(rng):
+    """The rotation matters: the same coefficients attended without it (a plain static state)
+    give a different result, and so would a backend that dropped R_t."""
+    state, keys, values, q = build(CASES[0], rng)
+    state.append(keys, values)
+    plain = SubspaceState.static(StaticBasis.from_bases(state.layout.key_bases[0, :, 0], state.layout.value_bases[0, :, 0], gamma=1.3))
+    plain.layout = state.layout
+    tst = state.to("torch")
+    got = to_numpy(sr.attend(torch.as_tensor(q), tst, backend="torch"))
+    assert np.abs(got - sr.attend(q, plain)).max() > 1e-3
+
+
+def _triton_or_skip():
+    info = {b.name: b for b in sr.backends()}.get("triton")
+    if info is None or not info.available:
+        pytest.skip(f"triton backend unavailable: {None if info is None else info.reason}")
+
+
+TRITON_CASES = [c for c in CASES if not c[0].endswith("tiles")] + [("splits", "half", None, 1.0, 1, 2, 16, 4, 300, "int8", "native", 0)]
+
+
+@pytest.mark.parametrize("case", [c for c in TRITON_CASES if not c[-1]], ids=[c[0] for c in TRITON_CASES if not c[-1]])
+def test_triton_pre_rope_kernel_matches_oracle(case, rng):
+    """The fused kernel (rebuild, RoPE by angle addition, logits, online softmax, values in
+    coefficient space) in float32 against the float64 oracle, tolerance derived as the harness
+    does; several splits merged (split_len of 2 tiles)."""
+    _triton_or_skip()
+    from subspace_ref_triton import rope_decode
+
+    from subspace_ref.basis_storage import decoded_state
+
+    state, keys, values, q = build(case, rng)
+    state.append(keys, values)
+    want = sr.attend(q, state)
+    ref = reference_error(state.copy(), q[None], None, want[None], "float32")
+    tst = state.to("triton", dtype="float32")
+    qt = torch.as_tensor(q, dtype=torch.float32)
+    got = to_numpy(sr.attend(qt, tst, backend="triton")).astype(np.float64)
+    assert np.abs(got - want).max() <= tolerance(ref, want, "float32")
+    split = to_numpy(rope_decode.decode_attention(qt[None], decoded_state(tst).layout, tst.policy.rope, split_len=2 * rope_decode.BLOCK_T))[0]
+    assert np.abs(split - want).max() <= tolerance(ref, want, "float32")
+
+
+def test_triton_pre_rope_append_then_attend(rng):
+    """P2 through the triton backend's append (keys un-rotated before projection) then P3."""
+    _triton_or_skip()
+    state, keys, values, q = build(CASES[2], rng)
+    tst = state.to("triton", dtype="float32")
+    state.append(keys, values)
+    tst.append(torch.as_tensor(keys, dtype=torch.float32), torch.as_tensor(values, dtype=torch.float32))
+    want = sr.attend(q, state)
+    ref = reference_error(state.copy(), q[None], None, want[None], "float32")
+    got = to_numpy(sr.attend(torch.as_tensor(q, dtype=torch.float32), tst, backend="triton")).astype(np.float64)
+    assert np.abs(got - want).max() <= tolerance(ref, want, "float32") + 1e-6 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("coefficients", ["int4", "int2"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("T", [7, 2100])  # the float tail alone; several tiles of whole key groups, then the tail
+def test_torch_one_chunk_low_bit_path_matches_oracle(coefficients, dtype, T, rng):
+    """The one-chunk int4/int2 path of the torch attend (scaled query and one bias per key
+    group, codes contracted as packed, value scales in the weights) within the harness's
+    derived tolerance, GQA g = 2."""
+    H, d, r = 2, 16, 6
+    basis = StaticBasis.from_bases(random_orthonormal(rng, H, r=r, d=d), random_orthonormal(rng, H, r=r, d=d), gamma=0.8)
+    state = SubspaceState.static(basis, coefficients=coefficients)
+    state.append(np.einsum("htr,hrd->htd", rng.standard_normal((H, T, r)) * 3, basis.B), rng.standard_normal((H, T, d)))
+    q = rng.standard_normal((H * 2, d)) * 2
+    want = sr.attend(q, state)
+    ref = reference_error(state.copy(), q[None], None, want[None], dtype)
+    got = to_numpy(sr.attend(torch.as_tensor(q, dtype=getattr(torch, dtype)), state.to("torch", dtype=dtype), backend="torch")).astype(np.float64)
+    assert np.abs(got - want).max() <= tolerance(ref, want, dtype)

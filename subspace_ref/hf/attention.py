@@ -123,6 +123,7 @@ def observe(model, fn: Callable[..., None]) -> Iterator[None]:
 
 
 # ----------------------------------------------------------------------------- the function
+@torch.compiler.disable(reason="a SubspaceCache appends and attends in Python outside any graph")
 def subspace_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, fallback: str = "sdpa", **kwargs):
     """The attention function registered as :data:`ATTN_IMPLEMENTATION` (transformers' signature).
 

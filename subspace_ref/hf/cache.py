@@ -272,11 +272,11 @@ class SubspaceLayer(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
+    @torch.compiler.disable(reason="a SubspaceCache appends and attends in Python outside any graph")
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Keep the new post-RoPE keys/values (B, H, n, d) as pending and return them tagged; the
-        attention function appends them to the state and attends (see attention.py)."""
-        if torch.compiler.is_compiling():
-            raise RuntimeError("SubspaceCache does not run under torch.compile: its states are appended by Python code outside any graph")
+        attention function appends them to the state and attends (see attention.py). Under
+        ``torch.compile`` this and the attention function run eagerly (graph breaks around them)."""
         self.cache.check_model_attention()
         if self.pending_keys is not None:
             self._clear_pending()  # the abandoned forward leaves nothing behind

@@ -24,10 +24,11 @@ attention in coefficient space:
   boundaries by the layer (see :meth:`SubspaceLayer.attend_pending`). ``prefill="attend"``
   instead calls ``subspace_ref.attend`` once per position over :func:`prefix_view`.
 
-Untagged keys (a model using this implementation with a ``DynamicCache`` or no cache) go to
-transformers' own sdpa function unchanged, so the model behaves exactly as with "sdpa".
-Observers (:func:`observe`, used by :mod:`subspace_ref.hf.capture`) see every call's post-RoPE
-query, key and value.
+Untagged keys (a ``DynamicCache``, a sliding layer kept stock, or no cache) go to the model's
+previous implementation ("sdpa", or the module's own eager function) unchanged, so the model
+behaves exactly as before. The layer is found through the call itself (no registry), so caches,
+models and threads are independent. Observers (:func:`observe`, used by
+:mod:`subspace_ref.hf.capture`) see one model's post-RoPE queries, keys and values.
 """
 
 from __future__ import annotations

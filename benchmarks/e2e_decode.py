@@ -94,7 +94,8 @@ def rows_for(model, contexts, steps, make_caches, prefill) -> list[dict]:
             row["speed_ratio"] = row["tokens_per_s"] / base["tokens_per_s"]
             row["bytes_ratio"] = row["bytes"] / base["bytes"]
             rows.append(row)
-            print(f"  T={T:6d} {name:22s} {row['tokens_per_s']:8.2f} tok/s ({row['speed_ratio']:.2f}x)  {row['bytes'] / 2**20:9.2f} MiB ({row['bytes_ratio']:.3f}x)", flush=True)
+            speed, size = f"{row['tokens_per_s']:8.2f} tok/s ({row['speed_ratio']:.2f}x)", f"{row['bytes'] / 2**20:9.2f} MiB ({row['bytes_ratio']:.3f}x)"
+            print(f"  T={T:6d} {name:22s} {speed}  {size}", flush=True)
     return rows
 
 
@@ -105,10 +106,13 @@ def shipped(steps: int, contexts=(256, 512, 1008)) -> list[dict]:
     from subspace_ref.models import default_model as dm
 
     model, _ = dm.load_model("default")
-    text = open(sr.__file__.replace("__init__.py", "state.py"), encoding="utf-8").read()
+    from pathlib import Path
+
+    here = Path(sr.__file__).parent
+    text = (here / "state.py").read_text(encoding="utf-8")
     calib = dm.encode(text[:4096])[None, :1024]
     bases = capture(model, calib, queries=True).calibrate(rank_k=16, rank_v=16, gamma="mse")
-    prompt_text = open(sr.__file__.replace("__init__.py", "calibration.py"), encoding="utf-8").read()
+    prompt_text = (here / "calibration.py").read_text(encoding="utf-8")
     ids = dm.encode(prompt_text)[None]
 
     def prefill(cache, T):

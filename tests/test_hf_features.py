@@ -223,3 +223,20 @@ def test_capture_observes_only_its_own_model():
     with observe(model, lambda *a: seen.append(1)):
         stock(other, ids)
     assert not seen
+
+
+def test_assisted_decoding_with_a_draft_model_crops_and_matches_greedy():
+    """A one-layer draft proposes tokens; rejected ones are cropped from the subspace cache.
+    Greedy assisted decoding must give the stock cache's greedy tokens."""
+    model = model_for("llama")
+    torch.manual_seed(3)
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = 1
+    draft = transformers.LlamaForCausalLM(config).eval()
+    ids = prompt_ids(batch=1, length=10)
+    expected = model.generate(ids, do_sample=False, max_new_tokens=10, pad_token_id=0)
+    with compress(model, full_rank_states()) as kv:
+        cache = kv.cache()
+        got = model.generate(ids, do_sample=False, max_new_tokens=10, pad_token_id=0, assistant_model=draft, past_key_values=cache)
+    assert torch.equal(got, expected)
+    assert cache.get_seq_length() == got.shape[1] - 1

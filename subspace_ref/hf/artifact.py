@@ -100,7 +100,7 @@ class CalibratedBases:
         tensors = {}
         for i, b in enumerate(self.layers):
             if b is not None:
-                tensors |= {f"layers.{i}.B": np.ascontiguousarray(b.B), f"layers.{i}.E": np.ascontiguousarray(b.E), f"layers.{i}.gamma": np.ascontiguousarray(b.gamma)}
+                tensors |= {f"layers.{i}.{name}": np.ascontiguousarray(getattr(b, name)) for name in ("B", "E", "gamma")}
         save_file(tensors, str(out / TENSORS))
         (out / METADATA).write_text(json.dumps(self.metadata(), indent=1, sort_keys=True) + "\n")
         return out

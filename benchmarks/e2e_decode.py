@@ -151,6 +151,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--layers", type=int, default=4, help="layers of the random head-128 Llama (default 4)")
     p.add_argument("--contexts", type=int, nargs="*", default=None, help="contexts of the llama128 setting (default 8192 16384)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="dtype of the llama128 setting (default float32)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -162,7 +163,7 @@ def main() -> None:
     if args.setting in ("shipped", "both"):
         out["shipped"] = shipped(args.steps)
     if args.setting in ("llama128", "both"):
-        out["llama128"] = llama128(args.steps, args.layers, tuple(args.contexts or (8192, 16384)))
+        out["llama128"] = llama128(args.steps, args.layers, tuple(args.contexts or (8192, 16384)), getattr(torch, args.dtype))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=1)

@@ -327,6 +327,8 @@ class SubspaceLayer(CacheLayerMixin):
             return f"a {st.kind} state's sketches cannot forget tokens or be re-indexed"
         if st.window is not None:
             return "a state with an exact window keeps its last tokens apart"
+        if st.layout.low_bits:
+            return f"{st.layout.coefficients} keys are quantised in groups of {st.layout.group} tokens with an unfinished tail"
         return None
 
     @property
@@ -361,6 +363,7 @@ class SubspaceLayer(CacheLayerMixin):
             index = np.asarray(index.cpu() if isinstance(index, torch.Tensor) else index)
         else:
             index = torch.as_tensor(index, device=st.layout.key_coef.device)
+        # every array of the layout (layout.STATE_ARRAYS) leads with the batch axis but gamma (H,)
         st.layout = st.layout.map_arrays(lambda field, x: x if field == "gamma" or x is None else x[index])
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

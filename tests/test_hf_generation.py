@@ -3,8 +3,9 @@
 Matrix: tiny random-init Llama (GQA), Qwen2, Qwen3, Mistral (sliding window, compressed),
 Phi3, Gemma, Gemma2 (hybrid: sliding layers kept stock, soft-capping) x {greedy, sampling,
 beam=2, left-padded batch of 3, two successive generate calls, prompt-lookup decoding} x
-{float32, bfloat16}. The default suite runs every family and mode in float32 and bfloat16 on
-Llama, Gemma2 and Mistral; the rest of the bfloat16 matrix is marked slow.
+{float32, bfloat16}. The default suite runs every family and mode in float32 and in bfloat16 on
+Llama, Gemma2 and Mistral (GQA, hybrid + soft-capping, compressed sliding window); the rest of
+the bfloat16 matrix is marked slow (all 88 take ~20 s alone).
 
 Tolerance (tests/differential/tolerance.py's rule applied to a whole model). The oracle is the
 model run in float64 with the stock cache. The reference error is how far the stock model run in

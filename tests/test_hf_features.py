@@ -195,10 +195,14 @@ def test_bases_round_trip_on_a_saved_checkpoint(tmp_path):
     loaded = CalibratedBases.from_pretrained(tmp_path / "bases", model.config)
     assert loaded.calibration["coefficient_fraction"] <= 0.5
     assert sum(sum(b.rank_k) + sum(b.rank_v) for b in loaded.layers) <= 0.5 * 2 * 2 * 32
-    ours = CalibratedBases.for_model(model, list(loaded.layers), calibration=loaded.calibration)
+    from subspace_ref.allocation import Allocation, HeadAllocation
+
+    plan = Allocation(tuple(tuple(HeadAllocation(int(rk), int(rv)) for rk, rv in zip(b.rank_k, b.rank_v)) for b in loaded.layers))
+    ours = CalibratedBases.for_model(model, list(loaded.layers), calibration=loaded.calibration, allocation=plan)
     ours.save_pretrained(tmp_path / "again")
     back = CalibratedBases.from_pretrained(tmp_path / "again", model)
-    assert back.metadata() == ours.metadata() == loaded.metadata()
+    assert back.allocation.heads == plan.heads and back.metadata()["allocation"]["heads"] == ours.metadata()["allocation"]["heads"]
+    assert {**back.metadata(), "allocation": None} == loaded.metadata()
     for a, b in zip(back.layers, loaded.layers):
         assert np.array_equal(a.B, b.B) and np.array_equal(a.E, b.E) and np.array_equal(a.gamma, b.gamma)
     ids = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(2))

@@ -50,15 +50,15 @@ class CalibratedBases:
     sliding-window layer kept stock). ``coefficient_bits``: 16 (float coefficients in the
     model's dtype) or 8 (spec A10 INT8). ``basis_format``: how states store the bases
     (spec/storage.md S1). ``config_hash``: :func:`config_hash` of the model calibrated.
-    ``allocation``: a per-head allocation record (``to_dict()`` of the allocator's dataclass)
-    or None. ``calibration``: free-form facts (tokens, energy, compression ratio asked)."""
+    ``allocation``: the per-head :class:`~subspace_ref.allocation.Allocation` the ranks and bits
+    came from (saved with its ``to_dict()``, read back with ``from_dict``), or None. ``calibration``: free-form facts (tokens, energy, compression ratio asked)."""
 
     layers: tuple[StaticBasis | None, ...]
     config_hash: str
     coefficient_bits: int = 16
     basis_format: str = "float16"
     kind: str = "static"
-    allocation: dict | None = None
+    allocation: Any = None
     calibration: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -87,7 +87,8 @@ class CalibratedBases:
     def metadata(self) -> dict:
         return dict(
             format_version=FORMAT_VERSION, kind=self.kind, config_hash=self.config_hash, coefficient_bits=self.coefficient_bits,
-            basis_format=self.basis_format, allocation=self.allocation, calibration=self.calibration,
+            basis_format=self.basis_format, calibration=self.calibration,
+            allocation=None if self.allocation is None else self.allocation.to_dict(),
             layers=[None if b is None else dict(rank_k=list(b.rank_k), rank_v=list(b.rank_v), gamma=[float(g) for g in b.gamma]) for b in self.layers],
         )
 
@@ -131,8 +132,13 @@ class CalibratedBases:
             basis = StaticBasis(B=tensors[f"layers.{i}.B"], E=tensors[f"layers.{i}.E"], gamma=tensors[f"layers.{i}.gamma"],
                                 rank_k=tuple(entry["rank_k"]), rank_v=tuple(entry["rank_v"]))
             layers.append(basis)
+        allocation = meta.get("allocation")
+        if allocation is not None:
+            from subspace_ref.allocation import Allocation
+
+            allocation = Allocation.from_dict(allocation)
         return cls(tuple(layers), meta["config_hash"], coefficient_bits=meta["coefficient_bits"], basis_format=meta["basis_format"],
-                   kind=meta["kind"], allocation=meta.get("allocation"), calibration=meta.get("calibration") or {})
+                   kind=meta["kind"], allocation=allocation, calibration=meta.get("calibration") or {})
 
 
 __all__ = ["CalibratedBases", "config_hash"]

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from subspace_ref.arrays import array_family
+from subspace_ref.capabilities import require
 
 #: The name under which :func:`subspace_attention` is registered in transformers.
 ATTN_IMPLEMENTATION = "subspace_ref"
@@ -138,10 +139,9 @@ def subspace_attention(module, query, key, value, attention_mask, scaling=None, 
         return fallback_attention(fallback, module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
     try:
-        if dropout and module.training:
-            raise NotImplementedError("attention dropout in training mode is not supported by the subspace cache; call model.eval()")
-        if kwargs.get("s_aux") is not None:
-            raise NotImplementedError(f"attention sinks (s_aux) are not supported by the subspace cache (layer {layer.layer_idx})")
+        refused = ["attention dropout in training mode (call model.eval())"] if dropout and module.training else []
+        refused += ["attention sinks (s_aux)"] if kwargs.get("s_aux") is not None else []
+        require(refused, f"layer {layer.layer_idx}: the subspace cache does not support")
         if query.shape[1] % layer.state.heads:
             raise ValueError(f"{query.shape[1]} query heads for {layer.state.heads} KV heads")
         mask = None if is_plain_causal(attention_mask, query.shape[2], layer.get_seq_length()) else attention_mask

@@ -28,6 +28,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 import subspace_ref
 from subspace_ref.calibration import StaticBasis
+from subspace_ref.capabilities import require, state_reasons
 from subspace_ref.hf import attention as _attn
 from subspace_ref.registry import get_backend
 from subspace_ref.state import SubspaceState
@@ -346,18 +347,14 @@ class SubspaceLayer(CacheLayerMixin):
             raise ValueError(f"tokens_to_remove: expected a negative number of tokens to remove, got {tokens_to_remove}")
         if not tokens_to_remove or self.state is None:
             return
-        reason = self.editable_reason()
-        if reason is not None:
-            raise NotImplementedError(f"layer {self.layer_idx}: cannot crop: {reason}")
+        require([self.editable_reason()] if self.editable_reason() else [], f"layer {self.layer_idx}: cannot crop")
         self.truncate(max(0, self.state.num_tokens + tokens_to_remove))
 
     def _index_batch(self, name: str, index: Any) -> None:
         if self.state is None or self.state.num_tokens == 0 and self._given is None:
             self.state, self.is_initialized = None, False  # built again, at the new batch size
             return
-        reason = self.editable_reason()
-        if reason is not None:
-            raise NotImplementedError(f"layer {self.layer_idx}: {name}: {reason}")
+        require([self.editable_reason()] if self.editable_reason() else [], f"layer {self.layer_idx}: {name}")
         st = self.state
         if isinstance(st.layout.key_coef, np.ndarray):
             index = np.asarray(index.cpu() if isinstance(index, torch.Tensor) else index)
@@ -448,10 +445,8 @@ class SubspaceLayer(CacheLayerMixin):
         if query.shape[2] != n:
             raise ValueError(f"layer {self.layer_idx}: {query.shape[2]} queries for {n} new tokens")
         if mask is not None or softcap is not None:
-            reason = self.masked_reason()
-            if reason is not None:
-                what = "soft-capping" if mask is None else "a padding or sliding-window mask"
-                raise NotImplementedError(f"layer {self.layer_idx}: {what} is not supported here: {reason}")
+            what = "soft-capping" if mask is None else "a padding or sliding-window mask"
+            require([self.masked_reason()] if self.masked_reason() else [], f"layer {self.layer_idx}: {what}")
             self._clear_pending()
             self._append(keys, values)
             return _attn.causal_attention(query, st, T0, scale, mask=mask, softcap=softcap)
@@ -585,13 +580,7 @@ class SubspaceCache(Cache):
         if half or held_family != self.family or state.engine != self.backend or (self.family == "torch" and state.layout.key_coef.device != spec.device):
             # appends then run on the chosen backend itself (e.g. triton's projection kernel)
             state = state.to(self.backend, device=spec.device if self.family == "torch" else None, dtype=spec.dtype if half else None)
-        probe_dtype = torch.float64 if str(state.dtype).endswith("float64") else spec.dtype if half else torch.float32
-        probe = torch.zeros((spec.batch, spec.heads, spec.head_dim), dtype=probe_dtype, device=spec.device)
-        if self.family != "torch":
-            probe = probe.cpu().numpy()
-        reasons = get_backend(self.backend).not_supported_reasons(probe, state)
-        if reasons:
-            raise ValueError(f"layer {spec.layer_idx}: backend {self.backend!r} refuses this state: " + "; ".join(reasons))
+        require(state_reasons(self.backend, get_backend(self.backend), state), f"layer {spec.layer_idx}: backend {self.backend!r} refuses this state")
         return state
 
     # -- facts

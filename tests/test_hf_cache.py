@@ -415,13 +415,16 @@ def test_cache_refuses_a_model_with_another_attention_implementation():
         model(torch.tensor([[1, 2, 3]]), past_key_values=cache)
 
 
-def test_cache_refuses_padding():
+def test_cache_refuses_padding_for_rotating_states():
+    """Static and adaptive states take padding masks (tests/test_hf_generation.py); a rotating
+    state rewrites past coefficients at refreshes and refuses them, leaving nothing appended."""
     model = make_model("gpt2", seed=5)
     use_subspace_attention(model)
-    cache = SubspaceCache(model.config, full_rank_states())
+    cache = SubspaceCache(model.config, full_rank_states("rotating", refresh_every=3))
     mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
     with pytest.raises(NotImplementedError, match="padding"):
         model(torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]]), attention_mask=mask, past_key_values=cache)
+    assert all(layer.pending_keys is None for layer in cache.layers)
 
 
 def test_static_basis_of_wrong_shape_is_refused():

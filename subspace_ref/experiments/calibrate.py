@@ -320,9 +320,19 @@ def static_basis(record: dict, svd: list[dict], layer: int, *, rank=None, energy
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     C.add_common_arguments(parser)
+    # checkpoint mode (subspace_ref/hf/calibrate_checkpoint.py): saved bases for any local checkpoint
+    parser.add_argument("--compression-ratio", type=float, default=None,
+                        help="save static bases for --model (any local checkpoint) keeping coefficient bytes within this fraction of the stock cache's")
+    parser.add_argument("--bases-out", type=Path, default=None, help="where --compression-ratio saves the bases (default OUT/bases)")
+    parser.add_argument("--text", type=Path, default=None, help="--compression-ratio calibration text (default: Python standard-library sources)")
+    parser.add_argument("--calibration-tokens", type=int, default=8192, help="--compression-ratio calibration tokens (default 8192)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.compression_ratio is not None:
+        from subspace_ref.hf.calibrate_checkpoint import run as run_checkpoint
+
+        return run_checkpoint(args)
     ctx = C.make_context(args)
     rec = calibrate_run(ctx)
     print(f"calibrate: {rec['layers']} layers x {rec['kv_heads']} KV heads, d={rec['d']}, {rec['calibration_tokens']} calibration tokens -> {ctx.out / 'calibration.json'}")

@@ -2,11 +2,13 @@
 values / queries, and teacher-forced log-likelihoods (spec/models.md).
 
 Needs the ``models`` extra (torch, transformers >= 5); :mod:`subspace_ref` itself never imports
-this package. Importing it registers nothing: :func:`use_subspace_attention` (or
-:meth:`SubspaceCache.for_model`) registers the attention implementation and selects it for one
-model.
+this package. Importing it registers nothing: ``with compress(model, bases) as kv:`` selects
+the subspace attention for one model inside a block (:func:`use_subspace_attention` or
+:meth:`SubspaceCache.for_model` do it until undone). Bases are saved and loaded as
+:class:`CalibratedBases` (``save_pretrained`` / ``from_pretrained``).
 """
 
+from subspace_ref.hf.artifact import CalibratedBases, config_hash
 from subspace_ref.hf.attention import (
     ATTN_IMPLEMENTATION,
     causal_attention,
@@ -27,11 +29,16 @@ from subspace_ref.hf.cache import (
     rotating_states,
     static_states,
 )
+from subspace_ref.hf.compress import Compressed, compress
 from subspace_ref.hf.capture import LayerCapture, ModelCapture, capture
 from subspace_ref.hf.teacher_forced import LogLikelihood, decode_token_by_token, perplexity, teacher_forced
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "CalibratedBases",
+    "Compressed",
+    "compress",
+    "config_hash",
     "LayerCapture",
     "LogLikelihood",
     "ModelCapture",

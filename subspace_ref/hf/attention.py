@@ -24,17 +24,17 @@ attention in coefficient space:
   boundaries by the layer (see :meth:`SubspaceLayer.attend_pending`). ``prefill="attend"``
   instead calls ``subspace_ref.attend`` once per position over :func:`prefix_view`.
 
-Untagged keys (a model using this implementation with a ``DynamicCache`` or no cache) go to
-transformers' own sdpa function unchanged, so the model behaves exactly as with "sdpa".
-Observers (:func:`observe`, used by :mod:`subspace_ref.hf.capture`) see every call's post-RoPE
-query, key and value.
+Untagged keys (a ``DynamicCache``, a sliding layer kept stock, or no cache) go to the model's
+previous implementation ("sdpa", or the module's own eager function) unchanged, so the model
+behaves exactly as before. The layer is found through the call itself (no registry), so caches,
+models and threads are independent. Observers (:func:`observe`, used by
+:mod:`subspace_ref.hf.capture`) see one model's post-RoPE queries, keys and values.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import weakref
 from dataclasses import replace
 from typing import Any, Callable, Iterator
 
@@ -42,37 +42,58 @@ import numpy as np
 import torch
 
 from subspace_ref.arrays import array_family
+from subspace_ref.capabilities import require
 
 #: The name under which :func:`subspace_attention` is registered in transformers.
 ATTN_IMPLEMENTATION = "subspace_ref"
 
-#: Layers whose update returned tagged keys not yet consumed by the attention function.
-_PENDING: "weakref.WeakSet[Any]" = weakref.WeakSet()
-_OBSERVERS: list[Callable[..., None]] = []
-#: Attribute set on the key tensor returned by ``SubspaceLayer.update``.
+#: Attribute set on the key tensor returned by ``SubspaceLayer.update``: the call itself
+#: carries its layer to the attention function (no registry of pending layers).
 TAG = "_subspace_ref_layer"
+#: Attribute of an attention module holding the observers of :func:`observe` (per model).
+OBSERVERS = "_subspace_ref_observers"
 #: Query tiles of the causal evaluator hold about this many logits.
 TILE_ELEMENTS = 1 << 22
 
 
 # ----------------------------------------------------------------------------- registration
-def register() -> None:
-    """Register :func:`subspace_attention` and the sdpa mask builder as :data:`ATTN_IMPLEMENTATION`
-    (idempotent). Registering only adds a name; no model uses it until selected."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+def implementation_name(fallback: str = "sdpa") -> str:
+    """The registered name of :func:`subspace_attention` whose untagged calls (layers not held
+    by a :class:`SubspaceCache`: a ``DynamicCache``, sliding layers kept stock, no cache) go to
+    ``fallback``, the implementation the model had: "sdpa" is :data:`ATTN_IMPLEMENTATION`."""
+    return ATTN_IMPLEMENTATION if fallback in ("sdpa", ATTN_IMPLEMENTATION) or is_subspace(fallback) else f"{ATTN_IMPLEMENTATION}:{fallback}"
 
-    AttentionInterface.register(ATTN_IMPLEMENTATION, subspace_attention)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+
+def is_subspace(name: str | None) -> bool:
+    """Whether ``name`` is one of the names :func:`register` gives :func:`subspace_attention`."""
+    return isinstance(name, str) and (name == ATTN_IMPLEMENTATION or name.startswith(ATTN_IMPLEMENTATION + ":"))
+
+
+def register(fallback: str = "sdpa") -> str:
+    """Register :func:`subspace_attention` falling back to ``fallback`` ("sdpa" or "eager", the
+    model's previous implementation) and the matching mask builder, under
+    :func:`implementation_name` (idempotent); returns the name. Registering only adds a name; no
+    model uses it until selected."""
+    import functools
+
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+
+    if fallback not in ("sdpa", "eager") and not is_subspace(fallback):
+        raise ValueError(f'the subspace attention falls back to "sdpa" or "eager" for layers it does not hold, not {fallback!r}')
+    name = implementation_name(fallback)
+    fn = subspace_attention if name == ATTN_IMPLEMENTATION else functools.partial(subspace_attention, fallback=fallback)
+    AttentionInterface.register(name, fn)
+    AttentionMaskInterface.register(name, eager_mask if fallback == "eager" else sdpa_mask)
+    return name
 
 
 def use_subspace_attention(model) -> str:
-    """Select :data:`ATTN_IMPLEMENTATION` for ``model`` (registering it first); returns the
-    implementation it replaced. Without a :class:`SubspaceCache` the model then computes exactly
-    what "sdpa" computes."""
-    register()
+    """Select the subspace attention for ``model`` (registering it first; untagged calls keep
+    the model's current "sdpa" or "eager" implementation); returns the implementation it
+    replaced. Without a :class:`SubspaceCache` the model then computes exactly what it did."""
     previous = model.config._attn_implementation
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    model.set_attn_implementation(register(previous))
     return previous
 
 
@@ -83,80 +104,86 @@ def subspace_attention_enabled(model) -> Iterator[None]:
     try:
         yield
     finally:
-        if previous != ATTN_IMPLEMENTATION:
+        if not is_subspace(previous):
             model.set_attn_implementation(previous)
 
 
 @contextlib.contextmanager
-def observe(fn: Callable[..., None]) -> Iterator[None]:
-    """Call ``fn(module, query, key, value)`` on every call of :func:`subspace_attention` while the
-    context is open. ``query`` (B, H_q, n, d) and ``key``/``value`` (B, H, n, d) are post-RoPE:
-    the tensors the cache's ``update`` received (or, without a cache, would have received)."""
-    _OBSERVERS.append(fn)
+def observe(model, fn: Callable[..., None]) -> Iterator[None]:
+    """Call ``fn(module, query, key, value)`` on every call of :func:`subspace_attention` made by
+    ``model``'s attention modules while the context is open (other models are not observed).
+    ``query`` (B, H_q, n, d) and ``key``/``value`` (B, H, n, d) are post-RoPE: the tensors the
+    cache's ``update`` received (or, without a cache, would have received)."""
+    modules = [m for m in model.modules() if hasattr(m, "layer_idx")]
+    for m in modules:
+        m.__dict__.setdefault(OBSERVERS, []).append(fn)
     try:
         yield
     finally:
-        _OBSERVERS.remove(fn)
+        for m in modules:
+            m.__dict__[OBSERVERS].remove(fn)
 
 
 # ----------------------------------------------------------------------------- the function
-def subspace_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+@torch.compiler.disable(reason="a SubspaceCache appends and attends in Python outside any graph")
+def subspace_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, fallback: str = "sdpa", **kwargs):
     """The attention function registered as :data:`ATTN_IMPLEMENTATION` (transformers' signature).
 
-    Returns ``(attn_output (B, n, H_q, d_v), None)``.
+    Returns ``(attn_output (B, n, H_q, d_v), None)``. The layer is found through the call: the
+    key tensor ``SubspaceLayer.update`` returned carries it; any other key goes to ``fallback``.
     """
-    for fn in list(_OBSERVERS):
+    for fn in list(module.__dict__.get(OBSERVERS, ())):
         fn(module, query, key, value)
     layer = getattr(key, TAG, None)
     if layer is None or layer.pending_keys is not key:
-        idx = getattr(module, "layer_idx", None)
-        if any(p.layer_idx == idx for p in list(_PENDING)):
-            raise RuntimeError(
-                f"layer {idx}: the keys returned by SubspaceCache.update did not reach the attention function "
-                "unchanged; this model family is not supported by the subspace cache (see spec/models.md)"
-            )
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        return fallback_attention(fallback, module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
     try:
-        if dropout and module.training:
-            raise NotImplementedError("attention dropout in training mode is not supported by the subspace cache; call model.eval()")
-        for name in ("sliding_window", "softcap", "s_aux"):
-            if kwargs.get(name) is not None:
-                raise NotImplementedError(f"{name} is not supported by the subspace cache (layer {layer.layer_idx})")
-        check_causal_mask(attention_mask, query.shape[2], layer.get_seq_length())
+        refused = ["attention dropout in training mode (call model.eval())"] if dropout and module.training else []
+        refused += ["attention sinks (s_aux)"] if kwargs.get("s_aux") is not None else []
+        require(refused, f"layer {layer.layer_idx}: the subspace cache does not support")
         if query.shape[1] % layer.state.heads:
             raise ValueError(f"{query.shape[1]} query heads for {layer.state.heads} KV heads")
+        mask = None if is_plain_causal(attention_mask, query.shape[2], layer.get_seq_length()) else attention_mask
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
-        out = layer.attend_pending(query, float(scaling))  # (B, H_q, n, d_v)
+        out = layer.attend_pending(query, float(scaling), mask=mask, softcap=kwargs.get("softcap"))  # (B, H_q, n, d_v)
     except BaseException:
-        # the forward is abandoned; earlier layers may already hold the tokens, so the cache is
-        # left inconsistent (build a new one), but no stale pending keys survive
-        layer._clear_pending()
+        layer.abandon()  # nothing of this call stays pending or appended
         raise
     return out.transpose(1, 2).contiguous(), None
 
 
-def check_causal_mask(mask, query_length: int, kv_length: int) -> None:
-    """NotImplementedError unless ``mask`` is None or the plain causal mask of ``query_length``
-    queries ending a ``kv_length``-token sequence (True/0 = attend). Padding is not supported:
-    the compressed cache has no per-token mask."""
+def fallback_attention(name: str, module) -> Callable[..., Any]:
+    """The attention function ``name`` ("sdpa" or "eager") for ``module``: eager is the
+    module's own ``eager_attention_forward`` (e.g. Gemma2's applies its soft-capping)."""
+    if name == "eager":
+        import sys
+
+        return getattr(sys.modules[type(module).__module__], "eager_attention_forward")
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward
+
+
+def is_plain_causal(mask, query_length: int, kv_length: int) -> bool:
+    """Whether ``mask`` is None or the plain causal mask of ``query_length`` queries ending a
+    ``kv_length``-token sequence (True/0 = attend): then no per-token mask is needed.
+    ValueError if ``mask`` is not a 4-d mask over those queries and tokens."""
     if mask is None:
-        return
-    if not isinstance(mask, torch.Tensor) or mask.ndim != 4:
-        raise NotImplementedError(f"the subspace cache supports only causal masks, got {type(mask).__name__}")
-    if mask.shape[-1] != kv_length or mask.shape[-2] != query_length:
-        raise NotImplementedError(f"mask of shape {tuple(mask.shape)} does not match {query_length} queries over {kv_length} tokens")
+        return True
+    if not isinstance(mask, torch.Tensor) or mask.ndim != 4 or mask.shape[-1] != kv_length or mask.shape[-2] != query_length:
+        shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"attention_mask: expected a 4-d mask over {query_length} queries and {kv_length} tokens, got {shape}")
     past = kv_length - query_length
     causal = torch.arange(kv_length, device=mask.device)[None, :] <= (past + torch.arange(query_length, device=mask.device))[:, None]
-    allowed = mask if mask.dtype == torch.bool else mask == 0
-    if not torch.equal(allowed, causal.expand_as(allowed)):
-        raise NotImplementedError(
-            "the subspace cache supports only plain causal attention (no padding or custom masks); "
-            "run sequences of equal length without padding"
-        )
+    return bool(torch.equal(allowed_positions(mask), causal.expand(mask.shape)))
+
+
+def allowed_positions(mask: torch.Tensor) -> torch.Tensor:
+    """The boolean form of a transformers 4-d mask: True where a query may attend a token
+    (boolean sdpa masks as they are; additive eager masks: 0 attends, the dtype minimum not)."""
+    return mask if mask.dtype == torch.bool else mask == 0
 
 
 # ----------------------------------------------------------------------------- evaluators
@@ -206,7 +233,8 @@ def _coefficients(lay, which: str, T: int, dtype: torch.dtype, device) -> torch.
     return _torch(coef, device).to(dtype)
 
 
-def causal_attention(q: torch.Tensor, state, first_position: int, scale: float | None = None) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, state, first_position: int, scale: float | None = None, *, mask: torch.Tensor | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
     """Coefficient-space attention of queries at positions ``first_position + i`` (q: (N, H_q, n, d),
     any torch dtype/device) over ``state``'s tokens ``0 .. first_position + n - 1``, query ``i``
     attending tokens ``t <= first_position + i`` only (causal mask on the coefficient logits).
@@ -217,6 +245,11 @@ def causal_attention(q: torch.Tensor, state, first_position: int, scale: float |
     maximum (spec A3.1), output ``sum_j (w_j^T D_j) E_j / Z``. Nothing is reconstructed: bases
     act on the query and on the r_v-dimensional weighted sums only. Returns (N, H_q, n, d_v) in
     q's dtype; computed in float64 when q and the state are float64, else float32.
+
+    ``mask`` (a transformers 4-d mask (N or 1, H_q or 1, n, first_position + n), boolean or
+    additive): query ``i`` attends only the tokens it allows as well (left padding, sliding
+    windows); a query allowed no token gets zeros. ``softcap``: logits ``l`` become
+    ``softcap * tanh(l / softcap)`` before masking (Gemma2), as the model's eager attention does.
     """
     lay = state.layout
     N, Hq, n, d = q.shape
@@ -285,10 +318,18 @@ def causal_attention(q: torch.Tensor, state, first_position: int, scale: float |
                 sel = (index[:, :, lo:hi] == j)[:, :, None, None, :]
                 part = torch.matmul(qp[:, :, j], C[:, :, lo:hi].mT[:, :, None])
                 logits[..., lo:hi] = torch.where(sel, part, logits[..., lo:hi])
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
         allowed = keys_pos[None, :] <= (first_position + torch.arange(a, b, device=device))[:, None]  # (m, T)
+        if mask is not None:
+            rows = allowed_positions(mask[:, :, a:b, :T]).to(device)
+            rows = rows[:, :, None] if rows.shape[1] == 1 else rows.reshape(rows.shape[0], H, g, b - a, T)
+            allowed = allowed & rows
         logits = logits.masked_fill(~allowed, -math.inf)
-        w = torch.exp(logits - logits.amax(-1, keepdim=True))
+        top = logits.amax(-1, keepdim=True)
+        w = torch.exp(logits - torch.where(torch.isfinite(top), top, torch.zeros((), dtype=work, device=device)))
         Z = w.sum(-1, keepdim=True)
+        Z = torch.where(Z > 0, Z, torch.ones((), dtype=work, device=device))  # a fully masked query (padding) gets zeros
         if J == 1:
             acc = torch.matmul(torch.matmul(w, D[:, :, None]), E[:, :, 0][:, :, None])
         else:
@@ -305,7 +346,11 @@ def causal_attention(q: torch.Tensor, state, first_position: int, scale: float |
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "causal_attention",
-    "check_causal_mask",
+    "allowed_positions",
+    "fallback_attention",
+    "implementation_name",
+    "is_plain_causal",
+    "is_subspace",
     "observe",
     "prefix_view",
     "register",

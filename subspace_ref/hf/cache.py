@@ -18,7 +18,6 @@ them to the state and computes attention from it (spec/models.md).
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -249,26 +248,19 @@ class SubspaceLayer(CacheLayerMixin):
 
     is_sliding = False
     is_compileable = False
-    is_croppable = False
 
     def __init__(self, cache: "SubspaceCache", layer_idx: int, state: SubspaceState | None = None):
         super().__init__()
-        self._cache = weakref.ref(cache)
+        self.cache = cache  # a plain reference: a deep copy of the cache copies its layers with it
         self.layer_idx = layer_idx
         self._given = state
         self.state: SubspaceState | None = None
         self.pending_keys: torch.Tensor | None = None
         self.pending_values: torch.Tensor | None = None
+        self._forward_start = 0  # tokens held when the current forward began (rollback point)
 
     def __repr__(self) -> str:
         return f"SubspaceLayer({self.layer_idx}, {self.state!r})"
-
-    @property
-    def cache(self) -> "SubspaceCache":
-        cache = self._cache()
-        if cache is None:
-            raise RuntimeError("the SubspaceCache owning this layer no longer exists")
-        return cache
 
     # -- CacheLayerMixin
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -281,23 +273,26 @@ class SubspaceLayer(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
+    @torch.compiler.disable(reason="a SubspaceCache appends and attends in Python outside any graph")
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Keep the new post-RoPE keys/values (B, H, n, d) as pending and return them tagged; the
-        attention function appends them to the state and attends (see attention.py)."""
+        attention function appends them to the state and attends (see attention.py). Under
+        ``torch.compile`` this and the attention function run eagerly (graph breaks around them)."""
         self.cache.check_model_attention()
         if self.pending_keys is not None:
+            self._clear_pending()  # the abandoned forward leaves nothing behind
             raise RuntimeError(
-                f"layer {self.layer_idx}: the previous update was never consumed by the attention function; "
-                f"select it with subspace_ref.hf.use_subspace_attention(model) (attn_implementation={_attn.ATTN_IMPLEMENTATION!r})"
+                f"layer {self.layer_idx}: the previous update was never consumed by the attention function (an earlier forward "
+                f"failed, or the model does not pass the cache's keys to attn_implementation={_attn.ATTN_IMPLEMENTATION!r})"
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         st = self.state
         if key_states.ndim != 4 or key_states.shape[0] != st.batch or key_states.shape[1] != st.kv_heads or key_states.shape[3] != st.d:
             raise ValueError(f"layer {self.layer_idx}: keys of shape {tuple(key_states.shape)} do not fit the state {st!r} (batch {st.batch})")
+        self.cache.begin_forward(self.layer_idx)
         self.pending_keys, self.pending_values = key_states, value_states
         setattr(key_states, _attn.TAG, self)
-        _attn._PENDING.add(self)
         return key_states, value_states
 
     def get_seq_length(self) -> int:
@@ -321,22 +316,62 @@ class SubspaceLayer(CacheLayerMixin):
     def prefetch(self):
         pass
 
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove:
-            raise NotImplementedError("a SubspaceCache cannot be cropped: FD sketches and rotated coefficients cannot forget tokens")
+    # -- editing the held tokens (crop for assisted decoding, batch indexing for beams)
+    def editable_reason(self) -> str | None:
+        """Why tokens or sequences of this layer's state cannot be cut or re-indexed (None: they
+        can). Only states whose stored coefficients are their whole history qualify: static
+        states without an exact window. Adaptive/rotating FD sketches cannot forget tokens."""
+        st = self.state
+        if st is None:
+            return None
+        if st.kind != "static":
+            return f"a {st.kind} state's sketches cannot forget tokens or be re-indexed"
+        if st.window is not None:
+            return "a state with an exact window keeps its last tokens apart"
+        if st.layout.low_bits:
+            return f"{st.layout.coefficients} keys are quantised in groups of {st.layout.group} tokens with an unfinished tail"
+        return None
 
-    def _unsupported_batch_op(self, name: str) -> None:
-        if self.get_seq_length() > 0:
-            raise NotImplementedError(f"{name} is not supported by a SubspaceCache holding tokens (beam search, batch expansion)")
+    @property
+    def is_croppable(self) -> bool:
+        return self.editable_reason() is None
+
+    def truncate(self, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` tokens (static states: coefficients are per token)."""
+        if self.state is not None and num_tokens < self.state.num_tokens:
+            self.state.layout = replace(self.state.layout, num_tokens=num_tokens)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens (transformers' convention: negative)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"tokens_to_remove: expected a negative number of tokens to remove, got {tokens_to_remove}")
+        if not tokens_to_remove or self.state is None:
+            return
+        require([self.editable_reason()] if self.editable_reason() else [], f"layer {self.layer_idx}: cannot crop")
+        self.truncate(max(0, self.state.num_tokens + tokens_to_remove))
+
+    def _index_batch(self, name: str, index: Any) -> None:
+        if self.state is None or self.state.num_tokens == 0 and self._given is None:
+            self.state, self.is_initialized = None, False  # built again, at the new batch size
+            return
+        require([self.editable_reason()] if self.editable_reason() else [], f"layer {self.layer_idx}: {name}")
+        st = self.state
+        if isinstance(st.layout.key_coef, np.ndarray):
+            index = np.asarray(index.cpu() if isinstance(index, torch.Tensor) else index)
+        else:
+            index = torch.as_tensor(index, device=st.layout.key_coef.device)
+        # every array of the layout (layout.STATE_ARRAYS) leads with the batch axis but gamma (H,)
+        st.layout = st.layout.map_arrays(lambda field, x: x if field == "gamma" or x is None else x[index])
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._unsupported_batch_op("reorder_cache")
+        self._index_batch("reorder_cache", beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._unsupported_batch_op("batch_repeat_interleave")
+        batch = 0 if self.state is None else self.state.batch
+        self._index_batch("batch_repeat_interleave", torch.arange(batch).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._unsupported_batch_op("batch_select_indices")
+        self._index_batch("batch_select_indices", indices)
 
     # -- attention
     def _clear_pending(self) -> None:
@@ -346,7 +381,12 @@ class SubspaceLayer(CacheLayerMixin):
             except AttributeError:
                 pass
         self.pending_keys = self.pending_values = None
-        _attn._PENDING.discard(self)
+
+    def abandon(self) -> None:
+        """The forward failed: drop what is pending and give back every layer's tokens of this
+        forward (static states; an online state's sketches cannot forget, see spec/models.md)."""
+        self._clear_pending()
+        self.cache.rollback_forward()
 
     def _append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         st = self.state
@@ -372,24 +412,45 @@ class SubspaceLayer(CacheLayerMixin):
             return torch.stack(views, dim=2)
         return _attn.causal_attention(q, st, first_position, scale)
 
-    def attend_pending(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+    def masked_reason(self) -> str | None:
+        """Why this layer's state cannot attend under a per-token mask or soft-capping (None: it
+        can, by :func:`~subspace_ref.hf.attention.causal_attention`)."""
+        st = self.state
+        if st.kind == "rotating":
+            return "a rotating state rewrites past coefficients at each refresh"
+        if st.window is not None:
+            return "a state with an exact window attends token by token"
+        if getattr(st.policy, "rope", None) is not None:
+            return "a pre-RoPE state rotates keys by their cache index, which is not the position of a padded sequence"
+        return None
+
+    def attend_pending(self, query: torch.Tensor, scale: float, *, mask: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
         """Append the pending tokens and attend ``query`` (B, H_q, n, d) -> (B, H_q, n, d_v), each
         query position p seeing the state exactly as token-by-token decoding would at step p.
 
         Static and adaptive states: one append of the n tokens, then :func:`causal_attention`
-        (or one ``attend`` call when n = 1). States with an exact window (spec/window.md): one
-        token at a time, append then ``attend``. Rotating states: a refresh after token t rewrites
-        all stored coefficients, so the block is cut after every refresh token t: tokens up to
-        t-1 are appended and attended causally (no refresh among them), then token t is
-        appended (its refresh runs) and its query attends the refreshed state via ``attend``.
+        (or one ``attend`` call when n = 1). A ``mask`` that is not the plain causal one (left
+        padding, a sliding window) or ``softcap`` always takes :func:`causal_attention`, which
+        applies them to the coefficient-space logits. States with an exact window
+        (spec/window.md): one token at a time, append then ``attend``. Rotating states: a refresh
+        after token t rewrites all stored coefficients, so the block is cut after every refresh
+        token t: tokens up to t-1 are appended and attended causally (no refresh among them),
+        then token t is appended (its refresh runs) and its query attends the refreshed state
+        via ``attend``.
         """
         keys, values = self.pending_keys, self.pending_values
-        self._clear_pending()
         st = self.state
         T0 = st.num_tokens
         n = keys.shape[2]
         if query.shape[2] != n:
             raise ValueError(f"layer {self.layer_idx}: {query.shape[2]} queries for {n} new tokens")
+        if mask is not None or softcap is not None:
+            what = "soft-capping" if mask is None else "a padding or sliding-window mask"
+            require([self.masked_reason()] if self.masked_reason() else [], f"layer {self.layer_idx}: {what}")
+            self._clear_pending()
+            self._append(keys, values)
+            return _attn.causal_attention(query, st, T0, scale, mask=mask, softcap=softcap)
+        self._clear_pending()
         cuts = [0]
         if st.window is not None:
             # spec/window.md W2: a token that is exact for query p may be compressed by the end
@@ -420,19 +481,29 @@ def _to_numpy(x: torch.Tensor, dtype) -> np.ndarray:
 class SubspaceCache(Cache):
     """A transformers ``Cache`` whose layers each hold a :class:`SubspaceState` (spec/models.md).
 
-    ``config``: the model's config (its number of layers; and the cache checks that the model
-    selected :data:`~subspace_ref.hf.attention.ATTN_IMPLEMENTATION`, see
-    :func:`~subspace_ref.hf.use_subspace_attention`). ``states``: a state factory
-    (``factory(StateSpec) -> SubspaceState``, called on a layer's first update) or one ready
-    state per layer. ``backend``: the registered backend ``subspace_ref.attend`` uses; states are
-    converted to its array family (``state.to(...)``) on the keys' device. ``prefill``:
+    ``config``: the model's config (its layers and their types; and the cache checks that the
+    model selected the subspace attention, see :func:`~subspace_ref.hf.use_subspace_attention`).
+    ``states``: a state factory (``factory(StateSpec) -> SubspaceState``, called on a layer's
+    first update) or one ready state per layer. ``backend``: the registered backend
+    ``subspace_ref.attend`` uses; states are converted to its array family (``state.to(...)``)
+    on the keys' device, and on a torch-family backend to the model's dtype when the model
+    computes in float16/bfloat16 (the backend accumulates in float32). ``prefill``:
     ``"coefficient"`` (vectorised causal coefficient-space attention, default) or ``"attend"``
     (one ``subspace_ref.attend`` call per prompt position; slow, for cross-checks).
+    ``sliding``: the layers a config marks as sliding-window (Mistral, Gemma2): ``"stock"``
+    keeps transformers' own sliding cache layer for them (only full-attention layers are
+    compressed), ``"compress"`` compresses them too (the model's sliding mask then restricts
+    each query to its window in coefficient space; the compressed tokens stay stored).
     """
 
-    def __init__(self, config, states: StateFactory | Sequence[SubspaceState], *, backend: str = "torch", prefill: str = "coefficient"):
+    def __init__(self, config, states: StateFactory | Sequence[SubspaceState], *, backend: str = "torch", prefill: str = "coefficient",
+                 sliding: str = "stock"):
+        from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, get_layer_types_and_kwargs
+
         if prefill not in ("coefficient", "attend"):
             raise ValueError(f'prefill must be "coefficient" or "attend", got {prefill!r}')
+        if sliding not in ("stock", "compress"):
+            raise ValueError(f'sliding must be "stock" or "compress", got {sliding!r}')
         self.config = config
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         num_layers = text.num_hidden_layers
@@ -450,7 +521,12 @@ class SubspaceCache(Cache):
         self.backend = backend
         self.family = impl.array_family
         self.prefill = prefill
-        super().__init__(layers=[SubspaceLayer(self, i, given[i]) for i in range(num_layers)])
+        self.sliding = sliding
+        compressed = ("full_attention", "sliding_attention") if sliding == "compress" else ("full_attention",)
+        types, kwargs = get_layer_types_and_kwargs(text)
+        layers = [SubspaceLayer(self, i, given[i]) if kind in compressed else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw)
+                  for i, (kind, kw) in enumerate(zip(types, kwargs))]
+        super().__init__(layers=layers)
 
     @classmethod
     def for_model(cls, model, states: StateFactory | Sequence[SubspaceState], **kwargs: Any) -> "SubspaceCache":
@@ -460,15 +536,36 @@ class SubspaceCache(Cache):
 
     def check_model_attention(self) -> None:
         impl = getattr(self.config, "_attn_implementation", _attn.ATTN_IMPLEMENTATION)
-        if impl != _attn.ATTN_IMPLEMENTATION:
+        if not _attn.is_subspace(impl):
             raise RuntimeError(
                 f"the model uses attn_implementation={impl!r}, which would attend only the new tokens of a SubspaceCache; "
-                "call subspace_ref.hf.use_subspace_attention(model) first (or build the cache with SubspaceCache.for_model)"
+                "open subspace_ref.hf.compress(model, ...) or call subspace_ref.hf.use_subspace_attention(model) first"
             )
 
+    @property
+    def subspace_layers(self) -> list[SubspaceLayer]:
+        return [layer for layer in self.layers if isinstance(layer, SubspaceLayer)]
+
+    def begin_forward(self, layer_idx: int) -> None:
+        """Called by each layer's update: the first compressed layer's update starts a forward,
+        whose tokens :meth:`rollback_forward` can give back."""
+        layers = self.subspace_layers
+        if layers and layers[0].layer_idx == layer_idx:
+            for layer in layers:
+                layer._forward_start = layer.get_seq_length()
+
+    def rollback_forward(self) -> None:
+        """Give back the tokens the current forward appended (states that can be cut; see
+        :meth:`SubspaceLayer.editable_reason`)."""
+        for layer in self.subspace_layers:
+            layer._clear_pending()
+            if layer.state is not None and layer.editable_reason() is None:
+                layer.truncate(layer._forward_start)
+
     def adopt(self, state: SubspaceState, spec: StateSpec) -> SubspaceState:
-        """``state`` checked against the layer's shapes and moved to the backend's array family
-        and the keys' device; ValueError with the backend's reasons if it refuses the state."""
+        """``state`` checked against the layer's shapes and moved to the backend's array family,
+        the keys' device and (torch family, half-precision model) the model's dtype; ValueError
+        with the backend's reasons if it refuses the state."""
         if state.batch != spec.batch or state.kv_heads != spec.heads or state.d != spec.head_dim or state.d_v != spec.value_dim:
             raise ValueError(
                 f"layer {spec.layer_idx}: state {state!r} (batch {state.batch}) does not fit the model's "
@@ -479,26 +576,41 @@ class SubspaceCache(Cache):
         if state.num_tokens:
             raise ValueError(f"layer {spec.layer_idx}: the state already holds {state.num_tokens} tokens; give empty states")
         held_family = "numpy" if isinstance(state.layout.key_coef, np.ndarray) else type(state.layout.key_coef).__module__.split(".")[0]
-        if held_family != self.family or state.engine != self.backend or (self.family == "torch" and state.layout.key_coef.device != spec.device):
+        half = self.family == "torch" and spec.dtype in (torch.float16, torch.bfloat16) and str(state.dtype).endswith("float32")
+        if half or held_family != self.family or state.engine != self.backend or (self.family == "torch" and state.layout.key_coef.device != spec.device):
             # appends then run on the chosen backend itself (e.g. triton's projection kernel)
-            state = state.to(self.backend, device=spec.device if self.family == "torch" else None)
+            state = state.to(self.backend, device=spec.device if self.family == "torch" else None, dtype=spec.dtype if half else None)
         require(state_reasons(self.backend, get_backend(self.backend), state), f"layer {spec.layer_idx}: backend {self.backend!r} refuses this state")
         return state
 
     # -- facts
     @property
     def states(self) -> list[SubspaceState | None]:
-        return [layer.state for layer in self.layers]
+        return [layer.state if isinstance(layer, SubspaceLayer) else None for layer in self.layers]
 
     @property
     def nbytes(self) -> int:
-        """Bytes the states really hold (coefficients, bases in use, sketches): the KV memory."""
-        return sum(s.nbytes for s in self.states if s is not None)
+        """Bytes the cache really holds: the states' (coefficients, bases in use, sketches) plus
+        the keys and values of layers kept stock (sliding windows)."""
+        held = sum(s.nbytes for s in self.states if s is not None)
+        return held + sum(_stock_nbytes(layer) for layer in self.layers if not isinstance(layer, SubspaceLayer))
 
     @property
     def full_cache_nbytes(self) -> int:
-        """Bytes the uncompressed K and V of the same tokens take in the states' dtype."""
-        return sum(s.full_cache_nbytes for s in self.states if s is not None)
+        """Bytes the stock ``DynamicCache`` takes for the same tokens in the model's dtype (for a
+        bfloat16 model, 2 bytes per key and value entry): every ratio is against this."""
+        total = 0
+        for layer in self.layers:
+            if not isinstance(layer, SubspaceLayer):
+                total += _stock_nbytes(layer)
+            elif layer.state is not None:
+                st = layer.state
+                total += st.batch * st.kv_heads * st.num_tokens * (st.d + st.d_v) * layer.dtype.itemsize
+        return total
+
+
+def _stock_nbytes(layer) -> int:
+    return sum(x.nbytes for x in (getattr(layer, "keys", None), getattr(layer, "values", None)) if isinstance(x, torch.Tensor))
 
 
 __all__ = [

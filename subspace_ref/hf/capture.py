@@ -160,7 +160,7 @@ def capture(
 
     count = 0
     try:
-        with subspace_attention_enabled(model), observe(record):
+        with subspace_attention_enabled(model), observe(model, record):
             for seq in sequences:
                 ids = as_batch(seq, device)
                 model(input_ids=ids, use_cache=False)

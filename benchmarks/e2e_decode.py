@@ -1,0 +1,173 @@
+"""End-to-end decode with transformers: tokens/s and cache bytes of the subspace cache against
+the stock ``DynamicCache`` (and HF's ``QuantizedCache`` where its quanto/hqq backend is
+installed), measured in the same run, on CPU with one thread (docs/hf.md).
+
+Two settings:
+
+* ``shipped``: the shipped byte-level Llama (4 layers, 2 KV heads of 64, float32) at contexts
+  up to its 1024 limit. The prompt is prefilled through the model with each cache (real keys
+  and values; static bases calibrated on other text at r = r_v = 16 of 64), then ``--steps``
+  greedy decode steps are timed.
+* ``llama128``: a random-init Llama with head size 128 (hidden 1024, 8 query / 8 KV heads,
+  ``--layers`` layers) at 8k-16k tokens. Prefilling 16k tokens through the model on one CPU
+  thread would take minutes per cache, so every cache is filled with the same random keys and
+  values of the context length (what decode reads is then the same amount of data); the decode
+  steps run the whole model. Bases: random orthonormal, r = r_v = 32 of 128 (speed and bytes do
+  not depend on which subspace).
+
+Usage: ``python benchmarks/e2e_decode.py [--setting shipped|llama128|both] [--steps N] [--json PATH]``.
+Prints one table per setting; ratios are against DynamicCache in the model's dtype, same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+
+import subspace_ref as sr
+from subspace_ref.hf import SubspaceCache, compress, static_states
+
+
+def quantized_cache_reason() -> str | None:
+    """None when transformers' QuantizedCache has a backend here, else why not."""
+    for module in ("optimum.quanto", "hqq"):
+        try:
+            __import__(module)
+            return None
+        except ImportError:
+            continue
+    return "QuantizedCache needs optimum-quanto or hqq: neither is installed in this venv (both are on PyPI; not added as dependencies)"
+
+
+def random_bases(layers: int, heads: int, d: int, rank: int, seed: int = 0) -> list:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(layers):
+        q = np.stack([np.linalg.qr(rng.standard_normal((d, d)))[0][:rank] for _ in range(heads)]).astype(np.float32)
+        out.append(sr.StaticBasis.from_bases(q, q, 1.0))
+    return out
+
+
+def cache_bytes(cache) -> int:
+    if isinstance(cache, SubspaceCache):
+        return cache.nbytes
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+
+
+@torch.no_grad()
+def time_decode(model, cache, first_token: torch.Tensor, steps: int) -> float:
+    """Seconds per decode step (greedy, batch 1), after two warm-up steps."""
+    tok = first_token
+    for _ in range(2):
+        tok = model(tok, past_key_values=cache).logits[:, -1:].argmax(-1)
+    start = time.perf_counter()
+    for _ in range(steps):
+        tok = model(tok, past_key_values=cache).logits[:, -1:].argmax(-1)
+    return (time.perf_counter() - start) / steps
+
+
+def fill(cache, keys: list, values: list) -> None:
+    """Put the same keys/values (per layer (1, H, T, d)) into any cache, as prefill would."""
+    for i, layer in enumerate(cache.layers):
+        if hasattr(layer, "attend_pending"):
+            layer.lazy_initialization(keys[i], values[i])
+            layer._append(keys[i], values[i])
+        else:
+            layer.update(keys[i], values[i])
+
+
+def rows_for(model, contexts, steps, make_caches, prefill) -> list[dict]:
+    rows = []
+    for T in contexts:
+        base = None
+        for name, make in make_caches.items():
+            cache = make()
+            first = prefill(cache, T)
+            sec = time_decode(model, cache, first, steps)
+            row = dict(context=T, cache=name, tokens_per_s=1.0 / sec, bytes=cache_bytes(cache))
+            if base is None:
+                base = row
+            row["speed_ratio"] = row["tokens_per_s"] / base["tokens_per_s"]
+            row["bytes_ratio"] = row["bytes"] / base["bytes"]
+            rows.append(row)
+            speed, size = f"{row['tokens_per_s']:8.2f} tok/s ({row['speed_ratio']:.2f}x)", f"{row['bytes'] / 2**20:9.2f} MiB ({row['bytes_ratio']:.3f}x)"
+            print(f"  T={T:6d} {name:22s} {speed}  {size}", flush=True)
+    return rows
+
+
+def shipped(steps: int, contexts=(256, 512, 1008)) -> list[dict]:
+    from transformers import DynamicCache
+
+    from subspace_ref.hf import capture
+    from subspace_ref.models import default_model as dm
+
+    model, _ = dm.load_model("default")
+    from pathlib import Path
+
+    here = Path(sr.__file__).parent
+    text = (here / "state.py").read_text(encoding="utf-8")
+    calib = dm.encode(text[:4096])[None, :1024]
+    bases = capture(model, calib, queries=True).calibrate(rank_k=16, rank_v=16, gamma="mse")
+    prompt_text = (here / "calibration.py").read_text(encoding="utf-8")
+    ids = dm.encode(prompt_text)[None]
+
+    def prefill(cache, T):
+        with torch.no_grad():
+            return model(ids[:, :T], past_key_values=cache).logits[:, -1:].argmax(-1)
+
+    print(f"shipped model, float32, r = r_v = 16 of 64, {steps} decode steps after a real prefill")
+    with compress(model, static_states(bases)) as kv:
+        return rows_for(model, contexts, steps, {"DynamicCache": lambda: DynamicCache(config=model.config), "SubspaceCache r=16": kv.cache}, prefill)
+
+
+def llama128(steps: int, layers: int, contexts=(8192, 16384), dtype=torch.float32) -> list[dict]:
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=256, hidden_size=1024, intermediate_size=2816, num_hidden_layers=layers, num_attention_heads=8,
+                         num_key_value_heads=8, head_dim=128, max_position_embeddings=max(contexts) + 64)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval().to(dtype)
+    bases = random_bases(layers, 8, 128, 32)
+    gen = torch.Generator().manual_seed(1)
+
+    def prefill(cache, T):
+        keys = [torch.randn((1, 8, T, 128), generator=gen).to(dtype) for _ in range(layers)]
+        values = [torch.randn((1, 8, T, 128), generator=gen).to(dtype) for _ in range(layers)]
+        fill(cache, keys, values)
+        return torch.tensor([[7]])
+
+    print(f"random-init Llama, head 128, {layers} layers, 8 KV heads, {str(dtype)[6:]}, r = r_v = 32 of 128, caches filled with random K/V, {steps} steps")
+    with compress(model, static_states(bases)) as kv:
+        return rows_for(model, contexts, steps, {"DynamicCache": lambda: DynamicCache(config=model.config), "SubspaceCache r=32": kv.cache}, prefill)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--setting", choices=("shipped", "llama128", "both"), default="both")
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--layers", type=int, default=4, help="layers of the random head-128 Llama (default 4)")
+    p.add_argument("--contexts", type=int, nargs="*", default=None, help="contexts of the llama128 setting (default 8192 16384)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="dtype of the llama128 setting (default float32)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    reason = quantized_cache_reason()
+    print(f"torch {torch.__version__}, 1 thread; QuantizedCache: {reason or 'available'}")
+    out = {"threads": 1, "quantized_cache": reason or "available"}
+    if reason is None:
+        print("note: a QuantizedCache backend is installed but this script does not yet time it")
+    if args.setting in ("shipped", "both"):
+        out["shipped"] = shipped(args.steps)
+    if args.setting in ("llama128", "both"):
+        out["llama128"] = llama128(args.steps, args.layers, tuple(args.contexts or (8192, 16384)), getattr(torch, args.dtype))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""``with subspace_ref.hf.compress(model, bases) as kv: ...``: the subspace attention for one
+model inside a block, caches made for it (spec/models.md M4).
+
+Inside the block the model's attention implementation is the subspace one (falling back to
+the model's own "sdpa" or "eager" for anything a :class:`SubspaceCache` does not hold, so a
+``DynamicCache`` or no cache behaves as before); on exit the previous implementation is back.
+Nothing else in the process changes: other models, other caches and threads are unaffected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from subspace_ref.hf.artifact import CalibratedBases
+from subspace_ref.hf.attention import subspace_attention_enabled
+from subspace_ref.hf.cache import StateFactory, SubspaceCache, static_states
+
+
+class Compressed:
+    """What :func:`compress` yields: ``cache()`` makes a fresh :class:`SubspaceCache` for the
+    model (pass it as ``past_key_values``), one per generation."""
+
+    def __init__(self, model, factory: StateFactory, cache_options: dict):
+        self.model = model
+        self.factory = factory
+        self.cache_options = cache_options
+
+    def cache(self, **overrides: Any) -> SubspaceCache:
+        return SubspaceCache(self.model.config, self.factory, **(self.cache_options | overrides))
+
+    def generate(self, *args: Any, **kwargs: Any):
+        """``model.generate`` with a fresh cache (unless ``past_key_values`` is given)."""
+        kwargs.setdefault("past_key_values", self.cache())
+        return self.model.generate(*args, **kwargs)
+
+
+def as_factory(bases: Any, model=None) -> StateFactory:
+    """A state factory from a :class:`CalibratedBases` (checked against ``model``'s config), a
+    sequence of per-layer :class:`~subspace_ref.StaticBasis`, or a factory itself."""
+    if isinstance(bases, CalibratedBases):
+        if model is not None:
+            from subspace_ref.hf.artifact import config_hash
+
+            if config_hash(model.config) != bases.config_hash:
+                raise ValueError("bases: calibrated for another model configuration (config hash differs)")
+        return bases.states()
+    if callable(bases):
+        return bases
+    if isinstance(bases, Sequence):
+        return static_states(bases)
+    raise TypeError(f"bases: expected CalibratedBases, a sequence of StaticBasis or a state factory, got {type(bases).__name__}")
+
+
+@contextlib.contextmanager
+def compress(model, bases: Any, **cache_options: Any) -> Iterator[Compressed]:
+    """Select the subspace attention for ``model`` while the block runs and yield a
+    :class:`Compressed` whose ``cache()`` builds :class:`SubspaceCache` objects of ``bases``
+    (see :func:`as_factory`) with ``cache_options`` (backend, prefill, sliding)."""
+    factory = as_factory(bases, model)
+    SubspaceCache(model.config, factory, **cache_options)  # bad options fail here, before anything changes
+    with subspace_attention_enabled(model):
+        yield Compressed(model, factory, cache_options)
+
+
+__all__ = ["Compressed", "as_factory", "compress"]

@@ -1,0 +1,246 @@
+"""The subspace cache in deployment (issue 17): model-dtype states and honest byte ratios,
+independence of caches/models (failed calls, deep copies), the compress() context, hybrid
+sliding-window models, refusals with reasons, torch.compile, and bases saved as an artifact
+for a checkpoint written with save_pretrained (and `subspace-kv calibrate --model PATH`)."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import transformers  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
+
+from subspace_ref.hf import (  # noqa: E402
+    CalibratedBases,
+    SubspaceCache,
+    SubspaceLayer,
+    adaptive_states,
+    capture,
+    compress,
+    full_rank_states,
+    rotating_states,
+    static_states,
+)
+from tests.test_hf_generation import model_for, prompt_ids, tolerance  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def stock(model, ids, **kw):
+    with torch.no_grad():
+        return model(ids, past_key_values=DynamicCache(config=model.config), **kw).logits
+
+
+def dynamic_cache_bytes(cache: DynamicCache) -> int:
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+
+
+# --------------------------------------------------------------------------- dtype and bytes
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_states_are_stored_in_the_model_dtype_and_ratios_are_against_the_stock_cache(dtype):
+    model = model_for("llama", dtype)
+    ids = prompt_ids(length=20)
+    ref = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, past_key_values=ref)
+    basis = [sr_basis(model, rank) for rank in (8, 8)]
+    with compress(model, static_states(basis)) as kv, torch.no_grad():
+        cache = kv.cache()
+        model(ids, past_key_values=cache)
+    torch_dtype = getattr(torch, dtype)
+    for st in cache.states:
+        assert st.layout.key_coef.dtype == torch_dtype and st.layout.value_coef.dtype == torch_dtype
+    assert cache.full_cache_nbytes == dynamic_cache_bytes(ref)
+    # rank 8 of 16 on both sides: coefficients are half the stock bytes, plus float16 bases
+    coef = sum(st.layout.key_coef[:, :, :20].nbytes + st.layout.value_coef[:, :, :20].nbytes for st in cache.states)
+    assert coef == dynamic_cache_bytes(ref) // 2
+    assert cache.nbytes < dynamic_cache_bytes(ref) * 1.5  # bases of 2x2x(8x16) float16 at 20 tokens
+
+
+def sr_basis(model, rank: int):
+    """Orthonormal random bases of ``rank`` rows per KV head (a layer's StaticBasis)."""
+    import subspace_ref as sr
+
+    rng = np.random.default_rng(rank)
+    heads, d = model.config.num_key_value_heads, model.config.hidden_size // model.config.num_attention_heads
+    q = np.stack([np.linalg.qr(rng.standard_normal((d, d)))[0][:rank] for _ in range(heads)])
+    return sr.StaticBasis.from_bases(q, q, 1.0)
+
+
+# --------------------------------------------------------------------------- independence
+def test_a_failed_call_leaves_nothing_behind_and_affects_no_other_cache_or_model():
+    """Layer 0 static, layer 1 rotating, with a padding mask: layer 1 refuses after layer 0
+    appended; the failed cache holds nothing, and another model, another cache and the failed
+    cache itself then compute exactly what they would have."""
+    model, other = model_for("llama"), model_for("qwen2")
+    ids = prompt_ids(batch=2, length=10)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    factory_mixed = {0: full_rank_states(), 1: full_rank_states("rotating", refresh_every=3)}
+    other_before = stock(other, ids)
+    with compress(model, lambda spec: factory_mixed[spec.layer_idx](spec)) as kv:
+        failed = kv.cache()
+        with pytest.raises(NotImplementedError, match="padding"):
+            model(ids, attention_mask=mask, past_key_values=failed)
+        assert all(layer.pending_keys is None for layer in failed.layers)
+        assert failed.get_seq_length() == 0 and failed.layers[0].state.num_tokens == 0
+        assert torch.equal(stock(other, ids), other_before)
+        with torch.no_grad():
+            fresh = model(ids, past_key_values=kv.cache(), use_cache=True).logits
+            again = model(ids, past_key_values=failed).logits  # the failed cache, unpadded now
+        assert torch.equal(stock(model, ids), stock(model, ids))
+        assert torch.equal(again, fresh)
+    assert float((fresh - stock(model, ids)).abs().max()) <= tolerance("llama", "float32")
+
+
+def test_deep_copies_are_independent():
+    model = model_for("llama")
+    ids = prompt_ids(batch=1, length=12)
+    with compress(model, full_rank_states()) as kv, torch.no_grad():
+        cache = kv.cache()
+        model(ids[:, :8], past_key_values=cache)
+        twin = copy.deepcopy(cache)
+        assert all(a.cache is cache for a in cache.layers) and all(b.cache is twin for b in twin.layers)
+        a = model(ids[:, 8:10], past_key_values=cache).logits
+        del cache
+        b = model(ids[:, 8:12], past_key_values=twin).logits
+    assert torch.equal(a, b[:, :2]) or float((a - b[:, :2]).abs().max()) <= tolerance("llama", "float32")
+    assert twin.get_seq_length() == 12
+
+
+def test_compress_is_scoped_to_one_model_and_block():
+    model, other = model_for("llama"), model_for("phi3")
+    before, other_impl = model.config._attn_implementation, other.config._attn_implementation
+    ids = prompt_ids()
+    with compress(model, full_rank_states()):
+        assert model.config._attn_implementation.startswith("subspace_ref")
+        assert other.config._attn_implementation == other_impl
+        with torch.no_grad():  # a DynamicCache inside the block: the model's own attention
+            inside = model(ids, past_key_values=DynamicCache(config=model.config)).logits
+    assert model.config._attn_implementation == before
+    assert torch.equal(inside, stock(model, ids))
+    with pytest.raises(RuntimeError, match="compress"):  # outside the block a SubspaceCache is refused
+        model(ids, past_key_values=SubspaceCache(model.config, full_rank_states()))
+
+
+def test_hybrid_model_keeps_sliding_layers_stock_and_compresses_full_layers():
+    model = model_for("gemma2")
+    with compress(model, full_rank_states()) as kv, torch.no_grad():
+        cache = kv.cache()
+        model(prompt_ids(length=12), past_key_values=cache)
+    kinds = [type(layer).__name__ for layer in cache.layers]
+    assert kinds == ["DynamicSlidingWindowLayer", "SubspaceLayer"], kinds
+    assert cache.layers[0].keys.shape[2] <= model.config.sliding_window  # transformers' own window
+    assert cache.nbytes >= cache.layers[0].keys.nbytes + cache.layers[0].values.nbytes
+
+
+# --------------------------------------------------------------------------- refusals
+def test_online_states_refuse_crop_and_reordering_with_the_reason():
+    model = model_for("llama")
+    with compress(model, adaptive_states(rank_k=8, rank_v=8)) as kv, torch.no_grad():
+        cache = kv.cache()
+        model(prompt_ids(length=10), past_key_values=cache)
+        held = cache.get_seq_length()
+        with pytest.raises(NotImplementedError, match="sketches cannot forget"):
+            cache.crop(-2)
+        with pytest.raises(NotImplementedError, match="reorder_cache"):
+            cache.reorder_cache(torch.tensor([1, 0]))
+        assert cache.get_seq_length() == held
+        assert not cache.layers[0].is_croppable
+
+
+def test_rotating_states_refuse_soft_capping_before_appending():
+    model = model_for("gemma2")
+    with compress(model, rotating_states(rank_k=16, rank_v=16, refresh_every=4)) as kv:
+        cache = kv.cache()
+        with pytest.raises(NotImplementedError, match="soft-capping"):
+            model(prompt_ids(), past_key_values=cache)
+    layer = cache.layers[1]
+    assert isinstance(layer, SubspaceLayer) and layer.state.num_tokens == 0 and layer.pending_keys is None
+
+
+@pytest.mark.slow
+def test_torch_compile_runs_with_graph_breaks_around_the_cache():
+    model = model_for("llama")
+    ids = prompt_ids()
+    compiled = torch.compile(model)
+    with compress(model, full_rank_states()) as kv, torch.no_grad():
+        cache = kv.cache()
+        out = compiled(ids, past_key_values=cache).logits
+        nxt = compiled(torch.tensor([[3], [4]]), past_key_values=cache).logits
+    full = stock(model, torch.cat([ids, torch.tensor([[3], [4]])], 1))
+    assert float((torch.cat([out, nxt], 1) - full).abs().max()) <= tolerance("llama", "float32")
+
+
+# --------------------------------------------------------------------------- artifact
+def test_bases_round_trip_on_a_saved_checkpoint(tmp_path):
+    """A checkpoint written with save_pretrained; `subspace-kv calibrate --model DIR
+    --compression-ratio 0.5` saves bases; from_pretrained gives the same arrays and metadata,
+    generates as the in-memory bases do, and refuses another architecture's config."""
+    from subspace_ref.cli import main
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(tmp_path / "ckpt")
+    assert main(["calibrate", "--model", str(tmp_path / "ckpt"), "--compression-ratio", "0.5", "--context", "64",
+                 "--calibration-tokens", "640", "--out", str(tmp_path), "--bases-out", str(tmp_path / "bases")]) == 0
+    loaded = CalibratedBases.from_pretrained(tmp_path / "bases", model.config)
+    assert loaded.calibration["coefficient_fraction"] <= 0.5
+    assert sum(sum(b.rank_k) + sum(b.rank_v) for b in loaded.layers) <= 0.5 * 2 * 2 * 32
+    from subspace_ref.allocation import Allocation, HeadAllocation
+
+    plan = Allocation(tuple(tuple(HeadAllocation(int(rk), int(rv)) for rk, rv in zip(b.rank_k, b.rank_v)) for b in loaded.layers))
+    ours = CalibratedBases.for_model(model, list(loaded.layers), calibration=loaded.calibration, allocation=plan)
+    ours.save_pretrained(tmp_path / "again")
+    back = CalibratedBases.from_pretrained(tmp_path / "again", model)
+    assert back.allocation.heads == plan.heads and back.metadata()["allocation"]["heads"] == ours.metadata()["allocation"]["heads"]
+    assert {**back.metadata(), "allocation": None} == loaded.metadata()
+    for a, b in zip(back.layers, loaded.layers):
+        assert np.array_equal(a.B, b.B) and np.array_equal(a.E, b.E) and np.array_equal(a.gamma, b.gamma)
+    ids = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(2))
+    outs = []
+    for bases in (loaded, list(loaded.layers)):
+        with compress(model, bases) as kv:
+            outs.append(kv.generate(ids, max_new_tokens=5, do_sample=False))
+    assert torch.equal(outs[0], outs[1])
+    wider = transformers.LlamaConfig(**{**config.to_dict(), "num_hidden_layers": 3})
+    with pytest.raises(ValueError, match="config hash"):
+        CalibratedBases.from_pretrained(tmp_path / "bases", wider)
+
+
+def test_capture_observes_only_its_own_model():
+    model, other = model_for("llama"), model_for("qwen2")
+    ids = prompt_ids(batch=1, length=6)
+    cap = capture(model, ids)
+    assert len(cap.layers) == 2
+    seen = []
+    from subspace_ref.hf import observe
+
+    with observe(model, lambda *a: seen.append(1)):
+        stock(other, ids)
+    assert not seen
+
+
+def test_assisted_decoding_with_a_draft_model_crops_and_matches_greedy():
+    """A one-layer draft proposes tokens; rejected ones are cropped from the subspace cache.
+    Greedy assisted decoding must give the stock cache's greedy tokens."""
+    model = model_for("llama")
+    torch.manual_seed(3)
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = 1
+    draft = transformers.LlamaForCausalLM(config).eval()
+    ids = prompt_ids(batch=1, length=10)
+    expected = model.generate(ids, do_sample=False, max_new_tokens=10, pad_token_id=0)
+    with compress(model, full_rank_states()) as kv:
+        cache = kv.cache()
+        got = model.generate(ids, do_sample=False, max_new_tokens=10, pad_token_id=0, assistant_model=draft, past_key_values=cache)
+    assert torch.equal(got, expected)
+    assert cache.get_seq_length() == got.shape[1] - 1

@@ -1,0 +1,216 @@
+"""Generation with the subspace cache at full rank equals the stock ``DynamicCache`` (issue 17).
+
+Matrix: tiny random-init Llama (GQA), Qwen2, Qwen3, Mistral (sliding window, compressed),
+Phi3, Gemma, Gemma2 (hybrid: sliding layers kept stock, soft-capping) x {greedy, sampling,
+beam=2, left-padded batch of 3, two successive generate calls, prompt-lookup decoding} x
+{float32, bfloat16}. The default suite runs every family and mode in float32 and in bfloat16 on
+Llama, Gemma2 and Mistral (GQA, hybrid + soft-capping, compressed sliding window); the rest of
+the bfloat16 matrix is marked slow (all 88 take ~20 s alone).
+
+Tolerance (tests/differential/tolerance.py's rule applied to a whole model). The oracle is the
+model run in float64 with the stock cache. The reference error is how far the stock model run in
+the test dtype lands from that oracle: the largest over the plain cast and SAMPLES copies whose
+weights are moved by 0 or +-1 ulp at random (other, equally valid roundings of the same
+weights). The subspace cache passes when its logits lie within FACTOR x that error + FLOOR_ULPS
+ulps of the largest logit of the oracle: twice what transformers' own path errs in the dtype.
+
+Tokens: equal to the stock tokens up to the first step where the two runs diverge; there the
+logits (computed from identical prefixes) must still agree within the tolerance, and for greedy
+choices the stock top-2 margin must lie within twice the tolerance (a rounding-level tie).
+A divergence at a step with a clear margin, or logits outside the tolerance, fails. Beam
+search: equal sequences, or (a tie between beams) sequences the stock model itself rates within
+4 x tolerance of its own (mean log-probability of the new tokens; each log-softmax moves by at
+most twice the logit error).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import transformers  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
+
+from tests.differential.tolerance import EPS, FACTOR, FLOOR_ULPS, SAMPLES  # noqa: E402
+from subspace_ref.hf import compress, full_rank_states  # noqa: E402
+
+torch.set_num_threads(1)
+VOCAB = 96
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2")
+MODES = ("greedy", "sample", "beam2", "padded3", "twice", "lookup")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+FAST_BF16 = ("llama", "gemma2", "mistral")
+NEW = 6
+
+
+def make_config(family: str):
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=VOCAB, max_position_embeddings=128, initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=None)
+    cls = {
+        "llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+        "mistral": transformers.MistralConfig, "phi3": transformers.Phi3Config, "gemma": transformers.GemmaConfig,
+        "gemma2": transformers.Gemma2Config,
+    }[family]
+    extra = {}
+    if family in ("qwen3", "gemma", "gemma2"):
+        extra["head_dim"] = 16
+    if family in ("mistral", "gemma2"):
+        extra["sliding_window"] = 8  # shorter than prompt + generation: the window really slides
+    return cls(**common, **extra)
+
+
+_MODELS: dict = {}
+
+
+def model_for(family: str, dtype: str = "float32"):
+    key = (family, dtype)
+    if key not in _MODELS:
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(make_config(family)).eval()
+        _MODELS[key] = model.to(DTYPES[dtype])
+    return _MODELS[key]
+
+
+def cache_options(family: str) -> dict:
+    # Mistral's layers are all sliding: compress them (the sliding mask acts on coefficient
+    # logits); Gemma2 keeps its sliding layers stock and compresses the full ones
+    return {"sliding": "compress"} if family == "mistral" else {}
+
+
+# --------------------------------------------------------------------------- tolerance
+def nudged(model, seed: int):
+    """A copy of ``model`` whose weights are moved by 0 or +-1 ulp of their dtype at random."""
+    out = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    as_int = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
+    with torch.no_grad():
+        for p in out.parameters():
+            step = torch.randint(-1, 2, p.shape, generator=gen).to(as_int[p.dtype])
+            p.copy_((p.view(as_int[p.dtype]) + step).view(p.dtype))
+    return out
+
+
+def prompt_ids(batch: int = 2, length: int = 12, seed: int = 1) -> torch.Tensor:
+    return torch.randint(2, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def stock_logits(model, ids) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids, past_key_values=DynamicCache(config=model.config)).logits.double()
+
+
+_TOL: dict = {}
+
+
+def tolerance(family: str, dtype: str) -> float:
+    """FACTOR x (largest error of the stock model in ``dtype`` against float64) + FLOOR_ULPS ulps."""
+    if (family, dtype) not in _TOL:
+        ids = prompt_ids(length=20)
+        oracle = stock_logits(copy.deepcopy(model_for(family)).to(torch.float64), ids)
+        model = model_for(family, dtype)
+        runs = [model] + [nudged(model, seed) for seed in range(SAMPLES)]
+        ref = max(float((stock_logits(m, ids) - oracle).abs().max()) for m in runs)
+        _TOL[family, dtype] = FACTOR * ref + FLOOR_ULPS * EPS[dtype] * float(oracle.abs().max())
+    return _TOL[family, dtype]
+
+
+# --------------------------------------------------------------------------- generation
+def generate(model, mode: str, cache_factory) -> list:
+    """The generate calls of one mode: a list of outputs (one per call; "twice" makes two)."""
+    kw = dict(max_new_tokens=NEW, return_dict_in_generate=True, output_logits=True, pad_token_id=0)
+    ids = prompt_ids()
+    if mode == "greedy":
+        return [model.generate(ids, do_sample=False, past_key_values=cache_factory(), **kw)]
+    if mode == "sample":
+        torch.manual_seed(7)
+        return [model.generate(ids, do_sample=True, top_k=0, past_key_values=cache_factory(), **kw)]
+    if mode == "beam2":
+        return [model.generate(ids, do_sample=False, num_beams=2, output_scores=True, past_key_values=cache_factory(), **kw)]
+    if mode == "padded3":
+        ids = prompt_ids(batch=3, length=11, seed=3)
+        mask = torch.ones_like(ids)
+        for row, pad in enumerate((5, 0, 2)):
+            ids[row, :pad], mask[row, :pad] = 0, 0
+        return [model.generate(ids, attention_mask=mask, do_sample=False, past_key_values=cache_factory(), **kw)]
+    if mode == "twice":
+        cache = cache_factory()
+        first = model.generate(ids, do_sample=False, past_key_values=cache, **kw)
+        more = torch.cat([first.sequences, prompt_ids(length=3, seed=9)], dim=1)
+        return [first, model.generate(more, do_sample=False, past_key_values=cache, **kw)]
+    assert mode == "lookup"
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]])
+    return [model.generate(ids, do_sample=False, prompt_lookup_num_tokens=3, past_key_values=cache_factory(), **kw)]
+
+
+def mean_logprob(model, sequences: torch.Tensor, new: int) -> torch.Tensor:
+    """Per row, the stock model's mean log-probability of the last ``new`` tokens."""
+    with torch.no_grad():
+        logp = torch.log_softmax(model(sequences).logits.double(), -1)
+    picked = logp[:, -new - 1 : -1].gather(-1, sequences[:, -new:, None])[..., 0]
+    return picked.mean(-1)
+
+
+def check_call(where: str, model, stock, ours, greedy: bool, beams: bool, tol: float) -> bool:
+    """Check one generate call; True when its tokens are equal (the next call may be compared)."""
+    same = stock.sequences.shape == ours.sequences.shape and torch.equal(stock.sequences, ours.sequences)
+    if beams:
+        if not same:  # a tie between beams: the stock model rates our sequences as well as its own
+            gap = mean_logprob(model, stock.sequences, NEW) - mean_logprob(model, ours.sequences, NEW)
+            assert float(gap.max()) <= 4 * tol, f"{where}: beam sequences differ and ours score {float(gap.max()):.3g} lower"
+        return same
+    start = stock.sequences.shape[1] - len(stock.logits)
+    for step, (a, b) in enumerate(zip(stock.logits, ours.logits)):
+        gap = float((a.double() - b.double()).abs().max())
+        assert gap <= tol, f"{where}: step {step} logits differ by {gap:.3g} > tolerance {tol:.3g}"
+        if not torch.equal(stock.sequences[:, start + step], ours.sequences[:, start + step]):
+            if greedy:
+                top2 = a.double().topk(2, dim=-1).values
+                margin = float((top2[:, 0] - top2[:, 1]).min())
+                assert margin <= 2 * tol, f"{where}: tokens differ at step {step} with a clear stock margin {margin:.3g}"
+            return False
+    assert same, f"{where}: sequences differ although every step's tokens agree:\n{stock.sequences}\n{ours.sequences}"
+    return True
+
+
+def check_same_generation(family: str, dtype: str, mode: str) -> None:
+    model = model_for(family, dtype)
+    tol = tolerance(family, dtype)
+    stock_calls = generate(model, mode, lambda: DynamicCache(config=model.config))
+    with compress(model, full_rank_states(), **cache_options(family)) as kv:
+        our_calls = generate(model, mode, kv.cache)
+    for i, (stock, ours) in enumerate(zip(stock_calls, our_calls)):
+        if not check_call(f"{family}/{dtype}/{mode}/call {i}", model, stock, ours, mode != "sample", mode == "beam2", tol):
+            break
+
+
+def matrix():
+    for family in FAMILIES:
+        for dtype in DTYPES:
+            marks = [pytest.mark.slow] if dtype == "bfloat16" and family not in FAST_BF16 else []
+            yield pytest.param(family, dtype, id=f"{family}-{dtype}", marks=marks)
+
+
+@pytest.mark.parametrize("family, dtype", list(matrix()))
+@pytest.mark.parametrize("mode", MODES)
+def test_full_rank_generation_equals_dynamic_cache(family, dtype, mode):
+    check_same_generation(family, dtype, mode)
+
+
+@pytest.mark.parametrize("family, dtype", [("llama", "float32"), ("llama", "bfloat16"), ("gemma2", "bfloat16"), ("mistral", "float32")])
+def test_full_rank_logits_within_derived_tolerance(family, dtype):
+    """Prefill of 8 tokens then 12 one-token steps (two sequences): every logit within the
+    derived tolerance of the float64 oracle's (the stock model itself is within half of it)."""
+    model = model_for(family, dtype)
+    ids = prompt_ids(length=20)
+    oracle = stock_logits(copy.deepcopy(model_for(family)).to(torch.float64), ids)
+    with compress(model, full_rank_states(), **cache_options(family)) as kv, torch.no_grad():
+        cache = kv.cache()
+        parts = [model(ids[:, :8], past_key_values=cache).logits]
+        parts += [model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(8, 20)]
+    ours = torch.cat(parts, 1).double()
+    gap = float((ours - oracle).abs().max())
+    assert gap <= tolerance(family, dtype), f"{family}/{dtype}: {gap:.3g} > {tolerance(family, dtype):.3g}"

@@ -18,7 +18,14 @@ from subspace_ref.backend import Availability
 from subspace_ref.basis_storage import row_error_bound
 from subspace_ref.policies._online import warmup_rows
 from subspace_ref.blockwise_softmax import SoftmaxPartial
-from subspace_ref.quantization import dequantize_rows, quantize_rows
+from subspace_ref.capabilities import SKETCH_VARIANTS, Capabilities, attend_reasons
+from subspace_ref.quantization import (
+    dequantize_rows,
+    quantize_rows,
+    read_low_bit,
+    side_arrays,
+    store_low_bit,
+)
 from subspace_ref.rope import rotate
 
 
@@ -263,9 +270,13 @@ def largest_principal_angle(A: Any, B: Any) -> float:
 
 def store(lay, which: str, index: Any, coef: Any) -> None:
     """Write coefficients (N, H, ..., r) at token ``index`` into the layout, quantised to int8
-    with per-token scales when the layout is (spec A10)."""
+    with per-token scales when the layout is (spec A10), to int4/int2 when it is low-bit
+    (spec/quantization.md Q2)."""
     target = getattr(lay, f"{which}_coef")
-    if lay.quantized:
+    if lay.low_bits:
+        a, b = (index, index + 1) if isinstance(index, (int, np.integer)) else (index.start, index.stop)
+        store_low_bit(lay, which, a, b, coef[:, :, None] if isinstance(index, (int, np.integer)) else coef)
+    elif lay.quantized:
         q, scale = quantize_rows(coef)
         target[:, :, index] = q
         getattr(lay, f"{which}_scale")[:, :, index] = scale
@@ -279,6 +290,11 @@ def _rotated(lay, which: str, upto: int, R: Any):
     coef = getattr(lay, f"{which}_coef")
     xp = namespace(coef)
     dtype = R.dtype
+    if lay.low_bits:  # dequantised, rotated and quantised again (spec/quantization.md Q2)
+        current = read_low_bit(lay, which, 0, upto, dtype, upto)
+        new = replace(lay, **{name: getattr(lay, name).copy() for name in side_arrays(which)})
+        store(new, which, slice(0, upto), xp.einsum("nhtr,nhrs->nhts", current, R))
+        return new
     if lay.quantized:
         current = dequantize_rows(coef[:, :, :upto], getattr(lay, f"{which}_scale")[:, :, :upto], dtype)
     else:
@@ -329,19 +345,18 @@ class NumpyBackend:
 
     name = "numpy"
     array_family = "numpy"
-    devices = ("cpu",)
-    dtypes = ("float16", "float32", "float64")
+    capabilities = Capabilities(
+        array_families=("numpy",), devices=("cpu",), dtypes=("float16", "float32", "float64"),
+        window=True, rope=True, sketch_variants=SKETCH_VARIANTS,
+    )
+    devices = capabilities.devices
+    dtypes = capabilities.dtypes
 
     def availability(self) -> Availability:
         return Availability(True)
 
     def not_supported_reasons(self, q: Any, state) -> list[str]:
-        reasons = []
-        if not isinstance(q, np.ndarray):
-            reasons.append(f"q is a {type(q).__module__.split('.')[0]} array; the numpy backend takes NumPy arrays")
-        if not isinstance(state.layout.key_coef, np.ndarray):
-            reasons.append(f"the state holds {state.engine} arrays; convert it with state.to('numpy')")
-        return reasons
+        return attend_reasons(self.name, self, q, state)
 
     def converter(self, device: Any = None, dtype: Any = None):
         if device not in (None, "cpu"):
@@ -353,8 +368,9 @@ class NumpyBackend:
 
         return convert
 
-    def append(self, state, keys, values) -> None:
-        append_reference(state, keys, values)
+    def append(self, state, keys, values, ahead=None) -> None:
+        """``ahead``: the lookahead tokens after the block (spec/window.md W4), or None."""
+        append_reference(state, keys, values, ahead)
 
     def attend(self, q, state, scale):
         return attend_reference(q, state, scale)

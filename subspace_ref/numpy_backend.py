@@ -16,6 +16,7 @@ from subspace_ref import window
 from subspace_ref.arrays import namespace, to_numpy
 from subspace_ref.backend import Availability
 from subspace_ref.basis_storage import row_error_bound
+from subspace_ref.policies._online import warmup_rows
 from subspace_ref.blockwise_softmax import SoftmaxPartial
 from subspace_ref.capabilities import SKETCH_VARIANTS, Capabilities, attend_reasons
 from subspace_ref.quantization import (
@@ -95,9 +96,11 @@ def append_reference(state, keys: Any, values: Any, ahead: tuple | None = None) 
     mask_k = rank_mask(policy.rank_k, open_B.shape[2], open_B)
     mask_v = rank_mask(policy.rank_v, open_E.shape[2], open_E)
     W = policy.warmup
-    if policy.kind == "rotating" or T < W:
+    warm_k, warm_v = (xp.asarray(w) for w in warmup_rows(policy))  # (H,) rows per side, spec A7 step 0
+    reproject = getattr(policy, "trigger", "paper") == "reproject"  # spec A7.2; "paper": A7 step 3 verbatim
+    if policy.kind == "rotating" or T < W or T == 0:
         # the only bases rewritten in place: the single rotating basis, or chunk 0 during warm-up
-        # (chunk 0 stays open until warm-up ends); they are rewritten in private copies
+        # or while still empty; they are rewritten in private copies
         lay = lay.with_private_bases()
     following = window.lookahead_stream(keys, values, ahead)  # spec/window.md W4; None: A7 as is
     # online-sketch variants (spec/sketch_variants.md S1-S3); neutral values keep A7/A8 verbatim
@@ -112,29 +115,35 @@ def append_reference(state, keys: Any, values: Any, ahead: tuple | None = None) 
     for i in range(n_new):
         t = T + i
         k, v = keys[:, :, i], values[:, :, i]
-        if t < W:  # step 0: exact warm-up rows in chunk 0, which is open for every head
-            # (stored encoded at once; the open basis holds the decoded row: spec/storage.md S3)
-            open_B[:, :, t] = lay.store_basis("key", every + (t,), warmup_row(open_B, k, 2 * row_error_bound(lay.basis_format, k.shape[-1])))
-            open_E[:, :, t] = lay.store_basis("value", every + (t,), warmup_row(open_E, v, 2 * row_error_bound(lay.basis_format, v.shape[-1])))
+        # step 0: exact warm-up rows in chunk 0 while it is open, per side up to min(W, rank)
+        # (stored encoded at once; the open basis holds the decoded row: spec/storage.md S3)
+        in_chunk0 = num_chunks == 1
+        warming_k, warming_v = in_chunk0 & (t < warm_k), in_chunk0 & (t < warm_v)
+        if t < open_B.shape[2] and bool(warming_k.any()):
+            open_B[:, :, t] = _warm(lay, "key", t, open_B, k, warming_k)
+        if t < open_E.shape[2] and bool(warming_v.any()):
+            open_E[:, :, t] = _warm(lay, "value", t, open_E, v, warming_v)
         # step 1: coefficients with the open chunk's bases
         c = xp.einsum("nhrd,nhd->nhr", open_B, k)
         dv = xp.einsum("nhrd,nhd->nhr", open_E, v)
-        store(lay, "key", t, c)
-        store(lay, "value", t, dv)
         if policy.kind == "adaptive":
-            # step 2: residuals from the coefficients; step 3: the trigger, before the FD update
+            # step 2: residuals from the coefficients; step 3: the trigger (a side that is still
+            # warming is exact and does not fire; the length cap waits for both sides)
             rho_k, rho_v = relative_residual(k, c), relative_residual(v, dv)
             open_start = xp.take_along_axis(chunk_starts, (num_chunks - 1)[..., None], axis=2)[..., 0]
             length = t + 1 - open_start
             # S3.2: with reuse a chunk may outlive max_chunk, and the cap re-fires every max_chunk tokens
             capped = (length >= policy.max_chunk) if reuse is None else (length % policy.max_chunk == 0)
-            fire = (t >= W) & ((rho_k > policy.tau_k) | (rho_v > policy.tau_v) | capped)
+            fire = (~warming_k & (rho_k > policy.tau_k)) | (~warming_v & (rho_v > policy.tau_v)) | (~warming_k & ~warming_v & capped)
+            if reproject:  # A7.2: the FD update first, so the new bases see the firing token
+                buf_k, filled_k, buf_v, filled_v, ring_k, ring_v, rows_inserted, svds = _feed(
+                    t, k, v, policy, stride, ring, buf_k, filled_k, buf_v, filled_v, ring_k, ring_v, rows_inserted, svds, stack)
             if bool(fire.any()):
                 fn, fh = xp.nonzero(fire)
                 if ring:
                     # S1 step 2: the fired heads' sketches rebuilt from the ring: the last rows
-                    # offered before t, oldest first, FD-inserted into empty buffers
-                    offered = -(-t // stride)
+                    # offered before t (through t with reproject), oldest first, FD-inserted into empty buffers
+                    offered = -(-(t + reproject) // stride)
                     slots = [q % ring for q in range(offered - min(offered, ring), offered)]
                     src_k, filled_src_k, n_k = _fd_insert(xp.zeros((len(fn), 2 * policy.ell_k, open_B.shape[3]), dtype=buf_k.dtype), 0, ring_k[fn, fh][:, slots], policy.ell_k)
                     src_v, filled_src_v, n_v = _fd_insert(xp.zeros((len(fn), 2 * policy.ell_v, open_E.shape[3]), dtype=buf_v.dtype), 0, ring_v[fn, fh][:, slots], policy.ell_v)
@@ -157,32 +166,38 @@ def append_reference(state, keys: Any, values: Any, ahead: tuple | None = None) 
                     ], dtype=bool)
                     fresh = xp.asarray(fresh)
                     fn, fh, new_B, new_E = fn[fresh], fh[fresh], new_B[fresh], new_E[fresh]
-                j = num_chunks[fn, fh]
-                # the snapshot goes into spare chunk slot j, encoded; the open basis is its decoding
+                # the snapshot goes into spare chunk slot j, encoded; the open basis is its decoding.
+                # With reproject, an open chunk that is still empty (chunk 0 at t = 0 without
+                # warm-up) takes the snapshot itself rather than staying an empty chunk
+                j = num_chunks[fn, fh] - (reproject & (open_start[fn, fh] == t))
                 new_B = lay.store_basis("key", (fn, fh, j), new_B)
                 new_E = lay.store_basis("value", (fn, fh, j), new_E)
-                chunk_starts[fn, fh, j] = t + 1
+                chunk_starts[fn, fh, j] = t + 1 - reproject
                 num_chunks[fn, fh] = j + 1
                 open_B[fn, fh] = new_B
                 open_E[fn, fh] = new_E
+                if reproject:  # A7.2: the firing token is stored with the new chunk's bases
+                    c[fn, fh] = xp.einsum("mrd,md->mr", new_B, k[fn, fh])
+                    dv[fn, fh] = xp.einsum("mrd,md->mr", new_E, v[fn, fh])
                 if policy.sketch_reset:
                     # step 3b: forget what the closing chunk summarised, unless it was too short
                     # to have taught the sketch a full basis (a reset then would thrash)
-                    # (S2.4: "long" counts the rows the chunk fed to the sketches, tokens t' = 0 mod stride)
-                    long = (t // stride - (-(-open_start[fn, fh] // stride)) + 1) >= max(policy.ell_k, policy.ell_v)
-                    buf_k[fn[long], fh[long]] = 0.0
-                    buf_v[fn[long], fh[long]] = 0.0
-        # step 4 (A7) / step 3 (A8): the FD update, of every stride-th token (S2), into the ring
-        # instead of the sketches when there is one (S1 step 1)
-        if t % stride == 0:
-            if ring:
-                ring_k[:, :, (t // stride) % ring] = k
-                ring_v[:, :, (t // stride) % ring] = v
-            else:
-                buf_k, filled_k, n_k = _fd_insert(buf_k, filled_k, k[:, :, None], policy.ell_k)
-                buf_v, filled_v, n_v = _fd_insert(buf_v, filled_v, v[:, :, None], policy.ell_v)
-                svds += (n_k + n_v) * stack
-            rows_inserted += 1
+                    # (S2.4: "long" counts the rows the chunk fed to the sketches, tokens t' = 0 mod stride;
+                    # with reproject the chunk ends at t - 1, and the firing token, the new chunk's first, is kept)
+                    last = t - reproject
+                    long = (last // stride - (-(-open_start[fn, fh] // stride)) + 1) >= max(policy.ell_k, policy.ell_v)
+                    ln, lh = fn[long], fh[long]
+                    buf_k[ln, lh] = 0.0
+                    buf_v[ln, lh] = 0.0
+                    if reproject and t % stride == 0:
+                        buf_k[ln, lh, filled_k - 1] = k[ln, lh]
+                        buf_v[ln, lh, filled_v - 1] = v[ln, lh]
+        store(lay, "key", t, c)
+        store(lay, "value", t, dv)
+        if not (policy.kind == "adaptive" and reproject):
+            # step 4 (A7) / step 3 (A8): the FD update
+            buf_k, filled_k, buf_v, filled_v, ring_k, ring_v, rows_inserted, svds = _feed(
+                t, k, v, policy, stride, ring, buf_k, filled_k, buf_v, filled_v, ring_k, ring_v, rows_inserted, svds, stack)
         if policy.kind == "rotating" and t >= W and (t + 1 - W) % policy.refresh_every == 0:
             # spec A8 step 4: new basis, and every stored coefficient moved into it by R = B B'^T
             # (R is taken between the decoded stored bases: spec/storage.md S3)
@@ -197,6 +212,33 @@ def append_reference(state, keys: Any, values: Any, ahead: tuple | None = None) 
     state.sketches = replace(sk, keys=buf_k, values=buf_v, filled_k=filled_k, filled_v=filled_v, rows_seen=sk.rows_seen + n_new,
         ring_keys=ring_k, ring_values=ring_v, rows_inserted=rows_inserted, svds=svds,
     )
+
+
+def _feed(t, k, v, policy, stride, ring, buf_k, filled_k, buf_v, filled_v, ring_k, ring_v, rows_inserted, svds, stack):
+    """The FD update of token t (A7 step 4 / A8 step 3): every stride-th token (S2), into the
+    ring instead of the sketches when there is one (S1 step 1). Returns the updated running values."""
+    if t % stride == 0:
+        if ring:
+            ring_k[:, :, (t // stride) % ring] = k
+            ring_v[:, :, (t // stride) % ring] = v
+        else:
+            buf_k, filled_k, n_k = _fd_insert(buf_k, filled_k, k[:, :, None], policy.ell_k)
+            buf_v, filled_v, n_v = _fd_insert(buf_v, filled_v, v[:, :, None], policy.ell_v)
+            svds += (n_k + n_v) * stack
+        rows_inserted += 1
+    return buf_k, filled_k, buf_v, filled_v, ring_k, ring_v, rows_inserted, svds
+
+
+def _warm(lay, which: str, t: int, open_basis: Any, x: Any, warming: Any) -> Any:
+    """Spec A7 step 0 for token t: row t of chunk 0 of the heads still ``warming`` (N, H) on this
+    side becomes x's unit residual (spec/storage.md S2.1 floor for encoded rows); the other heads'
+    chunk-0 row t is padding (zero) and their open row t, possibly of a later chunk, is kept.
+    Returns the open bases' new row t (decoded)."""
+    xp = namespace(x)
+    floor = 2 * row_error_bound(lay.basis_format, x.shape[-1])
+    row = xp.where(warming[..., None], warmup_row(open_basis, x, floor), 0.0)
+    decoded = lay.store_basis(which, (slice(None), slice(None), 0, t), row)
+    return xp.where(warming[..., None], decoded, open_basis[:, :, t])
 
 
 def _fd_insert(buffer: Any, filled: int, rows: Any, ell: int) -> tuple[Any, int, int]:

@@ -29,7 +29,7 @@ from subspace_ref.capabilities import NotSupportedError
 from subspace_ref.layout import STATE_ARRAYS, PackedLayout, SketchBuffers, live_arrays
 from subspace_ref.policies import AdaptivePolicy, RotatingPolicy, StaticPolicy
 from subspace_ref.policies._online import sketch_size, warmup_length
-from subspace_ref.policies.adaptive import sketch_options
+from subspace_ref.policies.adaptive import sketch_options, trigger_order
 from subspace_ref.quantization import LOW_BITS, packed_width
 from subspace_ref.window import ExactWindow, compressed_count, options
 
@@ -401,6 +401,7 @@ def _policy_from(header: dict[str, Any], path):
                 _checks.positive_int(name, getattr(policy, name))
         if hasattr(policy, "fd_stride"):  # spec/sketch_variants.md S1.6: no file holds ring buffers
             sketch_options(policy.ring_warm_start, policy.fd_stride, policy.reuse_angle, policy.sketch_reset)
+            trigger_order(policy.trigger)
             if policy.ring_warm_start:
                 raise ValueError("ring_warm_start > 0 states are never saved (their ring buffers have no tensor in this format)")
         return policy
@@ -409,7 +410,7 @@ def _policy_from(header: dict[str, Any], path):
 
 
 def _typed(name: str, annotation: str, value: Any) -> Any:
-    """``value`` from JSON checked against a policy field's annotation (tuple of ints, int, float, bool)."""
+    """``value`` from JSON checked against a policy field's annotation (tuple of ints, int, float, bool, str)."""
     if annotation.startswith("tuple"):
         if not isinstance(value, list) or not value or not all(type(x) is int and x >= 0 for x in value):
             raise ValueError(f"{name} must be a non-empty list of non-negative ints, got {value!r}")
@@ -427,6 +428,10 @@ def _typed(name: str, annotation: str, value: Any) -> Any:
     if annotation == "bool":
         if type(value) is not bool:
             raise ValueError(f"{name} must be true or false, got {value!r}")
+        return value
+    if annotation == "str":
+        if type(value) is not str:
+            raise ValueError(f"{name} must be a string, got {value!r}")
         return value
     raise ValueError(f"policy field {name} has type {annotation}, which this reader cannot check")
 

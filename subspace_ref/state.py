@@ -19,7 +19,7 @@ from subspace_ref.layout import (
 )
 from subspace_ref.policies import AdaptivePolicy, RotatingPolicy, StaticPolicy
 from subspace_ref.policies._online import per_head_ranks, sketch_size, warmup_length
-from subspace_ref.policies.adaptive import sketch_options
+from subspace_ref.policies.adaptive import sketch_options, trigger_order
 from subspace_ref.quantization import DEFAULT_GROUP, LOW_BITS, packed_width
 from subspace_ref.rope import RopeParams
 
@@ -132,11 +132,16 @@ class SubspaceState:
         ring_warm_start: int = 0,
         fd_stride: int = 1,
         reuse_angle: float | None = None,
+        trigger: str = "reproject",
     ) -> "SubspaceState":
         """Online bases from FD sketches with residual-triggered chunking (spec A7, seed 001 §5).
 
-        ``ell_*`` default to 2 x rank; ``warmup`` (default: the smallest rank) tokens are stored
-        exactly before the first trigger can fire; ``warmup=0`` is the paper verbatim.
+        ``ell_*`` default to 2 x rank; the first min(``warmup``, rank) tokens of each side
+        (default: the side's rank, so keys and values each fill their basis) are stored exactly
+        in chunk 0 (spec A7 step 0); ``warmup=0`` with ``trigger="paper"`` is the paper verbatim.
+        ``trigger="reproject"`` (default) stores the token that fires the trigger in the new
+        chunk, with bases that include it (spec A7.2: every stored token within tau, full rank
+        exact); "paper" keeps seed 001's order, where that token stays in the old chunk.
         ``sketch_reset=True`` restarts the sketches at each chunk boundary (spec A7 step 3b): the
         paper's sketches never forget, and under drift they keep returning the old subspace, so
         the trigger fires on nearly every token (see tests/test_adaptive_state.py).
@@ -177,6 +182,7 @@ class SubspaceState:
             ring,
             stride,
             reuse,
+            trigger_order(trigger),
         )
         return cls._online(policy, heads, d, d_v, gamma, batch, dtype, coefficients, bases, (window, min_tokens, lookahead), group_size)
 

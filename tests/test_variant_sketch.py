@@ -83,21 +83,24 @@ def test_svd_counter_by_hand(rng):
 
 
 # ----------------------------------------------------------------------------- S1 ring
+@pytest.mark.parametrize("trigger", ["paper", "reproject"])
 @pytest.mark.parametrize("W_over_ell", [1, 3])
-def test_ring_snapshots_are_FD_of_the_last_W_rows(rng, W_over_ell):
-    """S1.1: every chunk opened at t + 1 has the A4 basis of FD of tokens max(0, t - W) .. t - 1."""
+def test_ring_snapshots_are_FD_of_the_last_W_rows(rng, W_over_ell, trigger):
+    """S1.1: with the paper's order every chunk opened at t + 1 has the A4 basis of FD of tokens
+    max(0, t - W) .. t - 1; with reproject (A7.2) the chunk opens at the firing token t, and the
+    ring holds t too: tokens max(0, t + 1 - W) .. t."""
     H, T, d, r, ell = 2, 260, 10, 3, 7
     W = W_over_ell * ell
     K, V = drifting(rng, H, T, d), drifting(rng, H, T, d, rank=2, every=70)
-    state = build(H, d, rank_k=r, rank_v=r, ell_k=ell, ell_v=ell, ring_warm_start=W).append(K, V)
+    state = build(H, d, rank_k=r, rank_v=r, ell_k=ell, ell_v=ell, ring_warm_start=W, trigger=trigger).append(K, V)
     checked = 0
     for h in range(H):
         for j, (a, _) in enumerate(state.chunk_bounds(h)):
             if j == 0:
                 continue
-            t = a - 1
+            stop = a + 1 if trigger == "reproject" else a - 1  # one past the last token in the ring
             for X, bases in ((K, state.layout.key_bases), (V, state.layout.value_bases)):
-                want = FrequentDirections(d, ell).update(X[h, max(0, t - W) : t]).basis(r)
+                want = FrequentDirections(d, ell).update(X[h, max(0, stop - W) : stop]).basis(r)
                 np.testing.assert_allclose(bases[0, h, j], want, atol=1e-9)
             checked += 1
     assert checked > 5

@@ -39,6 +39,7 @@ from dataclasses import replace
 import torch
 
 from subspace_ref.basis_storage import row_error_bound
+from subspace_ref.policies._online import warmup_rows
 from subspace_ref.quantization import read_low_bit, side_arrays, store_low_bit
 from subspace_ref.rope import rotate
 from subspace_ref_torch import fd
@@ -159,68 +160,94 @@ def append_online(state, keys: torch.Tensor, values: torch.Tensor, project=proje
     mask_k = fd.rank_mask(policy.rank_k, r, work, device)
     mask_v = fd.rank_mask(policy.rank_v, r_v, work, device)
     W = policy.warmup
-    if policy.kind == "rotating" or T < W:
+    warm_k, warm_v = (torch.as_tensor(w, device=device) for w in warmup_rows(policy))  # (H,) per side, spec A7 step 0
+    reproject = adaptive and policy.trigger == "reproject"  # spec A7.2; "paper": A7 step 3 verbatim
+    if policy.kind == "rotating" or T < W or T == 0:
         # the only bases rewritten in place: the single rotating basis, or chunk 0 during
-        # warm-up; they are rewritten in private copies. Bases are stored encoded at once and the
+        # warm-up or while empty; they are rewritten in private copies. Bases are stored encoded at once and the
         # open ones hold their decoding, as attend will read them (spec/storage.md S3)
         lay = lay.with_private_bases()
     k_all, v_all = keys.to(work), values.to(work)
     window = FIRST_WINDOW
+    no_head = torch.zeros((N, H), dtype=torch.bool, device=device)
 
     i = 0
     while i < n_new:
         t = T + i
+        warming_k = warming_v = no_head
         if t < W:
-            # spec A7/A8 step 0: exact warm-up rows in chunk 0 (open for every head: no trigger
-            # fires before W); then steps 1 and 4 for this one token
+            # spec A7/A8 step 0: exact warm-up rows in chunk 0 while it is open, per side up to
+            # min(W, rank); one token at a time, as the bases change with each token
             k, v = k_all[:, :, i], v_all[:, :, i]
-            open_B[:, :, t] = lay.store_basis("key", every + (t,), fd.warmup_row(open_B, k, 2 * row_error_bound(lay.basis_format, k.shape[-1])))
-            open_E[:, :, t] = lay.store_basis("value", every + (t,), fd.warmup_row(open_E, v, 2 * row_error_bound(lay.basis_format, v.shape[-1])))
-            store(lay, "key", t, torch.matmul(open_B, k[..., None])[..., 0])
-            store(lay, "value", t, torch.matmul(open_E, v[..., None])[..., 0])
-            buf_k, filled_k = fd.insert_(buf_k, filled_k, k[:, :, None], policy.ell_k)
-            buf_v, filled_v = fd.insert_(buf_v, filled_v, v[:, :, None], policy.ell_v)
-            i += 1
-            continue
+            in_chunk0 = num_chunks == 1
+            warming_k, warming_v = in_chunk0 & (t < warm_k), in_chunk0 & (t < warm_v)
+            if t < r and bool(warming_k.any()):
+                open_B[:, :, t] = _warm(lay, "key", t, open_B, k, warming_k)
+            if t < r_v and bool(warming_v.any()):
+                open_E[:, :, t] = _warm(lay, "value", t, open_E, v, warming_v)
+            if not adaptive:  # A8: steps 2 and 3 for this token (no refresh before W)
+                store(lay, "key", t, torch.matmul(open_B, k[..., None])[..., 0])
+                store(lay, "value", t, torch.matmul(open_E, v[..., None])[..., 0])
+                buf_k, filled_k = fd.insert_(buf_k, filled_k, k[:, :, None], policy.ell_k)
+                buf_v, filled_v = fd.insert_(buf_v, filled_v, v[:, :, None], policy.ell_v)
+                i += 1
+                continue
 
         if adaptive:
-            s = min(n_new - i, window)
+            s = 1 if t < W else min(n_new - i, window)
             kk, vv = k_all[:, :, i : i + s], v_all[:, :, i : i + s]
-            # steps 1-2 for the whole window with the open bases, then step 3 per token
+            # steps 1-2 for the whole window with the open bases, then step 3 per token (a side
+            # still warming does not fire; the length cap waits for both sides)
             c, dv, rho_k, rho_v = project(kk, vv, open_B, open_E)
             ends = torch.arange(t + 1, t + 1 + s, device=device)  # t + 1 per token
-            fire = (rho_k > policy.tau_k) | (rho_v > policy.tau_v) | (ends - open_start[..., None] >= policy.max_chunk)
+            capped = ends - open_start[..., None] >= policy.max_chunk
+            fire = ((~warming_k[..., None]) & (rho_k > policy.tau_k)) | ((~warming_v[..., None]) & (rho_v > policy.tau_v)) \
+                | ((~warming_k & ~warming_v)[..., None] & capped)
             any_head = fire.flatten(0, 1).any(0)
             first = int(torch.where(any_head, torch.arange(s, device=device), s).min())  # host sync
             take = min(first + 1, s)
-            store(lay, "key", slice(t, t + take), c[:, :, :take])  # A10: the trigger used unquantised c
-            store(lay, "value", slice(t, t + take), dv[:, :, :take])
             if first < s:
-                # step 4 for the tokens before the firing one, then step 3 at it, then its step 4
-                buf_k, filled_k = fd.insert_(buf_k, filled_k, kk[:, :, :first], policy.ell_k)
-                buf_v, filled_v = fd.insert_(buf_v, filled_v, vv[:, :, :first], policy.ell_v)
+                # paper: step 4 for the tokens before the firing one, then step 3 at it, then its
+                # step 4; reproject (A7.2): step 4 through the firing token, then step 3
+                upto = first + 1 if reproject else first
+                buf_k, filled_k = fd.insert_(buf_k, filled_k, kk[:, :, :upto], policy.ell_k)
+                buf_v, filled_v = fd.insert_(buf_v, filled_v, vv[:, :, :upto], policy.ell_v)
                 fn, fh = fire[:, :, first].nonzero(as_tuple=True)
-                j = num_chunks[fn, fh]
-                start = t + first + 1
-                # chunk slot j >= num_chunks: spare until the commit
+                start = t + first + 1 - reproject
+                # chunk slot j >= num_chunks: spare until the commit (with reproject, an empty
+                # open chunk -- chunk 0 at t = 0 without warm-up -- takes the snapshot itself)
+                j = num_chunks[fn, fh] - (reproject & (open_start[fn, fh] == start)).long()
                 new_B = lay.store_basis("key", (fn, fh, j), fd.top_directions(buf_k[fn, fh, :filled_k], r) * mask_k[fh])
                 new_E = lay.store_basis("value", (fn, fh, j), fd.top_directions(buf_v[fn, fh, :filled_v], r_v) * mask_v[fh])
                 chunk_starts[fn, fh, j] = start
                 num_chunks[fn, fh] = j + 1
+                if reproject:  # A7.2: the firing token is stored with the new chunk's bases
+                    c[fn, fh, first] = torch.matmul(new_B, kk[fn, fh, first][..., None])[..., 0]
+                    dv[fn, fh, first] = torch.matmul(new_E, vv[fn, fh, first][..., None])[..., 0]
                 if getattr(policy, "sketch_reset", False):
                     # step 3b: after the snapshot, forget what a long enough closing chunk taught
+                    # (with reproject the closing chunk ends before the firing token, which the
+                    # new chunk's sketch keeps)
                     long = (start - open_start[fn, fh]) >= max(policy.ell_k, policy.ell_v)
-                    buf_k[fn[long], fh[long]] = 0.0
-                    buf_v[fn[long], fh[long]] = 0.0
+                    ln, lh = fn[long], fh[long]
+                    buf_k[ln, lh] = 0.0
+                    buf_v[ln, lh] = 0.0
+                    if reproject:
+                        buf_k[ln, lh, filled_k - 1] = kk[ln, lh, first]
+                        buf_v[ln, lh, filled_v - 1] = vv[ln, lh, first]
                 open_start[fn, fh] = start
                 open_B[fn, fh] = new_B
                 open_E[fn, fh] = new_E
-                buf_k, filled_k = fd.insert_(buf_k, filled_k, kk[:, :, first : first + 1], policy.ell_k)
-                buf_v, filled_v = fd.insert_(buf_v, filled_v, vv[:, :, first : first + 1], policy.ell_v)
+                if not reproject:
+                    buf_k, filled_k = fd.insert_(buf_k, filled_k, kk[:, :, first : first + 1], policy.ell_k)
+                    buf_v, filled_v = fd.insert_(buf_v, filled_v, vv[:, :, first : first + 1], policy.ell_v)
             else:
                 buf_k, filled_k = fd.insert_(buf_k, filled_k, kk, policy.ell_k)
                 buf_v, filled_v = fd.insert_(buf_v, filled_v, vv, policy.ell_v)
-            window = _next_window(window, first, s)
+            store(lay, "key", slice(t, t + take), c[:, :, :take])  # A10: the trigger used unquantised c
+            store(lay, "value", slice(t, t + take), dv[:, :, :take])
+            if t >= W:
+                window = _next_window(window, first, s)
             i += take
         else:
             m = policy.refresh_every
@@ -245,6 +272,15 @@ def append_online(state, keys: torch.Tensor, values: torch.Tensor, project=proje
 
     state.layout = replace(lay, num_chunks=num_chunks, chunk_starts=chunk_starts, num_tokens=T + n_new)
     state.sketches = replace(sk, keys=buf_k.to(sk.keys.dtype), values=buf_v.to(sk.values.dtype), filled_k=filled_k, filled_v=filled_v, rows_seen=sk.rows_seen + n_new)
+
+
+def _warm(lay, which: str, t: int, open_basis: torch.Tensor, x: torch.Tensor, warming: torch.Tensor) -> torch.Tensor:
+    """Spec A7 step 0 for token t, as the oracle's ``numpy_backend._warm``: chunk-0 row t of the
+    heads still ``warming`` becomes x's unit residual; other heads keep their open row t."""
+    floor = 2 * row_error_bound(lay.basis_format, x.shape[-1])
+    row = torch.where(warming[..., None], fd.warmup_row(open_basis, x, floor), 0.0)
+    decoded = lay.store_basis(which, (slice(None), slice(None), 0, t), row)
+    return torch.where(warming[..., None], decoded, open_basis[:, :, t])
 
 
 def sketch_variant_reasons(policy) -> list[str]:

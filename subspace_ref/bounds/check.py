@@ -463,14 +463,16 @@ def _energy_allowance(e: float, frob: float, nu: float) -> float:
 def _sketched_from(state, h: int) -> int:
     """First token the current sketches of head h summarise: 0, or with ``sketch_reset`` (spec A7
     step 3b) the token that closed the last chunk of length >= max(ell_k, ell_v), since the
-    reset comes after that chunk's snapshot and before the FD update with its last token."""
+    reset comes after that chunk's snapshot and before the FD update with its last token; with
+    the reproject trigger (spec A7.2) the firing token opens the next chunk and the sketch keeps it."""
     pol = state.policy
     if not getattr(pol, "sketch_reset", False):
         return 0
+    reproject = getattr(pol, "trigger", "paper") == "reproject"
     start = 0
     for a, b in state.chunk_bounds(h)[:-1]:
         if b - a >= max(pol.ell_k, pol.ell_v):
-            start = b - 1
+            start = b if reproject else b - 1
     return start
 
 

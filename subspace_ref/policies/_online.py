@@ -31,11 +31,19 @@ def sketch_size(name: str, ell: Any, ranks: tuple[int, ...], rank_name: str) -> 
 
 
 def warmup_length(warmup: Any, rank_k: tuple[int, ...], rank_v: tuple[int, ...]) -> int:
-    limit = min(min(rank_k), min(rank_v))
+    """W, the warm-up cap of spec A7 step 0: each side of each head stores min(W, its rank)
+    warm-up rows (:func:`warmup_rows`). Default: the largest rank, so every side fills its basis."""
+    limit = max(max(rank_k), max(rank_v))
     if warmup is None:
         return limit
     if isinstance(warmup, np.integer):
         warmup = int(warmup)
     if isinstance(warmup, bool) or not isinstance(warmup, (int, np.integer)) or not 0 <= warmup <= limit:
-        raise ValueError(f"warmup must be an int in [0, {limit}] (the smallest rank), got {warmup!r}")
+        raise ValueError(f"warmup must be an int in [0, {limit}] (the largest rank), got {warmup!r}")
     return warmup
+
+
+def warmup_rows(policy) -> tuple[np.ndarray, np.ndarray]:
+    """Per head, how many warm-up rows keys and values take (spec A7 step 0): min(W, rank_k[h])
+    and min(W, rank_v[h]), so a side is never cut at the other side's rank."""
+    return np.minimum(policy.warmup, np.asarray(policy.rank_k)), np.minimum(policy.warmup, np.asarray(policy.rank_v))

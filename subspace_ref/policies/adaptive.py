@@ -9,7 +9,12 @@ from dataclasses import dataclass, field
 class AdaptivePolicy:
     """FD sketches per head; a new chunk, with bases snapshotted from the sketches, starts after a
     token whose relative residual exceeds ``tau_k``/``tau_v`` or when a chunk reaches ``max_chunk``.
-    The first ``warmup`` tokens are stored exactly (spec A7 step 0). With ``sketch_reset`` the
+    The first min(``warmup``, rank) tokens of each side are stored exactly (spec A7 step 0).
+    ``trigger``: "reproject" opens the new chunk AT the firing token, after the FD update, and
+    stores that token with the new bases (spec A7.2, what bounds every stored token); "paper"
+    keeps seed 001's order (snapshot before the FD update, the firing token stays in the old
+    chunk with its residual). A file saved before the option existed holds no ``trigger`` and
+    loads with the default, so its later appends follow A7.2 (spec/persistence.md). With ``sketch_reset`` the
     sketches restart at every chunk boundary (spec A7 step 3b), so each snapshot summarises the
     chunk that just closed instead of the whole history.
 
@@ -32,6 +37,7 @@ class AdaptivePolicy:
     ring_warm_start: int = field(default=0, metadata={"optional": True})
     fd_stride: int = field(default=1, metadata={"optional": True})
     reuse_angle: float | None = field(default=None, metadata={"optional": True})
+    trigger: str = field(default="reproject", metadata={"optional": True})
 
     kind = "adaptive"
 
@@ -55,3 +61,13 @@ def sketch_options(ring_warm_start, fd_stride, reuse_angle, sketch_reset: bool) 
         if not 0.0 < reuse_angle < math.pi / 2:
             raise ValueError(f"reuse_angle must be None or radians in the open interval (0, pi/2), got {reuse_angle}")
     return ring, stride, reuse_angle
+
+
+TRIGGER_ORDERS = ("reproject", "paper")
+
+
+def trigger_order(trigger) -> str:
+    """The trigger order checked: "reproject" (spec A7.2) or "paper" (seed 001 §5 verbatim)."""
+    if trigger not in TRIGGER_ORDERS:
+        raise ValueError(f"trigger must be one of {TRIGGER_ORDERS}, got {trigger!r}")
+    return trigger

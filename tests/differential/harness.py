@@ -79,6 +79,46 @@ def targets(dtypes: tuple[str, ...] = DTYPES) -> list[Target]:
     return out
 
 
+# ----------------------------------------------------------------------------- declared refusals
+#: What each backend declares it lacks, per operation: (backend, operation) -> features (the names
+#: of cases.Case.features). A backend may refuse a case only for a feature listed here, with a
+#: reason naming it (REASON_WORDS); any other refusal, or a reason that does not say which
+#: feature, fails. A backend that gains a feature is compared with the oracle at once (the
+#: listing permits a refusal, it does not demand one).
+DECLARED_GAPS: dict[tuple[str, str], frozenset[str]] = {
+    ("torch", "attend"): frozenset({"rope"}),
+    ("torch", "append"): frozenset({"rope", "lookahead", "ring_warm_start", "fd_stride", "reuse_angle"}),
+    ("triton", "attend"): frozenset({"rope", "window", "sinks"}),
+    ("triton", "append"): frozenset({"rope", "lookahead", "ring_warm_start", "fd_stride", "reuse_angle"}),
+    ("cupy", "attend"): frozenset({"rope", "window", "sinks", "encoded_bases"}),
+    ("cupy", "append"): frozenset({"rope", "lookahead", "ring_warm_start", "fd_stride", "reuse_angle", "encoded_bases"}),
+}
+#: How a reason names a feature (the backends' own wording: spec/window.md W3, spec/rope.md P2, ...).
+REASON_WORDS = {
+    "window": ("exact window",),
+    "sinks": ("sinks",),
+    "lookahead": ("lookahead",),
+    "rope": ("rope",),
+    "ring_warm_start": ("ring_warm_start",),
+    "fd_stride": ("fd_stride",),
+    "reuse_angle": ("reuse_angle",),
+    "encoded_bases": ("bases as", "encoded bases"),
+}
+
+
+def declared_refusal(backend: str, operation: str, features: frozenset[str], reasons: list[str]) -> str:
+    """Check that ``backend`` refusing ``operation`` on a case with ``features`` is declared:
+    the backend lists a missing feature the case has, and every reason names one of those.
+    Returns the skip message; AssertionError otherwise."""
+    lacking = DECLARED_GAPS.get((backend, operation), frozenset()) & features
+    assert lacking, f"{backend} refuses {operation} on a case with {sorted(features)} but declares none of them missing: {reasons}"
+    for reason in reasons:
+        assert reason.strip(), f"{backend} gave an empty reason for refusing {operation}"
+        named = [f for f in lacking if any(word in reason for word in REASON_WORDS[f])]
+        assert named, f"{backend}'s reason for refusing {operation} names none of its declared gaps {sorted(lacking)}: {reason!r}"
+    return f"{backend} declares no {'/'.join(sorted(lacking))} for {operation}: {reasons[0]}"
+
+
 # ----------------------------------------------------------------------------- conversion
 def to_backend(x: np.ndarray, target: Target):
     """A NumPy array as the target backend's array (its converter, device and dtype)."""

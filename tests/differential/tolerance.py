@@ -65,11 +65,13 @@ SCALES = ("key_scale", "value_scale")  # float32 by spec A10 in every state: nev
 
 
 def _cast_state(state, fn):
-    """A copy of a NumPy state with ``fn`` applied to its floating layout arrays (the int8
+    """A copy of a NumPy state with ``fn`` applied to its floating layout and exact-token arrays (the int8
     coefficients and their float32 scales of spec A10 are kept as they are, as ``state.to``
     keeps them)."""
     out = state.copy()
     out.layout = out.layout.map_arrays(lambda name, x: fn(x) if x.dtype.kind == "f" and name not in SCALES else x)
+    if out.window is not None:  # the exact tokens (spec/window.md), which state.to casts too
+        out.window = out.window.map_arrays(fn)
     return out
 
 

@@ -376,15 +376,16 @@ class SubspaceState:
             raise ValueError(f"keys has {k.shape[2]} tokens but values has {v.shape[2]}; expected the same number")
         if k.shape[2] == 0:
             return self
-        if self.window is not None:
-            _window.append(self, k, v)  # spec/window.md W2
-            return self
         from subspace_ref.registry import get_backend
         from subspace_ref.rope import refusal
 
-        if self.engine != "numpy" and refusal(self, self.engine):  # before anything changes
+        # before anything changes, windowed or not (a windowed pre-RoPE state used to reach the
+        # torch append, which stored post-RoPE keys as if un-rotated)
+        if self.engine != "numpy" and refusal(self, self.engine):
             raise NotImplementedError(refusal(self, self.engine)[0])
-
+        if self.window is not None:
+            _window.append(self, k, v)  # spec/window.md W2
+            return self
         get_backend(self.engine).append(self, k, v)
         return self
 

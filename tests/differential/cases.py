@@ -105,6 +105,9 @@ CASES = [
     Case("adaptive-paper_no_warmup", "adaptive", group=2, T=60, warmup=0, tau=0.7),
     Case("adaptive-r_eq_d", "adaptive", group=2, d=8, d_v=8, rank_k=8, rank_v=8, T=50, max_chunk=16),
     Case("adaptive-sketch_reset", "adaptive", group=2, T=120, max_chunk=16, tau=0.95, sketch_reset=True, data="lowrank"),
+    # chunks of exactly max(ell_k, ell_v) = 8 tokens: the edge of step 3b's "long enough to reset"
+    Case("adaptive-sketch_reset-chunk_eq_ell", "adaptive", group=2, d=12, d_v=10, rank_k=4, rank_v=3, T=50, max_chunk=8, tau=0.95,
+         sketch_reset=True, data="lowrank"),
     # rotating (spec A8): refresh boundaries at 1, m-1, m, m+1; long with huge logits
     Case("rotating-T1", "rotating", group=4, T=1, refresh_every=M),
     Case("rotating-T_m-1", "rotating", group=4, T=M - 1, refresh_every=M),

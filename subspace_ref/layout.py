@@ -1,11 +1,77 @@
-"""The packed state layout of spec A9: the arrays every backend reads in place."""
+"""The packed state layout of spec A9: the arrays every backend reads in place, and the one
+enumeration of every array a state holds (:data:`STATE_ARRAYS`).
+
+Copies, conversions, byte counts and saved files iterate :data:`STATE_ARRAYS`, so they cannot
+disagree about which arrays exist. Adding an array to a state is one line there (plus the field
+on the object holding it): name, part, attribute, axis kind, dtype rule and byte-count rule.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import Any
 
-from subspace_ref.arrays import grown, to_numpy
+from subspace_ref.arrays import clone, grown, itemsize, numel, to_numpy
+
+#: Axis kinds of axis 2 (after N, H): TOKEN rows past ``layout.num_tokens`` and CHUNK rows past
+#: the largest ``num_chunks`` are spare capacity; FIXED arrays are live whole.
+TOKEN, CHUNK, FIXED = "token", "chunk", "fixed"
+#: GROUP rows are key groups of ``layout.group`` tokens (int4/int2 coefficients, spec/quantization.md
+#: Q2): rows past num_tokens // group are spare capacity (or an unfinished group, held in key_tail).
+GROUP = "group"
+#: Dtype rules on conversion (``state.to(dtype=...)``): "state" arrays take the new floating
+#: dtype; "coefficients" arrays unless coefficients are stored as integers (spec A10); "bases"
+#: arrays unless bases are stored in a format of their own (spec/storage.md S1); "own" never.
+DTYPE_RULES = ("state", "coefficients", "bases", "own")
+#: Byte-count rules of ``state.nbytes``: "always", "never" (bookkeeping the paper does not
+#: count), "adaptive" (chunk offsets: only a state whose chunks start anywhere pays for them).
+COUNT_RULES = ("always", "never", "adaptive")
+
+
+@dataclass(frozen=True)
+class StateArray:
+    """One array a state may hold: ``name`` is unique and is its tensor name in a saved file;
+    it is attribute ``attr`` of the state's ``part`` ("layout", "sketches" or "window"), absent
+    when that part or the attribute is None."""
+
+    name: str
+    part: str
+    attr: str
+    axis: str
+    dtype: str
+    counted: str = "always"
+
+
+#: Every array of a state, in saved-file and checksum order (spec/persistence.md §3). Add new
+#: arrays here; the order of existing ones is part of the file format.
+STATE_ARRAYS = (
+    StateArray("key_coef", "layout", "key_coef", TOKEN, "coefficients"),  # (N, H, T_cap, r)
+    StateArray("value_coef", "layout", "value_coef", TOKEN, "coefficients"),  # (N, H, T_cap, r_v)
+    StateArray("key_bases", "layout", "key_bases", CHUNK, "bases"),  # (N, H, J_cap, r, d)
+    StateArray("value_bases", "layout", "value_bases", CHUNK, "bases"),  # (N, H, J_cap, r_v, d_v)
+    StateArray("chunk_starts", "layout", "chunk_starts", CHUNK, "own", "adaptive"),  # (N, H, J_cap) int64
+    StateArray("num_chunks", "layout", "num_chunks", FIXED, "own", "never"),  # (N, H) int64
+    StateArray("gamma", "layout", "gamma", FIXED, "state"),  # (H,)
+    StateArray("key_scale", "layout", "key_scale", TOKEN, "own"),  # (N, H, T_cap) float32, int8 coefficients (A10)
+    StateArray("value_scale", "layout", "value_scale", TOKEN, "own"),
+    StateArray("sketch_keys", "sketches", "keys", FIXED, "state"),  # (N, H, 2 ell_k, d) (A4)
+    StateArray("sketch_values", "sketches", "values", FIXED, "state"),  # (N, H, 2 ell_v, d_v)
+    StateArray("key_basis_scale", "layout", "key_basis_scale", CHUNK, "own"),  # (N, H, J_cap, r) float32, int8 bases (S1)
+    StateArray("value_basis_scale", "layout", "value_basis_scale", CHUNK, "own"),
+    StateArray("window_keys", "window", "keys", FIXED, "state"),  # (N, H, e, d) exact tokens (spec/window.md W1)
+    StateArray("window_values", "window", "values", FIXED, "state"),  # (N, H, e, d_v)
+    StateArray("ring_keys", "sketches", "ring_keys", FIXED, "state"),  # (N, H, W, d) (spec/sketch_variants.md S1)
+    StateArray("ring_values", "sketches", "ring_values", FIXED, "state"),
+    # int4/int2 coefficients (spec/quantization.md Q2): key_coef/value_coef then hold packed uint8 codes
+    StateArray("key_group_scale", "layout", "key_group_scale", GROUP, "own"),  # (N, H, ceil(T_cap / G), r) float16
+    StateArray("key_group_zero", "layout", "key_group_zero", GROUP, "own"),
+    StateArray("key_tail", "layout", "key_tail", FIXED, "state"),  # (N, H, G, r): the unfinished key group, in float
+    StateArray("value_token_scale", "layout", "value_token_scale", TOKEN, "own"),  # (N, H, T_cap) float16
+    StateArray("value_token_zero", "layout", "value_token_zero", TOKEN, "own"),
+    StateArray("sink_keys", "window", "sink_keys", FIXED, "state"),  # (N, H, s, d) attention sinks (spec/window.md W7)
+    StateArray("sink_values", "window", "sink_values", FIXED, "state"),  # (N, H, s, d_v)
+)
+BY_NAME = {a.name: a for a in STATE_ARRAYS}
 
 
 def _capacity(needed: int, current: int) -> int:
@@ -34,8 +100,21 @@ class PackedLayout:
     key_basis_scale: Any = None  # (N, H, J_cap, r) float32 when bases are int8 (spec/storage.md S1)
     value_basis_scale: Any = None  # (N, H, J_cap, r_v)
     basis_format: str = "native"  # how key_bases/value_bases are stored (spec/storage.md S1)
+    # int4/int2 coefficients (spec/quantization.md Q2): key_coef/value_coef hold packed uint8 codes
+    key_group_scale: Any = None  # (N, H, ceil(T_cap / group), r) float16, per channel per token group
+    key_group_zero: Any = None
+    key_tail: Any = None  # (N, H, group, r) state dtype: the keys of the unfinished trailing group
+    value_token_scale: Any = None  # (N, H, T_cap) float16, per token
+    value_token_zero: Any = None
+    low_bits: int = 0  # 4 or 2 for int4/int2 coefficients, 0 otherwise
+    group: int = 0  # tokens per key group of low-bit coefficients
 
-    ARRAYS = ("key_coef", "value_coef", "key_bases", "value_bases", "chunk_starts", "num_chunks", "gamma", "key_scale", "value_scale", "key_basis_scale", "value_basis_scale")
+    ARRAYS = tuple(a.attr for a in STATE_ARRAYS if a.part == "layout")
+
+    @property
+    def coefficients(self) -> str:
+        """How coefficients are stored: "float", "int8" (spec A10), "int4" or "int2" (spec/quantization.md)."""
+        return f"int{self.low_bits}" if self.low_bits else ("int8" if self.quantized else "float")
 
     @property
     def quantized(self) -> bool:
@@ -45,6 +124,10 @@ class PackedLayout:
     def coefficient_rows(self, which: str, n: int, h: int, a: int, b: int, dtype: Any) -> Any:
         """Rows [a, b) of the "key" or "value" coefficients of sequence n, head h, in ``dtype``,
         dequantised when the layout is int8 (spec A10)."""
+        if self.low_bits:
+            from subspace_ref.quantization import read_low_bit
+
+            return read_low_bit(self, which, a, b, dtype, self.num_tokens, (n, h))
         coef = getattr(self, f"{which}_coef")[n, h, a:b]
         if not self.quantized:
             return coef.astype(dtype)
@@ -82,27 +165,31 @@ class PackedLayout:
     def with_private_bases(self) -> "PackedLayout":
         """A layout whose basis (and basis scale) arrays are copies: for rewriting bases that
         are in use (warm-up rows, a rotating refresh) without touching the original."""
-        from subspace_ref.arrays import clone
-
         names = ("key_bases", "value_bases", "key_basis_scale", "value_basis_scale")
         return replace(self, **{name: clone(getattr(self, name)) for name in names if getattr(self, name) is not None})
-
-    TOKEN_AXIS = ("key_coef", "value_coef", "key_scale", "value_scale")
-    CHUNK_AXIS = ("key_bases", "value_bases", "chunk_starts", "key_basis_scale", "value_basis_scale")
 
     def live_arrays(self) -> dict[str, Any]:
         """The arrays in use cut to their live ranges (views): tokens < num_tokens, chunks < the
         largest num_chunks. What a copy, a saved file or a before/after comparison holds."""
-        T = self.num_tokens
-        J = int(to_numpy(self.num_chunks).max())
-        out = {}
-        for name, x in self.arrays().items():
-            if name in self.TOKEN_AXIS:
-                x = x[:, :, :T]
-            elif name in self.CHUNK_AXIS:
-                x = x[:, :, :J]
-            out[name] = x
-        return out
+        return {name: self.live(BY_NAME[name].axis, x) for name, x in self.arrays().items()}
+
+    def live(self, axis: str, x: Any) -> Any:
+        """``x``, an array of axis kind ``axis``, cut to its live range (a view)."""
+        if axis == TOKEN:
+            return x[:, :, : self.num_tokens]
+        if axis == CHUNK:
+            return x[:, :, : int(to_numpy(self.num_chunks).max())]
+        if axis == GROUP:
+            return x[:, :, : self.num_tokens // self.group]
+        return x
+
+    def converts(self, rule: str) -> bool:
+        """Whether an array of dtype rule ``rule`` (:data:`DTYPE_RULES`) takes a new dtype on conversion."""
+        if rule == "coefficients":
+            return not self.quantized and not self.low_bits
+        if rule == "bases":
+            return self.basis_format == "native"
+        return rule == "state"
 
     def arrays(self) -> dict[str, Any]:
         """The arrays in use (the scales only for quantized layouts)."""
@@ -114,19 +201,70 @@ class PackedLayout:
         j_cap = self.key_bases.shape[2]
         new_t = t_cap if tokens <= t_cap else _capacity(tokens, t_cap)
         new_j = j_cap if chunks <= j_cap else _capacity(chunks, j_cap)
-        return replace(
-            self,
-            key_coef=grown(self.key_coef, 2, new_t),
-            value_coef=grown(self.value_coef, 2, new_t),
-            key_bases=grown(self.key_bases, 2, new_j),
-            value_bases=grown(self.value_bases, 2, new_j),
-            chunk_starts=grown(self.chunk_starts, 2, new_j),
-            key_scale=None if self.key_scale is None else grown(self.key_scale, 2, new_t),
-            value_scale=None if self.value_scale is None else grown(self.value_scale, 2, new_t),
-            key_basis_scale=None if self.key_basis_scale is None else grown(self.key_basis_scale, 2, new_j),
-            value_basis_scale=None if self.value_basis_scale is None else grown(self.value_basis_scale, 2, new_j),
-        )
+        size = {TOKEN: new_t, CHUNK: new_j, GROUP: -(-new_t // self.group) if self.group else 0}
+        return replace(self, **{name: grown(x, 2, size[BY_NAME[name].axis]) for name, x in self.arrays().items() if BY_NAME[name].axis in size})
 
     def map_arrays(self, fn) -> "PackedLayout":
         """A layout with ``fn`` applied to every array in use (conversion between families, devices, dtypes)."""
         return replace(self, **{name: fn(name, x) for name, x in self.arrays().items()})
+
+
+# ----------------------------------------------------------------- a state's arrays, enumerated
+PARTS = ("layout", "sketches", "window")
+
+
+def held_arrays(state) -> dict[str, Any]:
+    """Every array ``state`` holds (whole, spare capacity included), by :data:`STATE_ARRAYS` name."""
+    out = {}
+    for a in STATE_ARRAYS:
+        part = getattr(state, a.part)
+        x = None if part is None else getattr(part, a.attr)
+        if x is not None:
+            out[a.name] = x
+    return out
+
+
+def live_arrays(state) -> dict[str, Any]:
+    """Every array ``state`` holds cut to its live range (views): what a copy or a file keeps."""
+    return {name: state.layout.live(BY_NAME[name].axis, x) for name, x in held_arrays(state).items()}
+
+
+def mapped_parts(state, fn) -> dict[str, Any]:
+    """The state's parts ("layout", "sketches", "window") with every array x replaced by
+    ``fn(StateArray, x)``; parts that are None stay None. Scalars (counts, fills) are kept."""
+    new: dict[str, dict[str, Any]] = {part: {} for part in PARTS}
+    for name, x in held_arrays(state).items():
+        a = BY_NAME[name]
+        new[a.part][a.attr] = fn(a, x)
+    return {part: None if getattr(state, part) is None else replace(getattr(state, part), **new[part]) for part in PARTS}
+
+
+def counted_nbytes(state, names=None) -> int:
+    """Bytes of the live part of every array ``nbytes`` counts (:attr:`StateArray.counted`),
+    restricted to ``names`` when given. A CHUNK array counts num_chunks[n, h] chunks of each
+    (sequence, head), a TOKEN array num_tokens rows, a FIXED array all of it."""
+    lay = state.layout
+    chunks = None
+    total = 0
+    for name, x in held_arrays(state).items():
+        a = BY_NAME[name]
+        if (names is not None and name not in names) or a.counted == "never" or (a.counted == "adaptive" and state.kind != "adaptive"):
+            continue
+        if a.axis == FIXED:
+            total += numel(x) * itemsize(x)
+            continue
+        rows = x.shape[2]
+        per_row = numel(x) // (x.shape[0] * x.shape[1] * rows) * itemsize(x) if rows else 0
+        if a.axis == TOKEN:
+            total += x.shape[0] * x.shape[1] * lay.num_tokens * per_row
+        elif a.axis == GROUP:
+            total += x.shape[0] * x.shape[1] * (lay.num_tokens // lay.group) * per_row
+        else:
+            chunks = int(to_numpy(lay.num_chunks).sum()) if chunks is None else chunks
+            total += chunks * per_row
+    return total
+
+
+def allocated_nbytes(state) -> int:
+    """Bytes of every array ``state`` holds, spare capacity included."""
+    return sum(numel(x) * itemsize(x) for x in held_arrays(state).values())

@@ -17,7 +17,7 @@ from subspace_ref.arrays import namespace, to_numpy
 from subspace_ref.backend import Availability
 from subspace_ref.basis_storage import row_error_bound
 from subspace_ref.blockwise_softmax import SoftmaxPartial
-from subspace_ref.quantization import dequantize_rows, quantize_rows
+from subspace_ref.quantization import dequantize_rows, quantize_rows, read_low_bit, side_arrays, store_low_bit
 from subspace_ref.rope import rotate
 
 
@@ -221,9 +221,13 @@ def largest_principal_angle(A: Any, B: Any) -> float:
 
 def store(lay, which: str, index: Any, coef: Any) -> None:
     """Write coefficients (N, H, ..., r) at token ``index`` into the layout, quantised to int8
-    with per-token scales when the layout is (spec A10)."""
+    with per-token scales when the layout is (spec A10), to int4/int2 when it is low-bit
+    (spec/quantization.md Q2)."""
     target = getattr(lay, f"{which}_coef")
-    if lay.quantized:
+    if lay.low_bits:
+        a, b = (index, index + 1) if isinstance(index, (int, np.integer)) else (index.start, index.stop)
+        store_low_bit(lay, which, a, b, coef[:, :, None] if isinstance(index, (int, np.integer)) else coef)
+    elif lay.quantized:
         q, scale = quantize_rows(coef)
         target[:, :, index] = q
         getattr(lay, f"{which}_scale")[:, :, index] = scale
@@ -237,6 +241,11 @@ def _rotated(lay, which: str, upto: int, R: Any):
     coef = getattr(lay, f"{which}_coef")
     xp = namespace(coef)
     dtype = R.dtype
+    if lay.low_bits:  # dequantised, rotated and quantised again (spec/quantization.md Q2)
+        current = read_low_bit(lay, which, 0, upto, dtype, upto)
+        new = replace(lay, **{name: getattr(lay, name).copy() for name in side_arrays(which)})
+        store(new, which, slice(0, upto), xp.einsum("nhtr,nhrs->nhts", current, R))
+        return new
     if lay.quantized:
         current = dequantize_rows(coef[:, :, :upto], getattr(lay, f"{which}_scale")[:, :, :upto], dtype)
     else:

@@ -24,6 +24,7 @@ import numpy as np
 
 from subspace_ref import _checks
 from subspace_ref.arrays import array_family, to_numpy
+from subspace_ref.layout import STATE_ARRAYS, live_arrays
 
 FORMAT_NAME = "subspace_ref.state"
 FORMAT_VERSION = 1
@@ -34,18 +35,23 @@ FORMAT_VERSION = 1
 EXTENDED_VERSION = 2
 READ_VERSIONS = (FORMAT_VERSION, EXTENDED_VERSION)
 
-#: Tensor names in checksum order. The scales are present for int8 coefficients only (spec A10),
-#: the sketch tensors for online states only.
+#: Tensor names by group. The scales are present for int8 coefficients only (spec A10), the
+#: sketch tensors for online states only.
 LAYOUT_TENSORS = ("key_coef", "value_coef", "key_bases", "value_bases", "chunk_starts", "num_chunks", "gamma")
 SCALE_TENSORS = ("key_scale", "value_scale")
 SKETCH_TENSORS = ("sketch_keys", "sketch_values")
 BASIS_SCALE_TENSORS = ("key_basis_scale", "value_basis_scale")  # int8 bases only (version 2)
 WINDOW_TENSORS = ("window_keys", "window_values")  # exact window only (version 2)
 SINK_TENSORS = ("sink_keys", "sink_values")  # attention sinks only (version 2, spec/window.md W7)
-TENSOR_ORDER = LAYOUT_TENSORS + SCALE_TENSORS + SKETCH_TENSORS + BASIS_SCALE_TENSORS + WINDOW_TENSORS + SINK_TENSORS
+#: Arrays of the state enumeration (subspace_ref.layout.STATE_ARRAYS) that no file holds, and why.
+UNSAVED = {"ring_keys": "ring_warm_start > 0 (spec/sketch_variants.md S1.6)", "ring_values": "ring_warm_start > 0 (spec/sketch_variants.md S1.6)"}
+#: Tensor names in file and checksum order: the state enumeration's order.
+#: int4/int2 coefficients only (version 2, header "group"; spec/quantization.md Q5)
+LOW_BIT_TENSORS = ("key_group_scale", "key_group_zero", "key_tail", "value_token_scale", "value_token_zero")
+TENSOR_ORDER = tuple(a.name for a in STATE_ARRAYS if a.name not in UNSAVED)
 
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
-_COEFFICIENTS = {"float": None, "int8": "int8"}  # coefficient storage -> coefficient dtype (None: the state's)
+_COEFFICIENTS = {"float": None, "int8": "int8", "int4": "uint8", "int2": "uint8"}  # coefficient storage -> coefficient dtype (None: the state's)
 _WRITE_BLOCK = 1 << 20
 
 
@@ -95,6 +101,7 @@ def save_state(state, path) -> None:
     header = _state_header(state, dtype_name)
     # the oldest version that describes the state
     extended = _bases(state) != "native" or getattr(state, "window", None) is not None or bool(_written_optional(state.policy))
+    extended = extended or getattr(state.layout, "low_bits", 0) > 0
     version = EXTENDED_VERSION if extended else FORMAT_VERSION
     metadata = {"format": FORMAT_NAME, "format_version": str(version), "state": _canonical_json(header)}
     metadata["checksum"] = checksum(tensors, metadata)
@@ -164,7 +171,7 @@ def _host(x: Any) -> np.ndarray:
 
 
 def _coefficients(state) -> str:
-    return "int8" if getattr(state.layout, "quantized", False) else "float"
+    return getattr(state.layout, "coefficients", "int8" if getattr(state.layout, "quantized", False) else "float")
 
 
 def _bases(state) -> str:
@@ -178,8 +185,9 @@ def _expected_dtypes(dtype_name: str, coefficients: str, stored: bool, bases: st
     out = {name: floating for name in TENSOR_ORDER}
     out.update(chunk_starts="int64", num_chunks="int64", key_scale="float32", value_scale="float32")
     out.update(key_basis_scale="float32", value_basis_scale="float32")
-    if coefficients == "int8":
-        out.update(key_coef="int8", value_coef="int8")
+    out.update({name: "float16" for name in LOW_BIT_TENSORS if name != "key_tail"})
+    if _COEFFICIENTS.get(coefficients):
+        out.update(key_coef=_COEFFICIENTS[coefficients], value_coef=_COEFFICIENTS[coefficients])
     if bases != "native":
         encoded = {"float16": "float16", "int8": "int8", "float8_e4m3": "uint8" if stored else "float8_e4m3fn"}[bases]
         out.update(key_bases=encoded, value_bases=encoded)
@@ -188,21 +196,16 @@ def _expected_dtypes(dtype_name: str, coefficients: str, stored: bool, bases: st
 
 def _tensors_of(state) -> tuple[dict[str, np.ndarray], str]:
     lay = state.layout
+    cut = live_arrays(state)
     if state.sketches is not None and state.sketches.ring_keys is not None:  # spec/sketch_variants.md S1.6
         raise TypeError(f"cannot save a state with ring_warm_start={state.policy.ring_warm_start}: spec/persistence.md (format version {EXTENDED_VERSION}) does not describe ring buffers")
-    unknown = sorted(set(lay.arrays()) - set(LAYOUT_TENSORS + SCALE_TENSORS + BASIS_SCALE_TENSORS))
-    if unknown:  # a layout field this schema does not describe: refuse rather than drop it
-        raise TypeError(f"cannot save layout arrays {unknown}: spec/persistence.md (format version {EXTENDED_VERSION}) does not describe them")
+    unknown = sorted(set(cut) - set(TENSOR_ORDER))
+    if unknown:  # an array this schema does not describe: refuse rather than drop it
+        raise TypeError(f"cannot save arrays {unknown}: spec/persistence.md (format version {EXTENDED_VERSION}) does not describe them")
     dtype_name = _dtype_name(lay.gamma)
     if dtype_name not in _FLOAT_DTYPES:
         raise TypeError(f"cannot save a state of dtype {dtype_name}; expected one of {', '.join(_FLOAT_DTYPES)}")
     want = _expected_dtypes(dtype_name, _coefficients(state), stored=False, bases=_bases(state))
-    cut = lay.live_arrays()
-    if state.sketches is not None:
-        cut["sketch_keys"] = state.sketches.keys
-        cut["sketch_values"] = state.sketches.values
-    if getattr(state, "window", None) is not None:
-        cut.update(state.window.arrays())
     tensors = {}
     for name in TENSOR_ORDER:
         if name not in cut:
@@ -228,6 +231,8 @@ def _state_header(state, dtype_name: str) -> dict[str, Any]:
     lay = state.layout
     sk = state.sketches
     extra = {} if _bases(state) == "native" else {"bases": _bases(state)}  # version 2 only
+    if getattr(lay, "low_bits", 0):  # version 2 only
+        extra["group"] = int(lay.group)
     if getattr(state, "window", None) is not None:  # version 2 only
         extra["window"] = {"size": state.window.size, "min_tokens": state.window.min_tokens, "lookahead": state.window.lookahead}
         if state.window.sinks:  # written only when there are sinks: older windowed files stay byte for byte
@@ -253,9 +258,8 @@ def checksum(tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> str:
     spec/persistence.md §3 describes: the same bytes give the same digest on every machine."""
     h = hashlib.sha256()
     h.update(_canonical_json({k: v for k, v in metadata.items() if k != "checksum"}).encode())
-    for name in TENSOR_ORDER:
-        if name not in tensors:
-            continue
+    # every tensor, in file order; names outside it (refused on load anyway) after, sorted
+    for name in [n for n in TENSOR_ORDER if n in tensors] + sorted(set(tensors) - set(TENSOR_ORDER)):
         x = np.ascontiguousarray(tensors[name])
         x = x.astype(x.dtype.newbyteorder("<"), copy=False)
         h.update(b"\0" + name.encode() + b"\0" + x.dtype.str.encode() + b"\0" + _canonical_json(list(x.shape)).encode() + b"\0")
@@ -286,7 +290,7 @@ def load_state(path):
         raise StateFileError(f"{path}: metadata 'state' is not valid JSON ({err})") from None
     # the writer uses the oldest version that describes the state: 2 exactly when it has
     # encoded bases or an exact window
-    extended = isinstance(header, dict) and ("window" in header or "bases" in header or _has_optional_fields(header))
+    extended = isinstance(header, dict) and ("window" in header or "bases" in header or "group" in header or _has_optional_fields(header))
     expected_version = str(EXTENDED_VERSION if extended else FORMAT_VERSION)
     if metadata["format_version"] != expected_version:
         raise StateFileError(
@@ -455,6 +459,15 @@ def _build_state(header: Any, tensors: dict[str, np.ndarray], path):
     win = _window_options(header.get("window", None), policy.kind, path)
     expected_names = LAYOUT_TENSORS + (SCALE_TENSORS if coefficients == "int8" else ()) + (SKETCH_TENSORS if online else ())
     expected_names += (BASIS_SCALE_TENSORS if basis_format == "int8" else ()) + (WINDOW_TENSORS if win else ()) + (SINK_TENSORS if win and win[3] else ())
+    from subspace_ref.quantization import LOW_BITS, packed_width
+
+    bits, G = LOW_BITS.get(coefficients, 0), header.get("group", 0)
+    if bits:
+        expected_names += LOW_BIT_TENSORS
+        if type(G) is not int or G < 1:
+            _fail(path, f"group is {G!r}; {coefficients} coefficients need a positive int group size")
+    elif "group" in header:
+        _fail(path, f"group is set but coefficients are {coefficients}; only int4/int2 coefficients have key groups")
     missing = [n for n in expected_names if n not in tensors]
     extra = [n for n in tensors if n not in expected_names]
     if missing or extra:
@@ -475,6 +488,8 @@ def _build_state(header: Any, tensors: dict[str, np.ndarray], path):
         _fail(path, f"key_coef has shape {kc.shape}; expected (N, H, num_tokens, r)")
     N, H, _, r = kc.shape
     kb = arrays["key_bases"]
+    if bits and kb.ndim == 5:  # packed codes: the rank is the bases' row count
+        r = kb.shape[3]
     if kb.ndim != 5 or kb.shape[:2] != (N, H) or kb.shape[3] != r:
         _fail(path, f"key_bases has shape {kb.shape}; expected ({N}, {H}, J, {r}, d)")
     J, d = kb.shape[2], kb.shape[4]
@@ -483,8 +498,8 @@ def _build_state(header: Any, tensors: dict[str, np.ndarray], path):
         _fail(path, f"value_bases has shape {vb.shape}; expected ({N}, {H}, {J}, r_v, d_v)")
     r_v, d_v = vb.shape[3], vb.shape[4]
     shapes = {
-        "key_coef": (N, H, T, r),
-        "value_coef": (N, H, T, r_v),
+        "key_coef": (N, H, T, packed_width(r, bits) if bits else r),
+        "value_coef": (N, H, T, packed_width(r_v, bits) if bits else r_v),
         "chunk_starts": (N, H, J),
         "num_chunks": (N, H),
         "gamma": (H,),
@@ -492,6 +507,9 @@ def _build_state(header: Any, tensors: dict[str, np.ndarray], path):
     if coefficients == "int8":
         shapes["key_scale"] = (N, H, T)
         shapes["value_scale"] = (N, H, T)
+    if bits:
+        shapes.update(key_group_scale=(N, H, T // G, r), key_group_zero=(N, H, T // G, r), key_tail=(N, H, G, r))
+        shapes.update(value_token_scale=(N, H, T), value_token_zero=(N, H, T))
     if basis_format == "int8":
         shapes["key_basis_scale"] = (N, H, J, r)
         shapes["value_basis_scale"] = (N, H, J, r_v)
@@ -525,7 +543,7 @@ def _build_state(header: Any, tensors: dict[str, np.ndarray], path):
             _fail(path, f"{name} contains NaN or Inf")
     if not (arrays["gamma"] > 0).all():
         _fail(path, "gamma must be positive")
-    for name in SCALE_TENSORS + BASIS_SCALE_TENSORS:
+    for name in SCALE_TENSORS + BASIS_SCALE_TENSORS + ("key_group_scale", "value_token_scale"):
         if name in arrays and (arrays[name] < 0).any():
             _fail(path, f"{name} must be >= 0 (a per-row max |value| / 127)")
 
@@ -573,7 +591,9 @@ def _build_state(header: Any, tensors: dict[str, np.ndarray], path):
         sink_arrays = (arrays["sink_keys"], arrays["sink_values"]) if sinks else (None, None)
         exact = ExactWindow(size, min_tokens, lookahead, arrays["window_keys"], arrays["window_values"], sinks, *sink_arrays)
 
-    layout = PackedLayout(**{name: arrays[name] for name in LAYOUT_TENSORS + SCALE_TENSORS + BASIS_SCALE_TENSORS if name in arrays}, num_tokens=T, basis_format=basis_format)
+    names = LAYOUT_TENSORS + SCALE_TENSORS + BASIS_SCALE_TENSORS + LOW_BIT_TENSORS
+    low_bit = dict(low_bits=bits, group=G) if bits else {}
+    layout = PackedLayout(**{name: arrays[name] for name in names if name in arrays}, num_tokens=T, basis_format=basis_format, **low_bit)
     return SubspaceState(policy, layout, sketches, batched, "numpy", exact)
 
 

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from subspace_ref import _checks
 from subspace_ref import window as _window
-from subspace_ref.arrays import array_family, clone, itemsize, numel, to_numpy
+from subspace_ref.arrays import array_family, clone, itemsize, to_numpy
 from subspace_ref.basis_storage import check_format, stored_dtype
 from subspace_ref.calibration import StaticBasis, resolve_gamma
-from subspace_ref.layout import PackedLayout
+from subspace_ref.layout import PackedLayout, allocated_nbytes, counted_nbytes, mapped_parts
 from subspace_ref.policies import AdaptivePolicy, RotatingPolicy, StaticPolicy
+from subspace_ref.quantization import DEFAULT_GROUP, LOW_BITS, packed_width
 from subspace_ref.policies._online import per_head_ranks, sketch_size, warmup_length
 from subspace_ref.policies.adaptive import sketch_options
 
@@ -63,11 +64,14 @@ class SubspaceState:
     # ----------------------------------------------------------------- construction
     @classmethod
     def static(cls, basis: StaticBasis, *, batch: int | None = None, dtype: Any = None, coefficients: str = "float", rope: Any = None,
-               bases: str = "native", window: int = 0, min_tokens: int = 0, query_group: int = 1, sinks: int = 0) -> "SubspaceState":
+               bases: str = "native", window: int = 0, min_tokens: int = 0, query_group: int = 1, group_size: int = DEFAULT_GROUP,
+               sinks: int = 0) -> "SubspaceState":
         """A state over a calibrated basis (spec A6): one chunk per head, nothing else kept.
 
         ``coefficients="int8"`` stores coefficients as int8 with one float32 scale per token and
-        head (spec A10). ``bases`` is how the bases are stored (spec/storage.md S1): "native"
+        head (spec A10); "int4" and "int2" store packed codes with float16 scales and zero points,
+        keys per channel over groups of ``group_size`` tokens (the unfinished last group in float),
+        values per token (KIVI's choice; spec/quantization.md Q1-Q3). ``bases`` is how the bases are stored (spec/storage.md S1): "native"
         (in ``dtype``, the default: a float64 state stays the exact oracle), "float16",
         "float8_e4m3" or "int8" (one float32 scale per basis row); attention and appends use the
         decoded stored bases. Bytes: :attr:`basis_nbytes` (spec/storage.md S4).
@@ -112,7 +116,7 @@ class SubspaceState:
         query_group = _checks.positive_int("query_group", query_group)
         if H % query_group:
             raise ValueError(f"query_group = {query_group} must divide the basis's {H} heads (one per query head, H_q = query_group x KV heads)")
-        layout = _empty_layout(n, H, r, d, r_v, d_v, dtype, coefficients, bases)
+        layout = _empty_layout(n, H, r, d, r_v, d_v, dtype, coefficients, bases, group_size)
         every = (slice(None), slice(None), 0)
         layout.store_basis("key", every, np.broadcast_to(basis.B.astype(dtype), (n, H, r, d)))
         layout.store_basis("value", every, np.broadcast_to(basis.E.astype(dtype), (n, H, r_v, d_v)))
@@ -143,6 +147,7 @@ class SubspaceState:
         dtype: Any = np.float64,
         coefficients: str = "float",
         bases: str = "native",
+        group_size: int = DEFAULT_GROUP,
         window: int = 0,
         min_tokens: int = 0,
         lookahead: int = 0,
@@ -198,7 +203,7 @@ class SubspaceState:
             stride,
             reuse,
         )
-        return cls._online(policy, heads, d, d_v, gamma, batch, dtype, coefficients, bases, (window, min_tokens, lookahead, sinks))
+        return cls._online(policy, heads, d, d_v, gamma, batch, dtype, coefficients, bases, (window, min_tokens, lookahead, sinks), group_size)
 
     @classmethod
     def rotating(
@@ -218,6 +223,7 @@ class SubspaceState:
         dtype: Any = np.float64,
         coefficients: str = "float",
         bases: str = "native",
+        group_size: int = DEFAULT_GROUP,
         window: int = 0,
         min_tokens: int = 0,
         sinks: int = 0,
@@ -232,15 +238,15 @@ class SubspaceState:
         sinks = _window.sink_option(sinks)
         heads, d, d_v, rk, rv, ek, ev, w = _online_args(heads, d, d_v, rank_k, rank_v, ell_k, ell_v, warmup)
         policy = RotatingPolicy(rk, rv, ek, ev, _checks.positive_int("refresh_every", refresh_every), w)
-        return cls._online(policy, heads, d, d_v, gamma, batch, dtype, coefficients, bases, (window, min_tokens, 0, sinks))
+        return cls._online(policy, heads, d, d_v, gamma, batch, dtype, coefficients, bases, (window, min_tokens, 0, sinks), group_size)
 
     @classmethod
-    def _online(cls, policy, heads, d, d_v, gamma, batch, dtype, coefficients, bases="native", exact=(0, 0, 0, 0)) -> "SubspaceState":
+    def _online(cls, policy, heads, d, d_v, gamma, batch, dtype, coefficients, bases="native", exact=(0, 0, 0, 0), group_size=None) -> "SubspaceState":
         if np.dtype(dtype) not in (np.float32, np.float64):
             raise TypeError(f"dtype must be float32 or float64 for an online NumPy state (its SVDs need them), got {dtype!r}; convert with state.to(...) for half precision")
         dtype = np.dtype(dtype)
         n = _batch_size(batch)
-        layout = _empty_layout(n, heads, max(policy.rank_k), d, max(policy.rank_v), d_v, dtype, coefficients, bases)
+        layout = _empty_layout(n, heads, max(policy.rank_k), d, max(policy.rank_v), d_v, dtype, coefficients, bases, group_size)
         layout.gamma[:] = resolve_gamma(gamma, policy.rank_k, d, dtype)
         layout.num_chunks[:] = 1
         ring = getattr(policy, "ring_warm_start", 0)
@@ -310,47 +316,21 @@ class SubspaceState:
     @property
     def nbytes(self) -> int:
         """Bytes the cache really holds: coefficients of the tokens, bases of the chunks in use,
-        gamma, and for online states the FD sketches and chunk offsets. Spare capacity is not
-        counted (see :attr:`allocated_nbytes`)."""
-        lay = self.layout
-        n, h = lay.key_coef.shape[:2]
-        per_token = (lay.key_coef.shape[3] + lay.value_coef.shape[3]) * itemsize(lay.key_coef)
-        if lay.quantized:
-            per_token += itemsize(lay.key_scale) + itemsize(lay.value_scale)
-        total = n * h * lay.num_tokens * per_token + self.basis_nbytes
-        chunks = int(to_numpy(lay.num_chunks).sum())
-        if self.sketches is not None:
-            total += (numel(self.sketches.keys) + numel(self.sketches.values)) * itemsize(self.sketches.keys)
-            if self.sketches.ring_keys is not None:  # spec/sketch_variants.md S1.5
-                total += (numel(self.sketches.ring_keys) + numel(self.sketches.ring_values)) * itemsize(self.sketches.ring_keys)
-        if self.kind == "adaptive":
-            total += chunks * 8
-        if self.window is not None:
-            total += self.window.nbytes  # spec/window.md W5
-        return total
+        gamma, and for online states the FD sketches (and ring buffers) and, adaptive, the chunk
+        offsets; the exact window. Spare capacity is not counted (see :attr:`allocated_nbytes`).
+        Every array of :data:`subspace_ref.layout.STATE_ARRAYS` with its counting rule."""
+        return counted_nbytes(self)
 
     @property
     def allocated_nbytes(self) -> int:
-        """Bytes of every array the state holds, spare capacity included."""
-        arrays = list(self.layout.arrays().values())
-        if self.sketches is not None:
-            arrays += [self.sketches.keys, self.sketches.values]
-        if self.window is not None:
-            arrays += list(self.window.arrays().values())
-        return sum(numel(x) * itemsize(x) for x in arrays)
+        """Bytes of every array the state holds, spare capacity included (>= :attr:`nbytes`)."""
+        return allocated_nbytes(self)
 
     @property
     def basis_nbytes(self) -> int:
         """Bytes of the bases of the chunks in use, in their stored format (plus one float32
         scale per basis row for int8 bases), plus gamma (spec/storage.md S4)."""
-        lay = self.layout
-        chunks = int(to_numpy(lay.num_chunks).sum())
-        per_chunk = lay.key_bases.shape[3] * lay.key_bases.shape[4] + lay.value_bases.shape[3] * lay.value_bases.shape[4]
-        if lay.key_basis_scale is not None:
-            per_chunk_scales = (lay.key_bases.shape[3] + lay.value_bases.shape[3]) * itemsize(lay.key_basis_scale)
-        else:
-            per_chunk_scales = 0
-        return chunks * (per_chunk * itemsize(lay.key_bases) + per_chunk_scales) + self.heads * itemsize(lay.gamma)
+        return counted_nbytes(self, ("key_bases", "value_bases", "key_basis_scale", "value_basis_scale", "gamma"))
 
     @property
     def full_cache_nbytes(self) -> int:
@@ -425,14 +405,8 @@ class SubspaceState:
 
     def copy(self) -> "SubspaceState":
         """An independent copy (arrays copied, spare capacity dropped)."""
-        layout = replace(self.layout, **{name: clone(x) for name, x in self.layout.live_arrays().items()})
-        sketches = None
-        if self.sketches is not None:
-            sketches = replace(self.sketches, keys=clone(self.sketches.keys), values=clone(self.sketches.values))
-            if sketches.ring_keys is not None:
-                sketches = replace(sketches, ring_keys=clone(sketches.ring_keys), ring_values=clone(sketches.ring_values))
-        exact = None if self.window is None else self.window.map_arrays(clone)
-        return SubspaceState(self.policy, layout, sketches, self.batched, self.engine, exact)
+        parts = mapped_parts(self, lambda a, x: clone(self.layout.live(a.axis, x)))
+        return SubspaceState(self.policy, parts["layout"], parts["sketches"], self.batched, self.engine, parts["window"])
 
     def to(self, backend: str, device: Any = None, dtype: Any = None) -> "SubspaceState":
         """A copy whose arrays belong to ``backend``'s array family (e.g. "torch" for the torch and
@@ -448,22 +422,12 @@ class SubspaceState:
             raise TypeError(f"dtype must be one of float16, bfloat16, float32, float64; got {dtype!r}")
         convert = target.converter(device=device, dtype=dtype)
         keep_dtype = target.converter(device=device)
-        state = self.copy()
-        # int8 coefficients and their float32 scales keep their dtypes (spec A10), and so do
-        # bases stored in a format of their own (spec/storage.md S1)
-        fixed = ("key_scale", "value_scale", "key_coef", "value_coef") if self.layout.quantized else ()
-        if self.layout.basis_format != "native":
-            fixed += ("key_bases", "value_bases", "key_basis_scale", "value_basis_scale")
-        state.layout = state.layout.map_arrays(lambda name, x: keep_dtype(x) if name in fixed else convert(x))
-        if state.sketches is not None:
-            state.sketches = replace(state.sketches, keys=convert(state.sketches.keys), values=convert(state.sketches.values))
-            if state.sketches.ring_keys is not None:
-                state.sketches = replace(state.sketches, ring_keys=convert(state.sketches.ring_keys), ring_values=convert(state.sketches.ring_values))
-        if state.window is not None:
-            state.window = state.window.map_arrays(convert)
+        # int8 coefficients, their float32 scales and bases stored in a format of their own keep
+        # their dtypes (spec A10, spec/storage.md S1): each array's dtype rule says which
+        copy = self.copy()
+        parts = mapped_parts(copy, lambda a, x: convert(x) if copy.layout.converts(a.dtype) else keep_dtype(x))
         # appends then run on the named backend (e.g. "triton" uses its projection kernel)
-        state.engine = backend
-        return state
+        return SubspaceState(self.policy, parts["layout"], parts["sketches"], self.batched, backend, parts["window"])
 
     # ----------------------------------------------------------------- helpers
     def _tokens(self, name: str, x: Any, dim: int) -> Any:
@@ -512,16 +476,28 @@ def _online_args(heads, d, d_v, rank_k, rank_v, ell_k, ell_v, warmup):
     return heads, d, d_v, rk, rv, ek, ev, warmup_length(warmup, rk, rv)
 
 
-def _empty_layout(n: int, H: int, r: int, d: int, r_v: int, d_v: int, dtype, coefficients: str, bases: str = "native") -> PackedLayout:
-    if coefficients not in ("float", "int8"):
-        raise ValueError(f'coefficients must be "float" or "int8", got {coefficients!r}')
+def _empty_layout(n: int, H: int, r: int, d: int, r_v: int, d_v: int, dtype, coefficients: str, bases: str = "native",
+                  group_size: int | None = DEFAULT_GROUP) -> PackedLayout:
+    if coefficients not in ("float", "int8", *LOW_BITS):
+        raise ValueError(f'coefficients must be "float", "int8", "int4" or "int2", got {coefficients!r}')
+    bits = LOW_BITS.get(coefficients, 0)
+    group = _checks.positive_int("group_size", DEFAULT_GROUP if group_size is None else group_size) if bits else 0
     bases = check_format("bases", bases)
     basis_dtype = stored_dtype(bases, dtype)
     quantized = coefficients == "int8"
-    coef_dtype = np.int8 if quantized else dtype
+    coef_dtype = np.int8 if quantized else np.uint8 if bits else dtype
+    low_bit = {}
+    if bits:  # spec/quantization.md Q2
+        low_bit = dict(
+            key_group_scale=np.zeros((n, H, 0, r), dtype=np.float16), key_group_zero=np.zeros((n, H, 0, r), dtype=np.float16),
+            key_tail=np.zeros((n, H, group, r), dtype=dtype),
+            value_token_scale=np.zeros((n, H, 0), dtype=np.float16), value_token_zero=np.zeros((n, H, 0), dtype=np.float16),
+            low_bits=bits, group=group,
+        )
     return PackedLayout(
-        key_coef=np.zeros((n, H, 0, r), dtype=coef_dtype),
-        value_coef=np.zeros((n, H, 0, r_v), dtype=coef_dtype),
+        **low_bit,
+        key_coef=np.zeros((n, H, 0, packed_width(r, bits) if bits else r), dtype=coef_dtype),
+        value_coef=np.zeros((n, H, 0, packed_width(r_v, bits) if bits else r_v), dtype=coef_dtype),
         key_scale=np.zeros((n, H, 0), dtype=np.float32) if quantized else None,
         value_scale=np.zeros((n, H, 0), dtype=np.float32) if quantized else None,
         key_bases=np.zeros((n, H, 1, r, d), dtype=basis_dtype),

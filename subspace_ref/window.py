@@ -25,7 +25,7 @@ import numpy as np
 
 from subspace_ref import _checks
 from subspace_ref import frequent_directions as fd
-from subspace_ref.arrays import array_family, clone, itemsize, namespace, numel
+from subspace_ref.arrays import array_family, clone, namespace
 
 
 @dataclass
@@ -36,8 +36,8 @@ class ExactWindow:
     when S > 0, the sink tokens ``sink_keys`` (N, H, s, d), ``sink_values`` (N, H, s, d_v),
     s = min(T, S) (None when S = 0).
 
-    The arrays hold exactly the live tokens (no spare capacity), so copies, conversions and
-    saved files take them whole."""
+    The arrays hold exactly the live tokens (no spare capacity), so copies, conversions, byte
+    counts and saved files take them whole (they are in :data:`subspace_ref.layout.STATE_ARRAYS`)."""
 
     size: int
     min_tokens: int
@@ -62,23 +62,6 @@ class ExactWindow:
     def count(self) -> int:
         """s + e, every exact token."""
         return self.recent + self.sink_count
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the exact tokens: N H (s + e) (d + d_v) itemsize (spec/window.md W5, W9)."""
-        return sum(numel(x) for x in self.arrays().values()) * itemsize(self.keys)
-
-    def arrays(self) -> dict[str, Any]:
-        """Every array, by its saved name (sink arrays only when S > 0)."""
-        out = {"window_keys": self.keys, "window_values": self.values}
-        if self.sink_keys is not None:
-            out.update(sink_keys=self.sink_keys, sink_values=self.sink_values)
-        return out
-
-    def map_arrays(self, fn) -> "ExactWindow":
-        """A window with ``fn`` applied to every array (copies, conversions)."""
-        sinks = {} if self.sink_keys is None else {"sink_keys": fn(self.sink_keys), "sink_values": fn(self.sink_values)}
-        return replace(self, keys=fn(self.keys), values=fn(self.values), **sinks)
 
 
 def options(window: Any, min_tokens: Any, lookahead: Any, kind: str) -> tuple[int, int, int]:

@@ -301,7 +301,7 @@ ONLINE_BAD = [
     (dict(batch=0), ValueError, r"batch must be >= 1"),
     (dict(batch=2.0), TypeError, r"batch must be an int"),
     (dict(batch=True), TypeError, r"batch must be an int"),
-    (dict(coefficients="int4"), ValueError, r"coefficients must be"),
+    (dict(coefficients="int3"), ValueError, r"coefficients must be"),
 ]
 ADAPTIVE_BAD = [
     (dict(tau_k=0.0), ValueError, r"tau_k must lie in the open interval \(0, 1\)"),

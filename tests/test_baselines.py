@@ -208,3 +208,33 @@ def test_command_quick(tmp_path):
     assert (tmp_path / "out" / "baselines.csv").exists()
     page = (tmp_path / "docs" / "baselines.md").read_text()
     assert "Verdict" in page and (tmp_path / "docs" / "figures" / "baselines_pareto.png").exists()
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_frontier_runtime_is_the_state(window):
+    """baselines/frontier.py's batched evaluation equals SubspaceState (numpy oracle) with int4
+    coefficients, pre-RoPE key bases and an exact window, at every query position."""
+    torch = pytest.importorskip("torch")
+    from subspace_ref import StaticBasis, SubspaceState, attend
+    from subspace_ref.allocation import Allocation, HeadAllocation
+    from subspace_ref.baselines.frontier import Frontier
+    from subspace_ref.rope import RopeParams, rotate
+
+    rng = np.random.default_rng(0)
+    H, d, T, G, r, rv = 2, 16, 40, 8, 5, 6
+    rope = RopeParams(1.0 / 100.0 ** (np.arange(0, d, 2) / d))
+    Wk = np.linalg.qr(rng.standard_normal((H, d, d)))[0].transpose(0, 2, 1)
+    Wv = np.linalg.qr(rng.standard_normal((H, d, d)))[0].transpose(0, 2, 1)
+    alloc = Allocation(((HeadAllocation(r, rv, 4, 4, "pre_rope"),) * H,), G, window=window)
+    runtime = Frontier(alloc, "t").with_bases([{"Wk": Wk * 0, "Wv": Wv}], [{"Wk": Wk}], rope).runtime(0)
+    k_pre = rng.standard_normal((H, T, r)) @ Wk[:, :r] * 3 + 0.1 * rng.standard_normal((H, T, d))
+    k = rotate(k_pre, np.arange(T), rope)
+    v = rng.standard_normal((H, T, d))
+    q = rng.standard_normal((2 * H, T, d))  # two query heads per KV head
+    s = 1 / np.sqrt(d)
+    got = runtime.attend(*(torch.from_numpy(x[None]).float() for x in (q, k, v)), s)[0].double().numpy()
+    state = SubspaceState.static(StaticBasis.from_bases(Wk[:, :r], Wv[:, :rv]), coefficients="int4", group_size=G, rope=rope, window=window)
+    for p in range(T):
+        state.append(k[:, p], v[:, p])
+        want = attend(q[:, p], state)
+        np.testing.assert_allclose(got[:, p], want, rtol=2e-4, atol=2e-5, err_msg=f"position {p}")

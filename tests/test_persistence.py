@@ -219,7 +219,7 @@ def test_schema_covers_every_layout_array_and_policy_field():
     from subspace_ref.layout import PackedLayout
     from subspace_ref.policies import AdaptivePolicy, RotatingPolicy, StaticPolicy
 
-    assert set(PackedLayout.ARRAYS) == set(persistence.LAYOUT_TENSORS + persistence.SCALE_TENSORS + persistence.BASIS_SCALE_TENSORS)
+    assert set(PackedLayout.ARRAYS) == set(persistence.LAYOUT_TENSORS + persistence.SCALE_TENSORS + persistence.BASIS_SCALE_TENSORS + persistence.LOW_BIT_TENSORS)
     spec = Path(__file__).resolve().parents[1].joinpath("spec", "persistence.md").read_text()
     for name in persistence.TENSOR_ORDER:
         assert f"`{name}`" in spec, f"tensor {name} is not described in spec/persistence.md"
@@ -410,6 +410,31 @@ def test_every_flipped_byte_is_detected(tmp_path, saved):
         bad.write_bytes(bytes(corrupt))
         with pytest.raises(StateFileError):
             SubspaceState.load(bad)
+
+
+def test_a_flipped_byte_in_any_tensor_fails_the_checksum(tmp_path):
+    """Every tensor of a version 2 file (window, sinks, int8 bases and coefficients with their scales,
+    sketches) is under the checksum: a flipped byte anywhere in any of them is refused as a
+    checksum mismatch, before any consistency check could happen to catch it."""
+    rng = np.random.default_rng(12)
+    state = make_state("adaptive", rng, tokens=14, coefficients="int8", bases="int8", window=3, sinks=2)
+    path = tmp_path / "v2"
+    state.save(path)
+    data = path.read_bytes()
+    start = 8 + int.from_bytes(data[:8], "little")
+    layout = json.loads(data[8:start])
+    layout.pop("__metadata__")
+    # every tensor the format has, but the int4/int2 ones (tests/test_low_bit_coefficients.py)
+    assert set(layout) == set(persistence.TENSOR_ORDER) - set(persistence.LOW_BIT_TENSORS)
+    bad = tmp_path / "flip"
+    for name, entry in layout.items():
+        a, b = entry["data_offsets"]
+        for i in sorted({a, (a + b) // 2, b - 1}):
+            corrupt = bytearray(data)
+            corrupt[start + i] ^= 0x01
+            bad.write_bytes(bytes(corrupt))
+            with pytest.raises(StateFileError, match="checksum mismatch"):
+                SubspaceState.load(bad)
 
 
 @settings(max_examples=60, deadline=None)

@@ -87,6 +87,8 @@ class CupyBackend:
         """Every reason :meth:`attend` would refuse ``(q, state)``: availability, array kinds and
         devices, dtypes, shapes with no compiled kernel, and shared memory per block."""
         reasons: list[str] = window.refusals("cupy", state)  # spec/window.md W3
+        if getattr(state.layout, "low_bits", 0):
+            reasons.append(f"the state has {state.layout.coefficients} coefficients (spec/quantization.md); the cupy kernels read float or int8 ones only")
         available = self.availability()
         if not available:
             reasons.append(f"the cupy backend is unavailable: {available.reason}")
@@ -160,6 +162,8 @@ class CupyBackend:
         return reasons
 
     def _shared_memory_reasons(self, q: Any, state) -> list[str]:
+        if getattr(state.layout, "low_bits", 0):  # refused before anything changes
+            raise NotImplementedError(f"the cupy backend cannot append to {state.layout.coefficients} coefficients (spec/quantization.md); append on the torch or numpy backend")
         import cupy
 
         from subspace_ref_cupy import _launch
@@ -206,6 +210,8 @@ class CupyBackend:
         """Spec A6 (static): one projection launch for every head, written past the live rows
         (INT8 layouts quantised in the kernel, spec A10). Spec A7/A8 (adaptive, rotating): the
         oracle's token loop (:func:`subspace_ref.numpy_backend.append_reference`) on CuPy arrays."""
+        if getattr(state.layout, "low_bits", 0):  # refused before anything changes
+            raise NotImplementedError(f"the cupy backend cannot append to {state.layout.coefficients} coefficients (spec/quantization.md); append on the torch or numpy backend")
         import cupy
 
         from subspace_ref_cupy import _launch

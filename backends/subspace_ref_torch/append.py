@@ -39,6 +39,7 @@ from dataclasses import replace
 import torch
 
 from subspace_ref.basis_storage import row_error_bound
+from subspace_ref.quantization import read_low_bit, side_arrays, store_low_bit
 from subspace_ref_torch import fd
 from subspace_ref_torch.convert import compute_dtype
 
@@ -85,7 +86,10 @@ def store(lay, which: str, rows, coef: torch.Tensor) -> None:
     int8 with per-token scales when the layout is (spec A10), else cast to the stored dtype."""
     target = getattr(lay, f"{which}_coef")
     scales = getattr(lay, f"{which}_scale", None)
-    if scales is None:
+    if lay.low_bits:  # int4/int2 (spec/quantization.md Q2), by the oracle's definition
+        a, b = (rows, rows + 1) if isinstance(rows, int) else (rows.start, rows.stop)
+        store_low_bit(lay, which, a, b, coef[:, :, None] if isinstance(rows, int) else coef)
+    elif scales is None:
         target[:, :, rows] = coef
     else:
         q, scale = fd.quantize_rows(coef)
@@ -99,6 +103,12 @@ def _rotated(lay, which: str, upto: int, R: torch.Tensor, own: bool):
     reused after. int8 coefficients are dequantised, rotated and quantised again."""
     coef = getattr(lay, f"{which}_coef")
     scales = getattr(lay, f"{which}_scale", None)
+    if lay.low_bits:  # dequantised, rotated and quantised again (spec/quantization.md Q2)
+        current = read_low_bit(lay, which, 0, upto, R.dtype, upto)
+        if not own:
+            lay = replace(lay, **{name: getattr(lay, name).clone() for name in side_arrays(which)})
+        store(lay, which, slice(0, upto), torch.matmul(current, R))
+        return lay
     if scales is None:
         current = coef[:, :, :upto].to(R.dtype)
     else:

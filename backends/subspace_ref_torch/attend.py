@@ -106,6 +106,10 @@ def coefficient_rows(state, which: str, a: int, b: int, dtype: torch.dtype) -> t
     "value", dequantised as the oracle does (float32 q * s, then ``dtype``) for int8 layouts
     (spec A10)."""
     lay = state.layout
+    if lay.low_bits:  # int4/int2: dequantised first (spec/quantization.md Q2)
+        from subspace_ref.quantization import read_low_bit
+
+        return read_low_bit(lay, which, a, b, dtype, lay.num_tokens)
     coef = getattr(lay, f"{which}_coef")[:, :, a:b]
     scale = getattr(lay, f"{which}_scale", None)
     if scale is None:
@@ -116,7 +120,7 @@ def coefficient_rows(state, which: str, a: int, b: int, dtype: torch.dtype) -> t
 def _tile(state, g: int) -> int:
     lay = state.layout
     N, H = lay.key_coef.shape[:2]
-    width = max(lay.key_coef.shape[3], lay.value_coef.shape[3])
+    width = max(lay.key_bases.shape[3], lay.value_bases.shape[3])
     return max(1, TILE_ELEMENTS // max(1, N * H * g * width))
 
 
@@ -157,7 +161,7 @@ def chunk_value_coefficients(weights: torch.Tensor, state, num_chunks: int, chun
     numerators of spec A3 step 2.3 before the value bases are applied."""
     lay = state.layout
     N, H, g, T = weights.shape
-    r_v = lay.value_coef.shape[3]
+    r_v = lay.value_bases.shape[3]
     dtype = weights.dtype
     if num_chunks == 1:
         if T <= VALUE_TILE:

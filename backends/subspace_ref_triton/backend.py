@@ -100,6 +100,8 @@ class TritonBackend:
             return reasons
         state = decoded_state(state)  # attend decodes encoded bases first (spec/storage.md S2)
         lay = state.layout
+        if getattr(lay, "low_bits", 0):
+            reasons.append(f"the state has {lay.coefficients} coefficients (spec/quantization.md); the triton decode kernel reads float or int8 ones only: attend with backend='torch'")
         quantized = getattr(lay, "key_scale", None) is not None  # int8 coefficients, spec A10
         sd = dtype_name(lay.key_bases.dtype)
         if sd not in self.dtypes:
@@ -158,8 +160,9 @@ class TritonBackend:
         backend's append for the others (see the module docstring)."""
         from subspace_ref_torch import append as torch_append
 
-        if getattr(state.layout, "basis_format", "native") != "native":
-            # encoded bases (spec/storage.md S1): the torch backend's append decodes them
+        if getattr(state.layout, "basis_format", "native") != "native" or getattr(state.layout, "low_bits", 0):
+            # encoded bases (spec/storage.md S1) or int4/int2 coefficients (spec/quantization.md
+            # Q2): the torch backend's append decodes / quantises them
             torch_append.append(state, keys, values)
             return
         if state.policy.kind == "static" and dtype_name(state.layout.key_bases.dtype) in self.dtypes:

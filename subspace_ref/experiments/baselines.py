@@ -23,7 +23,6 @@ import numpy as np
 from subspace_ref.experiments import _common as C
 
 DEFAULT_OUT = Path("results/baselines")
-BOOTSTRAP_BLOCK = 64
 QUICK_CONTEXT = 256
 #: the issue's three budgets, then two smaller ones to show where eviction starts to lose
 EXTRA_BUDGETS = (0.5, 0.25, 0.125, 0.0625, 0.03125)
@@ -55,7 +54,9 @@ def score(model, ids: np.ndarray, method, bases: list | None, batch: int) -> tup
     with torch.no_grad():
         for i in range(0, len(ids), batch):
             x = torch.as_tensor(ids[i : i + batch], dtype=torch.long)
-            if isinstance(method, Subspace):
+            if hasattr(method, "allocation"):  # issue 16's configurations (baselines/frontier.py)
+                lp = token_logprobs(model, x, method.with_bases(*bases)).numpy()
+            elif isinstance(method, Subspace):
                 lp = teacher_forced(model, x, method.factory(bases), backend=method.backend).token_logprobs
             elif isinstance(method, SubspaceWindow):
                 lp = token_logprobs(model, x, method.with_bases(bases)).numpy()
@@ -79,11 +80,98 @@ def by_position(nll: np.ndarray, edges: list[int]) -> dict:
 
 
 def compare(a: np.ndarray, b: np.ndarray) -> dict:
-    """Mean NLL difference a - b (nats/token) with its 95% block-bootstrap interval and perplexity ratio."""
+    """Mean NLL difference a - b (nats/token), perplexity ratio ppl(a)/ppl(b) - 1 and its 95%
+    interval from resampling whole evaluation windows (the independent unit; paired:
+    :func:`subspace_ref.experiments.statistics.relative_perplexity_interval`)."""
+    from subspace_ref.experiments.statistics import relative_perplexity_interval
+
     diff = a - b
-    lo, hi = C.block_bootstrap(diff, min(BOOTSTRAP_BLOCK, diff.shape[1]))
+    lo, hi = relative_perplexity_interval(list(a), list(b))
     return dict(delta_nll=float(diff.mean()), ci=[lo, hi], ppl_ratio=float(np.exp(diff.mean())),
                 verdict="tie" if lo <= 0 <= hi else ("worse" if lo > 0 else "better"))
+
+
+# ----------------------------------------------------------------------------- issue 16's configurations
+#: budgets at which the allocator and the uniform low-bit configurations are run
+FRONTIER_BUDGETS = (0.5, 0.25, 0.125)
+#: calibration tokens the allocator measures its losses on (the first windows of the calibration split)
+LOSS_TOKENS = 2048
+LOSS_QUERIES = 512
+RANK_GRID = tuple(range(0, 65, 4))
+
+
+def calibration_losses(model, ids: np.ndarray, ranks=RANK_GRID, group: int = 32, batch: int = 4, svd=None) -> dict:
+    """Everything the allocator needs from calibration windows ``ids``: post- and pre-RoPE key
+    SVDs (``svd``: the post-RoPE one when already computed), the RoPE, and per layer and KV head the
+    measured losses of :func:`subspace_ref.allocation.side_losses` on the first LOSS_TOKENS tokens."""
+    from subspace_ref.allocation import side_losses
+    from subspace_ref.experiments.calibrate import capture_windows, layer_svd
+    from subspace_ref.rope import RopeParams
+
+    rope = RopeParams.from_config(model.config)
+    post = capture_windows(model, ids, queries=True, batch=batch)
+    pre = capture_windows(model, ids, rope=False, queries=False, batch=batch)
+    svd = layer_svd(post) if svd is None else svd
+    svd_pre = layer_svd(pre)
+    n = min(LOSS_TOKENS, post.num_tokens)
+    positions = np.arange(n) % ids.shape[1]
+    pick = np.linspace(0, n - 1, min(LOSS_QUERIES, n)).astype(int)
+    losses = []
+    for li, (lp, lq) in enumerate(zip(post.layers, pre.layers)):
+        H = lp.keys.shape[0]
+        g = lp.queries.shape[0] // H
+        row = []
+        for h in range(H):
+            layer = dict(keys=lp.keys[h, :n].astype(np.float64), keys_pre=lq.keys[h, :n].astype(np.float64), values=lp.values[h, :n].astype(np.float64),
+                         positions=positions, Wk=svd[li]["Wk"][h], Wk_pre=svd_pre[li]["Wk"][h], Wv=svd[li]["Wv"][h])
+            queries = lp.queries[h * g : (h + 1) * g][:, pick].reshape(-1, lp.queries.shape[-1]).astype(np.float64)
+            row.append(side_losses(layer, h, queries, ranks, group=group, rope=rope))
+        losses.append(row)
+    return dict(losses=losses, svd=svd, svd_pre=svd_pre, rope=rope, tokens=int(post.num_tokens), loss_tokens=int(n))
+
+
+def uniform(geom, fraction: float, bits: int, key_basis: str, group: int = 32, window: int = 0, sinks: int = 0):
+    """The largest r + r_v (r >= r_v, r - r_v <= 1) at ``bits`` on both sides that fits ``fraction``."""
+    from subspace_ref.allocation import Allocation, HeadAllocation
+
+    best = None
+    for total in range(2, geom.head_dim + geom.value_dim + 1):
+        r, rv = (total + 1) // 2, total // 2
+        a = Allocation(tuple(tuple(HeadAllocation(r, rv, bits, bits, key_basis) for _ in range(geom.kv_heads)) for _ in range(geom.layers)),
+                       group, fraction * geom.full_bytes_per_token, window, sinks)
+        if a.bytes(geom).fraction <= fraction + 1e-12:
+            best = a
+    return best
+
+
+def frontier_methods(geom, fraction: float, cal: dict, group: int = 32) -> list:
+    """Issue 16's configurations at ``fraction``: uniform pre-RoPE int4 and int2, the allocator's
+    choice, and the allocator with an exact window of context/32 tokens and 4 sinks."""
+    from subspace_ref.allocation import allocate
+    from subspace_ref.baselines.frontier import Frontier
+
+    out = []
+    for bits in (4, 2):
+        a = uniform(geom, fraction, bits, "pre_rope", group)
+        if a is not None:
+            h = a.heads[0][0]
+            out.append(Frontier(a, f"pre-RoPE r={h.rank_k}/{h.rank_v} int{bits}"))
+    a = allocate(cal["losses"], geom, compression_ratio=fraction, group=group)
+    out.append(Frontier(a, f"allocator {100 * fraction:g}%"))
+    w = geom.context // 32  # 32 exact recent tokens at the page's 1024
+    a = allocate(cal["losses"], geom, compression_ratio=fraction, group=group, window=w, sinks=4)
+    out.append(Frontier(a, f"allocator {100 * fraction:g}% + sinks 4 + window {w}"))
+    bits = int(round(16 * fraction))
+    if bits in (2, 4, 8):  # at the bytes of the quantisation row of this budget (above the budget)
+        from subspace_ref.baselines.quantized import QuantizedKV
+
+        target = QuantizedKV(bits=bits, group=64).bytes(geom).per_token
+        a = allocate(cal["losses"], geom, bytes_per_token=target, group=group, window=w, sinks=4)
+        out.append(Frontier(a, f"allocator @ {target:.0f} bytes + sinks 4 + window {w}"))
+    return out
+
+
+frontier_allocations = frontier_methods
 
 
 # ----------------------------------------------------------------------------- the run
@@ -99,8 +187,10 @@ def run_comparison(ctx: C.Context, n_windows: int, batch: int, budgets=EXTRA_BUD
     calib_tokens = cal.num_tokens
     del cal
     edges = C.position_edges(ctx.context)
+    frontier = calibration_losses(model, ctx.calib_windows(), batch=batch, svd=svd)
+    frontier_bases = (frontier["svd"], frontier["svd_pre"], frontier["rope"])
 
-    plan = [(None, None)] + [(f, m) for f in budgets for m in methods_at(geom, f)]
+    plan = [(None, None)] + [(f, m) for f in budgets for m in methods_at(geom, f) + (frontier_methods(geom, f, frontier) if f in FRONTIER_BUDGETS else [])]
     C_ = geom.context
     checks = [SlidingWindow(window=C_), StreamingLLM(sinks=4, window=C_ - 4), H2O(heavy=C_ // 2, recent=C_ - C_ // 2),
               Subspace(rank_k=geom.head_dim, rank_v=geom.value_dim)]
@@ -108,7 +198,10 @@ def run_comparison(ctx: C.Context, n_windows: int, batch: int, budgets=EXTRA_BUD
     stock = None
     bar = ctx.bar(total=len(plan) + len(checks), desc="baselines")
     for budget, m in plan:
-        bases = bases_for(svd, m.rank_k, m.rank_v) if m is not None and hasattr(m, "rank_k") else None
+        if m is not None and hasattr(m, "allocation"):
+            bases = frontier_bases
+        else:
+            bases = bases_for(svd, m.rank_k, m.rank_v) if m is not None and hasattr(m, "rank_k") else None
         nll, secs = score(model, ids, m, bases, batch)
         b = full_bytes(geom) if m is None else m.bytes(geom)
         name = "full cache (stock)" if m is None else m.name
@@ -119,12 +212,14 @@ def run_comparison(ctx: C.Context, n_windows: int, batch: int, budgets=EXTRA_BUD
             bytes_parts=b.parts, ppl=float(np.exp(nll.mean())), nll=float(nll.mean()), seconds=round(secs, 2),
             by_position=by_position(nll, edges),
         )
+        if m is not None and hasattr(m, "allocation"):
+            row["allocation"] = m.allocation.to_dict()
         if m is None:
             stock = nll
         else:
             cmp = compare(nll, stock)
             row.update(delta_ppl=row["ppl"] - float(np.exp(stock.mean())), delta_pct=100 * (cmp["ppl_ratio"] - 1),
-                       delta_nll=cmp["delta_nll"], delta_nll_ci=cmp["ci"])
+                       delta_nll=cmp["delta_nll"], delta_pct_ci=[100 * cmp["ci"][0], 100 * cmp["ci"][1]])
         tokens[f"{budget}|{name}"] = nll.astype(np.float32)
         rows.append(row)
         bar.update()
@@ -162,6 +257,7 @@ def run_comparison(ctx: C.Context, n_windows: int, batch: int, budgets=EXTRA_BUD
 FAMILY_STYLE = {
     "quantized KV": ("tab:orange", "s"), "sliding window": ("tab:gray", "v"), "StreamingLLM": ("tab:brown", "^"),
     "H2O": ("tab:purple", "D"), "subspace": ("tab:blue", "o"), "subspace INT8": ("tab:green", "o"), "subspace + window": ("tab:cyan", "P"),
+    "subspace (issue 16)": ("tab:red", "*"),
 }
 
 
@@ -244,8 +340,10 @@ def markdown(record: dict, command: str) -> str:
              "**subspace + window**: the coefficients of the last half of the window only, at correspondingly larger ranks.\n")
     L.append("## Results\n")
     L.append(f"Perplexity of the full cache: **{stock['ppl']:.4f}**. Δ is relative to it; the interval is the 95% "
-             f"block-bootstrap (blocks of {BOOTSTRAP_BLOCK} tokens) interval of the mean per-token NLL change.\n")
-    L.append("| budget | method | bytes/token | % of full | ppl | Δppl | Δ% | ΔNLL 95% CI | " + " | ".join(f"ppl @ {k}" for k in labels) + " |")
+             f"percentile interval of the perplexity ratio minus one when the {meta['eval_windows']} evaluation windows (the "
+             "independent unit: tokens within a window are correlated) are resampled with replacement, paired with the full "
+             "cache on the same draw (`experiments/statistics.py`).\n")
+    L.append("| budget | method | bytes/token | % of full | ppl | Δppl | Δ% | Δ% 95% CI | " + " | ".join(f"ppl @ {k}" for k in labels) + " |")
     L.append("|---|---|---:|---:|---:|---:|---:|---|" + "---:|" * len(labels))
     L.append(f"| 100% | full cache (stock) | {stock['bytes_per_token']:.0f} | 100% | {stock['ppl']:.4f} | | | | "
              + " | ".join(f"{stock['by_position'][k]:.3f}" for k in labels) + " |")
@@ -253,15 +351,16 @@ def markdown(record: dict, command: str) -> str:
         if r["budget"] is None:
             continue
         over = "" if r["within_budget"] else " ⚠"
-        lo, hi = r["delta_nll_ci"]
+        lo, hi = r["delta_pct_ci"]
         L.append(f"| {100 * r['budget']:g}% | {r['method']} | {r['bytes_per_token']:.1f} | {_pct(r['fraction_of_full'])}{over} | "
-                 f"{r['ppl']:.4f} | {r['delta_ppl']:+.4f} | {r['delta_pct']:+.2f}% | [{lo:+.4f}, {hi:+.4f}] | "
+                 f"{r['ppl']:.4f} | {r['delta_ppl']:+.4f} | {r['delta_pct']:+.2f}% | [{lo:+.2f}, {hi:+.2f}] | "
                  + " | ".join(f"{r['by_position'][k]:.3f}" for k in labels) + " |")
     L.append("\n⚠ above the budget (quantisation scales; see above).\n")
     L.append("![Perplexity vs KV bytes](figures/baselines_pareto.png)\n")
     L.append("![Perplexity by context position](figures/baselines_position.png)\n")
     L.append("## Verdict (from the numbers above)\n")
     L.append(verdict_text(record))
+    L += frontier_sections(record)
     L.append("\n## Checks\n")
     L.append("Each method at the full budget (capacity = window length; full ranks) against the stock model, largest per-token NLL difference:\n")
     for c in record["full_budget_checks"]:
@@ -283,11 +382,85 @@ def markdown(record: dict, command: str) -> str:
 
 
 WORD = {"better": "wins", "worse": "loses", "tie": "ties"}
+ISSUE16 = "subspace (issue 16)"
+
+
+def goal_check(record: dict) -> list[dict]:
+    """Issue 16's goal per budget of FRONTIER_BUDGETS: every quantisation, window, StreamingLLM
+    and H2O row against the best subspace row with no more bytes."""
+    out = []
+    for f in record["budgets"]:
+        if f not in FRONTIER_BUDGETS:
+            continue
+        at = [r for r in record["rows"] if r["budget"] == f]
+        for r in at:
+            fit = [s for s in at if s["family"].startswith("subspace") and s["bytes_per_token"] <= r["bytes_per_token"] + 1e-9]
+            if r["family"].startswith("subspace") or not fit:
+                continue
+            best = min(fit, key=lambda s: s["ppl"])
+            pair = next(p for p in record["pairwise"] if p["budget"] == f and p["subspace"] == best["method"] and p["baseline"] == r["method"])
+            out.append(dict(budget=f, subspace=best["method"], subspace_bytes=best["bytes_per_token"], baseline=r["method"],
+                            baseline_bytes=r["bytes_per_token"], pct=100 * (pair["ppl_ratio"] - 1), ci=[100 * x for x in pair["ci"]],
+                            holds=pair["ppl_ratio"] < 1, verdict=pair["verdict"]))
+    return out
+
+
+def allocation_table(alloc: dict) -> list[str]:
+    """One line per layer: each KV head's key basis, r_k x bits_k, r_v x bits_v."""
+    short = {"post_rope": "post", "pre_rope": "pre"}
+    lines = []
+    for li, layer in enumerate(alloc["heads"]):
+        cells = [f"h{h}: K {short[c['key_basis']]} {c['rank_k']}x{c['bits_k']}b, V {c['rank_v']}x{c['bits_v']}b" for h, c in enumerate(layer)]
+        lines.append(f"  * layer {li}: " + "; ".join(cells))
+    return lines
+
+
+def frontier_sections(record: dict) -> list[str]:
+    L = ["\n## Issue 16: the goal at matched bytes\n"]
+    L.append("Goal: at 25% and at 12.5% of the fp16 bytes the best subspace configuration has lower perplexity than every "
+             "quantisation, window, StreamingLLM and H2O row at no more bytes. Each baseline row is paired with the best "
+             "subspace row of its budget that has no more bytes than it (the quantisation rows sit above their budget, so the "
+             "allocator is also run at exactly their bytes: rows '@ N bytes'). Interval: 95%, evaluation windows "
+             "resampled, paired.\n")
+    L.append("| budget | best subspace row (bytes) | against (bytes) | Δ% ppl | 95% CI | lower ppl? |")
+    L.append("|---|---|---|---:|---|---|")
+    for g in goal_check(record):
+        L.append(f"| {100 * g['budget']:g}% | {g['subspace']} ({g['subspace_bytes']:.0f}) | {g['baseline']} ({g['baseline_bytes']:.0f}) | "
+                 f"{g['pct']:+.2f}% | [{g['ci'][0]:+.2f}, {g['ci'][1]:+.2f}] | {'yes' if g['holds'] else '**no**'} ({WORD[g['verdict']]}) |")
+    L.append("\nThe configurations (`subspace_ref/baselines/frontier.py`, `subspace_ref/allocation.py`, spec/quantization.md):\n")
+    L.append("* **pre-RoPE r=a/b intB**: static key bases calibrated on un-rotated keys (spec/rope.md P2: c_t = B R_t⁻¹ k_t, "
+             "the key rebuilt and rotated to its position), value bases as before, both sides' coefficients int4/int2 with "
+             "KIVI's groups (keys per channel over 32 tokens, the unfinished group exact and counted in fp16; values per token; "
+             "fp16 scale and zero point each), uniform ranks.")
+    L.append("* **allocator p%**: `allocation.allocate(compression_ratio=p)`: per layer and KV head the key basis kind (post- or "
+             "pre-RoPE), r_k, r_v and the bits of each side (16/8/4/2), greedy on the lower convex hulls of the measured "
+             "calibration losses (logit error x value spread for keys, value reconstruction error; "
+             "`allocation.side_losses`) per byte. **+ sinks 4 + window W**: the same with the first 4 and the last W tokens "
+             "exact (their fp16 K/V counted), the allocator spending what is left.")
+    L.append("* Evaluated as exact attention over the state's reconstruction (spec/quantization.md Q2.1), checked against "
+             "`SubspaceState` (numpy oracle) in `tests/test_baselines.py`.\n")
+    for r in record["rows"]:
+        if "allocation" in r and r["budget"] in (0.25, 0.125) and r["method"].startswith("allocator"):
+            L.append(f"* Where the bytes go, **{r['method']}** ({r['bytes_per_token']:.0f} bytes/token):")
+            L += allocation_table(r["allocation"])
+    L.append("\n## Scope and limits\n")
+    L.append("* One model: the shipped 3.3M-parameter byte-level Llama (4 layers, 2 KV heads of d = 64, context 1024) trained "
+             "on the Python standard library. Its attention is mostly local (a 512-token window loses almost nothing), which "
+             "favours eviction; a larger model with long-range retrieval, other tokenisers or other text may rank the methods "
+             "differently. Nothing here is evidence for a larger model.")
+    L.append(f"* {record['meta']['eval_windows']} held-out windows: the intervals resample whole windows (tokens inside one "
+             "window are correlated), so differences well under the interval widths above are not resolved.")
+    L.append("* The allocator's loss is a proxy measured on the first calibration tokens (per-head output-error terms summed "
+             "over layers, without each layer's effect on the NLL); where it ranks configurations differently from the "
+             "measured perplexity, the table says so. Per-head and per-side bits are evaluated here; a `SubspaceState` holds "
+             "one coefficient format for both sides of all its heads, so such mixed allocations need one state per format.")
+    L.append("* fp16 rounding of stored floats is not simulated (budget.py); bases are counted per sequence, although shared.")
+    return L
 
 
 def verdict_text(record: dict) -> str:
     """Plain statements from the numbers: per budget, each subspace entry against the best baseline
-    that fits the budget (paired per-token NLL, 95% block bootstrap)."""
+    that fits the budget (paired by window, 95% interval from resampling whole windows)."""
     out, summary = [], []
     rows = record["rows"]
     for f in record["budgets"]:
@@ -325,8 +498,8 @@ def verdict_text(record: dict) -> str:
                     f"{100 * (b['ppl_ratio'] - 1):+.2f}% vs {b['baseline']}.")
     text.append("")
     text += out
-    text.append("\n'wins / loses / ties': the 95% block-bootstrap interval of the mean per-token NLL difference (subspace minus "
-                "baseline) lies below 0 / above 0 / contains 0. Percentages are the perplexity ratio minus one (negative: "
+    text.append("\n'wins / loses / ties': the 95% interval of the perplexity ratio (subspace over baseline) minus one, whole "
+                "evaluation windows resampled, lies below 0 / above 0 / contains 0. Percentages are the perplexity ratio minus one (negative: "
                 "subspace better). Every pairing is in `baselines.json` (`pairwise`).")
     return "\n".join(text)
 

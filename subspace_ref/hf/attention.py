@@ -194,6 +194,10 @@ def _torch(x, device) -> torch.Tensor:
 def _coefficients(lay, which: str, T: int, dtype: torch.dtype, device) -> torch.Tensor:
     """Rows [0, T) of one side's coefficients (N, H, T, r) as torch ``dtype``, dequantised by
     spec A10's definition when the layout is int8 (the same function the backends use)."""
+    if lay.low_bits:  # int4/int2 (spec/quantization.md Q2)
+        from subspace_ref.quantization import read_low_bit
+
+        return _torch(read_low_bit(lay, which, 0, T, np.float32 if array_family(lay.key_coef) != "torch" else torch.float32, lay.num_tokens), device).to(dtype)
     coef = getattr(lay, f"{which}_coef")[:, :, :T]
     if lay.quantized:
         from subspace_ref.quantization import dequantize_rows

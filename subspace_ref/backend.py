@@ -1,14 +1,18 @@
 """The backend interface (spec A9): what a decode step needs from an array library.
 
 A backend computes the same functions as the NumPy oracle (:mod:`subspace_ref.numpy_backend`)
-on its own arrays. It declares what it accepts, xformers-style, and explains every refusal in
-:meth:`Backend.not_supported_reasons`, so a caller is never left guessing why a call was refused.
+on its own arrays. It declares what it accepts as data (``capabilities``, a
+:class:`~subspace_ref.capabilities.Capabilities`); the one composer of
+:mod:`subspace_ref.capabilities` turns the declaration into every reason a call is refused, so a
+caller is never left guessing why.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
+
+from subspace_ref.capabilities import Capabilities
 
 if TYPE_CHECKING:
     from subspace_ref.state import SubspaceState
@@ -31,10 +35,14 @@ class Backend(Protocol):
 
     ``array_family`` names the array type the backend reads and writes ("numpy", "torch" or
     "cupy"); a state whose arrays are of that family is read in place, with no conversion.
+    ``capabilities`` declares what it supports; ``devices`` and ``dtypes`` repeat two of its
+    fields. A backend may add ``call_reasons(q, state) -> list[str]``: refusals only the arrays
+    themselves show (devices that differ, strides, shared memory), asked after the declaration.
     """
 
     name: str
     array_family: str
+    capabilities: Capabilities
     devices: tuple[str, ...]
     dtypes: tuple[str, ...]
 
@@ -42,7 +50,8 @@ class Backend(Protocol):
         """Whether this machine can run the backend (imports, devices), without raising."""
 
     def not_supported_reasons(self, q: Any, state: "SubspaceState") -> list[str]:
-        """Every reason this backend refuses ``attend(q, state)``; empty when it accepts."""
+        """Every reason this backend refuses ``attend(q, state)``; empty when it accepts:
+        ``subspace_ref.capabilities.attend_reasons(self.name, self, q, state)``."""
 
     def converter(self, device: Any = None, dtype: Any = None) -> Callable[[Any], Any]:
         """A function turning any supported array into this backend's family on ``device``;

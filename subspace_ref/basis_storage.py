@@ -91,19 +91,18 @@ def decode(stored: Any, scale: Any, dtype: Any) -> Any:
 def decoded_state(state):
     """``state`` itself for native bases, else a shallow copy whose layout holds the bases
     decoded into the state's dtype (native format, sharing every other array): what kernels that
-    read native bases attend to. Costs one decoding of the J r d basis entries per call."""
+    read native bases attend to. The decoding is cached for torch layouts (PackedLayout.decoded_bases)."""
     import copy
     from dataclasses import replace
 
     lay = state.layout
     if lay.basis_format == "native":
         return state
-    every = (slice(None), slice(None), slice(None))
     view = copy.copy(state)
     view.layout = replace(
         lay,
-        key_bases=lay.basis("key", every, lay.dtype),
-        value_bases=lay.basis("value", every, lay.dtype),
+        key_bases=lay.decoded_bases("key", lay.dtype),
+        value_bases=lay.decoded_bases("value", lay.dtype),
         key_basis_scale=None,
         value_basis_scale=None,
         basis_format="native",

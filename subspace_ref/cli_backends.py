@@ -1,8 +1,10 @@
-"""``subspace-kv backends``: which backends are registered and whether each runs here."""
+"""``subspace-kv backends``: which backends are registered, whether each runs here, and the
+capability table each declares (subspace_ref.capabilities)."""
 
 from __future__ import annotations
 
-from subspace_ref.registry import backends
+from subspace_ref.capabilities import table
+from subspace_ref.registry import backends, declared_capabilities
 
 
 def add_arguments(parser) -> None:
@@ -12,4 +14,6 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     for info in backends():
         print(info)
+    print()
+    print(table(declared_capabilities()))
     return 0

@@ -8,10 +8,12 @@ on the object holding it): name, part, attribute, axis kind, dtype rule and byte
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from subspace_ref.arrays import clone, grown, itemsize, numel, to_numpy
+from subspace_ref.arrays import array_family, clone, grown, itemsize, numel, to_numpy
+from subspace_ref.basis_storage import decode, encode
+from subspace_ref.quantization import dequantize_rows, read_low_bit
 
 #: Axis kinds of axis 2 (after N, H): TOKEN rows past ``layout.num_tokens`` and CHUNK rows past
 #: the largest ``num_chunks`` are spare capacity; FIXED arrays are live whole.
@@ -108,6 +110,8 @@ class PackedLayout:
     value_token_zero: Any = None
     low_bits: int = 0  # 4 or 2 for int4/int2 coefficients, 0 otherwise
     group: int = 0  # tokens per key group of low-bit coefficients
+    # decoded bases of torch layouts, see decoded_bases (not copied by dataclasses.replace)
+    _decoded: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     ARRAYS = tuple(a.attr for a in STATE_ARRAYS if a.part == "layout")
 
@@ -125,14 +129,10 @@ class PackedLayout:
         """Rows [a, b) of the "key" or "value" coefficients of sequence n, head h, in ``dtype``,
         dequantised when the layout is int8 (spec A10)."""
         if self.low_bits:
-            from subspace_ref.quantization import read_low_bit
-
             return read_low_bit(self, which, a, b, dtype, self.num_tokens, (n, h))
         coef = getattr(self, f"{which}_coef")[n, h, a:b]
         if not self.quantized:
             return coef.astype(dtype)
-        from subspace_ref.quantization import dequantize_rows
-
         return dequantize_rows(coef, getattr(self, f"{which}_scale")[n, h, a:b], dtype)
 
     @property
@@ -145,17 +145,33 @@ class PackedLayout:
         """The "key" or "value" bases at ``index`` (a tuple over the (N, H, J) axes, optionally
         a row after them), decoded into ``dtype`` (a new array): the one way bases are read
         (spec/storage.md S2)."""
-        from subspace_ref.basis_storage import decode
-
         scale = getattr(self, f"{which}_basis_scale")
         return decode(getattr(self, f"{which}_bases")[index], None if scale is None else scale[index], dtype)
+
+    def decoded_bases(self, which: str, dtype: Any) -> Any:
+        """All the "key" or "value" bases (every chunk slot) decoded into ``dtype``, READ-ONLY:
+        what attention reads. Native bases already in ``dtype`` are returned as they are; torch
+        bases in another format or dtype are decoded once and cached until the stored bases or
+        their scales change (another array, or an in-place write: torch's version counter).
+        Other families decode on each call (their arrays have no version counter)."""
+        stored = getattr(self, f"{which}_bases")
+        scale = getattr(self, f"{which}_basis_scale")
+        if scale is None and stored.dtype == dtype:
+            return stored
+        if array_family(stored) != "torch":
+            return decode(stored, scale, dtype)
+        stamp = (stored._version, None if scale is None else scale._version)
+        hit = self._decoded.get((which, dtype))
+        if hit is not None and hit[0] is stored and hit[1] is scale and hit[2] == stamp:
+            return hit[3]
+        out = decode(stored, scale, dtype)
+        self._decoded[(which, dtype)] = (stored, scale, stamp, out)
+        return out
 
     def store_basis(self, which: str, index: tuple, x: Any) -> Any:
         """Encode bases ``x`` into the "key" or "value" bases at ``index`` IN PLACE (only spare
         chunk slots or private copies may be written) and return them as :meth:`basis` will read
         them, in x's dtype: what an online state projects with (spec/storage.md S3)."""
-        from subspace_ref.basis_storage import decode, encode
-
         stored, scale = encode(x, self.basis_format, self.dtype)
         getattr(self, f"{which}_bases")[index] = stored
         if scale is not None:
@@ -207,6 +223,28 @@ class PackedLayout:
     def map_arrays(self, fn) -> "PackedLayout":
         """A layout with ``fn`` applied to every array in use (conversion between families, devices, dtypes)."""
         return replace(self, **{name: fn(name, x) for name, x in self.arrays().items()})
+
+
+@dataclass
+class SketchBuffers:
+    """FD buffers (spec A4) of every head: keys (N, H, 2 ell_k, d), values (N, H, 2 ell_v, d_v).
+
+    All heads see the same number of rows, so one fill count serves them all.
+    """
+
+    keys: Any
+    values: Any
+    filled_k: int
+    filled_v: int
+    rows_seen: int
+    # spec/sketch_variants.md: ring buffers (N, H, W, d) / (N, H, W, d_v) of the last W sketch
+    # rows when ring_warm_start = W > 0 (S1), and two diagnostic counters (S2.3): rows each
+    # head's key sketch received, and SVDs run (compactions and snapshots, summed over sequences,
+    # heads, keys and values). The counters are not saved.
+    ring_keys: Any = None
+    ring_values: Any = None
+    rows_inserted: int = 0
+    svds: int = 0
 
 
 # ----------------------------------------------------------------- a state's arrays, enumerated

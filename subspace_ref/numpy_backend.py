@@ -17,7 +17,14 @@ from subspace_ref.arrays import namespace, to_numpy
 from subspace_ref.backend import Availability
 from subspace_ref.basis_storage import row_error_bound
 from subspace_ref.blockwise_softmax import SoftmaxPartial
-from subspace_ref.quantization import dequantize_rows, quantize_rows, read_low_bit, side_arrays, store_low_bit
+from subspace_ref.capabilities import SKETCH_VARIANTS, Capabilities, attend_reasons
+from subspace_ref.quantization import (
+    dequantize_rows,
+    quantize_rows,
+    read_low_bit,
+    side_arrays,
+    store_low_bit,
+)
 from subspace_ref.rope import rotate
 
 
@@ -296,19 +303,18 @@ class NumpyBackend:
 
     name = "numpy"
     array_family = "numpy"
-    devices = ("cpu",)
-    dtypes = ("float16", "float32", "float64")
+    capabilities = Capabilities(
+        array_families=("numpy",), devices=("cpu",), dtypes=("float16", "float32", "float64"),
+        window=True, sinks=True, rope=True, sketch_variants=SKETCH_VARIANTS,
+    )
+    devices = capabilities.devices
+    dtypes = capabilities.dtypes
 
     def availability(self) -> Availability:
         return Availability(True)
 
     def not_supported_reasons(self, q: Any, state) -> list[str]:
-        reasons = []
-        if not isinstance(q, np.ndarray):
-            reasons.append(f"q is a {type(q).__module__.split('.')[0]} array; the numpy backend takes NumPy arrays")
-        if not isinstance(state.layout.key_coef, np.ndarray):
-            reasons.append(f"the state holds {state.engine} arrays; convert it with state.to('numpy')")
-        return reasons
+        return attend_reasons(self.name, self, q, state)
 
     def converter(self, device: Any = None, dtype: Any = None):
         if device not in (None, "cpu"):
@@ -320,8 +326,9 @@ class NumpyBackend:
 
         return convert
 
-    def append(self, state, keys, values) -> None:
-        append_reference(state, keys, values)
+    def append(self, state, keys, values, ahead=None) -> None:
+        """``ahead``: the lookahead tokens after the block (spec/window.md W4), or None."""
+        append_reference(state, keys, values, ahead)
 
     def attend(self, q, state, scale):
         return attend_reference(q, state, scale)

@@ -24,7 +24,14 @@ import numpy as np
 
 from subspace_ref import _checks
 from subspace_ref.arrays import array_family, to_numpy
-from subspace_ref.layout import STATE_ARRAYS, live_arrays
+from subspace_ref.basis_storage import FORMATS, float8_dtype
+from subspace_ref.capabilities import NotSupportedError
+from subspace_ref.layout import STATE_ARRAYS, PackedLayout, SketchBuffers, live_arrays
+from subspace_ref.policies import AdaptivePolicy, RotatingPolicy, StaticPolicy
+from subspace_ref.policies._online import sketch_size, warmup_length
+from subspace_ref.policies.adaptive import sketch_options
+from subspace_ref.quantization import LOW_BITS, packed_width
+from subspace_ref.window import ExactWindow, after_sinks_threshold, compressed_count, options, sink_option
 
 FORMAT_NAME = "subspace_ref.state"
 FORMAT_VERSION = 1
@@ -56,8 +63,6 @@ _WRITE_BLOCK = 1 << 20
 
 
 def _policy_classes() -> dict[str, type]:
-    from subspace_ref.policies import AdaptivePolicy, RotatingPolicy, StaticPolicy
-
     return {cls.kind: cls for cls in (StaticPolicy, AdaptivePolicy, RotatingPolicy)}
 
 
@@ -89,14 +94,12 @@ def save_state(state, path) -> None:
 
     A failure at any point (including a crash) leaves a previous file at ``path`` untouched.
     """
-    from subspace_ref.state import SubspaceState
-
-    if not isinstance(state, SubspaceState):
+    if not isinstance(getattr(state, "layout", None), PackedLayout):
         raise TypeError(f"state must be a SubspaceState, got {type(state).__name__}")
     path = os.fspath(path)
     for f in _unpersisted(state.policy):
         if getattr(state.policy, f.name) is not None:  # refuse rather than drop it (before any write)
-            raise NotImplementedError(f"a state with policy field {f.name}={getattr(state.policy, f.name)!r} cannot be saved: this schema does not describe it ({f.metadata.get('spec', 'spec/rope.md §5')})")
+            raise NotSupportedError("cannot save this state", [f"a state with policy field {f.name}={getattr(state.policy, f.name)!r} cannot be saved: this schema does not describe it ({f.metadata.get('spec', 'spec/rope.md §5')})"])
     tensors, dtype_name = _tensors_of(state)
     header = _state_header(state, dtype_name)
     # the oldest version that describes the state
@@ -198,10 +201,10 @@ def _tensors_of(state) -> tuple[dict[str, np.ndarray], str]:
     lay = state.layout
     cut = live_arrays(state)
     if state.sketches is not None and state.sketches.ring_keys is not None:  # spec/sketch_variants.md S1.6
-        raise TypeError(f"cannot save a state with ring_warm_start={state.policy.ring_warm_start}: spec/persistence.md (format version {EXTENDED_VERSION}) does not describe ring buffers")
+        raise NotSupportedError("cannot save this state", [f"ring_warm_start={state.policy.ring_warm_start}: spec/persistence.md (format version {EXTENDED_VERSION}) does not describe ring buffers"])
     unknown = sorted(set(cut) - set(TENSOR_ORDER))
     if unknown:  # an array this schema does not describe: refuse rather than drop it
-        raise TypeError(f"cannot save arrays {unknown}: spec/persistence.md (format version {EXTENDED_VERSION}) does not describe them")
+        raise NotSupportedError("cannot save this state", [f"arrays {unknown}: spec/persistence.md (format version {EXTENDED_VERSION}) does not describe them"])
     dtype_name = _dtype_name(lay.gamma)
     if dtype_name not in _FLOAT_DTYPES:
         raise TypeError(f"cannot save a state of dtype {dtype_name}; expected one of {', '.join(_FLOAT_DTYPES)}")
@@ -268,8 +271,10 @@ def checksum(tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> str:
 
 
 # -------------------------------------------------------------------------------------- loading
-def load_state(path):
-    """Read a state written by :func:`save_state` as a NumPy state (engine "numpy").
+def load_parts(path) -> tuple:
+    """The parts of a state written by :func:`save_state`, as NumPy arrays: (policy, layout,
+    sketches, batched, engine "numpy", window), the arguments of ``SubspaceState(...)``
+    (``SubspaceState.load`` builds it; this module imports no state class).
 
     Raises :class:`StateFileError` naming the problem for a file that is not safetensors, is
     truncated or corrupted, has another format name or version, or holds inconsistent arrays.
@@ -366,8 +371,6 @@ def _has_optional_fields(header: dict[str, Any]) -> bool:
 def _policy_from(header: dict[str, Any], path):
     """The policy dataclass from its JSON fields: every field present, each of its declared type,
     then the constructors' own checks."""
-    from subspace_ref.policies._online import sketch_size, warmup_length
-
     classes = _policy_classes()
     kind = header.get("kind")
     if kind not in classes:
@@ -400,8 +403,6 @@ def _policy_from(header: dict[str, Any], path):
             if hasattr(policy, name):
                 _checks.positive_int(name, getattr(policy, name))
         if hasattr(policy, "fd_stride"):  # spec/sketch_variants.md S1.6: no file holds ring buffers
-            from subspace_ref.policies.adaptive import sketch_options
-
             sketch_options(policy.ring_warm_start, policy.fd_stride, policy.reuse_angle, policy.sketch_reset)
             if policy.ring_warm_start:
                 raise ValueError("ring_warm_start > 0 states are never saved (their ring buffers have no tensor in this format)")
@@ -434,9 +435,6 @@ def _typed(name: str, annotation: str, value: Any) -> Any:
 
 
 def _build_state(header: Any, tensors: dict[str, np.ndarray], path):
-    from subspace_ref.layout import PackedLayout
-    from subspace_ref.state import SketchBuffers, SubspaceState
-
     if not isinstance(header, dict):
         _fail(path, "metadata 'state' is not a JSON object")
     policy = _policy_from(header, path)
@@ -450,8 +448,6 @@ def _build_state(header: Any, tensors: dict[str, np.ndarray], path):
     coefficients = header.get("coefficients")
     if coefficients not in _COEFFICIENTS:
         _fail(path, f"coefficients is {coefficients!r}; expected one of {list(_COEFFICIENTS)}")
-    from subspace_ref.basis_storage import FORMATS, float8_dtype
-
     basis_format = header.get("bases", "native")
     if "bases" in header and basis_format not in FORMATS[1:]:
         _fail(path, f"bases is {basis_format!r}; a version {EXTENDED_VERSION} file stores them as one of {list(FORMATS[1:])}")
@@ -459,8 +455,6 @@ def _build_state(header: Any, tensors: dict[str, np.ndarray], path):
     win = _window_options(header.get("window", None), policy.kind, path)
     expected_names = LAYOUT_TENSORS + (SCALE_TENSORS if coefficients == "int8" else ()) + (SKETCH_TENSORS if online else ())
     expected_names += (BASIS_SCALE_TENSORS if basis_format == "int8" else ()) + (WINDOW_TENSORS if win else ()) + (SINK_TENSORS if win and win[3] else ())
-    from subspace_ref.quantization import LOW_BITS, packed_width
-
     bits, G = LOW_BITS.get(coefficients, 0), header.get("group", 0)
     if bits:
         expected_names += LOW_BIT_TENSORS
@@ -579,8 +573,6 @@ def _build_state(header: Any, tensors: dict[str, np.ndarray], path):
 
     exact = None
     if win:
-        from subspace_ref.window import ExactWindow, after_sinks_threshold, compressed_count
-
         e = arrays["window_keys"].shape[2]
         size, min_tokens, lookahead, sinks = win
         s = arrays["sink_keys"].shape[2] if sinks else 0
@@ -594,7 +586,7 @@ def _build_state(header: Any, tensors: dict[str, np.ndarray], path):
     names = LAYOUT_TENSORS + SCALE_TENSORS + BASIS_SCALE_TENSORS + LOW_BIT_TENSORS
     low_bit = dict(low_bits=bits, group=G) if bits else {}
     layout = PackedLayout(**{name: arrays[name] for name in names if name in arrays}, num_tokens=T, basis_format=basis_format, **low_bit)
-    return SubspaceState(policy, layout, sketches, batched, "numpy", exact)
+    return policy, layout, sketches, batched, "numpy", exact
 
 
 def _window_options(win: Any, kind: str, path) -> tuple[int, int, int, int] | None:
@@ -603,8 +595,6 @@ def _window_options(win: Any, kind: str, path) -> tuple[int, int, int, int] | No
     state has no exact tokens."""
     if win is None:
         return None
-    from subspace_ref.window import options, sink_option
-
     keys = {"size", "min_tokens", "lookahead"}
     if not isinstance(win, dict) or set(win) - {"sinks"} != keys or not all(type(v) is int for v in win.values()):
         _fail(path, f"window must hold int size, min_tokens, lookahead (and sinks > 0 when there are sinks); got {win!r}")

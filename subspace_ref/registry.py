@@ -1,6 +1,7 @@
 """Backends by name: the built-in ones, and third-party ones from the ``subspace_ref.backends``
 entry-point group. Nothing is imported until a backend is asked for, so ``import subspace_ref``
-never imports torch, triton or cupy."""
+never imports torch, triton or cupy. Every backend, built-in or third-party, declares a
+:class:`~subspace_ref.capabilities.Capabilities` as its ``capabilities`` attribute."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from importlib.metadata import entry_points
 from typing import Any, Callable
 
 from subspace_ref.backend import Availability, Backend
+from subspace_ref.capabilities import Capabilities
 
 ENTRY_POINT_GROUP = "subspace_ref.backends"
 
@@ -84,6 +86,19 @@ def backend_availability(name: str) -> Availability:
         return get_backend(name).availability()
     except RuntimeError as err:
         return Availability(False, str(err))
+
+
+def declared_capabilities() -> dict[str, Capabilities | None]:
+    """Every registered backend's declared capabilities (None for one that cannot be imported
+    or declares none), whether or not it runs on this machine."""
+    out: dict[str, Capabilities | None] = {}
+    for name in registered():
+        try:
+            caps = getattr(get_backend(name), "capabilities", None)
+        except RuntimeError:
+            caps = None
+        out[name] = caps if isinstance(caps, Capabilities) else None
+    return out
 
 
 def backends() -> list[BackendInfo]:

@@ -203,11 +203,4 @@ def calibrate_rope_planes(
     return StaticBasis(B=B, E=E, gamma=resolve_gamma(gamma, ranks, K.shape[2], K.dtype), rank_k=ranks, rank_v=(int(rank_v),) * K.shape[0])
 
 
-def refusal(state, backend: str) -> list[str]:
-    """The reason a backend other than the oracle refuses a pre-RoPE state (spec/rope.md P2)."""
-    if getattr(state.policy, "rope", None) is None:
-        return []
-    return [f"the state un-rotates appended keys (SubspaceState.static(..., rope=...), spec/rope.md P2); the {backend} backend does not implement it: use backend 'numpy'"]
-
-
-__all__ = ["LAYOUTS", "RopeParams", "calibrate_rope_planes", "plane_basis", "plane_energy", "plane_pairs", "refusal", "rotate"]
+__all__ = ["LAYOUTS", "RopeParams", "calibrate_rope_planes", "plane_basis", "plane_energy", "plane_pairs", "rotate"]

@@ -2,45 +2,28 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from subspace_ref import _checks
+from subspace_ref import _checks, operations, persistence
 from subspace_ref import window as _window
-from subspace_ref.arrays import array_family, clone, itemsize, to_numpy
+from subspace_ref.arrays import itemsize, to_numpy
 from subspace_ref.basis_storage import check_format, stored_dtype
 from subspace_ref.calibration import StaticBasis, resolve_gamma
-from subspace_ref.layout import PackedLayout, allocated_nbytes, counted_nbytes, mapped_parts
+from subspace_ref.layout import (
+    PackedLayout,
+    SketchBuffers,
+    allocated_nbytes,
+    counted_nbytes,
+)
 from subspace_ref.policies import AdaptivePolicy, RotatingPolicy, StaticPolicy
-from subspace_ref.quantization import DEFAULT_GROUP, LOW_BITS, packed_width
 from subspace_ref.policies._online import per_head_ranks, sketch_size, warmup_length
 from subspace_ref.policies.adaptive import sketch_options
+from subspace_ref.quantization import DEFAULT_GROUP, LOW_BITS, packed_width
+from subspace_ref.rope import RopeParams
 
 Policy = StaticPolicy | AdaptivePolicy | RotatingPolicy
-
-
-@dataclass
-class SketchBuffers:
-    """FD buffers (spec A4) of every head: keys (N, H, 2 ell_k, d), values (N, H, 2 ell_v, d_v).
-
-    All heads see the same number of rows, so one fill count serves them all.
-    """
-
-    keys: Any
-    values: Any
-    filled_k: int
-    filled_v: int
-    rows_seen: int
-    # spec/sketch_variants.md: ring buffers (N, H, W, d) / (N, H, W, d_v) of the last W sketch
-    # rows when ring_warm_start = W > 0 (S1), and two diagnostic counters (S2.3): rows each
-    # head's key sketch received, and SVDs run (compactions and snapshots, summed over sequences,
-    # heads, keys and values). The counters are not saved.
-    ring_keys: Any = None
-    ring_values: Any = None
-    rows_inserted: int = 0
-    svds: int = 0
 
 
 class SubspaceState:
@@ -102,8 +85,6 @@ class SubspaceState:
         if not isinstance(basis, StaticBasis):
             raise TypeError(f"basis must be a StaticBasis (see calibrate or StaticBasis.from_bases), got {type(basis).__name__}")
         if rope is not None:
-            from subspace_ref.rope import RopeParams
-
             if not isinstance(rope, RopeParams):
                 raise TypeError(f"rope must be a subspace_ref.rope.RopeParams (e.g. RopeParams.from_config(model.config)) or None, got {type(rope).__name__}")
             rope.planes(basis.B.shape[2])  # ValueError unless its rotary dims fit the head size
@@ -348,26 +329,9 @@ class SubspaceState:
     # ----------------------------------------------------------------- operations
     def append(self, keys: Any, values: Any) -> "SubspaceState":
         """Append one token (H, d) or a block (H, n, d) of keys and values (a leading batch axis
-        for batched states). Checked before anything changes: bad input raises and leaves the
-        state as it was."""
-        k = self._tokens("keys", keys, self.d)
-        v = self._tokens("values", values, self.d_v)
-        if k.shape[2] != v.shape[2]:
-            raise ValueError(f"keys has {k.shape[2]} tokens but values has {v.shape[2]}; expected the same number")
-        if k.shape[2] == 0:
-            return self
-        from subspace_ref.registry import get_backend
-        from subspace_ref.rope import refusal
-
-        # before anything changes, windowed or not (a windowed pre-RoPE state used to reach the
-        # torch append, which stored post-RoPE keys as if un-rotated)
-        if self.engine != "numpy" and refusal(self, self.engine):
-            raise NotImplementedError(refusal(self, self.engine)[0])
-        if self.window is not None:
-            _window.append(self, k, v)  # spec/window.md W2
-            return self
-        get_backend(self.engine).append(self, k, v)
-        return self
+        for batched states): :func:`subspace_ref.operations.append`. Checked before anything
+        changes: bad input raises and leaves the state as it was."""
+        return operations.append(self, keys, values)
 
     def reconstruct(self) -> tuple[np.ndarray, np.ndarray]:
         """(K_hat, V_hat) the state stands for: each token's coefficients mapped through its
@@ -391,68 +355,25 @@ class SubspaceState:
         return (K, V) if self.batched else (K[0], V[0])
 
     def save(self, path) -> None:
-        """Write the state to ``path`` (safetensors, versioned schema, checksummed, atomic)."""
-        from subspace_ref.persistence import save_state
-
-        save_state(self, path)
+        """Write the state to ``path`` (safetensors, versioned schema, checksummed, atomic):
+        :func:`subspace_ref.persistence.save_state`."""
+        persistence.save_state(self, path)
 
     @classmethod
     def load(cls, path) -> "SubspaceState":
         """Read a state written by :meth:`save` (NumPy arrays); clear errors for bad files."""
-        from subspace_ref.persistence import load_state
-
-        return load_state(path)
+        return cls(*persistence.load_parts(path))
 
     def copy(self) -> "SubspaceState":
         """An independent copy (arrays copied, spare capacity dropped)."""
-        parts = mapped_parts(self, lambda a, x: clone(self.layout.live(a.axis, x)))
-        return SubspaceState(self.policy, parts["layout"], parts["sketches"], self.batched, self.engine, parts["window"])
+        return operations.copy(self)
 
     def to(self, backend: str, device: Any = None, dtype: Any = None) -> "SubspaceState":
         """A copy whose arrays belong to ``backend``'s array family (e.g. "torch" for the torch and
         triton backends), on ``device``, with floating arrays cast to ``dtype``. Appends to the
-        copy then run on ``backend``; any backend of the same family can attend to it."""
-        from subspace_ref.registry import get_backend
-
-        target = get_backend(backend)
-        available = target.availability()
-        if not available:
-            raise RuntimeError(f"backend {backend!r} is not available on this machine: {available.reason}")
-        if dtype is not None and not any(f in str(dtype) for f in ("float16", "float32", "float64", "bfloat16")):
-            raise TypeError(f"dtype must be one of float16, bfloat16, float32, float64; got {dtype!r}")
-        convert = target.converter(device=device, dtype=dtype)
-        keep_dtype = target.converter(device=device)
-        # int8 coefficients, their float32 scales and bases stored in a format of their own keep
-        # their dtypes (spec A10, spec/storage.md S1): each array's dtype rule says which
-        copy = self.copy()
-        parts = mapped_parts(copy, lambda a, x: convert(x) if copy.layout.converts(a.dtype) else keep_dtype(x))
-        # appends then run on the named backend (e.g. "triton" uses its projection kernel)
-        return SubspaceState(self.policy, parts["layout"], parts["sketches"], self.batched, backend, parts["window"])
-
-    # ----------------------------------------------------------------- helpers
-    def _tokens(self, name: str, x: Any, dim: int) -> Any:
-        """x as (N, H, n, dim) in the state's family, dtype and device, after every check."""
-        x = _checks.as_array(name, x)
-        family = array_family(x)
-        if family != array_family(self.layout.key_coef):
-            raise TypeError(f"{name} is a {family} array but the state holds {array_family(self.layout.key_coef)} arrays; convert one of them (state.to(...))")
-        _checks.float_dtype(name, x)
-        lead = (self.batch, self.kv_heads) if self.batched else (self.kv_heads,)
-        if x.ndim == len(lead) + 1:
-            x = x[..., None, :]
-        if self.batched:
-            _checks.shape(name, x, (self.batch, self.kv_heads, None, dim))
-        else:
-            _checks.shape(name, x, (self.kv_heads, None, dim))
-            x = x[None]
-        if family == "torch" and x.device != self.layout.key_coef.device:
-            raise ValueError(f"{name} is on {x.device} but the state is on {self.layout.key_coef.device}")
-        _checks.finite(name, x)
-        x = x.astype(self.dtype) if family != "torch" else x.detach().to(self.dtype)
-        _checks.finite_norms(name, x)
-        from subspace_ref.sharing import repeat_kv_heads
-
-        return repeat_kv_heads(x, self.heads // self.kv_heads)  # spec/sharing.md A3 step 1
+        copy then run on ``backend``; any backend of the same family can attend to it
+        (:func:`subspace_ref.operations.convert`)."""
+        return operations.convert(self, backend, device, dtype)
 
     def __repr__(self) -> str:
         return (

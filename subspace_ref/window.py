@@ -121,12 +121,13 @@ def _concat(a: Any, b: Any) -> Any:
     return namespace(a).concatenate([a, b], axis=2)
 
 
-def append(state, keys: Any, values: Any) -> None:
+def append(state, keys: Any, values: Any, compress) -> None:
     """Spec/window.md W2 for validated keys (N, H, n, d), values (N, H, n, d_v) in the state's
-    family and dtype. The compressed part is appended first (its backend commits only at its
-    end) and the exact part replaced after, so a failure anywhere leaves the state as it was."""
-    from subspace_ref.registry import get_backend
-
+    family and dtype. ``compress(state, keys, values, ahead)`` is the backend's append of the
+    tokens leaving the exact part (``ahead``: the lookahead tokens after them, or None; W4); the
+    operations layer passes it. The compressed part is appended first (its backend commits only
+    at its end) and the exact part replaced after, so a failure anywhere leaves the state as it
+    was."""
     win = state.window
     if win.sink_count < win.sinks:
         # spec/window.md W7: the first S tokens of the stream fill the sinks, the rest follow W2
@@ -145,16 +146,10 @@ def append(state, keys: Any, values: Any) -> None:
     all_k, all_v = _concat(win.keys, keys), _concat(win.values, values)
     if moved > 0:
         # step 3: the oldest `moved` leave the exact part through the policy's ordinary append
-        if win.lookahead:
-            # step 3 (W4): and the L_h tokens after them, which have arrived, anchor new chunks
-            if state.engine != "numpy":
-                raise NotImplementedError(f"lookahead={win.lookahead} is implemented by the numpy backend only; this state appends on {state.engine!r} (state.to('numpy'))")
-            from subspace_ref.numpy_backend import append_reference
-
-            after = slice(moved, moved + win.lookahead)
-            append_reference(state, all_k[:, :, :moved], all_v[:, :, :moved], (all_k[:, :, after], all_v[:, :, after]))
-        else:
-            get_backend(state.engine).append(state, all_k[:, :, :moved], all_v[:, :, :moved])
+        # step 3 (W4): with lookahead, the L_h tokens after them, which have arrived, anchor new chunks
+        after = slice(moved, moved + win.lookahead)
+        ahead = (all_k[:, :, after], all_v[:, :, after]) if win.lookahead else None
+        compress(state, all_k[:, :, :moved], all_v[:, :, :moved], ahead)
     # step 4: the rest is the exact part (copies: the state never holds views of the caller's arrays)
     sinks = {} if win.sink_keys is None else {"sink_keys": clone(win.sink_keys), "sink_values": clone(win.sink_values)}
     state.window = replace(win, keys=clone(all_k[:, :, max(moved, 0) :]), values=clone(all_v[:, :, max(moved, 0) :]), **sinks)
@@ -194,12 +189,3 @@ def anchor_buffers(buf_k: Any, filled_k: int, buf_v: Any, filled_v: int, policy,
     buf_k, filled_k = insert(buf_k, filled_k, all_k[:, :, rows], policy.ell_k)
     buf_v, filled_v = insert(buf_v, filled_v, all_v[:, :, rows], policy.ell_v)
     return buf_k, filled_k, buf_v, filled_v
-
-
-def refusals(backend: str, state) -> list[str]:
-    """The reason a backend without the exact-window merge (spec/window.md W3) gives for a
-    windowed state, for its ``not_supported_reasons``; empty for a plain state."""
-    win = getattr(state, "window", None)
-    if win is None:
-        return []
-    return [f"the state keeps an exact window or sinks (window={win.size}, min_tokens={win.min_tokens}, sinks={win.sinks}); the {backend} backend does not merge exact tokens: use the torch or numpy backend"]

@@ -14,6 +14,7 @@ import pytest
 
 import subspace_ref
 from subspace_ref import FrequentDirections, StaticBasis, SubspaceState, attend, calibrate, exact_attention
+from subspace_ref import operations
 from subspace_ref.arrays import to_numpy
 
 
@@ -129,9 +130,35 @@ def bad_appends(lead, backend):
     return cases
 
 
+@pytest.fixture
+def value_scans():
+    """The debug switch on (subspace_ref.operations.set_debug): value scans on every backend."""
+    previous = operations.set_debug(True)
+    yield
+    operations.set_debug(previous)
+
+
+def test_without_debug_only_the_numpy_backend_scans_values():
+    """Default: the checks that read every value (and sync a device) run on the numpy backend
+    only; metadata checks (shapes, dtypes) run everywhere."""
+    assert not operations._debug
+    for backend in BACKENDS:
+        state = states(backend)["static"]
+        nan = np.ones((2, 2, 6))
+        nan[0, 0, 0] = np.nan
+        call = lambda: state.append(arr(backend, nan), arr(backend, np.ones((2, 2, 5))))  # noqa: E731
+        if backend == "numpy":
+            rejects(state, call, ValueError, r"keys contains NaN")
+        else:
+            call()  # accepted unscanned: NaN in, NaN out, as torch SDPA does
+            assert state.num_tokens > 0
+        rejects(state, lambda: state.append(arr(backend, np.ones((2, 2, 7))), arr(backend, np.ones((2, 2, 5)))), ValueError, r"keys has shape")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", ["static", "adaptive", "rotating", "batched", "int8"])
-def test_bad_append_is_rejected_and_changes_nothing(backend, kind):
+def test_bad_append_is_rejected_and_changes_nothing(backend, kind, value_scans):
+    """Under the debug switch, so that every backend scans values (NaN/Inf cases) too."""
     state = states(backend)[kind]
     lead = (3, 2) if state.batched else (2,)
     for label, k, v, exc, match in bad_appends(lead, backend):
@@ -215,7 +242,7 @@ def bad_queries(state, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", ["static", "adaptive", "rotating", "batched", "int8"])
-def test_bad_attend_is_rejected_and_changes_nothing(backend, kind):
+def test_bad_attend_is_rejected_and_changes_nothing(backend, kind, value_scans):
     state = states(backend)[kind]
     for label, q, kw, exc, match in bad_queries(state, backend):
         kw = {"backend": backend, **kw}

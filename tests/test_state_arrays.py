@@ -12,7 +12,13 @@ from hypothesis import strategies as st
 
 from subspace_ref import StaticBasis, SubspaceState
 from subspace_ref.arrays import array_family
-from subspace_ref.layout import BY_NAME, COUNT_RULES, DTYPE_RULES, STATE_ARRAYS, held_arrays
+from subspace_ref.layout import (
+    BY_NAME,
+    COUNT_RULES,
+    DTYPE_RULES,
+    STATE_ARRAYS,
+    held_arrays,
+)
 
 
 def _orthonormal(rng, heads, r, d):

@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 
 from subspace_ref.arrays import array_family
-from subspace_ref import window
 from subspace_ref.backend import Availability
-from subspace_ref.rope import refusal
+from subspace_ref.capabilities import Capabilities, attend_reasons
 from subspace_ref_cupy import _interop, _kernels
+from subspace_ref_cupy.capabilities import declared
 
 # The fields of the packed layout (spec A9, A10) the kernels read.
 _FLOAT_FIELDS = ("key_coef", "value_coef", "key_bases", "value_bases")
@@ -83,16 +83,20 @@ class CupyBackend:
             return Availability(False, f"NVRTC, which compiles the kernels at run time, is not usable ({type(err).__name__}: {err})")
         return Availability(True)
 
+    @property
+    def capabilities(self) -> Capabilities:
+        return declared(self.dtypes)
+
     def not_supported_reasons(self, q: Any, state) -> list[str]:
-        """Every reason :meth:`attend` would refuse ``(q, state)``: availability, array kinds and
-        devices, dtypes, shapes with no compiled kernel, and shared memory per block."""
-        reasons: list[str] = window.refusals("cupy", state)  # spec/window.md W3
-        if getattr(state.layout, "low_bits", 0):
-            reasons.append(f"the state has {state.layout.coefficients} coefficients (spec/quantization.md); the cupy kernels read float or int8 ones only")
+        return attend_reasons(self.name, self, q, state)
+
+    def call_reasons(self, q: Any, state) -> list[str]:
+        """Refusals beyond the declaration: availability, array kinds and devices, dtypes,
+        shapes with no compiled kernel, and shared memory per block."""
+        reasons: list[str] = []
         available = self.availability()
         if not available:
             reasons.append(f"the cupy backend is unavailable: {available.reason}")
-        reasons += refusal(state, "cupy")
         lay = state.layout
         scales = {f: getattr(lay, f, None) for f in _SCALE_FIELDS}
         arrays = {"q": q, **{f: getattr(lay, f) for f in (*_FLOAT_FIELDS, *_INDEX_FIELDS, "gamma")}}
@@ -115,8 +119,6 @@ class CupyBackend:
         if len(devices) > 1:
             reasons.append(f"q and the state's arrays are on different CUDA devices {sorted(devices)}; expected one device")
 
-        if getattr(lay, "basis_format", "native") != "native":
-            reasons.append(f"the state stores its bases as {lay.basis_format} (spec/storage.md S1); the cupy backend reads native bases: use the torch backend")
         q_dtype = _interop.dtype_name(q)
         dtype = _interop.dtype_name(lay.key_bases)
         if q_dtype not in _KERNEL_DTYPES:

@@ -82,7 +82,7 @@ def project_queries(q: torch.Tensor, state, scale: float | None = None, num_chun
     J = used_chunks(state) if num_chunks is None else num_chunks
     dtype = work_dtype(q, state) if dtype is None else dtype
     qg = q.reshape(N, H, 1, Hq // H, d).to(dtype)
-    qt = torch.matmul(qg, lay.basis("key", (slice(None), slice(None), slice(0, J)), dtype).mT)  # (N, H, J, g, r)
+    qt = torch.matmul(qg, lay.decoded_bases("key", dtype)[:, :, :J].mT)  # (N, H, J, g, r)
     return qt * logit_scale(state, d, scale, dtype)[None, :, None, None, None]
 
 
@@ -194,7 +194,7 @@ def apply_value_bases(chunk_sums: torch.Tensor, state) -> torch.Tensor:
     (j >= its num_chunks) are skipped whatever they hold."""
     N, H, J, g, r_v = chunk_sums.shape
     lay = state.layout
-    E = lay.basis("value", (slice(None), slice(None), slice(0, J)), chunk_sums.dtype)  # (N, H, J, r_v, d_v)
+    E = lay.decoded_bases("value", chunk_sums.dtype)[:, :, :J]  # (N, H, J, r_v, d_v)
     if J == 1:
         return torch.matmul(chunk_sums[:, :, 0], E[:, :, 0])
     # heads with fewer than J chunks: their slots >= num_chunks are spare capacity, whose

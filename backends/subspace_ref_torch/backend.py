@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from subspace_ref.arrays import array_family
 from subspace_ref.backend import Availability
-from subspace_ref.rope import refusal
+from subspace_ref.capabilities import Capabilities, attend_reasons
 
 
 class TorchBackend:
@@ -23,8 +23,11 @@ class TorchBackend:
 
     name = "torch"
     array_family = "torch"
-    devices = ("cpu", "cuda")
-    dtypes = ("float16", "bfloat16", "float32", "float64")
+    # spec/window.md W3 in subspace_ref_torch.window; no pre-RoPE un-rotation (spec/rope.md P2)
+    # and none of the sketch variants in its append (spec/sketch_variants.md S4)
+    capabilities = Capabilities(array_families=("torch",), devices=("cpu", "cuda"), dtypes=("float16", "bfloat16", "float32", "float64"), window=True, sinks=True)
+    devices = capabilities.devices
+    dtypes = capabilities.dtypes
 
     def availability(self) -> Availability:
         try:
@@ -34,22 +37,10 @@ class TorchBackend:
         return Availability(True)
 
     def not_supported_reasons(self, q: Any, state) -> list[str]:
-        reasons, q_ok, state_ok = tensor_call_reasons("torch", q, state, "state.to('torch', device=...)")
-        if q_ok and str(q.dtype).removeprefix("torch.") not in self.dtypes:
-            reasons.append(f"q has dtype {q.dtype}; the torch backend supports {', '.join(self.dtypes)}")
-        if state_ok:
-            sdtype = str(state.layout.dtype).removeprefix("torch.")
-            if sdtype not in self.dtypes:
-                reasons.append(f"the state has dtype {sdtype}; the torch backend supports {', '.join(self.dtypes)}")
-            sdev = state.layout.key_coef.device
-            if sdev.type not in self.devices:
-                reasons.append(f"the state is on {sdev}; the torch backend runs on {', '.join(self.devices)}")
-            if q_ok and q.device != sdev:
-                reasons.append(f"q is on {q.device} but the state is on {sdev}; move one of them")
-            devices = {x.device for x in state.layout.arrays().values()}
-            if len(devices) > 1:
-                reasons.append(f"the state's arrays are spread over devices {sorted(map(str, devices))}")
-        return reasons
+        return attend_reasons(self.name, self, q, state)
+
+    def call_reasons(self, q: Any, state) -> list[str]:
+        return device_reasons(q, state)
 
     def converter(self, device: Any = None, dtype: Any = None) -> Callable[[Any], Any]:
         from subspace_ref_torch.convert import converter
@@ -67,23 +58,25 @@ class TorchBackend:
         return attend(q, state, scale)
 
 
-def tensor_call_reasons(backend: str, q: Any, state, conversion: str) -> tuple[list[str], bool, bool]:
-    """The refusals every backend reading torch tensors shares: torch missing, q not a tensor,
-    a state not held in torch arrays. Returns (reasons, q is a tensor, state holds tensors)."""
-    try:
-        import torch
-    except ImportError:
-        return ["torch is not installed"], False, False
+def device_reasons(q: Any, state) -> list[str]:
+    """The refusals every backend reading torch tensors shares beyond its declaration: q on
+    another device than the state, the state's arrays spread over devices. None for arrays that
+    are not torch tensors (the declaration refuses those)."""
+    if not (is_tensor(q) and is_tensor(state.layout.key_coef)):
+        return []
+    sdev = state.layout.key_coef.device
     reasons = []
-    q_ok = isinstance(q, torch.Tensor)
-    if not q_ok:
-        reasons.append(f"q is a {type(q).__module__.split('.')[0]} {type(q).__name__}; the {backend} backend takes torch tensors")
+    if q.device != sdev:
+        reasons.append(f"q is on {q.device} but the state is on {sdev}; move one of them")
+    lay = state.layout
+    devices = {x.device for x in (lay.key_coef, lay.value_coef, lay.key_bases, lay.value_bases, lay.gamma)}  # what attend reads
+    if len(devices) > 1:
+        reasons.append(f"the state's arrays are spread over devices {sorted(map(str, devices))}")
+    return reasons
+
+
+def is_tensor(x: Any) -> bool:
     try:
-        family = array_family(state.layout.key_coef)
+        return array_family(x) == "torch"
     except ValueError:
-        family = type(state.layout.key_coef).__name__
-    state_ok = family == "torch"
-    if not state_ok:
-        reasons.append(f"the state holds {family} arrays; convert it with {conversion}")
-    reasons += refusal(state, backend)
-    return reasons, q_ok, state_ok
+        return False

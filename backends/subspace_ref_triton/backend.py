@@ -19,10 +19,13 @@ import sys
 from dataclasses import replace
 from typing import Any, Callable
 
-from subspace_ref import window
+from subspace_ref_torch.backend import device_reasons, is_tensor
+
 from subspace_ref.backend import Availability
 from subspace_ref.basis_storage import decoded_state
-from subspace_ref_triton._common import MAX_GROUP, MAX_HEAD_SIZE, MAX_RANK, SUPPORTED_DTYPES, dtype_name, interpreting
+from subspace_ref.capabilities import Capabilities, attend_reasons
+from subspace_ref_triton._common import SUPPORTED_DTYPES, dtype_name, interpreting
+from subspace_ref_triton.capabilities import declared
 
 _NO_DEVICE = "no CUDA device; set TRITON_INTERPRET=1 to run the kernels on the CPU interpreter"
 
@@ -87,27 +90,27 @@ class TritonBackend:
             return Availability(False, "the kernels were loaded for the interpreter (TRITON_INTERPRET=1) and it is unset now; restart the process")
         return Availability(True)
 
-    def not_supported_reasons(self, q: Any, state) -> list[str]:
-        from subspace_ref_torch.backend import tensor_call_reasons
+    @property
+    def capabilities(self) -> Capabilities:
+        return declared(self.devices)
 
-        reasons, q_ok, state_ok = tensor_call_reasons("triton", q, state, "state.to('triton', device='cuda')")
-        reasons += window.refusals("triton", state)  # spec/window.md W3
-        if q_ok:
-            qd = dtype_name(q.dtype)
-            if qd not in self.dtypes:
-                reasons.append(f"q has dtype {qd}; the triton kernels take {', '.join(self.dtypes)} (use the torch backend for float64)")
-        if not state_ok:
-            return reasons
-        state = decoded_state(state)  # attend decodes encoded bases first (spec/storage.md S2)
+    def not_supported_reasons(self, q: Any, state) -> list[str]:
+        return attend_reasons(self.name, self, q, state)
+
+    def call_reasons(self, q: Any, state) -> list[str]:
+        """Refusals beyond the declaration: the arrays' dtypes, devices and strides."""
+        if not (is_tensor(q) and is_tensor(state.layout.key_coef)):
+            return []
+        reasons = device_reasons(q, state)
+        if dtype_name(q.dtype) == "float64" or dtype_name(state.layout.dtype) == "float64":
+            reasons.append("the triton kernels have no float64 path: use the torch backend for float64")
         lay = state.layout
-        if getattr(lay, "low_bits", 0):
-            reasons.append(f"the state has {lay.coefficients} coefficients (spec/quantization.md); the triton decode kernel reads float or int8 ones only: attend with backend='torch'")
-        quantized = getattr(lay, "key_scale", None) is not None  # int8 coefficients, spec A10
-        sd = dtype_name(lay.key_bases.dtype)
-        if sd not in self.dtypes:
-            reasons.append(f"the state has dtype {sd}; the triton kernels take {', '.join(self.dtypes)} (use the torch backend for float64)")
+        quantized = lay.quantized  # int8 coefficients, spec A10
         coef_fields = ("key_coef", "value_coef", "key_scale", "value_scale")
-        floats = {name: dtype_name(x.dtype) for name, x in lay.arrays().items() if x.is_floating_point() and not (quantized and name in coef_fields)}
+        own_dtype = set(coef_fields) if quantized else set()
+        if lay.basis_format != "native":  # decoded before the launch (spec/storage.md S2)
+            own_dtype |= {"key_bases", "value_bases", "key_basis_scale", "value_basis_scale"}
+        floats = {name: dtype_name(x.dtype) for name, x in lay.arrays().items() if x.is_floating_point() and name not in own_dtype}
         if len(set(floats.values())) > 1:
             reasons.append(f"the state's floating arrays have mixed dtypes {floats}; convert it with one dtype")
         if quantized:
@@ -115,27 +118,8 @@ class TritonBackend:
             want = {"key_coef": "int8", "value_coef": "int8", "key_scale": "float32", "value_scale": "float32"}
             if got != want:
                 reasons.append(f"an int8 state (spec A10) needs int8 coefficients and float32 scales, got {got}")
-        sdev = lay.key_coef.device
-        if sdev.type not in self.devices:
-            if sdev.type == "cpu":
-                reasons.append(f"the state is on the CPU; move it to a CUDA device (state.to('triton', device='cuda')) or set TRITON_INTERPRET=1")
-            else:
-                reasons.append(f"the state is on {sdev}; the triton backend runs on {', '.join(self.devices)}")
-        devices = {x.device for x in lay.arrays().values()}
-        if len(devices) > 1:
-            reasons.append(f"the state's arrays are spread over devices {sorted(map(str, devices))}")
-        if q_ok and q.device != sdev:
-            reasons.append(f"q is on {q.device} but the state is on {sdev}; move one of them")
-        for what, size, limit in (
-            ("key head size d", state.d, MAX_HEAD_SIZE),
-            ("value head size d_v", state.d_v, MAX_HEAD_SIZE),
-            ("key rank r", lay.key_coef.shape[3], MAX_RANK),
-            ("value rank r_v", lay.value_coef.shape[3], MAX_RANK),
-        ):
-            if size > limit:
-                reasons.append(f"{what} is {size}; the triton kernels hold at most {limit} per tile")
-        if q_ok and q.ndim == 3 and state.heads and q.shape[1] % state.heads == 0 and q.shape[1] // state.heads > MAX_GROUP:
-            reasons.append(f"{q.shape[1] // state.heads} query heads per KV head; the triton kernels hold at most {MAX_GROUP}")
+        if lay.key_coef.device.type == "cpu" and "cpu" not in self.devices:
+            reasons.append("the state is on the CPU; move it to a CUDA device (state.to('triton', device='cuda')) or set TRITON_INTERPRET=1")
         for name, x in lay.arrays().items():
             if x.ndim and x.stride(-1) != 1:
                 reasons.append(f"the state's {name} has a non-unit stride in its last dimension; copy the state (state.copy())")

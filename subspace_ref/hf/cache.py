@@ -29,6 +29,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 import subspace_ref
 from subspace_ref.calibration import StaticBasis
+from subspace_ref.capabilities import require, state_reasons
 from subspace_ref.hf import attention as _attn
 from subspace_ref.registry import get_backend
 from subspace_ref.state import SubspaceState
@@ -481,12 +482,7 @@ class SubspaceCache(Cache):
         if held_family != self.family or state.engine != self.backend or (self.family == "torch" and state.layout.key_coef.device != spec.device):
             # appends then run on the chosen backend itself (e.g. triton's projection kernel)
             state = state.to(self.backend, device=spec.device if self.family == "torch" else None)
-        probe = torch.zeros((spec.batch, spec.heads, spec.head_dim), dtype=torch.float64 if state.dtype == np.float64 or str(state.dtype) == "torch.float64" else torch.float32, device=spec.device)
-        if self.family != "torch":
-            probe = probe.cpu().numpy()
-        reasons = get_backend(self.backend).not_supported_reasons(probe, state)
-        if reasons:
-            raise ValueError(f"layer {spec.layer_idx}: backend {self.backend!r} refuses this state: " + "; ".join(reasons))
+        require(state_reasons(self.backend, get_backend(self.backend), state), f"layer {spec.layer_idx}: backend {self.backend!r} refuses this state")
         return state
 
     # -- facts

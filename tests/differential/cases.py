@@ -3,7 +3,7 @@
 Variants (spec/window.md sinks and windows, spec/rope.md pre-RoPE bases, spec/sharing.md query
 groups, spec/sketch_variants.md ring/stride/reuse, int8 coefficients, encoded bases) are fields of
 the same :class:`Case`, so every backend meets them in the same matrix; a backend that lacks one
-must refuse it with a declared reason (:mod:`.harness`, ``DECLARED_GAPS``).
+must refuse it with a reason its declared capabilities give (:func:`.harness.declared_gaps`).
 
 Each case is drawn afresh from its own seed (``crc32(case name)`` xor ``SUBSPACE_DIFF_SEED``,
 default 0), so every case has independent random inputs and a failure is reproduced by
@@ -66,7 +66,7 @@ class Case:
     @property
     def features(self) -> frozenset[str]:
         """The variants this case switches on, by the names backends' refusals are declared with
-        (harness.DECLARED_GAPS)."""
+        (harness.declared_gaps)."""
         on = {"window": self.window or self.min_tokens, "lookahead": self.lookahead, "sinks": self.sinks, "rope": self.rope,
               "query_group": self.share, "ring_warm_start": self.ring_warm_start, "fd_stride": self.fd_stride != 1,
               "reuse_angle": self.reuse_angle is not None, "int8": self.coefficients == "int8", "encoded_bases": self.bases != "native"}

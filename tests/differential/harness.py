@@ -80,37 +80,48 @@ def targets(dtypes: tuple[str, ...] = DTYPES) -> list[Target]:
 
 
 # ----------------------------------------------------------------------------- declared refusals
-#: What each backend declares it lacks, per operation: (backend, operation) -> features (the names
-#: of cases.Case.features). A backend may refuse a case only for a feature listed here, with a
-#: reason naming it (REASON_WORDS); any other refusal, or a reason that does not say which
-#: feature, fails. A backend that gains a feature is compared with the oracle at once (the
-#: listing permits a refusal, it does not demand one).
-DECLARED_GAPS: dict[tuple[str, str], frozenset[str]] = {
-    ("torch", "attend"): frozenset({"rope"}),
-    ("torch", "append"): frozenset({"rope", "lookahead", "ring_warm_start", "fd_stride", "reuse_angle"}),
-    ("triton", "attend"): frozenset({"rope", "window", "sinks"}),
-    ("triton", "append"): frozenset({"rope", "lookahead", "ring_warm_start", "fd_stride", "reuse_angle"}),
-    ("cupy", "attend"): frozenset({"rope", "window", "sinks", "encoded_bases"}),
-    ("cupy", "append"): frozenset({"rope", "lookahead", "ring_warm_start", "fd_stride", "reuse_angle", "encoded_bases"}),
-}
-#: How a reason names a feature (the backends' own wording: spec/window.md W3, spec/rope.md P2, ...).
+def declared_gaps(backend: str, operation: str, features: frozenset[str], case) -> frozenset[str]:
+    """The case's features (cases.Case.features) that ``backend`` declares it lacks for
+    ``operation`` ("attend" or "append"), read from its capabilities (subspace_ref.capabilities):
+    the only features it may refuse the case for. A declared gap permits a refusal, it does not
+    demand one: a backend that gains a feature is compared with the oracle at once."""
+    caps = get_backend(backend).capabilities
+    supported = {
+        "window": caps.window,
+        "sinks": caps.sinks,
+        "rope": caps.rope,
+        "query_group": caps.query_sharing,
+        "int8": case.coefficients in caps.coefficient_formats,
+        "encoded_bases": case.bases in caps.basis_formats,
+    }
+    if operation == "append":
+        supported.update({v: v in caps.sketch_variants for v in ("lookahead", "ring_warm_start", "fd_stride", "reuse_angle")})
+        supported["policy"] = case.kind in caps.append_policies
+    return frozenset(f for f in features | {"policy"} if not supported.get(f, True))
+
+
+#: How a reason names a feature (the composer's wording, subspace_ref.capabilities).
 REASON_WORDS = {
     "window": ("exact window",),
     "sinks": ("sinks",),
     "lookahead": ("lookahead",),
     "rope": ("rope",),
+    "query_group": ("query_group",),
+    "int8": ("int8",),
     "ring_warm_start": ("ring_warm_start",),
     "fd_stride": ("fd_stride",),
     "reuse_angle": ("reuse_angle",),
-    "encoded_bases": ("bases as", "encoded bases"),
+    "encoded_bases": ("bases as",),
+    "policy": ("does not append to",),
 }
 
 
-def declared_refusal(backend: str, operation: str, features: frozenset[str], reasons: list[str]) -> str:
-    """Check that ``backend`` refusing ``operation`` on a case with ``features`` is declared:
-    the backend lists a missing feature the case has, and every reason names one of those.
-    Returns the skip message; AssertionError otherwise."""
-    lacking = DECLARED_GAPS.get((backend, operation), frozenset()) & features
+def declared_refusal(backend: str, operation: str, case, reasons: list[str]) -> str:
+    """Check that ``backend`` refusing ``operation`` on ``case`` is declared: its capabilities
+    lack a feature the case has, and every reason names one of those. Returns the skip
+    message; AssertionError otherwise."""
+    features = case.features
+    lacking = declared_gaps(backend, operation, features, case)
     assert lacking, f"{backend} refuses {operation} on a case with {sorted(features)} but declares none of them missing: {reasons}"
     for reason in reasons:
         assert reason.strip(), f"{backend} gave an empty reason for refusing {operation}"

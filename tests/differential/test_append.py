@@ -76,7 +76,7 @@ def _feed(state, K, V, blocks, convert, case: Case | None = None, target: Target
         except (NotImplementedError, ValueError) as err:
             if target is None:
                 raise
-            message = declared_refusal(target.backend, "append", case.features, [str(err)])
+            message = declared_refusal(target.backend, "append", case, getattr(err, "reasons", [str(err)]))
             assert state.num_tokens == a, f"{target.id} {case}: a refused append changed the state"
             pytest.skip(message)
     return state

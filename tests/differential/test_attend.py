@@ -36,7 +36,7 @@ def _check(target, case: Case, record: bool = True) -> None:
     q = to_backend(b.q, target)
     reasons = get_backend(target.backend).not_supported_reasons(q, state)
     if reasons:  # allowed only for a declared gap of the backend, and then refused by attend itself
-        message = declared_refusal(target.backend, "attend", case.features, reasons)
+        message = declared_refusal(target.backend, "attend", case, reasons)
         with pytest.raises(ValueError, match=re.escape(reasons[0])):
             sr.attend(q, state, backend=target.backend, scale=b.scale)
         pytest.skip(message)

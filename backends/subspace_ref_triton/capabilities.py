@@ -1,0 +1,24 @@
+"""What the triton backend supports (subspace_ref.capabilities), declared apart from its kernels."""
+
+from __future__ import annotations
+
+from subspace_ref.capabilities import Capabilities
+from subspace_ref_triton._common import (
+    MAX_GROUP,
+    MAX_HEAD_SIZE,
+    MAX_RANK,
+    SUPPORTED_DTYPES,
+)
+
+
+def declared(devices: tuple[str, ...]) -> Capabilities:
+    """The declaration on ``devices`` (the CPU only under TRITON_INTERPRET=1). Attend decodes
+    encoded bases before the launch (spec/storage.md S2); appends of adaptive and rotating
+    states run the torch backend's, so no sketch variant; no exact window (spec/window.md W3)
+    and no pre-RoPE state (spec/rope.md P2); the decode kernel reads float or int8 coefficients
+    (int4/int2, spec/quantization.md: attend with backend='torch'); tiles bound the head sizes,
+    ranks and group."""
+    return Capabilities(
+        array_families=("torch",), devices=devices, dtypes=SUPPORTED_DTYPES, coefficient_formats=("float", "int8"),
+        max_head_size=MAX_HEAD_SIZE, max_rank=MAX_RANK, max_query_group=MAX_GROUP,
+    )

@@ -46,7 +46,7 @@ class Capabilities:
 
     ``array_families``: the array types it reads, the first being what ``state.to(backend)``
     converts to. ``dtypes``: floating dtypes of the state and the query. ``window``: exact windows
-    (spec/window.md W3); ``rope``: pre-RoPE states (spec/rope.md P2); ``query_sharing``: per-query
+    (spec/window.md W3); ``sinks``: exact attention sinks (W7-W8); ``rope``: pre-RoPE states (spec/rope.md P2); ``query_sharing``: per-query
     -head states (spec/sharing.md A3); ``append_policies``: the policies it appends for (spec
     A6-A8); ``sketch_variants``: the options of :data:`SKETCH_VARIANTS` its append implements.
     ``max_*``: size limits (None: none) on the head sizes d and d_v, the ranks, and query heads
@@ -59,6 +59,7 @@ class Capabilities:
     coefficient_formats: tuple[str, ...] = COEFFICIENT_FORMATS
     basis_formats: tuple[str, ...] = BASIS_FORMATS
     window: bool = False
+    sinks: bool = False
     rope: bool = False
     query_sharing: bool = True
     append_policies: tuple[str, ...] = POLICIES
@@ -114,7 +115,8 @@ def features(state) -> dict[str, Any]:
         "dtype": _name(lay.dtype),
         "coefficients": lay.coefficients,
         "bases": lay.basis_format,
-        "window": state.window is not None,
+        "window": state.window is not None and bool(state.window.size or state.window.min_tokens),
+        "sinks": 0 if state.window is None else state.window.sinks,
         "rope": getattr(policy, "rope", None) is not None,
         "query_group": getattr(policy, "query_group", None) or 1,
         "policy": policy.kind,
@@ -152,6 +154,8 @@ def _attend_state_reasons(backend: str, caps: Capabilities, f: dict[str, Any], s
     out = _state_reasons(backend, caps, f)
     if f["window"] and not caps.window:
         out.append(f"the state keeps an exact window (window={state.window.size}, min_tokens={state.window.min_tokens}); the {backend} backend does not merge exact tokens: use the torch or numpy backend")
+    if f["sinks"] and not caps.sinks:
+        out.append(f"the state keeps exact attention sinks (sinks={f['sinks']}, spec/window.md W7); the {backend} backend does not merge exact tokens: use the torch or numpy backend")
     return out
 
 

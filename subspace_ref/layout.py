@@ -70,6 +70,8 @@ STATE_ARRAYS = (
     StateArray("key_tail", "layout", "key_tail", FIXED, "state"),  # (N, H, G, r): the unfinished key group, in float
     StateArray("value_token_scale", "layout", "value_token_scale", TOKEN, "own"),  # (N, H, T_cap) float16
     StateArray("value_token_zero", "layout", "value_token_zero", TOKEN, "own"),
+    StateArray("sink_keys", "window", "sink_keys", FIXED, "state"),  # (N, H, s, d) attention sinks (spec/window.md W7)
+    StateArray("sink_values", "window", "sink_values", FIXED, "state"),  # (N, H, s, d_v)
 )
 BY_NAME = {a.name: a for a in STATE_ARRAYS}
 

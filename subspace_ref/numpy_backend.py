@@ -347,7 +347,7 @@ class NumpyBackend:
     array_family = "numpy"
     capabilities = Capabilities(
         array_families=("numpy",), devices=("cpu",), dtypes=("float16", "float32", "float64"),
-        window=True, rope=True, sketch_variants=SKETCH_VARIANTS,
+        window=True, sinks=True, rope=True, sketch_variants=SKETCH_VARIANTS,
     )
     devices = capabilities.devices
     dtypes = capabilities.dtypes

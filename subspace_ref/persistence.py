@@ -31,7 +31,7 @@ from subspace_ref.policies import AdaptivePolicy, RotatingPolicy, StaticPolicy
 from subspace_ref.policies._online import sketch_size, warmup_length
 from subspace_ref.policies.adaptive import sketch_options, trigger_order
 from subspace_ref.quantization import LOW_BITS, packed_width
-from subspace_ref.window import ExactWindow, compressed_count, options
+from subspace_ref.window import ExactWindow, after_sinks_threshold, compressed_count, options, sink_option
 
 FORMAT_NAME = "subspace_ref.state"
 FORMAT_VERSION = 1
@@ -49,6 +49,7 @@ SCALE_TENSORS = ("key_scale", "value_scale")
 SKETCH_TENSORS = ("sketch_keys", "sketch_values")
 BASIS_SCALE_TENSORS = ("key_basis_scale", "value_basis_scale")  # int8 bases only (version 2)
 WINDOW_TENSORS = ("window_keys", "window_values")  # exact window only (version 2)
+SINK_TENSORS = ("sink_keys", "sink_values")  # attention sinks only (version 2, spec/window.md W7)
 #: Arrays of the state enumeration (subspace_ref.layout.STATE_ARRAYS) that no file holds, and why.
 UNSAVED = {"ring_keys": "ring_warm_start > 0 (spec/sketch_variants.md S1.6)", "ring_values": "ring_warm_start > 0 (spec/sketch_variants.md S1.6)"}
 #: Tensor names in file and checksum order: the state enumeration's order.
@@ -237,6 +238,8 @@ def _state_header(state, dtype_name: str) -> dict[str, Any]:
         extra["group"] = int(lay.group)
     if getattr(state, "window", None) is not None:  # version 2 only
         extra["window"] = {"size": state.window.size, "min_tokens": state.window.min_tokens, "lookahead": state.window.lookahead}
+        if state.window.sinks:  # written only when there are sinks: older windowed files stay byte for byte
+            extra["window"]["sinks"] = state.window.sinks
     return extra | {
         "kind": policy.kind,
         "policy": fields,
@@ -456,7 +459,7 @@ def _build_state(header: Any, tensors: dict[str, np.ndarray], path):
     online = policy.kind != "static"
     win = _window_options(header.get("window", None), policy.kind, path)
     expected_names = LAYOUT_TENSORS + (SCALE_TENSORS if coefficients == "int8" else ()) + (SKETCH_TENSORS if online else ())
-    expected_names += (BASIS_SCALE_TENSORS if basis_format == "int8" else ()) + (WINDOW_TENSORS if win else ())
+    expected_names += (BASIS_SCALE_TENSORS if basis_format == "int8" else ()) + (WINDOW_TENSORS if win else ()) + (SINK_TENSORS if win and win[3] else ())
     bits, G = LOW_BITS.get(coefficients, 0), header.get("group", 0)
     if bits:
         expected_names += LOW_BIT_TENSORS
@@ -516,6 +519,10 @@ def _build_state(header: Any, tensors: dict[str, np.ndarray], path):
         e = arrays["window_keys"].shape[2] if arrays["window_keys"].ndim == 4 else -1
         shapes["window_keys"] = (N, H, e, d)
         shapes["window_values"] = (N, H, e, d_v)
+    if win and win[3]:
+        s = arrays["sink_keys"].shape[2] if arrays["sink_keys"].ndim == 4 else -1
+        shapes["sink_keys"] = (N, H, s, d)
+        shapes["sink_values"] = (N, H, s, d_v)
     for name, shape in shapes.items():
         if tuple(arrays[name].shape) != shape:
             _fail(path, f"{name} has shape {tuple(arrays[name].shape)}; expected {shape} (num_tokens = {T}, {J} chunks, ranks {r}/{r_v}, d = {d}, d_v = {d_v})")
@@ -572,9 +579,14 @@ def _build_state(header: Any, tensors: dict[str, np.ndarray], path):
     exact = None
     if win:
         e = arrays["window_keys"].shape[2]
-        if compressed_count(T + e, win[0], win[1]) != T:
-            _fail(path, f"num_tokens = {T} compressed and {e} exact tokens do not fit window = {win[0]}, min_tokens = {win[1]} (spec/window.md W1)")
-        exact = ExactWindow(*win, arrays["window_keys"], arrays["window_values"])
+        size, min_tokens, lookahead, sinks = win
+        s = arrays["sink_keys"].shape[2] if sinks else 0
+        if s > sinks or (s < sinks and T + e > 0):
+            _fail(path, f"{s} sink tokens for sinks = {sinks}: the first {sinks} tokens fill the sinks before any other is kept (spec/window.md W7)")
+        if compressed_count(T + e, size, after_sinks_threshold(min_tokens, sinks)) != T:
+            _fail(path, f"num_tokens = {T} compressed and {e} exact tokens do not fit window = {size}, min_tokens = {min_tokens}, sinks = {sinks} (spec/window.md W1, W7)")
+        sink_arrays = (arrays["sink_keys"], arrays["sink_values"]) if sinks else (None, None)
+        exact = ExactWindow(size, min_tokens, lookahead, arrays["window_keys"], arrays["window_values"], sinks, *sink_arrays)
 
     names = LAYOUT_TENSORS + SCALE_TENSORS + BASIS_SCALE_TENSORS + LOW_BIT_TENSORS
     low_bit = dict(low_bits=bits, group=G) if bits else {}
@@ -582,19 +594,23 @@ def _build_state(header: Any, tensors: dict[str, np.ndarray], path):
     return policy, layout, sketches, batched, "numpy", exact
 
 
-def _window_options(win: Any, kind: str, path) -> tuple[int, int, int] | None:
-    """(window, min_tokens, lookahead) from the header's ``window`` object (spec/window.md W1),
-    checked by the constructors' own rules; None when the state has no exact window."""
+def _window_options(win: Any, kind: str, path) -> tuple[int, int, int, int] | None:
+    """(window, min_tokens, lookahead, sinks) from the header's ``window`` object (spec/window.md
+    W1, W7; ``sinks`` absent means 0), checked by the constructors' own rules; None when the
+    state has no exact tokens."""
     if win is None:
         return None
-    if not isinstance(win, dict) or set(win) != {"size", "min_tokens", "lookahead"} or not all(type(v) is int for v in win.values()):
-        _fail(path, f"window must hold int size, min_tokens, lookahead; got {win!r}")
+    keys = {"size", "min_tokens", "lookahead"}
+    if not isinstance(win, dict) or set(win) - {"sinks"} != keys or not all(type(v) is int for v in win.values()):
+        _fail(path, f"window must hold int size, min_tokens, lookahead (and sinks > 0 when there are sinks); got {win!r}")
     try:
-        out = options(win["size"], win["min_tokens"], win["lookahead"], kind)
+        out = options(win["size"], win["min_tokens"], win["lookahead"], kind) + (sink_option(win.get("sinks", 0)),)
     except (TypeError, ValueError) as err:
         _fail(path, f"invalid window: {err}")
-    if out[:2] == (0, 0):
-        _fail(path, "window has size = min_tokens = 0; such a state has no exact window and is saved without one")
+    if "sinks" in win and out[3] == 0:
+        _fail(path, "window has sinks = 0; a state without sinks is saved without the key")
+    if out[:2] == (0, 0) and out[3] == 0:
+        _fail(path, "window has size = min_tokens = 0 and no sinks; such a state has no exact window and is saved without one")
     return out
 
 

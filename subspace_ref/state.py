@@ -47,7 +47,8 @@ class SubspaceState:
     # ----------------------------------------------------------------- construction
     @classmethod
     def static(cls, basis: StaticBasis, *, batch: int | None = None, dtype: Any = None, coefficients: str = "float", rope: Any = None,
-               bases: str = "native", window: int = 0, min_tokens: int = 0, query_group: int = 1, group_size: int = DEFAULT_GROUP) -> "SubspaceState":
+               bases: str = "native", window: int = 0, min_tokens: int = 0, query_group: int = 1, group_size: int = DEFAULT_GROUP,
+               sinks: int = 0) -> "SubspaceState":
         """A state over a calibrated basis (spec A6): one chunk per head, nothing else kept.
 
         ``coefficients="int8"`` stores coefficients as int8 with one float32 scale per token and
@@ -70,7 +71,8 @@ class SubspaceState:
         fewer than M tokens (seed 003 "Limitations": short sequences); tokens leaving the exact
         part are appended to the compressed part in order, and attention merges both in one
         blockwise softmax (spec/window.md W1-W3; the same keywords on :meth:`adaptive` and
-        :meth:`rotating`). W = M = 0 is the plain state.
+        :meth:`rotating`). W = M = 0 is the plain state. ``sinks=S`` also keeps the first S tokens
+        exact (attention sinks, StreamingLLM), merged in the same softmax (spec/window.md W7-W9).
 
         ``query_group=g`` (spec/sharing.md A3, seed 001 §11): ``basis`` has one head per QUERY
         head (H_q = g H, e.g. from :func:`subspace_ref.sharing.calibrate_query_heads`); appends
@@ -87,6 +89,7 @@ class SubspaceState:
                 raise TypeError(f"rope must be a subspace_ref.rope.RopeParams (e.g. RopeParams.from_config(model.config)) or None, got {type(rope).__name__}")
             rope.planes(basis.B.shape[2])  # ValueError unless its rotary dims fit the head size
         W, M, _ = _window.options(window, min_tokens, 0, "static")
+        S = _window.sink_option(sinks, rope)
         dtype = _checks.numpy_float_dtype("dtype", basis.B.dtype if dtype is None else dtype)
         n = _batch_size(batch)
         H, r, d = basis.B.shape
@@ -100,7 +103,7 @@ class SubspaceState:
         layout.store_basis("value", every, np.broadcast_to(basis.E.astype(dtype), (n, H, r_v, d_v)))
         layout.gamma[:] = basis.gamma
         layout.num_chunks[:] = 1
-        exact = _window.empty(W, M, 0, n, H, d, d_v, dtype)
+        exact = _window.empty(W, M, 0, n, H, d, d_v, dtype, S)
         policy = StaticPolicy(basis.rank_k, basis.rank_v, rope, None if query_group == 1 else query_group)
         return cls(policy, layout, None, batch is not None, "numpy", exact)
 
@@ -133,6 +136,7 @@ class SubspaceState:
         fd_stride: int = 1,
         reuse_angle: float | None = None,
         trigger: str = "reproject",
+        sinks: int = 0,
     ) -> "SubspaceState":
         """Online bases from FD sketches with residual-triggered chunking (spec A7, seed 001 §5).
 
@@ -154,6 +158,7 @@ class SubspaceState:
         its bases from the sketches after also inserting, in copies, the next L_h tokens, which
         are still exact in the window (spec/window.md W4; one extra FD insertion of L_h rows per
         trigger). 0 is the streaming default. Appends with lookahead run on the numpy backend.
+        ``sinks``: the first S tokens kept exact, as in :meth:`static` (spec/window.md W7).
 
         Online-sketch variants (spec/sketch_variants.md; neutral defaults give the plain state):
         ``ring_warm_start=W`` keeps the last W sketch rows per head in ring buffers (W (d + d_v)
@@ -168,6 +173,7 @@ class SubspaceState:
         combine (the ring replaces the sketches that lookahead would extend).
         """
         window, min_tokens, lookahead = _window.options(window, min_tokens, lookahead, "adaptive")
+        sinks = _window.sink_option(sinks)
         heads, d, d_v, rk, rv, ek, ev, w = _online_args(heads, d, d_v, rank_k, rank_v, ell_k, ell_v, warmup)
         ring, stride, reuse = sketch_options(ring_warm_start, fd_stride, reuse_angle, bool(sketch_reset))
         if ring and lookahead:
@@ -184,7 +190,7 @@ class SubspaceState:
             reuse,
             trigger_order(trigger),
         )
-        return cls._online(policy, heads, d, d_v, gamma, batch, dtype, coefficients, bases, (window, min_tokens, lookahead), group_size)
+        return cls._online(policy, heads, d, d_v, gamma, batch, dtype, coefficients, bases, (window, min_tokens, lookahead, sinks), group_size)
 
     @classmethod
     def rotating(
@@ -207,19 +213,22 @@ class SubspaceState:
         group_size: int = DEFAULT_GROUP,
         window: int = 0,
         min_tokens: int = 0,
+        sinks: int = 0,
     ) -> "SubspaceState":
         """One basis per head, refreshed from FD every ``refresh_every`` tokens with the stored
         coefficients rotated by the r x r change of basis (spec A8, seed 003 SubSpace-A).
         ``bases``: as in :meth:`adaptive`; the change of basis is taken between the decoded
         stored bases (spec/storage.md S3). ``window``, ``min_tokens``: as in :meth:`static`
-        (spec/window.md W1-W3); refreshes see (and rotate) only the tokens that have left the window."""
+        (spec/window.md W1-W3); refreshes see (and rotate) only the tokens that have left the window.
+        ``sinks``: as in :meth:`static` (spec/window.md W7)."""
         window, min_tokens, _ = _window.options(window, min_tokens, 0, "rotating")
+        sinks = _window.sink_option(sinks)
         heads, d, d_v, rk, rv, ek, ev, w = _online_args(heads, d, d_v, rank_k, rank_v, ell_k, ell_v, warmup)
         policy = RotatingPolicy(rk, rv, ek, ev, _checks.positive_int("refresh_every", refresh_every), w)
-        return cls._online(policy, heads, d, d_v, gamma, batch, dtype, coefficients, bases, (window, min_tokens, 0), group_size)
+        return cls._online(policy, heads, d, d_v, gamma, batch, dtype, coefficients, bases, (window, min_tokens, 0, sinks), group_size)
 
     @classmethod
-    def _online(cls, policy, heads, d, d_v, gamma, batch, dtype, coefficients, bases="native", exact=(0, 0, 0), group_size=None) -> "SubspaceState":
+    def _online(cls, policy, heads, d, d_v, gamma, batch, dtype, coefficients, bases="native", exact=(0, 0, 0, 0), group_size=None) -> "SubspaceState":
         if np.dtype(dtype) not in (np.float32, np.float64):
             raise TypeError(f"dtype must be float32 or float64 for an online NumPy state (its SVDs need them), got {dtype!r}; convert with state.to(...) for half precision")
         dtype = np.dtype(dtype)
@@ -240,7 +249,7 @@ class SubspaceState:
             ring_keys=np.zeros((n, heads, ring, d), dtype=dtype) if ring else None,
             ring_values=np.zeros((n, heads, ring, d_v), dtype=dtype) if ring else None,
         )
-        return cls(policy, layout, sketches, batch is not None, "numpy", _window.empty(*exact, n, heads, d, d_v, dtype))
+        return cls(policy, layout, sketches, batch is not None, "numpy", _window.empty(*exact[:3], n, heads, d, d_v, dtype, sinks=exact[3]))
 
     # ----------------------------------------------------------------- shape facts
     @property
@@ -332,7 +341,7 @@ class SubspaceState:
 
     def reconstruct(self) -> tuple[np.ndarray, np.ndarray]:
         """(K_hat, V_hat) the state stands for: each token's coefficients mapped through its
-        chunk's bases, then the exact window tokens (spec/window.md W1). (H, T, d) and
+        chunk's bases, between the sink and the recent exact tokens (spec/window.md W1, W7). (H, T, d) and
         (H, T, d_v), with a leading N for batched states; NumPy."""
         lay = self.layout.map_arrays(lambda _, x: to_numpy(x))
         n, h = lay.key_coef.shape[:2]
@@ -344,9 +353,11 @@ class SubspaceState:
                 for j, (a, b) in enumerate(self.chunk_bounds(head, s)):
                     K[s, head, a:b] = lay.coefficient_rows("key", s, head, a, b, dtype) @ lay.basis("key", (s, head, j), dtype)
                     V[s, head, a:b] = lay.coefficient_rows("value", s, head, a, b, dtype) @ lay.basis("value", (s, head, j), dtype)
-        if self.window is not None:
-            K = np.concatenate([K, to_numpy(self.window.keys).astype(dtype)], axis=2)
-            V = np.concatenate([V, to_numpy(self.window.values).astype(dtype)], axis=2)
+        if self.window is not None:  # sinks first, then the compressed tokens, then the recent ones
+            win = self.window
+            sink_k, sink_v = (win.sink_keys, win.sink_values) if win.sink_keys is not None else (K[:, :, :0], V[:, :, :0])
+            K = np.concatenate([to_numpy(sink_k).astype(dtype), K, to_numpy(win.keys).astype(dtype)], axis=2)
+            V = np.concatenate([to_numpy(sink_v).astype(dtype), V, to_numpy(win.values).astype(dtype)], axis=2)
         return (K, V) if self.batched else (K[0], V[0])
 
     def save(self, path) -> None:

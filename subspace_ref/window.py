@@ -1,13 +1,17 @@
-"""A full-precision recent window, a length threshold and small-lookahead anchoring (spec/window.md).
+"""Exact attention sinks, a full-precision recent window, a length threshold and small-lookahead
+anchoring (spec/window.md).
 
 A state built with ``window=W`` (and/or ``min_tokens=M``) holds its tokens in two parts that
 partition [0, T): the compressed part, tokens [0, T_c) in the policy's packed layout (spec A9),
 and the exact part, tokens [T_c, T) kept as keys and values in the state's dtype, where
-``T_c = 0`` while T < M and ``T_c = max(T - W, 0)`` after (spec/window.md W1). Attention treats
-the exact part as one more chunk of spec A3 with identity bases and gamma = 1 (W3).
+``T_c = 0`` while T < M and ``T_c = max(T - W, 0)`` after (spec/window.md W1). With ``sinks=S``
+the first S tokens are kept exact as well, and the compressed part and the recent window split
+the tokens after them as a window state with threshold max(M - S, 0) would (W7). Attention
+treats each exact part as one more chunk of spec A3 with identity bases and gamma = 1 (W3, W8).
 
-This module holds the exact part (:class:`ExactWindow`), the append that moves tokens from it to
-the compressed part (W2), the oracle's exact chunk (W3) and the lookahead snapshot (W4). It
+This module holds the exact parts (:class:`ExactWindow`), the append that moves tokens from the
+window to the compressed part (W2, W7), the oracle's exact chunks (W3) and the lookahead
+snapshot (W4). It
 imports no accelerator library: torch arrays are recognised by type, as in
 :mod:`subspace_ref.arrays`.
 """
@@ -21,40 +25,43 @@ import numpy as np
 
 from subspace_ref import _checks
 from subspace_ref import frequent_directions as fd
-from subspace_ref.arrays import array_family, clone, itemsize, namespace, numel
+from subspace_ref.arrays import array_family, clone, namespace
 
 
 @dataclass
 class ExactWindow:
-    """The exact part of a windowed state (spec/window.md W1): hyper-parameters ``size`` (W),
-    ``min_tokens`` (M), ``lookahead`` (L_h, adaptive states only) and the exact tokens
-    ``keys`` (N, H, e, d), ``values`` (N, H, e, d_v) with e = T - T_c, oldest first.
+    """The exact parts of a windowed state (spec/window.md W1, W7): hyper-parameters ``size``
+    (W), ``min_tokens`` (M), ``lookahead`` (L_h, adaptive states only), ``sinks`` (S); the
+    recent exact tokens ``keys`` (N, H, e, d), ``values`` (N, H, e, d_v), oldest first; and,
+    when S > 0, the sink tokens ``sink_keys`` (N, H, s, d), ``sink_values`` (N, H, s, d_v),
+    s = min(T, S) (None when S = 0).
 
-    The arrays hold exactly the e live tokens (no spare capacity), so copies, conversions and
-    saved files take them whole."""
+    The arrays hold exactly the live tokens (no spare capacity), so copies, conversions, byte
+    counts and saved files take them whole (they are in :data:`subspace_ref.layout.STATE_ARRAYS`)."""
 
     size: int
     min_tokens: int
     lookahead: int
     keys: Any
     values: Any
+    sinks: int = 0
+    sink_keys: Any = None
+    sink_values: Any = None
 
     @property
-    def count(self) -> int:
-        """e, the number of exact tokens."""
+    def recent(self) -> int:
+        """e, the number of recent exact tokens (after the compressed part)."""
         return self.keys.shape[2]
 
     @property
-    def nbytes(self) -> int:
-        """Bytes of the exact tokens: N H e (d + d_v) itemsize (spec/window.md W5)."""
-        return (numel(self.keys) + numel(self.values)) * itemsize(self.keys)
+    def sink_count(self) -> int:
+        """s = min(T, S), the number of sink tokens held."""
+        return 0 if self.sink_keys is None else self.sink_keys.shape[2]
 
-    def arrays(self) -> dict[str, Any]:
-        return {"window_keys": self.keys, "window_values": self.values}
-
-    def map_arrays(self, fn) -> "ExactWindow":
-        """A window with ``fn`` applied to both arrays (copies, conversions)."""
-        return replace(self, keys=fn(self.keys), values=fn(self.values))
+    @property
+    def count(self) -> int:
+        """s + e, every exact token."""
+        return self.recent + self.sink_count
 
 
 def options(window: Any, min_tokens: Any, lookahead: Any, kind: str) -> tuple[int, int, int]:
@@ -74,16 +81,36 @@ def options(window: Any, min_tokens: Any, lookahead: Any, kind: str) -> tuple[in
     return W, M, L
 
 
-def empty(window: int, min_tokens: int, lookahead: int, n: int, heads: int, d: int, d_v: int, dtype) -> ExactWindow | None:
-    """The exact part of an empty state, or None when W = M = 0: the plain state, unchanged."""
-    if window == 0 and min_tokens == 0:
+def sink_option(sinks: Any, rope: Any = None) -> int:
+    """The checked S of spec/window.md W7: a non-negative int. Sinks shift the compressed
+    tokens' positions by S, which the pre-RoPE path (spec/rope.md P2-P3) does not model yet,
+    so the two are refused together."""
+    S = _checks.integer("sinks", sinks)
+    if S < 0:
+        raise ValueError(f"sinks must be >= 0, got {S}")
+    if S and rope is not None:
+        raise ValueError(f"sinks={S} cannot be combined with rope (pre-RoPE bases): the compressed tokens' positions would start at S; use sinks=0")
+    return S
+
+
+def empty(window: int, min_tokens: int, lookahead: int, n: int, heads: int, d: int, d_v: int, dtype, sinks: int = 0) -> ExactWindow | None:
+    """The exact part of an empty state, or None when W = M = S = 0: the plain state, unchanged."""
+    if window == 0 and min_tokens == 0 and sinks == 0:
         return None
-    return ExactWindow(window, min_tokens, lookahead, np.zeros((n, heads, 0, d), dtype=dtype), np.zeros((n, heads, 0, d_v), dtype=dtype))
+    zeros = lambda dim: np.zeros((n, heads, 0, dim), dtype=dtype)  # noqa: E731
+    sink_arrays = (zeros(d), zeros(d_v)) if sinks else (None, None)
+    return ExactWindow(window, min_tokens, lookahead, zeros(d), zeros(d_v), sinks, *sink_arrays)
 
 
 def compressed_count(T: int, window: int, min_tokens: int) -> int:
     """T_c of spec/window.md W1: 0 while T < M, else max(T - W, 0). Non-decreasing in T (W1.1)."""
     return 0 if T < min_tokens else max(T - window, 0)
+
+
+def after_sinks_threshold(min_tokens: int, sinks: int) -> int:
+    """The length threshold of the token stream after the sinks (spec/window.md W7): the whole
+    state holds T = S + T', so T >= M iff T' >= M - S."""
+    return max(min_tokens - sinks, 0)
 
 
 def _concat(a: Any, b: Any) -> Any:
@@ -102,10 +129,19 @@ def append(state, keys: Any, values: Any, compress) -> None:
     at its end) and the exact part replaced after, so a failure anywhere leaves the state as it
     was."""
     win = state.window
+    if win.sink_count < win.sinks:
+        # spec/window.md W7: the first S tokens of the stream fill the sinks, the rest follow W2
+        take = min(win.sinks - win.sink_count, keys.shape[2])
+        sink_keys, sink_values = _concat(win.sink_keys, keys[:, :, :take]), _concat(win.sink_values, values[:, :, :take])
+        keys, values = keys[:, :, take:], values[:, :, take:]
+        if keys.shape[2] == 0:  # nothing else to do, nothing else can fail
+            state.window = replace(win, sink_keys=clone(sink_keys), sink_values=clone(sink_values))
+            return
+        win = replace(win, sink_keys=sink_keys, sink_values=sink_values)  # committed at step 4
     T_c = state.layout.num_tokens
-    # step 1: the new compressed count
-    T_new = T_c + win.count + keys.shape[2]
-    moved = compressed_count(T_new, win.size, win.min_tokens) - T_c
+    # step 1: the new compressed count, of the stream after the sinks (W7)
+    T_new = T_c + win.recent + keys.shape[2]
+    moved = compressed_count(T_new, win.size, after_sinks_threshold(win.min_tokens, win.sinks)) - T_c
     # step 2: the exact tokens followed by the new ones cover [T_c, T_new), in order
     all_k, all_v = _concat(win.keys, keys), _concat(win.values, values)
     if moved > 0:
@@ -115,16 +151,21 @@ def append(state, keys: Any, values: Any, compress) -> None:
         ahead = (all_k[:, :, after], all_v[:, :, after]) if win.lookahead else None
         compress(state, all_k[:, :, :moved], all_v[:, :, :moved], ahead)
     # step 4: the rest is the exact part (copies: the state never holds views of the caller's arrays)
-    state.window = replace(win, keys=clone(all_k[:, :, max(moved, 0) :]), values=clone(all_v[:, :, max(moved, 0) :]))
+    sinks = {} if win.sink_keys is None else {"sink_keys": clone(win.sink_keys), "sink_values": clone(win.sink_values)}
+    state.window = replace(win, keys=clone(all_k[:, :, max(moved, 0) :]), values=clone(all_v[:, :, max(moved, 0) :]), **sinks)
 
 
 def add_exact_chunk(partial, qv: np.ndarray, win: ExactWindow, n: int, h: int, scale: float, work) -> None:
-    """Spec/window.md W3 in the oracle: the exact tokens of (sequence n, head h) enter the
-    blockwise softmax of spec A3 as one more chunk with B = I, E = I and gamma = 1: logits
-    scale * K q, values V (``(w V) I = w V`` exactly, so no identity product is formed)."""
-    K = np.asarray(win.keys[n, h]).astype(work)
-    V = np.asarray(win.values[n, h]).astype(work)
-    partial.add_chunk(work.type(scale) * (K @ qv), V, np.eye(V.shape[1], dtype=work))
+    """Spec/window.md W3 and W8 in the oracle: the recent exact tokens of (sequence n, head h),
+    and the sink tokens, each enter the blockwise softmax of spec A3 as one more chunk with
+    B = I, E = I and gamma = 1: logits scale * K q, values V (``(w V) I = w V`` exactly, so no
+    identity product is formed)."""
+    for keys, values in ((win.sink_keys, win.sink_values), (win.keys, win.values)):
+        if keys is None or keys.shape[2] == 0:
+            continue
+        K = np.asarray(keys[n, h]).astype(work)
+        V = np.asarray(values[n, h]).astype(work)
+        partial.add_chunk(work.type(scale) * (K @ qv), V, np.eye(V.shape[1], dtype=work))
 
 
 def lookahead_stream(keys: Any, values: Any, ahead: tuple | None) -> tuple | None:

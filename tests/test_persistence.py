@@ -413,11 +413,11 @@ def test_every_flipped_byte_is_detected(tmp_path, saved):
 
 
 def test_a_flipped_byte_in_any_tensor_fails_the_checksum(tmp_path):
-    """Every tensor of a version 2 file (window, int8 bases and coefficients with their scales,
+    """Every tensor of a version 2 file (window, sinks, int8 bases and coefficients with their scales,
     sketches) is under the checksum: a flipped byte anywhere in any of them is refused as a
     checksum mismatch, before any consistency check could happen to catch it."""
     rng = np.random.default_rng(12)
-    state = make_state("adaptive", rng, tokens=14, coefficients="int8", bases="int8", window=3)
+    state = make_state("adaptive", rng, tokens=14, coefficients="int8", bases="int8", window=3, sinks=2)
     path = tmp_path / "v2"
     state.save(path)
     data = path.read_bytes()

@@ -39,6 +39,7 @@ def variant_states(draw):
         bases=draw(st.sampled_from(["native", "float16", "float8_e4m3", "int8"])),
         window=draw(st.sampled_from([0, 3])),
         min_tokens=draw(st.sampled_from([0, 5])),
+        sinks=draw(st.sampled_from([0, 2])),
     )
     if kind == "static":
         g = draw(st.sampled_from([1, 2]))

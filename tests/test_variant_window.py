@@ -1,13 +1,15 @@
-"""spec/window.md: an exact recent window, a length threshold and lookahead anchoring.
+"""spec/window.md: an exact recent window, a length threshold, lookahead anchoring and sinks.
 
-Statements W6.1-W6.9 are cited per test."""
+Statements W6.1-W6.9 and W7-W9 are cited per test."""
 
 import numpy as np
 import pytest
 
 import subspace_ref as sr
 from subspace_ref import numpy_backend
+from subspace_ref.arrays import to_numpy
 from subspace_ref.exact import exact_attention
+from subspace_ref.layout import live_arrays
 from subspace_ref.window import compressed_count
 
 from conftest import low_rank_stream
@@ -31,12 +33,10 @@ def make(kind, K, V, **kw):
 
 def snapshot(state):
     """Everything a state holds, copied (layout live ranges, sketches, exact part)."""
-    out = {name: np.array(x) for name, x in state.layout.live_arrays().items()}
+    out = {name: to_numpy(x).copy() for name, x in live_arrays(state).items()}
     out["num_tokens"] = np.array(state.num_tokens)
     if state.sketches is not None:
-        out.update(sk=np.array(state.sketches.keys), sv=np.array(state.sketches.values), f=np.array([state.sketches.filled_k, state.sketches.filled_v]))
-    if state.window is not None:
-        out.update(wk=np.array(state.window.keys), wv=np.array(state.window.values))
+        out["f"] = np.array([state.sketches.filled_k, state.sketches.filled_v])
     return out
 
 
@@ -427,3 +427,196 @@ def test_rows_run_on_the_tiny_profile(tiny_calibration):
     assert ahead.backend == "numpy"
     out = ppl.score(ctx.model, ids, ahead.factory, backend=ahead.backend)
     assert np.isfinite(out["nll"]).all()
+
+
+# --------------------------------------------------------------------------- long prefill (issue 17 item 5)
+@pytest.mark.parametrize("kind,kw", [("static", dict(window=16, min_tokens=40)), ("rotating", dict(window=16)),
+                                     ("static", dict(window=16, sinks=4)), ("rotating", dict(window=9, min_tokens=30, sinks=3))])
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_long_prefill_in_blocks_equals_token_by_token_bit_for_bit(rng, kind, kw, backend):
+    """W2.1 for a prefill: one append of 300 tokens moves the 284 leaving the window to the
+    compressed part in ONE call of the policy's append (no per-token loop), and gives exactly,
+    bit for bit in float64, the state that 300 single-token appends give. One exception: torch's
+    static projection is one matmul whose BLAS kernel differs between a 1-row and an n-row
+    product, so there the coefficients agree to a few ulps, not bit for bit."""
+    if backend == "torch":
+        pytest.importorskip("torch")
+    K, V = stream(rng, 300)
+    empty = make(kind, K, V, **kw)
+    if backend == "torch":
+        import torch
+
+        empty, K, V = empty.to("torch"), torch.from_numpy(K), torch.from_numpy(V)
+    one, block = empty.copy(), empty.copy()
+    for t in range(300):
+        one.append(K[:, t], V[:, t])
+    calls = []
+    impl = sr.registry.get_backend(backend)
+    original = type(impl).append
+
+    def counted(self, state, keys, values):
+        calls.append(keys.shape[2])
+        return original(self, state, keys, values)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(impl), "append", counted)
+        block.append(K, V)
+    assert len(calls) == 1 and calls[0] == block.layout.num_tokens, calls
+    a, b = snapshot(one), snapshot(block)
+    assert a.keys() == b.keys()
+    for name in a:
+        if backend == "torch" and kind == "static" and name.endswith("_coef"):
+            np.testing.assert_allclose(a[name], b[name], rtol=0, atol=8 * np.finfo(np.float64).eps * np.abs(b[name]).max(), err_msg=name)
+        else:
+            np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+# --------------------------------------------------------------------------- attention sinks (W7-W9)
+def sink_split(T, S, W, M):
+    """(sinks, compressed, recent) token counts of W7, by its definition."""
+    s = min(T, S)
+    c = compressed_count(T - s, W, max(M - S, 0))
+    return s, c, T - s - c
+
+
+@pytest.mark.parametrize("kind", ["static", "adaptive", "rotating"])
+@pytest.mark.parametrize("S,W,M", [(3, 5, 0), (4, 0, 0), (6, 4, 20), (50, 2, 0)])
+def test_sinks_split_and_attention_is_exact_over_sinks_projection_and_window(rng, kind, S, W, M):
+    """W7: the first S tokens stay exact (bit for bit), the rest splits as W1 with M - S; W8.1:
+    attention equals A1 over [sinks ; reconstructed compressed tokens ; recent window], with
+    the compressed logits scaled by gamma; W9: bytes by hand."""
+    T = 40
+    K, V = stream(rng, T)
+    state = make(kind, K, V, sinks=S, window=W, min_tokens=M)
+    state.append(K[:, :7], V[:, :7]).append(K[:, 7:], V[:, 7:])
+    s, c, e = sink_split(T, S, W, M)
+    assert (state.window.sink_count, state.layout.num_tokens, state.window.recent, state.num_tokens) == (s, c, e, T)
+    np.testing.assert_array_equal(state.window.sink_keys[0], K[:, :s])  # stored batched, N = 1
+    np.testing.assert_array_equal(state.window.sink_values[0], V[:, :s])
+    np.testing.assert_array_equal(state.window.keys[0], K[:, T - e :])
+    K_hat, V_hat = state.reconstruct()
+    np.testing.assert_array_equal(K_hat[:, :s], K[:, :s])
+    np.testing.assert_array_equal(K_hat[:, s + c :], K[:, T - e :])
+    # gamma enters through the compressed keys only: scale them, the exact ones not
+    g = state.layout.gamma
+    K_mix = K_hat.copy()
+    K_mix[:, s : s + c] *= g[:, None, None]
+    q = rng.standard_normal((2 * H, D))
+    np.testing.assert_allclose(sr.attend(q, state), exact_attention(q, K_mix, V_hat), rtol=0, atol=1e-12)
+    plain = make(kind, K, V, window=W, min_tokens=max(M - S, 0)) if (W or M > S) else make(kind, K, V)
+    plain.append(K[:, s:], V[:, s:])
+    assert state.nbytes == plain.nbytes + H * s * 2 * D * 8  # W9: N H s (d + d_v) itemsize more
+    assert state.allocated_nbytes >= state.nbytes
+
+
+@pytest.mark.parametrize("kind", ["static", "adaptive", "rotating"])
+def test_sinks_zero_is_the_window_state_and_sinks_compose_with_gamma(rng, kind):
+    """W7: sinks=0 holds no sink arrays and is the window state bit for bit; a state with only
+    sinks (W = M = 0) compresses every token after them."""
+    K, V = stream(rng, 30)
+    a, b = make(kind, K, V, window=5), make(kind, K, V, window=5, sinks=0)
+    a.append(K, V), b.append(K, V)
+    assert b.window.sink_keys is None and "sink_keys" not in live_arrays(b)
+    assert_same(snapshot(a), snapshot(b))
+    only = make(kind, K, V, sinks=4).append(K, V)
+    assert (only.window.sink_count, only.layout.num_tokens, only.window.recent) == (4, 26, 0)
+
+
+@pytest.mark.parametrize("kw,err,match", [
+    (dict(sinks=-1), ValueError, "sinks must be >= 0"),
+    (dict(sinks=2.5), TypeError, "sinks"),
+    (dict(sinks="4"), TypeError, "sinks"),
+])
+@pytest.mark.parametrize("kind", ["static", "adaptive", "rotating"])
+def test_bad_sinks_are_named(rng, kind, kw, err, match):
+    K, V = stream(rng, 20)
+    with pytest.raises(err, match=match):
+        make(kind, K, V, **kw)
+
+
+def test_sinks_with_rope_are_refused(rng):
+    """W7: pre-RoPE positions would be off by S; refused with both names."""
+    from subspace_ref.rope import RopeParams
+
+    K, V = stream(rng, 20)
+    with pytest.raises(ValueError, match="sinks=2 cannot be combined with rope"):
+        sr.SubspaceState.static(sr.calibrate(K, V, rank_k=R, rank_v=R), rope=RopeParams(1.0 / 10000.0 ** (np.arange(D // 2) / (D // 2))), sinks=2)
+
+
+@pytest.mark.parametrize("kind,kw", [("static", dict(sinks=3, window=5)), ("adaptive", dict(sinks=4, window=6, lookahead=3)), ("rotating", dict(sinks=2))])
+def test_sinks_failing_append_copy_persistence(rng, tmp_path, kind, kw, monkeypatch):
+    """W7 commit rule, and W6.9 with sinks: a failing append that would fill the sinks changes
+    nothing; copy and save/load keep the sinks; appends afterwards agree bit for bit."""
+    K, V = stream(rng, 40)
+    state = make(kind, K, V, **kw).append(K[:, :1], V[:, :1])
+    before = snapshot(state)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(numpy_backend, "store", broken)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        state.append(K[:, 1:30], V[:, 1:30])
+    assert_same(before, snapshot(state))
+    monkeypatch.undo()
+    state.append(K[:, 1:25], V[:, 1:25])
+    path = tmp_path / "s.safetensors"
+    state.save(path)
+    loaded = sr.SubspaceState.load(path)
+    assert loaded.window.sinks == kw["sinks"]
+    assert_same(snapshot(state), snapshot(loaded))
+    assert_same(snapshot(state), snapshot(state.copy()))
+    state.append(K[:, 25:], V[:, 25:])
+    loaded.append(K[:, 25:], V[:, 25:])
+    assert_same(snapshot(state), snapshot(loaded))
+
+
+def test_sink_headers_are_checked(rng, tmp_path):
+    """A file whose sinks disagree with its header is rejected with the reason."""
+    import json
+
+    import safetensors.numpy as stn
+
+    from subspace_ref import persistence
+
+    K, V = stream(rng, 20)
+    state = make("rotating", K, V, sinks=3, window=4).append(K, V)
+    path = tmp_path / "s.safetensors"
+    state.save(path)
+    tensors = stn.load_file(path)
+    import safetensors
+
+    with safetensors.safe_open(path, "np") as f:
+        meta = f.metadata()
+    header = json.loads(meta["state"])
+    for change, match in ((dict(sinks=0), "sinks = 0"), (dict(sinks=5), "sink tokens for sinks = 5")):
+        bad = dict(meta, state=json.dumps(dict(header, window=dict(header["window"], **change))))
+        bad["checksum"] = persistence.checksum(tensors, bad)
+        stn.save_file(tensors, tmp_path / "bad.safetensors", metadata=bad)
+        with pytest.raises(ValueError, match=match):
+            sr.SubspaceState.load(tmp_path / "bad.safetensors")
+
+
+@pytest.mark.parametrize("kind", ["static", "adaptive", "rotating"])
+def test_torch_attend_with_sinks_agrees_with_the_oracle(rng, kind):
+    """W8 in torch: sinks, compressed and recent tokens in one softmax, d != d_v, gamma != 1."""
+    torch = pytest.importorskip("torch")
+    d, d_v = D, 5
+    Kx, Vx = rng.standard_normal((H, 50, d)), rng.standard_normal((H, 50, d_v))
+    gamma = np.array([0.6, 1.7])
+    if kind == "static":
+        basis = sr.calibrate(Kx, Vx, rank_k=R, rank_v=R)
+        state = sr.SubspaceState.static(sr.StaticBasis.from_bases(basis.B, basis.E, gamma), sinks=4, window=6)
+    elif kind == "adaptive":
+        state = sr.SubspaceState.adaptive(H, d, d_v, rank_k=R, rank_v=R, max_chunk=8, sinks=4, window=6, gamma=gamma)
+    else:
+        state = sr.SubspaceState.rotating(H, d, d_v, rank_k=R, rank_v=R, refresh_every=5, sinks=4, window=6, gamma=gamma)
+    state.append(Kx, Vx)
+    q = rng.standard_normal((2 * H, d)) * 3
+    want = sr.attend(q, state)
+    got = sr.attend(torch.from_numpy(q), state.to("torch"), backend="torch")
+    np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=1e-12)
+    for name in ("triton", "cupy"):
+        if name in sr.registry.registered() and sr.registry.backend_availability(name):
+            reasons = sr.registry.get_backend(name).not_supported_reasons(torch.from_numpy(q), state.to("torch"))
+            assert any("sinks=4" in r for r in reasons), reasons

@@ -1,5 +1,10 @@
 """Cases of the differential harness: shapes, state kinds and input distributions.
 
+Variants (spec/window.md sinks and windows, spec/rope.md pre-RoPE bases, spec/sharing.md query
+groups, spec/sketch_variants.md ring/stride/reuse, int8 coefficients, encoded bases) are fields of
+the same :class:`Case`, so every backend meets them in the same matrix; a backend that lacks one
+must refuse it with a reason its declared capabilities give (:func:`.harness.declared_gaps`).
+
 Each case is drawn afresh from its own seed (``crc32(case name)`` xor ``SUBSPACE_DIFF_SEED``,
 default 0), so every case has independent random inputs and a failure is reproduced by
 re-running with the same environment. States are built by the float64 NumPy oracle
@@ -48,6 +53,24 @@ class Case:
     scale: float | None = None
     coefficients: str = "float"  # or "int8" (spec A10)
     bases: str = "native"  # or "float16", "int8" (spec/storage.md S1)
+    window: int = 0  # spec/window.md W1: exact recent window ...
+    min_tokens: int = 0  # ... and length threshold
+    lookahead: int = 0  # W4, adaptive only
+    sinks: int = 0  # W7: exact first tokens
+    rope: bool = False  # spec/rope.md P2: pre-RoPE static bases (a partial-rotary RopeParams)
+    share: bool = False  # spec/sharing.md A3: static bases per QUERY head, query_group = group
+    ring_warm_start: int = 0  # spec/sketch_variants.md S1 (adaptive)
+    fd_stride: int = 1  # S2 (adaptive)
+    reuse_angle: float | None = None  # S3 (adaptive)
+
+    @property
+    def features(self) -> frozenset[str]:
+        """The variants this case switches on, by the names backends' refusals are declared with
+        (harness.declared_gaps)."""
+        on = {"window": self.window or self.min_tokens, "lookahead": self.lookahead, "sinks": self.sinks, "rope": self.rope,
+              "query_group": self.share, "ring_warm_start": self.ring_warm_start, "fd_stride": self.fd_stride != 1,
+              "reuse_angle": self.reuse_angle is not None, "int8": self.coefficients == "int8", "encoded_bases": self.bases != "native"}
+        return frozenset(name for name, value in on.items() if value)
 
     @property
     def seed(self) -> int:
@@ -82,6 +105,9 @@ CASES = [
     Case("adaptive-paper_no_warmup", "adaptive", group=2, T=60, warmup=0, tau=0.7),
     Case("adaptive-r_eq_d", "adaptive", group=2, d=8, d_v=8, rank_k=8, rank_v=8, T=50, max_chunk=16),
     Case("adaptive-sketch_reset", "adaptive", group=2, T=120, max_chunk=16, tau=0.95, sketch_reset=True, data="lowrank"),
+    # chunks of exactly max(ell_k, ell_v) = 8 tokens: the edge of step 3b's "long enough to reset"
+    Case("adaptive-sketch_reset-chunk_eq_ell", "adaptive", group=2, d=12, d_v=10, rank_k=4, rank_v=3, T=50, max_chunk=8, tau=0.95,
+         sketch_reset=True, data="lowrank"),
     # rotating (spec A8): refresh boundaries at 1, m-1, m, m+1; long with huge logits
     Case("rotating-T1", "rotating", group=4, T=1, refresh_every=M),
     Case("rotating-T_m-1", "rotating", group=4, T=M - 1, refresh_every=M),
@@ -98,6 +124,21 @@ CASES = [
     Case("static-f16bases-gqa4", "static", N=2, group=4, T=120, bases="float16"),
     Case("adaptive-int8bases", "adaptive", N=2, group=2, T=150, max_chunk=16, tau=0.7, bases="int8"),
     Case("rotating-f16bases-int8", "rotating", group=2, T=60, refresh_every=8, coefficients="int8", bases="float16"),
+    # variants (issue 18 item 6), every one with d != d_v and per-head gamma != 1 (empty_state draws gamma)
+    Case("static-window-gqa4", "static", N=2, group=4, d=16, d_v=10, T=40, window=6),
+    Case("static-window-below_min_tokens", "static", group=2, d=12, d_v=16, T=30, window=4, min_tokens=100),
+    Case("static-sinks-window-head_ranks", "static", N=2, H=3, group=2, d=16, d_v=8, rank_k=(2, 5, 3), rank_v=(4, 1, 2), T=64, sinks=4, window=5),
+    Case("static-sinks-only-logits1e4", "static", group=4, d=16, d_v=12, T=100, sinks=3, logit=1e4),
+    Case("adaptive-sinks-window", "adaptive", N=2, group=2, d=16, d_v=8, T=90, max_chunk=16, tau=0.7, sinks=3, window=7),
+    Case("adaptive-window-lookahead", "adaptive", group=2, d=12, d_v=16, T=70, max_chunk=16, tau=0.7, window=8, lookahead=4),
+    Case("rotating-sinks-window-min_tokens", "rotating", group=4, d=12, d_v=16, T=60, refresh_every=8, sinks=2, window=5, min_tokens=20),
+    Case("static-rope", "static", group=2, d=16, d_v=12, T=50, rope=True),
+    Case("static-rope-window", "static", N=2, group=4, d=16, d_v=8, T=40, rope=True, window=6),
+    Case("static-query_group2", "static", N=2, H=2, group=2, d=16, d_v=12, T=50, share=True),
+    Case("static-query_group4-sinks-int8", "static", H=1, group=4, d=16, d_v=8, T=60, share=True, sinks=2, window=4, coefficients="int8"),
+    Case("adaptive-ring", "adaptive", group=2, d=16, d_v=12, T=80, max_chunk=16, tau=0.7, ring_warm_start=8),
+    Case("adaptive-stride2", "adaptive", N=2, group=2, d=12, d_v=16, T=80, max_chunk=16, tau=0.7, fd_stride=2),
+    Case("adaptive-reuse-int8", "adaptive", group=2, d=16, d_v=12, T=80, max_chunk=8, tau=0.7, reuse_angle=0.6, coefficients="int8"),
 ]
 
 # Bigger sweeps, run on purpose: pytest -m slow tests/differential
@@ -129,17 +170,53 @@ def _ranks(rank, H):
     return (rank,) * H if isinstance(rank, int) else tuple(rank)
 
 
+def rope_params(d: int):
+    """Partial rotary (3/4 of the dims rotate), Llama's "half" layout, attention scaling != 1."""
+    from subspace_ref.rope import RopeParams
+
+    m = 3 * d // 8
+    return RopeParams(1.0 / 10000.0 ** (np.arange(m) / m), attention_scaling=1.1)
+
+
 def empty_state(case: Case, rng) -> sr.SubspaceState:
     """The case's state before any token, float64 NumPy, batched (N, H, ...)."""
-    gamma = rng.uniform(0.5, 1.5, case.H)
+    heads = case.H * case.group if case.share else case.H  # query_group: one basis per query head
+    gamma = rng.uniform(0.5, 1.5, heads)
+    exact = dict(window=case.window, min_tokens=case.min_tokens, sinks=case.sinks)
     if case.kind == "static":
-        B = _orthonormal(rng, case.H, _ranks(case.rank_k, case.H), case.d)
-        E = _orthonormal(rng, case.H, _ranks(case.rank_v, case.H), case.d_v)
-        return sr.SubspaceState.static(sr.StaticBasis.from_bases(B, E, gamma), batch=case.N, coefficients=case.coefficients, bases=case.bases)
-    common = dict(rank_k=case.rank_k, rank_v=case.rank_v, warmup=case.warmup, gamma=gamma, batch=case.N, coefficients=case.coefficients, bases=case.bases)
+        B = _orthonormal(rng, heads, _ranks(case.rank_k, heads), case.d)
+        E = _orthonormal(rng, heads, _ranks(case.rank_v, heads), case.d_v)
+        return sr.SubspaceState.static(sr.StaticBasis.from_bases(B, E, gamma), batch=case.N, coefficients=case.coefficients, bases=case.bases,
+                                       rope=rope_params(case.d) if case.rope else None, query_group=case.group if case.share else 1, **exact)
+    common = dict(rank_k=case.rank_k, rank_v=case.rank_v, warmup=case.warmup, gamma=gamma, batch=case.N, coefficients=case.coefficients, bases=case.bases, **exact)
     if case.kind == "adaptive":
-        return sr.SubspaceState.adaptive(case.H, case.d, case.d_v, tau_k=case.tau, tau_v=case.tau, max_chunk=case.max_chunk, sketch_reset=case.sketch_reset, **common)
+        return sr.SubspaceState.adaptive(case.H, case.d, case.d_v, tau_k=case.tau, tau_v=case.tau, max_chunk=case.max_chunk, sketch_reset=case.sketch_reset,
+                                         lookahead=case.lookahead, ring_warm_start=case.ring_warm_start, fd_stride=case.fd_stride, reuse_angle=case.reuse_angle, **common)
     return sr.SubspaceState.rotating(case.H, case.d, case.d_v, refresh_every=case.refresh_every, **common)
+
+
+def logit_multipliers(state) -> np.ndarray:
+    """(N, H_s, T): gamma for the compressed tokens, 1 for the exact ones (spec/window.md W3, W8),
+    in the token order of ``state.reconstruct()`` (sinks, compressed, recent)."""
+    N, Hs, T_c = state.batch, state.heads, state.layout.num_tokens
+    s = 0 if state.window is None else state.window.sink_count
+    out = np.ones((N, Hs, state.num_tokens))
+    out[:, :, s : s + T_c] = state.layout.gamma[None, :, None]
+    return out
+
+
+def rotated_keys(state, K_hat: np.ndarray) -> np.ndarray:
+    """Keys as attention sees them: a pre-RoPE state's compressed tokens rotated to their
+    positions (spec/rope.md P3; sinks and rope never combine, so they start at position 0)."""
+    rope = getattr(state.policy, "rope", None)
+    if rope is None:
+        return K_hat
+    from subspace_ref.rope import rotate
+
+    T_c = state.layout.num_tokens
+    K_hat = K_hat.copy()
+    K_hat[:, :, :T_c] = rotate(K_hat[:, :, :T_c], np.arange(T_c), rope)
+    return K_hat
 
 
 def tokens(case: Case, rng, T: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -178,9 +255,11 @@ def build(case: Case) -> Built:
     state.append(K, V)
     q = rng.standard_normal((case.N, case.H * case.group, case.d))
     s = 1.0 / np.sqrt(case.d) if case.scale is None else case.scale
-    K_hat, _ = state.reconstruct()  # (N, H, T, d)
-    logits = np.einsum("ngd,ntd->ngt", q.reshape(case.N * case.H, case.group, case.d), K_hat.reshape(case.N * case.H, case.T, case.d))
-    logits = logits.reshape(case.N, case.H, case.group, case.T) * (state.layout.gamma * s)[None, :, None, None]
+    K_hat = rotated_keys(state, state.reconstruct()[0])  # (N, H_s, T, d)
+    Hs = state.heads
+    g = case.H * case.group // Hs
+    logits = np.einsum("ngd,ntd->ngt", q.reshape(case.N * Hs, g, case.d), K_hat.reshape(case.N * Hs, case.T, case.d))
+    logits = logits.reshape(case.N, Hs, g, case.T) * (s * logit_multipliers(state))[:, :, None, :]
     max_logit = float(np.abs(logits).max())
     if case.logit is not None and max_logit > 0:
         q *= case.logit / max_logit

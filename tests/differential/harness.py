@@ -79,6 +79,57 @@ def targets(dtypes: tuple[str, ...] = DTYPES) -> list[Target]:
     return out
 
 
+# ----------------------------------------------------------------------------- declared refusals
+def declared_gaps(backend: str, operation: str, features: frozenset[str], case) -> frozenset[str]:
+    """The case's features (cases.Case.features) that ``backend`` declares it lacks for
+    ``operation`` ("attend" or "append"), read from its capabilities (subspace_ref.capabilities):
+    the only features it may refuse the case for. A declared gap permits a refusal, it does not
+    demand one: a backend that gains a feature is compared with the oracle at once."""
+    caps = get_backend(backend).capabilities
+    supported = {
+        "window": caps.window,
+        "sinks": caps.sinks,
+        "rope": caps.rope,
+        "query_group": caps.query_sharing,
+        "int8": case.coefficients in caps.coefficient_formats,
+        "encoded_bases": case.bases in caps.basis_formats,
+    }
+    if operation == "append":
+        supported.update({v: v in caps.sketch_variants for v in ("lookahead", "ring_warm_start", "fd_stride", "reuse_angle")})
+        supported["policy"] = case.kind in caps.append_policies
+    return frozenset(f for f in features | {"policy"} if not supported.get(f, True))
+
+
+#: How a reason names a feature (the composer's wording, subspace_ref.capabilities).
+REASON_WORDS = {
+    "window": ("exact window",),
+    "sinks": ("sinks",),
+    "lookahead": ("lookahead",),
+    "rope": ("rope",),
+    "query_group": ("query_group",),
+    "int8": ("int8",),
+    "ring_warm_start": ("ring_warm_start",),
+    "fd_stride": ("fd_stride",),
+    "reuse_angle": ("reuse_angle",),
+    "encoded_bases": ("bases as",),
+    "policy": ("does not append to",),
+}
+
+
+def declared_refusal(backend: str, operation: str, case, reasons: list[str]) -> str:
+    """Check that ``backend`` refusing ``operation`` on ``case`` is declared: its capabilities
+    lack a feature the case has, and every reason names one of those. Returns the skip
+    message; AssertionError otherwise."""
+    features = case.features
+    lacking = declared_gaps(backend, operation, features, case)
+    assert lacking, f"{backend} refuses {operation} on a case with {sorted(features)} but declares none of them missing: {reasons}"
+    for reason in reasons:
+        assert reason.strip(), f"{backend} gave an empty reason for refusing {operation}"
+        named = [f for f in lacking if any(word in reason for word in REASON_WORDS[f])]
+        assert named, f"{backend}'s reason for refusing {operation} names none of its declared gaps {sorted(lacking)}: {reason!r}"
+    return f"{backend} declares no {'/'.join(sorted(lacking))} for {operation}: {reasons[0]}"
+
+
 # ----------------------------------------------------------------------------- conversion
 def to_backend(x: np.ndarray, target: Target):
     """A NumPy array as the target backend's array (its converter, device and dtype)."""

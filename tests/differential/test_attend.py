@@ -9,6 +9,7 @@ past the live ranges.
 from __future__ import annotations
 
 import functools
+import re
 
 import numpy as np
 import pytest
@@ -17,7 +18,9 @@ import subspace_ref as sr
 from subspace_ref.arrays import to_numpy
 
 from .cases import CASES, SLOW_CASES, Case, build
-from .harness import BACKENDS, RESULTS, Record, backend_state, check_output, to_backend
+from subspace_ref.registry import get_backend
+
+from .harness import BACKENDS, RESULTS, Record, backend_state, check_output, declared_refusal, to_backend
 from .tolerance import FACTOR, reference_error, tolerance
 
 
@@ -31,6 +34,12 @@ def _check(target, case: Case, record: bool = True) -> None:
     b = build(case)
     state = backend_state(b.state, target)
     q = to_backend(b.q, target)
+    reasons = get_backend(target.backend).not_supported_reasons(q, state)
+    if reasons:  # allowed only for a declared gap of the backend, and then refused by attend itself
+        message = declared_refusal(target.backend, "attend", case, reasons)
+        with pytest.raises(ValueError, match=re.escape(reasons[0])):
+            sr.attend(q, state, backend=target.backend, scale=b.scale)
+        pytest.skip(message)
     out = sr.attend(q, state, backend=target.backend, scale=b.scale)
     host = check_output(out, target, (case.N, case.H * case.group, case.d_v))
     err = float(np.abs(host - b.out64).max())
@@ -69,6 +78,13 @@ def test_cases_cover_the_brief():
     chunks = {name: int(b.state.num_chunks.max()) for name, b in built.items()}
     assert max(chunks.values()) >= 200, "a case with hundreds of chunks"
     assert any(c.kind == "adaptive" and chunks[c.name] == 1 and c.T > 1 for c in CASES), "a single-chunk adaptive case"
+    features = set().union(*(c.features for c in CASES))
+    assert {"window", "sinks", "rope", "query_group", "ring_warm_start", "fd_stride", "reuse_angle", "int8", "encoded_bases", "lookahead"} <= features
+    for feature in features - {"int8", "encoded_bases"}:  # every variant with d != d_v (gamma != 1 always: empty_state)
+        assert any(feature in c.features and c.d != c.d_v for c in CASES), feature
+    assert all(not np.allclose(b.state.layout.gamma, 1.0) for b in built.values())
+    sinks = next(b for b in built.values() if b.case.sinks and b.case.window)
+    assert sinks.state.window.sink_count and sinks.state.window.recent and sinks.state.layout.num_tokens, "sinks, compressed and recent tokens at once"
     for T, J in ((1, 1), (7, 1), (8, 2), (9, 2)):  # boundaries at 1, L-1, L, L+1 (L = 8)
         name = {1: "adaptive-T1", 7: "adaptive-T_L-1", 8: "adaptive-T_L", 9: "adaptive-T_L+1"}[T]
         assert chunks[name] == J, (name, chunks[name])

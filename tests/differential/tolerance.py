@@ -33,8 +33,11 @@ of the output itself.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
+from subspace_ref.layout import BY_NAME, held_arrays
 from subspace_ref.numpy_backend import attend_reference
 
 FACTOR = 2.0
@@ -65,11 +68,14 @@ SCALES = ("key_scale", "value_scale")  # float32 by spec A10 in every state: nev
 
 
 def _cast_state(state, fn):
-    """A copy of a NumPy state with ``fn`` applied to its floating layout arrays (the int8
+    """A copy of a NumPy state with ``fn`` applied to its floating layout and exact-token arrays (the int8
     coefficients and their float32 scales of spec A10 are kept as they are, as ``state.to``
     keeps them)."""
     out = state.copy()
     out.layout = out.layout.map_arrays(lambda name, x: fn(x) if x.dtype.kind == "f" and name not in SCALES else x)
+    if out.window is not None:  # the exact tokens (spec/window.md), which state.to casts too
+        exact = {BY_NAME[name].attr: fn(x) for name, x in held_arrays(out).items() if BY_NAME[name].part == "window"}
+        out.window = replace(out.window, **exact)
     return out
 
 

@@ -11,9 +11,11 @@ Checks and host synchronisation. Shape, dtype, family, device and capability che
 metadata and always run. Scans of the values (NaN/Inf in the inputs, rows whose squared norm
 overflows, a non-finite attention output) read every element and, on an accelerator, wait for
 the device: they run on the numpy backend always (the oracle is where a bad value must be
-named), and on the others only under the debug switch (:func:`set_debug` or the environment
-variable ``SUBSPACE_REF_DEBUG=1``). Without it, a non-finite input to a torch/triton/cupy
-backend gives a non-finite output instead of a ValueError, as torch's own SDPA does.
+named), on keys and values appended from host memory always (a non-finite token would stay in
+the state for good, and on the host a scan waits for nothing), and otherwise only under the
+debug switch (:func:`set_debug` or the environment variable ``SUBSPACE_REF_DEBUG=1``). Without
+it, a non-finite query to a torch/triton/cupy backend gives a non-finite output instead of a
+ValueError, as torch's own SDPA does, and a non-finite token appended on a GPU is not refused.
 """
 
 from __future__ import annotations
@@ -43,6 +45,12 @@ def set_debug(enabled: bool) -> bool:
 def _scans(backend: str) -> bool:
     """Whether the checks that read every value (and sync the device) run for ``backend``."""
     return _debug or backend == "numpy"
+
+
+def _on_host(x: Any) -> bool:
+    """Whether ``x`` is in host memory, where scanning its values synchronises nothing."""
+    device = getattr(x, "device", "cpu")
+    return getattr(device, "type", device) == "cpu"
 
 
 def _check_state(state) -> None:
@@ -130,7 +138,7 @@ def _tokens(state, name: str, x: Any, dim: int) -> Any:
         x = x[None]
     if family == "torch" and x.device != state.layout.key_coef.device:
         raise ValueError(f"{name} is on {x.device} but the state is on {state.layout.key_coef.device}")
-    scans = _scans(state.engine)
+    scans = _scans(state.engine) or _on_host(x)
     if scans:
         _checks.finite(name, x)
     x = x.astype(state.dtype) if family != "torch" else x.detach().to(state.dtype)

@@ -138,21 +138,25 @@ def value_scans():
     operations.set_debug(previous)
 
 
-def test_without_debug_only_the_numpy_backend_scans_values():
-    """Default: the checks that read every value (and sync a device) run on the numpy backend
-    only; metadata checks (shapes, dtypes) run everywhere."""
+def test_without_debug_host_appends_are_scanned_and_only_numpy_scans_queries():
+    """Default (subspace_ref/operations.py): keys and values appended from host memory are
+    always scanned (a non-finite token would stay in the state for good, and a host scan waits
+    for nothing); a query is scanned on the numpy backend only; metadata checks run everywhere."""
     assert not operations._debug
     for backend in BACKENDS:
         state = states(backend)["static"]
         nan = np.ones((2, 2, 6))
         nan[0, 0, 0] = np.nan
-        call = lambda: state.append(arr(backend, nan), arr(backend, np.ones((2, 2, 5))))  # noqa: E731
-        if backend == "numpy":
-            rejects(state, call, ValueError, r"keys contains NaN")
-        else:
-            call()  # accepted unscanned: NaN in, NaN out, as torch SDPA does
-            assert state.num_tokens > 0
+        rejects(state, lambda: state.append(arr(backend, nan), arr(backend, np.ones((2, 2, 5)))), ValueError, r"keys contains NaN")
         rejects(state, lambda: state.append(arr(backend, np.ones((2, 2, 7))), arr(backend, np.ones((2, 2, 5)))), ValueError, r"keys has shape")
+        state.append(arr(backend, np.ones((2, 2, 6))), arr(backend, np.ones((2, 2, 5))))
+        q = np.ones((2, 6))
+        q[1, 2] = np.nan
+        if backend == "numpy":
+            rejects(state, lambda: attend(arr(backend, q), state, backend=backend), ValueError, r"q contains NaN")
+        else:
+            out = attend(arr(backend, q), state, backend=backend)  # unscanned: NaN in, NaN out, as torch SDPA does
+            assert np.isnan(to_numpy(out)).any()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -90,7 +90,7 @@ def test_append_refusals_come_from_the_declaration(rng):
 
 def test_features_of_a_plain_state(rng):
     f = features(SubspaceState.static(_basis(rng)))
-    assert f == {"family": "numpy", "device": "cpu", "dtype": "float64", "coefficients": "float", "bases": "native", "window": False,
+    assert f == {"family": "numpy", "device": "cpu", "dtype": "float64", "coefficients": "float", "bases": "native", "window": False, "sinks": 0,
                  "rope": False, "query_group": 1, "policy": "static", "d": 8, "d_v": 8, "ranks": (3, 3)}
 
 

@@ -73,7 +73,11 @@ class Capabilities:
         out = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            out[f.name] = (",".join(value) or "-") if isinstance(value, tuple) else ("-" if value is None else ("yes" if value is True else "no" if value is False else str(value)))
+            out[f.name] = (
+                (",".join(value) or "-")
+                if isinstance(value, tuple)
+                else ("-" if value is None else ("yes" if value is True else "no" if value is False else str(value)))
+            )
         return out
 
 
@@ -130,7 +134,9 @@ def _state_reasons(backend: str, caps: Capabilities, f: dict[str, Any]) -> list[
     """The mismatches between a state's features and a declaration that attend and append share."""
     out = []
     if f["family"] not in caps.array_families:
-        out.append(f"the state holds {f['family']} arrays; the {backend} backend reads {', '.join(caps.array_families)}: convert it with state.to({backend!r}, device=...)")
+        out.append(
+            f"the state holds {f['family']} arrays; the {backend} backend reads {', '.join(caps.array_families)}: convert it with state.to({backend!r}, device=...)"
+        )
     elif f["device"] not in caps.devices:
         out.append(f"the state is on {f['device']}; the {backend} backend runs on {', '.join(caps.devices)}")
     if f["dtype"] not in caps.dtypes:
@@ -138,13 +144,21 @@ def _state_reasons(backend: str, caps: Capabilities, f: dict[str, Any]) -> list[
     if f["coefficients"] not in caps.coefficient_formats:
         out.append(f"the state stores {f['coefficients']} coefficients; the {backend} backend supports {', '.join(caps.coefficient_formats)}")
     if f["bases"] not in caps.basis_formats:
-        out.append(f"the state stores its bases as {f['bases']} (spec/storage.md S1); the {backend} backend reads {', '.join(caps.basis_formats)}: use the torch or numpy backend")
+        out.append(
+            f"the state stores its bases as {f['bases']} (spec/storage.md S1); the {backend} backend reads {', '.join(caps.basis_formats)}: use the torch or numpy backend"
+        )
     if f["rope"] and not caps.rope:
-        out.append(f"the state un-rotates appended keys (SubspaceState.static(..., rope=...), spec/rope.md P2); the {backend} backend does not implement it: use backend 'numpy', 'torch' or 'triton'")
+        out.append(
+            f"the state un-rotates appended keys (SubspaceState.static(..., rope=...), spec/rope.md P2); the {backend} backend does not implement it: use backend 'numpy', 'torch' or 'triton'"
+        )
     if f["query_group"] > 1 and not caps.query_sharing:
         out.append(f"the state has one head per query head (query_group={f['query_group']}, spec/sharing.md A3); the {backend} backend does not run it")
-    for what, size, limit in (("key head size d", f["d"], caps.max_head_size), ("value head size d_v", f["d_v"], caps.max_head_size),
-                              ("key rank r", f["ranks"][0], caps.max_rank), ("value rank r_v", f["ranks"][1], caps.max_rank)):
+    for what, size, limit in (
+        ("key head size d", f["d"], caps.max_head_size),
+        ("value head size d_v", f["d_v"], caps.max_head_size),
+        ("key rank r", f["ranks"][0], caps.max_rank),
+        ("value rank r_v", f["ranks"][1], caps.max_rank),
+    ):
         if limit is not None and size > limit:
             out.append(f"{what} is {size}; the {backend} backend supports at most {limit}")
     return out
@@ -153,9 +167,13 @@ def _state_reasons(backend: str, caps: Capabilities, f: dict[str, Any]) -> list[
 def _attend_state_reasons(backend: str, caps: Capabilities, f: dict[str, Any], state) -> list[str]:
     out = _state_reasons(backend, caps, f)
     if f["window"] and not caps.window:
-        out.append(f"the state keeps an exact window (window={state.window.size}, min_tokens={state.window.min_tokens}); the {backend} backend does not merge exact tokens: use the torch or numpy backend")
+        out.append(
+            f"the state keeps an exact window (window={state.window.size}, min_tokens={state.window.min_tokens}); the {backend} backend does not merge exact tokens: use the torch or numpy backend"
+        )
     if f["sinks"] and not caps.sinks:
-        out.append(f"the state keeps exact attention sinks (sinks={f['sinks']}, spec/window.md W7); the {backend} backend does not merge exact tokens: use the torch or numpy backend")
+        out.append(
+            f"the state keeps exact attention sinks (sinks={f['sinks']}, spec/window.md W7); the {backend} backend does not merge exact tokens: use the torch or numpy backend"
+        )
     return out
 
 
@@ -193,7 +211,9 @@ def append_reasons(backend: str, impl: Any, state) -> list[str]:
     missing = [v for v in sketch_variants(state) if v not in caps.sketch_variants]
     if missing:
         shown = [f"{v}={state.window.lookahead if v == 'lookahead' else getattr(state.policy, v)}" for v in missing]
-        out.append(f"the {backend} append does not implement {'; '.join(shown)} (spec/sketch_variants.md, spec/window.md W4): append on the numpy backend (state.to('numpy'))")
+        out.append(
+            f"the {backend} append does not implement {'; '.join(shown)} (spec/sketch_variants.md, spec/window.md W4): append on the numpy backend (state.to('numpy'))"
+        )
     return out
 
 

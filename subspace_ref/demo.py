@@ -13,6 +13,7 @@ import subspace_ref as sr
 def synthetic_layer(rng, heads: int, tokens: int, d: int, rank: int, noise: float, drift_every: int):
     """Keys and values near a rank-``rank`` subspace per head that is redrawn every
     ``drift_every`` tokens (so adaptive bases have something to adapt to), plus queries."""
+
     def stream():
         out = np.empty((heads, tokens, d))
         for start in range(0, tokens, drift_every):
@@ -38,9 +39,15 @@ def run(args) -> int:
     calibration = args.tokens // 4
     exact = sr.exact_attention(q, K, V)
     states = {
-        "static (calibrated on the first quarter)": sr.SubspaceState.static(sr.calibrate(K[:, :calibration], V[:, :calibration], rank_k=args.rank, rank_v=args.rank)),
-        "adaptive (seed 001, paper sketches)": sr.SubspaceState.adaptive(args.heads, args.d, rank_k=args.rank, rank_v=args.rank, tau_k=0.3, tau_v=0.3, max_chunk=512),
-        "adaptive + sketch_reset": sr.SubspaceState.adaptive(args.heads, args.d, rank_k=args.rank, rank_v=args.rank, tau_k=0.3, tau_v=0.3, max_chunk=512, sketch_reset=True),
+        "static (calibrated on the first quarter)": sr.SubspaceState.static(
+            sr.calibrate(K[:, :calibration], V[:, :calibration], rank_k=args.rank, rank_v=args.rank)
+        ),
+        "adaptive (seed 001, paper sketches)": sr.SubspaceState.adaptive(
+            args.heads, args.d, rank_k=args.rank, rank_v=args.rank, tau_k=0.3, tau_v=0.3, max_chunk=512
+        ),
+        "adaptive + sketch_reset": sr.SubspaceState.adaptive(
+            args.heads, args.d, rank_k=args.rank, rank_v=args.rank, tau_k=0.3, tau_v=0.3, max_chunk=512, sketch_reset=True
+        ),
         "rotating (seed 003, m = 64)": sr.SubspaceState.rotating(args.heads, args.d, rank_k=args.rank, rank_v=args.rank, refresh_every=64),
     }
     print(f"{args.tokens} tokens, {args.heads} heads, d = {args.d}, rank {args.rank}; subspace switches halfway; float64", flush=True)
@@ -54,4 +61,3 @@ def run(args) -> int:
         ratio = state.nbytes / state.full_cache_nbytes
         print(f"{name:<42} {ratio:>10.3f} {state.num_chunks.mean():>7.1f} {err:>18.2e} {elapsed:>9.2f}", flush=True)  # one line per state as it ends
     return 0
-

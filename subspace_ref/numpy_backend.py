@@ -137,7 +137,8 @@ def append_reference(state, keys: Any, values: Any, ahead: tuple | None = None) 
             fire = (~warming_k & (rho_k > policy.tau_k)) | (~warming_v & (rho_v > policy.tau_v)) | (~warming_k & ~warming_v & capped)
             if reproject:  # A7.2: the FD update first, so the new bases see the firing token
                 buf_k, filled_k, buf_v, filled_v, ring_k, ring_v, rows_inserted, svds = _feed(
-                    t, k, v, policy, stride, ring, buf_k, filled_k, buf_v, filled_v, ring_k, ring_v, rows_inserted, svds, stack)
+                    t, k, v, policy, stride, ring, buf_k, filled_k, buf_v, filled_v, ring_k, ring_v, rows_inserted, svds, stack
+                )
             if bool(fire.any()):
                 fn, fh = xp.nonzero(fire)
                 if ring:
@@ -145,8 +146,12 @@ def append_reference(state, keys: Any, values: Any, ahead: tuple | None = None) 
                     # offered before t (through t with reproject), oldest first, FD-inserted into empty buffers
                     offered = -(-(t + reproject) // stride)
                     slots = [q % ring for q in range(offered - min(offered, ring), offered)]
-                    src_k, filled_src_k, n_k = _fd_insert(xp.zeros((len(fn), 2 * policy.ell_k, open_B.shape[3]), dtype=buf_k.dtype), 0, ring_k[fn, fh][:, slots], policy.ell_k)
-                    src_v, filled_src_v, n_v = _fd_insert(xp.zeros((len(fn), 2 * policy.ell_v, open_E.shape[3]), dtype=buf_v.dtype), 0, ring_v[fn, fh][:, slots], policy.ell_v)
+                    src_k, filled_src_k, n_k = _fd_insert(
+                        xp.zeros((len(fn), 2 * policy.ell_k, open_B.shape[3]), dtype=buf_k.dtype), 0, ring_k[fn, fh][:, slots], policy.ell_k
+                    )
+                    src_v, filled_src_v, n_v = _fd_insert(
+                        xp.zeros((len(fn), 2 * policy.ell_v, open_E.shape[3]), dtype=buf_v.dtype), 0, ring_v[fn, fh][:, slots], policy.ell_v
+                    )
                     svds += (n_k + n_v) * len(fn)
                     src_k, src_v = src_k[:, :filled_src_k], src_v[:, :filled_src_v]
                 else:
@@ -160,10 +165,13 @@ def append_reference(state, keys: Any, values: Any, ahead: tuple | None = None) 
                 if reuse is not None:
                     # S3 step 2: heads whose snapshot is within reuse_angle of the open bases on
                     # keys and values keep their open chunk; only the others open one
-                    fresh = np.array([
-                        max(largest_principal_angle(open_B[a, b], new_B[i]), largest_principal_angle(open_E[a, b], new_E[i])) >= reuse
-                        for i, (a, b) in enumerate(zip(to_numpy(fn).tolist(), to_numpy(fh).tolist()))
-                    ], dtype=bool)
+                    fresh = np.array(
+                        [
+                            max(largest_principal_angle(open_B[a, b], new_B[i]), largest_principal_angle(open_E[a, b], new_E[i])) >= reuse
+                            for i, (a, b) in enumerate(zip(to_numpy(fn).tolist(), to_numpy(fh).tolist()))
+                        ],
+                        dtype=bool,
+                    )
                     fresh = xp.asarray(fresh)
                     fn, fh, new_B, new_E = fn[fresh], fh[fresh], new_B[fresh], new_E[fresh]
                 # the snapshot goes into spare chunk slot j, encoded; the open basis is its decoding.
@@ -197,7 +205,8 @@ def append_reference(state, keys: Any, values: Any, ahead: tuple | None = None) 
         if not (policy.kind == "adaptive" and reproject):
             # step 4 (A7) / step 3 (A8): the FD update
             buf_k, filled_k, buf_v, filled_v, ring_k, ring_v, rows_inserted, svds = _feed(
-                t, k, v, policy, stride, ring, buf_k, filled_k, buf_v, filled_v, ring_k, ring_v, rows_inserted, svds, stack)
+                t, k, v, policy, stride, ring, buf_k, filled_k, buf_v, filled_v, ring_k, ring_v, rows_inserted, svds, stack
+            )
         if policy.kind == "rotating" and t >= W and (t + 1 - W) % policy.refresh_every == 0:
             # spec A8 step 4: new basis, and every stored coefficient moved into it by R = B B'^T
             # (R is taken between the decoded stored bases: spec/storage.md S3)
@@ -209,8 +218,17 @@ def append_reference(state, keys: Any, values: Any, ahead: tuple | None = None) 
             svds += 2 * stack
 
     state.layout = replace(lay, num_chunks=num_chunks, chunk_starts=chunk_starts, num_tokens=T + n_new)
-    state.sketches = replace(sk, keys=buf_k, values=buf_v, filled_k=filled_k, filled_v=filled_v, rows_seen=sk.rows_seen + n_new,
-        ring_keys=ring_k, ring_values=ring_v, rows_inserted=rows_inserted, svds=svds,
+    state.sketches = replace(
+        sk,
+        keys=buf_k,
+        values=buf_v,
+        filled_k=filled_k,
+        filled_v=filled_v,
+        rows_seen=sk.rows_seen + n_new,
+        ring_keys=ring_k,
+        ring_values=ring_v,
+        rows_inserted=rows_inserted,
+        svds=svds,
     )
 
 
@@ -346,8 +364,13 @@ class NumpyBackend:
     name = "numpy"
     array_family = "numpy"
     capabilities = Capabilities(
-        array_families=("numpy",), devices=("cpu",), dtypes=("float16", "float32", "float64"),
-        window=True, sinks=True, rope=True, sketch_variants=SKETCH_VARIANTS,
+        array_families=("numpy",),
+        devices=("cpu",),
+        dtypes=("float16", "float32", "float64"),
+        window=True,
+        sinks=True,
+        rope=True,
+        sketch_variants=SKETCH_VARIANTS,
     )
     devices = capabilities.devices
     dtypes = capabilities.dtypes

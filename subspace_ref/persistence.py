@@ -99,7 +99,12 @@ def save_state(state, path) -> None:
     path = os.fspath(path)
     for f in _unpersisted(state.policy):
         if getattr(state.policy, f.name) is not None:  # refuse rather than drop it (before any write)
-            raise NotSupportedError("cannot save this state", [f"a state with policy field {f.name}={getattr(state.policy, f.name)!r} cannot be saved: this schema does not describe it ({f.metadata.get('spec', 'spec/rope.md §5')})"])
+            raise NotSupportedError(
+                "cannot save this state",
+                [
+                    f"a state with policy field {f.name}={getattr(state.policy, f.name)!r} cannot be saved: this schema does not describe it ({f.metadata.get('spec', 'spec/rope.md §5')})"
+                ],
+            )
     tensors, dtype_name = _tensors_of(state)
     header = _state_header(state, dtype_name)
     # the oldest version that describes the state
@@ -201,7 +206,10 @@ def _tensors_of(state) -> tuple[dict[str, np.ndarray], str]:
     lay = state.layout
     cut = live_arrays(state)
     if state.sketches is not None and state.sketches.ring_keys is not None:  # spec/sketch_variants.md S1.6
-        raise NotSupportedError("cannot save this state", [f"ring_warm_start={state.policy.ring_warm_start}: spec/persistence.md (format version {EXTENDED_VERSION}) does not describe ring buffers"])
+        raise NotSupportedError(
+            "cannot save this state",
+            [f"ring_warm_start={state.policy.ring_warm_start}: spec/persistence.md (format version {EXTENDED_VERSION}) does not describe ring buffers"],
+        )
     unknown = sorted(set(cut) - set(TENSOR_ORDER))
     if unknown:  # an array this schema does not describe: refuse rather than drop it
         raise NotSupportedError("cannot save this state", [f"arrays {unknown}: spec/persistence.md (format version {EXTENDED_VERSION}) does not describe them"])
@@ -286,9 +294,7 @@ def load_parts(path) -> tuple:
     tensors = _decode(data, path)
     expected = checksum(tensors, metadata)
     if metadata.get("checksum") != expected:
-        raise StateFileError(
-            f"{path}: checksum mismatch (stored {metadata.get('checksum')!r}, computed {expected!r}); the file is corrupted"
-        )
+        raise StateFileError(f"{path}: checksum mismatch (stored {metadata.get('checksum')!r}, computed {expected!r}); the file is corrupted")
     try:
         header = json.loads(metadata["state"])
     except (json.JSONDecodeError, TypeError) as err:
@@ -337,9 +343,7 @@ def _check_format(metadata: dict[str, str], path) -> None:
         raise StateFileError(f"{path}: format is {metadata.get('format')!r}, expected {FORMAT_NAME!r} (not a saved SubspaceState)")
     version = metadata.get("format_version")
     if version not in [str(v) for v in READ_VERSIONS]:
-        raise StateFileError(
-            f"{path}: format_version is {version!r}; this version of subspace_ref reads versions {', '.join(map(str, READ_VERSIONS))} only"
-        )
+        raise StateFileError(f"{path}: format_version is {version!r}; this version of subspace_ref reads versions {', '.join(map(str, READ_VERSIONS))} only")
 
 
 def _decode(data: bytes, path) -> dict[str, np.ndarray]:
@@ -380,8 +384,11 @@ def _policy_from(header: dict[str, Any], path):
     optional = [f.name for f in _optional(cls)]
     fields = header.get("policy")
     if not isinstance(fields, dict) or not set(names) <= set(fields) <= set(names) | set(optional):
-        _fail(path, f"policy fields are {sorted(fields) if isinstance(fields, dict) else fields!r}; a {kind} state has {sorted(names)}"
-              + (f" and optionally {sorted(optional)}" if optional else ""))
+        _fail(
+            path,
+            f"policy fields are {sorted(fields) if isinstance(fields, dict) else fields!r}; a {kind} state has {sorted(names)}"
+            + (f" and optionally {sorted(optional)}" if optional else ""),
+        )
     try:
         values = {}
         for f in dataclasses.fields(cls):
@@ -584,7 +591,10 @@ def _build_state(header: Any, tensors: dict[str, np.ndarray], path):
         if s > sinks or (s < sinks and T + e > 0):
             _fail(path, f"{s} sink tokens for sinks = {sinks}: the first {sinks} tokens fill the sinks before any other is kept (spec/window.md W7)")
         if compressed_count(T + e, size, after_sinks_threshold(min_tokens, sinks)) != T:
-            _fail(path, f"num_tokens = {T} compressed and {e} exact tokens do not fit window = {size}, min_tokens = {min_tokens}, sinks = {sinks} (spec/window.md W1, W7)")
+            _fail(
+                path,
+                f"num_tokens = {T} compressed and {e} exact tokens do not fit window = {size}, min_tokens = {min_tokens}, sinks = {sinks} (spec/window.md W1, W7)",
+            )
         sink_arrays = (arrays["sink_keys"], arrays["sink_values"]) if sinks else (None, None)
         exact = ExactWindow(size, min_tokens, lookahead, arrays["window_keys"], arrays["window_values"], sinks, *sink_arrays)
 

@@ -11,7 +11,6 @@ All counts accept an integer context length ``T`` or a NumPy array of them (vect
 
 from __future__ import annotations
 
-import math
 import platform
 import statistics
 import time

@@ -35,7 +35,9 @@ class SubspaceState:
     :meth:`to`), and appends run on the backend of that family, in place on its device.
     """
 
-    def __init__(self, policy: Policy, layout: PackedLayout, sketches: SketchBuffers | None, batched: bool, engine: str, window: _window.ExactWindow | None = None):
+    def __init__(
+        self, policy: Policy, layout: PackedLayout, sketches: SketchBuffers | None, batched: bool, engine: str, window: _window.ExactWindow | None = None
+    ):
         self.policy = policy
         self.layout = layout
         self.sketches = sketches
@@ -46,9 +48,21 @@ class SubspaceState:
 
     # ----------------------------------------------------------------- construction
     @classmethod
-    def static(cls, basis: StaticBasis, *, batch: int | None = None, dtype: Any = None, coefficients: str = "float", rope: Any = None,
-               bases: str = "native", window: int = 0, min_tokens: int = 0, query_group: int = 1, group_size: int = DEFAULT_GROUP,
-               sinks: int = 0) -> "SubspaceState":
+    def static(
+        cls,
+        basis: StaticBasis,
+        *,
+        batch: int | None = None,
+        dtype: Any = None,
+        coefficients: str = "float",
+        rope: Any = None,
+        bases: str = "native",
+        window: int = 0,
+        min_tokens: int = 0,
+        query_group: int = 1,
+        group_size: int = DEFAULT_GROUP,
+        sinks: int = 0,
+    ) -> "SubspaceState":
         """A state over a calibrated basis (spec A6): one chunk per head, nothing else kept.
 
         ``coefficients="int8"`` stores coefficients as int8 with one float32 scale per token and
@@ -177,9 +191,14 @@ class SubspaceState:
         heads, d, d_v, rk, rv, ek, ev, w = _online_args(heads, d, d_v, rank_k, rank_v, ell_k, ell_v, warmup)
         ring, stride, reuse = sketch_options(ring_warm_start, fd_stride, reuse_angle, bool(sketch_reset))
         if ring and lookahead:
-            raise ValueError(f"ring_warm_start={ring} and lookahead={lookahead} cannot be combined: the ring replaces the sketches that lookahead extends; set one of them to 0")
+            raise ValueError(
+                f"ring_warm_start={ring} and lookahead={lookahead} cannot be combined: the ring replaces the sketches that lookahead extends; set one of them to 0"
+            )
         policy = AdaptivePolicy(
-            rk, rv, ek, ev,
+            rk,
+            rv,
+            ek,
+            ev,
             _checks.open_unit_interval("tau_k", tau_k),
             _checks.open_unit_interval("tau_v", tau_v),
             _checks.positive_int("max_chunk", max_chunk),
@@ -230,7 +249,9 @@ class SubspaceState:
     @classmethod
     def _online(cls, policy, heads, d, d_v, gamma, batch, dtype, coefficients, bases="native", exact=(0, 0, 0, 0), group_size=None) -> "SubspaceState":
         if np.dtype(dtype) not in (np.float32, np.float64):
-            raise TypeError(f"dtype must be float32 or float64 for an online NumPy state (its SVDs need them), got {dtype!r}; convert with state.to(...) for half precision")
+            raise TypeError(
+                f"dtype must be float32 or float64 for an online NumPy state (its SVDs need them), got {dtype!r}; convert with state.to(...) for half precision"
+            )
         dtype = np.dtype(dtype)
         n = _batch_size(batch)
         layout = _empty_layout(n, heads, max(policy.rank_k), d, max(policy.rank_v), d_v, dtype, coefficients, bases, group_size)
@@ -403,8 +424,9 @@ def _online_args(heads, d, d_v, rank_k, rank_v, ell_k, ell_v, warmup):
     return heads, d, d_v, rk, rv, ek, ev, warmup_length(warmup, rk, rv)
 
 
-def _empty_layout(n: int, H: int, r: int, d: int, r_v: int, d_v: int, dtype, coefficients: str, bases: str = "native",
-                  group_size: int | None = DEFAULT_GROUP) -> PackedLayout:
+def _empty_layout(
+    n: int, H: int, r: int, d: int, r_v: int, d_v: int, dtype, coefficients: str, bases: str = "native", group_size: int | None = DEFAULT_GROUP
+) -> PackedLayout:
     if coefficients not in ("float", "int8", *LOW_BITS):
         raise ValueError(f'coefficients must be "float", "int8", "int4" or "int2", got {coefficients!r}')
     bits = LOW_BITS.get(coefficients, 0)
@@ -416,10 +438,13 @@ def _empty_layout(n: int, H: int, r: int, d: int, r_v: int, d_v: int, dtype, coe
     low_bit = {}
     if bits:  # spec/quantization.md Q2
         low_bit = dict(
-            key_group_scale=np.zeros((n, H, 0, r), dtype=np.float16), key_group_zero=np.zeros((n, H, 0, r), dtype=np.float16),
+            key_group_scale=np.zeros((n, H, 0, r), dtype=np.float16),
+            key_group_zero=np.zeros((n, H, 0, r), dtype=np.float16),
             key_tail=np.zeros((n, H, group, r), dtype=dtype),
-            value_token_scale=np.zeros((n, H, 0), dtype=np.float16), value_token_zero=np.zeros((n, H, 0), dtype=np.float16),
-            low_bits=bits, group=group,
+            value_token_scale=np.zeros((n, H, 0), dtype=np.float16),
+            value_token_zero=np.zeros((n, H, 0), dtype=np.float16),
+            low_bits=bits,
+            group=group,
         )
     return PackedLayout(
         **low_bit,

@@ -29,7 +29,9 @@ def replay(state, K, V):
             for t in range(a, b):
                 rho_k = np.linalg.norm(K[h, t] - B.T @ (B @ K[h, t])) / np.linalg.norm(K[h, t])
                 rho_v = np.linalg.norm(V[h, t] - E.T @ (E @ V[h, t])) / np.linalg.norm(V[h, t])
-                should_close = t >= min(policy.warmup, *policy.rank_k, *policy.rank_v) and (rho_k > policy.tau_k or rho_v > policy.tau_v or t + 1 - a >= policy.max_chunk)
+                should_close = t >= min(policy.warmup, *policy.rank_k, *policy.rank_v) and (
+                    rho_k > policy.tau_k or rho_v > policy.tau_v or t + 1 - a >= policy.max_chunk
+                )
                 yield h, t, rho_k, rho_v, should_close, (t + 1) in ends
 
 

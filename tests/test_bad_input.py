@@ -368,7 +368,13 @@ def test_rotating_constructor_rejects(kw, exc, match):
 
 @pytest.mark.parametrize(
     "heads, d, d_v, exc, match",
-    [(0, 6, 5, ValueError, r"heads must be >= 1"), (2.0, 6, 5, TypeError, r"heads must be an int"), (2, 0, 5, ValueError, r"d must be >= 1"), (2, 6, 0, ValueError, r"d_v must be >= 1"), (2, "6", 5, TypeError, r"d must be an int")],
+    [
+        (0, 6, 5, ValueError, r"heads must be >= 1"),
+        (2.0, 6, 5, TypeError, r"heads must be an int"),
+        (2, 0, 5, ValueError, r"d must be >= 1"),
+        (2, 6, 0, ValueError, r"d_v must be >= 1"),
+        (2, "6", 5, TypeError, r"d must be an int"),
+    ],
 )
 def test_online_dimensions_rejected(heads, d, d_v, exc, match):
     """(A rank given as a string is caught by the per-head count check: "rank_k must be one int or 2 ints".)"""

@@ -13,8 +13,21 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from subspace_ref.baselines import (  # noqa: E402
-    H2O, Geometry, QuantizedKV, SlidingWindow, StreamingLLM, Subspace, SubspaceWindow, applied, capacity_for, fake_quant,
-    full_bytes, methods_at, quantize_keys, token_logprobs, window_keep,
+    H2O,
+    Geometry,
+    QuantizedKV,
+    SlidingWindow,
+    StreamingLLM,
+    Subspace,
+    SubspaceWindow,
+    applied,
+    capacity_for,
+    fake_quant,
+    full_bytes,
+    methods_at,
+    quantize_keys,
+    token_logprobs,
+    window_keep,
 )
 from subspace_ref.baselines.h2o import H2ORuntime  # noqa: E402
 
@@ -203,7 +216,16 @@ def test_command_quick(tmp_path):
     args = p.parse_args(["--quick", "--model", "tiny-random", "--out", str(tmp_path / "out"), "--docs", str(tmp_path / "docs"), "--no-progress"])
     assert baselines.run(args) == 0
     rec = json.loads((tmp_path / "out" / "baselines.json").read_text())
-    assert {r["family"] for r in rec["rows"]} >= {"stock", "quantized KV", "sliding window", "StreamingLLM", "H2O", "subspace", "subspace INT8", "subspace + window"}
+    assert {r["family"] for r in rec["rows"]} >= {
+        "stock",
+        "quantized KV",
+        "sliding window",
+        "StreamingLLM",
+        "H2O",
+        "subspace",
+        "subspace INT8",
+        "subspace + window",
+    }
     assert "subspace (issue 16)" in {r["family"] for r in rec["rows"]} and "Scope and limits" in (tmp_path / "docs" / "baselines.md").read_text()
     assert all(c["max_abs_token_nll_diff"] < 1e-3 for c in rec["full_budget_checks"])
     assert (tmp_path / "out" / "baselines.csv").exists()

@@ -53,7 +53,11 @@ def _imports(name: str, path: Path, modules) -> dict[str, bool]:
 
 def _core_graph():
     modules = _modules()
-    core = {n for n in modules if not any(n == f"subspace_ref.{o}" or n.startswith(f"subspace_ref.{o}.") or n.startswith(f"subspace_ref.{o}_") for o in OUTSIDE_CORE)}
+    core = {
+        n
+        for n in modules
+        if not any(n == f"subspace_ref.{o}" or n.startswith(f"subspace_ref.{o}.") or n.startswith(f"subspace_ref.{o}_") for o in OUTSIDE_CORE)
+    }
     return {n: {m: f for m, f in _imports(n, modules[n], modules).items() if m in core} for n in core}
 
 
@@ -66,7 +70,7 @@ def _cycles(graph) -> list[str]:
         stack.append(n)
         for m in graph[n]:
             if state.get(m) == 1:
-                cycles.append(" -> ".join(stack[stack.index(m):] + [m]))
+                cycles.append(" -> ".join(stack[stack.index(m) :] + [m]))
             elif m not in state:
                 walk(m, stack)
         stack.pop()

@@ -460,7 +460,9 @@ def test_million_tokens_static_linear_memory_and_constant_append_time():
     assert state.num_tokens == T
     assert state.nbytes == base + T * per_token
     assert state.allocated_nbytes <= 2 * state.nbytes + 4096, "capacity grew more than geometrically"
-    print(f"\n[10^6 tokens] per-token append: {first * 1e6:.1f} us at T~0, {last * 1e6:.1f} us at T~1e6; nbytes {state.nbytes}, allocated {state.allocated_nbytes}")
+    print(
+        f"\n[10^6 tokens] per-token append: {first * 1e6:.1f} us at T~0, {last * 1e6:.1f} us at T~1e6; nbytes {state.nbytes}, allocated {state.allocated_nbytes}"
+    )
     assert last <= 3.0 * first + 20e-6, f"per-token append {first * 1e6:.1f} us at T~0 vs {last * 1e6:.1f} us at T~1e6"
     q = rng.standard_normal((H, d)).astype(np.float32)
     out = attend(q, state)

@@ -219,7 +219,9 @@ def test_schema_covers_every_layout_array_and_policy_field():
     from subspace_ref.layout import PackedLayout
     from subspace_ref.policies import AdaptivePolicy, RotatingPolicy, StaticPolicy
 
-    assert set(PackedLayout.ARRAYS) == set(persistence.LAYOUT_TENSORS + persistence.SCALE_TENSORS + persistence.BASIS_SCALE_TENSORS + persistence.LOW_BIT_TENSORS)
+    assert set(PackedLayout.ARRAYS) == set(
+        persistence.LAYOUT_TENSORS + persistence.SCALE_TENSORS + persistence.BASIS_SCALE_TENSORS + persistence.LOW_BIT_TENSORS
+    )
     spec = Path(__file__).resolve().parents[1].joinpath("spec", "persistence.md").read_text()
     for name in persistence.TENSOR_ORDER:
         assert f"`{name}`" in spec, f"tensor {name} is not described in spec/persistence.md"
@@ -343,8 +345,13 @@ def _torch_live(state):
     lay = state.layout
     T, J = lay.num_tokens, int(lay.num_chunks.max())
     out = dict(
-        key_coef=lay.key_coef[:, :, :T], value_coef=lay.value_coef[:, :, :T], key_bases=lay.key_bases[:, :, :J],
-        value_bases=lay.value_bases[:, :, :J], chunk_starts=lay.chunk_starts[:, :, :J], num_chunks=lay.num_chunks, gamma=lay.gamma,
+        key_coef=lay.key_coef[:, :, :T],
+        value_coef=lay.value_coef[:, :, :T],
+        key_bases=lay.key_bases[:, :, :J],
+        value_bases=lay.value_bases[:, :, :J],
+        chunk_starts=lay.chunk_starts[:, :, :J],
+        num_chunks=lay.num_chunks,
+        gamma=lay.gamma,
     )
     if state.sketches is not None:
         out.update(sketch_keys=state.sketches.keys, sketch_values=state.sketches.values)

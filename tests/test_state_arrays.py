@@ -48,9 +48,18 @@ def variant_states(draw):
     elif kind == "adaptive":
         ring = draw(st.sampled_from([0, 8]))
         state = SubspaceState.adaptive(
-            H, d, d_v, rank_k=2, rank_v=2, max_chunk=4, ring_warm_start=ring, sketch_reset=not ring and draw(st.booleans()),
-            fd_stride=draw(st.sampled_from([1, 3])), reuse_angle=draw(st.sampled_from([None, 0.3])),
-            lookahead=0 if ring else draw(st.sampled_from([0, common["window"]])), **common,
+            H,
+            d,
+            d_v,
+            rank_k=2,
+            rank_v=2,
+            max_chunk=4,
+            ring_warm_start=ring,
+            sketch_reset=not ring and draw(st.booleans()),
+            fd_stride=draw(st.sampled_from([1, 3])),
+            reuse_angle=draw(st.sampled_from([None, 0.3])),
+            lookahead=0 if ring else draw(st.sampled_from([0, common["window"]])),
+            **common,
         )
     else:
         state = SubspaceState.rotating(H, d, d_v, rank_k=2, rank_v=3, refresh_every=3, **common)
@@ -120,7 +129,10 @@ def test_ring_state_counts_its_rings_in_both_byte_counts():
     assert state.allocated_nbytes >= state.nbytes
 
 
-@pytest.mark.parametrize("dtype_rule, kept", [("coefficients", ("key_coef", "value_coef", "key_scale", "value_scale")), ("bases", ("key_bases", "value_bases", "key_basis_scale", "value_basis_scale"))])
+@pytest.mark.parametrize(
+    "dtype_rule, kept",
+    [("coefficients", ("key_coef", "value_coef", "key_scale", "value_scale")), ("bases", ("key_bases", "value_bases", "key_basis_scale", "value_basis_scale"))],
+)
 def test_conversion_keeps_the_dtype_of_encoded_arrays(dtype_rule, kept):
     rng = np.random.default_rng(1)
     kw = {"coefficients": "int8"} if dtype_rule == "coefficients" else {"bases": "int8"}

@@ -176,13 +176,25 @@ class SubspaceMachine(RuleBasedStateMachine):
             ref = SubspaceState.static(StaticBasis.from_bases(B, E, gamma=g), batch=batch, coefficients=coefficients)
         else:
             common = dict(
-                rank_k=rank_k, rank_v=rank_v, ell_k=max(rank_k) + knobs["extra_ell"], ell_v=max(rank_v) + knobs["extra_ell"],
-                warmup=min(knobs["warmup"], min(rank_k), min(rank_v)), gamma=gamma, batch=batch, coefficients=coefficients,
+                rank_k=rank_k,
+                rank_v=rank_v,
+                ell_k=max(rank_k) + knobs["extra_ell"],
+                ell_v=max(rank_v) + knobs["extra_ell"],
+                warmup=min(knobs["warmup"], min(rank_k), min(rank_v)),
+                gamma=gamma,
+                batch=batch,
+                coefficients=coefficients,
             )
             if kind == "adaptive":
                 ref = SubspaceState.adaptive(
-                    heads, d, d_v, tau_k=knobs["tau_k"], tau_v=knobs["tau_v"], max_chunk=knobs["max_chunk"],
-                    sketch_reset=knobs["sketch_reset"], **common,
+                    heads,
+                    d,
+                    d_v,
+                    tau_k=knobs["tau_k"],
+                    tau_v=knobs["tau_v"],
+                    max_chunk=knobs["max_chunk"],
+                    sketch_reset=knobs["sketch_reset"],
+                    **common,
                 )
             else:
                 ref = SubspaceState.rotating(heads, d, d_v, refresh_every=knobs["refresh_every"], **common)
@@ -298,9 +310,7 @@ class SubspaceMachine(RuleBasedStateMachine):
             assert K_hat.tobytes() == Kr.tobytes() and V_hat.tobytes() == Vr.tobytes()
 
     @rule(
-        what=st.sampled_from(
-            ["heads", "d", "d_v", "nan_k", "inf_v", "int", "count", "rank1", "extra_dim", "family", "complex", "ragged", "none"]
-        ),
+        what=st.sampled_from(["heads", "d", "d_v", "nan_k", "inf_v", "int", "count", "rank1", "extra_dim", "family", "complex", "ragged", "none"]),
         seed=st.integers(0, 2**32 - 1),
     )
     def bad_append(self, what, seed):
@@ -342,7 +352,9 @@ class SubspaceMachine(RuleBasedStateMachine):
             k, v = _to_backend(k, self.backend), _to_backend(v, self.backend)
         self.expect_rejected(lambda: self.state.append(k, v), f"append ({what})")
 
-    @rule(what=st.sampled_from(["zero_heads", "not_multiple", "d", "nan", "int", "scale", "backend", "empty_or_batch", "family"]), seed=st.integers(0, 2**32 - 1))
+    @rule(
+        what=st.sampled_from(["zero_heads", "not_multiple", "d", "nan", "int", "scale", "backend", "empty_or_batch", "family"]), seed=st.integers(0, 2**32 - 1)
+    )
     def bad_attend(self, what, seed):
         self.steps += 1
         rng = np.random.default_rng(seed)
@@ -466,7 +478,9 @@ class SubspaceMachine(RuleBasedStateMachine):
                             tol = np.abs(want).max(axis=-1, keepdims=True) / 254 * (1 + 1e-5) + 1e-12 * norms[:, None]
                         else:
                             tol = 1e-10 * (norms[:, None] + 1e-300)
-                        assert (np.abs(c - want) <= tol).all(), f"{which} coefficients of chunk {j}, head {h} are not B_j x_t: max err {np.abs(c - want).max():.3e}"
+                        assert (np.abs(c - want) <= tol).all(), (
+                            f"{which} coefficients of chunk {j}, head {h} are not B_j x_t: max err {np.abs(c - want).max():.3e}"
+                        )
                 # warm-up tokens are stored exactly (spec A7 step 0)
                 if W and not refreshed and not self.int8:
                     w = min(W, T)

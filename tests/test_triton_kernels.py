@@ -60,6 +60,8 @@ def _interpreter_environment(monkeypatch):
     """TRITON_INTERPRET=1 during this module's tests when the module set it for its import."""
     if _SET_HERE:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -117,8 +119,15 @@ def random_layout(rng, N, H, T, d, d_v, r, r_v, starts, dtype, gamma=None, zero_
         value_coef[:, :, T:] = np.nan
         cdt = tdt
     lay = PackedLayout(
-        _t(key_coef, cdt), _t(value_coef, cdt), _t(key_bases, tdt), _t(value_bases, tdt),
-        _t(chunk_starts, torch.int64), _t(num_chunks, torch.int64), _t(gamma, tdt), T, **scales,
+        _t(key_coef, cdt),
+        _t(value_coef, cdt),
+        _t(key_bases, tdt),
+        _t(value_bases, tdt),
+        _t(chunk_starts, torch.int64),
+        _t(num_chunks, torch.int64),
+        _t(gamma, tdt),
+        T,
+        **scales,
     )
     lay64 = lay.map_arrays(lambda _, x: x.cpu().to(torch.float64).numpy() if x.is_floating_point() else x.cpu().numpy())
     return lay, lay64
@@ -218,8 +227,13 @@ def _as_on_gpu(launch):
     if "PARTS" in c:  # decode split kernel: q (arg 0) and the key bases (arg 3)
         c.update(NATIVE16=c["PARTS"] > 1, Q_NATIVE=c["PARTS"] > 1 and launch.args[0].dtype == launch.args[3].dtype, BLOCK_D=min(32, c["D"]))
     if "NATIVE" in c:  # projection: keys (arg 0) and key bases (arg 2)
-        c.update(NATIVE=launch.args[0].dtype == launch.args[2].dtype and launch.args[0].dtype in sixteen,
-                 BLOCK_DK=min(32, c["D"]), BLOCK_DV=min(32, c["DV"]), MANUAL_BF16_K=False, MANUAL_BF16_V=False)
+        c.update(
+            NATIVE=launch.args[0].dtype == launch.args[2].dtype and launch.args[0].dtype in sixteen,
+            BLOCK_DK=min(32, c["D"]),
+            BLOCK_DV=min(32, c["DV"]),
+            MANUAL_BF16_K=False,
+            MANUAL_BF16_V=False,
+        )
     if "MANUAL_BF16" in c:
         c["MANUAL_BF16"] = False
     launch.run()
@@ -263,7 +277,12 @@ def impl(request):
         stack.enter_context(gpu_numerics(request.getfixturevalue("monkeypatch")))
         request.addfinalizer(stack.close)
         return dict(attend=gpu_attend, partials=gpu_partials, merge=gpu_merge, project=gpu_project)
-    return dict(attend=decode.decode_attention_reference, partials=decode.decode_partials_reference, merge=decode.merge_partials_reference, project=project.project_append_reference)
+    return dict(
+        attend=decode.decode_attention_reference,
+        partials=decode.decode_partials_reference,
+        merge=decode.merge_partials_reference,
+        project=project.project_append_reference,
+    )
 
 
 class TestDecodeAttention:
@@ -385,8 +404,9 @@ class TestProjectAppend:
         keys, values, key_bases, value_bases = _t(k, tdt), _t(v, tdt), _t(kb, tdt), _t(vb, tdt)
         buf_k = torch.full((N, H, offset + n_new + 4, r), float("nan"), dtype=tdt, device=DEVICE)
         buf_v = torch.full((N, H, offset + n_new + 4, r_v), float("nan"), dtype=tdt, device=DEVICE)
-        rho = impl["project"](keys, values, key_bases, value_bases, _t(chunk, torch.int64),
-                              buf_k[:, :, offset : offset + n_new], buf_v[:, :, offset : offset + n_new], True)
+        rho = impl["project"](
+            keys, values, key_bases, value_bases, _t(chunk, torch.int64), buf_k[:, :, offset : offset + n_new], buf_v[:, :, offset : offset + n_new], True
+        )
         # only rows offset .. offset + n_new were written
         for buf in (buf_k, buf_v):
             assert torch.isnan(buf[:, :, :offset]).all() and torch.isnan(buf[:, :, offset + n_new :]).all()
@@ -421,8 +441,9 @@ class TestProjectAppend:
         out_v = out_k.clone()
         s_k = torch.full((N, H, n_new + 2), float("nan"), device=DEVICE)
         s_v = s_k.clone()
-        rho = impl["project"](keys, keys, bases, bases, chunk, out_k[:, :, 1:-1], out_v[:, :, 1:-1], True,
-                              out_key_scale=s_k[:, :, 1:-1], out_value_scale=s_v[:, :, 1:-1])
+        rho = impl["project"](
+            keys, keys, bases, bases, chunk, out_k[:, :, 1:-1], out_v[:, :, 1:-1], True, out_key_scale=s_k[:, :, 1:-1], out_value_scale=s_v[:, :, 1:-1]
+        )
         assert (out_k[:, :, [0, -1]] == 99).all() and torch.isnan(s_k[:, :, [0, -1]]).all()
         c64 = np.einsum("nhtd,nhrd->nhtr", _f64(keys), _f64(bases)[:, :, 0])
         q, s = _f64(out_k[:, :, 1:-1]), _f64(s_k[:, :, 1:-1])

@@ -3,7 +3,6 @@ the cache and backends around them, persistence refusal, and the report rows."""
 
 from __future__ import annotations
 
-import argparse
 
 import numpy as np
 import pytest
@@ -108,10 +107,16 @@ def test_R3_plane_energies_rope_invariant(rng):
     np.testing.assert_allclose(plane_energy(post), 1.2**2 * plane_energy(K), rtol=1e-12)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(rank_k=3, rank_v=2), "even"), (dict(rank_k=0, rank_v=2), "even"), (dict(rank_k=10, rank_v=2), "even"),
-    (dict(rank_k=4, rank_v=2, layout="gptj"), "layout"), (dict(rank_k=4, rank_v=2, rotary_dim=3), "rotary_dim"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(rank_k=3, rank_v=2), "even"),
+        (dict(rank_k=0, rank_v=2), "even"),
+        (dict(rank_k=10, rank_v=2), "even"),
+        (dict(rank_k=4, rank_v=2, layout="gptj"), "layout"),
+        (dict(rank_k=4, rank_v=2, rotary_dim=3), "rotary_dim"),
+    ],
+)
 def test_plane_calibration_bad_input(rng, kwargs, match):
     K = rng.standard_normal((H, 20, D))
     with pytest.raises(ValueError, match=match):
@@ -165,7 +170,9 @@ def test_R2_rank_r_pre_rope_state_attends_rotated_projection(rng):
     q = rng.standard_normal((H, D))
     want = exact_attention(q, 0.7 * K_hat, V_hat)
     np.testing.assert_allclose(subspace_ref.attend(q, st, backend="numpy"), want, rtol=0, atol=1e-12)
-    np.testing.assert_allclose(st.layout.key_coef[0, :, :T], np.einsum("htd,hrd->htr", np.stack([[Rs[t].T @ K[h, t] for t in range(T)] for h in range(H)]), B), atol=1e-13)
+    np.testing.assert_allclose(
+        st.layout.key_coef[0, :, :T], np.einsum("htd,hrd->htr", np.stack([[Rs[t].T @ K[h, t] for t in range(T)] for h in range(H)]), B), atol=1e-13
+    )
 
 
 def test_R1c_pre_rope_state_with_plane_basis_equals_plain_static_state(rng):

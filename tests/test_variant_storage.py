@@ -1,6 +1,5 @@
 """spec/storage.md: bases stored as native, float16, float8_e4m3 or int8 (seed 001 §10)."""
 
-import argparse
 
 import numpy as np
 import pytest
@@ -201,7 +200,11 @@ def test_torch_backend_agrees_with_the_oracle(rng, kind, fmt):
         oracle.append(K[:, a:b], V[:, a:b])
         t.append(torch.from_numpy(K[:, a:b]), torch.from_numpy(V[:, a:b]))
     np.testing.assert_array_equal(t.num_chunks, oracle.num_chunks)
-    assert str(t.layout.key_bases.dtype).removeprefix("torch.").startswith({"native": "float64", "float16": "float16", "float8_e4m3": "float8", "int8": "int8"}[fmt])
+    assert (
+        str(t.layout.key_bases.dtype)
+        .removeprefix("torch.")
+        .startswith({"native": "float64", "float16": "float16", "float8_e4m3": "float8", "int8": "int8"}[fmt])
+    )
     back = t.to("numpy")
     np.testing.assert_allclose(back.reconstruct()[0], oracle.reconstruct()[0], rtol=0, atol=1e-12)
     q = rng.standard_normal((2 * H, D))

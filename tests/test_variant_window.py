@@ -130,8 +130,15 @@ def test_online_window_equals_plain_state_over_the_prefix_plus_exact_suffix(rng,
     np.testing.assert_allclose(sr.attend(q, state), exact_attention(q, K_mix, V_mix), rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("kind,kw", [("static", dict(window=5, min_tokens=12)), ("adaptive", dict(window=8, lookahead=4)),
-                                     ("adaptive", dict(window=6, min_tokens=25, lookahead=6)), ("rotating", dict(window=5))])
+@pytest.mark.parametrize(
+    "kind,kw",
+    [
+        ("static", dict(window=5, min_tokens=12)),
+        ("adaptive", dict(window=8, lookahead=4)),
+        ("adaptive", dict(window=6, min_tokens=25, lookahead=6)),
+        ("rotating", dict(window=5)),
+    ],
+)
 def test_block_equals_token_by_token(rng, kind, kw):
     """W6.5 (W2.1): blocks of any sizes give the state token-by-token appends give."""
     K, V = stream(rng, 70)
@@ -215,15 +222,18 @@ def test_nbytes_by_hand(rng):
     assert adaptive.nbytes == plain.nbytes + H * W * (D + d_v) * 8
 
 
-@pytest.mark.parametrize("kw,err,match", [
-    (dict(window=-1), ValueError, "window must be >= 0"),
-    (dict(window=2.0), TypeError, "window must be an int"),
-    (dict(window=True), TypeError, "window must be an int"),
-    (dict(min_tokens=-3), ValueError, "min_tokens must be >= 0"),
-    (dict(min_tokens="8"), TypeError, "min_tokens must be an int"),
-    (dict(window=4, lookahead=5), ValueError, "lookahead must be <= window"),
-    (dict(window=4, lookahead=-1), ValueError, "lookahead must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "kw,err,match",
+    [
+        (dict(window=-1), ValueError, "window must be >= 0"),
+        (dict(window=2.0), TypeError, "window must be an int"),
+        (dict(window=True), TypeError, "window must be an int"),
+        (dict(min_tokens=-3), ValueError, "min_tokens must be >= 0"),
+        (dict(min_tokens="8"), TypeError, "min_tokens must be an int"),
+        (dict(window=4, lookahead=5), ValueError, "lookahead must be <= window"),
+        (dict(window=4, lookahead=-1), ValueError, "lookahead must be >= 0"),
+    ],
+)
 def test_bad_options_are_named(rng, kw, err, match):
     """W6.8: bad options raise naming the argument."""
     K, V = stream(rng, 10)
@@ -327,7 +337,14 @@ def test_plain_files_stay_version_1_and_bad_window_headers_are_rejected(rng, tmp
     with pytest.raises(persistence.StateFileError, match="format_version"):
         sr.SubspaceState.load(rewrite("v1", data, version="1"))
     with pytest.raises(persistence.StateFileError, match="do not fit window"):
-        sr.SubspaceState.load(rewrite("count", dict(data, window_keys=np.ascontiguousarray(data["window_keys"][:, :, :3]), window_values=np.ascontiguousarray(data["window_values"][:, :, :3]))))
+        sr.SubspaceState.load(
+            rewrite(
+                "count",
+                dict(
+                    data, window_keys=np.ascontiguousarray(data["window_keys"][:, :, :3]), window_values=np.ascontiguousarray(data["window_values"][:, :, :3])
+                ),
+            )
+        )
     with pytest.raises(persistence.StateFileError, match="lookahead"):
         sr.SubspaceState.load(rewrite("la", data, dict(header, window=dict(header["window"], lookahead=2))))
     with pytest.raises(persistence.StateFileError, match="window_keys"):
@@ -354,8 +371,9 @@ def test_hf_factories_forward_the_keywords(rng):
 torch = pytest.importorskip("torch")
 
 
-@pytest.mark.parametrize("kind,kw", [("static", dict(window=6, min_tokens=15)), ("adaptive", dict(window=7)), ("rotating", dict(window=5)),
-                                     ("static", dict(window=100))])
+@pytest.mark.parametrize(
+    "kind,kw", [("static", dict(window=6, min_tokens=15)), ("adaptive", dict(window=7)), ("rotating", dict(window=5)), ("static", dict(window=100))]
+)
 def test_torch_attend_and_append_agree_with_the_oracle(rng, kind, kw):
     """W6.9 / W3: the torch backend's merged softmax and its appends equal the oracle's in float64."""
     K, V = stream(rng, 60)
@@ -430,8 +448,15 @@ def test_rows_run_on_the_tiny_profile(tiny_calibration):
 
 
 # --------------------------------------------------------------------------- long prefill (issue 17 item 5)
-@pytest.mark.parametrize("kind,kw", [("static", dict(window=16, min_tokens=40)), ("rotating", dict(window=16)),
-                                     ("static", dict(window=16, sinks=4)), ("rotating", dict(window=9, min_tokens=30, sinks=3))])
+@pytest.mark.parametrize(
+    "kind,kw",
+    [
+        ("static", dict(window=16, min_tokens=40)),
+        ("rotating", dict(window=16)),
+        ("static", dict(window=16, sinks=4)),
+        ("rotating", dict(window=9, min_tokens=30, sinks=3)),
+    ],
+)
 @pytest.mark.parametrize("backend", ["numpy", "torch"])
 def test_long_prefill_in_blocks_equals_token_by_token_bit_for_bit(rng, kind, kw, backend):
     """W2.1 for a prefill: one append of 300 tokens moves the 284 leaving the window to the
@@ -522,11 +547,14 @@ def test_sinks_zero_is_the_window_state_and_sinks_compose_with_gamma(rng, kind):
     assert (only.window.sink_count, only.layout.num_tokens, only.window.recent) == (4, 26, 0)
 
 
-@pytest.mark.parametrize("kw,err,match", [
-    (dict(sinks=-1), ValueError, "sinks must be >= 0"),
-    (dict(sinks=2.5), TypeError, "sinks"),
-    (dict(sinks="4"), TypeError, "sinks"),
-])
+@pytest.mark.parametrize(
+    "kw,err,match",
+    [
+        (dict(sinks=-1), ValueError, "sinks must be >= 0"),
+        (dict(sinks=2.5), TypeError, "sinks"),
+        (dict(sinks="4"), TypeError, "sinks"),
+    ],
+)
 @pytest.mark.parametrize("kind", ["static", "adaptive", "rotating"])
 def test_bad_sinks_are_named(rng, kind, kw, err, match):
     K, V = stream(rng, 20)

@@ -122,8 +122,18 @@ class Library:
             src.write_text(unit)
             tmp = build / f"kernels_{digest}.{os.getpid()}.so"
             cmd = [
-                compiler(), "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w",
-                f"-I{EMULATION_DIR}", f"-I{cuda_include_dir()}", str(src), "-o", str(tmp),
+                compiler(),
+                "-std=c++20",
+                "-O1",
+                "-shared",
+                "-fPIC",
+                "-pthread",
+                "-w",
+                f"-I{EMULATION_DIR}",
+                f"-I{cuda_include_dir()}",
+                str(src),
+                "-o",
+                str(tmp),
             ]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
@@ -185,7 +195,9 @@ def bf16_float(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
-def attend(q: np.ndarray, dtype: str, arrays: L.CoefArrays, scale: float, splits: tuple[int, int] | None = None, sm_count: int = 4, lib: Library | None = None) -> np.ndarray:
+def attend(
+    q: np.ndarray, dtype: str, arrays: L.CoefArrays, scale: float, splits: tuple[int, int] | None = None, sm_count: int = 4, lib: Library | None = None
+) -> np.ndarray:
     """:func:`._launch.attend` with host arrays: the same plan and argument tuples. ``lib``: a
     prebuilt :class:`Library` holding the kernels needed (else one is built)."""
     plan = L.plan_decode(dtype, q.shape, arrays, sm_count, splits)
@@ -199,7 +211,20 @@ def attend(q: np.ndarray, dtype: str, arrays: L.CoefArrays, scale: float, splits
     return out
 
 
-def project(dtype: str, keys, values, key_bases, value_bases, num_chunks, key_coef, value_coef, offset: int, key_scale=None, value_scale=None, lib: Library | None = None):
+def project(
+    dtype: str,
+    keys,
+    values,
+    key_bases,
+    value_bases,
+    num_chunks,
+    key_coef,
+    value_coef,
+    offset: int,
+    key_scale=None,
+    value_scale=None,
+    lib: Library | None = None,
+):
     """:func:`._launch.project` with host arrays (the coefficient buffers are written in place)."""
     N, H, n_new, _ = keys.shape
     cfg = L.project_config(dtype, keys.shape, values.shape, key_coef.shape, value_coef.shape, key_scale is not None)
@@ -215,6 +240,7 @@ def host_arrays(layout: Any, dtype: str) -> L.CoefArrays:
     """A NumPy packed layout (spec A9) in the storage the kernels read: bases and floating
     coefficients in ``dtype`` (bfloat16 as bits); INT8 coefficients and their float32 scales
     (spec A10) as they are."""
+
     def store(x):
         x = np.ascontiguousarray(x, dtype=np.float32)
         return bf16_bits(x) if dtype == "bfloat16" else x.astype(dtype)
@@ -222,11 +248,14 @@ def host_arrays(layout: Any, dtype: str) -> L.CoefArrays:
     quantized = getattr(layout, "key_scale", None) is not None
     coef = (lambda x: np.ascontiguousarray(x)) if quantized else store
     return L.CoefArrays(
-        key_coef=coef(layout.key_coef), value_coef=coef(layout.value_coef),
-        key_bases=store(layout.key_bases), value_bases=store(layout.value_bases),
+        key_coef=coef(layout.key_coef),
+        value_coef=coef(layout.value_coef),
+        key_bases=store(layout.key_bases),
+        value_bases=store(layout.value_bases),
         chunk_starts=np.ascontiguousarray(layout.chunk_starts, dtype=np.int64),
         num_chunks=np.ascontiguousarray(layout.num_chunks, dtype=np.int64),
-        gamma=np.ascontiguousarray(layout.gamma, dtype=np.float32), num_tokens=int(layout.num_tokens),
+        gamma=np.ascontiguousarray(layout.gamma, dtype=np.float32),
+        num_tokens=int(layout.num_tokens),
         key_scale=np.ascontiguousarray(layout.key_scale, dtype=np.float32) if quantized else None,
         value_scale=np.ascontiguousarray(layout.value_scale, dtype=np.float32) if quantized else None,
     )

@@ -182,7 +182,9 @@ class CupyBackend:
         device = _interop.device_id(q)
         limit = _launch.max_shared_bytes(cupy.cuda.Device(device))
         if need > limit:
-            return [f"a GQA group of {group} query heads needs {need} bytes of shared memory per block (d={d}, d_v={d_v}, rank tile {rt}); device {device} allows {limit}"]
+            return [
+                f"a GQA group of {group} query heads needs {need} bytes of shared memory per block (d={d}, d_v={d_v}, rank tile {rt}); device {device} allows {limit}"
+            ]
         return []
 
     # ------------------------------------------------------------------ conversion
@@ -225,7 +227,9 @@ class CupyBackend:
 
         lay = state.layout
         if getattr(lay, "basis_format", "native") != "native":  # refused before anything changes
-            raise ValueError(f"the cupy backend cannot append to a state whose bases are stored as {lay.basis_format} (spec/storage.md S1); use the torch or numpy backend")
+            raise ValueError(
+                f"the cupy backend cannot append to a state whose bases are stored as {lay.basis_format} (spec/storage.md S1); use the torch or numpy backend"
+            )
         dtype = _interop.dtype_name(lay.key_bases)
         quantized = getattr(lay, "key_scale", None) is not None
         d, d_v = keys.shape[3], values.shape[3]
@@ -251,10 +255,17 @@ class CupyBackend:
         lay = lay.with_capacity(T + n_new, lay.key_bases.shape[2])
         with _interop.launch_context(_interop.device_id(lay.key_coef)):
             _launch.project(
-                dtype, cupy.ascontiguousarray(keys), cupy.ascontiguousarray(values),
-                cupy.ascontiguousarray(lay.key_bases), cupy.ascontiguousarray(lay.value_bases),
-                cupy.ascontiguousarray(lay.num_chunks), lay.key_coef, lay.value_coef, T,
-                lay.key_scale if quantized else None, lay.value_scale if quantized else None,
+                dtype,
+                cupy.ascontiguousarray(keys),
+                cupy.ascontiguousarray(values),
+                cupy.ascontiguousarray(lay.key_bases),
+                cupy.ascontiguousarray(lay.value_bases),
+                cupy.ascontiguousarray(lay.num_chunks),
+                lay.key_coef,
+                lay.value_coef,
+                T,
+                lay.key_scale if quantized else None,
+                lay.value_scale if quantized else None,
             )
         state.layout = replace(lay, num_tokens=T + n_new)
 

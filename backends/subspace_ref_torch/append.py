@@ -201,8 +201,11 @@ def append_online(state, keys: torch.Tensor, values: torch.Tensor, project=proje
             c, dv, rho_k, rho_v = project(kk, vv, open_B, open_E)
             ends = torch.arange(t + 1, t + 1 + s, device=device)  # t + 1 per token
             capped = ends - open_start[..., None] >= policy.max_chunk
-            fire = ((~warming_k[..., None]) & (rho_k > policy.tau_k)) | ((~warming_v[..., None]) & (rho_v > policy.tau_v)) \
+            fire = (
+                ((~warming_k[..., None]) & (rho_k > policy.tau_k))
+                | ((~warming_v[..., None]) & (rho_v > policy.tau_v))
                 | ((~warming_k & ~warming_v)[..., None] & capped)
+            )
             any_head = fire.flatten(0, 1).any(0)
             first = int(torch.where(any_head, torch.arange(s, device=device), s).min())  # host sync
             take = min(first + 1, s)
@@ -271,7 +274,9 @@ def append_online(state, keys: torch.Tensor, values: torch.Tensor, project=proje
             i += s
 
     state.layout = replace(lay, num_chunks=num_chunks, chunk_starts=chunk_starts, num_tokens=T + n_new)
-    state.sketches = replace(sk, keys=buf_k.to(sk.keys.dtype), values=buf_v.to(sk.values.dtype), filled_k=filled_k, filled_v=filled_v, rows_seen=sk.rows_seen + n_new)
+    state.sketches = replace(
+        sk, keys=buf_k.to(sk.keys.dtype), values=buf_v.to(sk.values.dtype), filled_k=filled_k, filled_v=filled_v, rows_seen=sk.rows_seen + n_new
+    )
 
 
 def _warm(lay, which: str, t: int, open_basis: torch.Tensor, x: torch.Tensor, warming: torch.Tensor) -> torch.Tensor:

@@ -76,22 +76,69 @@ _PARTS = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, kc_ptr, vc_ptr, kb_ptr, vb_ptr, starts_ptr, nchunks_ptr, gamma_ptr, ks_ptr, vs_ptr,
-    pm_ptr, pz_ptr, po_ptr, ntok_ptr,
-    H, group, num_tokens, split_len, num_splits, scale,
-    d, d_v, r, r_v,
-    sq_n, sq_h,
-    skc_n, skc_h, skc_t,
-    svc_n, svc_h, svc_t,
-    skb_n, skb_h, skb_j, skb_r,
-    svb_n, svb_h, svb_j, svb_r,
-    sst_n, sst_h,
-    snc_n, snc_h,
-    sks_n, sks_h, sks_t,
-    svs_n, svs_h, svs_t,
-    G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, RV: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PARTS: tl.constexpr, NATIVE16: tl.constexpr,
-    Q_NATIVE: tl.constexpr, INT8: tl.constexpr, DEVICE_T: tl.constexpr, MIN_SPLIT: tl.constexpr,
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    kb_ptr,
+    vb_ptr,
+    starts_ptr,
+    nchunks_ptr,
+    gamma_ptr,
+    ks_ptr,
+    vs_ptr,
+    pm_ptr,
+    pz_ptr,
+    po_ptr,
+    ntok_ptr,
+    H,
+    group,
+    num_tokens,
+    split_len,
+    num_splits,
+    scale,
+    d,
+    d_v,
+    r,
+    r_v,
+    sq_n,
+    sq_h,
+    skc_n,
+    skc_h,
+    skc_t,
+    svc_n,
+    svc_h,
+    svc_t,
+    skb_n,
+    skb_h,
+    skb_j,
+    skb_r,
+    svb_n,
+    svb_h,
+    svb_j,
+    svb_r,
+    sst_n,
+    sst_h,
+    snc_n,
+    snc_h,
+    sks_n,
+    sks_h,
+    sks_t,
+    svs_n,
+    svs_h,
+    svs_t,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    R: tl.constexpr,
+    RV: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PARTS: tl.constexpr,
+    NATIVE16: tl.constexpr,
+    Q_NATIVE: tl.constexpr,
+    INT8: tl.constexpr,
+    DEVICE_T: tl.constexpr,
+    MIN_SPLIT: tl.constexpr,
 ):
     # No nested @triton.jit calls in the loops (tl.max, tl.sum, tl.zeros are; see _tl.py):
     # under the interpreter each one re-patches triton.language, so the 16-bit split products
@@ -170,8 +217,7 @@ def _decode_split_kernel(
         for d0 in tl.static_range(0, D, BLOCK_D):
             offs_dd = d0 + tl.arange(0, BLOCK_D)
             qb = tl.load(q_rows + offs_dd[None, :], mask=g_mask[:, None] & (offs_dd < d)[None, :], other=0.0)
-            Bb = tl.load(kb_base + j * skb_j + offs_r[:, None] * skb_r + offs_dd[None, :],
-                         mask=r_mask[:, None] & (offs_dd < d)[None, :], other=0.0)
+            Bb = tl.load(kb_base + j * skb_j + offs_r[:, None] * skb_r + offs_dd[None, :], mask=r_mask[:, None] & (offs_dd < d)[None, :], other=0.0)
             if Q_NATIVE:
                 q_proj = tl.dot(qb, tl.trans(Bb), acc=q_proj)
             else:
@@ -198,10 +244,8 @@ def _decode_split_kernel(
         acc = tl.full([G, RV], 0.0, tl.float32)  # value-coefficient accumulator, at scale m_i
         for t0 in range(c_lo, c_hi, BLOCK_T):
             t_mask = t0 + offs_t < c_hi
-            c = tl.load(kc_base + (t0 + offs_t)[:, None] * skc_t + offs_r[None, :],
-                        mask=t_mask[:, None] & r_mask[None, :], other=0)  # (BLOCK_T, R)
-            dvals = tl.load(vc_base + (t0 + offs_t)[:, None] * svc_t + offs_rv[None, :],
-                            mask=t_mask[:, None] & rv_mask[None, :], other=0)  # (BLOCK_T, RV)
+            c = tl.load(kc_base + (t0 + offs_t)[:, None] * skc_t + offs_r[None, :], mask=t_mask[:, None] & r_mask[None, :], other=0)  # (BLOCK_T, R)
+            dvals = tl.load(vc_base + (t0 + offs_t)[:, None] * svc_t + offs_rv[None, :], mask=t_mask[:, None] & rv_mask[None, :], other=0)  # (BLOCK_T, RV)
             if INT8:
                 # through float32: the interpreter turns int8 -> bfloat16 into a bit copy
                 c = c.to(tl.float32).to(COEF)
@@ -268,8 +312,7 @@ def _decode_split_kernel(
 
         # Once per chunk, not per token: N <- N exp(m_o - m) + acc E_j. N is rescaled here
         # rather than per tile; m_o = -inf means N is still 0 (and avoids -inf - -inf).
-        E = tl.load(vb_base + j * svb_j + offs_rv[:, None] * svb_r + offs_dv[None, :],
-                    mask=rv_mask[:, None] & (offs_dv < d_v)[None, :], other=0.0)
+        E = tl.load(vb_base + j * svb_j + offs_rv[:, None] * svb_r + offs_dv[None, :], mask=rv_mask[:, None] & (offs_dv < d_v)[None, :], other=0.0)
         o_scale = tl.where(m_o == float("-inf"), 0.0, tl.exp(m_o - m_i))
         o_i = o_i * o_scale[:, None]
         if PARTS > 1:
@@ -304,13 +347,11 @@ def _decode_split_kernel(
     row = (n * H + h) * group + offs_g  # (N, H_q) row of each query head
     tl.store(pm_ptr + row * num_splits + s, m_i, mask=g_mask)
     tl.store(pz_ptr + row * num_splits + s, z_i, mask=g_mask)
-    tl.store(po_ptr + (row * num_splits + s)[:, None] * d_v + offs_dv[None, :], o_i,
-             mask=g_mask[:, None] & (offs_dv < d_v)[None, :])
+    tl.store(po_ptr + (row * num_splits + s)[:, None] * d_v + offs_dv[None, :], o_i, mask=g_mask[:, None] & (offs_dv < d_v)[None, :])
 
 
 @triton.jit
-def _merge_kernel(pm_ptr, pz_ptr, po_ptr, out_ptr, num_splits, d_v, Hq, so_n, so_h,
-                  DV: tl.constexpr, BLOCK_S: tl.constexpr, MANUAL_BF16: tl.constexpr):
+def _merge_kernel(pm_ptr, pz_ptr, po_ptr, out_ptr, num_splits, d_v, Hq, so_n, so_h, DV: tl.constexpr, BLOCK_S: tl.constexpr, MANUAL_BF16: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     n = row // Hq
     hq = row % Hq
@@ -326,8 +367,7 @@ def _merge_kernel(pm_ptr, pz_ptr, po_ptr, out_ptr, num_splits, d_v, Hq, so_n, so
         s_mask = s_idx < num_splits
         m = tl.load(pm_ptr + row * num_splits + s_idx, mask=s_mask, other=float("-inf"))
         z = tl.load(pz_ptr + row * num_splits + s_idx, mask=s_mask, other=0.0)
-        o = tl.load(po_ptr + (row * num_splits + s_idx)[:, None] * d_v + offs_dv[None, :],
-                    mask=s_mask[:, None] & dv_mask[None, :], other=0.0)
+        o = tl.load(po_ptr + (row * num_splits + s_idx)[:, None] * d_v + offs_dv[None, :], mask=s_mask[:, None] & dv_mask[None, :], other=0.0)
         m_new = tl.maximum(m_run, tl.reduce(m, 0, _MAX))
         # Spec A3.2 with e^{-inf - m} := 0, also when every partial so far is empty (m_new = -inf).
         ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -381,10 +421,14 @@ def resident_programs(launch: Launch, device) -> int:
             compiled = launch.kernel.warmup(*launch.args, grid=launch.grid, **launch.constexprs, num_warps=launch.num_warps)
             compiled._init_handles()
             props = torch.cuda.get_device_properties(device)
-            gpu = GPU(props.name, 10 * props.major + props.minor, props.multi_processor_count,
-                      regs_per_sm=getattr(props, "regs_per_multiprocessor", 65536),
-                      max_warps_per_sm=getattr(props, "max_threads_per_multi_processor", 2048) // 32,
-                      smem_per_sm=getattr(props, "shared_memory_per_multiprocessor", 228 * 1024))
+            gpu = GPU(
+                props.name,
+                10 * props.major + props.minor,
+                props.multi_processor_count,
+                regs_per_sm=getattr(props, "regs_per_multiprocessor", 65536),
+                max_warps_per_sm=getattr(props, "max_threads_per_multi_processor", 2048) // 32,
+                smem_per_sm=getattr(props, "shared_memory_per_multiprocessor", 228 * 1024),
+            )
             _RESIDENT[key] = max(1, resident_blocks(gpu, compiled.n_regs, launch.num_warps, compiled.metadata.shared).blocks_per_sm)
         except Exception:  # noqa: BLE001 - an occupancy query must never fail a decode
             _RESIDENT[key] = FALLBACK_RESIDENT
@@ -414,15 +458,24 @@ def launch_config(d: int, d_v: int, dtype=None, int8: bool = False) -> dict:
     return dict(block_t=32, num_warps=4)
 
 
-def decode_partials(q, layout, scale: float, split_len: int, num_splits: int | None = None, *,
-                    block_t: int | None = None, num_warps: int | None = None):
+def decode_partials(q, layout, scale: float, split_len: int, num_splits: int | None = None, *, block_t: int | None = None, num_warps: int | None = None):
     launch, outputs = split_launch(q, layout, scale, split_len, num_splits, block_t=block_t, num_warps=num_warps)
     launch.run()
     return outputs
 
 
-def split_launch(q, layout, scale: float, split_len: int, num_splits: int | None = None, *,
-                 block_t: int | None = None, num_warps: int | None = None, num_tokens=None, outputs=None):
+def split_launch(
+    q,
+    layout,
+    scale: float,
+    split_len: int,
+    num_splits: int | None = None,
+    *,
+    block_t: int | None = None,
+    num_warps: int | None = None,
+    num_tokens=None,
+    outputs=None,
+):
     """Per-split partials ``(m, Z, N)`` (spec A3.2) of coefficient-space attention (spec A3).
 
     q (N, H_q, d); ``layout`` a :class:`~subspace_ref.layout.PackedLayout` of torch tensors
@@ -449,42 +502,98 @@ def split_launch(q, layout, scale: float, split_len: int, num_splits: int | None
     S = cdiv(T, split_len) if num_splits is None else int(num_splits)
     dev = q.device
     if outputs is None:
-        outputs = (torch.empty((N, Hq, S), dtype=torch.float32, device=dev), torch.empty((N, Hq, S), dtype=torch.float32, device=dev),
-                   torch.empty((N, Hq, S, d_v), dtype=torch.float32, device=dev))
+        outputs = (
+            torch.empty((N, Hq, S), dtype=torch.float32, device=dev),
+            torch.empty((N, Hq, S), dtype=torch.float32, device=dev),
+            torch.empty((N, Hq, S, d_v), dtype=torch.float32, device=dev),
+        )
     pm, pz, po = outputs
     kc, vc, kb, vb = layout.key_coef, layout.value_coef, layout.key_bases, layout.value_bases
     st, nc = layout.chunk_starts, layout.num_chunks
     int8 = getattr(layout, "key_scale", None) is not None  # spec A10
     # without INT8 the scale pointers are never read, nor num_tokens without DEVICE_T: any tensor will do
     ks, vs = (layout.key_scale, layout.value_scale) if int8 else (kc, vc)
-    for name, x in (("q", q), ("key_coef", kc), ("value_coef", vc), ("key_bases", kb), ("value_bases", vb), ("chunk_starts", st), ("key_scale", ks), ("value_scale", vs)):
+    for name, x in (
+        ("q", q),
+        ("key_coef", kc),
+        ("value_coef", vc),
+        ("key_bases", kb),
+        ("value_bases", vb),
+        ("chunk_starts", st),
+        ("key_scale", ks),
+        ("value_scale", vs),
+    ):
         if x.stride(-1) != 1:
             raise ValueError(f"{name} must have a unit stride in its last dimension")
     parts = _PARTS[kb.dtype]
     cfg = launch_config(d, d_v, kb.dtype, int8)
     cfg.update({k: v for k, v in (("block_t", block_t), ("num_warps", num_warps)) if v is not None})
     args = (
-        q, kc, vc, kb, vb, st, nc, layout.gamma.contiguous(), ks, vs,
-        pm, pz, po, num_tokens if device_t else nc,
-        H, group, T, 0 if device_t else int(split_len), S, float(scale),
-        d, d_v, r, r_v,
-        q.stride(0), q.stride(1),
-        kc.stride(0), kc.stride(1), kc.stride(2),
-        vc.stride(0), vc.stride(1), vc.stride(2),
-        kb.stride(0), kb.stride(1), kb.stride(2), kb.stride(3),
-        vb.stride(0), vb.stride(1), vb.stride(2), vb.stride(3),
-        st.stride(0), st.stride(1),
-        nc.stride(0), nc.stride(1),
-        ks.stride(0), ks.stride(1), ks.stride(2) if int8 else 0,
-        vs.stride(0), vs.stride(1), vs.stride(2) if int8 else 0,
+        q,
+        kc,
+        vc,
+        kb,
+        vb,
+        st,
+        nc,
+        layout.gamma.contiguous(),
+        ks,
+        vs,
+        pm,
+        pz,
+        po,
+        num_tokens if device_t else nc,
+        H,
+        group,
+        T,
+        0 if device_t else int(split_len),
+        S,
+        float(scale),
+        d,
+        d_v,
+        r,
+        r_v,
+        q.stride(0),
+        q.stride(1),
+        kc.stride(0),
+        kc.stride(1),
+        kc.stride(2),
+        vc.stride(0),
+        vc.stride(1),
+        vc.stride(2),
+        kb.stride(0),
+        kb.stride(1),
+        kb.stride(2),
+        kb.stride(3),
+        vb.stride(0),
+        vb.stride(1),
+        vb.stride(2),
+        vb.stride(3),
+        st.stride(0),
+        st.stride(1),
+        nc.stride(0),
+        nc.stride(1),
+        ks.stride(0),
+        ks.stride(1),
+        ks.stride(2) if int8 else 0,
+        vs.stride(0),
+        vs.stride(1),
+        vs.stride(2) if int8 else 0,
     )
     constexprs = dict(
-        G=pow2_at_least(group), D=pow2_at_least(d), DV=pow2_at_least(d_v),
-        R=pow2_at_least(r), RV=pow2_at_least(r_v),
-        BLOCK_T=cfg["block_t"], BLOCK_D=pow2_at_least(d) if interpreting() else min(BLOCK_D, pow2_at_least(d)),
-        PARTS=parts, NATIVE16=parts > 1 and not interpreting(),
-        Q_NATIVE=parts > 1 and q.dtype == kb.dtype and not interpreting(), INT8=int8,
-        DEVICE_T=device_t, MIN_SPLIT=MIN_SPLIT_TOKENS if device_t else 1,
+        G=pow2_at_least(group),
+        D=pow2_at_least(d),
+        DV=pow2_at_least(d_v),
+        R=pow2_at_least(r),
+        RV=pow2_at_least(r_v),
+        BLOCK_T=cfg["block_t"],
+        BLOCK_D=pow2_at_least(d) if interpreting() else min(BLOCK_D, pow2_at_least(d)),
+        PARTS=parts,
+        NATIVE16=parts > 1 and not interpreting(),
+        Q_NATIVE=parts > 1 and q.dtype == kb.dtype and not interpreting(),
+        INT8=int8,
+        DEVICE_T=device_t,
+        MIN_SPLIT=MIN_SPLIT_TOKENS if device_t else 1,
     )
     return Launch(_decode_split_kernel, (N * H, S), args, constexprs, cfg["num_warps"]), outputs
 
@@ -504,7 +613,8 @@ def merge_launch(m, z, o, dtype, out=None):
     out = torch.empty((N, Hq, d_v), dtype=dtype, device=m.device) if out is None else out
     args = (m.contiguous(), z.contiguous(), o.contiguous(), out, S, d_v, Hq, out.stride(0), out.stride(1))
     constexprs = dict(
-        DV=pow2_at_least(d_v), BLOCK_S=min(MERGE_BLOCK_S, pow2_at_least(S, 1)),
+        DV=pow2_at_least(d_v),
+        BLOCK_S=min(MERGE_BLOCK_S, pow2_at_least(S, 1)),
         MANUAL_BF16=interpreting() and dtype == torch.bfloat16,
     )
     return Launch(_merge_kernel, (N * Hq,), args, constexprs, 4), out

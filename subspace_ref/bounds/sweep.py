@@ -112,7 +112,7 @@ def synthetic_stream(family: str, d: int, T: int, heads: int, query_heads: int, 
         pos = np.arange(T)
         K, Q = rope(K, pos), rope(Q, pos)
     # one scale for K and Q keeps each query's logits at a comparable spread across configs
-    logits = np.einsum("htd,hsd->hts", Q[:: group], K) / math.sqrt(d)
+    logits = np.einsum("htd,hsd->hts", Q[::group], K) / math.sqrt(d)
     c = math.sqrt(TARGET_LOGIT_STD / max(float(logits.std()), 1e-12))
     return K * c, V, Q * c
 
@@ -196,14 +196,32 @@ def build_state(cfg: Config, K: np.ndarray, V: np.ndarray, calib: tuple):
         state = SubspaceState.static(basis, coefficients=cfg.coefficients)
     elif cfg.kind == "adaptive":
         state = SubspaceState.adaptive(
-            H, d, V.shape[2], rank_k=cfg.rank, rank_v=cfg.rank, ell_k=cfg.ell, ell_v=cfg.ell,
-            tau_k=cfg.tau, tau_v=cfg.tau, max_chunk=cfg.max_chunk, gamma=cfg.gamma,
-            sketch_reset=cfg.sketch_reset, coefficients=cfg.coefficients,
+            H,
+            d,
+            V.shape[2],
+            rank_k=cfg.rank,
+            rank_v=cfg.rank,
+            ell_k=cfg.ell,
+            ell_v=cfg.ell,
+            tau_k=cfg.tau,
+            tau_v=cfg.tau,
+            max_chunk=cfg.max_chunk,
+            gamma=cfg.gamma,
+            sketch_reset=cfg.sketch_reset,
+            coefficients=cfg.coefficients,
         )
     else:
         state = SubspaceState.rotating(
-            H, d, V.shape[2], rank_k=cfg.rank, rank_v=cfg.rank, ell_k=cfg.ell, ell_v=cfg.ell,
-            refresh_every=cfg.refresh, gamma=cfg.gamma, coefficients=cfg.coefficients,
+            H,
+            d,
+            V.shape[2],
+            rank_k=cfg.rank,
+            rank_v=cfg.rank,
+            ell_k=cfg.ell,
+            ell_v=cfg.ell,
+            refresh_every=cfg.refresh,
+            gamma=cfg.gamma,
+            coefficients=cfg.coefficients,
         )
     state.append(K, V)
     return state
@@ -269,8 +287,7 @@ def capture_default_model(folder: Path, tokens: int) -> Path | None:
         cap = capture(model, torch.as_tensor(windows))
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "stdlib_llama.npz"
-    np.savez(path, K=np.stack([x.keys for x in cap.layers]), V=np.stack([x.values for x in cap.layers]),
-             Q=np.stack([x.queries for x in cap.layers]))
+    np.savez(path, K=np.stack([x.keys for x in cap.layers]), V=np.stack([x.values for x in cap.layers]), Q=np.stack([x.queries for x in cap.layers]))
     return path
 
 
@@ -295,11 +312,33 @@ def evaluate(cfg: Config, K, V, Q, calib) -> tuple[list[dict], dict]:
     report = check(Q[:, -1], K, V, state)
     records = []
     for row in report.rows:
-        rec = dict(config=cfg.name, source=cfg.source, kind=cfg.kind, d=cfg.d, tokens=cfg.tokens, rank=cfg.rank,
-                   ell=cfg.ell, tau=cfg.tau, refresh=cfg.refresh, gamma=cfg.gamma, coefficients=cfg.coefficients,
-                   sketch_reset=cfg.sketch_reset, chunks=max(report.info["chunks"]))
-        rec.update(claim=row.id, applicable=row.applicable, measured=row.measured, bound=row.bound, ratio=row.ratio,
-                   held=row.held, guarantee=row.guarantee, allowance=row.allowance, status=row.status, reason=row.reason)
+        rec = dict(
+            config=cfg.name,
+            source=cfg.source,
+            kind=cfg.kind,
+            d=cfg.d,
+            tokens=cfg.tokens,
+            rank=cfg.rank,
+            ell=cfg.ell,
+            tau=cfg.tau,
+            refresh=cfg.refresh,
+            gamma=cfg.gamma,
+            coefficients=cfg.coefficients,
+            sketch_reset=cfg.sketch_reset,
+            chunks=max(report.info["chunks"]),
+        )
+        rec.update(
+            claim=row.id,
+            applicable=row.applicable,
+            measured=row.measured,
+            bound=row.bound,
+            ratio=row.ratio,
+            held=row.held,
+            guarantee=row.guarantee,
+            allowance=row.allowance,
+            status=row.status,
+            reason=row.reason,
+        )
         records.append(rec)
     pred = {k: v for k, v in report.predictors.items() if not isinstance(v, list)}
     pred["bound_B2.c"] = report.row("B2.c").bound
@@ -430,8 +469,15 @@ def plot(path: Path, records: list[dict]) -> None:
                 axis.set_minor_locator(NullLocator())
         if not pts:  # e.g. B5.1, whose bound is 0: nothing to draw on log axes
             n = [r for r in records if r["claim"] == cid and r["applicable"]]
-            ax.text(0.5, 0.5, f"bound 0 or rounding level\nheld {sum(r['held'] for r in n)} / {len(n)}",
-                    ha="center", va="center", transform=ax.transAxes, fontsize=9)
+            ax.text(
+                0.5,
+                0.5,
+                f"bound 0 or rounding level\nheld {sum(r['held'] for r in n)} / {len(n)}",
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+                fontsize=9,
+            )
             ax.set_xticks([])
             ax.set_yticks([])
         kind = "" if CLAIMS[cid].kind == "guarantee" else " (paper form)"
@@ -439,7 +485,7 @@ def plot(path: Path, records: list[dict]) -> None:
         n_bad = sum(1 for r in records if r["claim"] == cid and r["applicable"] and not r["held"])
         ax.set_title(f"{cid}{kind}: failed {n_bad}/{n_app}", fontsize=9)
         ax.tick_params(labelsize=7)
-    for ax in list(axes.flat)[len(ids):]:
+    for ax in list(axes.flat)[len(ids) :]:
         ax.axis("off")
     handles, labels = [], []
     for ax in axes.flat:
@@ -473,7 +519,7 @@ def theory_markdown(summary: dict, meta: dict) -> str:
         "",
         f"<!-- GENERATED by `{meta['command']}` from its own output; do not edit. -->",
         "",
-        f"Each statement of seed 001 §8 and seed 003 (\"Approximation error and stability\") as numbered in "
+        f'Each statement of seed 001 §8 and seed 003 ("Approximation error and stability") as numbered in '
         f"`spec/bounds.md` (derivations there), measured by `subspace_ref.bounds.check` on "
         f"{meta['configurations']} states ({meta['synthetic']} on synthetic streams, {meta['configurations'] - meta['synthetic']} on "
         f"{meta['cache_layers']} layers of saved model caches"
@@ -487,8 +533,10 @@ def theory_markdown(summary: dict, meta: dict) -> str:
     ]
     for cid, c in CLAIMS.items():
         s = claims[cid]
-        out.append(f"| {cid} | {c.formula} | {c.source} | {_verdict(c, s)} | {s['failed']} / {s['applicable']} | "
-                   f"{_num(s['median_ratio'])} | {_num(s['worst_ratio'])} |")
+        out.append(
+            f"| {cid} | {c.formula} | {c.source} | {_verdict(c, s)} | {s['failed']} / {s['applicable']} | "
+            f"{_num(s['median_ratio'])} | {_num(s['worst_ratio'])} |"
+        )
     out += ["", "## Statements", ""]
     for cid, c in CLAIMS.items():
         s = claims[cid]
@@ -498,20 +546,21 @@ def theory_markdown(summary: dict, meta: dict) -> str:
         out.append("")
         out.append(f"**Verdict: {_verdict(c, s)}.**")
         if c.kind == "guarantee":
-            out.append(f"Proved in spec/bounds.md {cid.split('.')[0]}; in the sweep it held on all "
-                       f"{s['applicable']} applicable states ({s['violations']} violations).")
+            out.append(
+                f"Proved in spec/bounds.md {cid.split('.')[0]}; in the sweep it held on all {s['applicable']} applicable states ({s['violations']} violations)."
+            )
         else:
             ce = ces[c.counterexample]
             m = ce["refutes"][cid]
-            out.append(f"Corrected form: **{c.corrected_by}** "
-                       f"(`{CLAIMS[c.corrected_by].formula}`), a guarantee.")
+            out.append(f"Corrected form: **{c.corrected_by}** (`{CLAIMS[c.corrected_by].formula}`), a guarantee.")
             out.append("")
-            out.append(f"Counterexample `{c.counterexample}`: {ce['description']} "
-                       f"Through `check`: measured {m['measured']:.5g} > bound {m['bound']:.5g}.")
+            out.append(f"Counterexample `{c.counterexample}`: {ce['description']} Through `check`: measured {m['measured']:.5g} > bound {m['bound']:.5g}.")
             out.append("")
             reasons = ", ".join(f"{k}: {v}" for k, v in sorted(s["failed_by_reason"].items())) or "none"
-            out.append(f"In the sweep: condition met on {s['guaranteed']} of {s['applicable']} states "
-                       f"({s['violations']} failures among them); failed on {s['failed']} states ({reasons}).")
+            out.append(
+                f"In the sweep: condition met on {s['guaranteed']} of {s['applicable']} states "
+                f"({s['violations']} failures among them); failed on {s['failed']} states ({reasons})."
+            )
             if s["worst_failure"]:
                 w = s["worst_failure"]
                 out.append(f"Worst failure: `{w['config']}`, measured {_num(w['measured'])} vs bound {_num(w['bound'])}.")
@@ -519,15 +568,16 @@ def theory_markdown(summary: dict, meta: dict) -> str:
             out.append("")
             out.append(f"Note: {c.note}.")
         out.append("")
-        out.append(f"Tightness (measured/bound): median {_num(s['median_ratio'])}, worst {_num(s['worst_ratio'])}"
-                   + (f"; where guaranteed: median {_num(s['median_ratio_guaranteed'])}, worst {_num(s['worst_ratio_guaranteed'])}"
-                      if c.kind != "guarantee" else "")
-                   + f". {s['rounding_level']} rows at rounding level.")
+        out.append(
+            f"Tightness (measured/bound): median {_num(s['median_ratio'])}, worst {_num(s['worst_ratio'])}"
+            + (f"; where guaranteed: median {_num(s['median_ratio_guaranteed'])}, worst {_num(s['worst_ratio_guaranteed'])}" if c.kind != "guarantee" else "")
+            + f". {s['rounding_level']} rows at rounding level."
+        )
         out.append("")
     out += [
         "## Do the seeds' predictors predict the errors?",
         "",
-        "Seed 001 §11, falsifier 4: \"FD ε and operator-norm residuals fail to predict observed logit/output "
+        'Seed 001 §11, falsifier 4: "FD ε and operator-norm residuals fail to predict observed logit/output '
         "errors\". Spearman rank correlation across the sweep's states (online states for the FD ε rows); "
         "`max_chunk_residual` is the worst head's max_j ‖K_j(I−P_{B_j})‖_op, errors are the worst query head's.",
         "",
@@ -564,8 +614,11 @@ def theory_markdown(summary: dict, meta: dict) -> str:
         "its implementation. A paper form that failed is refuted by its counterexample, whatever the sweep's counts.",
         "- Tightness and correlations depend on the states swept: synthetic streams (low rank plus noise, drifting subspaces, "
         "RoPE-rotated, one dominant token) chosen to reach each statement's conditions"
-        + (f", and {meta['cache_layers']} layers of the shipped byte-level Llama's own post-RoPE caches on one held-out "
-           "sequence, the only real model here." if meta["cache_layers"] else "; no real model's caches (pass --capture-default-model).")
+        + (
+            f", and {meta['cache_layers']} layers of the shipped byte-level Llama's own post-RoPE caches on one held-out sequence, the only real model here."
+            if meta["cache_layers"]
+            else "; no real model's caches (pass --capture-default-model)."
+        )
         + " They say how tight the bounds are on these states, not on a large model's caches.",
         "- Errors are those of one query per state (the last token's), the worst head; a bound on ‖ℓ−ℓ̂‖∞ says nothing of the "
         "perplexity a model reaches (`docs/experiments.md` measures that).",
@@ -587,9 +640,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--theory", type=Path, default=Path("docs/theory.md"), help="where to write the generated theory page (default docs/theory.md)")
     parser.add_argument("--caches", type=Path, default=None, help="folder of saved caches (.npz with K, V, Q per layer); skipped when absent")
     parser.add_argument("--cache-tokens", type=int, default=None, help="tokens per saved layer (default 256; 128 with --quick)")
-    parser.add_argument("--capture-default-model", action=argparse.BooleanOptionalAction, default=None,
-                        help="record the shipped model's K, V, Q on held-out text into OUT/caches and sweep them too (needs the models "
-                             "extra; default: on, off with --quick)")
+    parser.add_argument(
+        "--capture-default-model",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="record the shipped model's K, V, Q on held-out text into OUT/caches and sweep them too (needs the models extra; default: on, off with --quick)",
+    )
     parser.add_argument("--quick", action="store_true", help="a small grid (seconds), as the tests run it")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic streams")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
@@ -649,13 +705,21 @@ def run(args: argparse.Namespace) -> int:
         records.extend(recs)
         predictors.append(pred)
     summary = summarize(records, predictors, counterexample_results())
-    command = "subspace-kv bounds --out results/bounds" + (" --quick" if args.quick else "") + (
-        f" --caches {args.caches}" if args.caches is not None else "") + (
-        " --no-capture-default-model" if not capture_model(args) and not args.quick else "")
+    command = (
+        "subspace-kv bounds --out results/bounds"
+        + (" --quick" if args.quick else "")
+        + (f" --caches {args.caches}" if args.caches is not None else "")
+        + (" --no-capture-default-model" if not capture_model(args) and not args.quick else "")
+    )
     meta = dict(
-        configurations=len(predictors), synthetic=sum(not p["source"].startswith("cache:") for p in predictors),
-        cache_layers=n_layers, quick=bool(args.quick), seed=args.seed, command=command,
-        skipped=skipped, runtime_s=None,
+        configurations=len(predictors),
+        synthetic=sum(not p["source"].startswith("cache:") for p in predictors),
+        cache_layers=n_layers,
+        quick=bool(args.quick),
+        seed=args.seed,
+        command=command,
+        skipped=skipped,
+        runtime_s=None,
     )
     write_csv(out / "bounds.csv", records)
     (out / "predictors.json").write_text(json.dumps(jsonable(predictors), indent=1))
@@ -667,10 +731,14 @@ def run(args: argparse.Namespace) -> int:
     meta["runtime_s"] = round(time.perf_counter() - start, 2)
     (out / "summary.json").write_text(json.dumps(jsonable(dict(meta=meta, **summary)), indent=1))
     bad = {cid: s["violations"] for cid, s in summary["claims"].items() if s["violations"]}
-    print(f"bounds: {meta['configurations']} states, {len(records)} rows in {meta['runtime_s']} s -> {out}"
-          + (f"; theory page {args.theory}" if args.theory is not None else ""))
+    print(
+        f"bounds: {meta['configurations']} states, {len(records)} rows in {meta['runtime_s']} s -> {out}"
+        + (f"; theory page {args.theory}" if args.theory is not None else "")
+    )
     for cid, s in summary["claims"].items():
-        print(f"  {cid:<7} {s['kind']:<10} failed {s['failed']:>4} / {s['applicable']:<4} median {_num(s['median_ratio']):>8} worst {_num(s['worst_ratio']):>8}")
+        print(
+            f"  {cid:<7} {s['kind']:<10} failed {s['failed']:>4} / {s['applicable']:<4} median {_num(s['median_ratio']):>8} worst {_num(s['worst_ratio']):>8}"
+        )
     if bad:
         print(f"bounds: GUARANTEES VIOLATED: {bad}", file=sys.stderr)
         return 1

@@ -29,7 +29,10 @@ without the ``subspace-kv`` entry points.
 
 #: subcommand name -> (module, help): the entries for subspace_ref.cli.SUBCOMMANDS.
 SUBCOMMANDS = {
-    "experiments": ("subspace_ref.experiments.main_job", "the experiments: --quick table (default, about 1 min) or --full run and docs/experiments.md (about 25 min)"),
+    "experiments": (
+        "subspace_ref.experiments.main_job",
+        "the experiments: --quick table (default, about 1 min) or --full run and docs/experiments.md (about 25 min)",
+    ),
     "calibrate": ("subspace_ref.experiments.calibrate", "static bases, energy ranks, gamma and tau from calibration text"),
     "ppl": ("subspace_ref.experiments.ppl", "perplexity vs rank for static, adaptive, rotating states"),
     "spectra": ("subspace_ref.experiments.spectra", "K/V singular values, energy vs rank, pre/post RoPE, residual traces"),

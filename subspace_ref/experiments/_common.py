@@ -84,26 +84,70 @@ class Profile:
 
 PROFILES = {
     "full": Profile(
-        name="full", calib_windows=8, holdout_windows=2, eval_windows=12, spectra_windows=4, context=None,
-        rank_fractions=(1 / 16, 1 / 8, 3 / 16, 1 / 4, 3 / 8, 1 / 2, 3 / 4), online_fractions=(1 / 8, 1 / 4, 1 / 2, 3 / 4),
-        energies=(0.90, 0.95, 0.98, 0.99), gammas=("unit", "paper", "mse"), sides=True, int8=True,
-        sketch_resets=(False, True), rotating=True, max_chunk=256, refresh_every=64,
-        bounds_windows=4, bounds_fractions=(1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4), bounds_lengths=(1 / 4, 1 / 2, 1.0),
+        name="full",
+        calib_windows=8,
+        holdout_windows=2,
+        eval_windows=12,
+        spectra_windows=4,
+        context=None,
+        rank_fractions=(1 / 16, 1 / 8, 3 / 16, 1 / 4, 3 / 8, 1 / 2, 3 / 4),
+        online_fractions=(1 / 8, 1 / 4, 1 / 2, 3 / 4),
+        energies=(0.90, 0.95, 0.98, 0.99),
+        gammas=("unit", "paper", "mse"),
+        sides=True,
+        int8=True,
+        sketch_resets=(False, True),
+        rotating=True,
+        max_chunk=256,
+        refresh_every=64,
+        bounds_windows=4,
+        bounds_fractions=(1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4),
+        bounds_lengths=(1 / 4, 1 / 2, 1.0),
         paper_taus=(0.2,),
     ),
     "quick": Profile(
-        name="quick", calib_windows=4, holdout_windows=1, eval_windows=2, spectra_windows=2, context=None,
-        rank_fractions=(1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4), online_fractions=(1 / 4, 3 / 4),
-        energies=(0.95, 0.99), gammas=("unit", "mse"), sides=False, int8=True,
-        sketch_resets=(False, True), rotating=True, max_chunk=256, refresh_every=64,
-        bounds_windows=1, bounds_fractions=(1 / 8, 1 / 4), bounds_lengths=(1 / 2, 1.0),
+        name="quick",
+        calib_windows=4,
+        holdout_windows=1,
+        eval_windows=2,
+        spectra_windows=2,
+        context=None,
+        rank_fractions=(1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4),
+        online_fractions=(1 / 4, 3 / 4),
+        energies=(0.95, 0.99),
+        gammas=("unit", "mse"),
+        sides=False,
+        int8=True,
+        sketch_resets=(False, True),
+        rotating=True,
+        max_chunk=256,
+        refresh_every=64,
+        bounds_windows=1,
+        bounds_fractions=(1 / 8, 1 / 4),
+        bounds_lengths=(1 / 2, 1.0),
     ),
     "tiny": Profile(
-        name="tiny", calib_windows=2, holdout_windows=1, eval_windows=2, spectra_windows=2, context=48,
-        rank_fractions=(1 / 8, 1 / 4, 1 / 2), online_fractions=(1 / 4,),
-        energies=(0.9, 0.99), gammas=("unit", "paper", "mse"), sides=True, int8=True,
-        sketch_resets=(False, True), rotating=True, max_chunk=16, refresh_every=8,
-        bounds_windows=1, bounds_fractions=(1 / 4, 1 / 2), bounds_lengths=(1 / 2, 1.0), batch=2, paper_taus=(0.2,),
+        name="tiny",
+        calib_windows=2,
+        holdout_windows=1,
+        eval_windows=2,
+        spectra_windows=2,
+        context=48,
+        rank_fractions=(1 / 8, 1 / 4, 1 / 2),
+        online_fractions=(1 / 4,),
+        energies=(0.9, 0.99),
+        gammas=("unit", "paper", "mse"),
+        sides=True,
+        int8=True,
+        sketch_resets=(False, True),
+        rotating=True,
+        max_chunk=16,
+        refresh_every=8,
+        bounds_windows=1,
+        bounds_fractions=(1 / 4, 1 / 2),
+        bounds_lengths=(1 / 2, 1.0),
+        batch=2,
+        paper_taus=(0.2,),
     ),
 }
 
@@ -115,12 +159,16 @@ def ranks_from(fractions: Iterable[float], d: int) -> list[int]:
 
 # ----------------------------------------------------------------------------- arguments
 def add_common_arguments(parser: argparse.ArgumentParser, default_profile: str | None = "full") -> None:
-    parser.add_argument("--model", default="default",
-                        help='"default" (the shipped stdlib Llama), a local checkpoint folder, or "tiny-random" (a tiny random Llama, for tests)')
+    parser.add_argument(
+        "--model", default="default", help='"default" (the shipped stdlib Llama), a local checkpoint folder, or "tiny-random" (a tiny random Llama, for tests)'
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
-    parser.add_argument("--profile", choices=sorted(PROFILES), default=default_profile,
-                        help="sizes of the run: windows, ranks, variants (default "
-                             + (default_profile or "quick without --full, full with it") + "; tiny is for tests)")
+    parser.add_argument(
+        "--profile",
+        choices=sorted(PROFILES),
+        default=default_profile,
+        help="sizes of the run: windows, ranks, variants (default " + (default_profile or "quick without --full, full with it") + "; tiny is for tests)",
+    )
     parser.add_argument("--context", type=int, default=None, help="window length in tokens (default: the profile's, else the model's maximum)")
     parser.add_argument("--threads", type=int, default=1, help="torch and BLAS threads (default 1: fastest on a shared 2-core machine)")
     parser.add_argument("--backend", default="torch", help="backend for float states: torch (default) or numpy; INT8 states always use numpy")
@@ -135,8 +183,15 @@ def tiny_random_llama(seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rope_theta=10000.0,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
@@ -188,8 +243,13 @@ def load_model(name: str):
     kv = getattr(text, "num_key_value_heads", None) or heads
     d = getattr(text, "head_dim", None) or text.hidden_size // heads
     facts.update(
-        model_type=text.model_type, layers=text.num_hidden_layers, query_heads=heads, kv_heads=kv, head_dim=d,
-        max_context=int(getattr(text, "max_position_embeddings", 1024)), dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
+        model_type=text.model_type,
+        layers=text.num_hidden_layers,
+        query_heads=heads,
+        kv_heads=kv,
+        head_dim=d,
+        max_context=int(getattr(text, "max_position_embeddings", 1024)),
+        dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
         parameters=int(sum(p.numel() for p in model.parameters())),
     )
     return model, facts
@@ -253,8 +313,12 @@ class Context:
     def settings(self) -> dict:
         p = self.profile
         return dict(
-            profile=p.name, context=self.context, calib_windows=p.calib_windows, holdout_windows=p.holdout_windows,
-            eval_windows=p.eval_windows, seeds=dict(bases=SEED_BASES, holdout=SEED_HOLDOUT_CALIB, eval=SEED_EVAL),
+            profile=p.name,
+            context=self.context,
+            calib_windows=p.calib_windows,
+            holdout_windows=p.holdout_windows,
+            eval_windows=p.eval_windows,
+            seeds=dict(bases=SEED_BASES, holdout=SEED_HOLDOUT_CALIB, eval=SEED_EVAL),
             backend=getattr(self.args, "backend", "torch"),
         )
 
@@ -376,8 +440,12 @@ def _csv_value(v):
 def meta(ctx: Context, command: str, **extra) -> dict:
     """The ``meta`` block of every JSON output: what ran, on what, with which settings."""
     return dict(
-        command=command, model=ctx.facts, settings=ctx.settings(), environment=environment(),
-        runtime_s=round(time.perf_counter() - ctx.started, 2), **extra,
+        command=command,
+        model=ctx.facts,
+        settings=ctx.settings(),
+        environment=environment(),
+        runtime_s=round(time.perf_counter() - ctx.started, 2),
+        **extra,
     )
 
 
@@ -399,8 +467,7 @@ def pyplot():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    plt.rcParams.update({"font.size": 10, "axes.titlesize": 10, "legend.fontsize": 8, "xtick.labelsize": 9, "ytick.labelsize": 9,
-                         "figure.dpi": FIGURE_DPI})
+    plt.rcParams.update({"font.size": 10, "axes.titlesize": 10, "legend.fontsize": 8, "xtick.labelsize": 9, "ytick.labelsize": 9, "figure.dpi": FIGURE_DPI})
     return plt
 
 
@@ -456,7 +523,9 @@ def block_bootstrap(diff: np.ndarray, block: int, reps: int = 1000, seed: int = 
     diff = np.asarray(diff, dtype=np.float64)
     n_blocks = max(1, diff.shape[1] // block)
     means = np.stack([diff[:, i * block : (i + 1) * block if i < n_blocks - 1 else None].mean(axis=1) for i in range(n_blocks)], axis=1).ravel()
-    sizes = np.stack([np.full(diff.shape[0], diff[:, i * block : (i + 1) * block if i < n_blocks - 1 else None].shape[1]) for i in range(n_blocks)], axis=1).ravel()
+    sizes = np.stack(
+        [np.full(diff.shape[0], diff[:, i * block : (i + 1) * block if i < n_blocks - 1 else None].shape[1]) for i in range(n_blocks)], axis=1
+    ).ravel()
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, means.size, size=(reps, means.size))
     boot = (means[idx] * sizes[idx]).sum(axis=1) / sizes[idx].sum(axis=1)
@@ -478,8 +547,12 @@ def matches(record: dict | None, ctx: Context) -> bool:
     """Whether an output record was produced by this model, context and profile."""
     try:
         m = record["meta"]
-        return (m["model"].get("name") == ctx.facts["name"] and m["model"].get("weights_sha256") == ctx.facts.get("weights_sha256")
-                and m["settings"]["context"] == ctx.context and m["settings"]["profile"] == ctx.profile.name)
+        return (
+            m["model"].get("name") == ctx.facts["name"]
+            and m["model"].get("weights_sha256") == ctx.facts.get("weights_sha256")
+            and m["settings"]["context"] == ctx.context
+            and m["settings"]["profile"] == ctx.profile.name
+        )
     except (KeyError, TypeError):
         return False
 

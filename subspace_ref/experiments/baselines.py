@@ -33,8 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     C.add_common_arguments(parser, default_profile="full")
     parser.set_defaults(out=DEFAULT_OUT)
     parser.add_argument("--windows", type=int, default=None, help=f"held-out evaluation windows (default {DEFAULT_WINDOWS}; --quick 2)")
-    parser.add_argument("--budgets", type=lambda s: tuple(float(x) for x in s.split(",")), default=EXTRA_BUDGETS,
-                        help="fractions of the full cache (default 0.5,0.25,0.125 plus 0.0625,0.03125 for the Pareto front)")
+    parser.add_argument(
+        "--budgets",
+        type=lambda s: tuple(float(x) for x in s.split(",")),
+        default=EXTRA_BUDGETS,
+        help="fractions of the full cache (default 0.5,0.25,0.125 plus 0.0625,0.03125 for the Pareto front)",
+    )
     parser.add_argument("--batch", type=int, default=4, help="windows per forward pass (default 4)")
     parser.add_argument("--quick", action="store_true", help=f"tests: 2 windows of {QUICK_CONTEXT} tokens, 2 calibration windows")
     parser.add_argument("--docs", type=Path, default=C.DEFAULT_DOCS, help="where baselines.md and its figures go (default docs)")
@@ -75,8 +79,11 @@ def bases_for(svd: list[dict], r: int, rv: int) -> list:
 def by_position(nll: np.ndarray, edges: list[int]) -> dict:
     """Perplexity per context-length bucket (column t of ``nll`` predicts with t+1 tokens of context)."""
     ctx_len = np.arange(1, nll.shape[1] + 1)
-    return {C.bucket_label(a, b): float(np.exp(nll[:, (ctx_len >= a) & (ctx_len < b)].mean()))
-            for a, b in zip(edges[:-1], edges[1:]) if ((ctx_len >= a) & (ctx_len < b)).any()}
+    return {
+        C.bucket_label(a, b): float(np.exp(nll[:, (ctx_len >= a) & (ctx_len < b)].mean()))
+        for a, b in zip(edges[:-1], edges[1:])
+        if ((ctx_len >= a) & (ctx_len < b)).any()
+    }
 
 
 def compare(a: np.ndarray, b: np.ndarray) -> dict:
@@ -87,8 +94,9 @@ def compare(a: np.ndarray, b: np.ndarray) -> dict:
 
     diff = a - b
     lo, hi = relative_perplexity_interval(list(a), list(b))
-    return dict(delta_nll=float(diff.mean()), ci=[lo, hi], ppl_ratio=float(np.exp(diff.mean())),
-                verdict="tie" if lo <= 0 <= hi else ("worse" if lo > 0 else "better"))
+    return dict(
+        delta_nll=float(diff.mean()), ci=[lo, hi], ppl_ratio=float(np.exp(diff.mean())), verdict="tie" if lo <= 0 <= hi else ("worse" if lo > 0 else "better")
+    )
 
 
 # ----------------------------------------------------------------------------- issue 16's configurations
@@ -122,8 +130,15 @@ def calibration_losses(model, ids: np.ndarray, ranks=RANK_GRID, group: int = 32,
         g = lp.queries.shape[0] // H
         row = []
         for h in range(H):
-            layer = dict(keys=lp.keys[h, :n].astype(np.float64), keys_pre=lq.keys[h, :n].astype(np.float64), values=lp.values[h, :n].astype(np.float64),
-                         positions=positions, Wk=svd[li]["Wk"][h], Wk_pre=svd_pre[li]["Wk"][h], Wv=svd[li]["Wv"][h])
+            layer = dict(
+                keys=lp.keys[h, :n].astype(np.float64),
+                keys_pre=lq.keys[h, :n].astype(np.float64),
+                values=lp.values[h, :n].astype(np.float64),
+                positions=positions,
+                Wk=svd[li]["Wk"][h],
+                Wk_pre=svd_pre[li]["Wk"][h],
+                Wv=svd[li]["Wv"][h],
+            )
             queries = lp.queries[h * g : (h + 1) * g][:, pick].reshape(-1, lp.queries.shape[-1]).astype(np.float64)
             row.append(side_losses(layer, h, queries, ranks, group=group, rope=rope))
         losses.append(row)
@@ -137,8 +152,13 @@ def uniform(geom, fraction: float, bits: int, key_basis: str, group: int = 32, w
     best = None
     for total in range(2, geom.head_dim + geom.value_dim + 1):
         r, rv = (total + 1) // 2, total // 2
-        a = Allocation(tuple(tuple(HeadAllocation(r, rv, bits, bits, key_basis) for _ in range(geom.kv_heads)) for _ in range(geom.layers)),
-                       group, fraction * geom.full_bytes_per_token, window, sinks)
+        a = Allocation(
+            tuple(tuple(HeadAllocation(r, rv, bits, bits, key_basis) for _ in range(geom.kv_heads)) for _ in range(geom.layers)),
+            group,
+            fraction * geom.full_bytes_per_token,
+            window,
+            sinks,
+        )
         if a.bytes(geom).fraction <= fraction + 1e-12:
             best = a
     return best
@@ -192,8 +212,12 @@ def run_comparison(ctx: C.Context, n_windows: int, batch: int, budgets=EXTRA_BUD
 
     plan = [(None, None)] + [(f, m) for f in budgets for m in methods_at(geom, f) + (frontier_methods(geom, f, frontier) if f in FRONTIER_BUDGETS else [])]
     C_ = geom.context
-    checks = [SlidingWindow(window=C_), StreamingLLM(sinks=4, window=C_ - 4), H2O(heavy=C_ // 2, recent=C_ - C_ // 2),
-              Subspace(rank_k=geom.head_dim, rank_v=geom.value_dim)]
+    checks = [
+        SlidingWindow(window=C_),
+        StreamingLLM(sinks=4, window=C_ - 4),
+        H2O(heavy=C_ // 2, recent=C_ - C_ // 2),
+        Subspace(rank_k=geom.head_dim, rank_v=geom.value_dim),
+    ]
     rows, tokens = [], {}
     stock = None
     bar = ctx.bar(total=len(plan) + len(checks), desc="baselines")
@@ -206,10 +230,17 @@ def run_comparison(ctx: C.Context, n_windows: int, batch: int, budgets=EXTRA_BUD
         b = full_bytes(geom) if m is None else m.bytes(geom)
         name = "full cache (stock)" if m is None else m.name
         row = dict(
-            budget=budget, family="stock" if m is None else m.family, method=name,
+            budget=budget,
+            family="stock" if m is None else m.family,
+            method=name,
             source="transformers DynamicCache + sdpa" if m is None else m.source,
-            bytes_per_token=b.per_token, fraction_of_full=b.fraction, within_budget=True if budget is None else b.fraction <= budget + 1e-9,
-            bytes_parts=b.parts, ppl=float(np.exp(nll.mean())), nll=float(nll.mean()), seconds=round(secs, 2),
+            bytes_per_token=b.per_token,
+            fraction_of_full=b.fraction,
+            within_budget=True if budget is None else b.fraction <= budget + 1e-9,
+            bytes_parts=b.parts,
+            ppl=float(np.exp(nll.mean())),
+            nll=float(nll.mean()),
+            seconds=round(secs, 2),
             by_position=by_position(nll, edges),
         )
         if m is not None and hasattr(m, "allocation"):
@@ -218,8 +249,12 @@ def run_comparison(ctx: C.Context, n_windows: int, batch: int, budgets=EXTRA_BUD
             stock = nll
         else:
             cmp = compare(nll, stock)
-            row.update(delta_ppl=row["ppl"] - float(np.exp(stock.mean())), delta_pct=100 * (cmp["ppl_ratio"] - 1),
-                       delta_nll=cmp["delta_nll"], delta_pct_ci=[100 * cmp["ci"][0], 100 * cmp["ci"][1]])
+            row.update(
+                delta_ppl=row["ppl"] - float(np.exp(stock.mean())),
+                delta_pct=100 * (cmp["ppl_ratio"] - 1),
+                delta_nll=cmp["delta_nll"],
+                delta_pct_ci=[100 * cmp["ci"][0], 100 * cmp["ci"][1]],
+            )
         tokens[f"{budget}|{name}"] = nll.astype(np.float32)
         rows.append(row)
         bar.update()
@@ -239,24 +274,51 @@ def run_comparison(ctx: C.Context, n_windows: int, batch: int, budgets=EXTRA_BUD
         best_base = min([r for r in oth if r["within_budget"]] or oth, key=lambda r: r["ppl"])
         for s_ in sub:
             c = compare(tokens[f"{f}|{s_['method']}"], tokens[f"{f}|{best_base['method']}"])
-            verdicts.append(dict(budget=f, subspace=s_["method"], subspace_family=s_["family"], subspace_within_budget=s_["within_budget"],
-                                 baseline=best_base["method"], baseline_family=best_base["family"],
-                                 subspace_ppl=s_["ppl"], baseline_ppl=best_base["ppl"], **c))
+            verdicts.append(
+                dict(
+                    budget=f,
+                    subspace=s_["method"],
+                    subspace_family=s_["family"],
+                    subspace_within_budget=s_["within_budget"],
+                    baseline=best_base["method"],
+                    baseline_family=best_base["family"],
+                    subspace_ppl=s_["ppl"],
+                    baseline_ppl=best_base["ppl"],
+                    **c,
+                )
+            )
             for r in oth:
                 c = compare(tokens[f"{f}|{s_['method']}"], tokens[f"{f}|{r['method']}"])
                 pairwise.append(dict(budget=f, subspace=s_["method"], baseline=r["method"], baseline_within_budget=r["within_budget"], **c))
     return dict(
         meta=C.meta(ctx, "baselines", eval_windows=int(len(ids)), calibration_tokens=int(calib_tokens), batch=batch),
-        geometry=dict(layers=geom.layers, kv_heads=geom.kv_heads, head_dim=geom.head_dim, value_dim=geom.value_dim,
-                      context=geom.context, float_bytes=geom.float_bytes, full_bytes_per_token=geom.full_bytes_per_token),
-        budgets=list(budgets), position_edges=edges, rows=rows, full_budget_checks=full_checks, verdicts=verdicts, pairwise=pairwise,
+        geometry=dict(
+            layers=geom.layers,
+            kv_heads=geom.kv_heads,
+            head_dim=geom.head_dim,
+            value_dim=geom.value_dim,
+            context=geom.context,
+            float_bytes=geom.float_bytes,
+            full_bytes_per_token=geom.full_bytes_per_token,
+        ),
+        budgets=list(budgets),
+        position_edges=edges,
+        rows=rows,
+        full_budget_checks=full_checks,
+        verdicts=verdicts,
+        pairwise=pairwise,
     ), tokens
 
 
 # ----------------------------------------------------------------------------- figures
 FAMILY_STYLE = {
-    "quantized KV": ("tab:orange", "s"), "sliding window": ("tab:gray", "v"), "StreamingLLM": ("tab:brown", "^"),
-    "H2O": ("tab:purple", "D"), "subspace": ("tab:blue", "o"), "subspace INT8": ("tab:green", "o"), "subspace + window": ("tab:cyan", "P"),
+    "quantized KV": ("tab:orange", "s"),
+    "sliding window": ("tab:gray", "v"),
+    "StreamingLLM": ("tab:brown", "^"),
+    "H2O": ("tab:purple", "D"),
+    "subspace": ("tab:blue", "o"),
+    "subspace INT8": ("tab:green", "o"),
+    "subspace + window": ("tab:cyan", "P"),
     "subspace (issue 16)": ("tab:red", "*"),
 }
 
@@ -320,41 +382,60 @@ def markdown(record: dict, command: str) -> str:
     labels = list(stock["by_position"])
     L = []
     L.append("# Baselines at matched KV bytes\n")
-    L.append(f"_Generated by `{command}` in {meta['runtime_s']:.0f} s ({meta['environment'].get('cpu_count')} CPUs, "
-             f"{meta['settings'].get('backend')} backend); do not edit by hand: rerun the command._\n")
-    L.append(f"Model: {meta['model'].get('description')} ({g['layers']} layers x {g['kv_heads']} KV heads, d = {g['head_dim']}). "
-             f"Evaluation: {meta['eval_windows']} held-out windows of {g['context']} tokens (corpus seed {C.SEED_EVAL}); "
-             f"static bases from {meta['calibration_tokens']} calibration tokens of the training split (seed {C.SEED_BASES}), "
-             f"gamma = 1. Full cache: {g['full_bytes_per_token']:.0f} bytes/token in fp16.\n")
+    L.append(
+        f"_Generated by `{command}` in {meta['runtime_s']:.0f} s ({meta['environment'].get('cpu_count')} CPUs, "
+        f"{meta['settings'].get('backend')} backend); do not edit by hand: rerun the command._\n"
+    )
+    L.append(
+        f"Model: {meta['model'].get('description')} ({g['layers']} layers x {g['kv_heads']} KV heads, d = {g['head_dim']}). "
+        f"Evaluation: {meta['eval_windows']} held-out windows of {g['context']} tokens (corpus seed {C.SEED_EVAL}); "
+        f"static bases from {meta['calibration_tokens']} calibration tokens of the training split (seed {C.SEED_BASES}), "
+        f"gamma = 1. Full cache: {g['full_bytes_per_token']:.0f} bytes/token in fp16.\n"
+    )
     L.append("## Byte accounting\n")
-    L.append("Bytes per token are what each cache holds at the end of a window of the evaluation length, divided by it, "
-             "over all layers and KV heads, with every float stored in fp16 (`subspace_ref/baselines/budget.py`):\n")
-    L.append("* **quantised KV**: packed codes + fp16 scale and zero point per channel per 64-token group (keys) and per token "
-             "(values); the keys of an unfinished group stay fp16 (KIVI). Bit widths are fixed (8/4/2 at 50/25/12.5%), so "
-             "their scales put them *above* the budget; they are plotted at their real bytes.")
+    L.append(
+        "Bytes per token are what each cache holds at the end of a window of the evaluation length, divided by it, "
+        "over all layers and KV heads, with every float stored in fp16 (`subspace_ref/baselines/budget.py`):\n"
+    )
+    L.append(
+        "* **quantised KV**: packed codes + fp16 scale and zero point per channel per 64-token group (keys) and per token "
+        "(values); the keys of an unfinished group stay fp16 (KIVI). Bit widths are fixed (8/4/2 at 50/25/12.5%), so "
+        "their scales put them *above* the budget; they are plotted at their real bytes."
+    )
     L.append("* **sliding window / StreamingLLM**: the kept tokens only (post-RoPE keys need no position index); 4 sinks.")
-    L.append("* **H2O**: the kept tokens + a float32 accumulated score and an int16 position per kept token and KV head; "
-             "heavy and recent halves of the capacity.")
-    L.append("* **subspace**: r + r_v coefficients per token and head (fp16; or int8 + one float32 scale per token and side, "
-             "spec A10) + the bases (fp16) and gamma, amortised over the window (per sequence, though shared). "
-             "**subspace + window**: the coefficients of the last half of the window only, at correspondingly larger ranks.\n")
+    L.append(
+        "* **H2O**: the kept tokens + a float32 accumulated score and an int16 position per kept token and KV head; heavy and recent halves of the capacity."
+    )
+    L.append(
+        "* **subspace**: r + r_v coefficients per token and head (fp16; or int8 + one float32 scale per token and side, "
+        "spec A10) + the bases (fp16) and gamma, amortised over the window (per sequence, though shared). "
+        "**subspace + window**: the coefficients of the last half of the window only, at correspondingly larger ranks.\n"
+    )
     L.append("## Results\n")
-    L.append(f"Perplexity of the full cache: **{stock['ppl']:.4f}**. Δ is relative to it; the interval is the 95% "
-             f"percentile interval of the perplexity ratio minus one when the {meta['eval_windows']} evaluation windows (the "
-             "independent unit: tokens within a window are correlated) are resampled with replacement, paired with the full "
-             "cache on the same draw (`experiments/statistics.py`).\n")
+    L.append(
+        f"Perplexity of the full cache: **{stock['ppl']:.4f}**. Δ is relative to it; the interval is the 95% "
+        f"percentile interval of the perplexity ratio minus one when the {meta['eval_windows']} evaluation windows (the "
+        "independent unit: tokens within a window are correlated) are resampled with replacement, paired with the full "
+        "cache on the same draw (`experiments/statistics.py`).\n"
+    )
     L.append("| budget | method | bytes/token | % of full | ppl | Δppl | Δ% | Δ% 95% CI | " + " | ".join(f"ppl @ {k}" for k in labels) + " |")
     L.append("|---|---|---:|---:|---:|---:|---:|---|" + "---:|" * len(labels))
-    L.append(f"| 100% | full cache (stock) | {stock['bytes_per_token']:.0f} | 100% | {stock['ppl']:.4f} | | | | "
-             + " | ".join(f"{stock['by_position'][k]:.3f}" for k in labels) + " |")
+    L.append(
+        f"| 100% | full cache (stock) | {stock['bytes_per_token']:.0f} | 100% | {stock['ppl']:.4f} | | | | "
+        + " | ".join(f"{stock['by_position'][k]:.3f}" for k in labels)
+        + " |"
+    )
     for r in rows:
         if r["budget"] is None:
             continue
         over = "" if r["within_budget"] else " ⚠"
         lo, hi = r["delta_pct_ci"]
-        L.append(f"| {100 * r['budget']:g}% | {r['method']} | {r['bytes_per_token']:.1f} | {_pct(r['fraction_of_full'])}{over} | "
-                 f"{r['ppl']:.4f} | {r['delta_ppl']:+.4f} | {r['delta_pct']:+.2f}% | [{lo:+.2f}, {hi:+.2f}] | "
-                 + " | ".join(f"{r['by_position'][k]:.3f}" for k in labels) + " |")
+        L.append(
+            f"| {100 * r['budget']:g}% | {r['method']} | {r['bytes_per_token']:.1f} | {_pct(r['fraction_of_full'])}{over} | "
+            f"{r['ppl']:.4f} | {r['delta_ppl']:+.4f} | {r['delta_pct']:+.2f}% | [{lo:+.2f}, {hi:+.2f}] | "
+            + " | ".join(f"{r['by_position'][k]:.3f}" for k in labels)
+            + " |"
+        )
     L.append("\n⚠ above the budget (quantisation scales; see above).\n")
     L.append("![Perplexity vs KV bytes](figures/baselines_pareto.png)\n")
     L.append("![Perplexity by context position](figures/baselines_position.png)\n")
@@ -371,12 +452,14 @@ def markdown(record: dict, command: str) -> str:
         seen.setdefault(r["family"], r["source"])
     for fam, src in seen.items():
         L.append(f"* **{fam}**: {src}")
-    L.append("\nEviction methods run as a permanent per-head mask over a transformers `DynamicCache` through one attention "
-             "function (`subspace_ref/baselines/_attention.py`): attending the kept subset equals attending an evicting "
-             "cache; H2O loops over query positions inside each layer so a teacher-forced window equals decoding "
-             "(tests/test_baselines.py compares with one-token steps). transformers' `QuantizedCache` was not used: its "
-             "quanto/hqq backends are not installed (no network) and its fp8 backend returns unquantised states on "
-             "the prefill call. Not implemented: ShadowKV, SnapKV, Scissorhands, Quest (seed 001 §11 lists them).\n")
+    L.append(
+        "\nEviction methods run as a permanent per-head mask over a transformers `DynamicCache` through one attention "
+        "function (`subspace_ref/baselines/_attention.py`): attending the kept subset equals attending an evicting "
+        "cache; H2O loops over query positions inside each layer so a teacher-forced window equals decoding "
+        "(tests/test_baselines.py compares with one-token steps). transformers' `QuantizedCache` was not used: its "
+        "quanto/hqq backends are not installed (no network) and its fp8 backend returns unquantised states on "
+        "the prefill call. Not implemented: ShadowKV, SnapKV, Scissorhands, Quest (seed 001 §11 lists them).\n"
+    )
     L.append("Outputs: `baselines.json`, `baselines.csv`, `baselines_tokens.npz` (per-token NLL) in the output folder.\n")
     return "\n".join(L) + "\n"
 
@@ -399,9 +482,19 @@ def goal_check(record: dict) -> list[dict]:
                 continue
             best = min(fit, key=lambda s: s["ppl"])
             pair = next(p for p in record["pairwise"] if p["budget"] == f and p["subspace"] == best["method"] and p["baseline"] == r["method"])
-            out.append(dict(budget=f, subspace=best["method"], subspace_bytes=best["bytes_per_token"], baseline=r["method"],
-                            baseline_bytes=r["bytes_per_token"], pct=100 * (pair["ppl_ratio"] - 1), ci=[100 * x for x in pair["ci"]],
-                            holds=pair["ppl_ratio"] < 1, verdict=pair["verdict"]))
+            out.append(
+                dict(
+                    budget=f,
+                    subspace=best["method"],
+                    subspace_bytes=best["bytes_per_token"],
+                    baseline=r["method"],
+                    baseline_bytes=r["bytes_per_token"],
+                    pct=100 * (pair["ppl_ratio"] - 1),
+                    ci=[100 * x for x in pair["ci"]],
+                    holds=pair["ppl_ratio"] < 1,
+                    verdict=pair["verdict"],
+                )
+            )
     return out
 
 
@@ -417,46 +510,62 @@ def allocation_table(alloc: dict) -> list[str]:
 
 def frontier_sections(record: dict) -> list[str]:
     L = ["\n## Issue 16: the goal at matched bytes\n"]
-    L.append("Goal: at 25% and at 12.5% of the fp16 bytes the best subspace configuration has lower perplexity than every "
-             "quantisation, window, StreamingLLM and H2O row at no more bytes. Each baseline row is paired with the best "
-             "subspace row of its budget that has no more bytes than it (the quantisation rows sit above their budget, so the "
-             "allocator is also run at exactly their bytes: rows '@ N bytes'). Interval: 95%, evaluation windows "
-             "resampled, paired.\n")
+    L.append(
+        "Goal: at 25% and at 12.5% of the fp16 bytes the best subspace configuration has lower perplexity than every "
+        "quantisation, window, StreamingLLM and H2O row at no more bytes. Each baseline row is paired with the best "
+        "subspace row of its budget that has no more bytes than it (the quantisation rows sit above their budget, so the "
+        "allocator is also run at exactly their bytes: rows '@ N bytes'). Interval: 95%, evaluation windows "
+        "resampled, paired.\n"
+    )
     L.append("| budget | best subspace row (bytes) | against (bytes) | Δ% ppl | 95% CI | lower ppl? |")
     L.append("|---|---|---|---:|---|---|")
     for g in goal_check(record):
-        L.append(f"| {100 * g['budget']:g}% | {g['subspace']} ({g['subspace_bytes']:.0f}) | {g['baseline']} ({g['baseline_bytes']:.0f}) | "
-                 f"{g['pct']:+.2f}% | [{g['ci'][0]:+.2f}, {g['ci'][1]:+.2f}] | {'yes' if g['holds'] else '**no**'} ({WORD[g['verdict']]}) |")
+        L.append(
+            f"| {100 * g['budget']:g}% | {g['subspace']} ({g['subspace_bytes']:.0f}) | {g['baseline']} ({g['baseline_bytes']:.0f}) | "
+            f"{g['pct']:+.2f}% | [{g['ci'][0]:+.2f}, {g['ci'][1]:+.2f}] | {'yes' if g['holds'] else '**no**'} ({WORD[g['verdict']]}) |"
+        )
     L.append("\nThe configurations (`subspace_ref/baselines/frontier.py`, `subspace_ref/allocation.py`, spec/quantization.md):\n")
-    L.append("* **pre-RoPE r=a/b intB**: static key bases calibrated on un-rotated keys (spec/rope.md P2: c_t = B R_t⁻¹ k_t, "
-             "the key rebuilt and rotated to its position), value bases as before, both sides' coefficients int4/int2 with "
-             "KIVI's groups (keys per channel over 32 tokens, the unfinished group exact and counted in fp16; values per token; "
-             "fp16 scale and zero point each), uniform ranks.")
-    L.append("* **allocator p%**: `allocation.allocate(compression_ratio=p)`: per layer and KV head the key basis kind (post- or "
-             "pre-RoPE), r_k, r_v and the bits of each side (16/8/4/2), greedy on the lower convex hulls of the measured "
-             "calibration losses (logit error x value spread for keys, value reconstruction error; "
-             "`allocation.side_losses`) per byte. **+ sinks 4 + window W**: the same with the first 4 and the last W tokens "
-             "exact (their fp16 K/V counted), the allocator spending what is left.")
-    L.append("* Evaluated as exact attention over the state's reconstruction (spec/quantization.md Q2.1), checked against "
-             "`SubspaceState` (numpy oracle) in `tests/test_baselines.py`.\n")
+    L.append(
+        "* **pre-RoPE r=a/b intB**: static key bases calibrated on un-rotated keys (spec/rope.md P2: c_t = B R_t⁻¹ k_t, "
+        "the key rebuilt and rotated to its position), value bases as before, both sides' coefficients int4/int2 with "
+        "KIVI's groups (keys per channel over 32 tokens, the unfinished group exact and counted in fp16; values per token; "
+        "fp16 scale and zero point each), uniform ranks."
+    )
+    L.append(
+        "* **allocator p%**: `allocation.allocate(compression_ratio=p)`: per layer and KV head the key basis kind (post- or "
+        "pre-RoPE), r_k, r_v and the bits of each side (16/8/4/2), greedy on the lower convex hulls of the measured "
+        "calibration losses (logit error x value spread for keys, value reconstruction error; "
+        "`allocation.side_losses`) per byte. **+ sinks 4 + window W**: the same with the first 4 and the last W tokens "
+        "exact (their fp16 K/V counted), the allocator spending what is left."
+    )
+    L.append(
+        "* Evaluated as exact attention over the state's reconstruction (spec/quantization.md Q2.1), checked against "
+        "`SubspaceState` (numpy oracle) in `tests/test_baselines.py`.\n"
+    )
     for r in record["rows"]:
         if "allocation" in r and r["budget"] in (0.25, 0.125) and r["method"].startswith("allocator"):
             L.append(f"* Where the bytes go, **{r['method']}** ({r['bytes_per_token']:.0f} bytes/token):")
             L += allocation_table(r["allocation"])
     L.append("\n## Scope and limits\n")
-    L.append("* One model: the shipped 3.3M-parameter byte-level Llama (4 layers, 2 KV heads of d = 64, context 1024) trained "
-             "on the Python standard library. Its attention is mostly local (a 512-token window loses almost nothing), which "
-             "favours eviction; a larger model with long-range retrieval, other tokenisers or other text may rank the methods "
-             "differently. Nothing here is evidence for a larger model.")
+    L.append(
+        "* One model: the shipped 3.3M-parameter byte-level Llama (4 layers, 2 KV heads of d = 64, context 1024) trained "
+        "on the Python standard library. Its attention is mostly local (a 512-token window loses almost nothing), which "
+        "favours eviction; a larger model with long-range retrieval, other tokenisers or other text may rank the methods "
+        "differently. Nothing here is evidence for a larger model."
+    )
     n, T = record["meta"]["eval_windows"], record["geometry"]["context"]
-    L.append(f"* Sample: {n} held-out windows of {T} tokens ({n * (T - 1)} predicted tokens). The independent unit is the "
-             "window (tokens inside one are correlated), so the intervals resample windows; the number was set by the "
-             "CPU time of one regeneration on 2 shared cores, and the interval widths above show what it resolves: "
-             "differences well inside them are not resolved, and more windows (`--windows`) narrow them as 1/sqrt(n).")
-    L.append("* The allocator's loss is a proxy measured on the first calibration tokens (per-head output-error terms summed "
-             "over layers, without each layer's effect on the NLL); where it ranks configurations differently from the "
-             "measured perplexity, the table says so. Per-head and per-side bits are evaluated here; a `SubspaceState` holds "
-             "one coefficient format for both sides of all its heads, so such mixed allocations need one state per format.")
+    L.append(
+        f"* Sample: {n} held-out windows of {T} tokens ({n * (T - 1)} predicted tokens). The independent unit is the "
+        "window (tokens inside one are correlated), so the intervals resample windows; the number was set by the "
+        "CPU time of one regeneration on 2 shared cores, and the interval widths above show what it resolves: "
+        "differences well inside them are not resolved, and more windows (`--windows`) narrow them as 1/sqrt(n)."
+    )
+    L.append(
+        "* The allocator's loss is a proxy measured on the first calibration tokens (per-head output-error terms summed "
+        "over layers, without each layer's effect on the NLL); where it ranks configurations differently from the "
+        "measured perplexity, the table says so. Per-head and per-side bits are evaluated here; a `SubspaceState` holds "
+        "one coefficient format for both sides of all its heads, so such mixed allocations need one state per format."
+    )
     L.append("* fp16 rounding of stored floats is not simulated (budget.py); bases are counted per sequence, although shared.")
     return L
 
@@ -484,26 +593,33 @@ def verdict_text(record: dict) -> str:
     for word in ("better", "tie", "worse"):
         at = [(f, v) for f, v in summary if v["verdict"] == word]
         if at:
-            head.append(f"{WORD[word]} at " + ", ".join(f"{100 * f:g}% ({v['subspace']}, {100 * (v['ppl_ratio'] - 1):+.2f}% ppl vs {v['baseline']})" for f, v in at))
+            head.append(
+                f"{WORD[word]} at " + ", ".join(f"{100 * f:g}% ({v['subspace']}, {100 * (v['ppl_ratio'] - 1):+.2f}% ppl vs {v['baseline']})" for f, v in at)
+            )
     text = ["**Summary.** The best subspace entry within each budget " + "; ".join(head) + "."]
     stock = next(r for r in rows if r["budget"] is None)
     wins = sorted((r for r in rows if r["family"] == "sliding window" and r["delta_pct"] < 1.0), key=lambda r: r["fraction_of_full"])
     if wins:
         w = wins[0]
-        text.append(f"On this model a plain {w['method']} ({100 * w['fraction_of_full']:g}% of the bytes) stays within "
-                    f"{w['delta_pct']:+.2f}% of the full cache's perplexity {stock['ppl']:.4f}: context further back than that "
-                    "contributes little to its predictions, so token eviction is cheap here, whereas projection perturbs "
-                    "every cached key and value, recent ones included.")
+        text.append(
+            f"On this model a plain {w['method']} ({100 * w['fraction_of_full']:g}% of the bytes) stays within "
+            f"{w['delta_pct']:+.2f}% of the full cache's perplexity {stock['ppl']:.4f}: context further back than that "
+            "contributes little to its predictions, so token eviction is cheap here, whereas projection perturbs "
+            "every cached key and value, recent ones included."
+        )
     pure = [v for v in record["verdicts"] if v["subspace_family"] in ("subspace", "subspace INT8") and v["subspace_within_budget"]]
     if pure:
         b = min(pure, key=lambda v: abs(v["ppl_ratio"] - 1))
-        text.append(f"Projection alone (no window) comes closest at {100 * b['budget']:g}% with {b['subspace']}: "
-                    f"{100 * (b['ppl_ratio'] - 1):+.2f}% vs {b['baseline']}.")
+        text.append(
+            f"Projection alone (no window) comes closest at {100 * b['budget']:g}% with {b['subspace']}: {100 * (b['ppl_ratio'] - 1):+.2f}% vs {b['baseline']}."
+        )
     text.append("")
     text += out
-    text.append("\n'wins / loses / ties': the 95% interval of the perplexity ratio (subspace over baseline) minus one, whole "
-                "evaluation windows resampled, lies below 0 / above 0 / contains 0. Percentages are the perplexity ratio minus one (negative: "
-                "subspace better). Every pairing is in `baselines.json` (`pairwise`).")
+    text.append(
+        "\n'wins / loses / ties': the 95% interval of the perplexity ratio (subspace over baseline) minus one, whole "
+        "evaluation windows resampled, lies below 0 / above 0 / contains 0. Percentages are the perplexity ratio minus one (negative: "
+        "subspace better). Every pairing is in `baselines.json` (`pairwise`)."
+    )
     return "\n".join(text)
 
 
@@ -519,9 +635,13 @@ def run(args: argparse.Namespace) -> int:
     C.write_csv(ctx.out / "baselines.csv", record["rows"])
     np.savez_compressed(ctx.out / "baselines_tokens.npz", **{k.replace("/", "_"): v for k, v in tokens.items()})
     figs = figures(record, ctx.figures)
-    command = "subspace-kv baselines" + (" --quick" if args.quick else "") + (f" --windows {args.windows}" if args.windows else "") \
-        + ("" if tuple(args.budgets) == EXTRA_BUDGETS else " --budgets " + ",".join(f"{f:g}" for f in args.budgets)) \
+    command = (
+        "subspace-kv baselines"
+        + (" --quick" if args.quick else "")
+        + (f" --windows {args.windows}" if args.windows else "")
+        + ("" if tuple(args.budgets) == EXTRA_BUDGETS else " --budgets " + ",".join(f"{f:g}" for f in args.budgets))
         + ("" if args.model == "default" else f" --model {args.model}")
+    )
     if not args.no_docs:
         docs = Path(args.docs)
         (docs / "figures").mkdir(parents=True, exist_ok=True)
@@ -529,8 +649,10 @@ def run(args: argparse.Namespace) -> int:
             shutil.copyfile(p, docs / "figures" / p.name)
         (docs / "baselines.md").write_text(markdown(record, command))
     stock = next(r for r in record["rows"] if r["budget"] is None)
-    print(f"baselines: {record['meta']['eval_windows']} windows x {ctx.context} tokens, full cache ppl {stock['ppl']:.4f}, "
-          f"{record['meta']['runtime_s']:.0f} s -> {ctx.out / 'baselines.json'}")
+    print(
+        f"baselines: {record['meta']['eval_windows']} windows x {ctx.context} tokens, full cache ppl {stock['ppl']:.4f}, "
+        f"{record['meta']['runtime_s']:.0f} s -> {ctx.out / 'baselines.json'}"
+    )
     for r in record["rows"]:
         if r["budget"] is not None:
             print(f"  {100 * r['budget']:5.1f}%  {r['method']:<36} {100 * r['fraction_of_full']:5.1f}%  ppl {r['ppl']:.4f} ({r['delta_pct']:+.2f}%)")

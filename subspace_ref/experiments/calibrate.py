@@ -148,8 +148,17 @@ def _state_backend(preferred: str) -> str:
         return "numpy"
 
 
-def residual_trace(K: np.ndarray, V: np.ndarray, rank: int, *, tau_k: float = 0.999999, tau_v: float = 0.999999,
-                   max_chunk: int = 256, sketch_reset: bool = False, engine: str = "numpy"):
+def residual_trace(
+    K: np.ndarray,
+    V: np.ndarray,
+    rank: int,
+    *,
+    tau_k: float = 0.999999,
+    tau_v: float = 0.999999,
+    max_chunk: int = 256,
+    sketch_reset: bool = False,
+    engine: str = "numpy",
+):
     """Append one window's keys/values (H, T, d) to an adaptive state (spec A7) and return
     ``(rho_k, rho_v, state)``: per head and token the relative residual of the token against the
     basis of its chunk (A7 step 2, recomputed from the stored coefficients), and the state (its
@@ -158,8 +167,9 @@ def residual_trace(K: np.ndarray, V: np.ndarray, rank: int, *, tau_k: float = 0.
     from subspace_ref.arrays import to_numpy
 
     H, T, d = K.shape
-    st = SubspaceState.adaptive(H, d, V.shape[2], rank_k=rank, rank_v=rank, tau_k=tau_k, tau_v=tau_v,
-                                max_chunk=max_chunk, sketch_reset=sketch_reset, dtype=np.float64)
+    st = SubspaceState.adaptive(
+        H, d, V.shape[2], rank_k=rank, rank_v=rank, tau_k=tau_k, tau_v=tau_v, max_chunk=max_chunk, sketch_reset=sketch_reset, dtype=np.float64
+    )
     if engine != "numpy":
         import torch
 
@@ -258,9 +268,15 @@ def calibrate_run(ctx: C.Context) -> dict:
     np.savez_compressed(svd_path, **arrays)
     record = dict(
         meta=C.meta(ctx, "calibrate"),
-        d=d, d_v=int(svd[0]["Wv"].shape[-1]), layers=len(svd), kv_heads=int(svd[0]["Wk"].shape[0]),
-        calibration_tokens=n_tokens, holdout_tokens=hold.num_tokens,
-        uniform_ranks=uniform, online_ranks=online, energy_ranks=energies,
+        d=d,
+        d_v=int(svd[0]["Wv"].shape[-1]),
+        layers=len(svd),
+        kv_heads=int(svd[0]["Wk"].shape[0]),
+        calibration_tokens=n_tokens,
+        holdout_tokens=hold.num_tokens,
+        uniform_ranks=uniform,
+        online_ranks=online,
+        energy_ranks=energies,
         energy_at_rank={str(r): {"k": [energy_at(s["Sk"], r).tolist() for s in svd], "v": [energy_at(s["Sv"], r).tolist() for s in svd]} for r in uniform},
         gamma_mse=gamma_mse,
         gamma_mse_over_paper=dict(min=min(ratio), median=float(np.median(ratio)), max=max(ratio), n=len(ratio)),
@@ -321,8 +337,12 @@ def static_basis(record: dict, svd: list[dict], layer: int, *, rank=None, energy
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     C.add_common_arguments(parser)
     # checkpoint mode (subspace_ref/hf/calibrate_checkpoint.py): saved bases for any local checkpoint
-    parser.add_argument("--compression-ratio", type=float, default=None,
-                        help="save static bases for --model (any local checkpoint) keeping coefficient bytes within this fraction of the stock cache's")
+    parser.add_argument(
+        "--compression-ratio",
+        type=float,
+        default=None,
+        help="save static bases for --model (any local checkpoint) keeping coefficient bytes within this fraction of the stock cache's",
+    )
     parser.add_argument("--bases-out", type=Path, default=None, help="where --compression-ratio saves the bases (default OUT/bases)")
     parser.add_argument("--text", type=Path, default=None, help="--compression-ratio calibration text (default: Python standard-library sources)")
     parser.add_argument("--calibration-tokens", type=int, default=8192, help="--compression-ratio calibration tokens (default 8192)")
@@ -335,12 +355,15 @@ def run(args: argparse.Namespace) -> int:
         return run_checkpoint(args)
     ctx = C.make_context(args)
     rec = calibrate_run(ctx)
-    print(f"calibrate: {rec['layers']} layers x {rec['kv_heads']} KV heads, d={rec['d']}, {rec['calibration_tokens']} calibration tokens -> {ctx.out / 'calibration.json'}")
+    print(
+        f"calibrate: {rec['layers']} layers x {rec['kv_heads']} KV heads, d={rec['d']}, {rec['calibration_tokens']} calibration tokens -> {ctx.out / 'calibration.json'}"
+    )
     for e, ranks in rec["energy_ranks"].items():
         print(f"  energy {float(e):.0%}: key ranks {ranks['k']}, value ranks {ranks['v']}")
     g = rec["gamma_mse_over_paper"]
-    print(f"  gamma_mse / sqrt(r/d): median {g['median']:.3f} (min {g['min']:.3f}, max {g['max']:.3f}); in-sample |gamma_mse - 1| <= {rec['gamma_in_sample_max_abs_deviation']}")
+    print(
+        f"  gamma_mse / sqrt(r/d): median {g['median']:.3f} (min {g['min']:.3f}, max {g['max']:.3f}); in-sample |gamma_mse - 1| <= {rec['gamma_in_sample_max_abs_deviation']}"
+    )
     for r, t in rec["tau"]["by_rank"].items():
         print(f"  r={r}: tau_k per layer {[round(x, 3) for x in t['tau_k']]}, tau_v {[round(x, 3) for x in t['tau_v']]}")
     return 0
-

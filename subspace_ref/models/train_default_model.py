@@ -1,4 +1,4 @@
-"""Train the project's default byte-level Llama on the Python standard library.
+r"""Train the project's default byte-level Llama on the Python standard library.
 
 Usage::
 
@@ -20,9 +20,12 @@ model trained on code alone never learned to copy and so could not do needle rec
 whose second half repeats the first (:func:`insert_repeats`, some of random printable bytes)::
 
     train_default_model --init BASE --out S1 --short-steps 0 --long-steps 500 --copy-frac 0.5 --copies 3 --warmup 20 --lr 1e-3 --final-lr-frac 0.1
-    train_default_model --init S1 --out S2 --threads 2 --short-steps 0 --long-steps 600 --copy-frac 0.4 --copies 3 --repeat-frac 0.3 --warmup 30 --lr 2e-3 --final-lr-frac 0.1
-    train_default_model --init S2 --out S3 --threads 2 --short-steps 900 --short-len 512 --short-batch 16 --long-steps 0 --copy-frac 0.3 --copies 2 --repeat-frac 0.5 --random-repeat-share 0.4 --warmup 30 --lr 3e-3 --final-lr-frac 0.1
-    train_default_model --init S3 --out S4 --threads 2 --short-steps 0 --long-steps 400 --copy-frac 0.3 --copies 2 --repeat-frac 0.5 --random-repeat-share 0.4 --warmup 20 --lr 1.5e-3 --final-lr-frac 0.1
+    train_default_model --init S1 --out S2 --threads 2 --short-steps 0 --long-steps 600 \
+        --copy-frac 0.4 --copies 3 --repeat-frac 0.3 --warmup 30 --lr 2e-3 --final-lr-frac 0.1
+    train_default_model --init S2 --out S3 --threads 2 --short-steps 900 --short-len 512 --short-batch 16 --long-steps 0 \
+        --copy-frac 0.3 --copies 2 --repeat-frac 0.5 --random-repeat-share 0.4 --warmup 30 --lr 3e-3 --final-lr-frac 0.1
+    train_default_model --init S3 --out S4 --threads 2 --short-steps 0 --long-steps 400 \
+        --copy-frac 0.3 --copies 2 --repeat-frac 0.5 --random-repeat-share 0.4 --warmup 20 --lr 1.5e-3 --final-lr-frac 0.1
 
 Each stage's ``training_report.json`` nests the report of the weights it started from
 (``training.init``), so the shipped report records the whole lineage.
@@ -235,8 +238,9 @@ def parse_args(argv=None):
     ap.add_argument("--final-lr-frac", type=float, default=0.05)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--grad-clip", type=float, default=1.0)
-    ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
-                    help="bfloat16 autocast for the training forward/backward (weights stay float32)")
+    ap.add_argument(
+        "--bf16", action=argparse.BooleanOptionalAction, default=True, help="bfloat16 autocast for the training forward/backward (weights stay float32)"
+    )
     ap.add_argument("--eval-windows", type=int, default=256, help="held-out windows of --long-len for the report")
     ap.add_argument("--eval-seed", type=int, default=0)
     ap.add_argument("--ngram-order", type=int, default=4)
@@ -275,7 +279,9 @@ def main(argv=None) -> int:
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
     )
 
     phases = [(args.short_steps, args.short_len, args.short_batch), (args.long_steps, args.long_len, args.long_batch)]
@@ -300,9 +306,7 @@ def main(argv=None) -> int:
                 x = insert_repeats(x, rng, args.repeat_frac, args.random_repeat_share)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
                 logits = model(input_ids=x).logits
-            loss = torch.nn.functional.cross_entropy(
-                logits[:, :-1].float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1)
-            )
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
@@ -312,8 +316,9 @@ def main(argv=None) -> int:
                 raise FloatingPointError(f"non-finite loss at step {step}")
             last_losses.append(lv)
             if step % 10 == 0 or step == total - 1:
-                history.append({"step": step, "len": length, "loss": round(lv, 4), "lr": lr,
-                                "grad_norm": round(float(gnorm), 4), "t": round(time.time() - t_train, 1)})
+                history.append(
+                    {"step": step, "len": length, "loss": round(lv, 4), "lr": lr, "grad_norm": round(float(gnorm), 4), "t": round(time.time() - t_train, 1)}
+                )
             bar.set_postfix(loss=f"{lv:.3f}", bpb=f"{lv / LN2:.3f}", len=length, refresh=False)
             bar.update(1)
             step += 1
@@ -362,7 +367,9 @@ def main(argv=None) -> int:
         "training": {
             "seed": args.seed,
             "threads": args.threads,
-            "init": None if args.init is None else {
+            "init": None
+            if args.init is None
+            else {
                 "from": str(args.init),
                 "its_training": json.loads((args.init / "training_report.json").read_text()).get("training"),
             },
@@ -371,9 +378,16 @@ def main(argv=None) -> int:
             "phases": [{"steps": s, "window": l, "batch": b, "tokens": s * l * b} for s, l, b in phases],
             "total_steps": total,
             "tokens_seen": int(sum(s * l * b for s, l, b in phases)),
-            "optimizer": {"name": "AdamW", "lr": args.lr, "betas": [0.9, 0.95], "weight_decay": args.weight_decay,
-                          "warmup_steps": args.warmup, "schedule": "linear warm-up then cosine",
-                          "final_lr_frac": args.final_lr_frac, "grad_clip": args.grad_clip},
+            "optimizer": {
+                "name": "AdamW",
+                "lr": args.lr,
+                "betas": [0.9, 0.95],
+                "weight_decay": args.weight_decay,
+                "warmup_steps": args.warmup,
+                "schedule": "linear warm-up then cosine",
+                "final_lr_frac": args.final_lr_frac,
+                "grad_clip": args.grad_clip,
+            },
             "bf16_autocast": bool(args.bf16),
             "train_seconds": round(train_seconds, 1),
             "final_train_loss_nats_per_byte": round(final_train, 5),
@@ -382,9 +396,13 @@ def main(argv=None) -> int:
             "history": history,
         },
         "evaluation": {
-            "heldout_windows": {"n": args.eval_windows, "length": args.long_len, "seed": args.eval_seed,
-                                "function": "subspace_ref.models.corpus.eval_windows",
-                                "targets": "positions 1..length-1 of each window, context within the window"},
+            "heldout_windows": {
+                "n": args.eval_windows,
+                "length": args.long_len,
+                "seed": args.eval_seed,
+                "function": "subspace_ref.models.corpus.eval_windows",
+                "targets": "positions 1..length-1 of each window, context within the window",
+            },
             "heldout_loss_nats_per_byte": round(ho_loss, 5),
             "heldout_loss_bits_per_byte": round(ho_loss / LN2, 5),
             "heldout_bits_per_byte_by_position": buckets,

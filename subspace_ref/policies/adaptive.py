@@ -54,7 +54,9 @@ def sketch_options(ring_warm_start, fd_stride, reuse_angle, sketch_reset: bool) 
     if ring < 0:
         raise ValueError(f"ring_warm_start must be an int >= 0 (0: no ring), got {ring}")
     if ring and sketch_reset:
-        raise ValueError("ring_warm_start > 0 rebuilds the sketches from the ring at each trigger; it does not combine with sketch_reset=True (spec/sketch_variants.md S1.4)")
+        raise ValueError(
+            "ring_warm_start > 0 rebuilds the sketches from the ring at each trigger; it does not combine with sketch_reset=True (spec/sketch_variants.md S1.4)"
+        )
     stride = _checks.positive_int("fd_stride", fd_stride)
     if reuse_angle is not None:
         reuse_angle = _checks.real("reuse_angle", reuse_angle)

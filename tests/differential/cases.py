@@ -67,9 +67,18 @@ class Case:
     def features(self) -> frozenset[str]:
         """The variants this case switches on, by the names backends' refusals are declared with
         (harness.declared_gaps)."""
-        on = {"window": self.window or self.min_tokens, "lookahead": self.lookahead, "sinks": self.sinks, "rope": self.rope,
-              "query_group": self.share, "ring_warm_start": self.ring_warm_start, "fd_stride": self.fd_stride != 1,
-              "reuse_angle": self.reuse_angle is not None, "int8": self.coefficients == "int8", "encoded_bases": self.bases != "native"}
+        on = {
+            "window": self.window or self.min_tokens,
+            "lookahead": self.lookahead,
+            "sinks": self.sinks,
+            "rope": self.rope,
+            "query_group": self.share,
+            "ring_warm_start": self.ring_warm_start,
+            "fd_stride": self.fd_stride != 1,
+            "reuse_angle": self.reuse_angle is not None,
+            "int8": self.coefficients == "int8",
+            "encoded_bases": self.bases != "native",
+        }
         return frozenset(name for name, value in on.items() if value)
 
     @property
@@ -106,8 +115,20 @@ CASES = [
     Case("adaptive-r_eq_d", "adaptive", group=2, d=8, d_v=8, rank_k=8, rank_v=8, T=50, max_chunk=16),
     Case("adaptive-sketch_reset", "adaptive", group=2, T=120, max_chunk=16, tau=0.95, sketch_reset=True, data="lowrank"),
     # chunks of exactly max(ell_k, ell_v) = 8 tokens: the edge of step 3b's "long enough to reset"
-    Case("adaptive-sketch_reset-chunk_eq_ell", "adaptive", group=2, d=12, d_v=10, rank_k=4, rank_v=3, T=50, max_chunk=8, tau=0.95,
-         sketch_reset=True, data="lowrank"),
+    Case(
+        "adaptive-sketch_reset-chunk_eq_ell",
+        "adaptive",
+        group=2,
+        d=12,
+        d_v=10,
+        rank_k=4,
+        rank_v=3,
+        T=50,
+        max_chunk=8,
+        tau=0.95,
+        sketch_reset=True,
+        data="lowrank",
+    ),
     # rotating (spec A8): refresh boundaries at 1, m-1, m, m+1; long with huge logits
     Case("rotating-T1", "rotating", group=4, T=1, refresh_every=M),
     Case("rotating-T_m-1", "rotating", group=4, T=M - 1, refresh_every=M),
@@ -151,9 +172,22 @@ SLOW_CASES = [
     Case("slow-rotating-d64-T3000", "rotating", N=2, H=2, group=4, d=64, d_v=64, rank_k=8, rank_v=8, T=3000, refresh_every=64),
     Case("slow-static-int8-d128-T8k", "static", H=4, group=4, d=128, d_v=128, rank_k=32, rank_v=32, T=8192, coefficients="int8"),
 ] + [
-    Case(f"slow-random-{i}", kind, N=1 + i % 2, H=1 + i % 3, group=(1, 4, 8)[i % 3], d=(8, 16, 32)[i % 3], d_v=(8, 12, 32)[i % 3],
-         rank_k=(1, 4, 8)[i % 3], rank_v=(2, 3, 8)[i % 3], T=(1, 37, 700, 64)[i % 4], max_chunk=(4, 16, 64)[i % 3], tau=0.6,
-         refresh_every=(3, 16)[i % 2], logit=(None, 1e2, 1e4)[i % 3])
+    Case(
+        f"slow-random-{i}",
+        kind,
+        N=1 + i % 2,
+        H=1 + i % 3,
+        group=(1, 4, 8)[i % 3],
+        d=(8, 16, 32)[i % 3],
+        d_v=(8, 12, 32)[i % 3],
+        rank_k=(1, 4, 8)[i % 3],
+        rank_v=(2, 3, 8)[i % 3],
+        T=(1, 37, 700, 64)[i % 4],
+        max_chunk=(4, 16, 64)[i % 3],
+        tau=0.6,
+        refresh_every=(3, 16)[i % 2],
+        logit=(None, 1e2, 1e4)[i % 3],
+    )
     for i, kind in enumerate(["static", "adaptive", "rotating"] * 4)
 ]
 
@@ -186,12 +220,33 @@ def empty_state(case: Case, rng) -> sr.SubspaceState:
     if case.kind == "static":
         B = _orthonormal(rng, heads, _ranks(case.rank_k, heads), case.d)
         E = _orthonormal(rng, heads, _ranks(case.rank_v, heads), case.d_v)
-        return sr.SubspaceState.static(sr.StaticBasis.from_bases(B, E, gamma), batch=case.N, coefficients=case.coefficients, bases=case.bases,
-                                       rope=rope_params(case.d) if case.rope else None, query_group=case.group if case.share else 1, **exact)
-    common = dict(rank_k=case.rank_k, rank_v=case.rank_v, warmup=case.warmup, gamma=gamma, batch=case.N, coefficients=case.coefficients, bases=case.bases, **exact)
+        return sr.SubspaceState.static(
+            sr.StaticBasis.from_bases(B, E, gamma),
+            batch=case.N,
+            coefficients=case.coefficients,
+            bases=case.bases,
+            rope=rope_params(case.d) if case.rope else None,
+            query_group=case.group if case.share else 1,
+            **exact,
+        )
+    common = dict(
+        rank_k=case.rank_k, rank_v=case.rank_v, warmup=case.warmup, gamma=gamma, batch=case.N, coefficients=case.coefficients, bases=case.bases, **exact
+    )
     if case.kind == "adaptive":
-        return sr.SubspaceState.adaptive(case.H, case.d, case.d_v, tau_k=case.tau, tau_v=case.tau, max_chunk=case.max_chunk, sketch_reset=case.sketch_reset,
-                                         lookahead=case.lookahead, ring_warm_start=case.ring_warm_start, fd_stride=case.fd_stride, reuse_angle=case.reuse_angle, **common)
+        return sr.SubspaceState.adaptive(
+            case.H,
+            case.d,
+            case.d_v,
+            tau_k=case.tau,
+            tau_v=case.tau,
+            max_chunk=case.max_chunk,
+            sketch_reset=case.sketch_reset,
+            lookahead=case.lookahead,
+            ring_warm_start=case.ring_warm_start,
+            fd_stride=case.fd_stride,
+            reuse_angle=case.reuse_angle,
+            **common,
+        )
     return sr.SubspaceState.rotating(case.H, case.d, case.d_v, refresh_every=case.refresh_every, **common)
 
 

@@ -100,7 +100,11 @@ def assert_same_state(got, want, rtol: float, what: str) -> None:
             a, b = to_numpy(a).astype(np.float64), to_numpy(b).astype(np.float64)
             ga, gb = np.swapaxes(a, -1, -2) @ a, np.swapaxes(b, -1, -2) @ b
             assert np.abs(ga - gb).max() <= rtol * max(np.abs(gb).max(), 1.0), f"{what}: FD sketches differ"
-        assert (got.sketches.filled_k, got.sketches.filled_v, got.sketches.rows_seen) == (want.sketches.filled_k, want.sketches.filled_v, want.sketches.rows_seen)
+        assert (got.sketches.filled_k, got.sketches.filled_v, got.sketches.rows_seen) == (
+            want.sketches.filled_k,
+            want.sketches.filled_v,
+            want.sketches.rows_seen,
+        )
 
 
 @pytest.mark.parametrize("case", APPEND_CASES, ids=str)

@@ -34,25 +34,54 @@ def variants(ctx, record: dict, svd: list[dict]) -> list[Variant]:
     bases = static_bases(record, svd, r)
     rows = []
     for W in WINDOWS:
-        rows.append(Variant(f"static r={r} + exact tail {W}", "window", "static", static_states(bases, window=W),
-                            note=f"last {W} tokens exact (spec/window.md W1-W3)", extra=dict(rank=r, window=W)))
+        rows.append(
+            Variant(
+                f"static r={r} + exact tail {W}",
+                "window",
+                "static",
+                static_states(bases, window=W),
+                note=f"last {W} tokens exact (spec/window.md W1-W3)",
+                extra=dict(rank=r, window=W),
+            )
+        )
     for M in MIN_TOKENS:
         W = max(WINDOWS)
-        rows.append(Variant(f"static r={r} + exact tail {W}, min_tokens {M}", "window", "static", static_states(bases, window=W, min_tokens=M),
-                            note=f"nothing compressed below {M} tokens, then the last {W} exact", extra=dict(rank=r, window=W, min_tokens=M)))
+        rows.append(
+            Variant(
+                f"static r={r} + exact tail {W}, min_tokens {M}",
+                "window",
+                "static",
+                static_states(bases, window=W, min_tokens=M),
+                note=f"nothing compressed below {M} tokens, then the last {W} exact",
+                extra=dict(rank=r, window=W, min_tokens=M),
+            )
+        )
     T = ctx.context
     for W in WINDOWS:
         r_low = matched_rank(T, W, ctx.d, r)
         if r_low < 1:
             continue
-        rows.append(Variant(f"static r={r_low} + exact tail {W} (bytes of r={r} at T={T})", "window", "static",
-                            static_states(static_bases(record, svd, r_low), window=W),
-                            note=f"matched bytes at T={T}: (T-W) 2r' + W 2d <= T 2r (spec/window.md W5)", extra=dict(rank=r_low, window=W, matched_to=r, context=T)))
+        rows.append(
+            Variant(
+                f"static r={r_low} + exact tail {W} (bytes of r={r} at T={T})",
+                "window",
+                "static",
+                static_states(static_bases(record, svd, r_low), window=W),
+                note=f"matched bytes at T={T}: (T-W) 2r' + W 2d <= T 2r (spec/window.md W5)",
+                extra=dict(rank=r_low, window=W, matched_to=r, context=T),
+            )
+        )
     W = LOOKAHEAD_WINDOW
     for L in (0, W // 2):
-        rows.append(Variant(f"adaptive r={r} + exact tail {W}, lookahead {L}", "window", "adaptive",
-                            adaptive_states(**adaptive_options(ctx, record, r), window=W, lookahead=L),
-                            backend="numpy" if L else "torch",
-                            note="streaming anchoring" if L == 0 else f"new chunks anchored on the next {L} exact tokens (seed 001 §7; spec/window.md W4)",
-                            extra=dict(rank=r, window=W, lookahead=L)))
+        rows.append(
+            Variant(
+                f"adaptive r={r} + exact tail {W}, lookahead {L}",
+                "window",
+                "adaptive",
+                adaptive_states(**adaptive_options(ctx, record, r), window=W, lookahead=L),
+                backend="numpy" if L else "torch",
+                note="streaming anchoring" if L == 0 else f"new chunks anchored on the next {L} exact tokens (seed 001 §7; spec/window.md W4)",
+                extra=dict(rank=r, window=W, lookahead=L),
+            )
+        )
     return rows

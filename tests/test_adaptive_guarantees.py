@@ -28,7 +28,7 @@ def test_full_rank_is_exact_for_any_chunk_boundaries(rng, rk, rv, max_chunk, tri
 def test_full_rank_attention_matches_exact(rng):
     H, d, d_v, T = 3, 16, 12, 40
     K, V, q = rng.standard_normal((H, T, d)), rng.standard_normal((H, T, d_v)), rng.standard_normal((H, d))
-    state = sr.SubspaceState.adaptive(H, d, d_v, rank_k=16, rank_v=12, max_chunk=7).append(K, V)
+    state = sr.SubspaceState.adaptive(H, d, d_v, rank_k=16, rank_v=12, max_chunk=7, trigger="reproject").append(K, V)
     logits = np.einsum("hd,htd->ht", q, K) / np.sqrt(d)
     w = np.exp(logits - logits.max(-1, keepdims=True))
     want = np.einsum("ht,htd->hd", w / w.sum(-1, keepdims=True), V)
@@ -47,7 +47,7 @@ def test_every_stored_token_within_tau_or_the_sketch_tail(rng, tau):
     H, T, d, r, ell = 2, 300, 10, 3, 8
     K = np.stack([drifting_stream(rng, T, d, 3, 70) for _ in range(H)])
     V = np.stack([drifting_stream(rng, T, d, 2, 90) for _ in range(H)])
-    state = sr.SubspaceState.adaptive(H, d, rank_k=r, rank_v=r, ell_k=ell, ell_v=ell, tau_k=tau, tau_v=tau, max_chunk=10**6).append(K, V)
+    state = sr.SubspaceState.adaptive(H, d, rank_k=r, rank_v=r, ell_k=ell, ell_v=ell, tau_k=tau, tau_v=tau, max_chunk=10**6, trigger="reproject").append(K, V)
     paper = sr.SubspaceState.adaptive(H, d, rank_k=r, rank_v=r, ell_k=ell, ell_v=ell, tau_k=tau, tau_v=tau, max_chunk=10**6, trigger="paper").append(K, V)
     firsts = 0
     for h in range(H):

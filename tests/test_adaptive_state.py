@@ -98,7 +98,7 @@ def test_causality_prefix_stability(rng, trigger):
 
 def test_warmup_stores_first_tokens_exactly(rng):
     K, V = rng.standard_normal((2, 10, 16)), rng.standard_normal((2, 10, 16))
-    state = sr.SubspaceState.adaptive(2, 16, rank_k=6, rank_v=4, tau_k=0.5, tau_v=0.5).append(K, V)
+    state = sr.SubspaceState.adaptive(2, 16, rank_k=6, rank_v=4, tau_k=0.5, tau_v=0.5, trigger="reproject").append(K, V)
     assert state.policy.warmup == 6  # issue 19: per side, keys warm up to rank_k (was min(rank_k, rank_v) = 4)
     K_hat, V_hat = state.reconstruct()
     np.testing.assert_allclose(K_hat[:, :6], K[:, :6], atol=1e-12)

@@ -37,7 +37,7 @@ class AdaptivePolicy:
     ring_warm_start: int = field(default=0, metadata={"optional": True})
     fd_stride: int = field(default=1, metadata={"optional": True})
     reuse_angle: float | None = field(default=None, metadata={"optional": True})
-    trigger: str = field(default="reproject", metadata={"optional": True})
+    trigger: str = field(default="paper", metadata={"optional": True})
 
     kind = "adaptive"
 

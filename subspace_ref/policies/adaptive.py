@@ -14,7 +14,7 @@ class AdaptivePolicy:
     stores that token with the new bases (spec A7.2, what bounds every stored token); "paper"
     keeps seed 001's order (snapshot before the FD update, the firing token stays in the old
     chunk with its residual). A file saved before the option existed holds no ``trigger`` and
-    loads with the default, so its later appends follow A7.2 (spec/persistence.md). With ``sketch_reset`` the
+    loads with the default, "paper", the order it was written with (spec/persistence.md). With ``sketch_reset`` the
     sketches restart at every chunk boundary (spec A7 step 3b), so each snapshot summarises the
     chunk that just closed instead of the whole history.
 

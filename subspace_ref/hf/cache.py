@@ -86,7 +86,8 @@ class static_states:
     coefficients; ``dtype`` defaults to :attr:`StateSpec.state_dtype`; ``basis_format`` is how
     bases are stored (spec/storage.md S1, S6), by default "float16" below float64 (seed 001 §10)
     and "native" for float64 states (the exact oracle). ``window=W`` keeps the last W tokens
-    exact and ``min_tokens=M`` compresses nothing below M tokens (spec/window.md; the
+    exact, ``min_tokens=M`` compresses nothing below M tokens and ``sinks=S`` keeps the first S
+    exact (spec/window.md; the
     :meth:`SubspaceState.static` keywords; an int, or per layer a mapping or a callable of the
     layer index).
 
@@ -114,6 +115,7 @@ class static_states:
         rope: Any = None,
         window: Any = 0,
         min_tokens: Any = 0,
+        sinks: Any = 0,
         share: str = "kv_head",
     ):
         self.bases = bases
@@ -122,7 +124,7 @@ class static_states:
         self.dtype = dtype
         self.basis_format = basis_format
         self.rope = rope
-        self.window, self.min_tokens = window, min_tokens
+        self.window, self.min_tokens, self.sinks = window, min_tokens, sinks
         if share not in ("kv_head", "query_head"):
             raise ValueError(f'share must be "kv_head" or "query_head", got {share!r}')
         self.share = share
@@ -159,6 +161,7 @@ class static_states:
             rope=per_layer(self.rope, spec.layer_idx),
             window=per_layer(self.window, spec.layer_idx),
             min_tokens=per_layer(self.min_tokens, spec.layer_idx),
+            sinks=per_layer(self.sinks, spec.layer_idx),
             query_group=group,
         )
 
@@ -444,17 +447,18 @@ class SubspaceLayer(CacheLayerMixin):
         out = subspace_ref.attend(x, state, backend=self.cache.backend, scale=scale)
         return out if isinstance(out, torch.Tensor) else torch.from_numpy(np.asarray(out)).to(device=q.device, dtype=q.dtype)
 
-    def _attend_block(self, q: torch.Tensor, first_position: int, scale: float) -> torch.Tensor:
+    def _attend_block(self, q: torch.Tensor, first_position: int, scale: float, exact: _attn.ExactPart | None, **masking: Any) -> torch.Tensor:
         """Queries q (B, H_q, m, d) at positions first_position.. over the state holding exactly
         tokens 0..first_position+m-1, each query causally (static/adaptive, or a rotating state
-        with no refresh after first_position)."""
+        with no refresh after first_position's append); ``exact``: the windowed state's
+        :func:`~subspace_ref.hf.attention.exact_part` taken before the block was appended."""
         st = self.state
-        if q.shape[2] == 1:
+        if q.shape[2] == 1 and not any(v is not None for v in masking.values()):
             return self._attend_one(q[:, :, 0], st, scale)[:, :, None]
         if self.cache.prefill == "attend":
             views = [self._attend_one(q[:, :, i], _attn.prefix_view(st, first_position + i + 1), scale) for i in range(q.shape[2])]
             return torch.stack(views, dim=2)
-        return _attn.causal_attention(q, st, first_position, scale)
+        return _attn.causal_attention(q, st, first_position, scale, exact=exact, **masking)
 
     def masked_reason(self) -> str | None:
         """Why this layer's state cannot attend under a per-token mask or soft-capping (None: it
@@ -462,25 +466,43 @@ class SubspaceLayer(CacheLayerMixin):
         st = self.state
         if st.kind == "rotating":
             return "a rotating state rewrites past coefficients at each refresh"
-        if st.window is not None:
-            return "a state with an exact window attends token by token"
         if getattr(st.policy, "rope", None) is not None:
             return "a pre-RoPE state rotates keys by their cache index, which is not the position of a padded sequence"
         return None
+
+    def _segments(self, n: int) -> list[tuple[int, int]]:
+        """The pending block's queries cut into runs [a, b) that one causal evaluation covers:
+        the whole block, except that a rotating state's query whose append runs a refresh
+        (spec A8: all stored coefficients rewritten) stands alone, and ``prefill="attend"`` on
+        a windowed state (whose prefix views would need the evicted exact tokens) goes token
+        by token."""
+        st = self.state
+        if st.window is not None and self.cache.prefill == "attend":
+            return [(i, i + 1) for i in range(n)]
+        if st.kind != "rotating":
+            return [(0, n)]
+        T0 = st.num_tokens
+        compressed, _ = _attn.compressed_visible(st, np.arange(T0, T0 + n + 1))  # before and after each query's append
+        m, W = st.policy.refresh_every, st.policy.warmup
+        t = np.arange(int(compressed[-1]))
+        refreshed = np.concatenate([[0], np.cumsum((t >= W) & ((t + 1 - W) % m == 0))])  # refreshes among the first k compressed
+        alone = np.flatnonzero(refreshed[compressed[1:]] > refreshed[compressed[:-1]])
+        cuts = sorted({0, n, *alone.tolist(), *(alone + 1).tolist()})
+        return list(zip(cuts[:-1], cuts[1:]))
 
     def attend_pending(self, query: torch.Tensor, scale: float, *, mask: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
         """Append the pending tokens and attend ``query`` (B, H_q, n, d) -> (B, H_q, n, d_v), each
         query position p seeing the state exactly as token-by-token decoding would at step p.
 
-        Static and adaptive states: one append of the n tokens, then :func:`causal_attention`
-        (or one ``attend`` call when n = 1). A ``mask`` that is not the plain causal one (left
-        padding, a sliding window) or ``softcap`` always takes :func:`causal_attention`, which
-        applies them to the coefficient-space logits. States with an exact window
-        (spec/window.md): one token at a time, append then ``attend``. Rotating states: a refresh
-        after token t rewrites all stored coefficients, so the block is cut after every refresh
-        token t: tokens up to t-1 are appended and attended causally (no refresh among them),
-        then token t is appended (its refresh runs) and its query attends the refreshed state
-        via ``attend``.
+        One append of the n tokens (one call to the backend, which moves a block whole), then
+        :func:`causal_attention` (or one ``attend`` call when n = 1), whatever the state kind
+        but rotating: a refresh rewrites all stored coefficients, so a query whose append
+        runs one is appended and attended alone (``attend`` on the refreshed state), the runs
+        between them in one block each. A windowed state's queries see its compressed part as
+        it was at their step and every other token of theirs exactly (spec/window.md W2, W3;
+        :func:`~subspace_ref.hf.attention.exact_part`). A ``mask`` that is not the plain causal
+        one (left padding, a sliding window) or ``softcap`` is applied to the logits by
+        :func:`causal_attention` (refused for rotating and pre-RoPE states).
         """
         keys, values = self.pending_keys, self.pending_values
         st = self.state
@@ -491,27 +513,13 @@ class SubspaceLayer(CacheLayerMixin):
         if mask is not None or softcap is not None:
             what = "soft-capping" if mask is None else "a padding or sliding-window mask"
             require([self.masked_reason()] if self.masked_reason() else [], f"layer {self.layer_idx}: {what}")
-            self._clear_pending()
-            self._append(keys, values)
-            return _attn.causal_attention(query, st, T0, scale, mask=mask, softcap=softcap)
         self._clear_pending()
-        cuts = [0]
-        if st.window is not None:
-            # spec/window.md W2: a token that is exact for query p may be compressed by the end
-            # of the block, so each query attends the state right after its own token's append
-            cuts += list(range(1, n))
-        elif st.kind == "rotating":
-            m, W = st.policy.refresh_every, st.policy.warmup
-            for t in range(T0, T0 + n):
-                if t >= W and (t + 1 - W) % m == 0:
-                    cuts += [t - T0, t - T0 + 1]  # [.., t) without refresh, then [t, t+1) refreshing
-        cuts.append(n)
         outs = []
-        for a, b in zip(cuts[:-1], cuts[1:]):
-            if b <= a:
-                continue
+        for a, b in self._segments(n):
+            exact = _attn.exact_part(st, keys[:, :, a:b], values[:, :, a:b])
             self._append(keys[:, :, a:b], values[:, :, a:b])
-            outs.append(self._attend_block(query[:, :, a:b], T0 + a, scale))
+            part_mask = None if mask is None else mask[:, :, a:b, : T0 + b]
+            outs.append(self._attend_block(query[:, :, a:b], T0 + a, scale, exact, mask=part_mask, softcap=softcap))
         return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
 
 

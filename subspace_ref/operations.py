@@ -179,6 +179,19 @@ def copy(state):
     return type(state)(state.policy, parts["layout"], parts["sketches"], state.batched, state.engine, parts["window"])
 
 
+def select_sequences(state, index: Any):
+    """A copy of batched ``state`` holding its sequences ``index`` (1-d integer indices into
+    the batch axis N, in the state's array family; repeats allowed), as beam search reorders
+    and repeats them: every array of :data:`subspace_ref.layout.STATE_ARRAYS` is gathered along
+    N. ``gamma`` (H,) is shared by the sequences and kept. Token counts, fills and chunk counts
+    per sequence travel with the arrays (every sequence of a state holds the same tokens)."""
+    _check_state(state)
+    if not state.batched:
+        raise ValueError("state: select_sequences needs a batched state (built with batch=N)")
+    parts = mapped_parts(state, lambda a, x: x if a.name == "gamma" else x[index])  # advanced indexing copies
+    return type(state)(state.policy, parts["layout"], parts["sketches"], state.batched, state.engine, parts["window"])
+
+
 def _clone(x: Any) -> Any:
     return x.clone() if array_family(x) == "torch" else x.copy()
 

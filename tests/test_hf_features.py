@@ -27,6 +27,7 @@ from subspace_ref.hf import (  # noqa: E402
     rotating_states,
     static_states,
 )
+from subspace_ref.capabilities import NotSupportedError  # noqa: E402
 from tests.test_hf_generation import model_for, prompt_ids, tolerance  # noqa: E402
 
 torch.set_num_threads(1)
@@ -141,18 +142,58 @@ def test_hybrid_model_keeps_sliding_layers_stock_and_compresses_full_layers():
 
 
 # --------------------------------------------------------------------------- refusals
-def test_online_states_refuse_crop_and_reordering_with_the_reason():
+EDITED_STATES = {
+    "adaptive": lambda: adaptive_states(rank_k=6, rank_v=6, tau_k=0.05, tau_v=0.05, max_chunk=5, warmup=2),
+    "rotating": lambda: rotating_states(rank_k=6, rank_v=6, refresh_every=3, warmup=2),
+    "static+window": lambda: static_states([sr_basis(model_for("llama"), 6)] * 2, window=4, sinks=1),
+    "adaptive+window": lambda: adaptive_states(rank_k=6, rank_v=6, tau_k=0.05, tau_v=0.05, max_chunk=5, warmup=2, window=3, min_tokens=6),
+}
+
+
+def next_logits(model, cache, token: int = 5) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([[token]] * cache.layers[0].state.batch), past_key_values=cache).logits
+
+
+@pytest.mark.parametrize("name", list(EDITED_STATES))
+def test_crop_takes_back_the_last_forward_exactly_and_refuses_further(name):
+    """crop(-3) after a 7-token forward gives the state of never appending those 3 tokens (the
+    next token's logits equal those of a cache fed only the kept ones, to rounding); cropping below the
+    last forward's start is refused with the reason, the state unchanged. Spec change: these
+    states refused every crop before (issue 17 item 5 follow-up)."""
     model = model_for("llama")
-    with compress(model, adaptive_states(rank_k=8, rank_v=8)) as kv, torch.no_grad():
-        cache = kv.cache()
-        model(prompt_ids(length=10), past_key_values=cache)
-        held = cache.get_seq_length()
-        with pytest.raises(NotImplementedError, match="sketches cannot forget"):
+    ids = prompt_ids(length=17)
+    with compress(model, EDITED_STATES[name]()) as kv, torch.no_grad():
+        cache, ref = kv.cache(), kv.cache()
+        model(ids[:, :10], past_key_values=cache)
+        model(ids[:, 10:], past_key_values=cache)
+        assert cache.is_croppable
+        cache.crop(-3)
+        assert cache.get_seq_length() == 14
+        model(ids[:, :10], past_key_values=ref)
+        model(ids[:, 10:14], past_key_values=ref)
+        # the kept keys come out of a 7-token forward here and a 4-token one there: rounding apart
+        assert float((next_logits(model, cache) - next_logits(model, ref)).abs().max()) <= tolerance("llama", "float32")
+        with pytest.raises(NotSupportedError, match="start of its last forward"):
             cache.crop(-2)
-        with pytest.raises(NotImplementedError, match="reorder_cache"):
-            cache.reorder_cache(torch.tensor([1, 0]))
-        assert cache.get_seq_length() == held
-        assert not cache.layers[0].is_croppable
+        assert cache.get_seq_length() == 15
+
+
+@pytest.mark.parametrize("name", list(EDITED_STATES))
+def test_reordering_sequences_gathers_every_state_array(name):
+    """reorder_cache / batch_select_indices on any state kind: the cache then holds the chosen
+    sequences, as if they had been fed in that order (the next logits are those rows)."""
+    model = model_for("llama")
+    ids = torch.cat([prompt_ids(batch=1, length=12, seed=s) for s in (1, 2, 3)])
+    with compress(model, EDITED_STATES[name]()) as kv, torch.no_grad():
+        cache = kv.cache()
+        model(ids, past_key_values=cache)
+        before = next_logits(model, copy.deepcopy(cache))
+        cache.reorder_cache(torch.tensor([2, 0, 0]))
+        np.testing.assert_array_equal(next_logits(model, copy.deepcopy(cache)).numpy(), before[[2, 0, 0]].numpy())
+        cache.batch_select_indices(torch.tensor([1]))
+        # a batch of one runs the model's matmuls with other blockings than a batch of three
+        assert float((next_logits(model, cache) - before[[0]]).abs().max()) <= tolerance("llama", "float32")
 
 
 def test_rotating_states_refuse_soft_capping_before_appending():
@@ -186,12 +227,38 @@ def test_bases_round_trip_on_a_saved_checkpoint(tmp_path):
     from subspace_ref.cli import main
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2)
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        initializer_range=0.2,
+    )
     model = transformers.LlamaForCausalLM(config).eval()
     model.save_pretrained(tmp_path / "ckpt")
-    assert main(["calibrate", "--model", str(tmp_path / "ckpt"), "--compression-ratio", "0.5", "--context", "64",
-                 "--calibration-tokens", "640", "--out", str(tmp_path), "--bases-out", str(tmp_path / "bases")]) == 0
+    assert (
+        main(
+            [
+                "calibrate",
+                "--model",
+                str(tmp_path / "ckpt"),
+                "--compression-ratio",
+                "0.5",
+                "--context",
+                "64",
+                "--calibration-tokens",
+                "640",
+                "--out",
+                str(tmp_path),
+                "--bases-out",
+                str(tmp_path / "bases"),
+            ]
+        )
+        == 0
+    )
     loaded = CalibratedBases.from_pretrained(tmp_path / "bases", model.config)
     assert loaded.calibration["coefficient_fraction"] <= 0.5
     assert sum(sum(b.rank_k) + sum(b.rank_v) for b in loaded.layers) <= 0.5 * 2 * 2 * 32

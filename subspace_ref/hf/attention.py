@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -233,8 +233,59 @@ def _coefficients(lay, which: str, T: int, dtype: torch.dtype, device) -> torch.
     return _torch(coef, device).to(dtype)
 
 
-def causal_attention(q: torch.Tensor, state, first_position: int, scale: float | None = None, *, mask: torch.Tensor | None = None,
-                     softcap: float | None = None) -> torch.Tensor:
+@dataclass(frozen=True)
+class ExactPart:
+    """The exact tokens the queries of a block at positions ``first_position ..`` of a windowed
+    state may see (spec/window.md W1, W7): ``keys`` (N, H, e, d), ``values`` (N, H, e, d_v) at
+    ``positions`` (e,): the sinks and the recent window as they were before the block was
+    appended, then the block itself. Tokens the block's append moved into the compressed part
+    are here too: a query before their eviction sees them exactly (W2, per query)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+
+
+def exact_part(state, keys: torch.Tensor, values: torch.Tensor) -> ExactPart | None:
+    """The :class:`ExactPart` of ``state`` (before appending the block ``keys`` (N, H, n, d),
+    ``values``) and the block; None for a state without exact tokens."""
+    win = state.window
+    if win is None:
+        return None
+    device, T0, n = keys.device, state.num_tokens, keys.shape[2]
+    held_k = [_torch(x, device) for x in (win.sink_keys, win.keys) if x is not None]
+    held_v = [_torch(x, device) for x in (win.sink_values, win.values) if x is not None]
+    # the block rounded to the state's dtype, as the window will hold it (spec/window.md W2 step 4)
+    keys, values = keys.to(held_k[-1].dtype), values.to(held_v[-1].dtype)
+    s, e = win.sink_count, win.recent
+    positions = torch.cat([torch.arange(s), torch.arange(T0 - e, T0 + n)]).to(device)
+    return ExactPart(torch.cat(held_k + [keys], dim=2), torch.cat(held_v + [values], dim=2), positions)
+
+
+def compressed_visible(state, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For a state grown to each of ``lengths`` tokens: (compressed tokens, sink tokens) then
+    (spec/window.md W1, W7; a state without a window compresses every token, has no sinks)."""
+    from subspace_ref.window import after_sinks_threshold, compressed_count
+
+    lengths = np.asarray(lengths, dtype=np.int64)
+    win = state.window
+    if win is None:
+        return lengths, np.zeros_like(lengths)
+    sinks = np.minimum(lengths, win.sinks)
+    threshold = after_sinks_threshold(win.min_tokens, win.sinks)
+    return np.array([compressed_count(int(t), win.size, threshold) for t in lengths - sinks], dtype=np.int64), sinks
+
+
+def causal_attention(
+    q: torch.Tensor,
+    state,
+    first_position: int,
+    scale: float | None = None,
+    *,
+    mask: torch.Tensor | None = None,
+    softcap: float | None = None,
+    exact: ExactPart | None = None,
+) -> torch.Tensor:
     """Coefficient-space attention of queries at positions ``first_position + i`` (q: (N, H_q, n, d),
     any torch dtype/device) over ``state``'s tokens ``0 .. first_position + n - 1``, query ``i``
     attending tokens ``t <= first_position + i`` only (causal mask on the coefficient logits).
@@ -250,15 +301,30 @@ def causal_attention(q: torch.Tensor, state, first_position: int, scale: float |
     additive): query ``i`` attends only the tokens it allows as well (left padding, sliding
     windows); a query allowed no token gets zeros. ``softcap``: logits ``l`` become
     ``softcap * tanh(l / softcap)`` before masking (Gemma2), as the model's eager attention does.
+
+    Windowed states (spec/window.md; ``state`` already holds the block, ``exact`` is
+    :func:`exact_part` taken before it was appended): query ``i`` at position ``p`` sees what
+    the state held right after token ``p``'s append, the first ``T_c(p + 1)`` compressed tokens
+    (coefficient logits as above) and every other token ``<= p`` exactly (logits ``scale q . k``,
+    values ``v``, gamma = 1), all under one softmax (W3, W8). A token evicted within the block
+    is exact for the queries before its eviction and compressed after it: its coefficients are
+    the ones it got when it was evicted (W2.1; adaptive and static coefficients never change).
     """
     lay = state.layout
     N, Hq, n, d = q.shape
     H = lay.key_coef.shape[1]
     g = Hq // H
-    T = first_position + n
-    if T > lay.num_tokens or first_position < 0:
-        raise ValueError(f"queries at positions {first_position}..{T - 1} need {T} tokens, the state holds {lay.num_tokens}")
+    T_all = first_position + n
+    if T_all > state.num_tokens or first_position < 0:
+        raise ValueError(f"queries at positions {first_position}..{T_all - 1} need {T_all} tokens, the state holds {state.num_tokens}")
+    if (state.window is None) != (exact is None):
+        raise ValueError("exact: give exact_part(state, ...) for a state with a window or sinks, and only then")
+    visible, sinks = compressed_visible(state, np.arange(first_position + 1, T_all + 1))
+    T = int(visible[-1])  # compressed tokens any query sees
     device = q.device
+    visible_t = torch.from_numpy(visible).to(device)
+    sinks_t = torch.from_numpy(sinks).to(device)
+    offset = 0 if state.window is None else state.window.sinks  # mask column of compressed token 0 (W7)
     state_dtype = str(lay.dtype).removeprefix("torch.")
     work = torch.float64 if q.dtype == torch.float64 and state_dtype == "float64" else torch.float32
     s = 1.0 / math.sqrt(d) if scale is None else float(scale)
@@ -299,7 +365,12 @@ def causal_attention(q: torch.Tensor, state, first_position: int, scale: float |
         K_rot = rotate(torch.matmul(C, B[:, :, 0]), np.arange(T), rope)
     out = torch.empty((N, H, g, n, E.shape[-1]), dtype=work, device=device)
     # a tile's logits (N, H_q, m, T) and projected queries (N, H_q, J, m, r) stay near TILE_ELEMENTS
-    tile = max(1, TILE_ELEMENTS // max(1, N * Hq * max(T, J * B.shape[3])))
+    if exact is not None:
+        K_exact = exact.keys.to(device=device, dtype=work).reshape(N, H, 1, -1, d)
+        V_exact = exact.values.to(device=device, dtype=work)
+        pos = exact.positions.to(device)
+    width = T + (0 if exact is None else pos.shape[0])
+    tile = max(1, TILE_ELEMENTS // max(1, N * Hq * max(width, J * B.shape[3])))
     keys_pos = torch.arange(T, device=device)
     for a in range(0, n, tile):
         b = min(n, a + tile)
@@ -318,18 +389,29 @@ def causal_attention(q: torch.Tensor, state, first_position: int, scale: float |
                 sel = (index[:, :, lo:hi] == j)[:, :, None, None, :]
                 part = torch.matmul(qp[:, :, j], C[:, :, lo:hi].mT[:, :, None])
                 logits[..., lo:hi] = torch.where(sel, part, logits[..., lo:hi])
+        allowed = keys_pos[None, :] < visible_t[a:b, None]  # (m, T): the compressed tokens of each query's step
+        columns = keys_pos + offset
+        if exact is not None:
+            p = (first_position + torch.arange(a, b, device=device))[:, None]
+            s_p, c_p = sinks_t[a:b, None], visible_t[a:b, None]
+            # exact for query p: a sink, or a token <= p not yet compressed at p's step (W1, W7)
+            allowed = torch.cat([allowed, (pos[None] <= p) & ((pos[None] < s_p) | (pos[None] >= s_p + c_p))], dim=-1)
+            columns = torch.cat([columns, pos])
+            exact_logits = torch.matmul(qt * s, K_exact.mT)  # (N, H, g, m, e), gamma = 1 (W3)
+            logits = torch.cat([logits, exact_logits], dim=-1)
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
-        allowed = keys_pos[None, :] <= (first_position + torch.arange(a, b, device=device))[:, None]  # (m, T)
         if mask is not None:
-            rows = allowed_positions(mask[:, :, a:b, :T]).to(device)
-            rows = rows[:, :, None] if rows.shape[1] == 1 else rows.reshape(rows.shape[0], H, g, b - a, T)
+            rows = allowed_positions(mask[:, :, a:b][..., columns]).to(device)
+            rows = rows[:, :, None] if rows.shape[1] == 1 else rows.reshape(rows.shape[0], H, g, b - a, -1)
             allowed = allowed & rows
         logits = logits.masked_fill(~allowed, -math.inf)
         top = logits.amax(-1, keepdim=True)
         w = torch.exp(logits - torch.where(torch.isfinite(top), top, torch.zeros((), dtype=work, device=device)))
         Z = w.sum(-1, keepdim=True)
         Z = torch.where(Z > 0, Z, torch.ones((), dtype=work, device=device))  # a fully masked query (padding) gets zeros
+        if exact is not None:
+            w, w_exact = w[..., :T], w[..., T:]
         if J == 1:
             acc = torch.matmul(torch.matmul(w, D[:, :, None]), E[:, :, 0][:, :, None])
         else:
@@ -339,13 +421,18 @@ def causal_attention(q: torch.Tensor, state, first_position: int, scale: float |
                     continue
                 wj = torch.where((index[:, :, lo:hi] == j)[:, :, None, None, :], w[..., lo:hi], torch.zeros((), dtype=work, device=device))
                 acc = acc + torch.matmul(torch.matmul(wj, D[:, :, None, lo:hi]), E[:, :, j][:, :, None])
+        if exact is not None:
+            acc = acc + torch.matmul(w_exact, V_exact[:, :, None])
         out[:, :, :, a:b] = acc / Z
     return out.reshape(N, Hq, n, -1).to(q.dtype)
 
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "ExactPart",
     "causal_attention",
+    "compressed_visible",
+    "exact_part",
     "allowed_positions",
     "fallback_attention",
     "implementation_name",

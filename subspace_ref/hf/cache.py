@@ -29,6 +29,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 import subspace_ref
 from subspace_ref.calibration import StaticBasis
 from subspace_ref.capabilities import require, state_reasons
+from subspace_ref.layout import FIXED, mapped_parts
+from subspace_ref.arrays import clone
+from subspace_ref.operations import select_sequences
 from subspace_ref.hf import attention as _attn
 from subspace_ref.registry import get_backend
 from subspace_ref.state import SubspaceState
@@ -86,7 +89,8 @@ class static_states:
     coefficients; ``dtype`` defaults to :attr:`StateSpec.state_dtype`; ``basis_format`` is how
     bases are stored (spec/storage.md S1, S6), by default "float16" below float64 (seed 001 §10)
     and "native" for float64 states (the exact oracle). ``window=W`` keeps the last W tokens
-    exact and ``min_tokens=M`` compresses nothing below M tokens (spec/window.md; the
+    exact, ``min_tokens=M`` compresses nothing below M tokens and ``sinks=S`` keeps the first S
+    exact (spec/window.md; the
     :meth:`SubspaceState.static` keywords; an int, or per layer a mapping or a callable of the
     layer index).
 
@@ -114,6 +118,7 @@ class static_states:
         rope: Any = None,
         window: Any = 0,
         min_tokens: Any = 0,
+        sinks: Any = 0,
         share: str = "kv_head",
     ):
         self.bases = bases
@@ -122,7 +127,7 @@ class static_states:
         self.dtype = dtype
         self.basis_format = basis_format
         self.rope = rope
-        self.window, self.min_tokens = window, min_tokens
+        self.window, self.min_tokens, self.sinks = window, min_tokens, sinks
         if share not in ("kv_head", "query_head"):
             raise ValueError(f'share must be "kv_head" or "query_head", got {share!r}')
         self.share = share
@@ -159,6 +164,7 @@ class static_states:
             rope=per_layer(self.rope, spec.layer_idx),
             window=per_layer(self.window, spec.layer_idx),
             min_tokens=per_layer(self.min_tokens, spec.layer_idx),
+            sinks=per_layer(self.sinks, spec.layer_idx),
             query_group=group,
         )
 
@@ -302,6 +308,8 @@ class SubspaceLayer(CacheLayerMixin):
         self.pending_keys: torch.Tensor | None = None
         self.pending_values: torch.Tensor | None = None
         self._forward_start = 0  # tokens held when the current forward began (rollback point)
+        self._restore_point: tuple | None = None  # see keep_restore_point
+        self._forward_tokens: tuple | None = None  # the current forward's keys and values, while a restore point is kept
 
     def __repr__(self) -> str:
         return f"SubspaceLayer({self.layer_idx}, {self.state!r})"
@@ -334,7 +342,7 @@ class SubspaceLayer(CacheLayerMixin):
         st = self.state
         if key_states.ndim != 4 or key_states.shape[0] != st.batch or key_states.shape[1] != st.kv_heads or key_states.shape[3] != st.d:
             raise ValueError(f"layer {self.layer_idx}: keys of shape {tuple(key_states.shape)} do not fit the state {st!r} (batch {st.batch})")
-        self.cache.begin_forward(self.layer_idx)
+        self.cache.begin_forward(self.layer_idx, key_states.shape[2])
         self.pending_keys, self.pending_values = key_states, value_states
         setattr(key_states, _attn.TAG, self)
         return key_states, value_states
@@ -361,61 +369,106 @@ class SubspaceLayer(CacheLayerMixin):
         pass
 
     # -- editing the held tokens (crop for assisted decoding, batch indexing for beams)
-    def editable_reason(self) -> str | None:
-        """Why tokens or sequences of this layer's state cannot be cut or re-indexed (None: they
-        can). Only states whose stored coefficients are their whole history qualify: static
-        states without an exact window. Adaptive/rotating FD sketches cannot forget tokens."""
+    def truncate_reason(self) -> str | None:
+        """Why the last tokens of this layer's state cannot be dropped by cutting its arrays
+        (None: they can, at any length). Only states whose stored coefficients are their whole
+        history qualify: static states without an exact window or sinks. The others are cut
+        through the restore point of the current forward (:meth:`crop`)."""
         st = self.state
         if st is None:
             return None
         if st.kind != "static":
-            return f"a {st.kind} state's sketches cannot forget tokens or be re-indexed"
+            return f"a {st.kind} state's sketches have absorbed the dropped tokens"
         if st.window is not None:
-            return "a state with an exact window keeps its last tokens apart"
-        if st.layout.low_bits:
+            return "tokens that left the exact window are projected and cannot be made exact again"
+        return self.crop_reason()
+
+    def crop_reason(self) -> str | None:
+        """Why this layer cannot be cropped at all (None: it can; see :meth:`crop` for how far)."""
+        st = self.state
+        if st is not None and st.layout.low_bits:
             return f"{st.layout.coefficients} keys are quantised in groups of {st.layout.group} tokens with an unfinished tail"
         return None
 
     @property
     def is_croppable(self) -> bool:
-        return self.editable_reason() is None
+        return self.crop_reason() is None
 
     def truncate(self, num_tokens: int) -> None:
         """Keep the first ``num_tokens`` tokens (static states: coefficients are per token)."""
         if self.state is not None and num_tokens < self.state.num_tokens:
             self.state.layout = replace(self.state.layout, num_tokens=num_tokens)
 
+    def keep_restore_point(self, new_tokens: int) -> None:
+        """At the start of a forward of ``new_tokens`` tokens: remember what :meth:`restore`
+        needs to bring a state that cannot be truncated back to its present tokens. Appends
+        write only rows and chunk slots past the state's counts (spare until then), copy bases
+        and coefficients in use before rewriting them (warm-up rows, rotating refreshes:
+        ``PackedLayout.with_private_bases``, private rotated coefficients) and replace the small
+        fixed-size arrays (sketch buffers, exact window and sinks, chunk counts), which are
+        copied here all the same: O(ell d + W d) per head, independent of the context. Forwards
+        longer than the cache's ``max_crop_block`` (a prefill) keep none, so their tokens are
+        not held twice."""
+        self._restore_point = self._forward_tokens = None
+        st = self.state
+        if st is None or self.truncate_reason() is None or self.crop_reason() is not None or new_tokens > self.cache.max_crop_block:
+            return
+        parts = mapped_parts(st, lambda a, x: clone(x) if a.axis == FIXED else x)
+        self._restore_point = SubspaceState(st.policy, parts["layout"], parts["sketches"], st.batched, st.engine, parts["window"])
+
+    def restore(self) -> None:
+        """Bring the state back to the start of the current forward (see :meth:`keep_restore_point`)."""
+        self.state, self._restore_point = self._restore_point, None
+
     def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last ``-tokens_to_remove`` tokens (transformers' convention: negative)."""
+        """Remove the last ``-tokens_to_remove`` tokens (transformers' convention: negative).
+
+        Static states without a window: their coefficients are cut, to any length. Others
+        (windowed, adaptive, rotating): the state goes back to its restore point at the start
+        of the last forward and the forward's tokens up to the new length are appended again,
+        which gives exactly the state of appending only those tokens; so they crop only back
+        to the start of the last forward of at most ``max_crop_block`` tokens (what assisted
+        and prompt-lookup decoding do: they crop the rejected candidates of the last forward)."""
         if tokens_to_remove > 0:
             raise ValueError(f"tokens_to_remove: expected a negative number of tokens to remove, got {tokens_to_remove}")
         if not tokens_to_remove or self.state is None:
             return
-        require([self.editable_reason()] if self.editable_reason() else [], f"layer {self.layer_idx}: cannot crop")
-        self.truncate(max(0, self.state.num_tokens + tokens_to_remove))
+        require([self.crop_reason()] if self.crop_reason() else [], f"layer {self.layer_idx}: cannot crop")
+        keep = max(0, self.state.num_tokens + tokens_to_remove)
+        if self.truncate_reason() is None:
+            self.truncate(keep)
+            return
+        start = self._forward_start
+        if self._restore_point is None or self._forward_tokens is None or keep < start:
+            reason = f"{self.truncate_reason()}; it crops back only to the start of its last forward of at most {self.cache.max_crop_block} tokens"
+            require([reason], f"layer {self.layer_idx}: cannot crop to {keep} tokens")
+        keys, values = self._forward_tokens
+        self.restore()
+        self._forward_tokens = None
+        if keep > start:
+            self._append(keys[:, :, : keep - start], values[:, :, : keep - start])
 
-    def _index_batch(self, name: str, index: Any) -> None:
+    def _index_batch(self, index: Any) -> None:
         if self.state is None or self.state.num_tokens == 0 and self._given is None:
             self.state, self.is_initialized = None, False  # built again, at the new batch size
             return
-        require([self.editable_reason()] if self.editable_reason() else [], f"layer {self.layer_idx}: {name}")
         st = self.state
         if isinstance(st.layout.key_coef, np.ndarray):
             index = np.asarray(index.cpu() if isinstance(index, torch.Tensor) else index)
         else:
             index = torch.as_tensor(index, device=st.layout.key_coef.device)
-        # every array of the layout (layout.STATE_ARRAYS) leads with the batch axis but gamma (H,)
-        st.layout = st.layout.map_arrays(lambda field, x: x if field == "gamma" or x is None else x[index])
+        self.state = select_sequences(st, index)  # every state array gathered along the batch axis
+        self._restore_point = self._forward_tokens = None  # taken at the old batch
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._index_batch("reorder_cache", beam_idx)
+        self._index_batch(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         batch = 0 if self.state is None else self.state.batch
-        self._index_batch("batch_repeat_interleave", torch.arange(batch).repeat_interleave(repeats))
+        self._index_batch(torch.arange(batch).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._index_batch("batch_select_indices", indices)
+        self._index_batch(indices)
 
     # -- attention
     def _clear_pending(self) -> None:
@@ -444,17 +497,18 @@ class SubspaceLayer(CacheLayerMixin):
         out = subspace_ref.attend(x, state, backend=self.cache.backend, scale=scale)
         return out if isinstance(out, torch.Tensor) else torch.from_numpy(np.asarray(out)).to(device=q.device, dtype=q.dtype)
 
-    def _attend_block(self, q: torch.Tensor, first_position: int, scale: float) -> torch.Tensor:
+    def _attend_block(self, q: torch.Tensor, first_position: int, scale: float, exact: _attn.ExactPart | None, **masking: Any) -> torch.Tensor:
         """Queries q (B, H_q, m, d) at positions first_position.. over the state holding exactly
         tokens 0..first_position+m-1, each query causally (static/adaptive, or a rotating state
-        with no refresh after first_position)."""
+        with no refresh after first_position's append); ``exact``: the windowed state's
+        :func:`~subspace_ref.hf.attention.exact_part` taken before the block was appended."""
         st = self.state
-        if q.shape[2] == 1:
+        if q.shape[2] == 1 and not any(v is not None for v in masking.values()):
             return self._attend_one(q[:, :, 0], st, scale)[:, :, None]
         if self.cache.prefill == "attend":
             views = [self._attend_one(q[:, :, i], _attn.prefix_view(st, first_position + i + 1), scale) for i in range(q.shape[2])]
             return torch.stack(views, dim=2)
-        return _attn.causal_attention(q, st, first_position, scale)
+        return _attn.causal_attention(q, st, first_position, scale, exact=exact, **masking)
 
     def masked_reason(self) -> str | None:
         """Why this layer's state cannot attend under a per-token mask or soft-capping (None: it
@@ -462,25 +516,43 @@ class SubspaceLayer(CacheLayerMixin):
         st = self.state
         if st.kind == "rotating":
             return "a rotating state rewrites past coefficients at each refresh"
-        if st.window is not None:
-            return "a state with an exact window attends token by token"
         if getattr(st.policy, "rope", None) is not None:
             return "a pre-RoPE state rotates keys by their cache index, which is not the position of a padded sequence"
         return None
+
+    def _segments(self, n: int) -> list[tuple[int, int]]:
+        """The pending block's queries cut into runs [a, b) that one causal evaluation covers:
+        the whole block, except that a rotating state's query whose append runs a refresh
+        (spec A8: all stored coefficients rewritten) stands alone, and ``prefill="attend"`` on
+        a windowed state (whose prefix views would need the evicted exact tokens) goes token
+        by token."""
+        st = self.state
+        if st.window is not None and self.cache.prefill == "attend":
+            return [(i, i + 1) for i in range(n)]
+        if st.kind != "rotating":
+            return [(0, n)]
+        T0 = st.num_tokens
+        compressed, _ = _attn.compressed_visible(st, np.arange(T0, T0 + n + 1))  # before and after each query's append
+        m, W = st.policy.refresh_every, st.policy.warmup
+        t = np.arange(int(compressed[-1]))
+        refreshed = np.concatenate([[0], np.cumsum((t >= W) & ((t + 1 - W) % m == 0))])  # refreshes among the first k compressed
+        alone = np.flatnonzero(refreshed[compressed[1:]] > refreshed[compressed[:-1]])
+        cuts = sorted({0, n, *alone.tolist(), *(alone + 1).tolist()})
+        return list(zip(cuts[:-1], cuts[1:]))
 
     def attend_pending(self, query: torch.Tensor, scale: float, *, mask: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
         """Append the pending tokens and attend ``query`` (B, H_q, n, d) -> (B, H_q, n, d_v), each
         query position p seeing the state exactly as token-by-token decoding would at step p.
 
-        Static and adaptive states: one append of the n tokens, then :func:`causal_attention`
-        (or one ``attend`` call when n = 1). A ``mask`` that is not the plain causal one (left
-        padding, a sliding window) or ``softcap`` always takes :func:`causal_attention`, which
-        applies them to the coefficient-space logits. States with an exact window
-        (spec/window.md): one token at a time, append then ``attend``. Rotating states: a refresh
-        after token t rewrites all stored coefficients, so the block is cut after every refresh
-        token t: tokens up to t-1 are appended and attended causally (no refresh among them),
-        then token t is appended (its refresh runs) and its query attends the refreshed state
-        via ``attend``.
+        One append of the n tokens (one call to the backend, which moves a block whole), then
+        :func:`causal_attention` (or one ``attend`` call when n = 1), whatever the state kind
+        but rotating: a refresh rewrites all stored coefficients, so a query whose append
+        runs one is appended and attended alone (``attend`` on the refreshed state), the runs
+        between them in one block each. A windowed state's queries see its compressed part as
+        it was at their step and every other token of theirs exactly (spec/window.md W2, W3;
+        :func:`~subspace_ref.hf.attention.exact_part`). A ``mask`` that is not the plain causal
+        one (left padding, a sliding window) or ``softcap`` is applied to the logits by
+        :func:`causal_attention` (refused for rotating and pre-RoPE states).
         """
         keys, values = self.pending_keys, self.pending_values
         st = self.state
@@ -491,27 +563,15 @@ class SubspaceLayer(CacheLayerMixin):
         if mask is not None or softcap is not None:
             what = "soft-capping" if mask is None else "a padding or sliding-window mask"
             require([self.masked_reason()] if self.masked_reason() else [], f"layer {self.layer_idx}: {what}")
-            self._clear_pending()
-            self._append(keys, values)
-            return _attn.causal_attention(query, st, T0, scale, mask=mask, softcap=softcap)
         self._clear_pending()
-        cuts = [0]
-        if st.window is not None:
-            # spec/window.md W2: a token that is exact for query p may be compressed by the end
-            # of the block, so each query attends the state right after its own token's append
-            cuts += list(range(1, n))
-        elif st.kind == "rotating":
-            m, W = st.policy.refresh_every, st.policy.warmup
-            for t in range(T0, T0 + n):
-                if t >= W and (t + 1 - W) % m == 0:
-                    cuts += [t - T0, t - T0 + 1]  # [.., t) without refresh, then [t, t+1) refreshing
-        cuts.append(n)
+        if self._restore_point is not None:
+            self._forward_tokens = (keys, values)
         outs = []
-        for a, b in zip(cuts[:-1], cuts[1:]):
-            if b <= a:
-                continue
+        for a, b in self._segments(n):
+            exact = _attn.exact_part(st, keys[:, :, a:b], values[:, :, a:b])
             self._append(keys[:, :, a:b], values[:, :, a:b])
-            outs.append(self._attend_block(query[:, :, a:b], T0 + a, scale))
+            part_mask = None if mask is None else mask[:, :, a:b, : T0 + b]
+            outs.append(self._attend_block(query[:, :, a:b], T0 + a, scale, exact, mask=part_mask, softcap=softcap))
         return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
 
 
@@ -538,9 +598,21 @@ class SubspaceCache(Cache):
     keeps transformers' own sliding cache layer for them (only full-attention layers are
     compressed), ``"compress"`` compresses them too (the model's sliding mask then restricts
     each query to its window in coefficient space; the compressed tokens stay stored).
+    ``max_crop_block``: windowed, adaptive and rotating layers keep a restore point at the start
+    of each forward of at most this many tokens, so ``crop`` (assisted and prompt-lookup
+    decoding) can take back that forward's tokens exactly (:meth:`SubspaceLayer.crop`).
     """
 
-    def __init__(self, config, states: StateFactory | Sequence[SubspaceState], *, backend: str = "torch", prefill: str = "coefficient", sliding: str = "stock"):
+    def __init__(
+        self,
+        config,
+        states: StateFactory | Sequence[SubspaceState],
+        *,
+        backend: str = "torch",
+        prefill: str = "coefficient",
+        sliding: str = "stock",
+        max_crop_block: int = 64,
+    ):
         from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, get_layer_types_and_kwargs
 
         if prefill not in ("coefficient", "attend"):
@@ -565,6 +637,9 @@ class SubspaceCache(Cache):
         self.family = impl.array_family
         self.prefill = prefill
         self.sliding = sliding
+        if isinstance(max_crop_block, bool) or not isinstance(max_crop_block, int) or max_crop_block < 0:
+            raise ValueError(f"max_crop_block must be an int >= 0, got {max_crop_block!r}")
+        self.max_crop_block = max_crop_block
         compressed = ("full_attention", "sliding_attention") if sliding == "compress" else ("full_attention",)
         types, kwargs = get_layer_types_and_kwargs(text)
         layers = [
@@ -591,21 +666,26 @@ class SubspaceCache(Cache):
     def subspace_layers(self) -> list[SubspaceLayer]:
         return [layer for layer in self.layers if isinstance(layer, SubspaceLayer)]
 
-    def begin_forward(self, layer_idx: int) -> None:
+    def begin_forward(self, layer_idx: int, new_tokens: int) -> None:
         """Called by each layer's update: the first compressed layer's update starts a forward,
         whose tokens :meth:`rollback_forward` can give back."""
         layers = self.subspace_layers
         if layers and layers[0].layer_idx == layer_idx:
             for layer in layers:
                 layer._forward_start = layer.get_seq_length()
+                layer.keep_restore_point(new_tokens)
 
     def rollback_forward(self) -> None:
-        """Give back the tokens the current forward appended (states that can be cut; see
-        :meth:`SubspaceLayer.editable_reason`)."""
+        """Give back the tokens the current forward appended (static states by truncation, the
+        others through their restore point when the forward kept one)."""
         for layer in self.subspace_layers:
             layer._clear_pending()
-            if layer.state is not None and layer.editable_reason() is None:
+            if layer.state is None:
+                continue
+            if layer.truncate_reason() is None:
                 layer.truncate(layer._forward_start)
+            elif layer._restore_point is not None:
+                layer.restore()
 
     def adopt(self, state: SubspaceState, spec: StateSpec) -> SubspaceState:
         """``state`` checked against the layer's shapes and moved to the backend's array family,

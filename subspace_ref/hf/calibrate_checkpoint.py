@@ -93,8 +93,16 @@ def calibrate_checkpoint(path: str, ratio: float, *, text: str | None = None, to
     cap = capture(model, windows, queries=True)
     energy, achieved = energy_for_ratio(cap, ratio)
     bases = cap.calibrate(energy=energy, gamma="mse")
-    facts = dict(source=str(path), tokens=usable, context=context, compression_ratio_asked=ratio, energy=energy,
-                 coefficient_fraction=achieved, rule="energy ranks", gamma="mse")
+    facts = dict(
+        source=str(path),
+        tokens=usable,
+        context=context,
+        compression_ratio_asked=ratio,
+        energy=energy,
+        coefficient_fraction=achieved,
+        rule="energy ranks",
+        gamma="mse",
+    )
     return CalibratedBases.for_model(config, bases, calibration=facts)
 
 
@@ -105,8 +113,10 @@ def run(args: argparse.Namespace) -> int:
     bases = calibrate_checkpoint(args.model, args.compression_ratio, text=text, tokens=args.calibration_tokens, context=args.context)
     out = bases.save_pretrained(args.bases_out or Path(args.out) / "bases")
     c = bases.calibration
-    print(f"calibrate: {len(bases.layers)} layers, energy {c['energy']:.4f} -> coefficients {c['coefficient_fraction']:.3f} of the stock cache "
-          f"(asked {c['compression_ratio_asked']}), {c['tokens']} tokens in windows of {c['context']} -> {out}")
+    print(
+        f"calibrate: {len(bases.layers)} layers, energy {c['energy']:.4f} -> coefficients {c['coefficient_fraction']:.3f} of the stock cache "
+        f"(asked {c['compression_ratio_asked']}), {c['tokens']} tokens in windows of {c['context']} -> {out}"
+    )
     for i, b in enumerate(bases.layers):
         print(f"  layer {i}: key ranks {list(b.rank_k)}, value ranks {list(b.rank_v)}")
     return 0

@@ -191,7 +191,7 @@ class PackedLayout:
         """A layout whose basis (and basis scale) arrays are copies: for rewriting bases that
         are in use (warm-up rows, a rotating refresh) without touching the original."""
         names = ("key_bases", "value_bases", "key_basis_scale", "value_basis_scale")
-        return replace(self, **{name: clone(getattr(self, name)) for name in names if getattr(self, name) is not None})
+        return replace(self, _derived={}, **{name: clone(getattr(self, name)) for name in names if getattr(self, name) is not None})
 
     def live_arrays(self) -> dict[str, Any]:
         """The arrays in use cut to their live ranges (views): tokens < num_tokens, chunks < the
@@ -231,7 +231,7 @@ class PackedLayout:
 
     def map_arrays(self, fn) -> "PackedLayout":
         """A layout with ``fn`` applied to every array in use (conversion between families, devices, dtypes)."""
-        return replace(self, **{name: fn(name, x) for name, x in self.arrays().items()})
+        return replace(self, _derived={}, **{name: fn(name, x) for name, x in self.arrays().items()})
 
 
 @dataclass
@@ -283,7 +283,8 @@ def mapped_parts(state, fn) -> dict[str, Any]:
     for name, x in held_arrays(state).items():
         a = BY_NAME[name]
         new[a.part][a.attr] = fn(a, x)
-    return {part: None if getattr(state, part) is None else replace(getattr(state, part), **new[part]) for part in PARTS}
+    fresh = {"layout": {"_derived": {}}}  # arrays derived from the old ones are not the new ones
+    return {part: None if getattr(state, part) is None else replace(getattr(state, part), **new[part], **fresh.get(part, {})) for part in PARTS}
 
 
 def counted_nbytes(state, names=None) -> int:

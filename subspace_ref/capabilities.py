@@ -25,7 +25,7 @@ COEFFICIENT_FORMATS = ("float", "int8", "int4", "int2")
 BASIS_FORMATS = ("native", "float16", "float8_e4m3", "int8")
 #: Online-sketch and window options set away from their neutral values (spec/sketch_variants.md,
 #: spec/window.md W4): the policy fields marked optional, and the window's lookahead.
-SKETCH_VARIANTS = ("ring_warm_start", "fd_stride", "reuse_angle", "trigger", "lookahead")
+SKETCH_VARIANTS = ("ring_warm_start", "fd_stride", "reuse_angle", "trigger", "byte_ceiling", "lookahead")
 
 
 class NotSupportedError(ValueError, NotImplementedError, TypeError):

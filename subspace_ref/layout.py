@@ -8,6 +8,7 @@ on the object holding it): name, part, attribute, axis kind, dtype rule and byte
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -311,6 +312,26 @@ def counted_nbytes(state, names=None) -> int:
             chunks = int(to_numpy(lay.num_chunks).sum()) if chunks is None else chunks
             total += chunks * per_row
     return total
+
+
+def growth_rates(state) -> tuple[int, float]:
+    """(bytes one more chunk adds, bytes one more token adds) to :func:`counted_nbytes` for one
+    (sequence, head), by the same rules: CHUNK arrays per chunk, TOKEN arrays per token, GROUP
+    arrays per token amortised over the group. The FIXED arrays (sketches, gamma, windows) do not
+    grow. What the byte ceiling of spec A7.3 charges a chunk and a token."""
+    per_chunk, per_token = 0, 0.0
+    for name, x in held_arrays(state).items():
+        a = BY_NAME[name]
+        if a.axis == FIXED or a.counted == "never" or (a.counted == "adaptive" and state.kind != "adaptive"):
+            continue
+        per_row = math.prod(x.shape[3:]) * itemsize(x)  # (N, H, rows, ...): one row's bytes, even at capacity 0
+        if a.axis == CHUNK:
+            per_chunk += per_row
+        elif a.axis == TOKEN:
+            per_token += per_row
+        else:
+            per_token += per_row / state.layout.group
+    return per_chunk, per_token
 
 
 def allocated_nbytes(state) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from typing import Any
 
 import numpy as np
@@ -20,6 +22,7 @@ from subspace_ref.layout import (
 from subspace_ref.policies import AdaptivePolicy, RotatingPolicy, StaticPolicy
 from subspace_ref.policies._online import per_head_ranks, sketch_size, warmup_length
 from subspace_ref.policies.adaptive import sketch_options, trigger_order
+from subspace_ref.policies.byte_ceiling import ceiling_option, check_ceiling
 from subspace_ref.quantization import DEFAULT_GROUP, LOW_BITS, packed_width
 from subspace_ref.rope import RopeParams
 
@@ -154,6 +157,7 @@ class SubspaceState:
         reuse_angle: float | None = None,
         trigger: str = "paper",
         sinks: int = 0,
+        byte_ceiling: float = math.inf,
     ) -> "SubspaceState":
         """Online bases from FD sketches with residual-triggered chunking (spec A7, seed 001 §5).
 
@@ -190,6 +194,15 @@ class SubspaceState:
         and values (S3, seed 001 §14: fewer chunks and basis bytes; costs the snapshot SVDs of
         triggers that no longer open chunks). ``ring_warm_start`` and ``lookahead`` do not
         combine (the ring replaces the sketches that lookahead would extend).
+
+        ``byte_ceiling`` (spec A7.3), e.g. 1.0: a trigger opens a chunk only if the chunk pays for
+        its basis bytes, so the state never holds more than ``byte_ceiling`` times the bytes of
+        the full cache in its dtype, beyond the fixed cost of one chunk and the sketches; a trigger
+        it refuses leaves the token in the open chunk (its residual then above tau, and a chunk
+        may then outlive ``max_chunk``). The default, ``math.inf``, is seed 001's policy, with no
+        ceiling: on data that is not low-rank at the chosen ranks it can hold several times the
+        full cache (issue 19); it stays the default until the tests that encode the uncapped
+        rule are revised with it.
         """
         window, min_tokens, lookahead = _window.options(window, min_tokens, lookahead, "adaptive")
         sinks = _window.sink_option(sinks)
@@ -213,8 +226,11 @@ class SubspaceState:
             stride,
             reuse,
             trigger_order(trigger),
+            ceiling_option(byte_ceiling),
         )
-        return cls._online(policy, heads, d, d_v, gamma, batch, dtype, coefficients, bases, (window, min_tokens, lookahead, sinks), group_size)
+        state = cls._online(policy, heads, d, d_v, gamma, batch, dtype, coefficients, bases, (window, min_tokens, lookahead, sinks), group_size)
+        check_ceiling(state)
+        return state
 
     @classmethod
     def rotating(

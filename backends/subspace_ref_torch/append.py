@@ -39,6 +39,7 @@ from dataclasses import replace
 import torch
 
 from subspace_ref.basis_storage import row_error_bound
+from subspace_ref.policies import byte_ceiling
 from subspace_ref.policies._online import warmup_rows
 from subspace_ref.policies.online_run import relative_residual, warmup_row
 from subspace_ref.quantization import read_low_bit, side_arrays, store_low_bit
@@ -207,6 +208,8 @@ def append_online(state, keys: torch.Tensor, values: torch.Tensor, project=proje
                 | ((~warming_v[..., None]) & (rho_v > policy.tau_v))
                 | ((~warming_k & ~warming_v)[..., None] & capped)
             )
+            # spec A7.3 (num_chunks is constant up to the first firing token, where the window stops)
+            fire &= byte_ceiling.may_open(state, num_chunks[..., None].double(), ends.double()) | (reproject & (open_start[..., None] == ends - 1))
             any_head = fire.flatten(0, 1).any(0)
             first = int(torch.where(any_head, torch.arange(s, device=device), s).min())  # host sync
             take = min(first + 1, s)

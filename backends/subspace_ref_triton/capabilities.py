@@ -20,5 +20,5 @@ def declared(devices: tuple[str, ...]) -> Capabilities:
     ranks and group."""
     return Capabilities(
         array_families=("torch",), devices=devices, dtypes=SUPPORTED_DTYPES, coefficient_formats=("float", "int8"),
-        max_head_size=MAX_HEAD_SIZE, max_rank=MAX_RANK, max_query_group=MAX_GROUP, rope=True, sketch_variants=("trigger",),
+        max_head_size=MAX_HEAD_SIZE, max_rank=MAX_RANK, max_query_group=MAX_GROUP, rope=True, sketch_variants=("trigger", "byte_ceiling"),
     )

@@ -38,6 +38,8 @@ class AdaptivePolicy:
     fd_stride: int = field(default=1, metadata={"optional": True})
     reuse_angle: float | None = field(default=None, metadata={"optional": True})
     trigger: str = field(default="paper", metadata={"optional": True})
+    # spec A7.3: a multiple of the full cache's bytes; math.inf (neutral): no ceiling, seed 001's policy
+    byte_ceiling: float = field(default=float("inf"), metadata={"optional": True})
 
     kind = "adaptive"
 

@@ -1,6 +1,6 @@
 """Spec A7: appending to an adaptive state, chunks opened by a residual or length trigger with
 bases snapshotted from the FD sketches; spec A7.2's trigger order ("reproject") or seed 001's
-("paper"); the sketch variants through :mod:`subspace_ref.policies.variants`."""
+("paper"); spec A7.3's byte ceiling; the sketch variants through :mod:`subspace_ref.policies.variants`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 from subspace_ref import frequent_directions as fd
 from subspace_ref import window
-from subspace_ref.policies import variants
+from subspace_ref.policies import byte_ceiling, variants
 from subspace_ref.policies.online_run import OnlineRun, relative_residual
 from subspace_ref.policies.storing import store
 
@@ -33,6 +33,9 @@ def append_adaptive(state, keys: Any, values: Any, ahead: tuple | None = None) -
         open_start = xp.take_along_axis(run.chunk_starts, (run.num_chunks - 1)[..., None], axis=2)[..., 0]
         capped = variants.length_capped(t + 1 - open_start, policy)
         fire = (~warming_k & (rho_k > policy.tau_k)) | (~warming_v & (rho_v > policy.tau_v)) | (~warming_k & ~warming_v & capped)
+        # spec A7.3: a chunk that would not pay for its bases is not opened (with reproject, an
+        # empty open chunk takes the snapshot in place and adds nothing)
+        fire &= byte_ceiling.may_open(state, run.num_chunks, t + 1) | (reproject & (open_start == t))
         if reproject:  # A7.2: the FD update first, so the new bases see the firing token
             run.feed(t, k, v)
         if bool(fire.any()):

@@ -324,6 +324,8 @@ class SubspaceLayer(CacheLayerMixin):
         self.state = self.cache.adopt(state, spec)
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
+        self._forward_start = 0  # a layer built during a forward: its restore point is the empty state
+        self.keep_restore_point(key_states.shape[2])
 
     @torch.compiler.disable(reason="a SubspaceCache appends and attends in Python outside any graph")
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:

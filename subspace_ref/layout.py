@@ -110,8 +110,9 @@ class PackedLayout:
     value_token_zero: Any = None
     low_bits: int = 0  # 4 or 2 for int4/int2 coefficients, 0 otherwise
     group: int = 0  # tokens per key group of low-bit coefficients
-    # decoded bases of torch layouts, see decoded_bases (not copied by dataclasses.replace)
-    _decoded: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # arrays derived from torch arrays (decoded bases, scaled query maps): see derived. An init
+    # field, so dataclasses.replace hands it on: an append's new layout keeps what is still valid
+    _derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     ARRAYS = tuple(a.attr for a in STATE_ARRAYS if a.part == "layout")
 
@@ -160,12 +161,20 @@ class PackedLayout:
             return stored
         if array_family(stored) != "torch":
             return decode(stored, scale, dtype)
-        stamp = (stored._version, None if scale is None else scale._version)
-        hit = self._decoded.get((which, dtype))
-        if hit is not None and hit[0] is stored and hit[1] is scale and hit[2] == stamp:
-            return hit[3]
-        out = decode(stored, scale, dtype)
-        self._decoded[(which, dtype)] = (stored, scale, stamp, out)
+        return self.derived((which, dtype), (stored, scale), lambda: decode(stored, scale, dtype))
+
+    def derived(self, key: Any, sources: tuple, build, writes: bool = True) -> Any:
+        """``build()``, computed once per ``key`` and reused while every torch tensor in
+        ``sources`` (None entries allowed) is the same object and, when ``writes`` (a value
+        derived from the data), has the same version counter (torch bumps it on every in-place
+        write; views of the sources pass ``writes=False``): what attention reads on every call,
+        kept across appends that leave its sources alone."""
+        stamp = tuple((id(x), x._version if writes else 0) for x in sources if x is not None)
+        hit = self._derived.get(key)
+        if hit is not None and hit[0] == stamp:
+            return hit[2]
+        out = build()
+        self._derived[key] = (stamp, sources, out)  # the sources are held so that their ids stay theirs
         return out
 
     def store_basis(self, which: str, index: tuple, x: Any) -> Any:
@@ -182,7 +191,7 @@ class PackedLayout:
         """A layout whose basis (and basis scale) arrays are copies: for rewriting bases that
         are in use (warm-up rows, a rotating refresh) without touching the original."""
         names = ("key_bases", "value_bases", "key_basis_scale", "value_basis_scale")
-        return replace(self, **{name: clone(getattr(self, name)) for name in names if getattr(self, name) is not None})
+        return replace(self, _derived={}, **{name: clone(getattr(self, name)) for name in names if getattr(self, name) is not None})
 
     def live_arrays(self) -> dict[str, Any]:
         """The arrays in use cut to their live ranges (views): tokens < num_tokens, chunks < the
@@ -222,7 +231,7 @@ class PackedLayout:
 
     def map_arrays(self, fn) -> "PackedLayout":
         """A layout with ``fn`` applied to every array in use (conversion between families, devices, dtypes)."""
-        return replace(self, **{name: fn(name, x) for name, x in self.arrays().items()})
+        return replace(self, _derived={}, **{name: fn(name, x) for name, x in self.arrays().items()})
 
 
 @dataclass
@@ -274,7 +283,8 @@ def mapped_parts(state, fn) -> dict[str, Any]:
     for name, x in held_arrays(state).items():
         a = BY_NAME[name]
         new[a.part][a.attr] = fn(a, x)
-    return {part: None if getattr(state, part) is None else replace(getattr(state, part), **new[part]) for part in PARTS}
+    fresh = {"layout": {"_derived": {}}}  # arrays derived from the old ones are not the new ones
+    return {part: None if getattr(state, part) is None else replace(getattr(state, part), **new[part], **fresh.get(part, {})) for part in PARTS}
 
 
 def counted_nbytes(state, names=None) -> int:

@@ -68,8 +68,43 @@ def attend(q: Any, state, backend: str = "numpy", scale: float | None = None) ->
     q's array type, device and dtype: (H_q, d_v) or (N, H_q, d_v). A call the backend does not
     support raises :class:`~subspace_ref.capabilities.NotSupportedError` listing every reason.
     """
-    _check_state(state)
     impl = get_backend(backend)
+    admission = _admission(backend, q)
+    if admission is None or admission not in getattr(state, "admitted", ()):
+        q = _admit(q, state, backend, impl)
+        if admission is not None:
+            state.admitted.add(admission)
+    elif not state.batched:
+        q = q[None]
+    if scale is not None and not 0 < _checks.real("scale", scale) < float("inf"):
+        raise ValueError(f"scale must be positive and finite, got {scale}")
+    if state.num_tokens == 0:
+        raise ValueError("the state holds no tokens; append keys and values before attending")
+    scans = _scans(backend)
+    if scans:
+        _checks.finite("q", q)
+    out = impl.attend(q, state, scale)
+    if scans and not (bool((out == out).all()) and bool(abs(out).max() < float("inf"))):
+        # inputs were finite, so the logits overflowed the dtype (|q| |k| too large)
+        raise ValueError(f"attention output is not finite: the logits overflow {q.dtype} (rescale q or the keys)")
+    return out if state.batched else out[0]
+
+
+def _admission(backend: str, q: Any) -> tuple | None:
+    """What the metadata checks of an attend call depend on besides the state: the backend and
+    the query's type, dtype, device and shape (None for a query without a shape, e.g. a list,
+    which is checked on every call). A state remembers the admissions that passed, so a decode
+    loop pays for the checks and the capability composer once, not on every token."""
+    shape = getattr(q, "shape", None)
+    if shape is None:
+        return None
+    return (backend, type(q), getattr(q, "dtype", None), getattr(q, "device", None), tuple(shape))
+
+
+def _admit(q: Any, state, backend: str, impl) -> Any:
+    """Every check of an attend call that reads only metadata (state, query, capabilities);
+    returns q as an array with a leading batch axis."""
+    _check_state(state)
     available = impl.availability()
     if not available:
         raise RuntimeError(f"backend {backend!r} is not available on this machine: {available.reason}")
@@ -82,19 +117,8 @@ def attend(q: Any, state, backend: str = "numpy", scale: float | None = None) ->
         q = q[None]
     if q.shape[1] % state.heads or q.shape[1] == 0:
         raise ValueError(f"q has {q.shape[1]} heads; expected a positive multiple of the state's {state.heads} KV heads")
-    if scale is not None and not 0 < _checks.real("scale", scale) < float("inf"):
-        raise ValueError(f"scale must be positive and finite, got {scale}")
-    if state.num_tokens == 0:
-        raise ValueError("the state holds no tokens; append keys and values before attending")
     require(attend_reasons(backend, impl, q, state), f"backend {backend!r} does not support this call")
-    scans = _scans(backend)
-    if scans:
-        _checks.finite("q", q)
-    out = impl.attend(q, state, scale)
-    if scans and not (bool((out == out).all()) and bool(abs(out).max() < float("inf"))):
-        # inputs were finite, so the logits overflowed the dtype (|q| |k| too large)
-        raise ValueError(f"attention output is not finite: the logits overflow {q.dtype} (rescale q or the keys)")
-    return out if state.batched else out[0]
+    return q
 
 
 # ------------------------------------------------------------------------------------- append

@@ -45,6 +45,9 @@ class SubspaceState:
         self.engine = engine
         # the exact recent tokens (spec/window.md); None: every token is in ``layout``
         self.window = window
+        # the (backend, query kind) pairs whose attend calls passed every check that reads only
+        # metadata (subspace_ref.operations.attend): none of it changes over the state's life
+        self.admitted: set = set()
 
     # ----------------------------------------------------------------- construction
     @classmethod

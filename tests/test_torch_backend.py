@@ -76,10 +76,7 @@ def test_declares_itself():
 
 def test_import_does_not_import_torch_and_reports_missing_torch():
     code = (
-        "import sys; sys.modules['torch'] = None\n"
-        "import subspace_ref_torch\n"
-        "a = subspace_ref_torch.TorchBackend().availability()\n"
-        "print(bool(a), a.reason)\n"
+        "import sys; sys.modules['torch'] = None\nimport subspace_ref_torch\na = subspace_ref_torch.TorchBackend().availability()\nprint(bool(a), a.reason)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.startswith("False") and "torch is not installed" in out
@@ -385,3 +382,46 @@ def test_decoded_bases_are_cached_until_the_bases_change(rng):
     lay.key_basis_scale[0, 0, 0, 0] *= 2  # an in-place write: the cache must see it
     again = lay.decoded_bases("key", torch.float32)
     assert again is not first and torch.equal(again, lay.basis("key", (slice(None),) * 3, torch.float32))
+
+
+def test_one_chunk_path_rereads_bases_gamma_and_tokens_after_writes(rng):
+    """The decode fast path (attend_one_chunk) derives its maps once; every in-place write to
+    what they come from, and every appended token, must show in the next result (a stale
+    cache fails here)."""
+    state = _static(rng).to("torch", dtype=torch.float64)
+    q = torch.from_numpy(rng.standard_normal((2, 16)))
+    assert tattend.one_chunk_float(state, torch.float64)
+
+    def oracle():
+        return torch.from_numpy(sr.attend(to_numpy(q), state.to("numpy"), backend="numpy"))
+
+    torch.testing.assert_close(sr.attend(q, state, backend="torch"), oracle())
+    state.layout.gamma.mul_(1.7)
+    torch.testing.assert_close(sr.attend(q, state, backend="torch"), oracle())
+    state.layout.key_bases[0, 1, 0, 2] *= -1
+    state.layout.value_bases[0, 0, 0, 1] *= 0.5
+    torch.testing.assert_close(sr.attend(q, state, backend="torch"), oracle())
+    state.append(torch.from_numpy(rng.standard_normal((2, 3, 16))), torch.from_numpy(rng.standard_normal((2, 3, 12))))
+    torch.testing.assert_close(sr.attend(q, state, backend="torch"), oracle())
+    torch.testing.assert_close(
+        sr.attend(q, state, backend="torch", scale=0.3), torch.from_numpy(sr.attend(to_numpy(q), state.to("numpy"), backend="numpy", scale=0.3))
+    )
+
+
+def test_admitted_calls_are_remembered_only_after_every_check_passed(rng):
+    """operations.attend checks a (backend, query kind) once per state; a refused call is not
+    remembered, and another query kind is checked again."""
+    state = _static(rng).to("torch", dtype=torch.float32)
+    q = torch.randn(2, 16)
+    sr.attend(q, state, backend="torch")
+    assert len(state.admitted) == 1
+    with pytest.raises(ValueError, match="q"):
+        sr.attend(torch.randn(2, 15), state, backend="torch")
+    with pytest.raises(ValueError, match="heads"):
+        sr.attend(torch.randn(3, 16), state, backend="torch")
+    assert len(state.admitted) == 1
+    with pytest.raises(TypeError, match="q"):
+        sr.attend(torch.randn(2, 16).to(torch.int32), state, backend="torch")
+    sr.attend(q.double(), state, backend="torch")
+    assert len(state.admitted) == 2
+    assert not state.copy().admitted  # a copy starts unchecked

@@ -410,10 +410,65 @@ def apply_value_bases(chunk_sums: torch.Tensor, state) -> torch.Tensor:
     return torch.matmul(chunk_sums, E).sum(dim=2)
 
 
+def one_chunk_maps(state, d: int, scale: float | None, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two maps of a one-chunk state, as (N H)-batched matrices in ``dtype``: gamma_h * scale
+    * B_h^T (N H, d, r), from a query to its scaled projected query (spec A3 step 2.1 with the
+    logit scale folded into the basis), and the value bases E_h (N H, r_v, d_v). Derived once and
+    reused until the bases or gamma change."""
+    lay = state.layout
+    s = 1.0 / math.sqrt(d) if scale is None else float(scale)
+
+    def build():
+        B = lay.decoded_bases("key", dtype)[:, :, 0]  # (N, H, r, d)
+        E = lay.decoded_bases("value", dtype)[:, :, 0]  # (N, H, r_v, d_v)
+        scaled = B.mT * logit_scale(state, d, s, dtype)[None, :, None, None]
+        return scaled.flatten(0, 1).contiguous(), E.flatten(0, 1).contiguous()
+
+    sources = (lay.key_bases, lay.key_basis_scale, lay.value_bases, lay.value_basis_scale, lay.gamma)
+    return lay.derived(("one_chunk_maps", dtype, s), sources, build)
+
+
+def one_chunk_float(state, dtype: torch.dtype) -> bool:
+    """Whether ``state`` takes :func:`attend_one_chunk`: one chunk of bases (static or rotating),
+    no exact tokens, no RoPE, float coefficients already in the work dtype, at most VALUE_TILE
+    tokens (longer sums over tokens take the general path's tiles, see :data:`VALUE_TILE`)."""
+    lay = state.layout
+    return (
+        state.window is None
+        and state.policy.kind != "adaptive"
+        and getattr(state.policy, "rope", None) is None
+        and lay.key_coef.dtype == dtype
+        and lay.value_coef.dtype == dtype
+        and lay.num_tokens <= VALUE_TILE
+    )
+
+
+def attend_one_chunk(q: torch.Tensor, state, scale: float | None, dtype: torch.dtype) -> torch.Tensor:
+    """Spec A2/A3 for the common decode case (:func:`one_chunk_float`) in five tensor operations
+    over all heads at once, so that a decode step costs a few kernel launches and degrades under
+    contention as SDPA does: scaled projection, logits, softmax (with the global maximum, equal to
+    A3's running rescaling by A3.1), value coefficients, value basis. The coefficients are read
+    through (N H)-batched views made once per coefficient array."""
+    lay = state.layout
+    N, Hq, d = q.shape
+    maps, E = one_chunk_maps(state, d, scale, dtype)
+    keys_t, values = lay.derived(
+        "one_chunk_views", (lay.key_coef, lay.value_coef), lambda: (lay.key_coef.flatten(0, 1).mT, lay.value_coef.flatten(0, 1)), writes=False
+    )
+    T = lay.num_tokens
+    qg = q.reshape(maps.shape[0], -1, d)
+    qt = torch.bmm(qg if qg.dtype == dtype else qg.to(dtype), maps)  # (N H, g, r)
+    weights = torch.softmax(torch.bmm(qt, keys_t[:, :, :T]), dim=-1)  # (N H, g, T)
+    out = torch.bmm(torch.bmm(weights, values[:, :T]), E).view(N, Hq, -1)
+    return out if out.dtype == q.dtype else out.to(q.dtype)
+
+
 def attend(q: torch.Tensor, state, scale: float | None) -> torch.Tensor:
     """Spec A2/A3 for q (N, H_q, d) over a torch-family state -> (N, H_q, d_v) in q's dtype."""
     N, Hq, _ = q.shape
     dtype = work_dtype(q, state)
+    if one_chunk_float(state, dtype):
+        return attend_one_chunk(q, state, scale, dtype)
     J = used_chunks(state)
     index = token_chunk_index(state, J) if J > 1 else None
     if getattr(state.policy, "rope", None) is not None:  # spec/rope.md P3 (static: J = 1)
@@ -434,6 +489,9 @@ def attend(q: torch.Tensor, state, scale: float | None) -> torch.Tensor:
 
 __all__ = [
     "apply_value_bases",
+    "attend_one_chunk",
+    "one_chunk_float",
+    "one_chunk_maps",
     "one_chunk_logits",
     "raw_tiles",
     "rope_logits",

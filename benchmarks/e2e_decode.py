@@ -124,11 +124,58 @@ def shipped(steps: int, contexts=(256, 512, 1008)) -> list[dict]:
         return rows_for(model, contexts, steps, {"DynamicCache": lambda: DynamicCache(config=model.config), "SubspaceCache r=16": kv.cache}, prefill)
 
 
+def prefill_rows(rounds: int, length: int = 1000) -> list[dict]:
+    """Seconds to prefill a ``length``-token prompt through the shipped model with each cache,
+    alternating the caches ``rounds`` times (median), against DynamicCache in the same run."""
+    from pathlib import Path
+
+    from transformers import DynamicCache
+
+    from subspace_ref.hf import adaptive_states, capture
+    from subspace_ref.models import default_model as dm
+
+    model, _ = dm.load_model("default")
+    here = Path(sr.__file__).parent
+    bases = capture(model, dm.encode((here / "state.py").read_text(encoding="utf-8")[:4096])[None, :1024]).calibrate(rank_k=16, rank_v=16)
+    ids = dm.encode((here / "calibration.py").read_text(encoding="utf-8"))[None, :length]
+    factories = {
+        "static r=16": static_states(bases),
+        "static r=16 + window 64": static_states(bases, window=64),
+        "adaptive r=16": adaptive_states(rank_k=16, rank_v=16),
+        "adaptive r=16 + window 64": adaptive_states(rank_k=16, rank_v=16, window=64),
+    }
+    times: dict[str, list[float]] = {"DynamicCache": [], **{name: [] for name in factories}}
+    print(f"shipped model, float32, {ids.shape[1]}-token prefill, {rounds} alternating rounds (median)")
+    with compress(model, static_states(bases)) as kv, torch.no_grad():
+        for _ in range(rounds):
+            for name in times:
+                cache = DynamicCache(config=model.config) if name == "DynamicCache" else SubspaceCache(model.config, factories[name])
+                start = time.perf_counter()
+                model(ids, past_key_values=cache)
+                times[name].append(time.perf_counter() - start)
+        del kv
+    base = float(np.median(times["DynamicCache"]))
+    rows = []
+    for name, sec in times.items():
+        row = dict(context=int(ids.shape[1]), cache=name, prefill_s=float(np.median(sec)), time_ratio=float(np.median(sec)) / base)
+        rows.append(row)
+        print(f"  {name:28s} {row['prefill_s']:7.3f} s  ({row['time_ratio']:.2f}x DynamicCache's time)", flush=True)
+    return rows
+
+
 def llama128(steps: int, layers: int, contexts=(8192, 16384), dtype=torch.float32) -> list[dict]:
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=256, hidden_size=1024, intermediate_size=2816, num_hidden_layers=layers, num_attention_heads=8,
-                         num_key_value_heads=8, head_dim=128, max_position_embeddings=max(contexts) + 64)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=max(contexts) + 64,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval().to(dtype)
     bases = random_bases(layers, 8, 128, 32)
@@ -147,7 +194,8 @@ def llama128(steps: int, layers: int, contexts=(8192, 16384), dtype=torch.float3
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--setting", choices=("shipped", "llama128", "both"), default="both")
+    p.add_argument("--setting", choices=("shipped", "llama128", "both", "prefill"), default="both")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds of the prefill setting (default 3)")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--layers", type=int, default=4, help="layers of the random head-128 Llama (default 4)")
     p.add_argument("--contexts", type=int, nargs="*", default=None, help="contexts of the llama128 setting (default 8192 16384)")
@@ -160,6 +208,8 @@ def main() -> None:
     out = {"threads": 1, "quantized_cache": reason or "available"}
     if reason is None:
         print("note: a QuantizedCache backend is installed but this script does not yet time it")
+    if args.setting == "prefill":
+        out["prefill"] = prefill_rows(args.rounds)
     if args.setting in ("shipped", "both"):
         out["shipped"] = shipped(args.steps)
     if args.setting in ("llama128", "both"):

@@ -1,6 +1,6 @@
 """End-to-end decode with transformers: tokens/s and cache bytes of the subspace cache against
-the stock ``DynamicCache`` (and HF's ``QuantizedCache`` where its quanto/hqq backend is
-installed), measured in the same run, on CPU with one thread (docs/hf.md).
+the stock ``DynamicCache`` and HF's ``QuantizedCache`` (quanto backend, int4 and int2, where
+optimum-quanto is installed), measured in the same run, on CPU with one thread (docs/hf.md).
 
 Two settings:
 
@@ -33,14 +33,30 @@ from subspace_ref.hf import SubspaceCache, compress, static_states
 
 
 def quantized_cache_reason() -> str | None:
-    """None when transformers' QuantizedCache has a backend here, else why not."""
-    for module in ("optimum.quanto", "hqq"):
-        try:
-            __import__(module)
-            return None
-        except ImportError:
-            continue
-    return "QuantizedCache needs optimum-quanto or hqq: neither is installed in this venv (both are on PyPI; not added as dependencies)"
+    """None when transformers' QuantizedCache has its quanto backend here, else why not."""
+    try:
+        import optimum.quanto  # noqa: F401
+    except ImportError:
+        return "QuantizedCache needs optimum-quanto: pip install -c constraints.txt 'subspace_ref[quantized-cache]' (docs/hf.md)"
+    return None
+
+
+def quantized_caches(config) -> dict:
+    """HF's QuantizedCache (quanto backend) at 4 and 2 bits, transformers' defaults otherwise
+    (groups of 64 channels, the last 128 tokens kept unquantised), when installed."""
+    if quantized_cache_reason() is not None:
+        return {}
+    from transformers import QuantizedCache
+
+    return {f"QuantizedCache int{bits}": (lambda bits=bits: QuantizedCache(backend="quanto", config=config, nbits=bits)) for bits in (4, 2)}
+
+
+def tensor_nbytes(x) -> int:
+    """Bytes of a tensor, a quanto tensor subclass counted by its inner tensors (codes, scales, shifts)."""
+    if type(x) is torch.Tensor or not hasattr(x, "__tensor_flatten__"):
+        return x.nbytes
+    names, _ = x.__tensor_flatten__()
+    return sum(tensor_nbytes(getattr(x, name)) for name in names)
 
 
 def random_bases(layers: int, heads: int, d: int, rank: int, seed: int = 0) -> list:
@@ -55,7 +71,8 @@ def random_bases(layers: int, heads: int, d: int, rank: int, seed: int = 0) -> l
 def cache_bytes(cache) -> int:
     if isinstance(cache, SubspaceCache):
         return cache.nbytes
-    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    held = ("keys", "values", "_quantized_keys", "_quantized_values")
+    return sum(tensor_nbytes(x) for layer in cache.layers for x in (getattr(layer, name, None) for name in held) if isinstance(x, torch.Tensor))
 
 
 @torch.no_grad()
@@ -121,7 +138,8 @@ def shipped(steps: int, contexts=(256, 512, 1008)) -> list[dict]:
 
     print(f"shipped model, float32, r = r_v = 16 of 64, {steps} decode steps after a real prefill")
     with compress(model, static_states(bases)) as kv:
-        return rows_for(model, contexts, steps, {"DynamicCache": lambda: DynamicCache(config=model.config), "SubspaceCache r=16": kv.cache}, prefill)
+        caches = {"DynamicCache": lambda: DynamicCache(config=model.config), "SubspaceCache r=16": kv.cache, **quantized_caches(model.config)}
+        return rows_for(model, contexts, steps, caches, prefill)
 
 
 def prefill_rows(rounds: int, length: int = 1000) -> list[dict]:
@@ -189,7 +207,8 @@ def llama128(steps: int, layers: int, contexts=(8192, 16384), dtype=torch.float3
 
     print(f"random-init Llama, head 128, {layers} layers, 8 KV heads, {str(dtype)[6:]}, r = r_v = 32 of 128, caches filled with random K/V, {steps} steps")
     with compress(model, static_states(bases)) as kv:
-        return rows_for(model, contexts, steps, {"DynamicCache": lambda: DynamicCache(config=model.config), "SubspaceCache r=32": kv.cache}, prefill)
+        caches = {"DynamicCache": lambda: DynamicCache(config=model.config), "SubspaceCache r=32": kv.cache, **quantized_caches(model.config)}
+        return rows_for(model, contexts, steps, caches, prefill)
 
 
 def main() -> None:
@@ -206,8 +225,6 @@ def main() -> None:
     reason = quantized_cache_reason()
     print(f"torch {torch.__version__}, 1 thread; QuantizedCache: {reason or 'available'}")
     out = {"threads": 1, "quantized_cache": reason or "available"}
-    if reason is None:
-        print("note: a QuantizedCache backend is installed but this script does not yet time it")
     if args.setting == "prefill":
         out["prefill"] = prefill_rows(args.rounds)
     if args.setting in ("shipped", "both"):

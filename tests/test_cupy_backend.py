@@ -26,7 +26,8 @@ import pytest
 
 from subspace_ref import SubspaceState, calibrate
 from subspace_ref.backend import Backend
-from subspace_ref.numpy_backend import attend_reference, relative_residual
+from subspace_ref.numpy_backend import attend_reference
+from subspace_ref.policies.online_run import relative_residual
 from subspace_ref.quantization import quantize_rows
 from subspace_ref_cupy import CupyBackend, _emulation, _kernels, _launch
 

@@ -21,7 +21,7 @@ import pytest
 import subspace_ref
 from subspace_ref import StaticBasis, SubspaceState, attend, exact_attention
 from subspace_ref.arrays import to_numpy
-from subspace_ref.numpy_backend import relative_residual
+from subspace_ref.policies.online_run import relative_residual
 
 
 def _available(name):

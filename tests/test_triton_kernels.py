@@ -36,7 +36,8 @@ if _SET_HERE:
 
 import subspace_ref as sr  # noqa: E402
 from subspace_ref.layout import PackedLayout  # noqa: E402
-from subspace_ref.numpy_backend import attend_reference, relative_residual  # noqa: E402
+from subspace_ref.numpy_backend import attend_reference  # noqa: E402
+from subspace_ref.policies.online_run import relative_residual  # noqa: E402
 from subspace_ref.policies import AdaptivePolicy  # noqa: E402
 from subspace_ref.state import SubspaceState  # noqa: E402
 from subspace_ref_triton import TritonBackend  # noqa: E402

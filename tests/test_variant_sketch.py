@@ -8,7 +8,7 @@ import pytest
 
 import subspace_ref as sr
 from subspace_ref.frequent_directions import FrequentDirections
-from subspace_ref.numpy_backend import largest_principal_angle
+from subspace_ref.policies.variants import largest_principal_angle
 
 from conftest import low_rank_stream
 from test_adaptive_state import drifting_stream

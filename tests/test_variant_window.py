@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import subspace_ref as sr
-from subspace_ref import numpy_backend
+from subspace_ref.policies import append_adaptive, append_rotating, append_static
 from subspace_ref.arrays import to_numpy
 from subspace_ref.exact import exact_attention
 from subspace_ref.layout import live_arrays
@@ -272,7 +272,8 @@ def test_failing_appends_leave_the_state_unchanged(rng, kind, kw, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(numpy_backend, "store", broken)
+    for module in (append_static, append_rotating, append_adaptive):  # every policy's coefficient writes
+        monkeypatch.setattr(module, "store", broken)
     with pytest.raises(RuntimeError, match="disk on fire"):
         state.append(K[:, 20:30], V[:, 20:30])
     assert_same(before, snapshot(state))
@@ -582,7 +583,8 @@ def test_sinks_failing_append_copy_persistence(rng, tmp_path, kind, kw, monkeypa
     def broken(*args, **kwargs):
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(numpy_backend, "store", broken)
+    for module in (append_static, append_rotating, append_adaptive):  # every policy's coefficient writes
+        monkeypatch.setattr(module, "store", broken)
     with pytest.raises(RuntimeError, match="disk on fire"):
         state.append(K[:, 1:30], V[:, 1:30])
     assert_same(before, snapshot(state))

@@ -280,7 +280,7 @@ def append_online(state, keys: torch.Tensor, values: torch.Tensor, project=proje
 
 
 def _warm(lay, which: str, t: int, open_basis: torch.Tensor, x: torch.Tensor, warming: torch.Tensor) -> torch.Tensor:
-    """Spec A7 step 0 for token t, as the oracle's ``numpy_backend._warm``: chunk-0 row t of the
+    """Spec A7 step 0 for token t, as the oracle's ``OnlineRun._warm_row`` (subspace_ref.policies.online_run): chunk-0 row t of the
     heads still ``warming`` becomes x's unit residual; other heads keep their open row t."""
     floor = 2 * row_error_bound(lay.basis_format, x.shape[-1])
     row = torch.where(warming[..., None], fd.warmup_row(open_basis, x, floor), 0.0)

@@ -1,0 +1,80 @@
+"""Spec A7: appending to an adaptive state, chunks opened by a residual or length trigger with
+bases snapshotted from the FD sketches; spec A7.2's trigger order ("reproject") or seed 001's
+("paper"); the sketch variants through :mod:`subspace_ref.policies.variants`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from subspace_ref import frequent_directions as fd
+from subspace_ref import window
+from subspace_ref.policies import variants
+from subspace_ref.policies.online_run import OnlineRun, relative_residual
+from subspace_ref.policies.storing import store
+
+
+def append_adaptive(state, keys: Any, values: Any, ahead: tuple | None = None) -> None:
+    """Spec A7 for keys (N, H, n, d), values (N, H, n, d_v), token by token.
+
+    ``ahead``: (keys, values) of the L_h tokens that follow the block, for lookahead anchoring
+    (spec/window.md W4); None (or L_h = 0) is spec A7 verbatim."""
+    run = OnlineRun(state, keys, values)
+    policy, xp = run.policy, run.xp
+    reproject = policy.trigger == "reproject"  # spec A7.2; "paper": A7 step 3 verbatim
+    following = window.lookahead_stream(keys, values, ahead)  # spec/window.md W4; None: A7 as is
+    for i in range(run.n_new):
+        t = run.T + i
+        k, v = keys[:, :, i], values[:, :, i]
+        warming_k, warming_v = run.warm(t, k, v)  # step 0
+        c, dv = run.coefficients(k, v)  # step 1
+        # step 2: residuals from the coefficients; step 3: the trigger (a side that is still
+        # warming is exact and does not fire; the length cap waits for both sides)
+        rho_k, rho_v = relative_residual(k, c), relative_residual(v, dv)
+        open_start = xp.take_along_axis(run.chunk_starts, (run.num_chunks - 1)[..., None], axis=2)[..., 0]
+        capped = variants.length_capped(t + 1 - open_start, policy)
+        fire = (~warming_k & (rho_k > policy.tau_k)) | (~warming_v & (rho_v > policy.tau_v)) | (~warming_k & ~warming_v & capped)
+        if reproject:  # A7.2: the FD update first, so the new bases see the firing token
+            run.feed(t, k, v)
+        if bool(fire.any()):
+            fn, fh = xp.nonzero(fire)
+            src_k, src_v = variants.snapshot_sources(run, fn, fh, t, reproject, following, i)
+            new_B = fd.top_directions(src_k, run.open_B.shape[2]) * run.mask_k[fh]
+            new_E = fd.top_directions(src_v, run.open_E.shape[2]) * run.mask_v[fh]
+            run.svds += 2 * len(fn)
+            fn, fh, new_B, new_E = variants.reused(run, fn, fh, new_B, new_E)
+            # the snapshot goes into spare chunk slot j, encoded; the open basis is its decoding.
+            # With reproject, an open chunk that is still empty (chunk 0 at t = 0 without
+            # warm-up) takes the snapshot itself rather than staying an empty chunk
+            j = run.num_chunks[fn, fh] - (reproject & (open_start[fn, fh] == t))
+            new_B = run.lay.store_basis("key", (fn, fh, j), new_B)
+            new_E = run.lay.store_basis("value", (fn, fh, j), new_E)
+            run.chunk_starts[fn, fh, j] = t + 1 - reproject
+            run.num_chunks[fn, fh] = j + 1
+            run.open_B[fn, fh] = new_B
+            run.open_E[fn, fh] = new_E
+            if reproject:  # A7.2: the firing token is stored with the new chunk's bases
+                c[fn, fh] = xp.einsum("mrd,md->mr", new_B, k[fn, fh])
+                dv[fn, fh] = xp.einsum("mrd,md->mr", new_E, v[fn, fh])
+            if policy.sketch_reset:
+                _reset_sketches(run, fn, fh, t, open_start, reproject, k, v)
+        store(run.lay, "key", t, c)
+        store(run.lay, "value", t, dv)
+        if not reproject:  # step 4: the FD update
+            run.feed(t, k, v)
+    run.commit(state)
+
+
+def _reset_sketches(run: OnlineRun, fn: Any, fh: Any, t: int, open_start: Any, reproject: bool, k: Any, v: Any) -> None:
+    """Step 3b: the fired heads forget what the closing chunk summarised, unless it was too short
+    to have taught the sketch a full basis (a reset then would thrash). S2.4: "long" counts the
+    rows the chunk fed to the sketches, tokens t' = 0 mod stride; with reproject the chunk ends at
+    t - 1, and the firing token, the new chunk's first, is kept."""
+    policy, stride = run.policy, run.stride
+    last = t - reproject
+    long = (last // stride - (-(-open_start[fn, fh] // stride)) + 1) >= max(policy.ell_k, policy.ell_v)
+    ln, lh = fn[long], fh[long]
+    run.buf_k[ln, lh] = 0.0
+    run.buf_v[ln, lh] = 0.0
+    if reproject and t % stride == 0:
+        run.buf_k[ln, lh, run.filled_k - 1] = k[ln, lh]
+        run.buf_v[ln, lh, run.filled_v - 1] = v[ln, lh]

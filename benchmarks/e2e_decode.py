@@ -15,7 +15,10 @@ Two settings:
   steps run the whole model. Bases: random orthonormal, r = r_v = 32 of 128 (speed and bytes do
   not depend on which subspace).
 
-Usage: ``python benchmarks/e2e_decode.py [--setting shipped|llama128|both] [--steps N] [--json PATH]``.
+* ``prefill``: seconds to prefill a 1000-token prompt through the shipped model (static,
+  static + window, adaptive, adaptive + window states), alternating rounds, median.
+
+Usage: ``python benchmarks/e2e_decode.py [--setting shipped|llama128|both|prefill] [--steps N] [--rounds N] [--json PATH]``.
 Prints one table per setting; ratios are against DynamicCache in the model's dtype, same run.
 """
 

@@ -100,6 +100,27 @@ def test_a_failed_call_leaves_nothing_behind_and_affects_no_other_cache_or_model
     assert float((fresh - stock(model, ids)).abs().max()) <= tolerance("llama", "float32")
 
 
+@pytest.mark.parametrize("first", ["adaptive+window", "adaptive"])
+def test_a_failed_long_forward_rolls_online_and_windowed_states_back(first):
+    """Layer 0 adaptive (with or without a window), layer 1 rotating: a padded 80-token forward
+    (longer than max_crop_block) fails at layer 1 after layer 0 appended. Layer 0 goes back to
+    its restore point: the next forward gives what it gives on a cache that never saw the
+    failed one, bit for bit."""
+    model = model_for("llama")
+    ids = prompt_ids(batch=2, length=80)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    layers = {0: EDITED_STATES[first](), 1: rotating_states(rank_k=6, rank_v=6, refresh_every=3, warmup=2)}
+    with compress(model, lambda spec: layers[spec.layer_idx](spec)) as kv, torch.no_grad():
+        failed, fresh = kv.cache(), kv.cache()
+        model(ids[:, :8], past_key_values=failed)
+        model(ids[:, :8], past_key_values=fresh)
+        with pytest.raises(NotImplementedError, match="padding"):
+            model(ids, attention_mask=mask, past_key_values=failed)
+        assert failed.get_seq_length() == 8
+        np.testing.assert_array_equal(model(ids[:, 8:], past_key_values=failed).logits.numpy(), model(ids[:, 8:], past_key_values=fresh).logits.numpy())
+
+
 def test_deep_copies_are_independent():
     model = model_for("llama")
     ids = prompt_ids(batch=1, length=12)

@@ -27,12 +27,12 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 import subspace_ref
+from subspace_ref.arrays import clone
 from subspace_ref.calibration import StaticBasis
 from subspace_ref.capabilities import require, state_reasons
-from subspace_ref.layout import FIXED, mapped_parts
-from subspace_ref.arrays import clone
-from subspace_ref.operations import select_sequences
 from subspace_ref.hf import attention as _attn
+from subspace_ref.layout import FIXED, mapped_parts
+from subspace_ref.operations import select_sequences
 from subspace_ref.registry import get_backend
 from subspace_ref.state import SubspaceState
 
@@ -308,7 +308,7 @@ class SubspaceLayer(CacheLayerMixin):
         self.pending_keys: torch.Tensor | None = None
         self.pending_values: torch.Tensor | None = None
         self._forward_start = 0  # tokens held when the current forward began (rollback point)
-        self._restore_point: tuple | None = None  # see keep_restore_point
+        self._restore_point: SubspaceState | None = None  # see keep_restore_point
         self._forward_tokens: tuple | None = None  # the current forward's keys and values, while a restore point is kept
 
     def __repr__(self) -> str:
@@ -380,7 +380,7 @@ class SubspaceLayer(CacheLayerMixin):
         if st is None:
             return None
         if st.kind != "static":
-            return f"a {st.kind} state's sketches have absorbed the dropped tokens"
+            return f"the {st.kind} state's sketches have absorbed the dropped tokens"
         if st.window is not None:
             return "tokens that left the exact window are projected and cannot be made exact again"
         return self.crop_reason()
@@ -402,8 +402,8 @@ class SubspaceLayer(CacheLayerMixin):
             self.state.layout = replace(self.state.layout, num_tokens=num_tokens)
 
     def keep_restore_point(self) -> None:
-        """At the start of a forward: remember what :meth:`restore`
-        needs to bring a state that cannot be truncated back to its present tokens. Appends
+        """At the start of a forward: remember what :meth:`restore` needs to bring a state that
+        cannot be truncated back to its present tokens. Appends
         write only rows and chunk slots past the state's counts (spare until then), copy bases
         and coefficients in use before rewriting them (warm-up rows, rotating refreshes:
         ``PackedLayout.with_private_bases``, private rotated coefficients) and replace the small

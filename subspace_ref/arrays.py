@@ -22,7 +22,9 @@ def array_family(x: Any) -> str:
 
 
 def namespace(x: Any):
-    """The NumPy-compatible module for ``x`` (numpy or cupy)."""
+    """The NumPy-compatible module for ``x``: numpy, cupy, or for torch tensors array-api-compat's
+    torch namespace (NumPy's names and keyword arguments over torch; array creation without
+    ``device=`` lands on the CPU, so code shared with torch creates arrays only from its inputs)."""
     family = array_family(x)
     if family == "numpy":
         return np
@@ -30,7 +32,9 @@ def namespace(x: Any):
         import cupy
 
         return cupy
-    raise ValueError("torch arrays have no NumPy-compatible namespace; use the torch backend")
+    import array_api_compat.torch
+
+    return array_api_compat.torch
 
 
 def to_numpy(x: Any) -> np.ndarray:

@@ -40,6 +40,7 @@ import torch
 
 from subspace_ref.basis_storage import row_error_bound
 from subspace_ref.policies._online import warmup_rows
+from subspace_ref.policies.online_run import relative_residual, warmup_row
 from subspace_ref.quantization import read_low_bit, side_arrays, store_low_bit
 from subspace_ref.rope import rotate
 from subspace_ref_torch import fd
@@ -57,7 +58,7 @@ def project_window(kk: torch.Tensor, vv: torch.Tensor, open_B: torch.Tensor, ope
     pass their own function of this signature as ``append(..., project=...)``."""
     c = torch.matmul(kk, open_B.mT)
     dv = torch.matmul(vv, open_E.mT)
-    return c, dv, fd.relative_residual(kk, c), fd.relative_residual(vv, dv)
+    return c, dv, relative_residual(kk, c), relative_residual(vv, dv)
 
 
 def append(state, keys: torch.Tensor, values: torch.Tensor, project=project_window) -> None:
@@ -283,7 +284,7 @@ def _warm(lay, which: str, t: int, open_basis: torch.Tensor, x: torch.Tensor, wa
     """Spec A7 step 0 for token t, as the oracle's ``OnlineRun._warm_row`` (subspace_ref.policies.online_run): chunk-0 row t of the
     heads still ``warming`` becomes x's unit residual; other heads keep their open row t."""
     floor = 2 * row_error_bound(lay.basis_format, x.shape[-1])
-    row = torch.where(warming[..., None], fd.warmup_row(open_basis, x, floor), 0.0)
+    row = torch.where(warming[..., None], warmup_row(open_basis, x, floor), 0.0)
     decoded = lay.store_basis(which, (slice(None), slice(None), 0, t), row)
     return torch.where(warming[..., None], decoded, open_basis[:, :, t])
 

@@ -1,9 +1,17 @@
-"""Frequent Directions (spec A4) and the small per-token helpers of spec A7 on torch tensors.
+"""Frequent Directions (spec A4) and spec A10's int8 rows on torch tensors: the ports that remain.
 
-Line-by-line ports of :mod:`subspace_ref.frequent_directions` and the helpers at the top of
-:mod:`subspace_ref.numpy_backend`, batched over any leading axes (sequences, heads) and kept on the
-tensors' device. In float64 they agree with the oracle to rounding; every branch of the oracle
-(the ``ell > d`` compaction, zero-row padding for zero singular values, the sign rule) is kept.
+The oracle's per-token helpers (``relative_residual``, ``warmup_row`` in
+:mod:`subspace_ref.policies.online_run`) and FD's buffer insertion (``insert_rows``) run on torch
+tensors unchanged through the array namespace (:func:`subspace_ref.arrays.namespace`), and the torch
+append calls them. What is ported here creates arrays or needs torch's own routine where NumPy's
+form would go wrong on a GPU tensor: ``compact`` and ``top_directions`` create their padding with
+the input's device (NumPy-style ``zeros(shape, dtype)`` lands on the CPU) and run the batched
+``torch.linalg.svd`` on it; ``fix_signs`` gathers with ``torch.gather`` (the namespace's
+``take_along_axis`` is missing from older array-api-compat releases); ``rank_mask`` is built on the
+state's device; the int8 rows follow NumPy's rounding and casting order exactly, which the
+namespace's ``astype`` does not promise. Batched over any leading axes (sequences, heads); in
+float64 they agree with the oracle to rounding, every branch kept (the ``ell > d`` compaction,
+zero-row padding for zero singular values, the sign rule).
 """
 
 from __future__ import annotations
@@ -56,29 +64,6 @@ def top_directions(buffer: torch.Tensor, r: int) -> torch.Tensor:
     tol = sigma[..., :1] * max(buffer.shape[-2:]) * eps(buffer.dtype)
     keep = (sigma[..., :r] > tol) & (sigma[..., :r] > 0)
     return fix_signs(wt[..., :r, :]) * keep[..., None].to(wt.dtype)
-
-
-def relative_residual(x: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
-    """Spec A7 step 2: rho = sqrt(max(|x|^2 - |c|^2, 0)) / |x|, and 0 for x = 0."""
-    norm2 = (x * x).sum(-1)
-    res2 = torch.clamp(norm2 - (coef * coef).sum(-1), min=0.0)
-    safe = torch.where(norm2 > 0, norm2, torch.ones_like(norm2))
-    return torch.where(norm2 > 0, torch.sqrt(res2 / safe), torch.zeros_like(norm2))
-
-
-def warmup_row(basis: torch.Tensor, x: torch.Tensor, floor: float = 0.0) -> torch.Tensor:
-    """Spec A7 step 0: the unit residual of x against the basis rows, or zero when x is (to
-    rounding, or to the storage error ``floor`` of encoded rows) already in their span, as the
-    oracle's ``warmup_row``. basis (..., r, d), x (..., d) -> (..., d). The projection is removed
-    twice ("twice is enough" for classical Gram-Schmidt)."""
-    residual = x
-    for _ in range(2):
-        coef = torch.einsum("...rd,...d->...r", basis, residual)
-        residual = residual - torch.einsum("...rd,...r->...d", basis, coef)
-    norm = torch.sqrt((residual * residual).sum(-1, keepdim=True))
-    floor = max(10 * eps(x.dtype), floor) * torch.sqrt((x * x).sum(-1, keepdim=True))
-    unit = residual / torch.where(norm > 0, norm, torch.ones_like(norm))
-    return torch.where(norm > floor, unit, torch.zeros_like(unit))
 
 
 def rank_mask(ranks: Sequence[int], width: int, dtype: torch.dtype, device) -> torch.Tensor:

@@ -230,7 +230,7 @@ def project_window(keys, values, key_basis, value_basis):
     """The projection of one adaptive window of the torch backend's append, as a hook:
     keys (N, H, s, d), values (N, H, s, d_v) and the open bases (N, H, r, d), (N, H, r_v, d_v),
     all in the work dtype -> ``(c, d, rho_k, rho_v)``: coefficients (N, H, s, r), (N, H, s, r_v)
-    and residuals (N, H, s) in that dtype, as ``torch.matmul`` and ``fd.relative_residual``
+    and residuals (N, H, s) in that dtype, as ``torch.matmul`` and the oracle's ``relative_residual``
     would give them (spec A7 steps 1-2). float64 windows (float64 states) are computed by torch.
     """
     N, H, s, _ = keys.shape

@@ -42,7 +42,7 @@ def warmup_row(basis: Any, x: Any, floor: float = 0.0) -> Any:
     for _ in range(2):
         residual = residual - xp.einsum("...rd,...r->...d", basis, xp.einsum("...rd,...d->...r", basis, residual))
     norm = xp.sqrt((residual * residual).sum(-1, keepdims=True))
-    floor = max(10 * np.finfo(np.dtype(str(x.dtype))).eps, floor) * xp.sqrt((x * x).sum(-1, keepdims=True))
+    floor = max(10 * float(xp.finfo(x.dtype).eps), floor) * xp.sqrt((x * x).sum(-1, keepdims=True))
     return xp.where(norm > floor, residual / xp.where(norm > 0, norm, 1.0), 0.0)
 
 

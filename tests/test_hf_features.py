@@ -201,6 +201,32 @@ def test_crop_takes_back_the_last_forward_exactly_and_refuses_further(name, back
         assert cache.get_seq_length() == 15
 
 
+@pytest.mark.parametrize("kind", ["static", "adaptive", "rotating"])
+def test_select_sequences_equals_each_sequence_alone(kind):
+    """operations.select_sequences on an oracle state with window, sinks and chunks: sequence i
+    of the result attends exactly as sequence index[i] of the original (numpy, bit for bit),
+    and every array of the state has the new batch size (gamma excepted)."""
+    import subspace_ref as sr
+    from subspace_ref.layout import held_arrays
+    from subspace_ref.operations import select_sequences
+
+    rng = np.random.default_rng(4)
+    N, H, d, T = 3, 2, 8, 30
+    options = dict(window=4, sinks=2, batch=N)
+    if kind == "static":
+        q = np.stack([np.linalg.qr(rng.standard_normal((d, d)))[0][:3] for _ in range(H)])
+        state = sr.SubspaceState.static(sr.StaticBasis.from_bases(q, q, 1.0), **options)
+    else:
+        extra = {"tau_k": 0.3, "tau_v": 0.3, "max_chunk": 5} if kind == "adaptive" else {"refresh_every": 4}
+        state = getattr(sr.SubspaceState, kind)(H, d, d, rank_k=3, rank_v=3, **options, **extra)
+    state.append(rng.standard_normal((N, H, T, d)), rng.standard_normal((N, H, T, d)))
+    index = np.array([2, 0, 2, 1])
+    picked = select_sequences(state, index)
+    assert all(x.shape[0] == len(index) for name, x in held_arrays(picked).items() if name != "gamma")
+    queries = rng.standard_normal((N, 2 * H, d))
+    np.testing.assert_array_equal(sr.attend(queries[index], picked), sr.attend(queries, state)[index])
+
+
 @pytest.mark.parametrize("name", list(EDITED_STATES))
 def test_reordering_sequences_gathers_every_state_array(name):
     """reorder_cache / batch_select_indices on any state kind: the cache then holds the chosen

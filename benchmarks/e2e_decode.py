@@ -1,6 +1,6 @@
 """End-to-end decode with transformers: tokens/s and cache bytes of the subspace cache against
-the stock ``DynamicCache`` (and HF's ``QuantizedCache`` where its quanto/hqq backend is
-installed), measured in the same run, on CPU with one thread (docs/hf.md).
+the stock ``DynamicCache`` and HF's ``QuantizedCache`` (quanto backend, int4 and int2, where
+optimum-quanto is installed), measured in the same run, on CPU with one thread (docs/hf.md).
 
 Two settings:
 
@@ -15,7 +15,10 @@ Two settings:
   steps run the whole model. Bases: random orthonormal, r = r_v = 32 of 128 (speed and bytes do
   not depend on which subspace).
 
-Usage: ``python benchmarks/e2e_decode.py [--setting shipped|llama128|both] [--steps N] [--json PATH]``.
+* ``prefill``: seconds to prefill a 1000-token prompt through the shipped model (static,
+  static + window, adaptive, adaptive + window states), alternating rounds, median.
+
+Usage: ``python benchmarks/e2e_decode.py [--setting shipped|llama128|both|prefill] [--steps N] [--rounds N] [--json PATH]``.
 Prints one table per setting; ratios are against DynamicCache in the model's dtype, same run.
 """
 
@@ -33,14 +36,30 @@ from subspace_ref.hf import SubspaceCache, compress, static_states
 
 
 def quantized_cache_reason() -> str | None:
-    """None when transformers' QuantizedCache has a backend here, else why not."""
-    for module in ("optimum.quanto", "hqq"):
-        try:
-            __import__(module)
-            return None
-        except ImportError:
-            continue
-    return "QuantizedCache needs optimum-quanto or hqq: neither is installed in this venv (both are on PyPI; not added as dependencies)"
+    """None when transformers' QuantizedCache has its quanto backend here, else why not."""
+    try:
+        import optimum.quanto  # noqa: F401
+    except ImportError:
+        return "QuantizedCache needs optimum-quanto: pip install -c constraints.txt 'subspace_ref[quantized-cache]' (docs/hf.md)"
+    return None
+
+
+def quantized_caches(config) -> dict:
+    """HF's QuantizedCache (quanto backend) at 4 and 2 bits, transformers' defaults otherwise
+    (groups of 64 channels, the last 128 tokens kept unquantised), when installed."""
+    if quantized_cache_reason() is not None:
+        return {}
+    from transformers import QuantizedCache
+
+    return {f"QuantizedCache int{bits}": (lambda bits=bits: QuantizedCache(backend="quanto", config=config, nbits=bits)) for bits in (4, 2)}
+
+
+def tensor_nbytes(x) -> int:
+    """Bytes of a tensor, a quanto tensor subclass counted by its inner tensors (codes, scales, shifts)."""
+    if type(x) is torch.Tensor or not hasattr(x, "__tensor_flatten__"):
+        return x.nbytes
+    names, _ = x.__tensor_flatten__()
+    return sum(tensor_nbytes(getattr(x, name)) for name in names)
 
 
 def random_bases(layers: int, heads: int, d: int, rank: int, seed: int = 0) -> list:
@@ -55,7 +74,8 @@ def random_bases(layers: int, heads: int, d: int, rank: int, seed: int = 0) -> l
 def cache_bytes(cache) -> int:
     if isinstance(cache, SubspaceCache):
         return cache.nbytes
-    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    held = ("keys", "values", "_quantized_keys", "_quantized_values")
+    return sum(tensor_nbytes(x) for layer in cache.layers for x in (getattr(layer, name, None) for name in held) if isinstance(x, torch.Tensor))
 
 
 @torch.no_grad()
@@ -121,14 +141,62 @@ def shipped(steps: int, contexts=(256, 512, 1008)) -> list[dict]:
 
     print(f"shipped model, float32, r = r_v = 16 of 64, {steps} decode steps after a real prefill")
     with compress(model, static_states(bases)) as kv:
-        return rows_for(model, contexts, steps, {"DynamicCache": lambda: DynamicCache(config=model.config), "SubspaceCache r=16": kv.cache}, prefill)
+        caches = {"DynamicCache": lambda: DynamicCache(config=model.config), "SubspaceCache r=16": kv.cache, **quantized_caches(model.config)}
+        return rows_for(model, contexts, steps, caches, prefill)
+
+
+def prefill_rows(rounds: int, length: int = 1000) -> list[dict]:
+    """Seconds to prefill a ``length``-token prompt through the shipped model with each cache,
+    alternating the caches ``rounds`` times (median), against DynamicCache in the same run."""
+    from pathlib import Path
+
+    from transformers import DynamicCache
+
+    from subspace_ref.hf import adaptive_states, capture
+    from subspace_ref.models import default_model as dm
+
+    model, _ = dm.load_model("default")
+    here = Path(sr.__file__).parent
+    bases = capture(model, dm.encode((here / "state.py").read_text(encoding="utf-8")[:4096])[None, :1024]).calibrate(rank_k=16, rank_v=16)
+    ids = dm.encode((here / "calibration.py").read_text(encoding="utf-8"))[None, :length]
+    factories = {
+        "static r=16": static_states(bases),
+        "static r=16 + window 64": static_states(bases, window=64),
+        "adaptive r=16": adaptive_states(rank_k=16, rank_v=16),
+        "adaptive r=16 + window 64": adaptive_states(rank_k=16, rank_v=16, window=64),
+    }
+    times: dict[str, list[float]] = {"DynamicCache": [], **{name: [] for name in factories}}
+    print(f"shipped model, float32, {ids.shape[1]}-token prefill, {rounds} alternating rounds (median)")
+    with compress(model, static_states(bases)) as kv, torch.no_grad():
+        for _ in range(rounds):
+            for name in times:
+                cache = DynamicCache(config=model.config) if name == "DynamicCache" else SubspaceCache(model.config, factories[name])
+                start = time.perf_counter()
+                model(ids, past_key_values=cache)
+                times[name].append(time.perf_counter() - start)
+        del kv
+    base = float(np.median(times["DynamicCache"]))
+    rows = []
+    for name, sec in times.items():
+        row = dict(context=int(ids.shape[1]), cache=name, prefill_s=float(np.median(sec)), time_ratio=float(np.median(sec)) / base)
+        rows.append(row)
+        print(f"  {name:28s} {row['prefill_s']:7.3f} s  ({row['time_ratio']:.2f}x DynamicCache's time)", flush=True)
+    return rows
 
 
 def llama128(steps: int, layers: int, contexts=(8192, 16384), dtype=torch.float32) -> list[dict]:
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=256, hidden_size=1024, intermediate_size=2816, num_hidden_layers=layers, num_attention_heads=8,
-                         num_key_value_heads=8, head_dim=128, max_position_embeddings=max(contexts) + 64)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=max(contexts) + 64,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval().to(dtype)
     bases = random_bases(layers, 8, 128, 32)
@@ -142,12 +210,14 @@ def llama128(steps: int, layers: int, contexts=(8192, 16384), dtype=torch.float3
 
     print(f"random-init Llama, head 128, {layers} layers, 8 KV heads, {str(dtype)[6:]}, r = r_v = 32 of 128, caches filled with random K/V, {steps} steps")
     with compress(model, static_states(bases)) as kv:
-        return rows_for(model, contexts, steps, {"DynamicCache": lambda: DynamicCache(config=model.config), "SubspaceCache r=32": kv.cache}, prefill)
+        caches = {"DynamicCache": lambda: DynamicCache(config=model.config), "SubspaceCache r=32": kv.cache, **quantized_caches(model.config)}
+        return rows_for(model, contexts, steps, caches, prefill)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--setting", choices=("shipped", "llama128", "both"), default="both")
+    p.add_argument("--setting", choices=("shipped", "llama128", "both", "prefill"), default="both")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds of the prefill setting (default 3)")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--layers", type=int, default=4, help="layers of the random head-128 Llama (default 4)")
     p.add_argument("--contexts", type=int, nargs="*", default=None, help="contexts of the llama128 setting (default 8192 16384)")
@@ -158,8 +228,8 @@ def main() -> None:
     reason = quantized_cache_reason()
     print(f"torch {torch.__version__}, 1 thread; QuantizedCache: {reason or 'available'}")
     out = {"threads": 1, "quantized_cache": reason or "available"}
-    if reason is None:
-        print("note: a QuantizedCache backend is installed but this script does not yet time it")
+    if args.setting == "prefill":
+        out["prefill"] = prefill_rows(args.rounds)
     if args.setting in ("shipped", "both"):
         out["shipped"] = shipped(args.steps)
     if args.setting in ("llama128", "both"):

@@ -385,11 +385,11 @@ def test_batch_of_sequences_equals_each_alone():
 
 # --------------------------------------------------------------------------- the causal evaluator
 @pytest.mark.parametrize("quant", ["float", "int8"])
-@pytest.mark.parametrize("kind", ["static", "adaptive", "rotating"])
+@pytest.mark.parametrize("kind", ["static", "adaptive", "adaptive-few-chunks", "rotating"])
 def test_causal_attention_equals_attend_over_prefix(rng, kind, quant):
     """causal_attention row i == subspace_ref.attend over the state after first+i+1 appends
     (static/adaptive: the prefix view; rotating: no refresh inside the block)."""
-    H, g, d, T0, n = 2, 2, 8, 5, 9
+    H, g, d, T0, n = 2, 2, 8, 5, 25 if kind == "adaptive-few-chunks" else 9
     K = rng.standard_normal((1, H, T0 + n, d))
     V = rng.standard_normal((1, H, T0 + n, d))
     spec = StateSpec(0, 1, H, d, d, torch.float64, torch.device("cpu"))
@@ -400,8 +400,10 @@ def test_causal_attention_equals_attend_over_prefix(rng, kind, quant):
         E[0, 2:] = 0  # per-head value ranks 2 and 4
         basis = sr.StaticBasis.from_bases(B, E, [1.3, 0.7])
         factory = static_states([basis], coefficients=quant)
-    elif kind == "adaptive":
+    elif kind == "adaptive":  # J r > T: each token's key and value rebuilt once
         factory = adaptive_states(rank_k=(3, 2), rank_v=3, tau_k=0.3, tau_v=0.3, max_chunk=4, coefficients=quant)
+    elif kind == "adaptive-few-chunks":  # J r <= T: queries projected on each chunk's basis
+        factory = adaptive_states(rank_k=(7, 6), rank_v=7, tau_k=0.9, tau_v=0.9, max_chunk=10, coefficients=quant)
     else:
         factory = rotating_states(rank_k=3, rank_v=(3, 2), refresh_every=100, coefficients=quant)
     state = factory(spec)
@@ -411,7 +413,9 @@ def test_causal_attention_equals_attend_over_prefix(rng, kind, quant):
         if t >= T0:
             step_by_step.append(sr.attend(q_at(rng, t, H * g, d), state, scale=0.3))
     if kind == "adaptive":
-        assert int(state.num_chunks.min()) >= 3
+        assert int(state.num_chunks.min()) >= 3 and int(state.num_chunks.max()) * 3 > T0 + n
+    if kind == "adaptive-few-chunks":
+        assert 2 <= int(state.num_chunks.max()) and int(state.num_chunks.max()) * 7 <= T0 + n
     Q = torch.from_numpy(np.stack([q_at(rng, t, H * g, d) for t in range(T0, T0 + n)], axis=2))
     got = causal_attention(Q, state, T0, scale=0.3).numpy()
     for i, want in enumerate(step_by_step):

@@ -100,6 +100,27 @@ def test_a_failed_call_leaves_nothing_behind_and_affects_no_other_cache_or_model
     assert float((fresh - stock(model, ids)).abs().max()) <= tolerance("llama", "float32")
 
 
+@pytest.mark.parametrize("first", ["adaptive+window", "adaptive"])
+def test_a_failed_long_forward_rolls_online_and_windowed_states_back(first):
+    """Layer 0 adaptive (with or without a window), layer 1 rotating: a padded 80-token forward
+    (longer than max_crop_block) fails at layer 1 after layer 0 appended. Layer 0 goes back to
+    its restore point: the next forward gives what it gives on a cache that never saw the
+    failed one, bit for bit."""
+    model = model_for("llama")
+    ids = prompt_ids(batch=2, length=80)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    layers = {0: EDITED_STATES[first](), 1: rotating_states(rank_k=6, rank_v=6, refresh_every=3, warmup=2)}
+    with compress(model, lambda spec: layers[spec.layer_idx](spec)) as kv, torch.no_grad():
+        failed, fresh = kv.cache(), kv.cache()
+        model(ids[:, :8], past_key_values=failed)
+        model(ids[:, :8], past_key_values=fresh)
+        with pytest.raises(NotImplementedError, match="padding"):
+            model(ids, attention_mask=mask, past_key_values=failed)
+        assert failed.get_seq_length() == 8
+        np.testing.assert_array_equal(model(ids[:, 8:], past_key_values=failed).logits.numpy(), model(ids[:, 8:], past_key_values=fresh).logits.numpy())
+
+
 def test_deep_copies_are_independent():
     model = model_for("llama")
     ids = prompt_ids(batch=1, length=12)
@@ -155,15 +176,16 @@ def next_logits(model, cache, token: int = 5) -> torch.Tensor:
         return model(torch.tensor([[token]] * cache.layers[0].state.batch), past_key_values=cache).logits
 
 
+@pytest.mark.parametrize("backend", ["torch", "numpy"])
 @pytest.mark.parametrize("name", list(EDITED_STATES))
-def test_crop_takes_back_the_last_forward_exactly_and_refuses_further(name):
+def test_crop_takes_back_the_last_forward_exactly_and_refuses_further(name, backend):
     """crop(-3) after a 7-token forward gives the state of never appending those 3 tokens (the
     next token's logits equal those of a cache fed only the kept ones, to rounding); cropping below the
     last forward's start is refused with the reason, the state unchanged. Spec change: these
     states refused every crop before (issue 17 item 5 follow-up)."""
     model = model_for("llama")
     ids = prompt_ids(length=17)
-    with compress(model, EDITED_STATES[name]()) as kv, torch.no_grad():
+    with compress(model, EDITED_STATES[name](), backend=backend) as kv, torch.no_grad():
         cache, ref = kv.cache(), kv.cache()
         model(ids[:, :10], past_key_values=cache)
         model(ids[:, 10:], past_key_values=cache)
@@ -177,6 +199,32 @@ def test_crop_takes_back_the_last_forward_exactly_and_refuses_further(name):
         with pytest.raises(NotSupportedError, match="start of its last forward"):
             cache.crop(-2)
         assert cache.get_seq_length() == 15
+
+
+@pytest.mark.parametrize("kind", ["static", "adaptive", "rotating"])
+def test_select_sequences_equals_each_sequence_alone(kind):
+    """operations.select_sequences on an oracle state with window, sinks and chunks: sequence i
+    of the result attends exactly as sequence index[i] of the original (numpy, bit for bit),
+    and every array of the state has the new batch size (gamma excepted)."""
+    import subspace_ref as sr
+    from subspace_ref.layout import held_arrays
+    from subspace_ref.operations import select_sequences
+
+    rng = np.random.default_rng(4)
+    N, H, d, T = 3, 2, 8, 30
+    options = dict(window=4, sinks=2, batch=N)
+    if kind == "static":
+        q = np.stack([np.linalg.qr(rng.standard_normal((d, d)))[0][:3] for _ in range(H)])
+        state = sr.SubspaceState.static(sr.StaticBasis.from_bases(q, q, 1.0), **options)
+    else:
+        extra = {"tau_k": 0.3, "tau_v": 0.3, "max_chunk": 5} if kind == "adaptive" else {"refresh_every": 4}
+        state = getattr(sr.SubspaceState, kind)(H, d, d, rank_k=3, rank_v=3, **options, **extra)
+    state.append(rng.standard_normal((N, H, T, d)), rng.standard_normal((N, H, T, d)))
+    index = np.array([2, 0, 2, 1])
+    picked = select_sequences(state, index)
+    assert all(x.shape[0] == len(index) for name, x in held_arrays(picked).items() if name != "gamma")
+    queries = rng.standard_normal((N, 2 * H, d))
+    np.testing.assert_array_equal(sr.attend(queries[index], picked), sr.attend(queries, state)[index])
 
 
 @pytest.mark.parametrize("name", list(EDITED_STATES))

@@ -337,19 +337,24 @@ def causal_attention(
     B = _torch(lay.basis("key", chunks, lay.dtype), device).to(work)  # (N, H, J, r, d)
     E = _torch(lay.basis("value", chunks, lay.dtype), device).to(work)  # (N, H, J, r_v, d_v)
     gamma = _torch(lay.gamma, device).to(torch.float64).mul(s).to(work)  # (H,)
+    # many short chunks (an adaptive state that opens one on most tokens): projecting every query
+    # on every chunk costs J r d per query, rebuilding each token's key and value once r d per
+    # token; rebuild when the first is larger (J r > T), transiently, as a prefill's keys are
+    rebuild = J > 1 and J * B.shape[3] > T
     if J > 1:
         valid = torch.arange(J, device=device) < num_chunks[..., None]  # (N, H, J)
         # spare chunk slots hold undefined data: never multiply them, not even by zero
         E = torch.where(valid[..., None, None], E, torch.zeros((), dtype=work, device=device))
         starts = _torch(lay.chunk_starts[:, :, :J], device)
         tokens = torch.arange(T, device=device)
-        index = ((starts[:, :, None, :] <= tokens[:, None]) & valid[:, :, None, :]).sum(-1) - 1  # (N, H, T)
+        last = torch.where(valid, starts, torch.full((), T + 1, dtype=starts.dtype, device=device)).contiguous()  # ascending per (n, h)
+        index = torch.searchsorted(last, tokens.expand(N, H, T).contiguous().to(last.dtype), right=True) - 1  # (N, H, T): chunk of each token
         # token range [lo_j, hi_j) covering chunk j of every (sequence, head): work per chunk is
         # confined to it, so the total is about one pass over the tokens, not J passes
         host_starts = starts.cpu().numpy()
         host_valid = valid.cpu().numpy()
         spans = []
-        for j in range(J):
+        for j in range(0 if rebuild else J):
             if not host_valid[..., j].any():
                 spans.append((0, 0))
                 continue
@@ -359,10 +364,13 @@ def causal_attention(
             spans.append((min(lo, T), hi))
 
     rope = getattr(state.policy, "rope", None)
+    K_full = V_full = None  # rebuilt keys (N, H, T, d) and values (N, H, T, d_v), when used
     if rope is not None:  # spec/rope.md P3: pre-RoPE keys rebuilt and rotated, (N, H, T, d)
         from subspace_ref.rope import rotate
 
-        K_rot = rotate(torch.matmul(C, B[:, :, 0]), np.arange(T), rope)
+        K_full = rotate(torch.matmul(C, B[:, :, 0]), np.arange(T), rope)
+    elif rebuild:
+        K_full, V_full = _rebuilt(C, B, index), _rebuilt(D, E, index)
     out = torch.empty((N, H, g, n, E.shape[-1]), dtype=work, device=device)
     # a tile's logits (N, H_q, m, T) and projected queries (N, H_q, J, m, r) stay near TILE_ELEMENTS
     if exact is not None:
@@ -370,18 +378,19 @@ def causal_attention(
         V_exact = exact.values.to(device=device, dtype=work)
         pos = exact.positions.to(device)
     width = T + (0 if exact is None else pos.shape[0])
-    tile = max(1, TILE_ELEMENTS // max(1, N * Hq * max(width, J * B.shape[3])))
+    tile = max(1, TILE_ELEMENTS // max(1, N * Hq * max(width, 0 if K_full is not None else J * B.shape[3])))
     keys_pos = torch.arange(T, device=device)
     for a in range(0, n, tile):
         b = min(n, a + tile)
         qt = q[:, :, a:b].reshape(N, H, g, b - a, d).to(work)
-        # gamma_h * scale * B_j q for every chunk: (N, H, J, g, m, r)
-        qp = torch.matmul(qt[:, :, None], B.mT[:, :, :, None]) * gamma[None, :, None, None, None, None]
-        if rope is not None:
-            logits = torch.matmul(qt * gamma[None, :, None, None, None], K_rot.mT[:, :, None])
+        if K_full is not None:
+            logits = torch.matmul(qt * gamma[None, :, None, None, None], K_full.mT[:, :, None])
         elif J == 1:
-            logits = torch.matmul(qp[:, :, 0], C.mT[:, :, None])  # (N, H, g, m, T)
+            qp = torch.matmul(qt, B[:, :, 0].mT[:, :, None]) * gamma[None, :, None, None, None]  # gamma_h * scale * B q: (N, H, g, m, r)
+            logits = torch.matmul(qp, C.mT[:, :, None])  # (N, H, g, m, T)
         else:
+            # gamma_h * scale * B_j q for every chunk: (N, H, J, g, m, r)
+            qp = torch.matmul(qt[:, :, None], B.mT[:, :, :, None]) * gamma[None, :, None, None, None, None]
             logits = torch.full((N, H, g, b - a, T), -math.inf, dtype=work, device=device)
             for j, (lo, hi) in enumerate(spans):
                 if lo >= hi:
@@ -412,7 +421,9 @@ def causal_attention(
         Z = torch.where(Z > 0, Z, torch.ones((), dtype=work, device=device))  # a fully masked query (padding) gets zeros
         if exact is not None:
             w, w_exact = w[..., :T], w[..., T:]
-        if J == 1:
+        if V_full is not None:
+            acc = torch.matmul(w, V_full[:, :, None])
+        elif J == 1:
             acc = torch.matmul(torch.matmul(w, D[:, :, None]), E[:, :, 0][:, :, None])
         else:
             acc = torch.zeros((N, H, g, b - a, E.shape[-1]), dtype=work, device=device)
@@ -425,6 +436,21 @@ def causal_attention(
             acc = acc + torch.matmul(w_exact, V_exact[:, :, None])
         out[:, :, :, a:b] = acc / Z
     return out.reshape(N, Hq, n, -1).to(q.dtype)
+
+
+def _rebuilt(coef: torch.Tensor, bases: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Each token's vector from its coefficients and its chunk's basis: coef (N, H, T, r),
+    bases (N, H, J, r, d), index (N, H, T) -> (N, H, T, d), in token tiles of about
+    TILE_ELEMENTS gathered basis entries."""
+    N, H, T, r = coef.shape
+    out = torch.empty((N, H, T, bases.shape[-1]), dtype=coef.dtype, device=coef.device)
+    n_idx = torch.arange(N, device=coef.device)[:, None, None]
+    h_idx = torch.arange(H, device=coef.device)[None, :, None]
+    step = max(1, TILE_ELEMENTS // max(1, N * H * r * bases.shape[-1]))
+    for a in range(0, T, step):
+        b = min(T, a + step)
+        out[:, :, a:b] = torch.matmul(coef[:, :, a:b, None, :], bases[n_idx, h_idx, index[:, :, a:b]])[..., 0, :]
+    return out
 
 
 __all__ = [

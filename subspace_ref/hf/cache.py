@@ -27,12 +27,12 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 import subspace_ref
+from subspace_ref.arrays import clone
 from subspace_ref.calibration import StaticBasis
 from subspace_ref.capabilities import require, state_reasons
-from subspace_ref.layout import FIXED, mapped_parts
-from subspace_ref.arrays import clone
-from subspace_ref.operations import select_sequences
 from subspace_ref.hf import attention as _attn
+from subspace_ref.layout import FIXED, mapped_parts
+from subspace_ref.operations import select_sequences
 from subspace_ref.registry import get_backend
 from subspace_ref.state import SubspaceState
 
@@ -308,7 +308,7 @@ class SubspaceLayer(CacheLayerMixin):
         self.pending_keys: torch.Tensor | None = None
         self.pending_values: torch.Tensor | None = None
         self._forward_start = 0  # tokens held when the current forward began (rollback point)
-        self._restore_point: tuple | None = None  # see keep_restore_point
+        self._restore_point: SubspaceState | None = None  # see keep_restore_point
         self._forward_tokens: tuple | None = None  # the current forward's keys and values, while a restore point is kept
 
     def __repr__(self) -> str:
@@ -324,6 +324,8 @@ class SubspaceLayer(CacheLayerMixin):
         self.state = self.cache.adopt(state, spec)
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
+        self._forward_start = 0  # a layer built during a forward: its restore point is the empty state
+        self.keep_restore_point()
 
     @torch.compiler.disable(reason="a SubspaceCache appends and attends in Python outside any graph")
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -342,7 +344,7 @@ class SubspaceLayer(CacheLayerMixin):
         st = self.state
         if key_states.ndim != 4 or key_states.shape[0] != st.batch or key_states.shape[1] != st.kv_heads or key_states.shape[3] != st.d:
             raise ValueError(f"layer {self.layer_idx}: keys of shape {tuple(key_states.shape)} do not fit the state {st!r} (batch {st.batch})")
-        self.cache.begin_forward(self.layer_idx, key_states.shape[2])
+        self.cache.begin_forward(self.layer_idx)
         self.pending_keys, self.pending_values = key_states, value_states
         setattr(key_states, _attn.TAG, self)
         return key_states, value_states
@@ -378,7 +380,7 @@ class SubspaceLayer(CacheLayerMixin):
         if st is None:
             return None
         if st.kind != "static":
-            return f"a {st.kind} state's sketches have absorbed the dropped tokens"
+            return f"the {st.kind} state's sketches have absorbed the dropped tokens"
         if st.window is not None:
             return "tokens that left the exact window are projected and cannot be made exact again"
         return self.crop_reason()
@@ -399,19 +401,19 @@ class SubspaceLayer(CacheLayerMixin):
         if self.state is not None and num_tokens < self.state.num_tokens:
             self.state.layout = replace(self.state.layout, num_tokens=num_tokens)
 
-    def keep_restore_point(self, new_tokens: int) -> None:
-        """At the start of a forward of ``new_tokens`` tokens: remember what :meth:`restore`
-        needs to bring a state that cannot be truncated back to its present tokens. Appends
+    def keep_restore_point(self) -> None:
+        """At the start of a forward: remember what :meth:`restore` needs to bring a state that
+        cannot be truncated back to its present tokens. Appends
         write only rows and chunk slots past the state's counts (spare until then), copy bases
         and coefficients in use before rewriting them (warm-up rows, rotating refreshes:
         ``PackedLayout.with_private_bases``, private rotated coefficients) and replace the small
         fixed-size arrays (sketch buffers, exact window and sinks, chunk counts), which are
-        copied here all the same: O(ell d + W d) per head, independent of the context. Forwards
-        longer than the cache's ``max_crop_block`` (a prefill) keep none, so their tokens are
-        not held twice."""
+        copied here all the same: O(ell d + W d) per head, independent of the context. (Crop
+        also needs the forward's tokens, which :meth:`attend_pending` keeps for forwards of at
+        most ``max_crop_block`` tokens, so a prefill's are not held twice.)"""
         self._restore_point = self._forward_tokens = None
         st = self.state
-        if st is None or self.truncate_reason() is None or self.crop_reason() is not None or new_tokens > self.cache.max_crop_block:
+        if st is None or self.truncate_reason() is None or self.crop_reason() is not None:
             return
         parts = mapped_parts(st, lambda a, x: clone(x) if a.axis == FIXED else x)
         self._restore_point = SubspaceState(st.policy, parts["layout"], parts["sketches"], st.batched, st.engine, parts["window"])
@@ -439,7 +441,7 @@ class SubspaceLayer(CacheLayerMixin):
             self.truncate(keep)
             return
         start = self._forward_start
-        if self._restore_point is None or self._forward_tokens is None or keep < start:
+        if self._forward_tokens is None or keep < start:
             reason = f"{self.truncate_reason()}; it crops back only to the start of its last forward of at most {self.cache.max_crop_block} tokens"
             require([reason], f"layer {self.layer_idx}: cannot crop to {keep} tokens")
         keys, values = self._forward_tokens
@@ -564,7 +566,7 @@ class SubspaceLayer(CacheLayerMixin):
             what = "soft-capping" if mask is None else "a padding or sliding-window mask"
             require([self.masked_reason()] if self.masked_reason() else [], f"layer {self.layer_idx}: {what}")
         self._clear_pending()
-        if self._restore_point is not None:
+        if self._restore_point is not None and n <= self.cache.max_crop_block:
             self._forward_tokens = (keys, values)
         outs = []
         for a, b in self._segments(n):
@@ -599,8 +601,9 @@ class SubspaceCache(Cache):
     compressed), ``"compress"`` compresses them too (the model's sliding mask then restricts
     each query to its window in coefficient space; the compressed tokens stay stored).
     ``max_crop_block``: windowed, adaptive and rotating layers keep a restore point at the start
-    of each forward of at most this many tokens, so ``crop`` (assisted and prompt-lookup
-    decoding) can take back that forward's tokens exactly (:meth:`SubspaceLayer.crop`).
+    of each forward (a failed forward goes back to it) and, for forwards of at most this many
+    tokens, the forward's keys and values, so ``crop`` (assisted and prompt-lookup decoding) can
+    take back that forward's tokens exactly (:meth:`SubspaceLayer.crop`).
     """
 
     def __init__(
@@ -666,14 +669,14 @@ class SubspaceCache(Cache):
     def subspace_layers(self) -> list[SubspaceLayer]:
         return [layer for layer in self.layers if isinstance(layer, SubspaceLayer)]
 
-    def begin_forward(self, layer_idx: int, new_tokens: int) -> None:
+    def begin_forward(self, layer_idx: int) -> None:
         """Called by each layer's update: the first compressed layer's update starts a forward,
         whose tokens :meth:`rollback_forward` can give back."""
         layers = self.subspace_layers
         if layers and layers[0].layer_idx == layer_idx:
             for layer in layers:
                 layer._forward_start = layer.get_seq_length()
-                layer.keep_restore_point(new_tokens)
+                layer.keep_restore_point()
 
     def rollback_forward(self) -> None:
         """Give back the tokens the current forward appended (static states by truncation, the

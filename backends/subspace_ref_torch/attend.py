@@ -430,8 +430,7 @@ def one_chunk_maps(state, d: int, scale: float | None, dtype: torch.dtype) -> tu
 
 def one_chunk_float(state, dtype: torch.dtype) -> bool:
     """Whether ``state`` takes :func:`attend_one_chunk`: one chunk of bases (static or rotating),
-    no exact tokens, no RoPE, float coefficients already in the work dtype, at most VALUE_TILE
-    tokens (longer sums over tokens take the general path's tiles, see :data:`VALUE_TILE`)."""
+    no exact tokens, no RoPE, float coefficients already in the work dtype."""
     lay = state.layout
     return (
         state.window is None
@@ -439,16 +438,20 @@ def one_chunk_float(state, dtype: torch.dtype) -> bool:
         and getattr(state.policy, "rope", None) is None
         and lay.key_coef.dtype == dtype
         and lay.value_coef.dtype == dtype
-        and lay.num_tokens <= VALUE_TILE
     )
 
 
 def attend_one_chunk(q: torch.Tensor, state, scale: float | None, dtype: torch.dtype) -> torch.Tensor:
-    """Spec A2/A3 for the common decode case (:func:`one_chunk_float`) in five tensor operations
+    """Spec A2/A3 for the common decode case (:func:`one_chunk_float`) in a few tensor operations
     over all heads at once, so that a decode step costs a few kernel launches and degrades under
-    contention as SDPA does: scaled projection, logits, softmax (with the global maximum, equal to
-    A3's running rescaling by A3.1), value coefficients, value basis. The coefficients are read
-    through (N H)-batched views made once per coefficient array."""
+    contention as SDPA does. With one chunk, spec A3 is softmax attention whose queries are the
+    scaled projected queries (gamma and the logit scale folded into the map) and whose keys and
+    values are the coefficients: up to VALUE_TILE tokens as logits, softmax (with the global
+    maximum, equal to A3's running rescaling by A3.1) and value sums, three batched operations;
+    longer, torch's fused SDPA over the coefficients, whose blocked online softmax bounds the
+    rounding of the long sum over tokens as the general path's tiles do (:data:`VALUE_TILE`).
+    Then the value basis. The coefficients are read through (N H)-batched views made once per
+    coefficient array."""
     lay = state.layout
     N, Hq, d = q.shape
     maps, E = one_chunk_maps(state, d, scale, dtype)
@@ -458,8 +461,11 @@ def attend_one_chunk(q: torch.Tensor, state, scale: float | None, dtype: torch.d
     T = lay.num_tokens
     qg = q.reshape(maps.shape[0], -1, d)
     qt = torch.bmm(qg if qg.dtype == dtype else qg.to(dtype), maps)  # (N H, g, r)
-    weights = torch.softmax(torch.bmm(qt, keys_t[:, :, :T]), dim=-1)  # (N H, g, T)
-    out = torch.bmm(torch.bmm(weights, values[:, :T]), E).view(N, Hq, -1)
+    if T <= VALUE_TILE:
+        sums = torch.bmm(torch.softmax(torch.bmm(qt, keys_t[:, :, :T]), dim=-1), values[:, :T])  # (N H, g, r_v)
+    else:
+        sums = torch.nn.functional.scaled_dot_product_attention(qt[:, None], keys_t[:, :, :T].mT[:, None], values[:, None, :T], scale=1.0)[:, 0]
+    out = torch.bmm(sums, E).view(N, Hq, -1)
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
 

@@ -167,8 +167,9 @@ class SubspaceState:
         ``trigger="reproject"`` stores the token that fires the trigger in the new chunk, with
         bases that include it (spec A7.2: every stored token within tau, full rank exact);
         "paper" (the default for now) keeps seed 001's order, where that token stays in the old
-        chunk. Under "reproject" a chunk closed by ``max_chunk`` holds max_chunk - 1 tokens, which
-        the length-cap tests do not yet accept (issue 19), so it is opt-in.
+        chunk. Under both, a chunk closed by ``max_chunk`` holds max_chunk tokens. "reproject" is
+        opt-in until the tests that encode the paper order's chunk bookkeeping (e.g. its empty
+        trailing chunk) are revised with it (issue 19).
         ``sketch_reset=True`` restarts the sketches at each chunk boundary (spec A7 step 3b): the
         paper's sketches never forget, and under drift they keep returning the old subspace, so
         the trigger fires on nearly every token (see tests/test_adaptive_state.py).

@@ -202,7 +202,7 @@ def append_online(state, keys: torch.Tensor, values: torch.Tensor, project=proje
             # still warming does not fire; the length cap waits for both sides)
             c, dv, rho_k, rho_v = project(kk, vv, open_B, open_E)
             ends = torch.arange(t + 1, t + 1 + s, device=device)  # t + 1 per token
-            capped = ends - open_start[..., None] >= policy.max_chunk
+            capped = ends - int(reproject) - open_start[..., None] >= policy.max_chunk  # tokens held when t is decided (spec A7.2)
             fire = (
                 ((~warming_k[..., None]) & (rho_k > policy.tau_k))
                 | ((~warming_v[..., None]) & (rho_v > policy.tau_v))

@@ -31,7 +31,10 @@ def append_adaptive(state, keys: Any, values: Any, ahead: tuple | None = None) -
         # warming is exact and does not fire; the length cap waits for both sides)
         rho_k, rho_v = relative_residual(k, c), relative_residual(v, dv)
         open_start = xp.take_along_axis(run.chunk_starts, (run.num_chunks - 1)[..., None], axis=2)[..., 0]
-        capped = variants.length_capped(t + 1 - open_start, policy)
+        # the tokens the open chunk holds when t is decided: t too under the paper order, where t
+        # stays in it; not under A7.2, where a firing t goes to the next chunk (so a chunk closed
+        # by the cap holds max_chunk tokens under both orders)
+        capped = variants.length_capped(t + 1 - reproject - open_start, policy)
         fire = (~warming_k & (rho_k > policy.tau_k)) | (~warming_v & (rho_v > policy.tau_v)) | (~warming_k & ~warming_v & capped)
         # spec A7.3: a chunk that would not pay for its bases is not opened (with reproject, an
         # empty open chunk takes the snapshot in place and adds nothing)

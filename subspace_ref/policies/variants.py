@@ -15,12 +15,12 @@ from subspace_ref.arrays import to_numpy
 from subspace_ref.policies.online_run import OnlineRun, fd_insert
 
 
-def length_capped(length: Any, policy) -> Any:
-    """Spec A7 step 3's length trigger; S3.2: with reuse a chunk may outlive max_chunk, and the
-    cap re-fires every max_chunk tokens."""
+def length_capped(held: Any, policy) -> Any:
+    """Spec A7 step 3's length trigger on the ``held`` tokens of the open chunk; S3.2: with reuse
+    a chunk may outlive max_chunk, and the cap re-fires every max_chunk tokens."""
     if getattr(policy, "reuse_angle", None) is None:
-        return length >= policy.max_chunk
-    return length % policy.max_chunk == 0
+        return held >= policy.max_chunk
+    return (held > 0) & (held % policy.max_chunk == 0)
 
 
 def snapshot_sources(run: OnlineRun, fn: Any, fh: Any, t: int, reproject: bool, following: Any, i: int) -> tuple[Any, Any]:

@@ -22,6 +22,8 @@ would be meaningless).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -232,6 +234,26 @@ def test_online_states_really_chunk_and_rotate():
         assert (24 - st.policy.warmup) // st.policy.refresh_every >= 5
 
 
+def test_adaptive_factory_caches_never_outgrow_the_stock_cache():
+    """The factory's byte ceiling (spec A7.3): at a tau that fires on nearly every token, the
+    uncapped states hold several times the stock cache; the default ones, past the first chunk's
+    fixed cost, at most the stock cache (sketches and gamma, fixed-size, aside)."""
+    from subspace_ref.layout import BY_NAME, FIXED, counted_nbytes
+
+    fixed = [name for name, a in BY_NAME.items() if a.axis == FIXED]
+    model = model_for("llama")
+    ids = torch.randint(0, VOCAB, (1, 120), generator=torch.Generator().manual_seed(3))
+    held = {}
+    with subspace_attention_enabled(model):
+        for name, ceiling in (("capped", {}), ("uncapped", {"byte_ceiling": math.inf})):
+            cache = SubspaceCache(model.config, adaptive_states(rank_k=4, rank_v=4, tau_k=0.01, tau_v=0.01, **ceiling))
+            model(ids, past_key_values=cache)
+            held[name] = sum(s.nbytes - counted_nbytes(s, fixed) for s in cache.states)
+            full = cache.full_cache_nbytes
+    assert held["uncapped"] > 2 * full
+    assert held["capped"] <= full
+
+
 @pytest.mark.parametrize("kind", ["static", "adaptive", "rotating"])
 def test_prefill_per_position_attend_equals_coefficient_path(kind):
     """prefill="attend" (subspace_ref.attend once per prompt position over the prefix view)
@@ -401,9 +423,10 @@ def test_causal_attention_equals_attend_over_prefix(rng, kind, quant):
         basis = sr.StaticBasis.from_bases(B, E, [1.3, 0.7])
         factory = static_states([basis], coefficients=quant)
     elif kind == "adaptive":  # J r > T: each token's key and value rebuilt once
-        factory = adaptive_states(rank_k=(3, 2), rank_v=3, tau_k=0.3, tau_v=0.3, max_chunk=4, coefficients=quant)
+        # many chunks on purpose: the uncapped policy (the factory's byte ceiling would keep few)
+        factory = adaptive_states(rank_k=(3, 2), rank_v=3, tau_k=0.3, tau_v=0.3, max_chunk=4, coefficients=quant, byte_ceiling=math.inf)
     elif kind == "adaptive-few-chunks":  # J r <= T: queries projected on each chunk's basis
-        factory = adaptive_states(rank_k=(7, 6), rank_v=7, tau_k=0.9, tau_v=0.9, max_chunk=10, coefficients=quant)
+        factory = adaptive_states(rank_k=(7, 6), rank_v=7, tau_k=0.9, tau_v=0.9, max_chunk=10, coefficients=quant, byte_ceiling=math.inf)
     else:
         factory = rotating_states(rank_k=3, rank_v=(3, 2), refresh_every=100, coefficients=quant)
     state = factory(spec)

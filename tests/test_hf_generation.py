@@ -25,6 +25,8 @@ most twice the logit error).
 
 from __future__ import annotations
 
+import math
+
 import copy
 
 import pytest
@@ -268,7 +270,8 @@ def test_prompt_lookup_with_a_compressing_adaptive_state_equals_its_greedy_decod
     from subspace_ref.hf import adaptive_states
 
     model = copy.deepcopy(model_for("llama")).to(torch.float64)
-    factory = adaptive_states(rank_k=6, rank_v=6, tau_k=0.05, tau_v=0.05, max_chunk=4, warmup=2)
+    # many chunks on purpose: the uncapped policy (the factory's byte ceiling would keep few)
+    factory = adaptive_states(rank_k=6, rank_v=6, tau_k=0.05, tau_v=0.05, max_chunk=4, warmup=2, byte_ceiling=math.inf)
     ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]])
     kw = dict(max_new_tokens=10, do_sample=False, return_dict_in_generate=True, output_logits=True, pad_token_id=0)
     with compress(model, factory) as kv:

@@ -180,6 +180,7 @@ def default_basis_format(basis_format: str | None, dtype: Any) -> str:
 
 class _online_states:
     kind = ""
+    defaults: dict = {}  # keywords of the state constructor this factory sets unless given
 
     def __init__(
         self,
@@ -206,7 +207,7 @@ class _online_states:
     def __call__(self, spec: StateSpec) -> SubspaceState:
         rank_k = per_layer(self.rank_k, spec.layer_idx) if self.keys else spec.head_dim
         rank_v = per_layer(self.rank_v, spec.layer_idx) if self.values else spec.value_dim
-        options = {name: per_layer(value, spec.layer_idx) for name, value in self.options.items()}
+        options = {name: per_layer(value, spec.layer_idx) for name, value in {**self.defaults, **self.options}.items()}
         build = getattr(SubspaceState, self.kind)
         dtype = self.dtype or spec.state_dtype
         return build(
@@ -238,9 +239,15 @@ class adaptive_states(_online_states):
     to the first trigger (adaptive: usually the first of them fires) or the first refresh
     (rotating: up to ``refresh_every`` tokens, and rotation cannot restore them) are projected
     onto that W-dimensional span. Exactly one-sided compression needs a per-side warm-up in
-    :class:`SubspaceState`; the static factory has none of this (identity basis)."""
+    :class:`SubspaceState`; the static factory has none of this (identity basis).
+
+    Unlike :meth:`SubspaceState.adaptive`, whose default keeps seed 001's policy, the states this
+    factory builds have ``byte_ceiling=1.0`` unless given (spec A7.3): a cache that replaces the
+    stock one never holds more than it, whatever tau (``byte_ceiling=math.inf`` for the uncapped
+    policy)."""
 
     kind = "adaptive"
+    defaults = {"byte_ceiling": 1.0}
 
 
 class rotating_states(_online_states):

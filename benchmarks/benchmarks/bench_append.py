@@ -59,3 +59,42 @@ class Append:
         return float(state_cost(self.state, group=C.GROUP).phase("append", "fd").bytes)
 
     track_bytes_per_token.unit = "bytes"
+
+
+class BlockAppendVsDecode:
+    """Issue 19 item 3: the amortised cost per token of appending blocks of 256 tokens near a
+    low-rank subspace to an adaptive state (r = 32, the state's own FD upkeep and chunk snapshots
+    included) on torch-cpu, held against one exact SDPA decode step over 4096 tokens measured in
+    the same run. Goal: <= 0.1. ``byte_ceiling``: spec A7.3 (inf: seed 001's policy)."""
+
+    params = (["inf", "1.0"],)
+    param_names = ["byte_ceiling"]
+    timeout = 600
+    BLOCK = 64 if C.QUICK else 256
+    CONTEXT = 512 if C.QUICK else 4096
+
+    def setup(self, byte_ceiling):
+        tgt = C.target("torch-cpu")
+        tokens = C.near_subspace_tokens(31, C.HEADS, 8 * self.BLOCK, C.D)
+        values = C.near_subspace_tokens(32, C.HEADS, 8 * self.BLOCK, C.D)
+        self.blocks = [(tgt.convert(tokens[:, a : a + self.BLOCK]), tgt.convert(values[:, a : a + self.BLOCK])) for a in range(0, 8 * self.BLOCK, self.BLOCK)]
+        self.fresh = lambda: tgt.state(_adaptive_r32(float(byte_ceiling)))
+        q = np.random.default_rng(5).standard_normal((C.HEADS * C.GROUP, C.D)).astype(C.DTYPE)
+        self.sdpa = C.sdpa("cpu", q, C.tokens(11, self.CONTEXT), C.tokens(12, self.CONTEXT))
+
+    def _append_all(self):
+        state = self.fresh()
+        for k, v in self.blocks:
+            state.append(k, v)
+
+    def track_ratio_to_sdpa_decode(self, byte_ceiling):
+        """(seconds per appended token, amortised over 8 blocks from an empty state) / (one SDPA
+        decode step at CONTEXT tokens), both measured here."""
+        per_token = C.median_seconds(self._append_all, lambda: None, min_total=0.5, max_runs=5) / (8 * self.BLOCK)
+        return per_token / C.median_seconds(self.sdpa, lambda: None, min_total=0.2, max_runs=200)
+
+    track_ratio_to_sdpa_decode.unit = "ratio"
+
+
+def _adaptive_r32(byte_ceiling: float):
+    return C.sr.SubspaceState.adaptive(C.HEADS, C.D, rank_k=32, rank_v=32, max_chunk=C.MAX_CHUNK, dtype=C.DTYPE, byte_ceiling=byte_ceiling)

@@ -316,6 +316,14 @@ EMULATION, EMULATION_REASON = _emulation.availability()
 needs_emulation = pytest.mark.skipif(not EMULATION, reason=f"host emulation of the kernels unavailable: {EMULATION_REASON}")
 
 _EMU_CONFIGS = [
+    # rank tile 32: what ranks <= 32 launch (the tests' small ranks)
+    _kernels.KernelConfig("float32", "same", 64, 64, 32),
+    _kernels.KernelConfig("float32", "int8", 64, 64, 32),
+    _kernels.KernelConfig("float16", "same", 64, 64, 32),
+    _kernels.KernelConfig("bfloat16", "same", 64, 64, 32),
+    _kernels.KernelConfig("float32", "same", _kernels.GENERIC, _kernels.GENERIC, 32),
+    _kernels.KernelConfig("float32", "int8", _kernels.GENERIC, _kernels.GENERIC, 32),
+    # rank tile 64 and 128: ranks above 32
     _kernels.KernelConfig("float32", "same", 64, 64, 64),
     _kernels.KernelConfig("float32", "int8", 64, 64, 64),
     _kernels.KernelConfig("float16", "same", 64, 64, 64),

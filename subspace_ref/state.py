@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 from typing import Any
 
 import numpy as np
@@ -155,21 +153,20 @@ class SubspaceState:
         ring_warm_start: int = 0,
         fd_stride: int = 1,
         reuse_angle: float | None = None,
-        trigger: str = "paper",
+        trigger: str = "reproject",
         sinks: int = 0,
-        byte_ceiling: float = math.inf,
+        byte_ceiling: float = 1.0,
     ) -> "SubspaceState":
         """Online bases from FD sketches with residual-triggered chunking (spec A7, seed 001 §5).
 
         ``ell_*`` default to 2 x rank; the first min(``warmup``, rank) tokens of each side
         (default: the side's rank, so keys and values each fill their basis) are stored exactly
         in chunk 0 (spec A7 step 0); ``warmup=0`` with ``trigger="paper"`` is the paper verbatim.
-        ``trigger="reproject"`` stores the token that fires the trigger in the new chunk, with
-        bases that include it (spec A7.2: every stored token within tau, full rank exact);
-        "paper" (the default for now) keeps seed 001's order, where that token stays in the old
-        chunk. Under both, a chunk closed by ``max_chunk`` holds max_chunk tokens. "reproject" is
-        opt-in until the tests that encode the paper order's chunk bookkeeping (e.g. its empty
-        trailing chunk) are revised with it (issue 19).
+        ``trigger="reproject"`` (the default) stores the token that fires the trigger in the new
+        chunk, with bases that include it (spec A7.2: every stored token within tau, full rank
+        exact); "paper" keeps seed 001's order, where that token stays in the old chunk with its
+        residual (and the cap leaves an empty open chunk after a capped chunk). Under both, a
+        chunk closed by ``max_chunk`` holds max_chunk tokens.
         ``sketch_reset=True`` restarts the sketches at each chunk boundary (spec A7 step 3b): the
         paper's sketches never forget, and under drift they keep returning the old subspace, so
         the trigger fires on nearly every token (see tests/test_adaptive_state.py).
@@ -196,14 +193,14 @@ class SubspaceState:
         triggers that no longer open chunks). ``ring_warm_start`` and ``lookahead`` do not
         combine (the ring replaces the sketches that lookahead would extend).
 
-        ``byte_ceiling`` (spec A7.3), e.g. 1.0: a trigger opens a chunk only if the chunk pays for
-        its basis bytes, so the state never holds more than ``byte_ceiling`` times the bytes of
-        the full cache in its dtype, beyond the fixed cost of one chunk and the sketches; a trigger
-        it refuses leaves the token in the open chunk (its residual then above tau, and a chunk
-        may then outlive ``max_chunk``). The default, ``math.inf``, is seed 001's policy, with no
-        ceiling: on data that is not low-rank at the chosen ranks it can hold several times the
-        full cache (issue 19); it stays the default until the tests that encode the uncapped
-        rule are revised with it.
+        ``byte_ceiling`` (spec A7.3, default 1.0): a trigger opens a chunk only if the chunk pays
+        for its basis bytes, so the state never holds more than ``byte_ceiling`` times the bytes
+        of the full cache in its dtype, beyond the fixed cost of one chunk and the sketches; a
+        trigger it refuses leaves the token in the open chunk (its residual then above tau, and a
+        chunk may outlive ``max_chunk``). ``math.inf`` is seed 001's policy, with no ceiling: on
+        data that is not low-rank at the chosen ranks it can hold several times the full cache.
+        ``trigger="paper", byte_ceiling=math.inf`` is spec A7 verbatim (and what a file saved
+        before these options loads as).
         """
         window, min_tokens, lookahead = _window.options(window, min_tokens, lookahead, "adaptive")
         sinks = _window.sink_option(sinks)

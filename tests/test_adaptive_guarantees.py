@@ -1,11 +1,15 @@
 """Spec A7.2.1 / B11: what the reproject trigger guarantees per stored token (issue 19 item 1)."""
 
+import math
+
 import numpy as np
 import pytest
 
 import subspace_ref as sr
 
 from test_adaptive_state import drifting_stream
+
+PAPER = dict(trigger="paper", byte_ceiling=math.inf)  # seed 001's policy (spec A7 verbatim), which these tests encode
 
 
 @pytest.mark.parametrize("trigger", ["reproject", "paper"])
@@ -16,7 +20,7 @@ def test_full_rank_is_exact_for_any_chunk_boundaries(rng, rk, rv, max_chunk, tri
     chunk lengths and whichever side has the larger rank (issue 19: 68% key error before)."""
     H, T = 3, 60
     K, V = rng.standard_normal((H, T, rk)), rng.standard_normal((H, T, rv))
-    state = sr.SubspaceState.adaptive(H, rk, rv, rank_k=rk, rank_v=rv, max_chunk=max_chunk, trigger=trigger).append(K[:, :23], V[:, :23])
+    state = sr.SubspaceState.adaptive(H, rk, rv, rank_k=rk, rank_v=rv, max_chunk=max_chunk, trigger=trigger, byte_ceiling=math.inf).append(K[:, :23], V[:, :23])
     state.append(K[:, 23:], V[:, 23:])
     K_hat, V_hat = state.reconstruct()
     np.testing.assert_allclose(K_hat, K, atol=1e-11)
@@ -47,8 +51,8 @@ def test_every_stored_token_within_tau_or_the_sketch_tail(rng, tau):
     H, T, d, r, ell = 2, 300, 10, 3, 8
     K = np.stack([drifting_stream(rng, T, d, 3, 70) for _ in range(H)])
     V = np.stack([drifting_stream(rng, T, d, 2, 90) for _ in range(H)])
-    state = sr.SubspaceState.adaptive(H, d, rank_k=r, rank_v=r, ell_k=ell, ell_v=ell, tau_k=tau, tau_v=tau, max_chunk=10**6, trigger="reproject").append(K, V)
-    paper = sr.SubspaceState.adaptive(H, d, rank_k=r, rank_v=r, ell_k=ell, ell_v=ell, tau_k=tau, tau_v=tau, max_chunk=10**6, trigger="paper").append(K, V)
+    state = sr.SubspaceState.adaptive(H, d, rank_k=r, rank_v=r, ell_k=ell, ell_v=ell, tau_k=tau, tau_v=tau, max_chunk=10**6, trigger="reproject", byte_ceiling=math.inf).append(K, V)
+    paper = sr.SubspaceState.adaptive(H, d, rank_k=r, rank_v=r, ell_k=ell, ell_v=ell, tau_k=tau, tau_v=tau, max_chunk=10**6, trigger="paper", byte_ceiling=math.inf).append(K, V)
     firsts = 0
     for h in range(H):
         for j, (a, b) in enumerate(state.chunk_bounds(h)):
@@ -114,7 +118,7 @@ def test_a_chunk_closed_by_the_length_cap_holds_max_chunk_tokens_under_both_orde
     direction = rng.standard_normal(8)
     K = np.tile(direction, (2, 40, 1)) * rng.uniform(0.5, 2.0, (2, 40, 1))
     for trigger in ("paper", "reproject"):
-        state = sr.SubspaceState.adaptive(2, 8, rank_k=2, rank_v=2, tau_k=0.5, tau_v=0.5, max_chunk=max_chunk, warmup=0, trigger=trigger)
+        state = sr.SubspaceState.adaptive(2, 8, rank_k=2, rank_v=2, tau_k=0.5, tau_v=0.5, max_chunk=max_chunk, warmup=0, trigger=trigger, byte_ceiling=math.inf)
         state = state if backend == "numpy" else state.to("torch")
         state.append(K if backend == "numpy" else __import__("torch").from_numpy(K), K if backend == "numpy" else __import__("torch").from_numpy(K))
         bounds = [b - a for a, b in state.chunk_bounds(0)]

@@ -1,5 +1,7 @@
 """Spec A7: residual-triggered chunking, exact residuals, causality, warm-up."""
 
+import math
+
 import numpy as np
 import pytest
 
@@ -7,6 +9,8 @@ import subspace_ref as sr
 from subspace_ref.policies import AdaptivePolicy
 
 from conftest import low_rank_stream
+
+PAPER = dict(trigger="paper", byte_ceiling=math.inf)  # seed 001's policy (spec A7 verbatim), which these tests encode
 
 
 def drifting_stream(rng, T, d, rank, every):
@@ -40,7 +44,9 @@ def test_chunk_closes_exactly_on_the_rule(rng, warmup):
     H, T, d = 2, 400, 12
     K = np.stack([drifting_stream(rng, T, d, 3, 97) for _ in range(H)])
     V = np.stack([drifting_stream(rng, T, d, 2, 131) for _ in range(H)])
-    state = sr.SubspaceState.adaptive(H, d, rank_k=3, rank_v=2, tau_k=0.3, tau_v=0.35, max_chunk=60, warmup=warmup, trigger="paper").append(K, V)
+    state = sr.SubspaceState.adaptive(
+        H, d, rank_k=3, rank_v=2, tau_k=0.3, tau_v=0.35, max_chunk=60, warmup=warmup, trigger="paper", byte_ceiling=math.inf
+    ).append(K, V)
     checked = 0
     for h, t, rho_k, rho_v, should_close, closed in replay(state, K, V):
         margin = min(abs(rho_k - state.policy.tau_k), abs(rho_v - state.policy.tau_v))
@@ -57,8 +63,8 @@ def test_counterexample_paper_sketches_thrash_under_drift(rng):
     T, d = 400, 12
     K = drifting_stream(rng, T, d, 3, 100)[None]
     kwargs = dict(rank_k=3, rank_v=3, tau_k=0.3, tau_v=0.3, max_chunk=128)
-    paper = sr.SubspaceState.adaptive(1, d, **kwargs).append(K, K)
-    reset = sr.SubspaceState.adaptive(1, d, sketch_reset=True, **kwargs).append(K, K)
+    paper = sr.SubspaceState.adaptive(1, d, **kwargs, **PAPER).append(K, K)
+    reset = sr.SubspaceState.adaptive(1, d, sketch_reset=True, **kwargs, **PAPER).append(K, K)
     assert paper.num_chunks[0] > T / 3
     assert reset.num_chunks[0] < T / 10
 
@@ -107,14 +113,14 @@ def test_warmup_stores_first_tokens_exactly(rng):
 
 def test_paper_verbatim_without_warmup_starts_with_short_chunks(rng):
     K = low_rank_stream(rng, 1, 50, 8, 2)
-    state = sr.SubspaceState.adaptive(1, 8, rank_k=2, rank_v=2, tau_k=0.1, tau_v=0.1, warmup=0, trigger="paper").append(K, K)
+    state = sr.SubspaceState.adaptive(1, 8, rank_k=2, rank_v=2, tau_k=0.1, tau_v=0.1, warmup=0, trigger="paper", byte_ceiling=math.inf).append(K, K)
     first = state.chunk_bounds(0)[0]
     assert first == (0, 1)  # the empty sketch gives a zero basis, so token 0 fires the trigger
 
 
 def test_chunks_bounded_by_max_chunk(rng):
     K = low_rank_stream(rng, 1, 300, 8, 2)
-    state = sr.SubspaceState.adaptive(1, 8, rank_k=2, rank_v=2, tau_k=0.99, tau_v=0.99, max_chunk=32).append(K, K)
+    state = sr.SubspaceState.adaptive(1, 8, rank_k=2, rank_v=2, tau_k=0.99, tau_v=0.99, max_chunk=32, **PAPER).append(K, K)
     lengths = [b - a for a, b in state.chunk_bounds(0)]
     assert max(lengths) <= 32
     assert state.num_chunks[0] == -(-300 // 32) + (300 % 32 == 0)
@@ -122,7 +128,7 @@ def test_chunks_bounded_by_max_chunk(rng):
 
 def test_rank_deficient_stream_stays_exact(rng):
     K = np.tile(rng.standard_normal((1, 1, 8)), (1, 100, 1))
-    state = sr.SubspaceState.adaptive(1, 8, rank_k=3, rank_v=3, tau_k=0.1, tau_v=0.1).append(K, K)
+    state = sr.SubspaceState.adaptive(1, 8, rank_k=3, rank_v=3, tau_k=0.1, tau_v=0.1, **PAPER).append(K, K)
     np.testing.assert_allclose(state.reconstruct()[0], K, atol=1e-12)
     assert state.num_chunks[0] == 1
 

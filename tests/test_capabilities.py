@@ -3,6 +3,8 @@ one composer lists every reason a call is refused, one exception type carries th
 
 from __future__ import annotations
 
+import math
+
 import dataclasses
 
 import numpy as np
@@ -21,6 +23,8 @@ from subspace_ref.capabilities import (
     table,
 )
 from subspace_ref.registry import declared_capabilities, get_backend, register_backend
+
+PAPER = dict(trigger="paper", byte_ceiling=math.inf)  # seed 001's policy (spec A7 verbatim), which these tests encode
 
 
 def _basis(rng, H=2, r=3, d=8):
@@ -80,7 +84,7 @@ def test_composer_lists_every_mismatch_at_once(rng):
 
 def test_append_refusals_come_from_the_declaration(rng):
     torch = pytest.importorskip("torch")
-    state = SubspaceState.adaptive(2, 8, rank_k=2, rank_v=2, ring_warm_start=4, fd_stride=2).to("torch")
+    state = SubspaceState.adaptive(2, 8, rank_k=2, rank_v=2, ring_warm_start=4, fd_stride=2, **PAPER).to("torch")
     before = state.copy()
     with pytest.raises(NotSupportedError, match="ring_warm_start=4; fd_stride=2") as err:
         state.append(torch.zeros(2, 8, dtype=torch.float64), torch.zeros(2, 8, dtype=torch.float64))
@@ -90,8 +94,21 @@ def test_append_refusals_come_from_the_declaration(rng):
 
 def test_features_of_a_plain_state(rng):
     f = features(SubspaceState.static(_basis(rng)))
-    assert f == {"family": "numpy", "device": "cpu", "dtype": "float64", "coefficients": "float", "bases": "native", "window": False, "sinks": 0,
-                 "rope": False, "query_group": 1, "policy": "static", "d": 8, "d_v": 8, "ranks": (3, 3)}
+    assert f == {
+        "family": "numpy",
+        "device": "cpu",
+        "dtype": "float64",
+        "coefficients": "float",
+        "bases": "native",
+        "window": False,
+        "sinks": 0,
+        "rope": False,
+        "query_group": 1,
+        "policy": "static",
+        "d": 8,
+        "d_v": 8,
+        "ranks": (3, 3),
+    }
 
 
 def test_backends_command_prints_the_table(capsys):

@@ -23,6 +23,8 @@ from subspace_ref import StaticBasis, SubspaceState, attend, exact_attention
 from subspace_ref.arrays import to_numpy
 from subspace_ref.policies.online_run import relative_residual
 
+PAPER = dict(trigger="paper", byte_ceiling=math.inf)  # seed 001's policy (spec A7 verbatim), which these tests encode
+
 
 def _available(name):
     try:
@@ -212,7 +214,7 @@ def test_zero_norm_tokens(backend, kind, warmup):
     rng = np.random.default_rng(5)
     H, d, L, T = 2, 6, 4, 30
     make = SubspaceState.adaptive if kind == "adaptive" else SubspaceState.rotating
-    extra = dict(max_chunk=L, tau_k=0.2, tau_v=0.2) if kind == "adaptive" else dict(refresh_every=3)
+    extra = dict(max_chunk=L, tau_k=0.2, tau_v=0.2, **PAPER) if kind == "adaptive" else dict(refresh_every=3)
     state = make(H, d, rank_k=2, rank_v=2, warmup=warmup, **extra)
     if backend != "numpy":
         state = state.to(backend)
@@ -248,7 +250,7 @@ def _length_rule_bounds(T, L, W):
 
 def test_zero_query_gives_uniform_weights():
     rng = np.random.default_rng(6)
-    state = SubspaceState.adaptive(1, 4, rank_k=2, rank_v=2, max_chunk=3)
+    state = SubspaceState.adaptive(1, 4, rank_k=2, rank_v=2, max_chunk=3, **PAPER)
     V = rng.standard_normal((1, 11, 4))
     state.append(rng.standard_normal((1, 11, 4)), V)
     out = attend(np.zeros((1, 4)), state)
@@ -263,7 +265,7 @@ def test_constant_stream_chunks_by_length_only(backend, L, W):
     so chunks close by the max_chunk rule only, and the reconstruction is exact."""
     rng = np.random.default_rng(7)
     H, d, T = 2, 8, 120
-    state = SubspaceState.adaptive(H, d, rank_k=3, rank_v=3, warmup=W, max_chunk=L, tau_k=0.1, tau_v=0.1)
+    state = SubspaceState.adaptive(H, d, rank_k=3, rank_v=3, warmup=W, max_chunk=L, tau_k=0.1, tau_v=0.1, **PAPER)
     if backend != "numpy":
         state = state.to(backend)
     k, v = rng.standard_normal((H, d)), rng.standard_normal((H, d))
@@ -296,7 +298,7 @@ def test_periodic_stream_within_rank(backend, period):
     cycle_k, cycle_v = rng.standard_normal((H, period, d)), rng.standard_normal((H, period, d))
     reps = T // period
     keys, values = np.tile(cycle_k, (1, reps, 1)), np.tile(cycle_v, (1, reps, 1))
-    state = SubspaceState.adaptive(H, d, rank_k=r, rank_v=r, warmup=r, max_chunk=L)
+    state = SubspaceState.adaptive(H, d, rank_k=r, rank_v=r, warmup=r, max_chunk=L, **PAPER)
     if backend != "numpy":
         state = state.to(backend)
     state.append(on(backend, keys), on(backend, values))
@@ -329,7 +331,7 @@ def test_warmup_rows_orthonormal_for_nearly_dependent_tokens():
     d = 8
     k0 = rng.standard_normal(d)
     keys = np.stack([k0 + 1e-9 * i * rng.standard_normal(d) for i in range(3)])[None]
-    state = SubspaceState.adaptive(1, d, rank_k=3, rank_v=3, warmup=3)
+    state = SubspaceState.adaptive(1, d, rank_k=3, rank_v=3, warmup=3, **PAPER)
     state.append(keys, keys)
     B = state.layout.key_bases[0, 0, 0]
     gram = B @ B.T
@@ -359,7 +361,7 @@ def test_rotating_subspace_does_not_thrash(backend, period, W, L, reset):
     H, d, T = 2, 8, 150
     keys = rotating_subspace_stream(rng, H, T, d, 2, period)
     values = rotating_subspace_stream(rng, H, T, d, 2, period)
-    state = SubspaceState.adaptive(H, d, rank_k=2, rank_v=2, ell_k=4, ell_v=4, warmup=W, max_chunk=L, tau_k=0.3, tau_v=0.3, sketch_reset=reset)
+    state = SubspaceState.adaptive(H, d, rank_k=2, rank_v=2, ell_k=4, ell_v=4, warmup=W, max_chunk=L, tau_k=0.3, tau_v=0.3, sketch_reset=reset, **PAPER)
     if backend != "numpy":
         state = state.to(backend)
     for t in range(0, T, 7):
@@ -379,7 +381,7 @@ def test_slowly_switching_subspace_chunk_count(reset):
     H, d, T, P, r, L = 1, 16, 600, 100, 2, 32
     keys = rotating_subspace_stream(rng, H, T, d, r, P, noise=1e-4)
     values = rotating_subspace_stream(rng, H, T, d, r, P, noise=1e-4)
-    state = SubspaceState.adaptive(H, d, rank_k=r, rank_v=r, max_chunk=L, tau_k=0.3, tau_v=0.3, sketch_reset=reset)
+    state = SubspaceState.adaptive(H, d, rank_k=r, rank_v=r, max_chunk=L, tau_k=0.3, tau_v=0.3, sketch_reset=reset, **PAPER)
     state.append(keys, values)
     assert_no_thrash(state, L, r)
     J = int(state.num_chunks[0])
@@ -395,7 +397,7 @@ def _many_chunks(backend, L, T):
     H, d, W = 2, 4, 2
     keys = rng.standard_normal((H, T, d)) * np.linspace(0.5, 3.0, T)[None, :, None]  # rising logits: many rescalings
     values = rng.standard_normal((H, T, d))
-    state = SubspaceState.adaptive(H, d, rank_k=2, rank_v=2, max_chunk=L, tau_k=0.99, tau_v=0.99, warmup=W)
+    state = SubspaceState.adaptive(H, d, rank_k=2, rank_v=2, max_chunk=L, tau_k=0.99, tau_v=0.99, warmup=W, **PAPER)
     if backend != "numpy":
         state = state.to(backend)
     state.append(on(backend, keys), on(backend, values))

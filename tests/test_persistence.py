@@ -3,6 +3,8 @@ clear errors for bad files, atomic writes."""
 
 from __future__ import annotations
 
+import math
+
 import hashlib
 import json
 import os
@@ -28,6 +30,9 @@ def backend_available(name: str) -> bool:
     return any(b.name == name and b.available for b in subspace_ref.backends())
 
 
+PAPER = dict(trigger="paper", byte_ceiling=math.inf)  # seed 001's policy (spec A7 verbatim), which these tests encode
+
+
 def orthonormal(rng, heads, r, d, ranks=None):
     out = np.zeros((heads, r, d))
     for h in range(heads):
@@ -44,7 +49,9 @@ def make_state(kind, rng, *, heads=2, d=6, d_v=5, batch=None, dtype=np.float64, 
         state = SubspaceState.static(basis, batch=batch, dtype=dtype, **kw)
     elif kind == "adaptive":
         kw.setdefault("max_chunk", 4)
-        state = SubspaceState.adaptive(heads, d, d_v, rank_k=kw.pop("rank_k", 2), rank_v=kw.pop("rank_v", 2), batch=batch, dtype=dtype, gamma="paper", **kw)
+        state = SubspaceState.adaptive(
+            heads, d, d_v, rank_k=kw.pop("rank_k", 2), rank_v=kw.pop("rank_v", 2), batch=batch, dtype=dtype, gamma="paper", **kw, **PAPER
+        )
     else:
         kw.setdefault("refresh_every", 3)
         state = SubspaceState.rotating(heads, d, d_v, rank_k=kw.pop("rank_k", 2), rank_v=kw.pop("rank_v", 3), batch=batch, dtype=dtype, **kw)

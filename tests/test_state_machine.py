@@ -194,6 +194,9 @@ class SubspaceMachine(RuleBasedStateMachine):
                     tau_v=knobs["tau_v"],
                     max_chunk=knobs["max_chunk"],
                     sketch_reset=knobs["sketch_reset"],
+                    # the model below encodes spec A7 verbatim (seed 001's order, no byte ceiling)
+                    trigger="paper",
+                    byte_ceiling=math.inf,
                     **common,
                 )
             else:

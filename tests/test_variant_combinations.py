@@ -3,6 +3,8 @@ pre-RoPE basis compose. Each combination attends exactly as attention over the s
 reconstruction (spec A2 with spec/storage.md S3.1 and spec/window.md W3), and round-trips through a
 saved file (spec/persistence.md version 2 carrying both the basis format and the window)."""
 
+import math
+
 import numpy as np
 import pytest
 
@@ -13,6 +15,8 @@ from conftest import low_rank_stream
 
 H, D, R, T = 2, 12, 4, 40
 
+PAPER = dict(trigger="paper", byte_ceiling=math.inf)  # seed 001's policy (spec A7 verbatim), which these tests encode
+
 
 def _kv(rng):
     return low_rank_stream(rng, H, T, D, 5, noise=0.2), low_rank_stream(rng, H, T, D, 5, noise=0.2)
@@ -22,7 +26,7 @@ def build(kind, K, V, **kw):
     if kind == "static":
         return sr.SubspaceState.static(sr.calibrate(K, V, rank_k=R, rank_v=R), **kw)
     if kind == "adaptive":
-        return sr.SubspaceState.adaptive(H, D, rank_k=R, rank_v=R, tau_k=0.3, tau_v=0.3, max_chunk=12, **kw)
+        return sr.SubspaceState.adaptive(H, D, rank_k=R, rank_v=R, tau_k=0.3, tau_v=0.3, max_chunk=12, **kw, **PAPER)
     return sr.SubspaceState.rotating(H, D, rank_k=R, rank_v=R, refresh_every=9, **kw)
 
 

@@ -14,13 +14,15 @@ from conftest import low_rank_stream
 from test_adaptive_state import drifting_stream
 from test_bad_input import assert_unchanged, snapshot
 
+PAPER = dict(trigger="paper", byte_ceiling=math.inf)  # seed 001's policy (spec A7 verbatim), which these tests encode
+
 
 def drifting(rng, H, T, d, rank=3, every=90):
     return np.stack([drifting_stream(rng, T, d, rank, every) for _ in range(H)])
 
 
 def build(H, d, **kw):
-    base = dict(rank_k=3, rank_v=3, tau_k=0.3, tau_v=0.3, max_chunk=40)
+    base = dict(rank_k=3, rank_v=3, tau_k=0.3, tau_v=0.3, max_chunk=40, **PAPER)
     base.update(kw)
     return sr.SubspaceState.adaptive(H, d, **base)
 
@@ -120,7 +122,9 @@ def test_ring_nbytes_by_hand(rng):
     """S1.5: coefficients + bases of chunks in use + gamma + chunk offsets + rings (no sketches)."""
     H, T, d, d_v, W = 2, 120, 8, 6, 16
     K, V = rng.standard_normal((H, T, d)), rng.standard_normal((H, T, d_v))
-    state = sr.SubspaceState.adaptive(H, d, d_v, rank_k=(3, 2), rank_v=2, tau_k=0.3, tau_v=0.3, max_chunk=30, ring_warm_start=W, dtype=np.float32).append(K, V)
+    state = sr.SubspaceState.adaptive(
+        H, d, d_v, rank_k=(3, 2), rank_v=2, tau_k=0.3, tau_v=0.3, max_chunk=30, ring_warm_start=W, dtype=np.float32, **PAPER
+    ).append(K, V)
     J = int(state.num_chunks.sum())
     want = 4 * (H * T * (3 + 2) + J * (3 * d + 2 * d_v) + H) + 8 * J + 4 * H * W * (d + d_v)
     assert state.nbytes == want
@@ -173,8 +177,10 @@ def test_reuse_does_not_increase_chunks_on_drift(rng, angle):
         lay = reuse.layout
         for h in range(H):
             for j in range(1, int(reuse.num_chunks[h])):
-                theta = max(largest_principal_angle(lay.key_bases[0, h, j - 1], lay.key_bases[0, h, j]),
-                            largest_principal_angle(lay.value_bases[0, h, j - 1], lay.value_bases[0, h, j]))
+                theta = max(
+                    largest_principal_angle(lay.key_bases[0, h, j - 1], lay.key_bases[0, h, j]),
+                    largest_principal_angle(lay.value_bases[0, h, j - 1], lay.value_bases[0, h, j]),
+                )
                 assert theta >= angle
 
 
@@ -200,13 +206,20 @@ def test_prefix_stability_and_blocks(rng, opts):
 
 
 # ----------------------------------------------------------------------------- bad input
-@pytest.mark.parametrize("kw, match", [
-    (dict(ring_warm_start=-1), "ring_warm_start"), (dict(ring_warm_start=2.0), "ring_warm_start"),
-    (dict(ring_warm_start=True), "ring_warm_start"), (dict(fd_stride=0), "fd_stride"),
-    (dict(fd_stride="2"), "fd_stride"), (dict(reuse_angle=0.0), "reuse_angle"),
-    (dict(reuse_angle=math.pi / 2), "reuse_angle"), (dict(reuse_angle="0.3"), "reuse_angle"),
-    (dict(reuse_angle=float("nan")), "reuse_angle"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(ring_warm_start=-1), "ring_warm_start"),
+        (dict(ring_warm_start=2.0), "ring_warm_start"),
+        (dict(ring_warm_start=True), "ring_warm_start"),
+        (dict(fd_stride=0), "fd_stride"),
+        (dict(fd_stride="2"), "fd_stride"),
+        (dict(reuse_angle=0.0), "reuse_angle"),
+        (dict(reuse_angle=math.pi / 2), "reuse_angle"),
+        (dict(reuse_angle="0.3"), "reuse_angle"),
+        (dict(reuse_angle=float("nan")), "reuse_angle"),
+    ],
+)
 def test_bad_options_name_the_argument(kw, match):
     with pytest.raises((TypeError, ValueError), match=match):
         build(2, 8, **kw)
@@ -273,7 +286,8 @@ def test_factory_forwards_the_options():
     from subspace_ref.hf.cache import StateSpec
 
     state = adaptive_states(rank_k=3, rank_v=3, ring_warm_start=16, fd_stride=2, reuse_angle=lambda li: 0.1 * (li + 1))(
-        StateSpec(1, 1, 2, 8, 8, torch.float64, torch.device("cpu")))
+        StateSpec(1, 1, 2, 8, 8, torch.float64, torch.device("cpu"))
+    )
     assert (state.policy.ring_warm_start, state.policy.fd_stride, state.policy.reuse_angle) == (16, 2, 0.2)
 
 
@@ -284,8 +298,14 @@ def test_sketch_rows_build_and_score(tiny_calibration):
 
     ctx, record, svd = tiny_calibration
     rows = sketch.variants(ctx, record, svd)
-    assert [v.extra for v in rows] == [dict(ring_warm_start=64), dict(ring_warm_start=256), dict(fd_stride=2), dict(fd_stride=4),
-                                       dict(reuse_angle=0.2), dict(reuse_angle=0.5)]
+    assert [v.extra for v in rows] == [
+        dict(ring_warm_start=64),
+        dict(ring_warm_start=256),
+        dict(fd_stride=2),
+        dict(fd_stride=4),
+        dict(reuse_angle=0.2),
+        dict(reuse_angle=0.5),
+    ]
     assert all(v.group == "sketch" and v.plain == "adaptive" and v.backend == "numpy" for v in rows)
     ids = ctx.eval_windows()[:1]
     res = score(ctx.model, ids, rows[2].factory, backend=rows[2].backend)

@@ -2,6 +2,8 @@
 
 Statements W6.1-W6.9 and W7-W9 are cited per test."""
 
+import math
+
 import numpy as np
 import pytest
 
@@ -16,6 +18,8 @@ from conftest import low_rank_stream
 
 H, D, R = 2, 12, 3
 
+PAPER = dict(trigger="paper", byte_ceiling=math.inf)  # seed 001's policy (spec A7 verbatim), which these tests encode
+
 
 def stream(rng, T, noise=0.3):
     K = low_rank_stream(rng, H, T, D, 4, noise=noise)
@@ -27,7 +31,7 @@ def make(kind, K, V, **kw):
     if kind == "static":
         return sr.SubspaceState.static(sr.calibrate(K, V, rank_k=R, rank_v=R), **kw)
     if kind == "adaptive":
-        return sr.SubspaceState.adaptive(H, D, rank_k=R, rank_v=R, tau_k=0.3, tau_v=0.3, max_chunk=16, **kw)
+        return sr.SubspaceState.adaptive(H, D, rank_k=R, rank_v=R, tau_k=0.3, tau_v=0.3, max_chunk=16, **kw, **PAPER)
     return sr.SubspaceState.rotating(H, D, rank_k=R, rank_v=R, refresh_every=7, **kw)
 
 
@@ -192,7 +196,7 @@ def test_lookahead_bases_by_hand(rng):
     before the firing token plus the L_h rows after it (sketch not yet compacted)."""
     T, W, L = 40, 8, 4
     K, V = stream(rng, T, noise=0.5)
-    state = sr.SubspaceState.adaptive(H, D, rank_k=R, rank_v=R, ell_k=T, ell_v=T, tau_k=0.3, tau_v=0.3, window=W, lookahead=L)
+    state = sr.SubspaceState.adaptive(H, D, rank_k=R, rank_v=R, ell_k=T, ell_v=T, tau_k=0.3, tau_v=0.3, window=W, lookahead=L, **PAPER)
     state.append(K, V)
     from subspace_ref import frequent_directions as fd
 
@@ -217,8 +221,8 @@ def test_nbytes_by_hand(rng):
         coefficients = H * T_c * (R + 2) * 4  # float32 coefficients of the compressed tokens
         bases = H * ((R * D + 2 * d_v) * 4 + 4)  # per head: B (R x D), E (2 x d_v), gamma
         assert state.nbytes == coefficients + bases + H * e * (D + d_v) * 4
-    adaptive = sr.SubspaceState.adaptive(H, D, d_v, rank_k=R, rank_v=2, window=W).append(K, V)
-    plain = sr.SubspaceState.adaptive(H, D, d_v, rank_k=R, rank_v=2).append(K[:, : T - W], V[:, : T - W])
+    adaptive = sr.SubspaceState.adaptive(H, D, d_v, rank_k=R, rank_v=2, window=W, **PAPER).append(K, V)
+    plain = sr.SubspaceState.adaptive(H, D, d_v, rank_k=R, rank_v=2, **PAPER).append(K[:, : T - W], V[:, : T - W])
     assert adaptive.nbytes == plain.nbytes + H * W * (D + d_v) * 8
 
 
@@ -638,7 +642,7 @@ def test_torch_attend_with_sinks_agrees_with_the_oracle(rng, kind):
         basis = sr.calibrate(Kx, Vx, rank_k=R, rank_v=R)
         state = sr.SubspaceState.static(sr.StaticBasis.from_bases(basis.B, basis.E, gamma), sinks=4, window=6)
     elif kind == "adaptive":
-        state = sr.SubspaceState.adaptive(H, d, d_v, rank_k=R, rank_v=R, max_chunk=8, sinks=4, window=6, gamma=gamma)
+        state = sr.SubspaceState.adaptive(H, d, d_v, rank_k=R, rank_v=R, max_chunk=8, sinks=4, window=6, gamma=gamma, **PAPER)
     else:
         state = sr.SubspaceState.rotating(H, d, d_v, rank_k=R, rank_v=R, refresh_every=5, sinks=4, window=6, gamma=gamma)
     state.append(Kx, Vx)

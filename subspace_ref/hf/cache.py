@@ -180,7 +180,6 @@ def default_basis_format(basis_format: str | None, dtype: Any) -> str:
 
 class _online_states:
     kind = ""
-    defaults: dict = {}  # keywords of the state constructor this factory sets unless given
 
     def __init__(
         self,
@@ -207,7 +206,7 @@ class _online_states:
     def __call__(self, spec: StateSpec) -> SubspaceState:
         rank_k = per_layer(self.rank_k, spec.layer_idx) if self.keys else spec.head_dim
         rank_v = per_layer(self.rank_v, spec.layer_idx) if self.values else spec.value_dim
-        options = {name: per_layer(value, spec.layer_idx) for name, value in {**self.defaults, **self.options}.items()}
+        options = {name: per_layer(value, spec.layer_idx) for name, value in self.options.items()}
         build = getattr(SubspaceState, self.kind)
         dtype = self.dtype or spec.state_dtype
         return build(
@@ -241,13 +240,11 @@ class adaptive_states(_online_states):
     onto that W-dimensional span. Exactly one-sided compression needs a per-side warm-up in
     :class:`SubspaceState`; the static factory has none of this (identity basis).
 
-    Unlike :meth:`SubspaceState.adaptive`, whose default keeps seed 001's policy, the states this
-    factory builds have ``byte_ceiling=1.0`` unless given (spec A7.3): a cache that replaces the
-    stock one never holds more than it, whatever tau (``byte_ceiling=math.inf`` for the uncapped
-    policy)."""
+    The states have :meth:`SubspaceState.adaptive`'s byte ceiling (spec A7.3, ``byte_ceiling=1.0``
+    by default): a cache that replaces the stock one never holds more than it, whatever tau
+    (``byte_ceiling=math.inf`` for the uncapped policy)."""
 
     kind = "adaptive"
-    defaults = {"byte_ceiling": 1.0}
 
 
 class rotating_states(_online_states):

@@ -14,7 +14,9 @@ class AdaptivePolicy:
     stores that token with the new bases (spec A7.2, what bounds every stored token); "paper"
     keeps seed 001's order (snapshot before the FD update, the firing token stays in the old
     chunk with its residual). A file saved before the option existed holds no ``trigger`` and
-    loads with the default, "paper", the order it was written with (spec/persistence.md). With ``sketch_reset`` the
+    loads with this dataclass's neutral value, "paper", the order it was written with
+    (spec/persistence.md); :meth:`SubspaceState.adaptive` defaults to "reproject". ``byte_ceiling``
+    (spec A7.3): likewise neutral ``inf`` in files, 1.0 by default in the constructor. With ``sketch_reset`` the
     sketches restart at every chunk boundary (spec A7 step 3b), so each snapshot summarises the
     chunk that just closed instead of the whole history.
 
@@ -38,7 +40,8 @@ class AdaptivePolicy:
     fd_stride: int = field(default=1, metadata={"optional": True})
     reuse_angle: float | None = field(default=None, metadata={"optional": True})
     trigger: str = field(default="paper", metadata={"optional": True})
-    # spec A7.3: a multiple of the full cache's bytes; math.inf (neutral): no ceiling, seed 001's policy
+    # spec A7.3: a multiple of the full cache's bytes; neutral in files: math.inf (no ceiling, seed
+    # 001's policy, what files written before the option hold); SubspaceState.adaptive's default is 1.0
     byte_ceiling: float = field(default=float("inf"), metadata={"optional": True})
 
     kind = "adaptive"

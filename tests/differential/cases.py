@@ -13,6 +13,8 @@ re-running with the same environment. States are built by the float64 NumPy orac
 
 from __future__ import annotations
 
+import math
+
 import functools
 import os
 import zlib
@@ -62,6 +64,8 @@ class Case:
     ring_warm_start: int = 0  # spec/sketch_variants.md S1 (adaptive)
     fd_stride: int = 1  # S2 (adaptive)
     reuse_angle: float | None = None  # S3 (adaptive)
+    byte_ceiling: float = 1.0  # spec A7.3 (adaptive); math.inf: seed 001's uncapped policy
+    trigger: str = "reproject"  # spec A7.2 (adaptive); "paper": seed 001's order
 
     @property
     def features(self) -> frozenset[str]:
@@ -101,17 +105,19 @@ CASES = [
     Case("static-logits1e4", "static", N=2, group=4, T=300, logit=1e4),
     Case("static-scale", "static", T=20, scale=0.37),
     Case("static-T4000", "static", H=4, group=2, d=32, d_v=32, rank_k=8, rank_v=8, T=4000),
-    # adaptive (spec A7): chunk boundaries at 1, L-1, L, L+1; one chunk; hundreds of chunks
+    # adaptive (spec A7): chunk boundaries at 1, L-1, L, L+1 (uncapped: the byte ceiling, spec A7.3,
+    # lets a chunk of these ranks open only past ~11 tokens); one chunk; hundreds of chunks
     Case("adaptive-T1", "adaptive", group=4, T=1, max_chunk=L, data="lowrank"),
-    Case("adaptive-T_L-1", "adaptive", group=4, T=L - 1, max_chunk=L, data="lowrank"),
-    Case("adaptive-T_L", "adaptive", group=4, T=L, max_chunk=L, data="lowrank"),
-    Case("adaptive-T_L+1", "adaptive", group=4, T=L + 1, max_chunk=L, data="lowrank"),
-    Case("adaptive-T_5L+1-N2", "adaptive", N=2, group=2, T=5 * L + 1, max_chunk=L, data="lowrank"),
+    Case("adaptive-T_L-1", "adaptive", group=4, T=L - 1, max_chunk=L, data="lowrank", byte_ceiling=math.inf),
+    Case("adaptive-T_L", "adaptive", group=4, T=L, max_chunk=L, data="lowrank", byte_ceiling=math.inf),
+    Case("adaptive-T_L+1", "adaptive", group=4, T=L + 1, max_chunk=L, data="lowrank", byte_ceiling=math.inf),
+    Case("adaptive-T_5L+1-N2", "adaptive", N=2, group=2, T=5 * L + 1, max_chunk=L, data="lowrank", byte_ceiling=math.inf),
     Case("adaptive-one_chunk", "adaptive", group=2, T=40, max_chunk=64, data="lowrank"),
-    Case("adaptive-hundreds", "adaptive", N=2, group=2, rank_k=3, rank_v=3, T=500, max_chunk=16, tau=0.6),
+    # hundreds of chunks: the uncapped policy (the byte ceiling, spec A7.3, would keep ~150)
+    Case("adaptive-hundreds", "adaptive", N=2, group=2, rank_k=3, rank_v=3, T=500, max_chunk=16, tau=0.6, byte_ceiling=math.inf),
     Case("adaptive-gqa8-logits1e4", "adaptive", H=1, group=8, T=200, max_chunk=16, tau=0.7, logit=1e4),
     Case("adaptive-head_ranks", "adaptive", N=2, H=3, rank_k=(2, 4, 3), rank_v=(3, 2, 4), T=150, max_chunk=32, tau=0.8),
-    Case("adaptive-paper_no_warmup", "adaptive", group=2, T=60, warmup=0, tau=0.7),
+    Case("adaptive-paper_no_warmup", "adaptive", group=2, T=60, warmup=0, tau=0.7, trigger="paper", byte_ceiling=math.inf),
     Case("adaptive-r_eq_d", "adaptive", group=2, d=8, d_v=8, rank_k=8, rank_v=8, T=50, max_chunk=16),
     Case("adaptive-sketch_reset", "adaptive", group=2, T=120, max_chunk=16, tau=0.95, sketch_reset=True, data="lowrank"),
     # chunks of exactly max(ell_k, ell_v) = 8 tokens: the edge of step 3b's "long enough to reset"
@@ -245,6 +251,8 @@ def empty_state(case: Case, rng) -> sr.SubspaceState:
             ring_warm_start=case.ring_warm_start,
             fd_stride=case.fd_stride,
             reuse_angle=case.reuse_angle,
+            byte_ceiling=case.byte_ceiling,
+            trigger=case.trigger,
             **common,
         )
     return sr.SubspaceState.rotating(case.H, case.d, case.d_v, refresh_every=case.refresh_every, **common)

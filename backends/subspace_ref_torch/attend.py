@@ -42,7 +42,7 @@ import math
 import numpy as np
 import torch
 
-from subspace_ref_torch import fd, window
+from subspace_ref_torch import cpu_kernels, fd, window
 
 TILE_ELEMENTS = 1 << 22
 # Token tiles of the value sums sum_t w_t d_t: summing tile partials bounds float32 rounding by
@@ -203,8 +203,10 @@ def one_chunk_logits(q0: torch.Tensor, state) -> torch.Tensor:
     T = lay.num_tokens
     if lay.key_coef.dtype == q0.dtype:
         return torch.matmul(q0, lay.key_coef[:, :, :T].mT)
-    if lay.low_bits and q0.dtype != torch.float64:
+    if lay.low_bits and cpu_kernels.applies(q0, lay.key_coef):
         return low_bit_logits(q0, state)
+    if scales_after(state, q0.dtype) and cpu_kernels.applies(q0, lay.key_coef):
+        return cpu_kernels.int8_logits(q0, lay.key_coef, lay.key_scale, T)
     N, H, g, r = q0.shape
     q3 = q0.reshape(N * H, g, r)
     logits = torch.empty((N * H, g, T), dtype=q0.dtype, device=q0.device)
@@ -287,67 +289,20 @@ def rope_logits(q: torch.Tensor, state, scale: float | None, dtype: torch.dtype)
     return logits
 
 
-def _code_planes(packed: torch.Tensor, bits: int, dtype: torch.dtype):
-    """(i, codes_i) for the 8 / bits code positions of a byte (spec/quantization.md Q1: code
-    i of a byte in bits [i bits, (i + 1) bits)): codes_i holds codes i, i + per, i + 2 per, ...
-    of each row, in ``dtype`` (exact: < 2^bits). Contracting with the matching columns
-    ``[..., i::per]`` of the other operand avoids interleaving the codes back."""
-    per = 8 // bits
-    mask = (1 << bits) - 1
-    for i in range(per):
-        yield i, ((packed >> (i * bits)) & mask).to(dtype)
-
-
 def low_bit_logits(q0: torch.Tensor, state) -> torch.Tensor:
-    """Logits (N, H, g, T) of a one-chunk int4/int2 state (spec/quantization.md Q2) from projected
-    queries q0 (N, H, g, r), below float64. Keys of a complete group G are c = q s_G + z_G per
-    channel, so q~ . c_t = (q~ * s_G) . q_t + q~ . z_G: the scaled query and one bias per group,
-    the codes unpacked per tile and contracted as they lie in the bytes (:func:`_code_planes`);
-    the float tail of the unfinished group is read as it is."""
+    """Logits (N, H, g, T) of a one-chunk int4/int2 state (spec/quantization.md Q2) from float32
+    projected queries q0 (N, H, g, r) on the CPU kernels: complete key groups dequantised in
+    registers as the oracle reads them (``cpu_kernels.low_bit_logits``), the float tail of the
+    unfinished group read as it is."""
     lay = state.layout
     N, H, g, r = q0.shape
-    T, G, bits, dtype = lay.num_tokens, lay.group, lay.low_bits, q0.dtype
-    per = 8 // bits
+    T, G = lay.num_tokens, lay.group
     complete = (T // G) * G
-    logits = torch.empty((N, H, g, T), dtype=dtype, device=q0.device)
-    starts = token_tiles(complete)
-    step = -(-starts.step // G) * G
-    for a in range(0, complete, step):
-        b = min(complete, a + step)
-        n_g = (b - a) // G
-        s = lay.key_group_scale[:, :, a // G : b // G].to(dtype)[:, :, :, None, :]  # (N, H, n_g, 1, r)
-        z = lay.key_group_zero[:, :, a // G : b // G].to(dtype)[:, :, :, None, :]
-        # 3-D products over (N, H, group): torch.matmul on 5-D operands loops over the batch in Python-visible ops
-        qs = (q0[:, :, None] * s).reshape(N * H * n_g, g, r)
-        part = (q0[:, :, None] * z).sum(-1).reshape(N * H * n_g, g, 1)
-        packed = lay.key_coef[:, :, a:b].reshape(N * H * n_g, G, -1)
-        for i, codes in _code_planes(packed, bits, dtype):
-            cols = qs[..., i::per].contiguous()
-            part = torch.baddbmm(part, cols, codes[..., : cols.shape[-1]].mT)  # (N H n_g, g, G)
-        logits[..., a:b] = part.view(N, H, n_g, g, G).permute(0, 1, 3, 2, 4).reshape(N, H, g, b - a)
+    logits = torch.empty((N, H, g, T), dtype=q0.dtype, device=q0.device)
+    cpu_kernels.low_bit_logits(q0, lay.key_coef, lay.key_group_scale, lay.key_group_zero, lay.low_bits, G, complete, logits)
     if complete < T:
-        logits[..., complete:] = torch.matmul(q0, lay.key_tail[:, :, : T - complete].to(dtype).mT)
+        logits[..., complete:] = torch.matmul(q0, lay.key_tail[:, :, : T - complete].to(q0.dtype).mT)
     return logits
-
-
-def low_bit_value_sums(weights: torch.Tensor, state) -> torch.Tensor:
-    """sum_t w_t d_t (N, H, g, r_v) over a one-chunk int4/int2 state, below float64: values are
-    d_t = q_t s_t + z_t per token (spec/quantization.md Q2), so the sum is (w * s) . q plus
-    (w . z) on every channel; codes unpacked per tile of :func:`token_tiles`."""
-    lay = state.layout
-    N, H, g, T = weights.shape
-    r_v, bits, dtype = lay.value_bases.shape[3], lay.low_bits, weights.dtype
-    per = 8 // bits
-    ws = weights * lay.value_token_scale[:, :, None, :T].to(dtype)
-    bias = (weights * lay.value_token_zero[:, :, None, :T].to(dtype)).sum(-1, keepdim=True)  # (N, H, g, 1)
-    acc = torch.zeros((N, H, g, r_v), dtype=dtype, device=weights.device)
-    starts = token_tiles(T)
-    for a in starts:
-        b = min(T, a + starts.step)
-        for i, codes in _code_planes(lay.value_coef[:, :, a:b], bits, dtype):
-            n_cols = len(range(i, r_v, per))
-            acc[..., i::per] += torch.bmm(ws[..., a:b].reshape(N * H, g, b - a), codes[..., :n_cols].reshape(N * H, b - a, n_cols)).view(N, H, g, n_cols)
-    return acc + bias
 
 
 def softmax_weights(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -370,10 +325,13 @@ def chunk_value_coefficients(weights: torch.Tensor, state, num_chunks: int, chun
         # float32 (error ~ T eps); tiles of VALUE_TILE tokens, then a sum over tiles
         # (3-D bmm: torch.matmul on the 4-D tiles takes a path several times slower on CPU for
         # tiles of ~1k tokens)
-        if lay.low_bits and dtype != torch.float64:
-            return low_bit_value_sums(weights, state)[:, :, None]
+        if lay.low_bits and cpu_kernels.applies(weights, lay.value_coef):
+            sums = cpu_kernels.code_value_sums(weights, lay.value_coef, lay.low_bits, r_v, token_tiles(T).step, lay.value_token_scale, lay.value_token_zero)
+            return sums[:, :, None]
         if scales_after(state, dtype):
             weights = weights * lay.value_scale[:, :, None, :T]
+            if cpu_kernels.applies(weights, lay.value_coef):
+                return cpu_kernels.code_value_sums(weights, lay.value_coef, 8, r_v, token_tiles(T).step)[:, :, None]
         w = weights.reshape(N * H, g, T)
         acc = torch.zeros((N * H, g, r_v), dtype=dtype, device=weights.device) if T == 0 else None  # every token in the exact window
         for a, b, rows in raw_tiles(state, "value", T, dtype):

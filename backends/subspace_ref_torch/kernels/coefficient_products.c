@@ -1,0 +1,220 @@
+/* Decode products over quantised coefficients on the CPU, dequantised in registers
+ * (spec A10 for int8, spec/quantization.md Q1-Q2 for int4/int2; the decode path spec R14).
+ *
+ * Why a kernel of our own: torch has no CPU operation that contracts a float vector with integer
+ * codes. Dequantising a tile to float first writes it and reads it back (for int4, three more
+ * passes to unpack the nibbles), which made int8 coefficients slower than float32 ones and int4
+ * slower still, although they move 4x and 8x fewer bytes. Here every code is read once, widened
+ * in registers and multiplied at once.
+ *
+ * Codes of a row are packed PER = 8 / bits to a byte, code i of a byte in bits [i bits, (i+1) bits)
+ * (Q1), so row column c = k PER + p sits in byte k at plane p. Rather than interleave the codes
+ * back, the float operand is de-interleaved into planes (operand[p][k] = x[k PER + p]) and each
+ * plane is contracted with the bytes as they lie: contiguous loads and no shuffles, which the
+ * compiler vectorises.
+ *
+ * Accumulation is in float32, the work dtype of every non-float64 state; value sums are taken
+ * per tile of `tile` tokens and then over tiles, which bounds their rounding as the torch path's
+ * VALUE_TILE does. Heads are (sequence, KV head) pairs; each head's rows are contiguous, heads are
+ * `*_head_stride` elements apart.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_BYTES 256 /* packed bytes of one row: rank <= 256 for int8, more for int4 / int2 */
+#define MAX_QUERIES 64 /* query heads per KV head */
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* Runs STATEMENT with W bound to `width`, as a compile-time constant for the common row widths:
+ * rows are 4-128 bytes, and a vectorised loop of run-time length that short spends more time in
+ * its trip-count checks and remainder than in the arithmetic. */
+#define WITH_WIDTH(width, STATEMENT)                   \
+    do {                                               \
+        switch (width) {                               \
+        case 8: { const int64_t W = 8; STATEMENT; } break;     \
+        case 16: { const int64_t W = 16; STATEMENT; } break;   \
+        case 32: { const int64_t W = 32; STATEMENT; } break;   \
+        case 64: { const int64_t W = 64; STATEMENT; } break;   \
+        case 128: { const int64_t W = 128; STATEMENT; } break; \
+        default: { const int64_t W = (width); STATEMENT; }     \
+        }                                              \
+    } while (0)
+
+/* The codes of byte row `row` (`width` bytes) at plane p, widened to float. int8 codes are
+ * signed and fill their byte; int4 / int2 codes are unsigned. */
+ALWAYS_INLINE void widen_plane(const uint8_t *row, int64_t width, int bits, int p, float *out) {
+    if (bits == 8) {
+        const int8_t *s = (const int8_t *)row;
+#pragma omp simd
+        for (int64_t k = 0; k < width; ++k) out[k] = (float)s[k];
+        return;
+    }
+    /* widened to 32 bits before the shift: x86 has no vector shift of bytes */
+    const int32_t shift = p * bits, mask = (1 << bits) - 1;
+    for (int64_t k = 0; k < width; ++k) out[k] = (float)(((int32_t)row[k] >> shift) & mask);
+}
+
+/* operand (rank) -> planes[p][k] = operand[k PER + p], zero past the rank. */
+ALWAYS_INLINE void deinterleave(const float *x, int64_t rank, int64_t width, int bits, float *planes) {
+    const int per = 8 / bits;
+    for (int p = 0; p < per; ++p)
+        for (int64_t k = 0; k < width; ++k) {
+            const int64_t c = k * per + p;
+            planes[p * width + k] = c < rank ? x[c] : 0.0f;
+        }
+}
+
+ALWAYS_INLINE float plane_dot(const float *a, const float *b, int64_t n) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t k = 0; k < n; ++k) s += a[k] * b[k];
+    return s;
+}
+
+/* Byte row `row` widened to floats in plane order (out[p width + k] = column k PER + p), as
+ * stored values: int8 codes as they are (their per-token scale is applied by the caller, a common
+ * factor of the row), int4 / int2 codes as the oracle reads them, fl32(code s + z) with the
+ * row's scale and zero in the same plane order (NULL: the codes alone): one rounding of the exact value (code s is exact
+ * in float32: a b-bit integer times a float16), which an fma gives. Factoring s and z out of the
+ * sums instead would leave two large terms that cancel (z is the slice minimum), losing more
+ * than the oracle's float32 error on long streams. */
+ALWAYS_INLINE void widen_row(const uint8_t *row, int64_t width, int bits, const float *scale_planes, const float *zero_planes,
+                             float *out) {
+    const int per = 8 / bits;
+    for (int p = 0; p < per; ++p) widen_plane(row, width, bits, p, out + p * width);
+    if (bits == 8 || !scale_planes) return; /* int8, or per-token scales applied by the caller */
+    const int64_t n = per * width;
+#pragma omp simd
+    for (int64_t k = 0; k < n; ++k) out[k] = __builtin_fmaf(out[k], scale_planes[k], zero_planes[k]);
+}
+
+/* logits[i][t] = query_planes[i] . widened row t (times row_scale[t] when given). */
+ALWAYS_INLINE void rows_logits(const uint8_t *codes, int64_t tokens, int64_t width, int bits, int64_t queries,
+                               const float *query_planes, const float *scale_planes, const float *zero_planes,
+                               const float *row_scale, float *out, int64_t out_row_stride) {
+    const int64_t n = (8 / bits) * width;
+    float widened[8 * MAX_BYTES];
+    for (int64_t t = 0; t < tokens; ++t) {
+        widen_row(codes + t * width, width, bits, scale_planes, zero_planes, widened);
+        for (int64_t i = 0; i < queries; ++i) {
+            const float dot = plane_dot(query_planes + i * n, widened, n);
+            out[i * out_row_stride + t] = row_scale ? dot * row_scale[t] : dot;
+        }
+    }
+}
+
+/* Spec A10: logits[h][i][t] = scale[h][t] (q[h][i] . c[h][t]) over int8 codes, per-token scales.
+ * q (heads, queries, rank) contiguous; codes rows of `rank` bytes. Returns 0, or -1 if the shape
+ * exceeds the kernel's fixed buffers. */
+int int8_logits(int64_t heads, int64_t queries, int64_t rank, int64_t tokens, const float *q,
+                const int8_t *codes, int64_t codes_head_stride, const float *scale, int64_t scale_head_stride,
+                float *out, int64_t out_head_stride, int64_t out_row_stride) {
+    if (rank > MAX_BYTES || queries > MAX_QUERIES) return -1;
+    for (int64_t h = 0; h < heads; ++h)
+        WITH_WIDTH(rank, rows_logits((const uint8_t *)(codes + h * codes_head_stride), tokens, W, 8, queries, q + h * queries * rank,
+                                     NULL, NULL, scale + h * scale_head_stride, out + h * out_head_stride, out_row_stride));
+    return 0;
+}
+
+/* Spec Q2, keys of complete groups: codes per channel over groups of G tokens, (s, z) per group
+ * and channel, in float32 (heads, groups, rank); logits of tokens [0, groups G). The query is
+ * de-interleaved once per head, the group's scales and zeros once per group. */
+int low_bit_logits(int bits, int64_t heads, int64_t queries, int64_t rank, int64_t groups, int64_t G, const float *q,
+                   const uint8_t *codes, int64_t codes_head_stride, int64_t width, const float *scale, const float *zero,
+                   int64_t scale_head_stride, float *out, int64_t out_head_stride, int64_t out_row_stride) {
+    if ((bits != 4 && bits != 2) || width > MAX_BYTES || queries > MAX_QUERIES || width * (8 / bits) < rank) return -1;
+    const int64_t n = (8 / bits) * width;
+    float *planes = malloc(sizeof(float) * (queries + 2) * n);
+    if (!planes) return -1;
+    float *scale_planes = planes + queries * n, *zero_planes = scale_planes + n;
+    for (int64_t h = 0; h < heads; ++h) {
+        for (int64_t i = 0; i < queries; ++i) deinterleave(q + (h * queries + i) * rank, rank, width, bits, planes + i * n);
+        for (int64_t g = 0; g < groups; ++g) {
+            deinterleave(scale + h * scale_head_stride + g * rank, rank, width, bits, scale_planes);
+            deinterleave(zero + h * scale_head_stride + g * rank, rank, width, bits, zero_planes);
+            const uint8_t *rows = codes + h * codes_head_stride + g * G * width;
+            float *o = out + h * out_head_stride + g * G;
+            if (bits == 4)
+                WITH_WIDTH(width, rows_logits(rows, G, W, 4, queries, planes, scale_planes, zero_planes, NULL, o, out_row_stride));
+            else
+                WITH_WIDTH(width, rows_logits(rows, G, W, 2, queries, planes, scale_planes, zero_planes, NULL, o, out_row_stride));
+        }
+    }
+    free(planes);
+    return 0;
+}
+
+/* acc[i][p width + k] += w[i][t] x_{k PER + p}(t) over the rows of one tile, x the widened row;
+ * int4 / int2 rows take their token's scale and zero (token_scale[t], token_zero[t]). */
+ALWAYS_INLINE void rows_value_sums(const uint8_t *codes, int64_t tokens, int64_t width, int bits, int64_t queries,
+                                   const float *w, int64_t w_row_stride, const float *token_scale, const float *token_zero,
+                                   float *acc) {
+    const int64_t n = (8 / bits) * width;
+    float widened[8 * MAX_BYTES];
+    for (int64_t t = 0; t < tokens; ++t) {
+        widen_row(codes + t * width, width, bits, NULL, NULL, widened);
+        if (bits != 8) {
+            const float s = token_scale[t], z = token_zero[t];
+#pragma omp simd
+            for (int64_t k = 0; k < n; ++k) widened[k] = __builtin_fmaf(widened[k], s, z);
+        }
+        for (int64_t i = 0; i < queries; ++i) {
+            const float wt = w[i * w_row_stride + t];
+            float *a = acc + i * n;
+#pragma omp simd
+            for (int64_t k = 0; k < n; ++k) a[k] += wt * widened[k];
+        }
+    }
+}
+
+/* sums[h][i][c] = sum_t w[h][i][t] x_c(t): int8 codes as they are (spec A10: the caller folds the
+ * per-token scales into w), int4 / int2 codes dequantised with token_scale / token_zero (heads,
+ * >= tokens) float32, token_head_stride apart (spec Q2: values per token). w (heads, queries,
+ * >= tokens) with rows w_row_stride apart; sums (heads, queries, rank). */
+int code_value_sums(int bits, int64_t heads, int64_t queries, int64_t rank, int64_t tokens, const float *w,
+                    int64_t w_head_stride, int64_t w_row_stride, const uint8_t *codes, int64_t codes_head_stride,
+                    int64_t width, const float *token_scale, const float *token_zero, int64_t token_head_stride,
+                    int64_t tile, float *sums) {
+    if ((bits != 8 && bits != 4 && bits != 2) || width > MAX_BYTES || queries > MAX_QUERIES || width * (8 / bits) < rank || tile < 1 ||
+        (bits != 8 && (!token_scale || !token_zero)))
+        return -1;
+    const int per = 8 / bits;
+    const int64_t n = queries * per * width;
+    float *part = malloc(sizeof(float) * n);
+    float *total = malloc(sizeof(float) * n);
+    if (!part || !total) {
+        free(part);
+        free(total);
+        return -1;
+    }
+    for (int64_t h = 0; h < heads; ++h) {
+        const uint8_t *ch = codes + h * codes_head_stride;
+        const float *wh = w + h * w_head_stride;
+        const float *ts = token_scale ? token_scale + h * token_head_stride : NULL;
+        const float *tz = token_zero ? token_zero + h * token_head_stride : NULL;
+        memset(total, 0, sizeof(float) * n);
+        for (int64_t a = 0; a < tokens; a += tile) {
+            const int64_t len = tokens - a < tile ? tokens - a : tile;
+            memset(part, 0, sizeof(float) * n);
+            if (bits == 8)
+                WITH_WIDTH(width, rows_value_sums(ch + a * width, len, W, 8, queries, wh + a, w_row_stride, NULL, NULL, part));
+            else if (bits == 4)
+                WITH_WIDTH(width, rows_value_sums(ch + a * width, len, W, 4, queries, wh + a, w_row_stride, ts + a, tz + a, part));
+            else
+                WITH_WIDTH(width, rows_value_sums(ch + a * width, len, W, 2, queries, wh + a, w_row_stride, ts + a, tz + a, part));
+#pragma omp simd
+            for (int64_t k = 0; k < n; ++k) total[k] += part[k];
+        }
+        for (int64_t i = 0; i < queries; ++i)
+            for (int p = 0; p < per; ++p)
+                for (int64_t k = 0; k < width; ++k) {
+                    const int64_t c = k * per + p;
+                    if (c < rank) sums[(h * queries + i) * rank + c] = total[(i * per + p) * width + k];
+                }
+    }
+    free(part);
+    free(total);
+    return 0;
+}

@@ -1,0 +1,76 @@
+"""The torch backend's CPU kernels for quantised coefficients (backends/subspace_ref_torch/kernels/
+coefficient_products.c, spec R14): built wherever a C compiler is, used by attend on one-chunk
+int8/int4/int2 states, and within the harness's derived tolerance of the float64 oracle, as is
+the torch-operations path they replace."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import subspace_ref as sr
+from tests.differential.tolerance import reference_error, tolerance
+
+torch = pytest.importorskip("torch")
+cpu_kernels = pytest.importorskip("subspace_ref_torch.cpu_kernels")
+torch_attend = pytest.importorskip("subspace_ref_torch.attend")
+
+
+def test_the_kernels_build_where_a_c_compiler_is():
+    """A build failure must fail here, not quietly send every call down the slower path."""
+    if os.environ.get("SUBSPACE_REF_CPU_KERNELS") == "0":
+        pytest.skip("disabled by SUBSPACE_REF_CPU_KERNELS=0")
+    if cpu_kernels.compiler() is None:
+        pytest.skip("no C compiler on this machine: attend dequantises with torch operations")
+    ok, why = cpu_kernels.availability()
+    assert ok, why
+
+
+def _state(coefficients: str, T: int, window: int, rng) -> sr.SubspaceState:
+    """Two sequences, 3 KV heads, d = 24, ranks 11 and 9 (rows that fill no vector register and
+    end inside a byte: int4 / int2 padding), groups of 16 keys with an unfinished one."""
+    H, d, r, r_v = 3, 24, 11, 9
+    B = np.linalg.qr(rng.standard_normal((H, d, r)))[0].transpose(0, 2, 1)
+    E = np.linalg.qr(rng.standard_normal((H, d, r_v)))[0].transpose(0, 2, 1)
+    state = sr.SubspaceState.static(sr.StaticBasis.from_bases(B, E), coefficients=coefficients, group_size=16, window=window, batch=2)
+    keys = rng.standard_normal((2, H, T, d)) * 3
+    state.append(keys, rng.standard_normal((2, H, T, d)))
+    return state
+
+
+@pytest.mark.parametrize("coefficients", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch-ops"])
+def test_attend_within_the_derived_tolerance(coefficients, window, group, kernels, monkeypatch):
+    """T = 2100: three value tiles (VALUE_TILE = 1024) and a trailing partial key group; a window
+    makes the weights a strided view. With ``kernels`` the kernel must serve both products."""
+    if kernels and not cpu_kernels.availability()[0]:
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.availability()[1]}")
+    rng = np.random.default_rng(hash((coefficients, window, group)) % 2**32)
+    state = _state(coefficients, 2100, window, rng)
+    q = rng.standard_normal((2, 3 * group, 24)) * 2
+    out64 = sr.attend(q, state)
+    calls = []
+    if kernels:
+        for name in ("int8_logits", "low_bit_logits", "code_value_sums"):
+            real = getattr(cpu_kernels, name)
+            monkeypatch.setattr(cpu_kernels, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    else:
+        monkeypatch.setattr(cpu_kernels, "applies", lambda queries, codes: False)
+    got = sr.attend(torch.from_numpy(q).float(), state.to("torch", dtype=torch.float32), backend="torch").double().numpy()
+    err = float(np.abs(got - out64).max())
+    assert err <= tolerance(reference_error(state, q, None, out64, "float32"), out64, "float32")
+    if kernels:
+        assert sorted(set(calls)) == sorted({"int8_logits" if coefficients == "int8" else "low_bit_logits", "code_value_sums"})
+
+
+def test_beyond_the_kernel_limits_is_a_clear_error():
+    if not cpu_kernels.availability()[0]:
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.availability()[1]}")
+    q = torch.zeros((1, 1, 65, 4))
+    codes = torch.zeros((1, 1, 8, 4), dtype=torch.int8)
+    with pytest.raises(ValueError, match="query heads per KV head <= 64"):
+        cpu_kernels.int8_logits(q, codes, torch.ones((1, 1, 8)), 8)

@@ -119,16 +119,18 @@ def low_bit_logits(
     """Spec Q2 logits of the first ``tokens`` (whole groups of ``group``) keys, written into
     ``out[..., :tokens]`` (out (N, H, g, >= tokens) float32, contiguous): q . fl32(code_t s_G + z_G)
     for q (N, H, g, r) float32, packed codes (N, H, >= tokens, width) uint8 and per-group,
-    per-channel scale and zero (N, H, >= tokens / group, r) (float16: widened here, exactly)."""
+    per-channel float16 scale and zero (N, H, >= tokens / group, r), widened in the kernel."""
     N, H, g, r = q.shape
     groups = tokens // group
     q = q.contiguous()
-    scale = scale[:, :, :groups].to(torch.float32).contiguous()
-    zero = zero[:, :, :groups].to(torch.float32).contiguous()
+    scale, scale_stride, _ = _heads(scale, groups, packed=True)
+    zero, zero_stride, _ = _heads(zero, groups, packed=True)
+    if zero_stride != scale_stride or scale.dtype != torch.float16 or zero.dtype != torch.float16:
+        raise ValueError(f"scale and zero must be float16 arrays of one layout (spec/quantization.md Q2), got {scale.dtype}, {zero.dtype}")
     codes, codes_stride, _ = _heads(codes, tokens, packed=True)
     rc = _load().low_bit_logits(
         bits, N * H, g, r, groups, group, q.data_ptr(), codes.data_ptr(), codes_stride, codes.shape[-1],
-        scale.data_ptr(), zero.data_ptr(), groups * r, out.data_ptr(), out.stride(1), out.stride(2),
+        scale.data_ptr(), zero.data_ptr(), scale_stride, out.data_ptr(), out.stride(1), out.stride(2),
     )  # fmt: skip
     _check(rc, "low_bit_logits")
 
@@ -138,18 +140,21 @@ def code_value_sums(
 ) -> torch.Tensor:
     """sum_t w_t x_t (N, H, g, rank) float32 for weights w (N, H, g, T) float32 and codes (N, H,
     >= T, width): int8 (x = the codes; per-token scales already folded into w), or uint8 packing
-    int4 / int2 codes, read as fl32(code s_t + z_t) with per-token ``scale`` and ``zero`` (N, H,
-    >= T) (float16: widened here, exactly). Summed per tile of ``tile`` tokens, then over tiles."""
+    int4 / int2 codes, read as fl32(code s_t + z_t) with per-token float16 ``scale`` and ``zero``
+    (N, H, >= T), widened in the kernel. Summed per tile of ``tile`` tokens, then over tiles."""
     N, H, g, T = w.shape
     w, w_head_stride, w_row_stride = _heads(w, T, packed=False)
     codes, codes_stride, _ = _heads(codes, T, packed=True)
+    token_stride = 0
     if bits != 8:
-        scale = scale[:, :, :T].to(torch.float32).contiguous()
-        zero = zero[:, :, :T].to(torch.float32).contiguous()
+        scale, token_stride, _ = _heads(scale, T, packed=True)
+        zero, zero_stride, _ = _heads(zero, T, packed=True)
+        if zero_stride != token_stride or scale.dtype != torch.float16 or zero.dtype != torch.float16:
+            raise ValueError(f"scale and zero must be float16 arrays of one layout (spec/quantization.md Q2), got {scale.dtype}, {zero.dtype}")
     sums = torch.empty((N, H, g, rank), dtype=torch.float32)
     rc = _load().code_value_sums(
         bits, N * H, g, rank, T, w.data_ptr(), w_head_stride, w_row_stride, codes.data_ptr(), codes_stride, codes.shape[-1],
-        None if bits == 8 else scale.data_ptr(), None if bits == 8 else zero.data_ptr(), T, tile, sums.data_ptr(),
+        None if bits == 8 else scale.data_ptr(), None if bits == 8 else zero.data_ptr(), token_stride, tile, sums.data_ptr(),
     )  # fmt: skip
     _check(rc, "code_value_sums")
     return sums

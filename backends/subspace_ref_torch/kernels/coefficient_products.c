@@ -22,6 +22,21 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Scales and zero points of int4 / int2 layouts are float16 (Q1), read here as stored: the bits,
+ * widened by the F16C instruction where there is one (a scalar _Float16 conversion is a library
+ * call in GCC 12, slower than the whole dot product it feeds). */
+typedef uint16_t half;
+#if defined(__F16C__)
+#include <immintrin.h>
+static inline float widen_half(half h) { return _cvtsh_ss(h); }
+#else
+static inline float widen_half(half h) {
+    _Float16 x;
+    memcpy(&x, &h, sizeof x);
+    return (float)x;
+}
+#endif
+
 #define MAX_BYTES 256 /* packed bytes of one row: rank <= 256 for int8, more for int4 / int2 */
 #define MAX_QUERIES 64 /* query heads per KV head */
 
@@ -66,6 +81,15 @@ ALWAYS_INLINE void deinterleave(const float *x, int64_t rank, int64_t width, int
         }
 }
 
+ALWAYS_INLINE void deinterleave_half(const half *x, int64_t rank, int64_t width, int bits, float *planes) {
+    const int per = 8 / bits;
+    for (int p = 0; p < per; ++p)
+        for (int64_t k = 0; k < width; ++k) {
+            const int64_t c = k * per + p;
+            planes[p * width + k] = c < rank ? widen_half(x[c]) : 0.0f;
+        }
+}
+
 ALWAYS_INLINE float plane_dot(const float *a, const float *b, int64_t n) {
     float s = 0.0f;
 #pragma omp simd reduction(+ : s)
@@ -91,12 +115,64 @@ ALWAYS_INLINE void widen_row(const uint8_t *row, int64_t width, int bits, const 
 }
 
 /* logits[i][t] = query_planes[i] . widened row t (times row_scale[t] when given). */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define BLOCK 16
+/* The 16 sums of v[0..15] (one 16-lane vector of partial sums per token) as one vector, lane
+ * order given by block_lanes: a dot product's horizontal sum costs ~8 shuffles and adds, and
+ * a token's whole dot product ~6 instructions at r = 32, so summing tokens one by one is most
+ * of the work; folded in four halving steps, 16 tokens share 15 shuffle pairs. */
+ALWAYS_INLINE __m512 fold16(__m512 *v) {
+    for (int t = 0; t < 8; ++t) /* 256-bit halves: tokens t, t + 8 share a vector */
+        v[t] = _mm512_add_ps(_mm512_shuffle_f32x4(v[t], v[t + 8], 0x44), _mm512_shuffle_f32x4(v[t], v[t + 8], 0xEE));
+    for (int t = 0; t < 4; ++t) /* 128-bit quarters */
+        v[t] = _mm512_add_ps(_mm512_shuffle_f32x4(v[t], v[t + 4], 0x88), _mm512_shuffle_f32x4(v[t], v[t + 4], 0xDD));
+    for (int t = 0; t < 2; ++t) /* pairs within quarters */
+        v[t] = _mm512_add_ps(_mm512_shuffle_ps(v[t], v[t + 2], 0x44), _mm512_shuffle_ps(v[t], v[t + 2], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], 0x88), _mm512_shuffle_ps(v[0], v[1], 0xDD));
+}
+
+/* The permutation that puts token t of fold16's result in lane t, found once by folding markers
+ * (the order is fixed by the shuffles above; deriving it keeps the two in step). */
+static int32_t block_lanes[16];
+__attribute__((constructor)) static void find_block_order(void) {
+    __m512 v[16];
+    for (int t = 0; t < 16; ++t) v[t] = _mm512_set1_ps((float)t / 16.0f); /* lanes sum to t */
+    float lanes[16];
+    _mm512_storeu_ps(lanes, fold16(v));
+    for (int lane = 0; lane < 16; ++lane) block_lanes[(int)(lanes[lane] + 0.5f)] = lane;
+}
+#endif
+
+/* logits[i][t] = query_planes[i] . widened row t (times row_scale[t] when given). */
 ALWAYS_INLINE void rows_logits(const uint8_t *codes, int64_t tokens, int64_t width, int bits, int64_t queries,
                                const float *query_planes, const float *scale_planes, const float *zero_planes,
                                const float *row_scale, float *out, int64_t out_row_stride) {
     const int64_t n = (8 / bits) * width;
+    int64_t t = 0;
+#if defined(__AVX512F__)
+    if (n % 16 == 0 && n <= 8 * MAX_BYTES / BLOCK) {
+        const __m512i order = _mm512_loadu_si512(block_lanes);
+        float block[BLOCK * 8 * MAX_BYTES / BLOCK];
+        for (; t + BLOCK <= tokens; t += BLOCK) {
+            for (int b = 0; b < BLOCK; ++b) widen_row(codes + (t + b) * width, width, bits, scale_planes, zero_planes, block + b * n);
+            for (int64_t i = 0; i < queries; ++i) {
+                const float *qi = query_planes + i * n;
+                __m512 v[BLOCK];
+                for (int b = 0; b < BLOCK; ++b) {
+                    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qi), _mm512_loadu_ps(block + b * n));
+                    for (int64_t k = 16; k < n; k += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qi + k), _mm512_loadu_ps(block + b * n + k), acc);
+                    v[b] = acc;
+                }
+                __m512 dots = _mm512_permutexvar_ps(order, fold16(v));
+                if (row_scale) dots = _mm512_mul_ps(dots, _mm512_loadu_ps(row_scale + t));
+                _mm512_storeu_ps(out + i * out_row_stride + t, dots);
+            }
+        }
+    }
+#endif
     float widened[8 * MAX_BYTES];
-    for (int64_t t = 0; t < tokens; ++t) {
+    for (; t < tokens; ++t) {
         widen_row(codes + t * width, width, bits, scale_planes, zero_planes, widened);
         for (int64_t i = 0; i < queries; ++i) {
             const float dot = plane_dot(query_planes + i * n, widened, n);
@@ -119,10 +195,10 @@ int int8_logits(int64_t heads, int64_t queries, int64_t rank, int64_t tokens, co
 }
 
 /* Spec Q2, keys of complete groups: codes per channel over groups of G tokens, (s, z) per group
- * and channel, in float32 (heads, groups, rank); logits of tokens [0, groups G). The query is
+ * and channel, float16 (heads, >= groups, rank); logits of tokens [0, groups G). The query is
  * de-interleaved once per head, the group's scales and zeros once per group. */
 int low_bit_logits(int bits, int64_t heads, int64_t queries, int64_t rank, int64_t groups, int64_t G, const float *q,
-                   const uint8_t *codes, int64_t codes_head_stride, int64_t width, const float *scale, const float *zero,
+                   const uint8_t *codes, int64_t codes_head_stride, int64_t width, const half *scale, const half *zero,
                    int64_t scale_head_stride, float *out, int64_t out_head_stride, int64_t out_row_stride) {
     if ((bits != 4 && bits != 2) || width > MAX_BYTES || queries > MAX_QUERIES || width * (8 / bits) < rank) return -1;
     const int64_t n = (8 / bits) * width;
@@ -132,8 +208,8 @@ int low_bit_logits(int bits, int64_t heads, int64_t queries, int64_t rank, int64
     for (int64_t h = 0; h < heads; ++h) {
         for (int64_t i = 0; i < queries; ++i) deinterleave(q + (h * queries + i) * rank, rank, width, bits, planes + i * n);
         for (int64_t g = 0; g < groups; ++g) {
-            deinterleave(scale + h * scale_head_stride + g * rank, rank, width, bits, scale_planes);
-            deinterleave(zero + h * scale_head_stride + g * rank, rank, width, bits, zero_planes);
+            deinterleave_half(scale + h * scale_head_stride + g * rank, rank, width, bits, scale_planes);
+            deinterleave_half(zero + h * scale_head_stride + g * rank, rank, width, bits, zero_planes);
             const uint8_t *rows = codes + h * codes_head_stride + g * G * width;
             float *o = out + h * out_head_stride + g * G;
             if (bits == 4)
@@ -149,14 +225,48 @@ int low_bit_logits(int bits, int64_t heads, int64_t queries, int64_t rank, int64
 /* acc[i][p width + k] += w[i][t] x_{k PER + p}(t) over the rows of one tile, x the widened row;
  * int4 / int2 rows take their token's scale and zero (token_scale[t], token_zero[t]). */
 ALWAYS_INLINE void rows_value_sums(const uint8_t *codes, int64_t tokens, int64_t width, int bits, int64_t queries,
-                                   const float *w, int64_t w_row_stride, const float *token_scale, const float *token_zero,
+                                   const float *w, int64_t w_row_stride, const half *token_scale, const half *token_zero,
                                    float *acc) {
     const int64_t n = (8 / bits) * width;
+    int64_t t = 0;
+#if defined(__AVX512F__)
+    /* blocks of 16 rows widened once, then each query's sums kept in registers over the block
+     * (up to 8 vectors: n <= 128) instead of loaded and stored for every token */
+    if (n % 16 == 0 && n <= 128) {
+        float block[BLOCK * 128];
+        for (; t + BLOCK <= tokens; t += BLOCK) {
+            float scales[BLOCK], zeros[BLOCK];
+            if (bits != 8) {
+                _mm512_storeu_ps(scales, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(token_scale + t))));
+                _mm512_storeu_ps(zeros, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(token_zero + t))));
+            }
+            for (int b = 0; b < BLOCK; ++b) {
+                float *row = block + b * n;
+                widen_row(codes + (t + b) * width, width, bits, NULL, NULL, row);
+                if (bits != 8) {
+                    const __m512 s = _mm512_set1_ps(scales[b]), z = _mm512_set1_ps(zeros[b]);
+                    for (int64_t k = 0; k < n; k += 16) _mm512_storeu_ps(row + k, _mm512_fmadd_ps(_mm512_loadu_ps(row + k), s, z));
+                }
+            }
+            for (int64_t i = 0; i < queries; ++i) {
+                float *a = acc + i * n;
+                const float *wi = w + i * w_row_stride + t;
+                __m512 sums[8];
+                for (int64_t k = 0; k < n / 16; ++k) sums[k] = _mm512_loadu_ps(a + 16 * k);
+                for (int b = 0; b < BLOCK; ++b) {
+                    const __m512 wt = _mm512_set1_ps(wi[b]);
+                    for (int64_t k = 0; k < n / 16; ++k) sums[k] = _mm512_fmadd_ps(wt, _mm512_loadu_ps(block + b * n + 16 * k), sums[k]);
+                }
+                for (int64_t k = 0; k < n / 16; ++k) _mm512_storeu_ps(a + 16 * k, sums[k]);
+            }
+        }
+    }
+#endif
     float widened[8 * MAX_BYTES];
-    for (int64_t t = 0; t < tokens; ++t) {
+    for (; t < tokens; ++t) {
         widen_row(codes + t * width, width, bits, NULL, NULL, widened);
         if (bits != 8) {
-            const float s = token_scale[t], z = token_zero[t];
+            const float s = widen_half(token_scale[t]), z = widen_half(token_zero[t]);
 #pragma omp simd
             for (int64_t k = 0; k < n; ++k) widened[k] = __builtin_fmaf(widened[k], s, z);
         }
@@ -171,11 +281,11 @@ ALWAYS_INLINE void rows_value_sums(const uint8_t *codes, int64_t tokens, int64_t
 
 /* sums[h][i][c] = sum_t w[h][i][t] x_c(t): int8 codes as they are (spec A10: the caller folds the
  * per-token scales into w), int4 / int2 codes dequantised with token_scale / token_zero (heads,
- * >= tokens) float32, token_head_stride apart (spec Q2: values per token). w (heads, queries,
+ * >= tokens) float16, token_head_stride apart (spec Q2: values per token). w (heads, queries,
  * >= tokens) with rows w_row_stride apart; sums (heads, queries, rank). */
 int code_value_sums(int bits, int64_t heads, int64_t queries, int64_t rank, int64_t tokens, const float *w,
                     int64_t w_head_stride, int64_t w_row_stride, const uint8_t *codes, int64_t codes_head_stride,
-                    int64_t width, const float *token_scale, const float *token_zero, int64_t token_head_stride,
+                    int64_t width, const half *token_scale, const half *token_zero, int64_t token_head_stride,
                     int64_t tile, float *sums) {
     if ((bits != 8 && bits != 4 && bits != 2) || width > MAX_BYTES || queries > MAX_QUERIES || width * (8 / bits) < rank || tile < 1 ||
         (bits != 8 && (!token_scale || !token_zero)))
@@ -192,8 +302,8 @@ int code_value_sums(int bits, int64_t heads, int64_t queries, int64_t rank, int6
     for (int64_t h = 0; h < heads; ++h) {
         const uint8_t *ch = codes + h * codes_head_stride;
         const float *wh = w + h * w_head_stride;
-        const float *ts = token_scale ? token_scale + h * token_head_stride : NULL;
-        const float *tz = token_zero ? token_zero + h * token_head_stride : NULL;
+        const half *ts = token_scale ? token_scale + h * token_head_stride : NULL;
+        const half *tz = token_zero ? token_zero + h * token_head_stride : NULL;
         memset(total, 0, sizeof(float) * n);
         for (int64_t a = 0; a < tokens; a += tile) {
             const int64_t len = tokens - a < tile ? tokens - a : tile;

@@ -107,7 +107,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--appends", type=int, default=200)
     ap.add_argument("--stat", choices=("median", "min"), default="median", help="statistic over repeats (min filters preemption)")
-    ap.add_argument("--formats", nargs="+", default=["float"], choices=("float", "int8", "int4", "rope-float", "rope-int8", "rope-int4"),
+    ap.add_argument("--formats", nargs="+", default=["float"], choices=("float", "int8", "int4", "int2", "rope-float", "rope-int8", "rope-int4"),
                     help="coefficient format and key basis kind of the state (rope-*: pre-RoPE, spec/rope.md P3)")
     ap.add_argument("--neighbours", type=int, default=0, help="busy-loop processes started beside the benchmark (contention)")
     args = ap.parse_args()

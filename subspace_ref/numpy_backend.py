@@ -60,7 +60,8 @@ def attend_reference(q: np.ndarray, state, scale: float | None) -> np.ndarray:
                     q_proj = B_j @ qv  # spec A3 step 2.1
                     logits = work.type(lay.gamma[h] * s) * (lay.coefficient_rows("key", n, h, a, b, work) @ q_proj)
                 else:  # spec/rope.md P3: keys rebuilt and rotated to their positions, O(r d) per token
-                    keys = rotate(lay.coefficient_rows("key", n, h, a, b, work) @ B_j, np.arange(a, b), rope)
+                    first = window.first_compressed_position(state)  # spec/window.md W10
+                    keys = rotate(lay.coefficient_rows("key", n, h, a, b, work) @ B_j, np.arange(first + a, first + b), rope)
                     logits = work.type(lay.gamma[h] * s) * (keys @ qv)
                 partial.add_chunk(logits, lay.coefficient_rows("value", n, h, a, b, work), lay.basis("value", (n, h, j), work))
             if state.window is not None:  # spec/window.md W3: the exact tokens, one more chunk

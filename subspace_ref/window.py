@@ -82,15 +82,19 @@ def options(window: Any, min_tokens: Any, lookahead: Any, kind: str) -> tuple[in
 
 
 def sink_option(sinks: Any, rope: Any = None) -> int:
-    """The checked S of spec/window.md W7: a non-negative int. Sinks shift the compressed
-    tokens' positions by S, which the pre-RoPE path (spec/rope.md P2-P3) does not model yet,
-    so the two are refused together."""
+    """The checked S of spec/window.md W7: a non-negative int (with pre-RoPE bases the
+    compressed tokens' positions start at S: W10)."""
     S = _checks.integer("sinks", sinks)
     if S < 0:
         raise ValueError(f"sinks must be >= 0, got {S}")
-    if S and rope is not None:
-        raise ValueError(f"sinks={S} cannot be combined with rope (pre-RoPE bases): the compressed tokens' positions would start at S; use sinks=0")
     return S
+
+
+def first_compressed_position(state) -> int:
+    """Spec/window.md W10: the position of compressed token 0, S (the sinks hold positions
+    0..S-1 and every later token passes through the recent window in order), 0 without sinks.
+    Pre-RoPE states un-rotate and rotate compressed token t at position S + t."""
+    return 0 if state.window is None else state.window.sinks
 
 
 def empty(window: int, min_tokens: int, lookahead: int, n: int, heads: int, d: int, d_v: int, dtype, sinks: int = 0) -> ExactWindow | None:

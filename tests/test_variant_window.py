@@ -567,13 +567,33 @@ def test_bad_sinks_are_named(rng, kind, kw, err, match):
         make(kind, K, V, **kw)
 
 
-def test_sinks_with_rope_are_refused(rng):
-    """W7: pre-RoPE positions would be off by S; refused with both names."""
-    from subspace_ref.rope import RopeParams
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@pytest.mark.parametrize("appends", ["block", "tokens"])
+def test_sinks_with_rope_are_exact_on_low_rank_pre_rope_keys(rng, backend, appends):
+    """W10.1: pre-RoPE keys in a 4-dimensional subspace, a rank-4 pre-RoPE key basis (and
+    full-rank values), sinks and a window: attention is exact attention over the (post-RoPE)
+    keys given, because compressed token t is un-rotated and rotated at its position S + t. At
+    position t (the offset forgotten) the un-rotated key R_t^-1 R_(S+t) k leaves the subspace and
+    the error is O(1); a full-rank basis would hide it (R_t B^T B R_t^-1 = I)."""
+    from subspace_ref.rope import RopeParams, rotate
 
-    K, V = stream(rng, 20)
-    with pytest.raises(ValueError, match="sinks=2 cannot be combined with rope"):
-        sr.SubspaceState.static(sr.calibrate(K, V, rank_k=R, rank_v=R), rope=RopeParams(1.0 / 10000.0 ** (np.arange(D // 2) / (D // 2))), sinks=2)
+    rope = RopeParams(1.0 / 10000.0 ** (np.arange(D // 2) / (D // 2)))
+    K_pre = low_rank_stream(rng, H, 40, D, 4, noise=0.0)
+    V = low_rank_stream(rng, H, 40, D, 4, noise=0.3)
+    K = rotate(K_pre, np.arange(40), rope)  # the model's keys: rotated at their positions
+    basis = sr.calibrate(K_pre, V, rank_k=4, rank_v=D)
+    state = sr.SubspaceState.static(basis, rope=rope, sinks=3, window=5)
+    if backend == "torch":
+        torch = pytest.importorskip("torch")
+        state = state.to("torch", dtype=torch.float64)
+    chunks = [(0, 40)] if appends == "block" else [(t, t + 1) for t in range(40)]
+    for a, b in chunks:
+        k, v = K[:, a:b], V[:, a:b]
+        state.append(*((torch.from_numpy(k), torch.from_numpy(v)) if backend == "torch" else (k, v)))
+    assert (state.window.sink_count, state.layout.num_tokens) == (3, 32)
+    q = rng.standard_normal((H, D))
+    out = to_numpy(sr.attend(torch.from_numpy(q) if backend == "torch" else q, state, backend=backend))
+    np.testing.assert_allclose(out, exact_attention(q, K, V), rtol=1e-9, atol=1e-11)
 
 
 @pytest.mark.parametrize("kind,kw", [("static", dict(sinks=3, window=5)), ("adaptive", dict(sinks=4, window=6, lookahead=3)), ("rotating", dict(sinks=2))])

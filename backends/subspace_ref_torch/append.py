@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from subspace_ref.basis_storage import row_error_bound
@@ -44,6 +45,7 @@ from subspace_ref.policies._online import warmup_rows
 from subspace_ref.policies.online_run import relative_residual, warmup_row
 from subspace_ref.quantization import read_low_bit, side_arrays, store_low_bit
 from subspace_ref.rope import rotate
+from subspace_ref.window import first_compressed_position
 from subspace_ref_torch import fd
 from subspace_ref_torch.convert import compute_dtype
 
@@ -77,8 +79,9 @@ def append_static(state, keys: torch.Tensor, values: torch.Tensor) -> None:
     T, n_new = lay.num_tokens, keys.shape[2]
     lay = lay.with_capacity(T + n_new, lay.key_bases.shape[2])
     work = compute_dtype(lay.dtype)
-    if getattr(state.policy, "rope", None) is not None:  # spec/rope.md P2 step 1: un-rotate at positions T..
-        keys = rotate(keys.to(work), torch.arange(T, T + n_new).numpy(), state.policy.rope, inverse=True)
+    if getattr(state.policy, "rope", None) is not None:  # spec/rope.md P2 step 1: un-rotate at positions S+T.. (spec/window.md W10)
+        first = first_compressed_position(state)
+        keys = rotate(keys.to(work), np.arange(first + T, first + T + n_new), state.policy.rope, inverse=True)
     # rows T.. are spare capacity until the commit below: writing them changes nothing visible
     rows = slice(T, T + n_new)
     every = (slice(None), slice(None), 0)

@@ -42,6 +42,7 @@ import math
 import numpy as np
 import torch
 
+from subspace_ref.window import first_compressed_position
 from subspace_ref_torch import cpu_kernels, fd, window
 
 TILE_ELEMENTS = 1 << 22
@@ -275,9 +276,10 @@ def rope_logits(q: torch.Tensor, state, scale: float | None, dtype: torch.dtype)
     B = lay.basis("key", (slice(None), slice(None), 0), dtype)[..., order].reshape(N * H, -1, d)  # (N H, r, d)
     logits = torch.empty((N * H, g, T), dtype=dtype, device=q.device)
     tile = max(16, ROPE_TILE_ELEMENTS // (N * H * d))
+    first = first_compressed_position(state)  # spec/window.md W10: positions start after the sinks
     for a, b, rows in raw_tiles(state, "key", T, dtype, range(0, T, tile)):
         keys = torch.bmm(rows.reshape(N * H, b - a, -1), B)  # (N H, b - a, d): planes' first dims, second dims, fixed dims
-        cos, sin = rope_tables(rope, a, b - a, dtype, q.device)
+        cos, sin = rope_tables(rope, first + a, b - a, dtype, q.device)
         ua, ub = keys[..., :m], keys[..., m : 2 * m]
         rotated_a = ua * cos - ub * sin
         ub.mul_(cos).addcmul_(ua, sin)  # in place: ua is no longer needed after rotated_a

@@ -367,8 +367,10 @@ def causal_attention(
     K_full = V_full = None  # rebuilt keys (N, H, T, d) and values (N, H, T, d_v), when used
     if rope is not None:  # spec/rope.md P3: pre-RoPE keys rebuilt and rotated, (N, H, T, d)
         from subspace_ref.rope import rotate
+        from subspace_ref.window import first_compressed_position
 
-        K_full = rotate(torch.matmul(C, B[:, :, 0]), np.arange(T), rope)
+        first = first_compressed_position(state)  # spec/window.md W10
+        K_full = rotate(torch.matmul(C, B[:, :, 0]), np.arange(first, first + T), rope)
     elif rebuild:
         K_full, V_full = _rebuilt(C, B, index), _rebuilt(D, E, index)
     out = torch.empty((N, H, g, n, E.shape[-1]), dtype=work, device=device)

@@ -291,8 +291,9 @@ def test_launch_constants_match_the_sources():
     assert c["kDecodeThreads"] == _kernels.DECODE_THREADS
     assert c["kDecodeMinBlocks"] == _kernels.DECODE_MIN_BLOCKS
     assert c["kTokenTile"] == _kernels.TOKEN_TILE
-    assert c["kTokenTileLargeRank"] == _kernels.TOKEN_TILE_LARGE_RANK
-    assert c["kTokenTileRankLimit"] == _kernels.TOKEN_TILE_RANK_LIMIT
+    assert c["kTokenTileSmall"] == _kernels.TOKEN_TILE_SMALL
+    assert c["kStageBudgetBytes"] == _kernels.STAGE_BUDGET_BYTES
+    assert c["kRowPadBytes"] == _kernels.ROW_PAD_BYTES
     assert c["kMergeThreads"] == _kernels.MERGE_THREADS
     assert c["kProjectThreads"] == _kernels.PROJECT_THREADS
     assert _kernels.PROJECT_WARPS == c["kProjectWarps"]

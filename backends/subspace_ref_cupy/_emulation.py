@@ -54,6 +54,10 @@ static int emu_sizes(void (*)(P...), std::size_t* out) {
     return static_cast<int>(sizeof...(P));
 }
 
+extern "C" int emu_copy_errors() {
+    return emu::copy_errors.exchange(0);
+}
+
 extern "C" int emu_shared_overrun() {
     const int v = emu::shared_overrun;
     emu::shared_overrun = 0;
@@ -166,6 +170,8 @@ class Library:
         fn(*grid, threads, shared_bytes, packed)
         if self._lib.emu_shared_overrun():
             raise RuntimeError(f"{name} wrote past the {shared_bytes} bytes of dynamic shared memory it was launched with")
+        if self._lib.emu_copy_errors():
+            raise RuntimeError(f"{name}: a thread ended with asynchronous copies it never waited for, or issued a misaligned one")
 
 
 _libraries: dict[tuple[str, ...], Library] = {}

@@ -34,13 +34,15 @@ GENERIC = 0
 # twice the per-token work and shared-memory traffic; it costs a quarter more nvcc time.
 RANK_TILES = (32, 64, 128, 256)
 
-# Must match the constants in the .cu files (kDecodeThreads, kDecodeMinBlocks, kTokenTile, kMergeThreads,
-# kProjectThreads); test_cupy_backend checks that they do.
+# Must match the constants in the .cu files (kDecodeThreads, kDecodeMinBlocks, kTokenTile,
+# kTokenTileSmall, kStageBudgetBytes, kRowPadBytes, kMergeThreads, kProjectThreads);
+# test_cupy_backend checks that they do.
 DECODE_THREADS = 128
 DECODE_MIN_BLOCKS = 4  # blocks per SM the decode kernel's registers are bounded for (kDecodeMinBlocks)
-TOKEN_TILE = 64  # kTokenTile: tokens per tile for rank tiles <= TOKEN_TILE_RANK_LIMIT
-TOKEN_TILE_LARGE_RANK = 32  # kTokenTileLargeRank: above it
-TOKEN_TILE_RANK_LIMIT = 128  # kTokenTileRankLimit
+TOKEN_TILE = 64  # kTokenTile: tokens per tile when two stages of them fit STAGE_BUDGET_BYTES
+TOKEN_TILE_SMALL = 32  # kTokenTileSmall: otherwise
+STAGE_BUDGET_BYTES = 24 * 1024  # kStageBudgetBytes: shared memory of the coefficient tiles
+ROW_PAD_BYTES = 16  # kRowPadBytes
 MERGE_THREADS = 128
 PROJECT_THREADS = 128
 PROJECT_WARPS = PROJECT_THREADS // 32
@@ -128,16 +130,38 @@ def _config_set() -> frozenset[KernelConfig]:
     return _CONFIGS
 
 
-def token_tile(rt: int) -> int:
-    """Tokens per tile of ``decode_split_partial`` for rank tile ``rt`` (kTokenTileOf<RT> there)."""
-    return TOKEN_TILE if rt <= TOKEN_TILE_RANK_LIMIT else TOKEN_TILE_LARGE_RANK
+COEF_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
-def decode_shared_bytes(group: int, d: int, d_v: int, rt: int) -> int:
-    """Dynamic shared memory of ``decode_split_partial`` (the carve-up at the top of the kernel)."""
-    tt = token_tile(rt)
-    floats = group * (d + 2 * rt + tt + d_v + 4) + 2 * tt * (rt + 1)
-    return 4 * floats
+def coef_bytes(dtype: str, coef: str) -> int:
+    """Bytes per stored coefficient of an instantiation."""
+    return 1 if coef == "int8" else COEF_BYTES[dtype]
+
+
+def decode_tiles(rt: int, nbytes: int) -> tuple[int, int]:
+    """(tokens per tile, stages) of ``decode_split_partial`` for rank tile ``rt`` and ``nbytes``
+    per stored coefficient (DecodeTiles<RT, CoefT> there): two stages of 64-token tiles if their
+    key and value tiles fit STAGE_BUDGET_BYTES, else two of 32, else one of 32."""
+    row = rt * nbytes + ROW_PAD_BYTES
+    if 2 * 2 * TOKEN_TILE * row <= STAGE_BUDGET_BYTES:
+        return TOKEN_TILE, 2
+    return TOKEN_TILE_SMALL, 2 if 2 * 2 * TOKEN_TILE_SMALL * row <= STAGE_BUDGET_BYTES else 1
+
+
+def token_tile(rt: int, nbytes: int) -> int:
+    """Tokens per tile of ``decode_split_partial`` (DecodeTiles<RT, CoefT>::kTokens there)."""
+    return decode_tiles(rt, nbytes)[0]
+
+
+def decode_shared_bytes(group: int, d: int, d_v: int, rt: int, coef_type: str) -> int:
+    """Dynamic shared memory of ``decode_split_partial`` (the carve-up at the top of the kernel);
+    ``coef_type`` is the CUDA coefficient type of the instantiation (its second template argument)."""
+    int8 = coef_type == INT8_TYPE
+    nbytes = 1 if int8 else {v: COEF_BYTES[k] for k, v in CUDA_TYPES.items()}[coef_type]
+    tt, stages = decode_tiles(rt, nbytes)
+    tiles = stages * 2 * tt * (rt * nbytes + ROW_PAD_BYTES)
+    scales = 4 * stages * 2 * tt if int8 else 0
+    return tiles + scales + 4 * group * (d + 2 * rt + tt + d_v + 4)
 
 
 # ------------------------------------------------------------------------------ sources

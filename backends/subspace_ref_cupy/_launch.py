@@ -101,7 +101,7 @@ def plan_decode(dtype: str, q_shape: tuple, arrays: CoefArrays, sm_count: int, s
     if num_splits < 1 or split_len < 1 or num_splits * split_len < T:
         raise ValueError(f"{num_splits} splits of {split_len} tokens do not cover {T} tokens")
     group = Hq // H
-    return DecodePlan(cfg, N, H, Hq, group, d_v, num_splits, split_len, K.decode_shared_bytes(group, d, d_v, cfg.rank_tile))
+    return DecodePlan(cfg, N, H, Hq, group, d_v, num_splits, split_len, K.decode_shared_bytes(group, d, d_v, cfg.rank_tile, cfg.coef_type))
 
 
 def decode_args(plan: DecodePlan, q: Any, arrays: CoefArrays, part_m: Any, part_z: Any, part_o: Any, scale: float) -> tuple:

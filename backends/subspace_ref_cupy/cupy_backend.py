@@ -178,7 +178,8 @@ class CupyBackend:
         group = q.shape[1] // lay.key_coef.shape[1]
         d, d_v = lay.key_bases.shape[-1], lay.value_bases.shape[-1]
         rt = _kernels.rank_tile(lay.key_coef.shape[-1], lay.value_coef.shape[-1])
-        need = _kernels.decode_shared_bytes(group, d, d_v, rt)
+        coef_type = _kernels.INT8_TYPE if getattr(lay, "key_scale", None) is not None else _kernels.CUDA_TYPES[_interop.dtype_name(lay.key_bases)]
+        need = _kernels.decode_shared_bytes(group, d, d_v, rt, coef_type)
         device = _interop.device_id(q)
         limit = _launch.max_shared_bytes(cupy.cuda.Device(device))
         if need > limit:

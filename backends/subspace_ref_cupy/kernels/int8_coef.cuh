@@ -34,22 +34,19 @@ __host__ __device__ __forceinline__ float int8_coef_dequantize(signed char q, fl
     return static_cast<float>(q) * scale;
 }
 
-// Reads coefficient `idx` of token `token` as float32, whatever the storage. The scale pointer is
-// only read for int8 storage; for float storage it may be null.
+// How the decode kernel reads a coefficient from the raw row its shared tile holds: the stored
+// number as float32, before the per-token scale of int8 storage (kScaled), which the kernel
+// applies once per token (to the logit, to the weight) instead of once per coefficient.
 template <typename CoefT>
 struct CoefReader {
-    __device__ __forceinline__ static float load(const CoefT* coef, const float* /*scales*/,
-                                                 long long idx, long long /*token*/) {
-        return to_float(coef[idx]);
-    }
+    static constexpr bool kScaled = false;
+    __device__ __forceinline__ static float code(CoefT x) { return to_float(x); }
 };
 
 template <>
 struct CoefReader<signed char> {
-    __device__ __forceinline__ static float load(const signed char* coef, const float* scales,
-                                                 long long idx, long long token) {
-        return int8_coef_dequantize(coef[idx], scales[token]);
-    }
+    static constexpr bool kScaled = true;
+    __device__ __forceinline__ static float code(signed char x) { return static_cast<float>(x); }
 };
 
 }  // namespace subspace

@@ -53,22 +53,29 @@ constexpr int kRowPadBytes = 16;
 // 18.4 KB.
 template <int RT, typename CoefT>
 struct DecodeTiles {
-    static constexpr int kRowBytes = RT * static_cast<int>(sizeof(CoefT)) + kRowPadBytes;
+    using Reader = CoefReader<CoefT>;
+    static constexpr int kRowBytes = RT * Reader::kBits / 8 + kRowPadBytes;
     static constexpr bool kWide = 2 * 2 * kTokenTile * kRowBytes <= kStageBudgetBytes;
     static constexpr int kTokens = kWide ? kTokenTile : kTokenTileSmall;
     static constexpr int kStages = (kWide || 2 * 2 * kTokenTileSmall * kRowBytes <= kStageBudgetBytes) ? 2 : 1;
     static constexpr int kTileBytes = kTokens * kRowBytes;
-    // float32 per-token scales of int8 storage, keys and values, per stage
-    static constexpr int kScaleFloats = CoefReader<CoefT>::kScaled ? kStages * 2 * kTokens : 0;
-    static constexpr int kBytes = kStages * 2 * kTileBytes + 4 * kScaleFloats;
+    // Per stage: int8, the float32 scales of the keys then of the values; low-bit, the value
+    // zero points then scales (float16 widened), and each token's key group (-1: the tail).
+    static constexpr int kScaleFloats = (Reader::kScaled || Reader::kLowBit) ? kStages * 2 * kTokens : 0;
+    static constexpr int kGroupInts = Reader::kLowBit ? kStages * kTokens : 0;
+    // Low-bit keys are dequantised once per tile into floats (rows of RT + 1: lanes reading one
+    // column of consecutive rows hit distinct banks), which every query head then reads.
+    static constexpr int kKeyFloats = Reader::kLowBit ? kTokens * (RT + 1) : 0;
+    static constexpr int kBytes = kStages * 2 * kTileBytes + 4 * (kScaleFloats + kGroupInts + kKeyFloats);
 };
 
 // Dynamic shared memory of decode_split_partial, in bytes (the Python launcher uses the same
 // formula, subspace_ref_cupy._kernels.decode_shared_bytes):
 //   DecodeTiles<RT, CoefT>::kBytes + 4 * group * (d + 2 * RT + TT + d_v + 4),  TT = kTokens
+// (int4/int2 rows hold RT * bits / 8 bytes).
 //
 // Template parameters: T is the dtype of q and of the bases; CoefT the coefficient storage (T, or
-// signed char for INT8 with per-token scales); D and DV the key and value head sizes, or 0 for
+// signed char for INT8 with per-token scales, Int4Codes / Int2Codes for spec/quantization.md Q2); D and DV the key and value head sizes, or 0 for
 // "given at run time" (d_rt, d_v_rt; any size); RT the rank tile, an upper bound on both ranks r
 // and r_v (tile rows are zero past r, so the per-token loops have a compile-time trip count). The
 // per-token work depends on RT only; D and DV shape the once-per-chunk query projection and
@@ -151,8 +158,8 @@ __device__ __forceinline__ void copy_rows(unsigned char* dst, const unsigned cha
 template <int kRowBytes, typename CoefT>
 __device__ __forceinline__ void issue_tile(unsigned char* s_tile, float* s_scale, const CoefT* __restrict__ coef,
                                            const float* __restrict__ scales, long long row0, int len, int width, int tid) {
-    const int row_bytes = width * static_cast<int>(sizeof(CoefT));
-    const unsigned char* src = reinterpret_cast<const unsigned char*>(coef + row0 * width);
+    const int row_bytes = (width * CoefReader<CoefT>::kBits + 7) / 8;
+    const unsigned char* src = reinterpret_cast<const unsigned char*>(coef) + row0 * row_bytes;
     const unsigned long long align = reinterpret_cast<unsigned long long>(src) | static_cast<unsigned long long>(row_bytes);
     if (align % 16 == 0) {
         copy_rows<16, kRowBytes>(s_tile, src, len, row_bytes, tid);
@@ -167,6 +174,21 @@ __device__ __forceinline__ void issue_tile(unsigned char* s_tile, float* s_scale
         for (int t = tid; t < len; t += kDecodeThreads) {
             cp_async<4>(s_scale + t, scales + row0 + t);
         }
+    }
+}
+
+// The per-token numbers a low-bit tile needs beside its codes, for tokens t0 .. t0 + len - 1:
+// each token's key group (one division per token, not per coefficient; -1 for the tokens of the
+// unfinished group, read from key_tail) and the value zero point and scale. Plain loads: a
+// float16 pair per token is below cp.async's 4-byte piece.
+__device__ __forceinline__ void stage_low_bit_token_data(int* s_group, float* s_vzs, const __half* __restrict__ v_scale,
+                                                         const __half* __restrict__ v_zero, long long row0, int t0, int len,
+                                                         int complete, int key_group, int tt, int tid) {
+    for (int t = tid; t < len; t += kDecodeThreads) {
+        const int token = t0 + t;
+        s_group[t] = token < complete ? token / key_group : -1;
+        s_vzs[t] = to_float(v_zero[row0 + t]);
+        s_vzs[tt + t] = to_float(v_scale[row0 + t]);
     }
 }
 
@@ -198,6 +220,11 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
                      const CoefT* __restrict__ value_coef,       // (N, H, T_cap, r_v)
                      const float* __restrict__ key_scale,        // (N, H, T_cap), INT8 only
                      const float* __restrict__ value_scale,      // (N, H, T_cap), INT8 only
+                     const __half* __restrict__ key_group_scale, // (N, H, ceil(T_cap / G), r), int4/int2 only
+                     const __half* __restrict__ key_group_zero,  // (N, H, ceil(T_cap / G), r), int4/int2 only
+                     const T* __restrict__ key_tail,             // (N, H, G, r), int4/int2 only
+                     const __half* __restrict__ value_token_scale, // (N, H, T_cap), int4/int2 only
+                     const __half* __restrict__ value_token_zero,  // (N, H, T_cap), int4/int2 only
                      const T* __restrict__ key_bases,            // (N, H, J_cap, r, d)
                      const T* __restrict__ value_bases,          // (N, H, J_cap, r_v, d_v)
                      const long long* __restrict__ chunk_starts, // (N, H, J_cap)
@@ -207,7 +234,7 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
                      float* __restrict__ part_z,                 // (N, H_q, S)
                      float* __restrict__ part_o,                 // (N, H_q, S, d_v)
                      int num_kv_heads, int group, int t_cap, int j_cap, int rank, int rank_v,
-                     int d_rt, int d_v_rt, int num_tokens, int split_len, float scale) {
+                     int d_rt, int d_v_rt, int num_tokens, int split_len, int key_group, float scale) {
     static_assert(D >= 0 && D % kWarpSize == 0, "a fixed D gives each lane D / 32 columns");
     static_assert(DV >= 0, "DV is a head size, or 0 for a run-time one");
     static_assert(RT % kWarpSize == 0, "rank tiles are whole warps");
@@ -236,7 +263,9 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
     // buffer's.
     unsigned char* s_tiles = reinterpret_cast<unsigned char*>(smem);
     float* s_scales = reinterpret_cast<float*>(s_tiles + kStages * 2 * kTileBytes);
-    float* s_q = s_scales + Tiles::kScaleFloats;  // group x d
+    [[maybe_unused]] int* s_groups = reinterpret_cast<int*>(s_scales + Tiles::kScaleFloats);  // kStages x TT
+    [[maybe_unused]] float* s_kf = reinterpret_cast<float*>(s_groups + Tiles::kGroupInts);    // TT x (RT + 1)
+    float* s_q = s_kf + Tiles::kKeyFloats;      // group x d
     float* s_qt = s_q + group * d;              // group x RT, scaled by gamma * scale
     float* s_w = s_qt + group * RT;             // group x TT: logits, then weights
     float* s_acc = s_w + group * TT;            // group x RT: value-coefficient accumulator
@@ -273,6 +302,9 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
     const int lo = split * split_len;
     const int hi = min(num_tokens, lo + split_len);
     const float logit_scale = gamma[h] * scale;
+    // Low-bit keys: tokens below `complete` are in complete groups (spec Q2 step 2).
+    [[maybe_unused]] const int complete = Reader::kLowBit ? (num_tokens / key_group) * key_group : 0;
+    [[maybe_unused]] const long long key_groups_cap = Reader::kLowBit ? (t_cap + key_group - 1) / key_group : 0;
     const long long num_j = num_chunks[nh];
     const long long* starts = chunk_starts + nh * j_cap;
 
@@ -303,6 +335,10 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
             const long long coef_row0 = nh * t_cap;
             issue_tile<kRowBytes>(s_tiles, s_scales, key_coef, key_scale, coef_row0 + c_lo, min(TT, c_hi - c_lo), rank, tid);
             issue_tile<kRowBytes>(s_tiles + kTileBytes, s_scales + TT, value_coef, value_scale, coef_row0 + c_lo, min(TT, c_hi - c_lo), rank_v, tid);
+            if constexpr (Reader::kLowBit) {
+                stage_low_bit_token_data(s_groups, s_scales, value_token_scale, value_token_zero, coef_row0 + c_lo, c_lo,
+                                         min(TT, c_hi - c_lo), complete, key_group, TT, tid);
+            }
             cp_async_commit();
 
             // Spec A3 step 2.1: q~_j = B_j q, one warp per basis row.
@@ -330,6 +366,10 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
                         const int next_len = min(TT, c_hi - next);
                         issue_tile<kRowBytes>(s_next, s_next_scale, key_coef, key_scale, coef_row0 + next, next_len, rank, tid);
                         issue_tile<kRowBytes>(s_next + kTileBytes, s_next_scale + TT, value_coef, value_scale, coef_row0 + next, next_len, rank_v, tid);
+                        if constexpr (Reader::kLowBit) {
+                            stage_low_bit_token_data(s_groups + (stage ^ 1) * TT, s_next_scale, value_token_scale, value_token_zero,
+                                                     coef_row0 + next, next, next_len, complete, key_group, TT, tid);
+                        }
                     }
                     // Committed even when empty, so that "all groups but the newest" is always
                     // the current tile's.
@@ -344,6 +384,29 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
                 [[maybe_unused]] const float* s_ks = s_scales + stage * 2 * TT;
                 [[maybe_unused]] const float* s_vs = s_ks + TT;
 
+                // Low-bit keys (spec Q2 step 2): a complete group's codes with its per-channel
+                // scale and zero point, the unfinished group's tokens from key_tail as they are.
+                if constexpr (Reader::kLowBit) {
+                    const int* s_grp = s_groups + stage * TT;
+                    const RowCol step = RowCol::of(kDecodeThreads, RT);
+                    RowCol at = RowCol::of(tid, RT);
+                    for (int idx = tid; idx < tile_len * RT; idx += kDecodeThreads, step.advance(at.t, at.i, RT)) {
+                        float x = 0.0f;
+                        if (at.i < rank) {
+                            const int grp = s_grp[at.t];
+                            if (grp >= 0) {
+                                const long long sz = (nh * key_groups_cap + grp) * rank + at.i;
+                                x = low_bit_value<T>(Reader::at(s_kc + at.t * kRowBytes, at.i), to_float(key_group_scale[sz]),
+                                                     to_float(key_group_zero[sz]));
+                            } else {
+                                x = to_float(key_tail[(nh * key_group + (t0 + at.t - complete)) * rank + at.i]);
+                            }
+                        }
+                        s_kf[at.t * (RT + 1) + at.i] = x;
+                    }
+                    __syncthreads();
+                }
+
                 // Logits gamma * scale * q~_j . c_t; tokens past the tile end get -inf so that
                 // they weigh exactly 0.
                 for (int idx = tid; idx < group * TT; idx += kDecodeThreads) {
@@ -351,9 +414,17 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
                     const int t = idx - g * TT;
                     float logit = -SUBSPACE_INFINITY;
                     if (t < tile_len) {
-                        logit = row_dot<RT, CoefT>(s_qt + g * RT, s_kc + t * kRowBytes);
-                        if constexpr (Reader::kScaled) {
-                            logit *= s_ks[t];
+                        if constexpr (Reader::kLowBit) {
+                            logit = 0.0f;
+#pragma unroll 8
+                            for (int i = 0; i < RT; ++i) {
+                                logit += s_qt[g * RT + i] * s_kf[t * (RT + 1) + i];
+                            }
+                        } else {
+                            logit = row_dot<RT, CoefT>(s_qt + g * RT, s_kc + t * kRowBytes);
+                            if constexpr (Reader::kScaled) {
+                                logit *= s_ks[t];
+                            }
                         }
                     }
                     s_w[idx] = logit;
@@ -398,10 +469,15 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
                     float acc = s_acc[idx] * s_alpha[g];
                     for (int t = 0; t < tile_len; ++t) {
                         float w = s_w[g * TT + t];
-                        if constexpr (Reader::kScaled) {
-                            w *= s_vs[t];
+                        if constexpr (Reader::kLowBit) {
+                            // s_ks holds the value zero points here, s_vs the scales
+                            acc += w * low_bit_value<T>(Reader::at(s_vc + t * kRowBytes, i), s_vs[t], s_ks[t]);
+                        } else {
+                            if constexpr (Reader::kScaled) {
+                                w *= s_vs[t];
+                            }
+                            acc += w * Reader::at(s_vc + t * kRowBytes, i);
                         }
-                        acc += w * Reader::code(reinterpret_cast<const CoefT*>(s_vc + t * kRowBytes)[i]);
                     }
                     s_acc[idx] = acc;
                 }
@@ -413,6 +489,10 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
                         const int next_len = min(TT, c_hi - next);
                         issue_tile<kRowBytes>(s_tiles, s_scales, key_coef, key_scale, coef_row0 + next, next_len, rank, tid);
                         issue_tile<kRowBytes>(s_tiles + kTileBytes, s_scales + TT, value_coef, value_scale, coef_row0 + next, next_len, rank_v, tid);
+                        if constexpr (Reader::kLowBit) {
+                            stage_low_bit_token_data(s_groups, s_scales, value_token_scale, value_token_zero, coef_row0 + next, next, next_len,
+                                                     complete, key_group, TT, tid);
+                        }
                         cp_async_commit();
                     }
                 }

@@ -15,6 +15,7 @@ Three layers, so that machines without a GPU still test what they can:
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import importlib.util
 import re
@@ -36,28 +37,28 @@ from subspace_ref_cupy import CupyBackend, _emulation, _kernels, _launch
 # ----------------------------------------------------------------------------- helpers
 
 
-def static_state(H=2, d=64, d_v=None, rank_k=20, rank_v=24, T=90, batch=None, seed=0, dtype=np.float32, coefficients="float"):
+def static_state(H=2, d=64, d_v=None, rank_k=20, rank_v=24, T=90, batch=None, seed=0, dtype=np.float32, coefficients="float", **kwargs):
     rng = np.random.default_rng(seed)
     d_v = d if d_v is None else d_v
     K = rng.standard_normal((H, 256, d)).astype(dtype)
     V = rng.standard_normal((H, 256, d_v)).astype(dtype)
     basis = calibrate(K, V, rank_k=rank_k, rank_v=rank_v, gamma="paper")
-    state = SubspaceState.static(basis, dtype=dtype, batch=batch, coefficients=coefficients)
+    state = SubspaceState.static(basis, dtype=dtype, batch=batch, coefficients=coefficients, **kwargs)
     lead = (H,) if batch is None else (batch, H)
     if T:
         state.append(rng.standard_normal((*lead, T, d)).astype(dtype), rng.standard_normal((*lead, T, d_v)).astype(dtype))
     return state
 
 
-def chunked_state(N=2, H=2, d=64, T=80, max_chunk=24, seed=1, coefficients="float"):
+def chunked_state(N=2, H=2, d=64, T=80, max_chunk=24, seed=1, coefficients="float", dtype=np.float32, **kwargs):
     """An adaptive state (spec A7) whose chunks come from the length trigger only (tau close to 1),
     so every head has ceil(T / max_chunk) chunks with different bases."""
     rng = np.random.default_rng(seed)
     state = SubspaceState.adaptive(
         H, d, rank_k=(12, 16), rank_v=(16, 10), tau_k=0.999, tau_v=0.999, max_chunk=max_chunk, batch=N,
-        dtype=np.float32, coefficients=coefficients, byte_ceiling=math.inf,  # the length rule alone (spec A7.3 would defer)
+        dtype=dtype, coefficients=coefficients, byte_ceiling=math.inf, **kwargs,  # the length rule alone (spec A7.3 would defer)
     )
-    state.append(rng.standard_normal((N, H, T, d)).astype(np.float32), rng.standard_normal((N, H, T, d)).astype(np.float32))
+    state.append(rng.standard_normal((N, H, T, d)).astype(dtype), rng.standard_normal((N, H, T, d)).astype(dtype))
     return state
 
 
@@ -256,7 +257,7 @@ def test_half_precision_online_append_runs_the_oracle_in_float32():
 
 
 def test_name_expressions_match_the_templates_in_the_sources():
-    known_types = {*_kernels.CUDA_TYPES.values(), _kernels.INT8_TYPE}
+    known_types = {*_kernels.CUDA_TYPES.values(), _kernels.INT8_TYPE, *_kernels.LOW_BIT_TYPES.values()}
     for filename, names in _kernels.name_expressions().items():
         declared = _kernels.declared_templates(filename)
         used = set()
@@ -291,8 +292,9 @@ def test_launch_constants_match_the_sources():
     assert c["kDecodeThreads"] == _kernels.DECODE_THREADS
     assert c["kDecodeMinBlocks"] == _kernels.DECODE_MIN_BLOCKS
     assert c["kTokenTile"] == _kernels.TOKEN_TILE
-    assert c["kTokenTileLargeRank"] == _kernels.TOKEN_TILE_LARGE_RANK
-    assert c["kTokenTileRankLimit"] == _kernels.TOKEN_TILE_RANK_LIMIT
+    assert c["kTokenTileSmall"] == _kernels.TOKEN_TILE_SMALL
+    assert c["kStageBudgetBytes"] == _kernels.STAGE_BUDGET_BYTES
+    assert c["kRowPadBytes"] == _kernels.ROW_PAD_BYTES
     assert c["kMergeThreads"] == _kernels.MERGE_THREADS
     assert c["kProjectThreads"] == _kernels.PROJECT_THREADS
     assert _kernels.PROJECT_WARPS == c["kProjectWarps"]
@@ -333,6 +335,12 @@ _EMU_CONFIGS = [
     _kernels.KernelConfig("float32", "same", 128, 128, 128),
     _kernels.KernelConfig("float32", "same", _kernels.GENERIC, _kernels.GENERIC, 64),
     _kernels.KernelConfig("float32", "int8", _kernels.GENERIC, _kernels.GENERIC, 64),
+    # int4/int2 (spec/quantization.md Q2)
+    _kernels.KernelConfig("float32", "int4", 64, 64, 32),
+    _kernels.KernelConfig("float32", "int2", 64, 64, 32),
+    _kernels.KernelConfig("bfloat16", "int4", 64, 64, 32),
+    _kernels.KernelConfig("float32", "int4", 64, 64, 64),
+    _kernels.KernelConfig("float32", "int2", _kernels.GENERIC, _kernels.GENERIC, 32),
 ]
 
 
@@ -340,7 +348,7 @@ _EMU_CONFIGS = [
 def emu_lib():
     """One host build holding every kernel these tests launch (one compile, ~10 s)."""
     names = [c.decode_name for c in _EMU_CONFIGS] + [_kernels.merge_name(t) for t in ("float32", "float16", "bfloat16")]
-    names += [c.project_name for c in _EMU_CONFIGS if c.dtype == "float32" and c.d in (64, _kernels.GENERIC)]
+    names += [c.project_name for c in _EMU_CONFIGS if c.dtype == "float32" and c.d in (64, _kernels.GENERIC) and c.coef in _kernels.COEF_KINDS]
     return _emulation.library(names)
 
 
@@ -392,6 +400,71 @@ def test_emulated_attention_int8(emu_lib):
     ref = attend_reference(q, state, None)
     out = _emulation.attend(q, "float32", _emulation.host_arrays(state.layout, "float32"), 1 / 8, splits=(2, 32), lib=emu_lib)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def _check_low_bit(lib, state64, q64: np.ndarray, scale, dtype: str, splits) -> None:
+    """The kernel in ``dtype`` over a float64 low-bit state against the float64 oracle, within the
+    differential harness's tolerance: the oracle's own error when run in ``dtype``
+    (tests/differential/tolerance.py)."""
+    from tests.differential.tolerance import reference_error, tolerance
+
+    out64 = attend_reference(q64, state64, scale)
+    arrays = _emulation.host_arrays(state64.layout, dtype)
+    s = 1 / np.sqrt(q64.shape[-1]) if scale is None else scale
+    out = from_host(_emulation.attend(host_q(q64.astype(np.float32), dtype), dtype, arrays, s, splits=splits, lib=lib), dtype)
+    err = float(np.abs(out.astype(np.float64) - out64).max())
+    tol = tolerance(reference_error(state64, q64, scale, out64, dtype), out64, dtype)
+    assert err <= tol, f"max |kernel - oracle64| = {err:.3g} > tol {tol:.3g}"
+    # the codes matter: reading every key as its group's zero point moves the output past twice tol
+    flat = state64.copy()
+    flat.layout = replace(flat.layout, key_coef=np.zeros_like(flat.layout.key_coef))
+    assert np.abs(attend_reference(q64, flat, scale) - out64).max() > 2 * tol
+
+
+@needs_emulation
+@pytest.mark.parametrize("fmt, dtype", [("int4", "float32"), ("int2", "float32"), ("int4", "bfloat16")])
+def test_emulated_attention_low_bit_static(emu_lib, fmt, dtype):
+    """int4/int2 codes dequantised in the kernel (spec/quantization.md Q2): keys per channel over
+    groups of 8 tokens, 75 tokens so the last 3 are the float tail; values per token. Odd key rank
+    (a half-filled last byte), GQA group 2, 32-token splits crossing key groups and the tail."""
+    state = static_state(rank_k=19, rank_v=24, T=75, seed=21, dtype=np.float64, coefficients=fmt, group_size=8)
+    assert state.layout.low_bits == int(fmt[3]) and state.layout.num_tokens % 8 == 3
+    q = np.random.default_rng(22).standard_normal((1, 4, 64))
+    _check_low_bit(emu_lib, state, q, None, dtype, (3, 32))
+
+
+@needs_emulation
+@pytest.mark.parametrize("fmt", ["int4", "int2"])
+def test_emulated_attention_low_bit_chunks(emu_lib, fmt):
+    """Low-bit codes over chunks with different bases (adaptive, spec A7), batch 2, per-head ranks;
+    16-token key groups straddle the 24-token chunks and the splits."""
+    state = chunked_state(T=70, seed=23, coefficients=fmt, dtype=np.float64, group_size=16)
+    assert (state.num_chunks == 3).all() and state.layout.low_bits
+    q = np.random.default_rng(24).standard_normal((2, 2, 64))
+    _check_low_bit(emu_lib, state, q, 0.3, "float32", (3, 32))
+
+
+@needs_emulation
+def test_emulated_attention_low_bit_rank_tile_64_and_run_time_d(emu_lib):
+    """int4 at rank tile 64 (ranks 40, 36) and int2 with run-time head sizes (d = 16, d_v = 12)."""
+    state = static_state(rank_k=40, rank_v=36, T=50, seed=25, dtype=np.float64, coefficients="int4", group_size=32)
+    _check_low_bit(emu_lib, state, np.random.default_rng(26).standard_normal((1, 2, 64)), None, "float32", None)
+    state = static_state(d=16, d_v=12, rank_k=3, rank_v=5, T=50, batch=2, seed=27, dtype=np.float64, coefficients="int2", group_size=4)
+    _check_low_bit(emu_lib, state, np.random.default_rng(28).standard_normal((2, 8, 16)), 0.7, "float32", (2, 32))
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int2"])
+def test_low_bit_attention_is_accepted_and_append_refused(fmt):
+    """The capability declares int4/int2 (the decode kernel reads them); appends to them are
+    refused with the format named, before the state changes."""
+    state = static_state(rank_k=8, rank_v=8, T=10, coefficients=fmt, group_size=4)
+    q = FakeCupyArray(np.zeros((1, 4, 64), dtype=np.float32))
+    assert fmt in CupyBackend().capabilities.coefficient_formats
+    assert reasons_besides_availability(q, fake_gpu_state(state)) == []
+    before = state.layout.num_tokens
+    with pytest.raises(NotImplementedError, match=f"{fmt} coefficients"):
+        CupyBackend().append(state, np.zeros((2, 1, 64), np.float32), np.zeros((2, 1, 64), np.float32))
+    assert state.layout.num_tokens == before
 
 
 @needs_emulation

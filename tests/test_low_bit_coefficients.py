@@ -202,7 +202,7 @@ def test_persistence_round_trip(tmp_path):
         np.testing.assert_array_equal(sr.attend(q, back), sr.attend(q, state))
 
 
-@pytest.mark.parametrize("backend", ["triton", "cupy"])
+@pytest.mark.parametrize("backend", ["triton"])  # cupy reads int4/int2 since issue 16 item 2: tests/test_cupy_backend.py
 def test_gpu_backends_refuse_with_the_declared_reason(backend):
     """Until their kernels read packed codes, triton and cupy name the format (decode's work)."""
     from subspace_ref.registry import get_backend

@@ -54,6 +54,10 @@ static int emu_sizes(void (*)(P...), std::size_t* out) {
     return static_cast<int>(sizeof...(P));
 }
 
+extern "C" int emu_copy_errors() {
+    return emu::copy_errors.exchange(0);
+}
+
 extern "C" int emu_shared_overrun() {
     const int v = emu::shared_overrun;
     emu::shared_overrun = 0;
@@ -166,6 +170,8 @@ class Library:
         fn(*grid, threads, shared_bytes, packed)
         if self._lib.emu_shared_overrun():
             raise RuntimeError(f"{name} wrote past the {shared_bytes} bytes of dynamic shared memory it was launched with")
+        if self._lib.emu_copy_errors():
+            raise RuntimeError(f"{name}: a thread ended with asynchronous copies it never waited for, or issued a misaligned one")
 
 
 _libraries: dict[tuple[str, ...], Library] = {}
@@ -246,7 +252,9 @@ def host_arrays(layout: Any, dtype: str) -> L.CoefArrays:
         return bf16_bits(x) if dtype == "bfloat16" else x.astype(dtype)
 
     quantized = getattr(layout, "key_scale", None) is not None
-    coef = (lambda x: np.ascontiguousarray(x)) if quantized else store
+    low_bits = int(getattr(layout, "low_bits", 0) or 0)
+    coef = (lambda x: np.ascontiguousarray(x)) if quantized or low_bits else store
+    half = lambda x: np.ascontiguousarray(x, dtype=np.float16)  # noqa: E731
     return L.CoefArrays(
         key_coef=coef(layout.key_coef),
         value_coef=coef(layout.value_coef),
@@ -258,4 +266,11 @@ def host_arrays(layout: Any, dtype: str) -> L.CoefArrays:
         num_tokens=int(layout.num_tokens),
         key_scale=np.ascontiguousarray(layout.key_scale, dtype=np.float32) if quantized else None,
         value_scale=np.ascontiguousarray(layout.value_scale, dtype=np.float32) if quantized else None,
+        low_bits=low_bits,
+        key_group=int(layout.group) if low_bits else 0,
+        key_group_scale=half(layout.key_group_scale) if low_bits else None,
+        key_group_zero=half(layout.key_group_zero) if low_bits else None,
+        key_tail=store(layout.key_tail) if low_bits else None,
+        value_token_scale=half(layout.value_token_scale) if low_bits else None,
+        value_token_zero=half(layout.value_token_zero) if low_bits else None,
     )

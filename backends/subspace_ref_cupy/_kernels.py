@@ -23,7 +23,12 @@ NAMESPACE = "subspace"
 # dtype name (as str(array.dtype) spells it) -> CUDA storage type.
 CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 INT8_TYPE = "signed char"
+# Formats with a projection kernel (appends) and a decode kernel.
 COEF_KINDS = ("same", "int8")
+# int4/int2 (spec/quantization.md Q2): decode only; the backend refuses appends to them.
+LOW_BIT_TYPES = {"int4": f"{NAMESPACE}::Int4Codes", "int2": f"{NAMESPACE}::Int2Codes"}
+LOW_BIT_KINDS = tuple(LOW_BIT_TYPES)
+DECODE_COEF_KINDS = COEF_KINDS + LOW_BIT_KINDS
 # Head sizes (d, d_v) with their own instantiations (64: GPT-2, Pythia, TinyLlama; 128:
 # Llama-style 7B). Every other size runs the instantiation with d and d_v given at run time
 # (GENERIC): the per-token loops depend on the rank tile only, so it costs little.
@@ -34,13 +39,15 @@ GENERIC = 0
 # twice the per-token work and shared-memory traffic; it costs a quarter more nvcc time.
 RANK_TILES = (32, 64, 128, 256)
 
-# Must match the constants in the .cu files (kDecodeThreads, kDecodeMinBlocks, kTokenTile, kMergeThreads,
-# kProjectThreads); test_cupy_backend checks that they do.
+# Must match the constants in the .cu files (kDecodeThreads, kDecodeMinBlocks, kTokenTile,
+# kTokenTileSmall, kStageBudgetBytes, kRowPadBytes, kMergeThreads, kProjectThreads);
+# test_cupy_backend checks that they do.
 DECODE_THREADS = 128
 DECODE_MIN_BLOCKS = 4  # blocks per SM the decode kernel's registers are bounded for (kDecodeMinBlocks)
-TOKEN_TILE = 64  # kTokenTile: tokens per tile for rank tiles <= TOKEN_TILE_RANK_LIMIT
-TOKEN_TILE_LARGE_RANK = 32  # kTokenTileLargeRank: above it
-TOKEN_TILE_RANK_LIMIT = 128  # kTokenTileRankLimit
+TOKEN_TILE = 64  # kTokenTile: tokens per tile when two stages of them fit STAGE_BUDGET_BYTES
+TOKEN_TILE_SMALL = 32  # kTokenTileSmall: otherwise
+STAGE_BUDGET_BYTES = 24 * 1024  # kStageBudgetBytes: shared memory of the coefficient tiles
+ROW_PAD_BYTES = 16  # kRowPadBytes
 MERGE_THREADS = 128
 PROJECT_THREADS = 128
 PROJECT_WARPS = PROJECT_THREADS // 32
@@ -51,7 +58,7 @@ class KernelConfig:
     """One instantiation of the decode and projection templates (the merge depends on dtype only)."""
 
     dtype: str  # "float32", "float16" or "bfloat16": q, bases, new tokens, output
-    coef: str  # "same" (coefficients stored in dtype) or "int8" (with float32 scales)
+    coef: str  # "same" (coefficients stored in dtype), "int8" (with float32 scales), "int4" or "int2"
     d: int  # GENERIC (0): any head size, passed at run time
     d_v: int
     rank_tile: int
@@ -62,6 +69,8 @@ class KernelConfig:
 
     @property
     def coef_type(self) -> str:
+        if self.coef in LOW_BIT_TYPES:
+            return LOW_BIT_TYPES[self.coef]
         return INT8_TYPE if self.coef == "int8" else self.cuda_type
 
     def _args(self) -> str:
@@ -89,7 +98,7 @@ def configs() -> list[KernelConfig]:
     (r <= d), and run-time head sizes (d = d_v = GENERIC in the template) with every rank tile."""
     shapes = [(d, d, rt) for d in HEAD_SIZES for rt in RANK_TILES if rt <= d]
     shapes += [(GENERIC, GENERIC, rt) for rt in RANK_TILES]
-    return [KernelConfig(dtype, coef, d, d_v, rt) for dtype in CUDA_TYPES for coef in COEF_KINDS for d, d_v, rt in shapes]
+    return [KernelConfig(dtype, coef, d, d_v, rt) for dtype in CUDA_TYPES for coef in DECODE_COEF_KINDS for d, d_v, rt in shapes]
 
 
 def name_expressions() -> dict[str, list[str]]:
@@ -97,7 +106,7 @@ def name_expressions() -> dict[str, list[str]]:
     cfgs = configs()
     return {
         DECODE_SOURCE: [c.decode_name for c in cfgs] + [merge_name(t) for t in CUDA_TYPES],
-        PROJECT_SOURCE: [c.project_name for c in cfgs],
+        PROJECT_SOURCE: [c.project_name for c in cfgs if c.coef in COEF_KINDS],
     }
 
 
@@ -110,7 +119,7 @@ def rank_tile(rank: int, rank_v: int) -> int | None:
 def find_config(dtype: str, coef: str, d: int, d_v: int, rank: int, rank_v: int) -> KernelConfig | None:
     """The instantiation for these shapes: the fixed head size's if compiled, else the run-time one."""
     rt = rank_tile(rank, rank_v)
-    if rt is None or dtype not in CUDA_TYPES or coef not in COEF_KINDS:
+    if rt is None or dtype not in CUDA_TYPES or coef not in DECODE_COEF_KINDS:
         return None
     for cfg in (KernelConfig(dtype, coef, d, d_v, rt), KernelConfig(dtype, coef, GENERIC, GENERIC, rt)):
         if cfg in _config_set():
@@ -128,16 +137,32 @@ def _config_set() -> frozenset[KernelConfig]:
     return _CONFIGS
 
 
-def token_tile(rt: int) -> int:
-    """Tokens per tile of ``decode_split_partial`` for rank tile ``rt`` (kTokenTileOf<RT> there)."""
-    return TOKEN_TILE if rt <= TOKEN_TILE_RANK_LIMIT else TOKEN_TILE_LARGE_RANK
+COEF_BITS = {"float": 32, "__half": 16, "__nv_bfloat16": 16, INT8_TYPE: 8, LOW_BIT_TYPES["int4"]: 4, LOW_BIT_TYPES["int2"]: 2}
 
 
-def decode_shared_bytes(group: int, d: int, d_v: int, rt: int) -> int:
-    """Dynamic shared memory of ``decode_split_partial`` (the carve-up at the top of the kernel)."""
-    tt = token_tile(rt)
-    floats = group * (d + 2 * rt + tt + d_v + 4) + 2 * tt * (rt + 1)
-    return 4 * floats
+def decode_tiles(rt: int, bits: int) -> tuple[int, int]:
+    """(tokens per tile, stages) of ``decode_split_partial`` for rank tile ``rt`` and ``bits`` per
+    stored coefficient (DecodeTiles<RT, CoefT> there): two stages of 64-token tiles if their key
+    and value tiles fit STAGE_BUDGET_BYTES, else two of 32, else one of 32."""
+    row = rt * bits // 8 + ROW_PAD_BYTES
+    if 2 * 2 * TOKEN_TILE * row <= STAGE_BUDGET_BYTES:
+        return TOKEN_TILE, 2
+    return TOKEN_TILE_SMALL, 2 if 2 * 2 * TOKEN_TILE_SMALL * row <= STAGE_BUDGET_BYTES else 1
+
+
+def decode_shared_bytes(group: int, d: int, d_v: int, rt: int, coef_type: str) -> int:
+    """Dynamic shared memory of ``decode_split_partial`` (the carve-up at the top of the kernel);
+    ``coef_type`` is the CUDA coefficient type of the instantiation (its second template argument)."""
+    bits = COEF_BITS[coef_type]
+    low_bit = coef_type in LOW_BIT_TYPES.values()
+    tt, stages = decode_tiles(rt, bits)
+    tiles = stages * 2 * tt * (rt * bits // 8 + ROW_PAD_BYTES)
+    extra = 0
+    if coef_type == INT8_TYPE or low_bit:
+        extra += stages * 2 * tt  # int8 scales; low-bit value zero points and scales
+    if low_bit:
+        extra += stages * tt + tt * (rt + 1)  # key group per token; dequantised key tile
+    return tiles + 4 * extra + 4 * group * (d + 2 * rt + tt + d_v + 4)
 
 
 # ------------------------------------------------------------------------------ sources

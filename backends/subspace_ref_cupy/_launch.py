@@ -42,6 +42,22 @@ class CoefArrays:
     num_tokens: int
     key_scale: Any = None
     value_scale: Any = None
+    # int4/int2 (spec/quantization.md Q2): packed uint8 codes in key_coef/value_coef, float16
+    # scales and zero points, the unfinished key group in the bases' dtype
+    low_bits: int = 0
+    key_group: int = 0
+    key_group_scale: Any = None
+    key_group_zero: Any = None
+    key_tail: Any = None
+    value_token_scale: Any = None
+    value_token_zero: Any = None
+
+    @property
+    def coef(self) -> str:
+        """The KernelConfig coefficient kind."""
+        if self.low_bits:
+            return f"int{self.low_bits}"
+        return "int8" if self.key_scale is not None else "same"
 
 
 @dataclass(frozen=True)
@@ -90,9 +106,10 @@ def plan_decode(dtype: str, q_shape: tuple, arrays: CoefArrays, sm_count: int, s
     and merge as the identity, spec A3.2)."""
     N, Hq, d = q_shape
     H = arrays.key_coef.shape[1]
-    r, r_v = arrays.key_coef.shape[3], arrays.value_coef.shape[3]
+    # ranks from the bases: a low-bit coefficient row is packed bytes
+    r, r_v = arrays.key_bases.shape[3], arrays.value_bases.shape[3]
     d_v = arrays.value_bases.shape[4]
-    coef = "int8" if arrays.key_scale is not None else "same"
+    coef = arrays.coef
     cfg = K.find_config(dtype, coef, d, d_v, r, r_v)
     if cfg is None:  # not_supported_reasons refuses these first; this is the backstop
         raise ValueError(f"no compiled kernel for dtype={dtype}, coef={coef}, d={d}, d_v={d_v}, r={r}, r_v={r_v}")
@@ -101,7 +118,7 @@ def plan_decode(dtype: str, q_shape: tuple, arrays: CoefArrays, sm_count: int, s
     if num_splits < 1 or split_len < 1 or num_splits * split_len < T:
         raise ValueError(f"{num_splits} splits of {split_len} tokens do not cover {T} tokens")
     group = Hq // H
-    return DecodePlan(cfg, N, H, Hq, group, d_v, num_splits, split_len, K.decode_shared_bytes(group, d, d_v, cfg.rank_tile))
+    return DecodePlan(cfg, N, H, Hq, group, d_v, num_splits, split_len, K.decode_shared_bytes(group, d, d_v, cfg.rank_tile, cfg.coef_type))
 
 
 def decode_args(plan: DecodePlan, q: Any, arrays: CoefArrays, part_m: Any, part_z: Any, part_o: Any, scale: float) -> tuple:
@@ -109,12 +126,13 @@ def decode_args(plan: DecodePlan, q: Any, arrays: CoefArrays, part_m: Any, part_
     a = arrays
     return (
         q, a.key_coef, a.value_coef, _ptr(a.key_scale), _ptr(a.value_scale),
+        _ptr(a.key_group_scale), _ptr(a.key_group_zero), _ptr(a.key_tail), _ptr(a.value_token_scale), _ptr(a.value_token_zero),
         a.key_bases, a.value_bases, a.chunk_starts, a.num_chunks, a.gamma,
         part_m, part_z, part_o,
         i32(plan.H), i32(plan.group), i32(a.key_coef.shape[2]), i32(a.key_bases.shape[2]),
-        i32(a.key_coef.shape[3]), i32(a.value_coef.shape[3]),
+        i32(a.key_bases.shape[3]), i32(a.value_bases.shape[3]),
         i32(a.key_bases.shape[4]), i32(a.value_bases.shape[4]),
-        i32(a.num_tokens), i32(plan.split_len), np.float32(scale),
+        i32(a.num_tokens), i32(plan.split_len), i32(a.key_group if a.low_bits else 1), np.float32(scale),
     )
 
 

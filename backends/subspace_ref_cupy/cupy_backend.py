@@ -25,6 +25,8 @@ from subspace_ref_cupy.capabilities import declared
 _FLOAT_FIELDS = ("key_coef", "value_coef", "key_bases", "value_bases")
 _INDEX_FIELDS = ("chunk_starts", "num_chunks")
 _SCALE_FIELDS = ("key_scale", "value_scale")
+# int4/int2 (spec/quantization.md Q2): beside the packed uint8 codes in key_coef/value_coef
+_LOW_BIT_FIELDS = ("key_group_scale", "key_group_zero", "key_tail", "value_token_scale", "value_token_zero")
 _KERNEL_DTYPES = tuple(_kernels.CUDA_TYPES)
 _INT32_MAX = 2**31 - 1
 
@@ -107,6 +109,9 @@ class CupyBackend:
         scales = {f: getattr(lay, f, None) for f in _SCALE_FIELDS}
         arrays = {"q": q, **{f: getattr(lay, f) for f in (*_FLOAT_FIELDS, *_INDEX_FIELDS, "gamma")}}
         arrays.update({f: x for f, x in scales.items() if x is not None})
+        low_bits = int(getattr(lay, "low_bits", 0) or 0)
+        if low_bits:
+            arrays.update({f: getattr(lay, f) for f in _LOW_BIT_FIELDS})
 
         devices = set()
         for field, x in arrays.items():
@@ -136,7 +141,12 @@ class CupyBackend:
         if _interop.dtype_name(lay.value_bases) != dtype:
             reasons.append(f"value_bases has dtype {_interop.dtype_name(lay.value_bases)} but key_bases has {dtype}; expected one dtype")
         has_scales = any(x is not None for x in scales.values())
-        for field in ("key_coef", "value_coef"):
+        for field in ("key_coef", "value_coef") if low_bits else ():
+            if _interop.dtype_name(getattr(lay, field)) != "uint8":
+                reasons.append(f"{field} has dtype {_interop.dtype_name(getattr(lay, field))}; int{low_bits} codes are packed in uint8 (spec/quantization.md Q2)")
+        if low_bits and _interop.dtype_name(lay.key_tail) != dtype:
+            reasons.append(f"key_tail has dtype {_interop.dtype_name(lay.key_tail)} but the bases have {dtype}; expected the same dtype")
+        for field in ("key_coef", "value_coef") if not low_bits else ():
             got = _interop.dtype_name(getattr(lay, field))
             if got == "int8" and not has_scales:
                 reasons.append(f"{field} is int8 but the layout has no key_scale/value_scale arrays; INT8 coefficients need their float32 scales")
@@ -153,8 +163,9 @@ class CupyBackend:
                 reasons.append(f"{field} has dtype {_interop.dtype_name(getattr(lay, field))}; expected int64 (spec A9)")
 
         d, d_v = lay.key_bases.shape[-1], lay.value_bases.shape[-1]
-        r, r_v = lay.key_coef.shape[-1], lay.value_coef.shape[-1]
-        coef = "int8" if has_scales else "same"
+        # a low-bit coefficient row is packed bytes: its ranks are the bases'
+        r, r_v = (lay.key_bases.shape[-2], lay.value_bases.shape[-2]) if low_bits else (lay.key_coef.shape[-1], lay.value_coef.shape[-1])
+        coef = f"int{low_bits}" if low_bits else ("int8" if has_scales else "same")
         if _kernels.find_config(dtype if dtype in _KERNEL_DTYPES else "float32", coef, d, d_v, r, r_v) is None:
             reasons.append(
                 f"no compiled kernel for head sizes (d, d_v) = ({d}, {d_v}) with ranks (r, r_v) = ({r}, {r_v}); "
@@ -177,8 +188,16 @@ class CupyBackend:
         lay = state.layout
         group = q.shape[1] // lay.key_coef.shape[1]
         d, d_v = lay.key_bases.shape[-1], lay.value_bases.shape[-1]
-        rt = _kernels.rank_tile(lay.key_coef.shape[-1], lay.value_coef.shape[-1])
-        need = _kernels.decode_shared_bytes(group, d, d_v, rt)
+        low_bits = int(getattr(lay, "low_bits", 0) or 0)
+        ranks = (lay.key_bases.shape[-2], lay.value_bases.shape[-2]) if low_bits else (lay.key_coef.shape[-1], lay.value_coef.shape[-1])
+        rt = _kernels.rank_tile(*ranks)
+        if low_bits:
+            coef_type = _kernels.LOW_BIT_TYPES[f"int{low_bits}"]
+        elif getattr(lay, "key_scale", None) is not None:
+            coef_type = _kernels.INT8_TYPE
+        else:
+            coef_type = _kernels.CUDA_TYPES[_interop.dtype_name(lay.key_bases)]
+        need = _kernels.decode_shared_bytes(group, d, d_v, rt, coef_type)
         device = _interop.device_id(q)
         limit = _launch.max_shared_bytes(cupy.cuda.Device(device))
         if need > limit:
@@ -294,6 +313,7 @@ class CupyBackend:
                 # spec A10 scales are float32; a state cast wholesale to 16 bits is widened here
                 key_scale=None if scale_k is None else _interop.as_cupy_float32(scale_k),
                 value_scale=None if scale_v is None else _interop.as_cupy_float32(scale_v),
+                **_low_bit_arrays(lay),
             )
             out = _launch.attend(_interop.as_cupy(q), dtype, arrays, s, self.splits)
         return _interop.to_family(out, family, dtype)
@@ -340,3 +360,19 @@ def _cupy_dtype(dtype: Any) -> np.dtype:
             raise TypeError("bfloat16 CuPy arrays need the ml_dtypes package; install it or use float16/float32") from err
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
+
+
+def _low_bit_arrays(lay) -> dict:
+    """The CoefArrays fields of an int4/int2 layout (spec/quantization.md Q2), empty otherwise."""
+    low_bits = int(getattr(lay, "low_bits", 0) or 0)
+    if not low_bits:
+        return {}
+    import cupy
+
+    out = {f: _interop.as_cupy(getattr(lay, f)) for f in _LOW_BIT_FIELDS}
+    # the kernel reads float16 scales and zero points (spec Q2); state.to(dtype=...) casts every
+    # floating array, and float16 values survive a float32 round trip exactly
+    for f in ("key_group_scale", "key_group_zero", "value_token_scale", "value_token_zero"):
+        out[f] = cupy.ascontiguousarray(out[f].astype(cupy.float16, copy=False))
+    out["key_tail"] = cupy.ascontiguousarray(out["key_tail"])
+    return {"low_bits": low_bits, "key_group": int(lay.group), **out}

@@ -169,7 +169,7 @@ def _decode_shared(row: Row) -> int:
 
         args = [a.strip() for a in row.config.split("<", 1)[1].rstrip(">").split(",")]
         d = int(args[2]) or D
-        return row.shared + K.decode_shared_bytes(GROUP, d, d, int(args[4]))
+        return row.shared + K.decode_shared_bytes(GROUP, d, d, int(args[4]), args[1])
     return row.shared
 
 

@@ -9,6 +9,14 @@
 // the launcher's shared-memory size must cover the kernel's carve-up. The emulation says nothing about races the hardware could expose, performance,
 // or compiler-specific behaviour; it checks indexing and arithmetic.
 //
+// Asynchronous copies (cp.async, kernels/common.cuh) are deferred: cp_async records the copy in the
+// calling thread's open group, cp_async_commit closes the group, and cp_async_wait<N> performs, in
+// order, the copies of every committed group but the newest N -- the latest moment the hardware
+// guarantees them. A kernel that reads a buffer before the wait covering its copy therefore reads
+// what was there before (NaN, zero or an older tile), and a thread that ends with copies not yet
+// waited for is reported (emu_copy_errors), as is a copy whose addresses are not aligned to its
+// size (the hardware faults on those).
+//
 // Used by subspace_ref_cupy/_emulation.py, which also rewrites `extern __shared__` and
 // `__shared__` in the kernel source (see there).
 #pragma once
@@ -19,7 +27,10 @@
 #include <math.h>
 
 #include <algorithm>
+#include <atomic>
 #include <barrier>
+#include <cstdint>
+#include <deque>
 #include <cstddef>
 #include <cstring>
 #include <limits>
@@ -65,6 +76,26 @@ inline int shared_overrun = 0;
 constexpr std::size_t kGuardWords = 64 * 1024;
 constexpr unsigned kGuardBits = 0x7fc0dead;
 
+struct PendingCopy {
+    void* dst;
+    const void* src;
+    std::size_t bytes;
+};
+struct CopyQueue {
+    std::vector<PendingCopy> open;
+    std::deque<std::vector<PendingCopy>> committed;
+    bool empty() const {
+        if (!open.empty()) return false;
+        for (const auto& g : committed) {
+            if (!g.empty()) return false;
+        }
+        return true;
+    }
+};
+inline thread_local CopyQueue copies;
+// Threads that ended with copies never waited for, and misaligned copies, since the last check.
+inline std::atomic<int> copy_errors{0};
+
 inline float* dynamic_smem() { return block->shared.data(); }
 
 inline std::barrier<>& warp_barrier() { return *block->warp_barriers[thread_idx.x / 32]; }
@@ -94,7 +125,12 @@ void launch(Dim3 grid, Dim3 threads, std::size_t shared_bytes, Body body) {
                         block_dim = threads;
                         grid_dim = grid;
                         block = &b;
+                        copies = CopyQueue{};
                         body();
+                        if (!copies.empty()) {
+                            ++copy_errors;
+                        }
+                        copies = CopyQueue{};
                     });
                 }
                 for (auto& th : pool) {
@@ -111,6 +147,37 @@ void launch(Dim3 grid, Dim3 threads, std::size_t shared_bytes, Body body) {
 }
 
 }  // namespace emu
+
+#define SUBSPACE_HOST_EMULATION 1
+
+namespace subspace {
+
+template <int kBytes>
+inline void cp_async(void* dst_shared, const void* src_global) {
+    static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "cp.async copies 4, 8 or 16 bytes");
+    if (reinterpret_cast<std::uintptr_t>(dst_shared) % kBytes || reinterpret_cast<std::uintptr_t>(src_global) % kBytes) {
+        ++emu::copy_errors;
+    }
+    emu::copies.open.push_back(emu::PendingCopy{dst_shared, src_global, static_cast<std::size_t>(kBytes)});
+}
+
+inline void cp_async_commit() {
+    emu::copies.committed.push_back(std::move(emu::copies.open));
+    emu::copies.open.clear();
+}
+
+template <int kPending>
+inline void cp_async_wait() {
+    auto& groups = emu::copies.committed;
+    while (groups.size() > static_cast<std::size_t>(kPending)) {
+        for (const auto& c : groups.front()) {
+            std::memcpy(c.dst, c.src, c.bytes);
+        }
+        groups.pop_front();
+    }
+}
+
+}  // namespace subspace
 
 #define threadIdx (emu::thread_idx)
 #define blockIdx (emu::block_idx)

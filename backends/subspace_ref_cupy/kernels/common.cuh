@@ -61,4 +61,53 @@ __device__ __forceinline__ float exp_shift(float a, float b) {
     return a == -SUBSPACE_INFINITY ? 0.0f : expf(a - b);
 }
 
+// Asynchronous global -> shared copies (cp.async, sm_80+): a copy issued now lands while the
+// threads compute on another buffer; it is complete, for the issuing thread, after the
+// cp_async_wait<N> that leaves at most N newer committed groups pending, and for the block after
+// a __syncthreads that follows that wait. Below sm_80 (and in NVRTC builds for such devices) the
+// copy is an ordinary synchronous one and commit/wait do nothing, which keeps the same ordering
+// rules valid. The host emulation (emulation/host_cuda.h) supplies its own versions, which defer
+// each copy until the wait that covers it, so a kernel reading a buffer before its wait reads
+// stale data there and fails the oracle comparison.
+#ifndef SUBSPACE_HOST_EMULATION
+template <int kBytes>
+struct CopyWord;
+template <>
+struct CopyWord<4> { using type = unsigned int; };
+template <>
+struct CopyWord<8> { using type = uint2; };
+template <>
+struct CopyWord<16> { using type = uint4; };
+
+template <int kBytes>
+__device__ __forceinline__ void cp_async(void* dst_shared, const void* src_global) {
+    static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "cp.async copies 4, 8 or 16 bytes");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(dst_shared));
+    if constexpr (kBytes == 16) {
+        // .cg: bypass L1, the tile is read once per block
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src_global) : "memory");
+    } else {
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(src_global), "n"(kBytes) : "memory");
+    }
+#else
+    using W = typename CopyWord<kBytes>::type;
+    *static_cast<W*>(dst_shared) = *static_cast<const W*>(src_global);
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+#endif
+}
+#endif  // SUBSPACE_HOST_EMULATION
+
 }  // namespace subspace

@@ -8,6 +8,9 @@
 //   2. merge_splits: one block per (sequence, query head) merges the S partials (spec A3.2) and
 //      writes N / Z in the query's dtype.
 //
+// Coefficient tiles stream through shared memory: while the block computes on one tile, the next
+// one is in flight (cp.async, double-buffered; see DecodeTiles for where a single buffer remains).
+//
 // The projected query q~_j = gamma * scale * B_j q is computed in-kernel, once per chunk and split,
 // rather than passed in: it costs r*d MACs per query head and chunk, far less than the chunk's
 // tokens, and avoids an (N, H_q, J, r) temporary whose size grows with the number of chunks.
@@ -21,28 +24,62 @@ constexpr int kDecodeWarps = kDecodeThreads / kWarpSize;
 // Blocks per SM the register allocation is held to (__launch_bounds__' second argument): <= 128
 // registers per thread. Without it ptxas kept 56-72 registers and spilled 12-44 bytes in most
 // instantiations (subspace-kv gpu-report); with it none spills, and 4 blocks of 4 warps fit an
-// SM of sm_80 and sm_90 (shared memory allowing: see decode_shared_bytes).
+// SM of sm_80 and sm_90 (shared memory allowing: see DecodeTiles).
 constexpr int kDecodeMinBlocks = 4;
 // Tokens per tile: two per lane in the per-head softmax update (half the barriers per token of a
-// one-warp-wide tile) while the rank tile is at most kTokenTileRankLimit; one per lane above it,
-// where two 64-token tiles of RT + 1 floats per row would outgrow most GPUs' shared memory.
+// one-warp-wide tile) when the tiles fit kStageBudgetBytes, else one per lane.
 constexpr int kTokenTile = 2 * kWarpSize;
-constexpr int kTokenTileLargeRank = kWarpSize;
-constexpr int kTokenTileRankLimit = 128;
+constexpr int kTokenTileSmall = kWarpSize;
+// Shared memory the coefficient tiles (keys and values, every stage) may take. 24 KiB leaves
+// room for the block's other ~6-8 KB (query, q~, weights, accumulators at GQA group 4, d = 128)
+// under 40 KB, the most a block may use for 4 blocks per SM on A100 (164 KB per SM, 1 KB of it
+// reserved per block); H100 (228 KB) fits 5 such blocks.
+constexpr int kStageBudgetBytes = 24 * 1024;
+// Padding after each tile row: rows are whole 16-byte vectors (RT * sizeof(CoefT) is a multiple
+// of 32 bytes), so one more vector makes the row stride an odd number of them and the 8 threads
+// of a quarter warp, reading one vector each from 8 consecutive rows, hit 8 distinct bank groups.
+constexpr int kRowPadBytes = 16;
 
-template <int RT>
-constexpr int kTokenTileOf = RT <= kTokenTileRankLimit ? kTokenTile : kTokenTileLargeRank;
+// Tile geometry of one instantiation. Tiles hold the coefficients as stored (no dequantisation
+// on the copy, so the copy can be asynchronous); each row is RT * sizeof(CoefT) + kRowPadBytes
+// bytes, the bytes past a row's `rank` coefficients stay zero. The first of these that fits the
+// budget is used:
+//   two stages of 64-token tiles  (16-bit coefficients at rank tile 32; int8 at 32 and 64),
+//   two stages of 32-token tiles  (float32 at 32; 16-bit at 64; int8 at 128),
+//   one stage of 32-token tiles   (the rest: the copy of the next tile then waits for the
+//                                  compute on the current one, as before streaming).
+// At rank tile 64 two 64-row stages of 16-bit coefficients take 4 x 64 x 144 B = 36.9 KB, which
+// with the rest (7.2 KB) exceeds the 40 KB per block of 4 blocks on A100; 32-row stages take
+// 18.4 KB.
+template <int RT, typename CoefT>
+struct DecodeTiles {
+    using Reader = CoefReader<CoefT>;
+    static constexpr int kRowBytes = RT * Reader::kBits / 8 + kRowPadBytes;
+    static constexpr bool kWide = 2 * 2 * kTokenTile * kRowBytes <= kStageBudgetBytes;
+    static constexpr int kTokens = kWide ? kTokenTile : kTokenTileSmall;
+    static constexpr int kStages = (kWide || 2 * 2 * kTokenTileSmall * kRowBytes <= kStageBudgetBytes) ? 2 : 1;
+    static constexpr int kTileBytes = kTokens * kRowBytes;
+    // Per stage: int8, the float32 scales of the keys then of the values; low-bit, the value
+    // zero points then scales (float16 widened), and each token's key group (-1: the tail).
+    static constexpr int kScaleFloats = (Reader::kScaled || Reader::kLowBit) ? kStages * 2 * kTokens : 0;
+    static constexpr int kGroupInts = Reader::kLowBit ? kStages * kTokens : 0;
+    // Low-bit keys are dequantised once per tile into floats (rows of RT + 1: lanes reading one
+    // column of consecutive rows hit distinct banks), which every query head then reads.
+    static constexpr int kKeyFloats = Reader::kLowBit ? kTokens * (RT + 1) : 0;
+    static constexpr int kBytes = kStages * 2 * kTileBytes + 4 * (kScaleFloats + kGroupInts + kKeyFloats);
+};
 
-// Dynamic shared memory of decode_split_partial, in floats (the Python launcher uses the same
+// Dynamic shared memory of decode_split_partial, in bytes (the Python launcher uses the same
 // formula, subspace_ref_cupy._kernels.decode_shared_bytes):
-//   group * (d + 2 * RT + TT + d_v + 4) + 2 * TT * (RT + 1),  TT = kTokenTileOf<RT>
+//   DecodeTiles<RT, CoefT>::kBytes + 4 * group * (d + 2 * RT + TT + d_v + 4),  TT = kTokens
+// (int4/int2 rows hold RT * bits / 8 bytes).
 //
 // Template parameters: T is the dtype of q and of the bases; CoefT the coefficient storage (T, or
-// signed char for INT8 with per-token scales); D and DV the key and value head sizes, or 0 for
+// signed char for INT8 with per-token scales, Int4Codes / Int2Codes for spec/quantization.md Q2); D and DV the key and value head sizes, or 0 for
 // "given at run time" (d_rt, d_v_rt; any size); RT the rank tile, an upper bound on both ranks r
-// and r_v (coefficients are zero-padded to RT in shared memory, so the per-token loops have a
-// compile-time trip count). The per-token work depends on RT only; D and DV shape the once-per-
-// chunk query projection and value-basis map, which is why a run-time head size costs little.
+// and r_v (tile rows are zero past r, so the per-token loops have a compile-time trip count). The
+// per-token work depends on RT only; D and DV shape the once-per-chunk query projection and
+// value-basis map, which is why a run-time head size costs little.
 
 // q~ row i for every head of the group: one warp, lanes over the d columns of the basis row,
 // which is read from global memory once (fixed D: kept in registers) and reused for all g heads.
@@ -96,39 +133,84 @@ struct RowCol {
     }
 };
 
-// Rows t0 .. t0 + tile_len - 1 of one head's coefficients (rows of `width` contiguous elements
-// from row `row0`), dequantised to float32, into a shared tile of kRowPad floats per row. The
-// tile is one contiguous block: consecutive threads read consecutive 16-byte vectors when a row
-// is a whole number of them (width a multiple of 16 / sizeof(CoefT), base aligned), else
-// consecutive elements; (row, column) advance by a step computed once per call, not by a
-// division per element.
-template <int kRowPad, typename CoefT>
-__device__ __forceinline__ void load_coef_tile(float* s_tile, const CoefT* __restrict__ coef, const float* __restrict__ scales,
-                                               long long row0, int tile_len, int width, int tid) {
-    constexpr int kVec = 16 / static_cast<int>(sizeof(CoefT));
-    const CoefT* base = coef + row0 * width;
-    if (width % kVec == 0 && reinterpret_cast<unsigned long long>(base) % 16 == 0) {
-        const int vecs = width / kVec;
-        const uint4* src = reinterpret_cast<const uint4*>(base);
-        const RowCol step = RowCol::of(kDecodeThreads, vecs);
-        RowCol at = RowCol::of(tid, vecs);
-        for (int idx = tid; idx < tile_len * vecs; idx += kDecodeThreads, step.advance(at.t, at.i, vecs)) {
-            const uint4 raw = src[idx];
-            CoefT e[kVec];
-            __builtin_memcpy(e, &raw, sizeof(raw));
-            float* dst = s_tile + at.t * kRowPad + at.i * kVec;
-#pragma unroll
-            for (int k = 0; k < kVec; ++k) {
-                dst[k] = CoefReader<CoefT>::load(e, scales, k, row0 + at.t);
-            }
-        }
-    } else {
-        const RowCol step = RowCol::of(kDecodeThreads, width);
-        RowCol at = RowCol::of(tid, width);
-        for (int idx = tid; idx < tile_len * width; idx += kDecodeThreads, step.advance(at.t, at.i, width)) {
-            s_tile[at.t * kRowPad + at.i] = CoefReader<CoefT>::load(base, scales, idx, row0 + at.t);
+// Issues the copies of rows row0 .. row0 + len - 1 of one head's coefficients (rows of `width`
+// elements) into a tile of kRowBytes-byte rows. Each row goes in the widest piece (16, 8 or 4
+// bytes) that divides its bytes and the source's alignment; consecutive threads copy consecutive
+// pieces of the contiguous source rows. (row, piece) advance by a step computed once per call,
+// not by a division per piece. Rows whose bytes no 4-byte piece divides (an odd rank in 16-bit,
+// a rank not a multiple of 4 in int8) are copied byte by byte, synchronously.
+template <int kPiece, int kRowBytes>
+__device__ __forceinline__ void copy_rows(unsigned char* dst, const unsigned char* src, int len, int row_bytes, int tid) {
+    const int pieces = row_bytes / kPiece;
+    const RowCol step = RowCol::of(kDecodeThreads, pieces);
+    RowCol at = RowCol::of(tid, pieces);
+    for (int idx = tid; idx < len * pieces; idx += kDecodeThreads, step.advance(at.t, at.i, pieces)) {
+        unsigned char* d = dst + at.t * kRowBytes + at.i * kPiece;
+        const unsigned char* s = src + static_cast<long long>(idx) * kPiece;
+        if constexpr (kPiece == 1) {
+            *d = *s;
+        } else {
+            cp_async<kPiece>(d, s);
         }
     }
+}
+
+template <int kRowBytes, typename CoefT>
+__device__ __forceinline__ void issue_tile(unsigned char* s_tile, float* s_scale, const CoefT* __restrict__ coef,
+                                           const float* __restrict__ scales, long long row0, int len, int width, int tid) {
+    const int row_bytes = (width * CoefReader<CoefT>::kBits + 7) / 8;
+    const unsigned char* src = reinterpret_cast<const unsigned char*>(coef) + row0 * row_bytes;
+    const unsigned long long align = reinterpret_cast<unsigned long long>(src) | static_cast<unsigned long long>(row_bytes);
+    if (align % 16 == 0) {
+        copy_rows<16, kRowBytes>(s_tile, src, len, row_bytes, tid);
+    } else if (align % 8 == 0) {
+        copy_rows<8, kRowBytes>(s_tile, src, len, row_bytes, tid);
+    } else if (align % 4 == 0) {
+        copy_rows<4, kRowBytes>(s_tile, src, len, row_bytes, tid);
+    } else {
+        copy_rows<1, kRowBytes>(s_tile, src, len, row_bytes, tid);
+    }
+    if constexpr (CoefReader<CoefT>::kScaled) {
+        for (int t = tid; t < len; t += kDecodeThreads) {
+            cp_async<4>(s_scale + t, scales + row0 + t);
+        }
+    }
+}
+
+// The per-token numbers a low-bit tile needs beside its codes, for tokens t0 .. t0 + len - 1:
+// each token's key group (one division per token, not per coefficient; -1 for the tokens of the
+// unfinished group, read from key_tail) and the value zero point and scale. Plain loads: a
+// float16 pair per token is below cp.async's 4-byte piece.
+__device__ __forceinline__ void stage_low_bit_token_data(int* s_group, float* s_vzs, const __half* __restrict__ v_scale,
+                                                         const __half* __restrict__ v_zero, long long row0, int t0, int len,
+                                                         int complete, int key_group, int tt, int tid) {
+    for (int t = tid; t < len; t += kDecodeThreads) {
+        const int token = t0 + t;
+        s_group[t] = token < complete ? token / key_group : -1;
+        s_vzs[t] = to_float(v_zero[row0 + t]);
+        s_vzs[tt + t] = to_float(v_scale[row0 + t]);
+    }
+}
+
+// q~ . c for one token: RT coefficients of a raw tile row read as 16-byte vectors (a compile-time
+// count of them), against RT floats of q~ (zero past the rank, as the row).
+template <int RT, typename CoefT>
+__device__ __forceinline__ float row_dot(const float* qt, const unsigned char* row) {
+    constexpr int kVec = 16 / static_cast<int>(sizeof(CoefT));
+    static_assert(RT % kVec == 0, "a tile row is whole 16-byte vectors");
+    const uint4* v = reinterpret_cast<const uint4*>(row);
+    float acc = 0.0f;
+#pragma unroll 4
+    for (int k = 0; k < RT / kVec; ++k) {
+        const uint4 raw = v[k];
+        CoefT e[kVec];
+        __builtin_memcpy(e, &raw, sizeof(raw));
+#pragma unroll
+        for (int u = 0; u < kVec; ++u) {
+            acc += qt[k * kVec + u] * CoefReader<CoefT>::code(e[u]);
+        }
+    }
+    return acc;
 }
 
 template <typename T, typename CoefT, int D, int DV, int RT>
@@ -138,6 +220,11 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
                      const CoefT* __restrict__ value_coef,       // (N, H, T_cap, r_v)
                      const float* __restrict__ key_scale,        // (N, H, T_cap), INT8 only
                      const float* __restrict__ value_scale,      // (N, H, T_cap), INT8 only
+                     const __half* __restrict__ key_group_scale, // (N, H, ceil(T_cap / G), r), int4/int2 only
+                     const __half* __restrict__ key_group_zero,  // (N, H, ceil(T_cap / G), r), int4/int2 only
+                     const T* __restrict__ key_tail,             // (N, H, G, r), int4/int2 only
+                     const __half* __restrict__ value_token_scale, // (N, H, T_cap), int4/int2 only
+                     const __half* __restrict__ value_token_zero,  // (N, H, T_cap), int4/int2 only
                      const T* __restrict__ key_bases,            // (N, H, J_cap, r, d)
                      const T* __restrict__ value_bases,          // (N, H, J_cap, r_v, d_v)
                      const long long* __restrict__ chunk_starts, // (N, H, J_cap)
@@ -147,12 +234,16 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
                      float* __restrict__ part_z,                 // (N, H_q, S)
                      float* __restrict__ part_o,                 // (N, H_q, S, d_v)
                      int num_kv_heads, int group, int t_cap, int j_cap, int rank, int rank_v,
-                     int d_rt, int d_v_rt, int num_tokens, int split_len, float scale) {
+                     int d_rt, int d_v_rt, int num_tokens, int split_len, int key_group, float scale) {
     static_assert(D >= 0 && D % kWarpSize == 0, "a fixed D gives each lane D / 32 columns");
     static_assert(DV >= 0, "DV is a head size, or 0 for a run-time one");
     static_assert(RT % kWarpSize == 0, "rank tiles are whole warps");
-    constexpr int kRowPad = RT + 1;  // odd row stride: lanes reading one column hit distinct banks
-    constexpr int TT = kTokenTileOf<RT>;
+    using Tiles = DecodeTiles<RT, CoefT>;
+    using Reader = CoefReader<CoefT>;
+    constexpr int TT = Tiles::kTokens;
+    constexpr int kStages = Tiles::kStages;
+    constexpr int kRowBytes = Tiles::kRowBytes;
+    constexpr int kTileBytes = Tiles::kTileBytes;
     constexpr int kPerLane = TT / kWarpSize;
     const int d = D > 0 ? D : d_rt;
     const int dv = DV > 0 ? DV : d_v_rt;
@@ -167,12 +258,17 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
     const int num_q_heads = num_kv_heads * group;
 
     extern __shared__ float smem[];
-    float* s_q = smem;                          // group x d
+    // Stage s holds the key tile at s_tiles + 2 s kTileBytes, the value tile after it, and (int8)
+    // their scales at s_scales + 2 s TT. The tiles come first: their 16-byte alignment is the
+    // buffer's.
+    unsigned char* s_tiles = reinterpret_cast<unsigned char*>(smem);
+    float* s_scales = reinterpret_cast<float*>(s_tiles + kStages * 2 * kTileBytes);
+    [[maybe_unused]] int* s_groups = reinterpret_cast<int*>(s_scales + Tiles::kScaleFloats);  // kStages x TT
+    [[maybe_unused]] float* s_kf = reinterpret_cast<float*>(s_groups + Tiles::kGroupInts);    // TT x (RT + 1)
+    float* s_q = s_kf + Tiles::kKeyFloats;      // group x d
     float* s_qt = s_q + group * d;              // group x RT, scaled by gamma * scale
-    float* s_kc = s_qt + group * RT;            // TT x kRowPad
-    float* s_vc = s_kc + TT * kRowPad;  // TT x kRowPad
-    float* s_w = s_vc + TT * kRowPad;   // group x TT: logits, then weights
-    float* s_acc = s_w + group * TT;    // group x RT: value-coefficient accumulator
+    float* s_w = s_qt + group * RT;             // group x TT: logits, then weights
+    float* s_acc = s_w + group * TT;            // group x RT: value-coefficient accumulator
     float* s_out = s_acc + group * RT;          // group x d_v: N of spec A3, at scale s_mout
     float* s_m = s_out + group * dv;            // group: running max m
     float* s_z = s_m + group;                   // group: Z
@@ -191,9 +287,10 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
     for (int i = tid; i < group * dv; i += kDecodeThreads) {
         s_out[i] = 0.0f;
     }
-    // Columns rank..RT of the tiles are never loaded; zero makes them inert in the RT-long dots.
-    for (int i = tid; i < 2 * TT * kRowPad; i += kDecodeThreads) {
-        s_kc[i] = 0.0f;
+    // Bytes past a row's rank coefficients are never copied; zero makes them inert in the RT-long
+    // dots (and finite in the value sums, whose columns past r_v are never read).
+    for (int i = tid; i < kStages * 2 * kTileBytes / 16; i += kDecodeThreads) {
+        reinterpret_cast<uint4*>(s_tiles)[i] = make_uint4(0u, 0u, 0u, 0u);
     }
     for (int i = tid; i < group; i += kDecodeThreads) {
         s_m[i] = -SUBSPACE_INFINITY;
@@ -205,6 +302,9 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
     const int lo = split * split_len;
     const int hi = min(num_tokens, lo + split_len);
     const float logit_scale = gamma[h] * scale;
+    // Low-bit keys: tokens below `complete` are in complete groups (spec Q2 step 2).
+    [[maybe_unused]] const int complete = Reader::kLowBit ? (num_tokens / key_group) * key_group : 0;
+    [[maybe_unused]] const long long key_groups_cap = Reader::kLowBit ? (t_cap + key_group - 1) / key_group : 0;
     const long long num_j = num_chunks[nh];
     const long long* starts = chunk_starts + nh * j_cap;
 
@@ -231,6 +331,16 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
                 continue;
             }
 
+            // The chunk's first tile is in flight while q~_j is computed.
+            const long long coef_row0 = nh * t_cap;
+            issue_tile<kRowBytes>(s_tiles, s_scales, key_coef, key_scale, coef_row0 + c_lo, min(TT, c_hi - c_lo), rank, tid);
+            issue_tile<kRowBytes>(s_tiles + kTileBytes, s_scales + TT, value_coef, value_scale, coef_row0 + c_lo, min(TT, c_hi - c_lo), rank_v, tid);
+            if constexpr (Reader::kLowBit) {
+                stage_low_bit_token_data(s_groups, s_scales, value_token_scale, value_token_zero, coef_row0 + c_lo, c_lo,
+                                         min(TT, c_hi - c_lo), complete, key_group, TT, tid);
+            }
+            cp_async_commit();
+
             // Spec A3 step 2.1: q~_j = B_j q, one warp per basis row.
             const T* basis = key_bases + (nh * j_cap + j) * static_cast<long long>(rank) * d;
             for (int i = warp; i < RT; i += kDecodeWarps) {
@@ -244,12 +354,58 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
             }
             __syncthreads();
 
-            const long long coef_row0 = nh * t_cap;
-            for (int t0 = c_lo; t0 < c_hi; t0 += TT) {
+            int stage = 0;
+            for (int t0 = c_lo; t0 < c_hi; t0 += TT, stage ^= kStages - 1) {
                 const int tile_len = min(TT, c_hi - t0);
-                load_coef_tile<kRowPad>(s_kc, key_coef, key_scale, coef_row0 + t0, tile_len, rank, tid);
-                load_coef_tile<kRowPad>(s_vc, value_coef, value_scale, coef_row0 + t0, tile_len, rank_v, tid);
+                const int next = t0 + TT;
+                if constexpr (kStages == 2) {
+                    // The other stage was last read by the previous tile, which ended at a barrier.
+                    if (next < c_hi) {
+                        unsigned char* s_next = s_tiles + (stage ^ 1) * 2 * kTileBytes;
+                        float* s_next_scale = s_scales + (stage ^ 1) * 2 * TT;
+                        const int next_len = min(TT, c_hi - next);
+                        issue_tile<kRowBytes>(s_next, s_next_scale, key_coef, key_scale, coef_row0 + next, next_len, rank, tid);
+                        issue_tile<kRowBytes>(s_next + kTileBytes, s_next_scale + TT, value_coef, value_scale, coef_row0 + next, next_len, rank_v, tid);
+                        if constexpr (Reader::kLowBit) {
+                            stage_low_bit_token_data(s_groups + (stage ^ 1) * TT, s_next_scale, value_token_scale, value_token_zero,
+                                                     coef_row0 + next, next, next_len, complete, key_group, TT, tid);
+                        }
+                    }
+                    // Committed even when empty, so that "all groups but the newest" is always
+                    // the current tile's.
+                    cp_async_commit();
+                    cp_async_wait<1>();
+                } else {
+                    cp_async_wait<0>();
+                }
                 __syncthreads();
+                const unsigned char* s_kc = s_tiles + stage * 2 * kTileBytes;
+                const unsigned char* s_vc = s_kc + kTileBytes;
+                [[maybe_unused]] const float* s_ks = s_scales + stage * 2 * TT;
+                [[maybe_unused]] const float* s_vs = s_ks + TT;
+
+                // Low-bit keys (spec Q2 step 2): a complete group's codes with its per-channel
+                // scale and zero point, the unfinished group's tokens from key_tail as they are.
+                if constexpr (Reader::kLowBit) {
+                    const int* s_grp = s_groups + stage * TT;
+                    const RowCol step = RowCol::of(kDecodeThreads, RT);
+                    RowCol at = RowCol::of(tid, RT);
+                    for (int idx = tid; idx < tile_len * RT; idx += kDecodeThreads, step.advance(at.t, at.i, RT)) {
+                        float x = 0.0f;
+                        if (at.i < rank) {
+                            const int grp = s_grp[at.t];
+                            if (grp >= 0) {
+                                const long long sz = (nh * key_groups_cap + grp) * rank + at.i;
+                                x = low_bit_value<T>(Reader::at(s_kc + at.t * kRowBytes, at.i), to_float(key_group_scale[sz]),
+                                                     to_float(key_group_zero[sz]));
+                            } else {
+                                x = to_float(key_tail[(nh * key_group + (t0 + at.t - complete)) * rank + at.i]);
+                            }
+                        }
+                        s_kf[at.t * (RT + 1) + at.i] = x;
+                    }
+                    __syncthreads();
+                }
 
                 // Logits gamma * scale * q~_j . c_t; tokens past the tile end get -inf so that
                 // they weigh exactly 0.
@@ -258,10 +414,17 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
                     const int t = idx - g * TT;
                     float logit = -SUBSPACE_INFINITY;
                     if (t < tile_len) {
-                        logit = 0.0f;
+                        if constexpr (Reader::kLowBit) {
+                            logit = 0.0f;
 #pragma unroll 8
-                        for (int i = 0; i < RT; ++i) {
-                            logit += s_qt[g * RT + i] * s_kc[t * kRowPad + i];
+                            for (int i = 0; i < RT; ++i) {
+                                logit += s_qt[g * RT + i] * s_kf[t * (RT + 1) + i];
+                            }
+                        } else {
+                            logit = row_dot<RT, CoefT>(s_qt + g * RT, s_kc + t * kRowBytes);
+                            if constexpr (Reader::kScaled) {
+                                logit *= s_ks[t];
+                            }
                         }
                     }
                     s_w[idx] = logit;
@@ -305,11 +468,34 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
                     const int i = idx - g * RT;
                     float acc = s_acc[idx] * s_alpha[g];
                     for (int t = 0; t < tile_len; ++t) {
-                        acc += s_w[g * TT + t] * s_vc[t * kRowPad + i];
+                        float w = s_w[g * TT + t];
+                        if constexpr (Reader::kLowBit) {
+                            // s_ks holds the value zero points here, s_vs the scales
+                            acc += w * low_bit_value<T>(Reader::at(s_vc + t * kRowBytes, i), s_vs[t], s_ks[t]);
+                        } else {
+                            if constexpr (Reader::kScaled) {
+                                w *= s_vs[t];
+                            }
+                            acc += w * Reader::at(s_vc + t * kRowBytes, i);
+                        }
                     }
                     s_acc[idx] = acc;
                 }
+                // Also frees this stage for the copy issued at the top of the tile after next
+                // (two stages), or right below (one stage).
                 __syncthreads();
+                if constexpr (kStages == 1) {
+                    if (next < c_hi) {
+                        const int next_len = min(TT, c_hi - next);
+                        issue_tile<kRowBytes>(s_tiles, s_scales, key_coef, key_scale, coef_row0 + next, next_len, rank, tid);
+                        issue_tile<kRowBytes>(s_tiles + kTileBytes, s_scales + TT, value_coef, value_scale, coef_row0 + next, next_len, rank_v, tid);
+                        if constexpr (Reader::kLowBit) {
+                            stage_low_bit_token_data(s_groups, s_scales, value_token_scale, value_token_zero, coef_row0 + next, next, next_len,
+                                                     complete, key_group, TT, tid);
+                        }
+                        cp_async_commit();
+                    }
+                }
             }
 
             // Once per chunk, not per token: N <- N * exp(m_out - m) + acc E_j (spec A3 step 2.3).

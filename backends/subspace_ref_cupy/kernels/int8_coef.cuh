@@ -34,22 +34,63 @@ __host__ __device__ __forceinline__ float int8_coef_dequantize(signed char q, fl
     return static_cast<float>(q) * scale;
 }
 
-// Reads coefficient `idx` of token `token` as float32, whatever the storage. The scale pointer is
-// only read for int8 storage; for float storage it may be null.
+// Low-bit coefficient storage (spec/quantization.md Q2): bytes of packed codes, 8 / kBits per
+// byte, code c of a row in bits [(c mod 8/kBits) kBits, ...) of byte c / (8/kBits). The types
+// only name the format for the decode template; the bytes are read through CoefReader.
+struct Int4Codes {
+    unsigned char byte;
+};
+struct Int2Codes {
+    unsigned char byte;
+};
+
+// How the decode kernel reads a coefficient from the raw row its shared tile holds: the stored
+// number as float32, before the per-token scale of int8 storage (kScaled), which the kernel
+// applies once per token (to the logit, to the weight) instead of once per coefficient; for the
+// low-bit formats (kLowBit) the code, to which the kernel applies the scale and zero point.
 template <typename CoefT>
 struct CoefReader {
-    __device__ __forceinline__ static float load(const CoefT* coef, const float* /*scales*/,
-                                                 long long idx, long long /*token*/) {
-        return to_float(coef[idx]);
-    }
+    static constexpr bool kScaled = false;
+    static constexpr bool kLowBit = false;
+    static constexpr int kBits = 8 * static_cast<int>(sizeof(CoefT));
+    __device__ __forceinline__ static float code(CoefT x) { return to_float(x); }
+    __device__ __forceinline__ static float at(const unsigned char* row, int i) { return code(reinterpret_cast<const CoefT*>(row)[i]); }
 };
 
 template <>
 struct CoefReader<signed char> {
-    __device__ __forceinline__ static float load(const signed char* coef, const float* scales,
-                                                 long long idx, long long token) {
-        return int8_coef_dequantize(coef[idx], scales[token]);
+    static constexpr bool kScaled = true;
+    static constexpr bool kLowBit = false;
+    static constexpr int kBits = 8;
+    __device__ __forceinline__ static float code(signed char x) { return static_cast<float>(x); }
+    __device__ __forceinline__ static float at(const unsigned char* row, int i) { return code(reinterpret_cast<const signed char*>(row)[i]); }
+};
+
+template <int kCodeBits>
+struct LowBitReader {
+    static constexpr bool kScaled = false;
+    static constexpr bool kLowBit = true;
+    static constexpr int kBits = kCodeBits;
+    static constexpr int kPerByte = 8 / kCodeBits;
+    // shifts and masks: kPerByte is a power of two, so no division per code
+    __device__ __forceinline__ static float at(const unsigned char* row, int i) {
+        const unsigned byte = row[i / kPerByte];
+        return static_cast<float>((byte >> ((i % kPerByte) * kCodeBits)) & ((1u << kCodeBits) - 1u));
     }
 };
+
+template <>
+struct CoefReader<Int4Codes> : LowBitReader<4> {};
+template <>
+struct CoefReader<Int2Codes> : LowBitReader<2> {};
+
+// Spec Q1 step 3: x^ = q s + z rounded to the state's dtype T, as the oracle rounds its float64
+// reading. q s is exact in float32 (at most 4 + 11 significant bits), so fmaf rounds
+// once, exactly as the oracle does for T = float32; for 16-bit T a second rounding follows, which
+// can differ from the oracle's single one by an ulp of T at a tie.
+template <typename T>
+__device__ __forceinline__ float low_bit_value(float code, float s, float z) {
+    return to_float(from_float<T>(fmaf(code, s, z)));
+}
 
 }  // namespace subspace

@@ -29,12 +29,13 @@ def cache_dir() -> Path:
     raise OSError(f"no writable build cache among {[str(p) for p in candidates]}; set SUBSPACE_REF_CACHE")
 
 
-def build_shared_library(source: str, compiler: str, flags: list[str], stem: str, suffix: str = ".c") -> Path:
+def build_shared_library(source: str, compiler: str, flags: list[str], stem: str, suffix: str = ".c", depends: list[Path] = ()) -> Path:
     """The shared library of ``source`` (text) built with ``compiler`` and ``flags``, built only if
-    no library of the same source, compiler, flags and machine is cached. Raises RuntimeError with
-    the compiler's message when the build fails. The file is written under a temporary name and
-    renamed, so concurrent processes never load a half-written library."""
-    key = "\0".join([source, compiler, *flags, platform.machine(), platform.processor()])
+    no library of the same source, headers it includes (``depends``), compiler, flags and machine
+    is cached. Raises RuntimeError with the compiler's message when the build fails. The file is
+    written under a temporary name and renamed, so concurrent processes never load a half-written
+    library."""
+    key = "\0".join([source, *(Path(p).read_text() for p in depends), compiler, *flags, platform.machine(), platform.processor()])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     build = cache_dir() / "build"
     build.mkdir(exist_ok=True)

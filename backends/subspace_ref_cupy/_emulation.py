@@ -15,17 +15,15 @@ CUDA thread is an OS thread; keep the shapes small.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from subspace_ref.host_build import build_shared_library
 from subspace_ref_cupy import _kernels as K
 from subspace_ref_cupy import _launch as L
 
@@ -117,32 +115,8 @@ class Library:
             )
             lines.append(f'extern "C" int {sym}_sizes(std::size_t* out) {{ return emu_sizes(&{n}, out); }}')
         unit = "\n".join(lines) + "\n"
-        digest = hashlib.sha256(unit.encode() + (EMULATION_DIR / "host_cuda.h").read_bytes()).hexdigest()[:16]
-        build = Path(tempfile.gettempdir()) / "subspace_ref_cupy_emulation"
-        build.mkdir(exist_ok=True)
-        lib_path = build / f"kernels_{digest}.so"
-        if not lib_path.exists():
-            src = build / f"kernels_{digest}.cpp"
-            src.write_text(unit)
-            tmp = build / f"kernels_{digest}.{os.getpid()}.so"
-            cmd = [
-                compiler(),
-                "-std=c++20",
-                "-O1",
-                "-shared",
-                "-fPIC",
-                "-pthread",
-                "-w",
-                f"-I{EMULATION_DIR}",
-                f"-I{cuda_include_dir()}",
-                str(src),
-                "-o",
-                str(tmp),
-            ]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise RuntimeError("host build of the kernels failed:\n" + " ".join(cmd) + "\n" + proc.stderr[-6000:])
-            os.replace(tmp, lib_path)
+        flags = ["-std=c++20", "-O1", "-pthread", "-w", f"-I{EMULATION_DIR}", f"-I{cuda_include_dir()}"]
+        lib_path = build_shared_library(unit, compiler(), flags, "cuda_emulation", suffix=".cpp", depends=[EMULATION_DIR / "host_cuda.h"])
         self._lib = ctypes.CDLL(str(lib_path))
         self._symbols = symbols
 

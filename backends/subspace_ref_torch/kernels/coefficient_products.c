@@ -107,7 +107,26 @@ ALWAYS_INLINE float plane_dot(const float *a, const float *b, int64_t n) {
 ALWAYS_INLINE void widen_row(const uint8_t *row, int64_t width, int bits, const float *scale_planes, const float *zero_planes,
                              float *out) {
     const int per = 8 / bits;
-    for (int p = 0; p < per; ++p) widen_plane(row, width, bits, p, out + p * width);
+#if defined(__AVX512BW__)
+    if (bits < 8 && (width == 4 || width == 8)) {
+        /* Rows of 4 or 8 bytes (int2 at r = 16 / 32, int4 at r = 16): a plane is 4 or 8 floats, and
+         * storing planes one by one, then reading 16 floats back, stalls store forwarding (the
+         * compiler's version spent most of its time there). So each 16-lane vector takes
+         * 16 / width planes at once: lane l holds column k = l mod width of plane p = l / width,
+         * its byte placed by a permute and its plane's bits by a per-lane shift. */
+        const int log_width = width == 4 ? 2 : 3;
+        const __m512i wide = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8((__mmask16)((1u << width) - 1u), row));
+        const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
+        const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        for (int64_t c = 0; c < per * width; c += 16) {
+            const __m512i i = _mm512_add_epi32(lanes, _mm512_set1_epi32((int)c));
+            const __m512i bytes = _mm512_permutexvar_epi32(_mm512_and_si512(i, _mm512_set1_epi32((int)width - 1)), wide);
+            const __m512i shift = _mm512_mullo_epi32(_mm512_srli_epi32(i, log_width), _mm512_set1_epi32(bits));
+            _mm512_storeu_ps(out + c, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(bytes, shift), mask)));
+        }
+    } else
+#endif
+        for (int p = 0; p < per; ++p) widen_plane(row, width, bits, p, out + p * width);
     if (bits == 8 || !scale_planes) return; /* int8, or per-token scales applied by the caller */
     const int64_t n = per * width;
 #pragma omp simd

@@ -51,7 +51,7 @@ class TritonBackend:
 
     Reads states converted with ``state.to("triton", device="cuda")`` (torch tensors; the
     default device is CUDA when the kernels run compiled). float32, float16 and bfloat16 states,
-    float or int8 (spec A10) coefficients, all arithmetic the softmax sees in float32. Under
+    float, int8 (spec A10) or int4/int2 (spec/quantization.md Q2) coefficients, all arithmetic the softmax sees in float32. Under
     ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors through Triton's interpreter
     (slow: for tests at small shapes).
     """
@@ -108,6 +108,9 @@ class TritonBackend:
         quantized = lay.quantized  # int8 coefficients, spec A10
         coef_fields = ("key_coef", "value_coef", "key_scale", "value_scale")
         own_dtype = set(coef_fields) if quantized else set()
+        low_bit = ("key_coef", "value_coef", "key_group_scale", "key_group_zero", "value_token_scale", "value_token_zero")
+        if lay.low_bits:  # int4/int2 (spec/quantization.md Q2): uint8 codes, float16 scales and zero points by definition
+            own_dtype |= set(low_bit)
         if lay.basis_format != "native":  # decoded before the launch (spec/storage.md S2)
             own_dtype |= {"key_bases", "value_bases", "key_basis_scale", "value_basis_scale"}
         floats = {name: dtype_name(x.dtype) for name, x in lay.arrays().items() if x.is_floating_point() and name not in own_dtype}
@@ -118,6 +121,11 @@ class TritonBackend:
             want = {"key_coef": "int8", "value_coef": "int8", "key_scale": "float32", "value_scale": "float32"}
             if got != want:
                 reasons.append(f"an int8 state (spec A10) needs int8 coefficients and float32 scales, got {got}")
+        if lay.low_bits:
+            got = {name: dtype_name(getattr(lay, name).dtype) for name in low_bit}
+            want = {name: "uint8" if name.endswith("coef") else "float16" for name in low_bit}
+            if got != want:
+                reasons.append(f"an int{lay.low_bits} state (spec/quantization.md Q2) needs uint8 codes and float16 scales and zero points, got {got}")
         if lay.key_coef.device.type == "cpu" and "cpu" not in self.devices:
             reasons.append("the state is on the CPU; move it to a CUDA device (state.to('triton', device='cuda')) or set TRITON_INTERPRET=1")
         for name, x in lay.arrays().items():

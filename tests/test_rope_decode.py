@@ -93,7 +93,13 @@ def _triton_or_skip():
         pytest.skip(f"triton backend unavailable: {None if info is None else info.reason}")
 
 
-TRITON_CASES = [c for c in CASES if not c[0].endswith("tiles")] + [("splits", "half", None, 1.0, 1, 2, 16, 4, 300, "int8", "native", 0)]
+TRITON_CASES = [c for c in CASES if not c[0].endswith("tiles")] + [
+    ("splits", "half", None, 1.0, 1, 2, 16, 4, 300, "int8", "native", 0),
+    # spec/quantization.md Q2 (default G = 32): one key group and a float tail; two groups, a tail
+    # of 6, two splits
+    ("int4-gqa", "half", None, 1.0, 2, 2, 16, 6, 50, "int4", "native", 0),
+    ("int2-interleaved-partial", "interleaved", 8, 1.2, 2, 3, 12, 5, 70, "int2", "native", 0),
+]
 
 
 @pytest.mark.parametrize("case", [c for c in TRITON_CASES if not c[-1]], ids=[c[0] for c in TRITON_CASES if not c[-1]])

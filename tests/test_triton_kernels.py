@@ -347,6 +347,78 @@ class TestDecodeAttention:
         np.testing.assert_allclose(got, want, rtol=0, atol=eps * np.abs(want).max())
 
 
+def poison_low_bit(lay, spare: int = 5):
+    """``lay`` (a low-bit torch layout, spec/quantization.md Q2) with ``spare`` rows of capacity
+    past T poisoned: codes 0xFF, NaN scales and zero points for every group that is not complete
+    (the unfinished one included: its keys are in key_tail) and every spare token, NaN tail rows
+    past the unfinished group's tokens. A kernel reading anything the spec does not let it read
+    returns NaN."""
+    T, G = int(lay.num_tokens), int(lay.group)
+    lay = lay.with_capacity(T + spare, lay.key_bases.shape[2])
+    lay.key_coef[:, :, T:] = 0xFF
+    lay.value_coef[:, :, T:] = 0xFF
+    lay.key_group_scale[:, :, T // G :] = float("nan")
+    lay.key_group_zero[:, :, T // G :] = float("nan")
+    lay.value_token_scale[:, :, T:] = float("nan")
+    lay.value_token_zero[:, :, T:] = float("nan")
+    tail = lay.key_tail.clone()
+    tail[:, :, T - T // G * G :] = float("nan")
+    lay.key_tail = tail
+    return lay
+
+
+# (name, kind, N, H, g, d, d_v, r, r_v, T, G, split_len): key groups with an unfinished tail,
+# T below one group (the tail alone), tiles straddling groups (G = 24 is not a tile multiple),
+# many chunks (adaptive, chunks of 16), splits straddling chunks and groups
+LOW_BIT_CASES = [
+    ("static-gqa4-tail", "static", 2, 2, 4, 64, 48, 7, 5, 45, 8, 16),
+    ("static-tail_only", "static", 1, 2, 2, 32, 32, 6, 6, 5, 8, 16),
+    ("static-G24-splits", "static", 1, 2, 2, 32, 32, 5, 4, 100, 24, 32),
+    ("adaptive-chunks", "adaptive", 1, 2, 3, 32, 24, 4, 5, 70, 16, 32),
+]
+
+
+class TestLowBitDecode:
+    """int4/int2 coefficients (spec/quantization.md Q1-Q2) unpacked and dequantised in the split
+    kernel: keys from their group's codes (per channel scale and zero point) or from the float
+    tail, values per token; states built by the oracle's append, compared with the float64
+    oracle on the same state within the harness's derived tolerance (tests/differential/
+    tolerance.py: FACTOR x the oracle's own error in the state's dtype, which reads the
+    coefficients rounded to that dtype as the 16-bit kernels do, + the floor)."""
+
+    @pytest.mark.parametrize("bits", ["int4", "int2"])
+    @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+    @pytest.mark.parametrize("case", LOW_BIT_CASES, ids=[c[0] for c in LOW_BIT_CASES])
+    def test_matches_oracle(self, impl, rng, case, dtype, bits):
+        from tests.differential.tolerance import tolerance
+
+        name, kind, N, H, g, d, d_v, r, r_v, T, G, split_len = case
+        if kind == "static":
+            B = np.stack([np.linalg.qr(rng.standard_normal((d, r)))[0].T for _ in range(H)])
+            E = np.stack([np.linalg.qr(rng.standard_normal((d_v, r_v)))[0].T for _ in range(H)])
+            state = sr.SubspaceState.static(sr.StaticBasis.from_bases(B, E, rng.uniform(0.5, 1.5, H)), batch=N, coefficients=bits, group_size=G)
+        else:
+            state = sr.SubspaceState.adaptive(
+                H, d, d_v, rank_k=r, rank_v=r_v, tau_k=0.6, tau_v=0.6, max_chunk=16, batch=N, coefficients=bits, group_size=G, gamma=rng.uniform(0.5, 1.5, H)
+            )
+        # key channels of very different sizes: per-channel scales matter (KIVI's outliers)
+        state.append(rng.standard_normal((N, H, T, d)) * 10.0 ** rng.uniform(-1, 1, d), rng.standard_normal((N, H, T, d_v)))
+        if kind == "adaptive":
+            assert state.layout.num_chunks.min() > 2
+        lay = poison_low_bit(state.to("triton", device=DEVICE, dtype=dtype).layout)
+        assert lay.low_bits == int(bits[3:]) and lay.key_coef.dtype == torch.uint8
+        q = _t(rng.standard_normal((N, H * g, d)), torch.float32)
+        state64 = state.to("numpy", dtype=np.float64)  # the state's own values: its dtype's tail, float16 scales
+        q64 = _f64(q)
+        want = attend_reference(q64, state64, None)
+        out = impl["attend"](q, lay, None, split_len=split_len)
+        got = _f64(out)
+        assert np.isfinite(got).all()
+        ref = reference_error(state64, q64, None, want, dtype)
+        err = np.abs(got - want).max()
+        assert err <= tolerance(ref, want, dtype), (err, ref)
+
+
 class TestDecodePartials:
     """The per-split partials (m, Z, N) of spec A3.2, kernel against reference, and the merge."""
 

@@ -500,8 +500,12 @@ def launch_config(d: int, d_v: int, dtype=None, int8: bool = False, bits: int = 
       per SM; 64-token tiles take 179 and fit 2, and spill on sm_80);
     * int8 coefficients (spec A10) with 16-bit bases: 64-token tiles, 4 warps (255 / 250
       registers, 2 per SM; 32-token tiles spill 44 bytes on sm_80);
+    * int4/int2 coefficients (spec/quantization.md Q2) with 16-bit bases: 64-token tiles, 4 warps
+      (215-226 registers, 2 per SM, no spills eager or graph-capturable on either arch; 32-token
+      tiles take 167 eagerly but the graph-capturable bf16 build spills 8 bytes on sm_90, and
+      16-token tiles spill 8-16 bytes there too);
     * float32 bases: 64-token tiles, 8 warps (114 registers: 2 programs of 8 warps; 4 warps take
-      194; with int8 coefficients 180, where 4 warps spill 28 bytes on sm_90);
+      194; with int8 coefficients 180, where 4 warps spill 28 bytes on sm_90; int4/int2: 180-182);
     * head sizes above 128: 32-token tiles and 8 warps, which spill least at 256.
 
     ``benchmarks/decode_gpu.py`` times the alternatives on a GPU."""
@@ -509,7 +513,7 @@ def launch_config(d: int, d_v: int, dtype=None, int8: bool = False, bits: int = 
         return dict(block_t=32, num_warps=8)
     if dtype == torch.float32:
         return dict(block_t=64, num_warps=8)
-    if int8:
+    if int8 or bits:
         return dict(block_t=64, num_warps=4)
     return dict(block_t=32, num_warps=4)
 

@@ -2,7 +2,9 @@
 hot paths, on the torch array family.
 
 * ``attend`` (spec A2, A3, A3.2): :func:`subspace_ref_triton.decode.decode_attention`, the
-  flash-decoding kernel over the chunked coefficient cache plus the split merge.
+  flash-decoding kernel over the chunked coefficient cache plus the split merge; exact tokens
+  (spec/window.md W3 window, W7-W8 sinks) add one partial per segment
+  (:mod:`subspace_ref_triton.window_decode`) to the same merge.
 * ``append`` (spec A6-A8): static states project in one launch
   (:func:`subspace_ref_triton.project.project_append`, coefficients written straight into the
   state's buffers). Adaptive and rotating states use the torch backend's append — warm-up, FD
@@ -185,8 +187,20 @@ class TritonBackend:
         decode, _ = _kernels()
         # bases stored encoded (spec/storage.md S1) are decoded before the launch: J r d entries
         layout = decoded_state(state).layout
-        if getattr(state.policy, "rope", None) is not None:  # spec/rope.md P3: the fused rebuild + RoPE kernel
+        q = q.contiguous()
+        rope = getattr(state.policy, "rope", None)
+        if rope is not None:  # spec/rope.md P3: the fused rebuild + RoPE kernel
             from subspace_ref_triton import rope_decode
 
-            return rope_decode.decode_attention(q.contiguous(), layout, state.policy.rope, scale)
-        return decode.decode_attention(q.contiguous(), layout, scale)
+            if state.window is None:
+                return rope_decode.decode_attention(q, layout, rope, scale)
+            compressed = lambda q, lay, s: rope_decode.attention_partials(q, lay, rope, s)  # noqa: E731
+        elif state.window is None:
+            return decode.decode_attention(q, layout, scale)
+        else:
+            compressed = decode.attention_partials
+        # spec/window.md W3, W8: the exact tokens' partials join the compressed part's splits
+        # in one log-sum-exp merge (spec A3.2)
+        from subspace_ref_triton import window_decode
+
+        return window_decode.decode_attention(q, state, layout, scale, compressed)

@@ -698,16 +698,23 @@ def merge_launch(m, z, o, dtype, out=None):
     return Launch(_merge_kernel, (N * Hq,), args, constexprs, 4), out
 
 
-def decode_attention(q, layout, scale: float | None = None, split_len: int | None = None, num_splits: int | None = None, **launch):
-    """Coefficient-space attention (spec A2, A3) of q (N, H_q, d) over ``layout``: (N, H_q, d_v)
-    in q's dtype, accumulated in float32. ``scale`` defaults to 1/sqrt(d)."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+def attention_partials(q, layout, scale: float, split_len: int | None = None, num_splits: int | None = None, **launch):
+    """The split partials (m, Z, N) of spec A3.2 that :func:`decode_attention` merges, with the
+    default split length when ``split_len`` is None (exact tokens, spec/window.md W3, add their
+    own partials to these: :mod:`subspace_ref_triton.window_decode`)."""
     if split_len is None:
         T, programs, resident = int(layout.num_tokens), q.shape[0] * layout.key_coef.shape[1], None
         if q.device.type == "cuda" and not interpreting():  # the compiled kernel's occupancy (cached)
             resident = resident_programs(split_launch(q, layout, scale, T, 1, **launch)[0], q.device)
         split_len = default_split_len(T, programs, q.device, resident)
-    m, z, o = decode_partials(q, layout, scale, split_len, num_splits, **launch)
+    return decode_partials(q, layout, scale, split_len, num_splits, **launch)
+
+
+def decode_attention(q, layout, scale: float | None = None, split_len: int | None = None, num_splits: int | None = None, **launch):
+    """Coefficient-space attention (spec A2, A3) of q (N, H_q, d) over ``layout``: (N, H_q, d_v)
+    in q's dtype, accumulated in float32. ``scale`` defaults to 1/sqrt(d)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    m, z, o = attention_partials(q, layout, scale, split_len, num_splits, **launch)
     return merge_partials(m, z, o, q.dtype)
 
 

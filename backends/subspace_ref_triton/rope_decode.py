@@ -222,17 +222,24 @@ def split_launch(q, layout, rope, scale: float, split_len: int):
     return Launch(_rope_split_kernel, (N * H, S), args, constexprs, 4), (pm, pz, po)
 
 
-def decode_attention(q, layout, rope, scale: float | None = None, split_len: int | None = None):
-    """Spec/rope.md P3 of q (N, H_q, d) over a pre-RoPE static state's ``layout``: (N, H_q, d_v)
-    in q's dtype, float32 inside."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+def attention_partials(q, layout, rope, scale: float, split_len: int | None = None):
+    """The split partials (m, Z, N) (spec A3.2) that :func:`decode_attention` merges (exact
+    tokens add theirs: :mod:`subspace_ref_triton.window_decode`)."""
     T = int(layout.num_tokens)
     if split_len is None:
         split_len = default_split_len(T, q.shape[0] * layout.key_coef.shape[1], q.device)
         split_len = cdiv(split_len, BLOCK_T) * BLOCK_T
-    launch, (pm, pz, po) = split_launch(q, layout, rope, scale, split_len)
+    launch, partials = split_launch(q, layout, rope, scale, split_len)
     launch.run()
+    return partials
+
+
+def decode_attention(q, layout, rope, scale: float | None = None, split_len: int | None = None):
+    """Spec/rope.md P3 of q (N, H_q, d) over a pre-RoPE static state's ``layout``: (N, H_q, d_v)
+    in q's dtype, float32 inside."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    pm, pz, po = attention_partials(q, layout, rope, scale, split_len)
     return merge_partials(pm, pz, po, q.dtype)
 
 
-__all__ = ["BLOCK_T", "decode_attention", "split_launch"]
+__all__ = ["BLOCK_T", "attention_partials", "decode_attention", "split_launch"]

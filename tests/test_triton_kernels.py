@@ -419,6 +419,85 @@ class TestLowBitDecode:
         assert err <= tolerance(ref, want, dtype), (err, ref)
 
 
+# (name, kind, N, H, g, d, d_v, T, sinks, window, min_tokens, coefficients, logit)
+WINDOW_CASES = [
+    ("static-sinks-window-d80-g5", "static", 2, 2, 5, 80, 48, 120, 3, 37, 0, "float", None),  # 37 recent: 3 tiles
+    ("adaptive-window-int8-logits1e4", "adaptive", 1, 2, 2, 32, 32, 90, 0, 20, 0, "int8", 1e4),
+    ("rotating-sinks-int4", "rotating", 1, 2, 3, 32, 24, 70, 5, 0, 0, "int4", None),
+    ("static-below_min_tokens", "static", 1, 2, 2, 32, 32, 30, 2, 4, 100, "float", None),  # nothing compressed
+]
+
+
+class TestWindowDecode:
+    """Exact tokens (spec/window.md W3 window, W7-W8 sinks): one A3.2 partial per exact segment
+    (window_decode), merged with the compressed part's split partials, against the float64
+    oracle on the same state within the harness's derived tolerance; the kernel and its torch
+    reference."""
+
+    @pytest.mark.parametrize("path", ["kernel", "reference"])
+    @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+    @pytest.mark.parametrize("case", WINDOW_CASES, ids=[c[0] for c in WINDOW_CASES])
+    def test_matches_oracle(self, rng, case, dtype, path):
+        from subspace_ref_triton import window_decode
+
+        from subspace_ref.basis_storage import decoded_state
+        from tests.differential.tolerance import tolerance
+
+        name, kind, N, H, g, d, d_v, T, sinks, window, min_tokens, coefficients, logit = case
+        exact = dict(sinks=sinks, window=window, min_tokens=min_tokens, coefficients=coefficients, batch=N)
+        if coefficients in ("int4", "int2"):
+            exact["group_size"] = 8
+        gamma = rng.uniform(0.5, 1.5, H)
+        if kind == "static":
+            B = np.stack([np.linalg.qr(rng.standard_normal((d, 6)))[0].T for _ in range(H)])
+            E = np.stack([np.linalg.qr(rng.standard_normal((d_v, 5)))[0].T for _ in range(H)])
+            state = sr.SubspaceState.static(sr.StaticBasis.from_bases(B, E, gamma), **exact)
+        elif kind == "adaptive":
+            state = sr.SubspaceState.adaptive(H, d, d_v, rank_k=5, rank_v=4, tau_k=0.6, tau_v=0.6, max_chunk=16, gamma=gamma, **exact)
+        else:
+            state = sr.SubspaceState.rotating(H, d, d_v, rank_k=5, rank_v=4, refresh_every=16, gamma=gamma, **exact)
+        state.append(rng.standard_normal((N, H, T, d)), rng.standard_normal((N, H, T, d_v)))
+        T_c = state.layout.num_tokens
+        assert (T_c == 0) == (min_tokens > T) and state.window.recent == (window if T >= min_tokens else T - min(T, sinks))
+        tstate = state.to("triton", device=DEVICE, dtype=dtype)
+        q64 = rng.standard_normal((N, H * g, d))
+        if logit is not None:  # |s q.k| reaches `logit` over the tokens (sinks, compressed, recent; gamma aside)
+            K = state.reconstruct()[0]
+            q64 *= logit / np.abs(np.einsum("nhgd,nhtd->nhgt", q64.reshape(N, H, g, d), K)).max() * np.sqrt(d)
+        q = _t(q64, torch.float32)
+        q64 = _f64(q)
+        state64 = tstate.to("numpy", dtype=np.float64)
+        want = attend_reference(q64, state64, None)
+        layout = decoded_state(tstate).layout
+        if path == "kernel":
+            got = window_decode.decode_attention(q, tstate, layout, None, decode.attention_partials)
+        else:
+            got = window_decode.decode_attention_reference(q, tstate, layout, None)
+        got = _f64(got)
+        assert np.isfinite(got).all()
+        ref = reference_error(state64, q64, None, want, dtype)
+        assert np.abs(got - want).max() <= tolerance(ref, want, dtype), (np.abs(got - want).max(), ref)
+
+    def test_exact_partial_is_a_softmax_partial(self, rng):
+        """One exact segment's (m, Z, N) of spec A3.2: m the largest logit s q.k, Z and N the sums
+        of exp(l - m) and exp(l - m) v, every query head of the GQA group (g = 3 of 16 rows)."""
+        from subspace_ref_triton import window_decode
+
+        N, H, g, d, d_v, n = 2, 2, 3, 24, 20, 19
+        q = _t(rng.standard_normal((N, H * g, d)), torch.float32)
+        k = _t(rng.standard_normal((N, H, n, d)), torch.float32)
+        v = _t(rng.standard_normal((N, H, n, d_v)), torch.float32)
+        out = (torch.full((N, H * g, 2), 7.0), torch.full((N, H * g, 2), 7.0), torch.full((N, H * g, 2, d_v), 7.0))
+        window_decode.exact_launch(q, k, v, 0.3, out, 1).run()
+        logits = torch.einsum("nhgd,nhtd->nhgt", q.double().reshape(N, H, g, d), k.double()) * 0.3
+        m = logits.amax(-1)
+        w = torch.exp(logits - m[..., None])
+        torch.testing.assert_close(out[0][:, :, 1].double(), m.reshape(N, H * g), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(out[1][:, :, 1].double(), w.sum(-1).reshape(N, H * g), rtol=1e-5, atol=0)
+        torch.testing.assert_close(out[2][:, :, 1].double(), (w @ v.double()).reshape(N, H * g, d_v), rtol=1e-5, atol=1e-6)
+        assert (out[0][:, :, 0] == 7).all() and (out[2][:, :, 0] == 7).all()  # other columns untouched
+
+
 class TestDecodePartials:
     """The per-split partials (m, Z, N) of spec A3.2, kernel against reference, and the merge."""
 

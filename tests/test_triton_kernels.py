@@ -478,17 +478,22 @@ class TestWindowDecode:
         ref = reference_error(state64, q64, None, want, dtype)
         assert np.abs(got - want).max() <= tolerance(ref, want, dtype), (np.abs(got - want).max(), ref)
 
-    def test_exact_partial_is_a_softmax_partial(self, rng):
+    @pytest.mark.parametrize("block_d", [None, 32])
+    def test_exact_partial_is_a_softmax_partial(self, rng, block_d):
         """One exact segment's (m, Z, N) of spec A3.2: m the largest logit s q.k, Z and N the sums
-        of exp(l - m) and exp(l - m) v, every query head of the GQA group (g = 3 of 16 rows)."""
+        of exp(l - m) and exp(l - m) v, every query head of the GQA group (g = 3 of 16 rows);
+        d = 80 in one step (the interpreter's launch) or in 32-column slices (the GPU's)."""
         from subspace_ref_triton import window_decode
 
-        N, H, g, d, d_v, n = 2, 2, 3, 24, 20, 19
+        N, H, g, d, d_v, n = 2, 2, 3, 80, 20, 19
         q = _t(rng.standard_normal((N, H * g, d)), torch.float32)
         k = _t(rng.standard_normal((N, H, n, d)), torch.float32)
         v = _t(rng.standard_normal((N, H, n, d_v)), torch.float32)
         out = (torch.full((N, H * g, 2), 7.0), torch.full((N, H * g, 2), 7.0), torch.full((N, H * g, 2, d_v), 7.0))
-        window_decode.exact_launch(q, k, v, 0.3, out, 1).run()
+        launch = window_decode.exact_launch(q, k, v, 0.3, out, 1)
+        if block_d is not None:
+            launch.constexprs["BLOCK_D"] = block_d
+        launch.run()
         logits = torch.einsum("nhgd,nhtd->nhgt", q.double().reshape(N, H, g, d), k.double()) * 0.3
         m = logits.amax(-1)
         w = torch.exp(logits - m[..., None])

@@ -106,6 +106,13 @@ def triton_launches(exhaustive: bool = False):
                     launch, _ = decode.split_launch(q, lay, 0.1, 0 if graph else 1024, 8, **kw)
                     label = f"{name}{'' if coef == 'float' else ' ' + coef} d={d} r={r} g={g} bt={launch.constexprs['BLOCK_T']} w={launch.num_warps}"
                     out.append(("decode split" + (" (graph)" if graph else ""), label, default, launch))
+    from subspace_ref_triton import window_decode
+
+    for name in ("bf16", "fp32"):  # exact tokens (spec/window.md W3, W8): one partial per segment
+        k = torch.zeros(1, H_KV, 512, D, dtype=dtypes[name])
+        q = torch.zeros(1, H_KV * GROUP, D, dtype=dtypes[name])
+        parts = (torch.zeros(1, H_KV * GROUP, 2), torch.zeros(1, H_KV * GROUP, 2), torch.zeros(1, H_KV * GROUP, 2, D))
+        out.append(("decode exact", f"{name} d={D} g={GROUP} bt={window_decode.BLOCK_T}", True, window_decode.exact_launch(q, k, k, 0.1, parts, 1)))
     for name in ("bf16", "fp32"):
         m = torch.zeros(1, H_KV * GROUP, 40)
         launch, _ = decode.merge_launch(m, m, torch.zeros(1, H_KV * GROUP, 40, D), dtypes[name])

@@ -21,11 +21,12 @@ import torch
 import triton
 import triton.language as tl
 
-from subspace_ref_triton._common import Launch, pow2_at_least
+from subspace_ref_triton._common import Launch, interpreting, pow2_at_least
 from subspace_ref_triton._tl import MAX_COMBINE as _MAX
 from subspace_ref_triton._tl import SUM_COMBINE as _SUM
 
 BLOCK_T = 16  # exact tokens per tile: a (16 x d) key tile and a (16 x d_v) value tile in float32
+BLOCK_D = 32  # columns of q and the keys per step of the logits (the interpreter takes all d)
 
 
 @triton.jit
@@ -33,20 +34,18 @@ def _exact_kernel(
     q_ptr, k_ptr, v_ptr, pm_ptr, pz_ptr, po_ptr,
     H, group, n_tok, scale, d, d_v, col, num_cols,
     sq_n, sq_h, sk_n, sk_h, sk_t, sv_n, sv_h, sv_t,
-    G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_T: tl.constexpr,
+    G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     nh = tl.program_id(0).to(tl.int64)
     n = nh // H
     h = nh % H
     offs_g = tl.arange(0, G)
-    offs_d = tl.arange(0, D)
     offs_dv = tl.arange(0, DV)
     offs_t = tl.arange(0, BLOCK_T)
     g_mask = offs_g < group
-    d_mask = offs_d < d
     dv_mask = offs_dv < d_v
 
-    q = tl.load(q_ptr + n * sq_n + (h * group + offs_g)[:, None] * sq_h + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+    q_rows = q_ptr + n * sq_n + (h * group + offs_g)[:, None] * sq_h
     k_base = k_ptr + n * sk_n + h * sk_h
     v_base = v_ptr + n * sv_n + h * sv_h
     m_i = tl.full([G], float("-inf"), tl.float32)
@@ -54,10 +53,17 @@ def _exact_kernel(
     acc = tl.full([G, DV], 0.0, tl.float32)
     for t0 in range(0, n_tok, BLOCK_T):
         t_mask = t0 + offs_t < n_tok
-        k = tl.load(k_base + (t0 + offs_t)[:, None] * sk_t + offs_d[None, :], mask=t_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+        # spec/window.md W3: logits s q . k_t, gamma = 1 (exact tokens are not projected), in
+        # slices of BLOCK_D columns: a float32 FMA product over the whole d of 16-bit keys
+        # converted in registers spilled ~250 bytes per thread at d = 128 (compile report)
+        logits = tl.full([G, BLOCK_T], 0.0, tl.float32)
+        for d0 in tl.static_range(0, D, BLOCK_D):
+            offs_dd = d0 + tl.arange(0, BLOCK_D)
+            qb = tl.load(q_rows + offs_dd[None, :], mask=g_mask[:, None] & (offs_dd < d)[None, :], other=0.0).to(tl.float32)
+            kb = tl.load(k_base + (t0 + offs_t)[:, None] * sk_t + offs_dd[None, :], mask=t_mask[:, None] & (offs_dd < d)[None, :], other=0.0).to(tl.float32)
+            logits = tl.dot(qb, tl.trans(kb), acc=logits, input_precision="ieee")
+        logits = logits * scale
         v = tl.load(v_base + (t0 + offs_t)[:, None] * sv_t + offs_dv[None, :], mask=t_mask[:, None] & dv_mask[None, :], other=0.0).to(tl.float32)
-        # spec/window.md W3: logits s q . k_t, gamma = 1 (exact tokens are not projected)
-        logits = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         logits = tl.where(t_mask[None, :], logits, float("-inf"))
         # spec A3 steps 2.2-2.3; every tile holds a token, so m_new is finite and alpha never NaN
         m_new = tl.maximum(m_i, tl.reduce(logits, 1, _MAX))
@@ -88,7 +94,8 @@ def exact_launch(q, keys, values, scale: float, outputs, col: int):
         H, Hq // H, n_tok, float(scale), d, d_v, col, pm.shape[2],
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
     )
-    constexprs = dict(G=pow2_at_least(Hq // H), D=pow2_at_least(d), DV=pow2_at_least(d_v), BLOCK_T=BLOCK_T)
+    D = pow2_at_least(d)
+    constexprs = dict(G=pow2_at_least(Hq // H), D=D, DV=pow2_at_least(d_v), BLOCK_T=BLOCK_T, BLOCK_D=D if interpreting() else min(BLOCK_D, D))
     return Launch(_exact_kernel, (N * H,), args, constexprs, 4)
 
 

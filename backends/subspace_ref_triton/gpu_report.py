@@ -106,7 +106,16 @@ def triton_launches(exhaustive: bool = False):
                     launch, _ = decode.split_launch(q, lay, 0.1, 0 if graph else 1024, 8, **kw)
                     label = f"{name}{'' if coef == 'float' else ' ' + coef} d={d} r={r} g={g} bt={launch.constexprs['BLOCK_T']} w={launch.num_warps}"
                     out.append(("decode split" + (" (graph)" if graph else ""), label, default, launch))
-    from subspace_ref_triton import window_decode
+    import numpy as np
+
+    from subspace_ref.rope import RopeParams
+    from subspace_ref_triton import rope_decode, window_decode
+
+    rope = RopeParams(1.0 / 10000.0 ** (np.arange(D // 2) / (D // 2)))  # full rotary, Llama's layout
+    for name, coef in (("bf16", "float"), ("bf16", "int8"), ("bf16", "int4"), ("bf16", "int2"), ("fp32", "float")):  # pre-RoPE (spec/rope.md P3)
+        lay = _layout(torch, T, D, RANK, dtypes[name], coef)
+        launch, _ = rope_decode.split_launch(torch.zeros(1, H_KV * GROUP, D, dtype=dtypes[name]), lay, rope, 0.1, 1024)
+        out.append(("decode rope", f"{name}{'' if coef == 'float' else ' ' + coef} d={D} r={RANK} g={GROUP} bt={rope_decode.BLOCK_T} w={launch.num_warps}", True, launch))
 
     for name in ("bf16", "fp32"):  # exact tokens (spec/window.md W3, W8): one partial per segment
         k = torch.zeros(1, H_KV, 512, D, dtype=dtypes[name])

@@ -190,6 +190,11 @@ SLOW_CASES = [
     Case("slow-adaptive-logits1e4-T2000", "adaptive", N=2, H=2, group=4, T=2000, max_chunk=32, tau=0.75, logit=1e4),
     Case("slow-rotating-d64-T3000", "rotating", N=2, H=2, group=4, d=64, d_v=64, rank_k=8, rank_v=8, T=3000, refresh_every=64),
     Case("slow-static-int8-d128-T8k", "static", H=4, group=4, d=128, d_v=128, rank_k=32, rank_v=32, T=8192, coefficients="int8"),
+    # int4/int2 at the benchmark's head size: 256 complete key groups and a tail of 8; many
+    # chunks and a tail of 24; a 256-token exact window (16 exact tiles) beside sinks
+    Case("slow-static-int4-d128-T8200", "static", H=4, group=4, d=128, d_v=128, rank_k=32, rank_v=32, T=8200, coefficients="int4"),
+    Case("slow-adaptive-int2-d64-T3000", "adaptive", N=2, H=2, group=4, d=64, d_v=64, rank_k=8, rank_v=8, T=3000, max_chunk=128, tau=0.9, coefficients="int2"),
+    Case("slow-static-sinks-window256-T4000", "static", H=2, group=4, d=64, d_v=48, rank_k=16, rank_v=16, T=4000, sinks=4, window=256),
 ] + [
     Case(
         f"slow-random-{i}",

@@ -284,7 +284,9 @@ def _decode_split_kernel(
                 k_sc = tl.load(ks_base + grp[:, None] * sks_t + offs_r[None, :], mask=k_m, other=0.0).to(tl.float32)
                 k_ze = tl.load(kz_base + grp[:, None] * sks_t + offs_r[None, :], mask=k_m, other=0.0).to(tl.float32)
                 # the unfinished group, in float in the state's dtype (its rows past T are never read)
-                k_tl = tl.load(tail_base + (tok - complete)[:, None] * stl_t + offs_r[None, :], mask=(t_mask & (tok >= complete))[:, None] & r_mask[None, :], other=0.0).to(tl.float32)
+                k_tl = tl.load(
+                    tail_base + (tok - complete)[:, None] * stl_t + offs_r[None, :], mask=(t_mask & (tok >= complete))[:, None] & r_mask[None, :], other=0.0
+                ).to(tl.float32)
                 cf = tl.where(coded[:, None], kcode * k_sc + k_ze, k_tl)
                 v_m = t_mask[:, None] & rv_mask[None, :]
                 vbyte = tl.load(vc_base + tok[:, None] * svc_t + (offs_rv // (8 // BITS))[None, :], mask=v_m, other=0).to(tl.int32)

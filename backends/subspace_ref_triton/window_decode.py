@@ -31,10 +31,33 @@ BLOCK_D = 32  # columns of q and the keys per step of the logits (the interprete
 
 @triton.jit
 def _exact_kernel(
-    q_ptr, k_ptr, v_ptr, pm_ptr, pz_ptr, po_ptr,
-    H, group, n_tok, scale, d, d_v, col, num_cols,
-    sq_n, sq_h, sk_n, sk_h, sk_t, sv_n, sv_h, sv_t,
-    G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    pm_ptr,
+    pz_ptr,
+    po_ptr,
+    H,
+    group,
+    n_tok,
+    scale,
+    d,
+    d_v,
+    col,
+    num_cols,
+    sq_n,
+    sq_h,
+    sk_n,
+    sk_h,
+    sk_t,
+    sv_n,
+    sv_h,
+    sv_t,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     nh = tl.program_id(0).to(tl.int64)
     n = nh // H
@@ -90,9 +113,28 @@ def exact_launch(q, keys, values, scale: float, outputs, col: int):
         if x.stride(-1) != 1:
             raise ValueError(f"exact {name} must have a unit stride in its last dimension")
     args = (
-        q, keys, values, pm, pz, po,
-        H, Hq // H, n_tok, float(scale), d, d_v, col, pm.shape[2],
-        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
+        q,
+        keys,
+        values,
+        pm,
+        pz,
+        po,
+        H,
+        Hq // H,
+        n_tok,
+        float(scale),
+        d,
+        d_v,
+        col,
+        pm.shape[2],
+        q.stride(0),
+        q.stride(1),
+        keys.stride(0),
+        keys.stride(1),
+        keys.stride(2),
+        values.stride(0),
+        values.stride(1),
+        values.stride(2),
     )
     D = pow2_at_least(d)
     constexprs = dict(G=pow2_at_least(Hq // H), D=D, DV=pow2_at_least(d_v), BLOCK_T=BLOCK_T, BLOCK_D=D if interpreting() else min(BLOCK_D, D))

@@ -434,10 +434,10 @@ class TestWindowDecode:
     oracle on the same state within the harness's derived tolerance; the kernel and its torch
     reference."""
 
-    @pytest.mark.parametrize("path", ["kernel", "reference"])
+    @pytest.mark.parametrize("path", ["kernel", "gpu-numerics", "reference"])
     @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
     @pytest.mark.parametrize("case", WINDOW_CASES, ids=[c[0] for c in WINDOW_CASES])
-    def test_matches_oracle(self, rng, case, dtype, path):
+    def test_matches_oracle(self, rng, case, dtype, path, monkeypatch):
         from subspace_ref_triton import window_decode
 
         from subspace_ref.basis_storage import decoded_state
@@ -469,8 +469,16 @@ class TestWindowDecode:
         state64 = tstate.to("numpy", dtype=np.float64)
         want = attend_reference(q64, state64, None)
         layout = decoded_state(tstate).layout
-        if path == "kernel":
+        if path == "kernel" or (path == "gpu-numerics" and not interpreting()):
             got = window_decode.decode_attention(q, tstate, layout, None, decode.attention_partials)
+        elif path == "gpu-numerics":  # the GPU's constexprs and 16-bit arithmetic (gpu_numerics), 32-column slices of d
+            monkeypatch.setattr(window_decode, "interpreting", lambda: False)
+
+            def compressed(q, lay, s):
+                return gpu_partials(q, lay, s, decode.default_split_len(int(lay.num_tokens), q.shape[0] * H, q.device))
+
+            with gpu_numerics(monkeypatch):
+                got = window_decode.decode_attention(q, tstate, layout, None, compressed)
         else:
             got = window_decode.decode_attention_reference(q, tstate, layout, None)
         got = _f64(got)

@@ -202,26 +202,34 @@ def test_persistence_round_trip(tmp_path):
         np.testing.assert_array_equal(sr.attend(q, back), sr.attend(q, state))
 
 
-@pytest.mark.parametrize("backend", ["triton"])  # cupy reads int4/int2 since issue 16 item 2: tests/test_cupy_backend.py
-def test_gpu_backends_refuse_with_the_declared_reason(backend):
-    """Until their kernels read packed codes, triton and cupy name the format (decode's work)."""
+def test_triton_attends_low_bit_states():
+    """The triton decode kernels read the packed codes (issue 16 item 1): declared, no refusal,
+    and the oracle's output within the harness's derived tolerance (the differential harness's
+    int4/int2 cases and tests/test_triton_kernels.py::TestLowBitDecode test it at length)."""
     from subspace_ref.registry import get_backend
 
+    from tests.differential.tolerance import reference_error, tolerance
+
+    torch = pytest.importorskip("torch")
     try:
-        impl = get_backend(backend)
+        impl = get_backend("triton")
     except (KeyError, ValueError, ImportError) as err:
-        pytest.skip(f"{backend} backend not registered: {err}")
-    if backend == "triton" and not impl.availability():
+        pytest.skip(f"triton backend not registered: {err}")
+    if not impl.availability():
         pytest.skip(f"triton unavailable: {impl.availability().reason}")
+    assert {"int4", "int2"} <= set(impl.capabilities.coefficient_formats)
     rng = np.random.default_rng(10)
-    state = sr.SubspaceState.static(_basis(rng), coefficients="int4", dtype=np.float32)
-    state.append(rng.standard_normal((2, 3, 16)), rng.standard_normal((2, 3, 16)))
-    q = rng.standard_normal((1, 2, 16)).astype(np.float32)
-    if backend == "triton":
-        torch = pytest.importorskip("torch")
-        state, q = state.to("triton"), torch.from_numpy(q)
-    reasons = impl.not_supported_reasons(q, state)
-    assert any("int4 coefficients" in r for r in reasons), reasons
+    for coefficients in FORMATS:
+        # batch 1, 11 tokens: two complete key groups of 4 and a tail of 3
+        state = sr.SubspaceState.static(_basis(rng), coefficients=coefficients, group_size=4, batch=1)
+        state.append(rng.standard_normal((1, 2, 11, 16)), rng.standard_normal((1, 2, 11, 16)))
+        tq = torch.from_numpy(rng.standard_normal((1, 2, 16))).float()
+        tstate = state.to("triton", dtype="float32")
+        assert impl.not_supported_reasons(tq, tstate) == []
+        q = tq.double().numpy()
+        want = sr.attend(q, state)
+        got = sr.attend(tq, tstate, backend="triton").double().numpy()
+        assert np.abs(got - want).max() <= tolerance(reference_error(state, q, None, want, "float32"), want, "float32")
 
 
 @pytest.mark.parametrize("coefficients", FORMATS)

@@ -93,14 +93,21 @@ def _triton_or_skip():
         pytest.skip(f"triton backend unavailable: {None if info is None else info.reason}")
 
 
-TRITON_CASES = [c for c in CASES if not c[0].endswith("tiles")] + [("splits", "half", None, 1.0, 1, 2, 16, 4, 300, "int8", "native", 0)]
+TRITON_CASES = [c for c in CASES if not c[0].endswith("tiles")] + [
+    ("splits", "half", None, 1.0, 1, 2, 16, 4, 300, "int8", "native", 0),
+    # spec/quantization.md Q2 (default G = 32): one key group and a float tail; two groups, a tail
+    # of 6, two splits
+    ("int4-gqa", "half", None, 1.0, 2, 2, 16, 6, 50, "int4", "native", 0),
+    ("int2-interleaved-partial", "interleaved", 8, 1.2, 2, 3, 12, 5, 70, "int2", "native", 0),
+]
 
 
-@pytest.mark.parametrize("case", [c for c in TRITON_CASES if not c[-1]], ids=[c[0] for c in TRITON_CASES if not c[-1]])
+@pytest.mark.parametrize("case", TRITON_CASES, ids=[c[0] for c in TRITON_CASES])
 def test_triton_pre_rope_kernel_matches_oracle(case, rng):
     """The fused kernel (rebuild, RoPE by angle addition, logits, online softmax, values in
     coefficient space) in float32 against the float64 oracle, tolerance derived as the harness
-    does; several splits merged (split_len of 2 tiles)."""
+    does; several splits merged (split_len of 2 tiles); an exact window's partials (spec/window.md
+    W3) merged with the kernel's."""
     _triton_or_skip()
     from subspace_ref_triton import rope_decode
 
@@ -114,7 +121,15 @@ def test_triton_pre_rope_kernel_matches_oracle(case, rng):
     qt = torch.as_tensor(q, dtype=torch.float32)
     got = to_numpy(sr.attend(qt, tst, backend="triton")).astype(np.float64)
     assert np.abs(got - want).max() <= tolerance(ref, want, "float32")
-    split = to_numpy(rope_decode.decode_attention(qt[None], decoded_state(tst).layout, tst.policy.rope, split_len=2 * rope_decode.BLOCK_T))[0]
+    if tst.window is not None:
+        from subspace_ref_triton import window_decode
+
+        def compressed(q, lay, s):
+            return rope_decode.attention_partials(q, lay, tst.policy.rope, s, split_len=2 * rope_decode.BLOCK_T)
+
+        split = to_numpy(window_decode.decode_attention(qt[None], tst, decoded_state(tst).layout, None, compressed))[0]
+    else:
+        split = to_numpy(rope_decode.decode_attention(qt[None], decoded_state(tst).layout, tst.policy.rope, split_len=2 * rope_decode.BLOCK_T))[0]
     assert np.abs(split - want).max() <= tolerance(ref, want, "float32")
 
 

@@ -347,6 +347,170 @@ class TestDecodeAttention:
         np.testing.assert_allclose(got, want, rtol=0, atol=eps * np.abs(want).max())
 
 
+def poison_low_bit(lay, spare: int = 5):
+    """``lay`` (a low-bit torch layout, spec/quantization.md Q2) with ``spare`` rows of capacity
+    past T poisoned: codes 0xFF, NaN scales and zero points for every group that is not complete
+    (the unfinished one included: its keys are in key_tail) and every spare token, NaN tail rows
+    past the unfinished group's tokens. A kernel reading anything the spec does not let it read
+    returns NaN."""
+    T, G = int(lay.num_tokens), int(lay.group)
+    lay = lay.with_capacity(T + spare, lay.key_bases.shape[2])
+    lay.key_coef[:, :, T:] = 0xFF
+    lay.value_coef[:, :, T:] = 0xFF
+    lay.key_group_scale[:, :, T // G :] = float("nan")
+    lay.key_group_zero[:, :, T // G :] = float("nan")
+    lay.value_token_scale[:, :, T:] = float("nan")
+    lay.value_token_zero[:, :, T:] = float("nan")
+    tail = lay.key_tail.clone()
+    tail[:, :, T - T // G * G :] = float("nan")
+    lay.key_tail = tail
+    return lay
+
+
+# (name, kind, N, H, g, d, d_v, r, r_v, T, G, split_len): key groups with an unfinished tail,
+# T below one group (the tail alone), tiles straddling groups (G = 24 is not a tile multiple),
+# many chunks (adaptive, chunks of 16), splits straddling chunks and groups
+LOW_BIT_CASES = [
+    ("static-gqa4-tail", "static", 2, 2, 4, 64, 48, 7, 5, 45, 8, 16),
+    ("static-tail_only", "static", 1, 2, 2, 32, 32, 6, 6, 5, 8, 16),
+    ("static-G24-splits", "static", 1, 2, 2, 32, 32, 5, 4, 100, 24, 32),
+    ("adaptive-chunks", "adaptive", 1, 2, 3, 32, 24, 4, 5, 70, 16, 32),
+]
+
+
+class TestLowBitDecode:
+    """int4/int2 coefficients (spec/quantization.md Q1-Q2) unpacked and dequantised in the split
+    kernel: keys from their group's codes (per channel scale and zero point) or from the float
+    tail, values per token; states built by the oracle's append, compared with the float64
+    oracle on the same state within the harness's derived tolerance (tests/differential/
+    tolerance.py: FACTOR x the oracle's own error in the state's dtype, which reads the
+    coefficients rounded to that dtype as the 16-bit kernels do, + the floor)."""
+
+    @pytest.mark.parametrize("bits", ["int4", "int2"])
+    @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+    @pytest.mark.parametrize("case", LOW_BIT_CASES, ids=[c[0] for c in LOW_BIT_CASES])
+    def test_matches_oracle(self, impl, rng, case, dtype, bits):
+        from tests.differential.tolerance import tolerance
+
+        name, kind, N, H, g, d, d_v, r, r_v, T, G, split_len = case
+        if kind == "static":
+            B = np.stack([np.linalg.qr(rng.standard_normal((d, r)))[0].T for _ in range(H)])
+            E = np.stack([np.linalg.qr(rng.standard_normal((d_v, r_v)))[0].T for _ in range(H)])
+            state = sr.SubspaceState.static(sr.StaticBasis.from_bases(B, E, rng.uniform(0.5, 1.5, H)), batch=N, coefficients=bits, group_size=G)
+        else:
+            state = sr.SubspaceState.adaptive(
+                H, d, d_v, rank_k=r, rank_v=r_v, tau_k=0.6, tau_v=0.6, max_chunk=16, batch=N, coefficients=bits, group_size=G, gamma=rng.uniform(0.5, 1.5, H)
+            )
+        # key channels of very different sizes: per-channel scales matter (KIVI's outliers)
+        state.append(rng.standard_normal((N, H, T, d)) * 10.0 ** rng.uniform(-1, 1, d), rng.standard_normal((N, H, T, d_v)))
+        if kind == "adaptive":
+            assert state.layout.num_chunks.min() > 2
+        lay = poison_low_bit(state.to("triton", device=DEVICE, dtype=dtype).layout)
+        assert lay.low_bits == int(bits[3:]) and lay.key_coef.dtype == torch.uint8
+        q = _t(rng.standard_normal((N, H * g, d)), torch.float32)
+        state64 = state.to("numpy", dtype=np.float64)  # the state's own values: its dtype's tail, float16 scales
+        q64 = _f64(q)
+        want = attend_reference(q64, state64, None)
+        out = impl["attend"](q, lay, None, split_len=split_len)
+        got = _f64(out)
+        assert np.isfinite(got).all()
+        ref = reference_error(state64, q64, None, want, dtype)
+        err = np.abs(got - want).max()
+        assert err <= tolerance(ref, want, dtype), (err, ref)
+
+
+# (name, kind, N, H, g, d, d_v, T, sinks, window, min_tokens, coefficients, logit)
+WINDOW_CASES = [
+    ("static-sinks-window-d80-g5", "static", 2, 2, 5, 80, 48, 120, 3, 37, 0, "float", None),  # 37 recent: 3 tiles
+    ("adaptive-window-int8-logits1e4", "adaptive", 1, 2, 2, 32, 32, 90, 0, 20, 0, "int8", 1e4),
+    ("rotating-sinks-int4", "rotating", 1, 2, 3, 32, 24, 70, 5, 0, 0, "int4", None),
+    ("static-below_min_tokens", "static", 1, 2, 2, 32, 32, 30, 2, 4, 100, "float", None),  # nothing compressed
+]
+
+
+class TestWindowDecode:
+    """Exact tokens (spec/window.md W3 window, W7-W8 sinks): one A3.2 partial per exact segment
+    (window_decode), merged with the compressed part's split partials, against the float64
+    oracle on the same state within the harness's derived tolerance; the kernel and its torch
+    reference."""
+
+    @pytest.mark.parametrize("path", ["kernel", "gpu-numerics", "reference"])
+    @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+    @pytest.mark.parametrize("case", WINDOW_CASES, ids=[c[0] for c in WINDOW_CASES])
+    def test_matches_oracle(self, rng, case, dtype, path, monkeypatch):
+        from subspace_ref_triton import window_decode
+
+        from subspace_ref.basis_storage import decoded_state
+        from tests.differential.tolerance import tolerance
+
+        name, kind, N, H, g, d, d_v, T, sinks, window, min_tokens, coefficients, logit = case
+        exact = dict(sinks=sinks, window=window, min_tokens=min_tokens, coefficients=coefficients, batch=N)
+        if coefficients in ("int4", "int2"):
+            exact["group_size"] = 8
+        gamma = rng.uniform(0.5, 1.5, H)
+        if kind == "static":
+            B = np.stack([np.linalg.qr(rng.standard_normal((d, 6)))[0].T for _ in range(H)])
+            E = np.stack([np.linalg.qr(rng.standard_normal((d_v, 5)))[0].T for _ in range(H)])
+            state = sr.SubspaceState.static(sr.StaticBasis.from_bases(B, E, gamma), **exact)
+        elif kind == "adaptive":
+            state = sr.SubspaceState.adaptive(H, d, d_v, rank_k=5, rank_v=4, tau_k=0.6, tau_v=0.6, max_chunk=16, gamma=gamma, **exact)
+        else:
+            state = sr.SubspaceState.rotating(H, d, d_v, rank_k=5, rank_v=4, refresh_every=16, gamma=gamma, **exact)
+        state.append(rng.standard_normal((N, H, T, d)), rng.standard_normal((N, H, T, d_v)))
+        T_c = state.layout.num_tokens
+        assert (T_c == 0) == (min_tokens > T) and state.window.recent == (window if T >= min_tokens else T - min(T, sinks))
+        tstate = state.to("triton", device=DEVICE, dtype=dtype)
+        q64 = rng.standard_normal((N, H * g, d))
+        if logit is not None:  # |s q.k| reaches `logit` over the tokens (sinks, compressed, recent; gamma aside)
+            K = state.reconstruct()[0]
+            q64 *= logit / np.abs(np.einsum("nhgd,nhtd->nhgt", q64.reshape(N, H, g, d), K)).max() * np.sqrt(d)
+        q = _t(q64, torch.float32)
+        q64 = _f64(q)
+        state64 = tstate.to("numpy", dtype=np.float64)
+        want = attend_reference(q64, state64, None)
+        layout = decoded_state(tstate).layout
+        if path == "kernel" or (path == "gpu-numerics" and not interpreting()):
+            got = window_decode.decode_attention(q, tstate, layout, None, decode.attention_partials)
+        elif path == "gpu-numerics":  # the GPU's constexprs and 16-bit arithmetic (gpu_numerics), 32-column slices of d
+            monkeypatch.setattr(window_decode, "interpreting", lambda: False)
+
+            def compressed(q, lay, s):
+                return gpu_partials(q, lay, s, decode.default_split_len(int(lay.num_tokens), q.shape[0] * H, q.device))
+
+            with gpu_numerics(monkeypatch):
+                got = window_decode.decode_attention(q, tstate, layout, None, compressed)
+        else:
+            got = window_decode.decode_attention_reference(q, tstate, layout, None)
+        got = _f64(got)
+        assert np.isfinite(got).all()
+        ref = reference_error(state64, q64, None, want, dtype)
+        assert np.abs(got - want).max() <= tolerance(ref, want, dtype), (np.abs(got - want).max(), ref)
+
+    @pytest.mark.parametrize("block_d", [None, 32])
+    def test_exact_partial_is_a_softmax_partial(self, rng, block_d):
+        """One exact segment's (m, Z, N) of spec A3.2: m the largest logit s q.k, Z and N the sums
+        of exp(l - m) and exp(l - m) v, every query head of the GQA group (g = 3 of 16 rows);
+        d = 80 in one step (the interpreter's launch) or in 32-column slices (the GPU's)."""
+        from subspace_ref_triton import window_decode
+
+        N, H, g, d, d_v, n = 2, 2, 3, 80, 20, 19
+        q = _t(rng.standard_normal((N, H * g, d)), torch.float32)
+        k = _t(rng.standard_normal((N, H, n, d)), torch.float32)
+        v = _t(rng.standard_normal((N, H, n, d_v)), torch.float32)
+        out = (torch.full((N, H * g, 2), 7.0), torch.full((N, H * g, 2), 7.0), torch.full((N, H * g, 2, d_v), 7.0))
+        launch = window_decode.exact_launch(q, k, v, 0.3, out, 1)
+        if block_d is not None:
+            launch.constexprs["BLOCK_D"] = block_d
+        launch.run()
+        logits = torch.einsum("nhgd,nhtd->nhgt", q.double().reshape(N, H, g, d), k.double()) * 0.3
+        m = logits.amax(-1)
+        w = torch.exp(logits - m[..., None])
+        torch.testing.assert_close(out[0][:, :, 1].double(), m.reshape(N, H * g), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(out[1][:, :, 1].double(), w.sum(-1).reshape(N, H * g), rtol=1e-5, atol=0)
+        torch.testing.assert_close(out[2][:, :, 1].double(), (w @ v.double()).reshape(N, H * g, d_v), rtol=1e-5, atol=1e-6)
+        assert (out[0][:, :, 0] == 7).all() and (out[2][:, :, 0] == 7).all()  # other columns untouched
+
+
 class TestDecodePartials:
     """The per-split partials (m, Z, N) of spec A3.2, kernel against reference, and the merge."""
 

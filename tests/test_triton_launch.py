@@ -185,8 +185,31 @@ def test_workspace_step_has_no_sync_and_no_allocation(rng, monkeypatch):
     assert out is ws.out
     split, merge = launches
     assert split.grid == (N * H, ws.num_splits) and merge.grid == (N * H * g,)
-    assert split.constexprs["DEVICE_T"] and split.args[13] is ws.num_tokens
-    assert all(a is p for a, p in zip(split.args[10:13], ws.partials)) and merge.args[3] is ws.out
+    assert split.constexprs["DEVICE_T"] and split.args[16] is ws.num_tokens
+    assert all(a is p for a, p in zip(split.args[13:16], ws.partials)) and merge.args[3] is ws.out
+
+
+@needs_triton
+def test_device_token_count_with_low_bit_coefficients(rng):
+    """int4 (spec/quantization.md Q2) with the token count read on the device: the boundary
+    between coded key groups and the float tail follows it (T inside a group, at a group's end),
+    equal to the host-count launch; the workspace, whose graph would keep a stale key_tail
+    address, refuses such layouts."""
+    import subspace_ref as sr
+
+    H, d, r, G = 2, 16, 5, 8
+    B = np.stack([np.linalg.qr(rng.standard_normal((d, r)))[0].T for _ in range(H)])
+    q = torch.as_tensor(rng.standard_normal((1, H * 2, d)), dtype=torch.float32, device=DEVICE)
+    for T in (5, 16, 29):
+        state = sr.SubspaceState.static(sr.StaticBasis.from_bases(B, B, [0.7, 1.3]), batch=1, coefficients="int4", group_size=G)
+        state.append(rng.standard_normal((1, H, T, d)), rng.standard_normal((1, H, T, d)))
+        lay = state.to("triton", device=DEVICE, dtype="float32").layout
+        outputs = decode.split_launch(q, lay, 0.25, 0, 2, num_tokens=torch.full((1,), T, dtype=torch.int64, device=DEVICE))
+        outputs[0].run()
+        got = decode.merge_partials(*outputs[1], torch.float32)
+        torch.testing.assert_close(got, decode.decode_attention(q, lay, 0.25), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="int4/int2"):
+        workspace.DecodeWorkspace(lay, H * 2, torch.float32)
 
 
 @needs_triton

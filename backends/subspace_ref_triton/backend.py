@@ -2,7 +2,9 @@
 hot paths, on the torch array family.
 
 * ``attend`` (spec A2, A3, A3.2): :func:`subspace_ref_triton.decode.decode_attention`, the
-  flash-decoding kernel over the chunked coefficient cache plus the split merge.
+  flash-decoding kernel over the chunked coefficient cache plus the split merge; exact tokens
+  (spec/window.md W3 window, W7-W8 sinks) add one partial per segment
+  (:mod:`subspace_ref_triton.window_decode`) to the same merge.
 * ``append`` (spec A6-A8): static states project in one launch
   (:func:`subspace_ref_triton.project.project_append`, coefficients written straight into the
   state's buffers). Adaptive and rotating states use the torch backend's append — warm-up, FD
@@ -51,7 +53,7 @@ class TritonBackend:
 
     Reads states converted with ``state.to("triton", device="cuda")`` (torch tensors; the
     default device is CUDA when the kernels run compiled). float32, float16 and bfloat16 states,
-    float or int8 (spec A10) coefficients, all arithmetic the softmax sees in float32. Under
+    float, int8 (spec A10) or int4/int2 (spec/quantization.md Q2) coefficients, all arithmetic the softmax sees in float32. Under
     ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors through Triton's interpreter
     (slow: for tests at small shapes).
     """
@@ -108,6 +110,9 @@ class TritonBackend:
         quantized = lay.quantized  # int8 coefficients, spec A10
         coef_fields = ("key_coef", "value_coef", "key_scale", "value_scale")
         own_dtype = set(coef_fields) if quantized else set()
+        low_bit = ("key_coef", "value_coef", "key_group_scale", "key_group_zero", "value_token_scale", "value_token_zero")
+        if lay.low_bits:  # int4/int2 (spec/quantization.md Q2): uint8 codes, float16 scales and zero points by definition
+            own_dtype |= set(low_bit)
         if lay.basis_format != "native":  # decoded before the launch (spec/storage.md S2)
             own_dtype |= {"key_bases", "value_bases", "key_basis_scale", "value_basis_scale"}
         floats = {name: dtype_name(x.dtype) for name, x in lay.arrays().items() if x.is_floating_point() and name not in own_dtype}
@@ -118,6 +123,11 @@ class TritonBackend:
             want = {"key_coef": "int8", "value_coef": "int8", "key_scale": "float32", "value_scale": "float32"}
             if got != want:
                 reasons.append(f"an int8 state (spec A10) needs int8 coefficients and float32 scales, got {got}")
+        if lay.low_bits:
+            got = {name: dtype_name(getattr(lay, name).dtype) for name in low_bit}
+            want = {name: "uint8" if name.endswith("coef") else "float16" for name in low_bit}
+            if got != want:
+                reasons.append(f"an int{lay.low_bits} state (spec/quantization.md Q2) needs uint8 codes and float16 scales and zero points, got {got}")
         if lay.key_coef.device.type == "cpu" and "cpu" not in self.devices:
             reasons.append("the state is on the CPU; move it to a CUDA device (state.to('triton', device='cuda')) or set TRITON_INTERPRET=1")
         for name, x in lay.arrays().items():
@@ -177,8 +187,20 @@ class TritonBackend:
         decode, _ = _kernels()
         # bases stored encoded (spec/storage.md S1) are decoded before the launch: J r d entries
         layout = decoded_state(state).layout
-        if getattr(state.policy, "rope", None) is not None:  # spec/rope.md P3: the fused rebuild + RoPE kernel
+        q = q.contiguous()
+        rope = getattr(state.policy, "rope", None)
+        if rope is not None:  # spec/rope.md P3: the fused rebuild + RoPE kernel
             from subspace_ref_triton import rope_decode
 
-            return rope_decode.decode_attention(q.contiguous(), layout, state.policy.rope, scale)
-        return decode.decode_attention(q.contiguous(), layout, scale)
+            if state.window is None:
+                return rope_decode.decode_attention(q, layout, rope, scale)
+            compressed = lambda q, lay, s: rope_decode.attention_partials(q, lay, rope, s)  # noqa: E731
+        elif state.window is None:
+            return decode.decode_attention(q, layout, scale)
+        else:
+            compressed = decode.attention_partials
+        # spec/window.md W3, W8: the exact tokens' partials join the compressed part's splits
+        # in one log-sum-exp merge (spec A3.2)
+        from subspace_ref_triton import window_decode
+
+        return window_decode.decode_attention(q, state, layout, scale, compressed)

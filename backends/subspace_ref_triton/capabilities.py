@@ -14,11 +14,12 @@ from subspace_ref_triton._common import (
 def declared(devices: tuple[str, ...]) -> Capabilities:
     """The declaration on ``devices`` (the CPU only under TRITON_INTERPRET=1). Attend decodes
     encoded bases before the launch (spec/storage.md S2); appends of adaptive and rotating
-    states run the torch backend's, so no sketch variant; no exact window (spec/window.md W3)
-    ; pre-RoPE states (spec/rope.md P2-P3) through rope_decode.py; the decode kernels read float or int8 coefficients
-    (int4/int2, spec/quantization.md: attend with backend='torch'); tiles bound the head sizes,
-    ranks and group."""
+    states run the torch backend's, so no sketch variant; exact windows and sinks
+    (spec/window.md W3, W7-W8) through window_decode.py; pre-RoPE states (spec/rope.md P2-P3) through rope_decode.py; the decode kernels read float,
+    int8 (spec A10) and int4/int2 coefficients (spec/quantization.md Q2, unpacked and dequantised
+    in the kernel; their appends are the torch backend's); tiles bound the head sizes, ranks and
+    group."""
     return Capabilities(
-        array_families=("torch",), devices=devices, dtypes=SUPPORTED_DTYPES, coefficient_formats=("float", "int8"),
-        max_head_size=MAX_HEAD_SIZE, max_rank=MAX_RANK, max_query_group=MAX_GROUP, rope=True, sketch_variants=("trigger", "byte_ceiling"),
+        array_families=("torch",), devices=devices, dtypes=SUPPORTED_DTYPES, coefficient_formats=("float", "int8", "int4", "int2"),
+        max_head_size=MAX_HEAD_SIZE, max_rank=MAX_RANK, max_query_group=MAX_GROUP, rope=True, window=True, sinks=True, sketch_variants=("trigger", "byte_ceiling"),
     )

@@ -86,6 +86,9 @@ def _decode_split_kernel(
     gamma_ptr,
     ks_ptr,
     vs_ptr,
+    kz_ptr,
+    vz_ptr,
+    tail_ptr,
     pm_ptr,
     pz_ptr,
     po_ptr,
@@ -126,6 +129,10 @@ def _decode_split_kernel(
     svs_n,
     svs_h,
     svs_t,
+    kgroup,
+    stl_n,
+    stl_h,
+    stl_t,
     G: tl.constexpr,
     D: tl.constexpr,
     DV: tl.constexpr,
@@ -137,6 +144,8 @@ def _decode_split_kernel(
     NATIVE16: tl.constexpr,
     Q_NATIVE: tl.constexpr,
     INT8: tl.constexpr,
+    BITS: tl.constexpr,
+    MANUAL_BF16: tl.constexpr,
     DEVICE_T: tl.constexpr,
     MIN_SPLIT: tl.constexpr,
 ):
@@ -169,6 +178,11 @@ def _decode_split_kernel(
     vc_base = vc_ptr + n * svc_n + h * svc_h
     ks_base = ks_ptr + n * sks_n + h * sks_h
     vs_base = vs_ptr + n * svs_n + h * svs_h
+    # int4/int2 (spec/quantization.md Q2): the key scales and zero points share the strides of
+    # ks (per group), the value ones those of vs (per token); the launcher checks this
+    kz_base = kz_ptr + n * sks_n + h * sks_h
+    vz_base = vz_ptr + n * svs_n + h * svs_h
+    tail_base = tail_ptr + n * stl_n + h * stl_h
     kb_base = kb_ptr + n * skb_n + h * skb_h
     vb_base = vb_ptr + n * svb_n + h * svb_h
     st_base = starts_ptr + n * sst_n + h * sst_h
@@ -183,6 +197,9 @@ def _decode_split_kernel(
         split_len = tl.maximum((split_len + BLOCK_T - 1) // BLOCK_T * BLOCK_T, MIN_SPLIT)
     lo = s * split_len
     hi = tl.minimum(lo + split_len, num_tokens)
+    # Keys of tokens below this are read from their group's codes, the rest from key_tail
+    # (spec/quantization.md Q2.2); with DEVICE_T it follows the token count read above.
+    complete = num_tokens // kgroup * kgroup
 
     # The chunk holding token lo: the last j < nj with starts[j] <= lo (starts[0] = 0). Entries
     # past num_chunks are spare capacity and are never read.
@@ -244,12 +261,52 @@ def _decode_split_kernel(
         acc = tl.full([G, RV], 0.0, tl.float32)  # value-coefficient accumulator, at scale m_i
         for t0 in range(c_lo, c_hi, BLOCK_T):
             t_mask = t0 + offs_t < c_hi
-            c = tl.load(kc_base + (t0 + offs_t)[:, None] * skc_t + offs_r[None, :], mask=t_mask[:, None] & r_mask[None, :], other=0)  # (BLOCK_T, R)
-            dvals = tl.load(vc_base + (t0 + offs_t)[:, None] * svc_t + offs_rv[None, :], mask=t_mask[:, None] & rv_mask[None, :], other=0)  # (BLOCK_T, RV)
+            if BITS == 0:  # packed rows are narrower than r: read below
+                c = tl.load(kc_base + (t0 + offs_t)[:, None] * skc_t + offs_r[None, :], mask=t_mask[:, None] & r_mask[None, :], other=0)  # (BLOCK_T, R)
+                dvals = tl.load(vc_base + (t0 + offs_t)[:, None] * svc_t + offs_rv[None, :], mask=t_mask[:, None] & rv_mask[None, :], other=0)  # (BLOCK_T, RV)
             if INT8:
                 # through float32: the interpreter turns int8 -> bfloat16 into a bit copy
                 c = c.to(tl.float32).to(COEF)
                 dvals = dvals.to(tl.float32).to(COEF)
+            if BITS > 0:
+                # spec/quantization.md Q1-Q2: x = code * s + z, code i of a byte in bits
+                # [i BITS, (i + 1) BITS). code * s is exact in float32 (a BITS-bit integer times a
+                # float16), so the one rounding of the sum (FMA or not) is the oracle's float64
+                # sum rounded to float32; for 16-bit bases it is rounded once more, to nearest
+                # even, to the bases' dtype, where the tensor-core products below take it exactly
+                # (the oracle's reading in that dtype, up to a double-rounding tie).
+                tok = t0 + offs_t
+                coded = tok < complete
+                k_m = (t_mask & coded)[:, None] & r_mask[None, :]
+                kbyte = tl.load(kc_base + tok[:, None] * skc_t + (offs_r // (8 // BITS))[None, :], mask=k_m, other=0).to(tl.int32)
+                kcode = ((kbyte >> ((offs_r % (8 // BITS)) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+                grp = tok // kgroup
+                k_sc = tl.load(ks_base + grp[:, None] * sks_t + offs_r[None, :], mask=k_m, other=0.0).to(tl.float32)
+                k_ze = tl.load(kz_base + grp[:, None] * sks_t + offs_r[None, :], mask=k_m, other=0.0).to(tl.float32)
+                # the unfinished group, in float in the state's dtype (its rows past T are never read)
+                k_tl = tl.load(
+                    tail_base + (tok - complete)[:, None] * stl_t + offs_r[None, :], mask=(t_mask & (tok >= complete))[:, None] & r_mask[None, :], other=0.0
+                ).to(tl.float32)
+                cf = tl.where(coded[:, None], kcode * k_sc + k_ze, k_tl)
+                v_m = t_mask[:, None] & rv_mask[None, :]
+                vbyte = tl.load(vc_base + tok[:, None] * svc_t + (offs_rv // (8 // BITS))[None, :], mask=v_m, other=0).to(tl.int32)
+                vcode = ((vbyte >> ((offs_rv % (8 // BITS)) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+                v_sc = tl.load(vs_base + tok * svs_t, mask=t_mask, other=0.0).to(tl.float32)
+                v_ze = tl.load(vz_base + tok * svs_t, mask=t_mask, other=0.0).to(tl.float32)
+                df = vcode * v_sc[:, None] + v_ze[:, None]
+                if PARTS == 1:
+                    c = cf
+                    dvals = df
+                elif MANUAL_BF16:
+                    # the interpreter truncates float32 -> bfloat16; round to nearest even by the
+                    # bits (written out: a nested jit call per tile is slow in the interpreter)
+                    cb = cf.to(tl.uint32, bitcast=True)
+                    c = ((cb + 0x7FFF + ((cb >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+                    db = df.to(tl.uint32, bitcast=True)
+                    dvals = ((db + 0x7FFF + ((db >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+                else:
+                    c = cf.to(COEF)
+                    dvals = df.to(COEF)
             # Logits gamma * scale * q~ . c_t in float32 (see the module docstring).
             if PARTS == 1:
                 logits = tl.dot(q_proj, tl.trans(c), input_precision="ieee")
@@ -387,7 +444,8 @@ def _merge_kernel(pm_ptr, pz_ptr, po_ptr, out_ptr, num_splits, d_v, Hq, so_n, so
 def _shapes(q, layout):
     N, Hq, d = q.shape
     H = layout.key_coef.shape[1]
-    return N, Hq, d, H, Hq // H, layout.key_coef.shape[3], layout.value_coef.shape[3], layout.value_bases.shape[4]
+    # ranks from the bases: int4/int2 coefficient rows are packed narrower (spec/quantization.md Q2)
+    return N, Hq, d, H, Hq // H, layout.key_bases.shape[3], layout.value_bases.shape[3], layout.value_bases.shape[4]
 
 
 def default_split_len(num_tokens: int, programs: int, device, resident: int | None = None) -> int:
@@ -435,7 +493,7 @@ def resident_programs(launch: Launch, device) -> int:
     return _RESIDENT[key]
 
 
-def launch_config(d: int, d_v: int, dtype=None, int8: bool = False) -> dict:
+def launch_config(d: int, d_v: int, dtype=None, int8: bool = False, bits: int = 0) -> dict:
     """Tile and warps of the split kernel for the bases' ``dtype`` and coefficient storage, chosen
     from the compile report (``subspace-kv gpu-report``, docs/gpu.md) as the configuration with
     no spills on sm_80 and sm_90 and the most resident warps per SM, at d = 128, r = 32:
@@ -444,8 +502,12 @@ def launch_config(d: int, d_v: int, dtype=None, int8: bool = False) -> dict:
       per SM; 64-token tiles take 179 and fit 2, and spill on sm_80);
     * int8 coefficients (spec A10) with 16-bit bases: 64-token tiles, 4 warps (255 / 250
       registers, 2 per SM; 32-token tiles spill 44 bytes on sm_80);
+    * int4/int2 coefficients (spec/quantization.md Q2) with 16-bit bases: 64-token tiles, 4 warps
+      (215-226 registers, 2 per SM, no spills eager or graph-capturable on either arch; 32-token
+      tiles take 167 eagerly but the graph-capturable bf16 build spills 8 bytes on sm_90, and
+      16-token tiles spill 8-16 bytes there too);
     * float32 bases: 64-token tiles, 8 warps (114 registers: 2 programs of 8 warps; 4 warps take
-      194; with int8 coefficients 180, where 4 warps spill 28 bytes on sm_90);
+      194; with int8 coefficients 180, where 4 warps spill 28 bytes on sm_90; int4/int2: 180-182);
     * head sizes above 128: 32-token tiles and 8 warps, which spill least at 256.
 
     ``benchmarks/decode_gpu.py`` times the alternatives on a GPU."""
@@ -453,7 +515,7 @@ def launch_config(d: int, d_v: int, dtype=None, int8: bool = False) -> dict:
         return dict(block_t=32, num_warps=8)
     if dtype == torch.float32:
         return dict(block_t=64, num_warps=8)
-    if int8:
+    if int8 or bits:
         return dict(block_t=64, num_warps=4)
     return dict(block_t=32, num_warps=4)
 
@@ -511,8 +573,16 @@ def split_launch(
     kc, vc, kb, vb = layout.key_coef, layout.value_coef, layout.key_bases, layout.value_bases
     st, nc = layout.chunk_starts, layout.num_chunks
     int8 = getattr(layout, "key_scale", None) is not None  # spec A10
-    # without INT8 the scale pointers are never read, nor num_tokens without DEVICE_T: any tensor will do
-    ks, vs = (layout.key_scale, layout.value_scale) if int8 else (kc, vc)
+    bits = int(getattr(layout, "low_bits", 0) or 0)  # int4/int2, spec/quantization.md Q2
+    # without INT8 or BITS the scale pointers are never read, nor num_tokens without DEVICE_T:
+    # any tensor will do
+    ks, vs, kz, vz, tail = kc, vc, kc, vc, kc
+    if int8:
+        ks, vs = layout.key_scale, layout.value_scale
+    elif bits:
+        ks, vs, kz, vz, tail = layout.key_group_scale, layout.value_token_scale, layout.key_group_zero, layout.value_token_zero, layout.key_tail
+        if kz.stride() != ks.stride() or vz.stride() != vs.stride():
+            raise ValueError("the zero points of a low-bit layout must have the strides of its scales")
     for name, x in (
         ("q", q),
         ("key_coef", kc),
@@ -522,11 +592,12 @@ def split_launch(
         ("chunk_starts", st),
         ("key_scale", ks),
         ("value_scale", vs),
+        ("key_tail", tail),
     ):
-        if x.stride(-1) != 1:
+        if x.stride(-1) != 1 and x.numel() > 0:  # a low-bit state below one key group has no group rows
             raise ValueError(f"{name} must have a unit stride in its last dimension")
     parts = _PARTS[kb.dtype]
-    cfg = launch_config(d, d_v, kb.dtype, int8)
+    cfg = launch_config(d, d_v, kb.dtype, int8, bits)
     cfg.update({k: v for k, v in (("block_t", block_t), ("num_warps", num_warps)) if v is not None})
     args = (
         q,
@@ -539,6 +610,9 @@ def split_launch(
         layout.gamma.contiguous(),
         ks,
         vs,
+        kz,
+        vz,
+        tail,
         pm,
         pz,
         po,
@@ -575,10 +649,14 @@ def split_launch(
         nc.stride(1),
         ks.stride(0),
         ks.stride(1),
-        ks.stride(2) if int8 else 0,
+        ks.stride(2) if int8 or bits else 0,
         vs.stride(0),
         vs.stride(1),
-        vs.stride(2) if int8 else 0,
+        vs.stride(2) if int8 or bits else 0,
+        int(layout.group) if bits else 1,
+        tail.stride(0),
+        tail.stride(1),
+        tail.stride(2) if bits else 0,
     )
     constexprs = dict(
         G=pow2_at_least(group),
@@ -592,6 +670,8 @@ def split_launch(
         NATIVE16=parts > 1 and not interpreting(),
         Q_NATIVE=parts > 1 and q.dtype == kb.dtype and not interpreting(),
         INT8=int8,
+        BITS=bits,
+        MANUAL_BF16=bits > 0 and kb.dtype == torch.bfloat16 and interpreting(),
         DEVICE_T=device_t,
         MIN_SPLIT=MIN_SPLIT_TOKENS if device_t else 1,
     )
@@ -620,16 +700,23 @@ def merge_launch(m, z, o, dtype, out=None):
     return Launch(_merge_kernel, (N * Hq,), args, constexprs, 4), out
 
 
-def decode_attention(q, layout, scale: float | None = None, split_len: int | None = None, num_splits: int | None = None, **launch):
-    """Coefficient-space attention (spec A2, A3) of q (N, H_q, d) over ``layout``: (N, H_q, d_v)
-    in q's dtype, accumulated in float32. ``scale`` defaults to 1/sqrt(d)."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+def attention_partials(q, layout, scale: float, split_len: int | None = None, num_splits: int | None = None, **launch):
+    """The split partials (m, Z, N) of spec A3.2 that :func:`decode_attention` merges, with the
+    default split length when ``split_len`` is None (exact tokens, spec/window.md W3, add their
+    own partials to these: :mod:`subspace_ref_triton.window_decode`)."""
     if split_len is None:
         T, programs, resident = int(layout.num_tokens), q.shape[0] * layout.key_coef.shape[1], None
         if q.device.type == "cuda" and not interpreting():  # the compiled kernel's occupancy (cached)
             resident = resident_programs(split_launch(q, layout, scale, T, 1, **launch)[0], q.device)
         split_len = default_split_len(T, programs, q.device, resident)
-    m, z, o = decode_partials(q, layout, scale, split_len, num_splits, **launch)
+    return decode_partials(q, layout, scale, split_len, num_splits, **launch)
+
+
+def decode_attention(q, layout, scale: float | None = None, split_len: int | None = None, num_splits: int | None = None, **launch):
+    """Coefficient-space attention (spec A2, A3) of q (N, H_q, d) over ``layout``: (N, H_q, d_v)
+    in q's dtype, accumulated in float32. ``scale`` defaults to 1/sqrt(d)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    m, z, o = attention_partials(q, layout, scale, split_len, num_splits, **launch)
     return merge_partials(m, z, o, q.dtype)
 
 
@@ -643,7 +730,12 @@ def _token_chunks(starts, nj: int, T: int):
 
 
 def _coefficients(layout, which: str, n: int, h: int, T: int):
-    """Rows 0..T-1 of one head's coefficients in float32, dequantised (spec A10) when int8."""
+    """Rows 0..T-1 of one head's coefficients in float32, dequantised (spec A10) when int8, read
+    by the oracle's own reader (spec/quantization.md Q2) when int4/int2."""
+    if getattr(layout, "low_bits", 0):
+        from subspace_ref.quantization import read_low_bit
+
+        return read_low_bit(layout, which, 0, T, torch.float32, T, index=(n, h))
     coef = getattr(layout, f"{which}_coef")[n, h, :T].to(torch.float32)
     scales = getattr(layout, f"{which}_scale", None)
     return coef if scales is None else coef * scales[n, h, :T, None]

@@ -58,12 +58,23 @@ class Row:
 # ------------------------------------------------------------------------------------- Triton
 
 
-def _layout(torch, T, d, r, dtype, int8, J=1):
+def _layout(torch, T, d, r, dtype, coef, J=1):
+    """A zero layout of the benchmark's shape; ``coef``: "float", "int8" (spec A10) or
+    "int4"/"int2" (spec/quantization.md Q2, default group of 32)."""
     from subspace_ref.layout import PackedLayout
+    from subspace_ref.quantization import DEFAULT_GROUP, LOW_BITS, packed_width
 
-    cdt = torch.int8 if int8 else dtype
-    scales = dict(key_scale=torch.zeros(1, H_KV, T), value_scale=torch.zeros(1, H_KV, T)) if int8 else {}
-    return PackedLayout(torch.zeros(1, H_KV, T, r, dtype=cdt), torch.zeros(1, H_KV, T, r, dtype=cdt),
+    cdt, width, scales = dtype, r, {}
+    if coef == "int8":
+        cdt = torch.int8
+        scales = dict(key_scale=torch.zeros(1, H_KV, T), value_scale=torch.zeros(1, H_KV, T))
+    elif coef in LOW_BITS:
+        G, f16 = DEFAULT_GROUP, torch.float16
+        cdt, width = torch.uint8, packed_width(r, LOW_BITS[coef])
+        scales = dict(key_group_scale=torch.zeros(1, H_KV, T // G, r, dtype=f16), key_group_zero=torch.zeros(1, H_KV, T // G, r, dtype=f16),
+                      key_tail=torch.zeros(1, H_KV, G, r, dtype=dtype), value_token_scale=torch.zeros(1, H_KV, T, dtype=f16),
+                      value_token_zero=torch.zeros(1, H_KV, T, dtype=f16), low_bits=LOW_BITS[coef], group=G)
+    return PackedLayout(torch.zeros(1, H_KV, T, width, dtype=cdt), torch.zeros(1, H_KV, T, width, dtype=cdt),
                         torch.zeros(1, H_KV, J, r, d, dtype=dtype), torch.zeros(1, H_KV, J, r, d, dtype=dtype),
                         torch.zeros(1, H_KV, J, dtype=torch.int64), torch.ones(1, H_KV, dtype=torch.int64),
                         torch.ones(H_KV, dtype=dtype), T, **scales)
@@ -85,16 +96,32 @@ def triton_launches(exhaustive: bool = False):
     for d, r, g in shapes:
         default = (d, r, g) == (D, RANK, GROUP)
         for name, dt in dtypes.items():
-            for int8 in (False, True):
-                lay = _layout(torch, T, d, r, dt, int8)
+            for coef in ("float", "int8", "int4", "int2"):
+                lay = _layout(torch, T, d, r, dt, coef)
                 q = torch.zeros(1, H_KV * g, d, dtype=dt)
                 for graph in (False, True):
                     if graph and not (default and name == "bf16"):
                         continue  # the graph-capturable variant differs by one load: reported at the default shape
                     kw = dict(num_tokens=torch.zeros(1, dtype=torch.int64)) if graph else {}
                     launch, _ = decode.split_launch(q, lay, 0.1, 0 if graph else 1024, 8, **kw)
-                    label = f"{name}{' int8' if int8 else ''} d={d} r={r} g={g} bt={launch.constexprs['BLOCK_T']} w={launch.num_warps}"
+                    label = f"{name}{'' if coef == 'float' else ' ' + coef} d={d} r={r} g={g} bt={launch.constexprs['BLOCK_T']} w={launch.num_warps}"
                     out.append(("decode split" + (" (graph)" if graph else ""), label, default, launch))
+    import numpy as np
+
+    from subspace_ref.rope import RopeParams
+    from subspace_ref_triton import rope_decode, window_decode
+
+    rope = RopeParams(1.0 / 10000.0 ** (np.arange(D // 2) / (D // 2)))  # full rotary, Llama's layout
+    for name, coef in (("bf16", "float"), ("bf16", "int8"), ("bf16", "int4"), ("bf16", "int2"), ("fp32", "float")):  # pre-RoPE (spec/rope.md P3)
+        lay = _layout(torch, T, D, RANK, dtypes[name], coef)
+        launch, _ = rope_decode.split_launch(torch.zeros(1, H_KV * GROUP, D, dtype=dtypes[name]), lay, rope, 0.1, 1024)
+        out.append(("decode rope", f"{name}{'' if coef == 'float' else ' ' + coef} d={D} r={RANK} g={GROUP} bt={rope_decode.BLOCK_T} w={launch.num_warps}", True, launch))
+
+    for name in ("bf16", "fp32"):  # exact tokens (spec/window.md W3, W8): one partial per segment
+        k = torch.zeros(1, H_KV, 512, D, dtype=dtypes[name])
+        q = torch.zeros(1, H_KV * GROUP, D, dtype=dtypes[name])
+        parts = (torch.zeros(1, H_KV * GROUP, 2), torch.zeros(1, H_KV * GROUP, 2), torch.zeros(1, H_KV * GROUP, 2, D))
+        out.append(("decode exact", f"{name} d={D} g={GROUP} bt={window_decode.BLOCK_T}", True, window_decode.exact_launch(q, k, k, 0.1, parts, 1)))
     for name in ("bf16", "fp32"):
         m = torch.zeros(1, H_KV * GROUP, 40)
         launch, _ = decode.merge_launch(m, m, torch.zeros(1, H_KV * GROUP, 40, D), dtypes[name])

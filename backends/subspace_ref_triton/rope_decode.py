@@ -4,7 +4,8 @@ split of the token axis, merged by :func:`subspace_ref_triton.decode.merge_parti
 A program owns one (sequence, KV head) and one split, and per tile of ``BLOCK_T`` tokens
 
 1. rebuilds the keys from their coefficients, ``u_t = B^T c_t`` (int8 coefficients, spec A10,
-   converted exactly in the kernel, their scales applied to the logits), as three products with
+   converted exactly in the kernel, their scales applied to the logits; int4/int2,
+   spec/quantization.md Q2, unpacked and dequantised to float32 in the kernel), as three products with
    the basis columns of the planes' first dims, second dims and the fixed dims (the layout's
    planes, ``RopeParams.planes``, become contiguous halves: no gather of the rebuilt key);
 2. rotates them to their positions, ``R_t u_t``: cos/sin of ``t theta_i`` by angle addition of
@@ -33,12 +34,17 @@ from subspace_ref_triton._tl import MAX_COMBINE as _MAX
 from subspace_ref_triton._tl import SUM_COMBINE as _SUM
 from subspace_ref_triton.decode import default_split_len, merge_partials
 
-BLOCK_T = 32  # tokens per tile: three (BLOCK_T x d/2) float32 key parts live at once
+# Tokens per tile and warps: three (BLOCK_T x d/2) float32 key parts live at once. The compile
+# report (gpu_report, d = 128, r = 32, g = 4) gives 164-171 registers and no spills on sm_80 and
+# sm_90 for 16-token tiles on 8 warps, every dtype and coefficient storage; 32-token tiles on
+# 4 warps spilled ~1.3 KB per thread, 16 on 4 warps ~140 bytes, 32 on 8 ~140 bytes.
+BLOCK_T = 16
+NUM_WARPS = 8
 
 
 @triton.jit
 def _rope_split_kernel(
-    q_ptr, kc_ptr, vc_ptr, kb_ptr, vb_ptr, gamma_ptr, ks_ptr, vs_ptr, order_ptr, freq_ptr,
+    q_ptr, kc_ptr, vc_ptr, kb_ptr, vb_ptr, gamma_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr, tail_ptr, order_ptr, freq_ptr,
     pm_ptr, pz_ptr, po_ptr,
     H, group, num_tokens, split_len, num_splits, scale, rope_scale,
     d, d_v, r, r_v, m, f,
@@ -49,8 +55,9 @@ def _rope_split_kernel(
     svb_n, svb_h, svb_r,
     sks_n, sks_h, sks_t,
     svs_n, svs_h, svs_t,
+    kgroup, stl_n, stl_h, stl_t,
     G: tl.constexpr, M: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, RV: tl.constexpr,
-    BLOCK_T: tl.constexpr, INT8: tl.constexpr, HAS_FIXED: tl.constexpr,
+    BLOCK_T: tl.constexpr, INT8: tl.constexpr, BITS: tl.constexpr, HAS_FIXED: tl.constexpr,
 ):
     nh = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
@@ -94,6 +101,11 @@ def _rope_split_kernel(
     vc_base = vc_ptr + n * svc_n + h * svc_h
     ks_base = ks_ptr + n * sks_n + h * sks_h
     vs_base = vs_ptr + n * svs_n + h * svs_h
+    # int4/int2 (spec/quantization.md Q2): zero points share the strides of their scales
+    kz_base = kz_ptr + n * sks_n + h * sks_h
+    vz_base = vz_ptr + n * svs_n + h * svs_h
+    tail_base = tail_ptr + n * stl_n + h * stl_h
+    complete = num_tokens // kgroup * kgroup  # keys below: codes; from here: key_tail (Q2.2)
     logit_scale = tl.load(gamma_ptr + h).to(tl.float32) * scale
 
     lo = s * split_len
@@ -103,8 +115,28 @@ def _rope_split_kernel(
     acc = tl.full([G, RV], 0.0, tl.float32)
     for t0 in range(lo, hi, BLOCK_T):
         t_mask = t0 + offs_t < hi
-        c = tl.load(kc_base + (t0 + offs_t)[:, None] * skc_t + offs_r[None, :], mask=t_mask[:, None] & r_mask[None, :], other=0).to(tl.float32)
-        dvals = tl.load(vc_base + (t0 + offs_t)[:, None] * svc_t + offs_rv[None, :], mask=t_mask[:, None] & rv_mask[None, :], other=0).to(tl.float32)
+        if BITS == 0:
+            c = tl.load(kc_base + (t0 + offs_t)[:, None] * skc_t + offs_r[None, :], mask=t_mask[:, None] & r_mask[None, :], other=0).to(tl.float32)
+            dvals = tl.load(vc_base + (t0 + offs_t)[:, None] * svc_t + offs_rv[None, :], mask=t_mask[:, None] & rv_mask[None, :], other=0).to(tl.float32)
+        else:
+            # spec/quantization.md Q1-Q2, as in decode.py: code * s + z in float32 (the product
+            # exact), kept in float32 like every other operand of this kernel
+            tok = t0 + offs_t
+            coded = tok < complete
+            k_m = (t_mask & coded)[:, None] & r_mask[None, :]
+            kbyte = tl.load(kc_base + tok[:, None] * skc_t + (offs_r // (8 // BITS))[None, :], mask=k_m, other=0).to(tl.int32)
+            kcode = ((kbyte >> ((offs_r % (8 // BITS)) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+            grp = tok // kgroup
+            k_sc = tl.load(ks_base + grp[:, None] * sks_t + offs_r[None, :], mask=k_m, other=0.0).to(tl.float32)
+            k_ze = tl.load(kz_base + grp[:, None] * sks_t + offs_r[None, :], mask=k_m, other=0.0).to(tl.float32)
+            k_tl = tl.load(tail_base + (tok - complete)[:, None] * stl_t + offs_r[None, :], mask=(t_mask & (tok >= complete))[:, None] & r_mask[None, :], other=0.0).to(tl.float32)
+            c = tl.where(coded[:, None], kcode * k_sc + k_ze, k_tl)
+            v_m = t_mask[:, None] & rv_mask[None, :]
+            vbyte = tl.load(vc_base + tok[:, None] * svc_t + (offs_rv // (8 // BITS))[None, :], mask=v_m, other=0).to(tl.int32)
+            vcode = ((vbyte >> ((offs_rv % (8 // BITS)) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+            v_sc = tl.load(vs_base + tok * svs_t, mask=t_mask, other=0.0).to(tl.float32)
+            v_ze = tl.load(vz_base + tok * svs_t, mask=t_mask, other=0.0).to(tl.float32)
+            dvals = vcode * v_sc[:, None] + v_ze[:, None]
         # step 1: rebuild; step 2: rotate to positions t0 + k (angle addition, scale a folded in)
         ua = tl.dot(c, Ba, input_precision="ieee")  # (BLOCK_T, M)
         ub = tl.dot(c, Bb, input_precision="ieee")
@@ -150,7 +182,8 @@ def split_launch(q, layout, rope, scale: float, split_len: int):
     N, Hq, d = q.shape
     H = layout.key_coef.shape[1]
     group = Hq // H
-    r, r_v, d_v = layout.key_coef.shape[3], layout.value_coef.shape[3], layout.value_bases.shape[4]
+    # ranks from the bases: int4/int2 coefficient rows are packed narrower (spec/quantization.md Q2)
+    r, r_v, d_v = layout.key_bases.shape[3], layout.value_bases.shape[3], layout.value_bases.shape[4]
     T = int(layout.num_tokens)
     S = cdiv(T, split_len)
     dev = q.device
@@ -160,14 +193,21 @@ def split_launch(q, layout, rope, scale: float, split_len: int):
     kc, vc = layout.key_coef, layout.value_coef
     kb, vb = layout.key_bases[:, :, 0], layout.value_bases[:, :, 0]
     int8 = getattr(layout, "key_scale", None) is not None
-    ks, vs = (layout.key_scale, layout.value_scale) if int8 else (kc, vc)  # never read without INT8
+    bits = int(getattr(layout, "low_bits", 0) or 0)
+    ks, vs, kz, vz, tail = kc, vc, kc, vc, kc  # never read without INT8 / BITS
+    if int8:
+        ks, vs = layout.key_scale, layout.value_scale
+    elif bits:
+        ks, vs, kz, vz, tail = layout.key_group_scale, layout.value_token_scale, layout.key_group_zero, layout.value_token_zero, layout.key_tail
+        if kz.stride() != ks.stride() or vz.stride() != vs.stride():
+            raise ValueError("the zero points of a low-bit layout must have the strides of its scales")
     m = rope.inv_freq.size
     pairs = rope.planes(d)
     order = torch.as_tensor([*pairs[:m, 0], *pairs[:m, 1], *pairs[m:].reshape(-1)], dtype=torch.int32, device=dev)
     freq = torch.tensor(rope.inv_freq, dtype=torch.float64, device=dev)
     f = d - 2 * m
     args = (
-        q, kc, vc, kb, vb, layout.gamma.contiguous(), ks, vs, order, freq,
+        q, kc, vc, kb, vb, layout.gamma.contiguous(), ks, vs, kz, vz, tail, order, freq,
         pm, pz, po,
         H, group, T, int(split_len), S, float(scale), float(rope.attention_scaling),
         d, d_v, r, r_v, m, f,
@@ -176,27 +216,35 @@ def split_launch(q, layout, rope, scale: float, split_len: int):
         vc.stride(0), vc.stride(1), vc.stride(2),
         kb.stride(0), kb.stride(1), kb.stride(2),
         vb.stride(0), vb.stride(1), vb.stride(2),
-        ks.stride(0), ks.stride(1), ks.stride(2) if int8 else 0,
-        vs.stride(0), vs.stride(1), vs.stride(2) if int8 else 0,
+        ks.stride(0), ks.stride(1), ks.stride(2) if int8 or bits else 0,
+        vs.stride(0), vs.stride(1), vs.stride(2) if int8 or bits else 0,
+        int(layout.group) if bits else 1, tail.stride(0), tail.stride(1), tail.stride(2) if bits else 0,
     )
     constexprs = {
         "G": pow2_at_least(group), "M": pow2_at_least(m), "F": pow2_at_least(f), "DV": pow2_at_least(d_v),
-        "R": pow2_at_least(r), "RV": pow2_at_least(r_v), "BLOCK_T": BLOCK_T, "INT8": int8, "HAS_FIXED": f > 0,
+        "R": pow2_at_least(r), "RV": pow2_at_least(r_v), "BLOCK_T": BLOCK_T, "INT8": int8, "BITS": bits, "HAS_FIXED": f > 0,
     }
-    return Launch(_rope_split_kernel, (N * H, S), args, constexprs, 4), (pm, pz, po)
+    return Launch(_rope_split_kernel, (N * H, S), args, constexprs, NUM_WARPS), (pm, pz, po)
+
+
+def attention_partials(q, layout, rope, scale: float, split_len: int | None = None):
+    """The split partials (m, Z, N) (spec A3.2) that :func:`decode_attention` merges (exact
+    tokens add theirs: :mod:`subspace_ref_triton.window_decode`)."""
+    T = int(layout.num_tokens)
+    if split_len is None:
+        split_len = default_split_len(T, q.shape[0] * layout.key_coef.shape[1], q.device)
+        split_len = cdiv(split_len, BLOCK_T) * BLOCK_T
+    launch, partials = split_launch(q, layout, rope, scale, split_len)
+    launch.run()
+    return partials
 
 
 def decode_attention(q, layout, rope, scale: float | None = None, split_len: int | None = None):
     """Spec/rope.md P3 of q (N, H_q, d) over a pre-RoPE static state's ``layout``: (N, H_q, d_v)
     in q's dtype, float32 inside."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    T = int(layout.num_tokens)
-    if split_len is None:
-        split_len = default_split_len(T, q.shape[0] * layout.key_coef.shape[1], q.device)
-        split_len = cdiv(split_len, BLOCK_T) * BLOCK_T
-    launch, (pm, pz, po) = split_launch(q, layout, rope, scale, split_len)
-    launch.run()
+    pm, pz, po = attention_partials(q, layout, rope, scale, split_len)
     return merge_partials(pm, pz, po, q.dtype)
 
 
-__all__ = ["BLOCK_T", "decode_attention", "split_launch"]
+__all__ = ["BLOCK_T", "attention_partials", "decode_attention", "split_launch"]

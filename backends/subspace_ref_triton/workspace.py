@@ -37,6 +37,10 @@ class DecodeWorkspace:
     at its final capacity)."""
 
     def __init__(self, layout, query_heads: int, dtype, scale: float | None = None, num_splits: int | None = None):
+        if getattr(layout, "low_bits", 0):
+            # an int4/int2 append writes the unfinished key group into a new key_tail tensor
+            # (spec/quantization.md Q2.1), whose address a captured graph would not follow
+            raise ValueError("DecodeWorkspace does not take int4/int2 layouts: every append replaces their key_tail tensor; use decode.decode_attention")
         N, H, capacity = layout.key_coef.shape[:3]
         d, d_v = layout.key_bases.shape[4], layout.value_bases.shape[4]
         self.layout = layout

@@ -53,7 +53,8 @@ class Case:
     data: str = "random"
     logit: float | None = None
     scale: float | None = None
-    coefficients: str = "float"  # or "int8" (spec A10)
+    coefficients: str = "float"  # or "int8" (spec A10), "int4", "int2" (spec/quantization.md)
+    group_size: int = 32  # tokens per key group of int4/int2 coefficients (spec/quantization.md Q2)
     bases: str = "native"  # or "float16", "int8" (spec/storage.md S1)
     window: int = 0  # spec/window.md W1: exact recent window ...
     min_tokens: int = 0  # ... and length threshold
@@ -81,6 +82,8 @@ class Case:
             "fd_stride": self.fd_stride != 1,
             "reuse_angle": self.reuse_angle is not None,
             "int8": self.coefficients == "int8",
+            "int4": self.coefficients == "int4",
+            "int2": self.coefficients == "int2",
             "encoded_bases": self.bases != "native",
         }
         return frozenset(name for name, value in on.items() if value)
@@ -166,6 +169,16 @@ CASES = [
     Case("adaptive-ring", "adaptive", group=2, d=16, d_v=12, T=80, max_chunk=16, tau=0.7, ring_warm_start=8),
     Case("adaptive-stride2", "adaptive", N=2, group=2, d=12, d_v=16, T=80, max_chunk=16, tau=0.7, fd_stride=2),
     Case("adaptive-reuse-int8", "adaptive", group=2, d=16, d_v=12, T=80, max_chunk=8, tau=0.7, reuse_angle=0.6, coefficients="int8"),
+    # int4/int2 coefficients (spec/quantization.md Q2): complete key groups and a float tail,
+    # groups straddling chunks, refreshes re-quantising, huge logits, composed with pre-RoPE
+    # bases and with sinks + window
+    Case("static-int4-N2-gqa4-G8", "static", N=2, group=4, d=16, d_v=12, T=45, coefficients="int4", group_size=8),
+    Case("adaptive-int2-G8", "adaptive", N=2, group=2, d=12, d_v=16, T=70, max_chunk=16, tau=0.7, coefficients="int2", group_size=8),
+    Case("rotating-int4-logits1e4", "rotating", group=4, d=16, d_v=12, T=60, refresh_every=16, logit=1e4, coefficients="int4", group_size=8),
+    Case("static-rope-int4", "static", group=2, d=16, d_v=12, T=50, rope=True, coefficients="int4", group_size=16),
+    Case("static-rope-int2-window", "static", group=2, d=16, d_v=8, T=40, rope=True, window=6, coefficients="int2", group_size=8),
+    Case("static-sinks-window-int2", "static", N=2, group=2, d=16, d_v=8, T=60, sinks=3, window=5, coefficients="int2", group_size=8),
+    Case("adaptive-sinks-int4", "adaptive", group=2, d=16, d_v=12, T=70, max_chunk=16, tau=0.7, sinks=4, coefficients="int4", group_size=8),
 ]
 
 # Bigger sweeps, run on purpose: pytest -m slow tests/differential
@@ -177,6 +190,11 @@ SLOW_CASES = [
     Case("slow-adaptive-logits1e4-T2000", "adaptive", N=2, H=2, group=4, T=2000, max_chunk=32, tau=0.75, logit=1e4),
     Case("slow-rotating-d64-T3000", "rotating", N=2, H=2, group=4, d=64, d_v=64, rank_k=8, rank_v=8, T=3000, refresh_every=64),
     Case("slow-static-int8-d128-T8k", "static", H=4, group=4, d=128, d_v=128, rank_k=32, rank_v=32, T=8192, coefficients="int8"),
+    # int4/int2 at the benchmark's head size: 256 complete key groups and a tail of 8; many
+    # chunks and a tail of 24; a 256-token exact window (16 exact tiles) beside sinks
+    Case("slow-static-int4-d128-T8200", "static", H=4, group=4, d=128, d_v=128, rank_k=32, rank_v=32, T=8200, coefficients="int4"),
+    Case("slow-adaptive-int2-d64-T3000", "adaptive", N=2, H=2, group=4, d=64, d_v=64, rank_k=8, rank_v=8, T=3000, max_chunk=128, tau=0.9, coefficients="int2"),
+    Case("slow-static-sinks-window256-T4000", "static", H=2, group=4, d=64, d_v=48, rank_k=16, rank_v=16, T=4000, sinks=4, window=256),
 ] + [
     Case(
         f"slow-random-{i}",
@@ -223,6 +241,8 @@ def empty_state(case: Case, rng) -> sr.SubspaceState:
     heads = case.H * case.group if case.share else case.H  # query_group: one basis per query head
     gamma = rng.uniform(0.5, 1.5, heads)
     exact = dict(window=case.window, min_tokens=case.min_tokens, sinks=case.sinks)
+    if case.coefficients in ("int4", "int2"):
+        exact["group_size"] = case.group_size
     if case.kind == "static":
         B = _orthonormal(rng, heads, _ranks(case.rank_k, heads), case.d)
         E = _orthonormal(rng, heads, _ranks(case.rank_v, heads), case.d_v)

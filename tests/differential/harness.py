@@ -92,6 +92,8 @@ def declared_gaps(backend: str, operation: str, features: frozenset[str], case) 
         "rope": caps.rope,
         "query_group": caps.query_sharing,
         "int8": case.coefficients in caps.coefficient_formats,
+        "int4": case.coefficients in caps.coefficient_formats,
+        "int2": case.coefficients in caps.coefficient_formats,
         "encoded_bases": case.bases in caps.basis_formats,
     }
     if operation == "append":
@@ -108,6 +110,8 @@ REASON_WORDS = {
     "rope": ("rope",),
     "query_group": ("query_group",),
     "int8": ("int8",),
+    "int4": ("int4",),
+    "int2": ("int2",),
     "ring_warm_start": ("ring_warm_start",),
     "fd_stride": ("fd_stride",),
     "reuse_angle": ("reuse_angle",),
@@ -150,7 +154,8 @@ POISON_INDEX = -1  # spare chunk_starts
 def backend_state(state64, target: Target, poison: bool = True):
     """The oracle's float64 NumPy state converted for ``target`` (``state.to``), with every spare
     entry (rows >= num_tokens, chunk slots >= a head's num_chunks) set to NaN / -1 (int8
-    coefficients: 127 with NaN scales), so that a backend reading outside the live ranges of
+    coefficients: 127 with NaN scales; int4/int2: codes 0xFF, NaN scales and zero points past the
+    complete key groups and the tokens, NaN key_tail rows past the unfinished group), so that a backend reading outside the live ranges of
     spec A9 fails loudly."""
     if target.backend == "cupy" and state64.basis_format != "native":
         import pytest
@@ -173,7 +178,16 @@ def backend_state(state64, target: Target, poison: bool = True):
         lay = state.layout
         T, J = lay.num_tokens, lay.key_bases.shape[2]
         lay = lay.with_capacity(T + 7, J + 3)  # spare capacity past the live ranges ...
-        if "int" in dtype_name(lay.key_coef):  # int8 coefficients (spec A10): poison their scales
+        if lay.low_bits:  # int4/int2 (spec/quantization.md Q2): codes, scales, zero points, tail
+            G = lay.group
+            lay.key_coef[:, :, T:] = 0xFF
+            lay.value_coef[:, :, T:] = 0xFF
+            for name in ("key_group_scale", "key_group_zero"):  # the unfinished group's keys are in key_tail
+                getattr(lay, name)[:, :, T // G :] = float("nan")
+            for name in ("value_token_scale", "value_token_zero"):
+                getattr(lay, name)[:, :, T:] = float("nan")
+            lay.key_tail[:, :, T - T // G * G :] = float("nan")
+        elif "int" in dtype_name(lay.key_coef):  # int8 coefficients (spec A10): poison their scales
             lay.key_coef[:, :, T:] = 127
             lay.value_coef[:, :, T:] = 127
             lay.key_scale[:, :, T:] = float("nan")

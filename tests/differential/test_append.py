@@ -49,11 +49,18 @@ APPEND_CASES = [
         "static-int8-N2-gqa4",
         "adaptive-int8",
         "rotating-int8-logits1e4",
+        "static-int4-N2-gqa4-G8",
+        "adaptive-int2-G8",
+        "rotating-int4-logits1e4",
+        "static-sinks-window-int2",
     }
 ]
 # Cases whose chunk boundaries do not depend on rounding (no residual trigger can fire), so a
 # float32 append must reproduce the float32 oracle's boundaries exactly.
-FLOAT32_CASES = [c for c in APPEND_CASES if c.kind != "adaptive" or c.data == "lowrank" or c.rank_k == c.d]
+# int4/int2 are left out: one float32 rounding across a quantiser boundary moves a code by a step
+# of up to 2 max|c| / (2^b - 1) (2/3 of the largest entry for int2), a bound too loose to test
+# anything; their float64 appends must match the oracle exactly (test_append_matches_oracle).
+FLOAT32_CASES = [c for c in APPEND_CASES if (c.kind != "adaptive" or c.data == "lowrank" or c.rank_k == c.d) and c.coefficients not in ("int4", "int2")]
 
 
 def _inputs(case: Case, salt: int):

@@ -79,7 +79,24 @@ def test_cases_cover_the_brief():
     assert max(chunks.values()) >= 200, "a case with hundreds of chunks"
     assert any(c.kind == "adaptive" and chunks[c.name] == 1 and c.T > 1 for c in CASES), "a single-chunk adaptive case"
     features = set().union(*(c.features for c in CASES))
-    assert {"window", "sinks", "rope", "query_group", "ring_warm_start", "fd_stride", "reuse_angle", "int8", "encoded_bases", "lookahead"} <= features
+    assert {
+        "window",
+        "sinks",
+        "rope",
+        "query_group",
+        "ring_warm_start",
+        "fd_stride",
+        "reuse_angle",
+        "int8",
+        "int4",
+        "int2",
+        "encoded_bases",
+        "lookahead",
+    } <= features
+    for low in ("int4", "int2"):  # complete key groups and an unfinished one (spec/quantization.md Q2)
+        assert any(low in c.features and c.T % c.group_size and c.T > c.group_size for c in CASES), low
+    assert any({"int4", "rope"} <= c.features for c in CASES) or any({"int2", "rope"} <= c.features for c in CASES)
+    assert any(c.coefficients in ("int4", "int2") and c.sinks for c in CASES)
     for feature in features - {"int8", "encoded_bases"}:  # every variant with d != d_v (gamma != 1 always: empty_state)
         assert any(feature in c.features and c.d != c.d_v for c in CASES), feature
     assert all(not np.allclose(b.state.layout.gamma, 1.0) for b in built.values())

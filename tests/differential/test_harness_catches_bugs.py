@@ -74,3 +74,66 @@ def test_mutant_is_caught(monkeypatch, bug):
         _check(Target(f"mutant-{bug}", "cpu", dtype), case, record=False)
     _register(monkeypatch, "unmutated", None)  # the same pipeline without the bug passes
     _check(Target("unmutated", "cpu", dtype), case, record=False)
+
+
+# Mutants of the triton backend's inputs for the int4/int2 and exact-token cases: each corrupts
+# what the kernels read in a way an implementation could (a layout misread), and the harness
+# must fail it on the named case.
+def _swap_code_order(state):
+    """Codes read high nibble / high pair first (spec/quantization.md Q1 puts code 0 lowest)."""
+    lay = state.layout
+    bits = lay.low_bits
+    per, mask = 8 // bits, (1 << bits) - 1
+    for name in ("key_coef", "value_coef"):
+        x = getattr(lay, name).to(torch.int32)
+        swapped = sum((((x >> (i * bits)) & mask) << ((per - 1 - i) * bits)) for i in range(per))
+        setattr(lay, name, swapped.to(torch.uint8))
+
+
+def _tail_dropped(state):
+    """The unfinished key group read as zeros (as if only complete groups existed)."""
+    state.layout.key_tail = torch.zeros_like(state.layout.key_tail)
+
+
+def _sinks_dropped(state):
+    """Attention sinks left out of the softmax (spec/window.md W8)."""
+    from dataclasses import replace
+
+    win = state.window
+    state.window = replace(win, sink_keys=win.sink_keys[:, :, :0], sink_values=win.sink_values[:, :, :0])
+
+
+TRITON_MUTANTS = {  # mutation -> (case, dtype) where it must be caught
+    "swap_code_order": (_swap_code_order, "static-int4-N2-gqa4-G8", "float32"),
+    "swap_code_order_int2": (_swap_code_order, "adaptive-int2-G8", "bfloat16"),
+    "tail_dropped": (_tail_dropped, "static-int4-N2-gqa4-G8", "float16"),
+    "sinks_dropped": (_sinks_dropped, "static-sinks-only-logits1e4", "float32"),
+}
+
+
+def _register_triton(monkeypatch, name, mutate):
+    from subspace_ref_triton import TritonBackend
+
+    def attend(self, q, state, scale):
+        if mutate is not None:
+            state = state.copy()
+            mutate(state)
+        return TritonBackend.attend(self, q, state, scale)
+
+    monkeypatch.setitem(registry._added, name, type(name, (TritonBackend,), {"name": name, "attend": attend}))
+
+
+@pytest.mark.parametrize("mutant", sorted(TRITON_MUTANTS))
+def test_triton_mutant_is_caught(monkeypatch, mutant):
+    from subspace_ref_triton import TritonBackend
+
+    available = TritonBackend().availability()
+    if not available or TritonBackend().devices[0] != "cpu":
+        pytest.skip(f"the triton kernels do not run on the CPU here: {available.reason or 'compiled for the GPU'}")
+    mutate, case_name, dtype = TRITON_MUTANTS[mutant]
+    case = next(c for c in CASES if c.name == case_name)
+    _register_triton(monkeypatch, f"triton-mutant-{mutant}", mutate)
+    with pytest.raises(AssertionError, match=r"max \|backend - oracle64\|"):  # the tolerance, not a refusal
+        _check(Target(f"triton-mutant-{mutant}", "cpu", dtype), case, record=False)
+    _register_triton(monkeypatch, "triton-unmutated", None)  # the same inputs unmutated pass
+    _check(Target("triton-unmutated", "cpu", dtype), case, record=False)

@@ -3,8 +3,8 @@
 For a case and a dtype, the reference error is the float64 oracle's distance to the oracle run
 *in that dtype*:
 
-* inputs (q, coefficients, bases, gamma; int8 coefficients and their float32 scales stay as
-  they are, as ``state.to`` keeps them) rounded to the dtype (float16 and bfloat16 through
+* inputs (q, coefficients, bases, gamma; int8 coefficients and their float32 scales, int4/int2
+  codes and their float16 scales and zero points stay as they are, as ``state.to`` keeps them) rounded to the dtype (float16 and bfloat16 through
   float32, as torch converts float64 to them), then the oracle run in float32 for the half types
   and in the dtype itself otherwise, and its output rounded to the dtype;
 * for float64 the rounded oracle *is* the float64 oracle, so its own error is measured against
@@ -64,7 +64,9 @@ def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
     raise ValueError(f"unknown dtype {dtype!r}")
 
 
-SCALES = ("key_scale", "value_scale")  # float32 by spec A10 in every state: never rounded
+# float32 by spec A10, float16 by spec/quantization.md Q2 (int4/int2 scales and zero points), in
+# every state whatever its dtype (state.to keeps them): never rounded or moved
+SCALES = ("key_scale", "value_scale", "key_group_scale", "key_group_zero", "value_token_scale", "value_token_zero")
 
 
 def _cast_state(state, fn):

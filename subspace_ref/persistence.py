@@ -98,6 +98,8 @@ def save_state(state, path) -> None:
         raise TypeError(f"state must be a SubspaceState, got {type(state).__name__}")
     path = os.fspath(path)
     for f in _unpersisted(state.policy):
+        if f.name == "rope":  # written in the header's "rope" (version 2, spec/persistence.md)
+            continue
         if getattr(state.policy, f.name) is not None:  # refuse rather than drop it (before any write)
             raise NotSupportedError(
                 "cannot save this state",
@@ -109,7 +111,7 @@ def save_state(state, path) -> None:
     header = _state_header(state, dtype_name)
     # the oldest version that describes the state
     extended = _bases(state) != "native" or getattr(state, "window", None) is not None or bool(_written_optional(state.policy))
-    extended = extended or getattr(state.layout, "low_bits", 0) > 0
+    extended = extended or getattr(state.layout, "low_bits", 0) > 0 or _rope(state) is not None
     version = EXTENDED_VERSION if extended else FORMAT_VERSION
     metadata = {"format": FORMAT_NAME, "format_version": str(version), "state": _canonical_json(header)}
     metadata["checksum"] = checksum(tensors, metadata)
@@ -244,6 +246,9 @@ def _state_header(state, dtype_name: str) -> dict[str, Any]:
     extra = {} if _bases(state) == "native" else {"bases": _bases(state)}  # version 2 only
     if getattr(lay, "low_bits", 0):  # version 2 only
         extra["group"] = int(lay.group)
+    rope = _rope(state)
+    if rope is not None:  # version 2 only: every number JSON writes as float64 repr reads back exactly
+        extra["rope"] = {"inv_freq": [float(x) for x in rope.inv_freq], "layout": rope.layout, "attention_scaling": rope.attention_scaling}
     if getattr(state, "window", None) is not None:  # version 2 only
         extra["window"] = {"size": state.window.size, "min_tokens": state.window.min_tokens, "lookahead": state.window.lookahead}
         if state.window.sinks:  # written only when there are sinks: older windowed files stay byte for byte
@@ -258,6 +263,32 @@ def _state_header(state, dtype_name: str) -> dict[str, Any]:
         "sketch": None if sk is None else {"filled_k": int(sk.filled_k), "filled_v": int(sk.filled_v), "rows_seen": int(sk.rows_seen)},
         "saved_from": state.engine,
     }
+
+
+def _rope(state):
+    """The pre-RoPE parameters of a static state (spec/rope.md P2), else None."""
+    return getattr(state.policy, "rope", None)
+
+
+def _rope_from(header: dict[str, Any], policy, path):
+    """``policy`` with the header's "rope" (spec/rope.md §5), checked by RopeParams itself."""
+    spec = header.get("rope")
+    if spec is None:
+        return policy
+    if policy.kind != "static":
+        _fail(path, f"rope is set on a {policy.kind} state; only static states have pre-RoPE bases")
+    if not isinstance(spec, dict) or set(spec) != {"inv_freq", "layout", "attention_scaling"}:
+        _fail(path, f"rope must be an object with inv_freq, layout and attention_scaling, got {spec!r}")
+    from subspace_ref.rope import RopeParams
+
+    freq = spec["inv_freq"]
+    if not isinstance(freq, list) or not all(type(x) in (int, float) for x in freq):
+        _fail(path, f"rope.inv_freq must be a list of numbers, got {freq!r}")
+    try:
+        rope = RopeParams(np.array(freq, dtype=np.float64), layout=spec["layout"], attention_scaling=spec["attention_scaling"])
+    except (TypeError, ValueError) as err:
+        _fail(path, f"rope is invalid: {err}")
+    return dataclasses.replace(policy, rope=rope)
 
 
 def _canonical_json(obj: Any) -> str:
@@ -301,7 +332,7 @@ def load_parts(path) -> tuple:
         raise StateFileError(f"{path}: metadata 'state' is not valid JSON ({err})") from None
     # the writer uses the oldest version that describes the state: 2 exactly when it has
     # encoded bases or an exact window
-    extended = isinstance(header, dict) and ("window" in header or "bases" in header or "group" in header or _has_optional_fields(header))
+    extended = isinstance(header, dict) and ("window" in header or "bases" in header or "group" in header or "rope" in header or _has_optional_fields(header))
     expected_version = str(EXTENDED_VERSION if extended else FORMAT_VERSION)
     if metadata["format_version"] != expected_version:
         raise StateFileError(
@@ -449,7 +480,7 @@ def _typed(name: str, annotation: str, value: Any) -> Any:
 def _build_state(header: Any, tensors: dict[str, np.ndarray], path):
     if not isinstance(header, dict):
         _fail(path, "metadata 'state' is not a JSON object")
-    policy = _policy_from(header, path)
+    policy = _rope_from(header, _policy_from(header, path), path)
     batched, T, dtype_name, sk = header.get("batched"), header.get("num_tokens"), header.get("dtype"), header.get("sketch")
     if type(batched) is not bool:
         _fail(path, f"batched must be true or false, got {batched!r}")
@@ -499,6 +530,11 @@ def _build_state(header: Any, tensors: dict[str, np.ndarray], path):
     if kb.ndim != 5 or kb.shape[:2] != (N, H) or kb.shape[3] != r:
         _fail(path, f"key_bases has shape {kb.shape}; expected ({N}, {H}, J, {r}, d)")
     J, d = kb.shape[2], kb.shape[4]
+    if getattr(policy, "rope", None) is not None:
+        try:
+            policy.rope.planes(d)  # its rotary dims must fit the head size
+        except ValueError as err:
+            _fail(path, f"rope does not fit the keys (d = {d}): {err}")
     vb = arrays["value_bases"]
     if vb.ndim != 5 or vb.shape[:3] != (N, H, J):
         _fail(path, f"value_bases has shape {vb.shape}; expected ({N}, {H}, {J}, r_v, d_v)")

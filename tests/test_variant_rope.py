@@ -208,12 +208,29 @@ def test_bad_append_leaves_pre_rope_state_unchanged(rng):
     assert st.num_tokens == 3 and all(np.array_equal(before[k], after[k]) for k in before)
 
 
-def test_persistence_refuses_pre_rope_state_and_keeps_plain_static(tmp_path, rng):
-    st = SubspaceState.static(identity_basis(), rope=params())
-    st.append(rng.standard_normal((H, 2, D)), rng.standard_normal((H, 2, D)))
-    with pytest.raises(NotImplementedError, match="rope"):
-        st.save(tmp_path / "pre.safetensors")
-    assert not (tmp_path / "pre.safetensors").exists()
+def test_persistence_round_trips_pre_rope_states_and_plain_static(tmp_path, rng):
+    """spec/rope.md §5: the RoPE parameters travel in the header (version 2) and come back exact,
+    so the loaded state attends and appends as the original, bit for bit; a header whose rope
+    does not fit the keys, or sits on a non-static state, is refused by name."""
+    from tests.test_persistence import edited
+
+    from subspace_ref.persistence import StateFileError
+
+    st = SubspaceState.static(calibrate_rope_planes(rng.standard_normal((H, 30, D)), rng.standard_normal((H, 30, D)), rank_k=4, rank_v=4), rope=params())
+    st.append(rng.standard_normal((H, 5, D)), rng.standard_normal((H, 5, D)))
+    st.save(tmp_path / "pre.safetensors")
+    back = SubspaceState.load(tmp_path / "pre.safetensors")
+    assert back.policy.rope.inv_freq.tobytes() == st.policy.rope.inv_freq.tobytes()
+    assert (back.policy.rope.layout, back.policy.rope.attention_scaling) == (st.policy.rope.layout, st.policy.rope.attention_scaling)
+    k, v, q = rng.standard_normal((H, 3, D)), rng.standard_normal((H, 3, D)), rng.standard_normal((H, D))
+    st.append(k, v), back.append(k, v)
+    np.testing.assert_array_equal(subspace_ref.attend(q, back), subspace_ref.attend(q, st))
+    too_wide = edited(tmp_path, tmp_path / "pre.safetensors", state=lambda h: h["rope"].update(inv_freq=[1.0] * (D // 2 + 1)))
+    with pytest.raises(StateFileError, match="rope does not fit the keys"):
+        SubspaceState.load(too_wide)
+    malformed = edited(tmp_path, tmp_path / "pre.safetensors", state=lambda h: h.update(rope={"inv_freq": "1.0"}))
+    with pytest.raises(StateFileError, match="rope must be an object"):
+        SubspaceState.load(malformed)
     plain = SubspaceState.static(calibrate_rope_planes(rng.standard_normal((H, 30, D)), rng.standard_normal((H, 30, D)), rank_k=4, rank_v=4))
     plain.append(rng.standard_normal((H, 2, D)), rng.standard_normal((H, 2, D)))
     plain.save(tmp_path / "plain.safetensors")

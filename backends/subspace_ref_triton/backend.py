@@ -26,6 +26,7 @@ from subspace_ref_torch.backend import device_reasons, is_tensor
 from subspace_ref.backend import Availability
 from subspace_ref.basis_storage import decoded_state
 from subspace_ref.capabilities import Capabilities, attend_reasons
+from subspace_ref.window import first_compressed_position
 from subspace_ref_triton._common import SUPPORTED_DTYPES, dtype_name, interpreting
 from subspace_ref_triton.capabilities import declared
 
@@ -194,7 +195,8 @@ class TritonBackend:
 
             if state.window is None:
                 return rope_decode.decode_attention(q, layout, rope, scale)
-            compressed = lambda q, lay, s: rope_decode.attention_partials(q, lay, rope, s)  # noqa: E731
+            first = first_compressed_position(state)  # spec/window.md W10
+            compressed = lambda q, lay, s: rope_decode.attention_partials(q, lay, rope, s, first_position=first)  # noqa: E731
         elif state.window is None:
             return decode.decode_attention(q, layout, scale)
         else:

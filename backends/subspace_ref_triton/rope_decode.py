@@ -46,7 +46,7 @@ NUM_WARPS = 8
 def _rope_split_kernel(
     q_ptr, kc_ptr, vc_ptr, kb_ptr, vb_ptr, gamma_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr, tail_ptr, order_ptr, freq_ptr,
     pm_ptr, pz_ptr, po_ptr,
-    H, group, num_tokens, split_len, num_splits, scale, rope_scale,
+    H, group, num_tokens, split_len, num_splits, scale, rope_scale, first_position,
     d, d_v, r, r_v, m, f,
     sq_n, sq_h,
     skc_n, skc_h, skc_t,
@@ -137,10 +137,11 @@ def _rope_split_kernel(
             v_sc = tl.load(vs_base + tok * svs_t, mask=t_mask, other=0.0).to(tl.float32)
             v_ze = tl.load(vz_base + tok * svs_t, mask=t_mask, other=0.0).to(tl.float32)
             dvals = vcode * v_sc[:, None] + v_ze[:, None]
-        # step 1: rebuild; step 2: rotate to positions t0 + k (angle addition, scale a folded in)
+        # step 1: rebuild; step 2: rotate to positions S + t0 + k (spec/window.md W10: S sinks
+        # before the compressed tokens; angle addition, scale a folded in)
         ua = tl.dot(c, Ba, input_precision="ieee")  # (BLOCK_T, M)
         ub = tl.dot(c, Bb, input_precision="ieee")
-        base = theta * t0  # float64
+        base = theta * (first_position + t0)  # float64
         ca = (tl.cos(base) * rope_scale).to(tl.float32)
         sa = (tl.sin(base) * rope_scale).to(tl.float32)
         cos_t = ck * ca[None, :] - sk * sa[None, :]
@@ -175,10 +176,11 @@ def _rope_split_kernel(
     tl.store(po_ptr + (row * num_splits + s)[:, None] * d_v + offs_dv[None, :], o_i, mask=g_mask[:, None] & (offs_dv < d_v)[None, :])
 
 
-def split_launch(q, layout, rope, scale: float, split_len: int):
+def split_launch(q, layout, rope, scale: float, split_len: int, first_position: int = 0):
     """The split kernel's launch (not run) and the partials (m, Z, N) it fills, float32, in the
     format of :func:`subspace_ref_triton.decode.split_launch` (m includes gamma * scale).
-    ``layout``: a one-chunk layout of torch tensors (a static state's, bases decoded)."""
+    ``layout``: a one-chunk layout of torch tensors (a static state's, bases decoded);
+    ``first_position``: the position of compressed token 0 (spec/window.md W10: the sinks)."""
     N, Hq, d = q.shape
     H = layout.key_coef.shape[1]
     group = Hq // H
@@ -209,7 +211,7 @@ def split_launch(q, layout, rope, scale: float, split_len: int):
     args = (
         q, kc, vc, kb, vb, layout.gamma.contiguous(), ks, vs, kz, vz, tail, order, freq,
         pm, pz, po,
-        H, group, T, int(split_len), S, float(scale), float(rope.attention_scaling),
+        H, group, T, int(split_len), S, float(scale), float(rope.attention_scaling), int(first_position),
         d, d_v, r, r_v, m, f,
         q.stride(0), q.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2),
@@ -227,14 +229,15 @@ def split_launch(q, layout, rope, scale: float, split_len: int):
     return Launch(_rope_split_kernel, (N * H, S), args, constexprs, NUM_WARPS), (pm, pz, po)
 
 
-def attention_partials(q, layout, rope, scale: float, split_len: int | None = None):
+def attention_partials(q, layout, rope, scale: float, split_len: int | None = None, first_position: int = 0):
     """The split partials (m, Z, N) (spec A3.2) that :func:`decode_attention` merges (exact
-    tokens add theirs: :mod:`subspace_ref_triton.window_decode`)."""
+    tokens add theirs: :mod:`subspace_ref_triton.window_decode`); compressed token t sits at
+    position ``first_position + t`` (spec/window.md W10)."""
     T = int(layout.num_tokens)
     if split_len is None:
         split_len = default_split_len(T, q.shape[0] * layout.key_coef.shape[1], q.device)
         split_len = cdiv(split_len, BLOCK_T) * BLOCK_T
-    launch, partials = split_launch(q, layout, rope, scale, split_len)
+    launch, partials = split_launch(q, layout, rope, scale, split_len, first_position)
     launch.run()
     return partials
 

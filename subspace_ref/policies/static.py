@@ -10,7 +10,8 @@ from typing import Any
 class StaticPolicy:
     """One fixed basis per head; ranks per head (zero rows pad the rest). ``rope``: a
     :class:`~subspace_ref.rope.RopeParams` when the key basis is pre-RoPE and the state un-rotates
-    appended keys (spec/rope.md P2); not persisted (saving such a state is refused).
+    appended keys (spec/rope.md P2); saved in the file header's ``rope``, not as a policy field
+    (spec/rope.md §5).
     ``query_group``: g when the state holds one basis per QUERY head and takes keys/values of
     H/g KV heads, repeating each for its g query heads (spec/sharing.md A3); None for the plain
     one basis per KV head. Not persisted (saving such a state is refused)."""

@@ -177,6 +177,9 @@ CASES = [
     Case("rotating-int4-logits1e4", "rotating", group=4, d=16, d_v=12, T=60, refresh_every=16, logit=1e4, coefficients="int4", group_size=8),
     Case("static-rope-int4", "static", group=2, d=16, d_v=12, T=50, rope=True, coefficients="int4", group_size=16),
     Case("static-rope-int2-window", "static", group=2, d=16, d_v=8, T=40, rope=True, window=6, coefficients="int2", group_size=8),
+    # spec/window.md W10: compressed token t rotated at position S + t after the sinks
+    Case("static-rope-sinks-window", "static", N=2, group=2, d=16, d_v=8, T=45, rope=True, sinks=3, window=5),
+    Case("static-rope-sinks-int4", "static", group=2, d=16, d_v=12, T=50, rope=True, sinks=4, coefficients="int4", group_size=8),
     Case("static-sinks-window-int2", "static", N=2, group=2, d=16, d_v=8, T=60, sinks=3, window=5, coefficients="int2", group_size=8),
     Case("adaptive-sinks-int4", "adaptive", group=2, d=16, d_v=12, T=70, max_chunk=16, tau=0.7, sinks=4, coefficients="int4", group_size=8),
 ]
@@ -290,15 +293,19 @@ def logit_multipliers(state) -> np.ndarray:
 
 def rotated_keys(state, K_hat: np.ndarray) -> np.ndarray:
     """Keys as attention sees them: a pre-RoPE state's compressed tokens rotated to their
-    positions (spec/rope.md P3; sinks and rope never combine, so they start at position 0)."""
+    positions (spec/rope.md P3): compressed token t at position S + t after S sinks, which come
+    first in the token order of ``state.reconstruct()`` (spec/window.md W10)."""
     rope = getattr(state.policy, "rope", None)
     if rope is None:
         return K_hat
     from subspace_ref.rope import rotate
 
-    T_c = state.layout.num_tokens
+    from subspace_ref.window import first_compressed_position
+
+    T_c, S = state.layout.num_tokens, first_compressed_position(state)
+    s = 0 if state.window is None else state.window.sink_count
     K_hat = K_hat.copy()
-    K_hat[:, :, :T_c] = rotate(K_hat[:, :, :T_c], np.arange(T_c), rope)
+    K_hat[:, :, s : s + T_c] = rotate(K_hat[:, :, s : s + T_c], np.arange(S, S + T_c), rope)
     return K_hat
 
 

@@ -562,6 +562,14 @@ def frontier_sections(record: dict) -> list[str]:
         "* Evaluated as exact attention over the state's reconstruction (spec/quantization.md Q2.1), checked against "
         "`SubspaceState` (numpy oracle) in `tests/test_baselines.py`.\n"
     )
+    heads = [h for r in record["rows"] if "allocation" in r for layer in r["allocation"]["heads"] for h in layer]
+    kinds = {k: sum(h["key_basis"] == k for h in heads) for k in ("pre_rope", "post_rope", "plane")}
+    L.append(
+        f"* Key basis kinds over the heads of every issue 16 row: {kinds['pre_rope']} pre-RoPE, {kinds['post_rope']} "
+        f"post-RoPE, {kinds['plane']} RoPE-plane (spec/rope.md P4)"
+        + (": the plane kind was a candidate of every head and never the cheapest for its measured loss, so it changes "
+           "no configuration here.\n" if kinds["plane"] == 0 and heads else ".\n")
+    )
     for r in record["rows"]:
         if "allocation" in r and r["budget"] in (0.25, 0.125) and r["method"].startswith("allocator"):
             L.append(f"* Where the bytes go, **{r['method']}** ({r['bytes_per_token']:.0f} bytes/token):")

@@ -382,7 +382,7 @@ def frontier_section(record: dict, valid) -> list[str]:
                 words.append((f, b, qb, d))
     if not body:
         return []
-    heads = [h for r in rows if r["family"] == "subspace (issue 16)" for e in r["bytes"].values() if e and "allocation" in e
+    heads = [h for r in rows if r["family"] == "subspace (issue 16)" for e in r["bytes"].values() if e and e.get("allocation")
              for layer in e["allocation"]["heads"] for h in layer]
     kinds = {k: sum(h["key_basis"] == k for h in heads) for k in ("pre_rope", "post_rope", "plane")}
     out += ["## Issue 16: frontier configurations against quantisation at matched bytes", "",

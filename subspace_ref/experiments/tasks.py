@@ -401,6 +401,7 @@ def frontier_section(record: dict, valid) -> list[str]:
             "(seed 0). 'higher / lower / ties': the interval lies above 0 / below 0 / contains 0. Bytes per token at "
             f"{Lw} tokens.", ""]
     out += table(["budget", "frontier row (bytes)", "quantisation row (bytes)", "Δ recall", "Δ next-token top-1", "Δ LAMBADA-style"], body, "llllll")
+    out.append("")  # a list right after a table would be read as more table rows
     for f, b, qb, d in words:
         parts = [f"{name} {v['difference']:+.3f} [{v['ci'][0]:+.3f}, {v['ci'][1]:+.3f}]" for name, v in
                  (("recall", d["recall"]), ("next-token", d["next_token"]), ("LAMBADA", d["lambada"]))]

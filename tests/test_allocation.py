@@ -276,3 +276,18 @@ def test_plane_allocation_builds_plain_static_states_and_persists(tmp_path):
     mixed = Allocation(((HeadAllocation(4, 3, key_basis="pre_rope"), HeadAllocation(4, 2, key_basis="plane")),))
     with pytest.raises(ValueError, match="mixes pre-RoPE"):
         allocation_bases(mixed, svd, svd_pre=svd, planes=planes)
+
+
+def test_plane_rows_bad_input():
+    pairs = _rope(8).planes(8)
+    K = np.ones((5, 8))
+    with pytest.raises(ValueError, match="keys"):
+        plane_rows(np.ones(8), pairs)
+    with pytest.raises(ValueError, match="pairs"):
+        plane_rows(K, pairs[:3])
+    with pytest.raises(ValueError, match="pairs"):
+        plane_rows(K, np.array([[0, 1], [0, 1], [4, 5], [6, 7]]))
+    with pytest.raises(ValueError, match="queries"):
+        plane_rows(K, pairs, np.ones((3, 6)))
+    with pytest.raises(TypeError, match="alloc"):
+        allocation_bases({"heads": []}, [])

@@ -16,7 +16,8 @@ The measured loss of a side at (kind, rank, bits), per (layer, KV head), on cali
 * keys: ``s² E_{q,t} [(q · (k_t − k̂_t))²] · Var(v)`` — the logit error's second moment (queries
   of the head's query group, keys post-RoPE: a pre-RoPE reconstruction is rotated back to each
   token's position) times the value spread it moves weight across (spec/bounds.md B4.1's remark:
-  centred values);
+  centred values); for each key basis kind: post-RoPE SVD, pre-RoPE SVD, and RoPE planes
+  (:func:`plane_rows`, spec/rope.md P4: even ranks only, rank = 2 x planes kept);
 * values: ``E_t ‖v_t − v̂_t‖²``.
 
 Both are output errors squared, so one budget trades them. ``k̂``, ``v̂`` are the stored
@@ -33,8 +34,9 @@ import numpy as np
 
 #: Coefficient widths the allocator chooses from (16: fp16 coefficients).
 BITS = (16, 8, 4, 2)
-#: Key basis kinds: calibrated on post-RoPE keys (A6) or on un-rotated keys (spec/rope.md P2).
-KEY_BASES = ("post_rope", "pre_rope")
+#: Key basis kinds: calibrated on post-RoPE keys (A6), on un-rotated keys (spec/rope.md P2), or
+#: whole RoPE planes chosen by the measured key loss (spec/rope.md P4; a plain post-RoPE basis).
+KEY_BASES = ("post_rope", "pre_rope", "plane")
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,8 @@ class HeadAllocation:
                 raise ValueError(f"{name} must be one of {BITS}, got {getattr(self, name)!r}")
         if self.key_basis not in KEY_BASES:
             raise ValueError(f"key_basis must be one of {KEY_BASES}, got {self.key_basis!r}")
+        if self.key_basis == "plane" and self.rank_k % 2:
+            raise ValueError(f"rank_k must be even with key_basis 'plane' (two dims per RoPE plane), got {self.rank_k}")
 
 
 @dataclass(frozen=True)
@@ -101,13 +105,57 @@ class Allocation:
         return make_bytes(geom, **parts)
 
 
+# ------------------------------------------------------------------------------ states
+def layer_pre_rope(alloc: Allocation, layer: int) -> bool:
+    """Whether ``layer``'s state must un-rotate keys (``SubspaceState.static(basis, rope=...)``,
+    spec/rope.md P2): all its heads are pre-RoPE. One state un-rotates all its heads or none, so
+    a layer mixing pre-RoPE heads with other kinds has no single state: ValueError."""
+    kinds = {h.key_basis == "pre_rope" for h in alloc.heads[layer]}
+    if len(kinds) > 1:
+        raise ValueError(f"alloc: layer {layer} mixes pre-RoPE key bases with others; one state un-rotates all its heads or none")
+    return kinds == {True}
+
+
+def allocation_bases(alloc: Allocation, svd: list, *, svd_pre: list | None = None, planes: list | None = None, gamma: float = 1.0) -> list:
+    """One :class:`~subspace_ref.StaticBasis` per layer holding ``alloc``'s ranks: per head the
+    first ``rank_k`` rows of its kind's key basis (``svd[l]["Wk"][h]`` post-RoPE,
+    ``svd_pre[l]["Wk"][h]`` pre-RoPE, ``planes[l][h]`` planes: :func:`plane_rows`) and the first
+    ``rank_v`` rows of ``svd[l]["Wv"][h]``, zero-padded to the layer's largest rank. Plane and
+    post-RoPE heads make plain static states (R1: no rotation anywhere, every backend); pre-RoPE
+    layers need ``rope=`` (:func:`layer_pre_rope`). Coefficient bits are the state's
+    ``coefficients=``, not part of the basis. Saved with the allocation by
+    :class:`~subspace_ref.hf.artifact.CalibratedBases` (``allocation=alloc``)."""
+    from subspace_ref.calibration import StaticBasis
+
+    if not isinstance(alloc, Allocation):
+        raise TypeError(f"alloc must be an Allocation, got {type(alloc).__name__}")
+    for name, src, need in (("svd", svd, True), ("svd_pre", svd_pre, "pre_rope"), ("planes", planes, "plane")):
+        used = need is True or any(h.key_basis == need for layer in alloc.heads for h in layer)
+        if used and (src is None or len(src) != alloc.layers):
+            raise ValueError(f"{name} must hold one entry per layer ({alloc.layers}) for this allocation, got {None if src is None else len(src)}")
+    out = []
+    for li, layer in enumerate(alloc.heads):
+        layer_pre_rope(alloc, li)  # refuses a mixed layer here, before a state is built from it
+        rk, rv = max(h.rank_k for h in layer), max(h.rank_v for h in layer)
+        d, dv = svd[li]["Wk"].shape[-1], svd[li]["Wv"].shape[-1]
+        B, E = np.zeros((len(layer), rk, d)), np.zeros((len(layer), rv, dv))
+        for h, c in enumerate(layer):
+            src = {"post_rope": svd[li]["Wk"], "pre_rope": None if svd_pre is None else svd_pre[li]["Wk"], "plane": None if planes is None else planes[li]}[c.key_basis]
+            B[h, : c.rank_k] = np.asarray(src[h])[: c.rank_k]
+            E[h, : c.rank_v] = np.asarray(svd[li]["Wv"][h])[: c.rank_v]
+        out.append(StaticBasis(B=B, E=E, gamma=np.full(len(layer), float(gamma)), rank_k=tuple(h.rank_k for h in layer),
+                               rank_v=tuple(h.rank_v for h in layer)))
+    return out
+
+
 # ------------------------------------------------------------------------------ byte counting
 def side_parts(geom, side: str, rank: int, bits: int, group: int, kept: float = 1.0) -> dict:
     """Bytes per token of one head's ``side`` ("key"/"value") at ``rank`` and ``bits`` for the
     compressed fraction ``kept`` of the tokens, budget.py's convention: codes packed per token
     (ceil(r b / 8) bytes), fp16 scale + zero point per value token or per key group and channel,
     the unfinished key group in fp16; int8 (spec A10) r bytes + a float32 scale per token; fp16
-    coefficients at 16 bits; and the fp16 basis amortised over the window."""
+    coefficients at 16 bits; and the fp16 basis amortised over the window (for every key basis
+    kind: a plane basis is stored as dense rows like the others, so it is counted as such)."""
     fb, C = geom.float_bytes, geom.context
     dim = geom.head_dim if side == "key" else geom.value_dim
     out = {f"{side}_basis": rank * dim * fb / C}
@@ -223,10 +271,51 @@ def _quantized(x: np.ndarray, bits: int, axis_kind: str, group: int) -> np.ndarr
     return out
 
 
+def plane_rows(keys: np.ndarray, pairs: np.ndarray, queries: np.ndarray | None = None) -> np.ndarray:
+    """Spec/rope.md P4: an orthonormal (d, d) basis of whole RoPE planes, rows ``e_i, e_j`` plane
+    by plane in the order of selection, so that its first ``2 p`` rows are the basis of ``p``
+    planes (nested, as SVD rows are). ``keys`` (N, d) of one head, pre- or post-RoPE (R3: plane
+    energies agree); ``pairs`` (d/2, 2): :meth:`~subspace_ref.rope.RopeParams.planes`.
+
+    With ``queries`` (M, d), the planes are added greedily by the fp16 key loss of the allocator,
+    ``E_{q,t}[(q · (I − P) k_t)²] = Σ_{a,b ∉ S} (E[q qᵀ] ∘ E[k kᵀ])_{ab}`` (dims of the dropped
+    planes S^c): each step keeps the plane whose addition lowers it most (ties: lower plane
+    index). Without queries, by plane energy (spec/rope.md P1)."""
+    K = np.asarray(keys, dtype=np.float64)
+    P = np.asarray(pairs)
+    if K.ndim != 2:
+        raise ValueError(f"keys must be (N, d), got shape {K.shape}")
+    d = K.shape[1]
+    if P.ndim != 2 or P.shape != (d // 2, 2) or d % 2 or sorted(P.reshape(-1).tolist()) != list(range(d)):
+        raise ValueError(f"pairs must pair the {d} key dims into {d // 2} planes, got shape {P.shape}")
+    Sk = K.T @ K / max(len(K), 1)
+    if queries is None:
+        A = np.diag(np.diag(Sk))  # energy: cross terms ignored, E_p = sum of its dims' second moments
+    else:
+        Qm = np.asarray(queries, dtype=np.float64)
+        if Qm.ndim != 2 or Qm.shape[1] != d:
+            raise ValueError(f"queries must be (M, {d}), got shape {Qm.shape}")
+        A = (Qm.T @ Qm / max(len(Qm), 1)) * Sk
+    # the loss of dropping the plane set D is sum_{p,p' in D} Ap[p, p']: per-plane blocks summed
+    Ap = A[P[:, :, None, None], P[None, None, :, :]].sum(axis=(1, 3))
+    left = list(range(len(P)))
+    order = []
+    while left:
+        # adding p to the kept set removes its row and column from the dropped block
+        gain = [2 * Ap[p, left].sum() - Ap[p, p] for p in left]
+        best = left[int(np.argmax(gain))]  # argmax: first (lowest index) among ties
+        order.append(best)
+        left.remove(best)
+    W = np.zeros((d, d))
+    W[np.arange(d), P[order].reshape(-1)] = 1.0
+    return W
+
+
 def side_losses(layer: dict, h: int, group_queries: np.ndarray, ranks, bits=BITS, group: int = 32, rope=None) -> dict:
     """Measured losses of one KV head (module docstring). ``layer``: ``keys`` (N, d) post-RoPE,
     ``keys_pre`` (N, d) or None, ``values`` (N, d_v), ``positions`` (N,), SVD rows ``Wk``,
-    ``Wk_pre``, ``Wv`` ((dim, dim), rows by decreasing singular value). Returns {("key", kind):
+    ``Wk_pre``, ``Wv`` ((dim, dim), rows by decreasing singular value), and ``Wk_plane`` or None
+    (:func:`plane_rows`; its kind is measured at the even ranks only). Returns {("key", kind):
     {(rank, bits): loss}, ("value", None): {(rank, bits): loss}}."""
     from subspace_ref.rope import rotate
 
@@ -237,9 +326,13 @@ def side_losses(layer: dict, h: int, group_queries: np.ndarray, ranks, bits=BITS
     spread = float(np.sum(V.var(axis=0)))
     out = {}
     kinds = [("post_rope", K, layer["Wk"])] + ([("pre_rope", layer["keys_pre"], layer["Wk_pre"])] if layer.get("keys_pre") is not None else [])
+    if layer.get("Wk_plane") is not None:  # R1: a plane basis projects post-RoPE keys like any static basis
+        kinds.append(("plane", K, layer["Wk_plane"]))
     for kind, X, W in kinds:
         table = {}
         for r in ranks:
+            if kind == "plane" and r % 2:
+                continue  # whole planes only
             C = X @ W[:r].T
             for b in bits:
                 dk = X - _quantized(C, b, "key", group) @ W[:r]
@@ -291,4 +384,5 @@ def allocate(losses: list, geom, *, compression_ratio: float | None = None, byte
     return Allocation(tuple(heads), group, budget, window, sinks, loss, dict(bytes_per_token=spent + fixed))
 
 
-__all__ = ["BITS", "KEY_BASES", "Allocation", "Candidate", "HeadAllocation", "allocate", "greedy", "head_parts", "lower_hull", "side_losses", "side_parts"]
+__all__ = ["BITS", "KEY_BASES", "Allocation", "Candidate", "HeadAllocation", "allocate", "allocation_bases", "greedy", "head_parts",
+           "layer_pre_rope", "lower_hull", "plane_rows", "side_losses", "side_parts"]

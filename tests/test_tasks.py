@@ -163,3 +163,55 @@ def test_summary_recall_pools_only_the_valid_lengths():
     assert validity[256]["valid"] and not validity[1000]["valid"]
     rec = T.recall_at(full, [L for L, v in validity.items() if v["valid"]])
     assert rec["accuracy"] == 1.0 and rec["n"] == 8
+
+
+def test_frontier_rows_are_the_baselines_allocations(shipped):
+    """The frontier rows of ``tasks`` are `subspace-kv baselines`' allocator rows at each
+    length's geometry: within the budget, or at the quantisation row's bytes, and identical
+    allocations to :func:`~subspace_ref.experiments.baselines.frontier_methods`."""
+    from subspace_ref.baselines import Geometry
+    from subspace_ref.baselines.quantized import QuantizedKV
+    from subspace_ref.experiments import _common as C
+    from subspace_ref.experiments.baselines import calibration_losses, frontier_methods
+    from subspace_ref.experiments.tasks import FRONTIER_KEYS, method_plan
+
+    cal = calibration_losses(shipped, C.windows("train", 1, 128, C.SEED_BASES), ranks=tuple(range(0, 65, 16)))
+    plan = method_plan(shipped, (256, 1024), budgets=(0.5, 0.25), own=False, frontier=cal)
+    rows = [e for e in plan if e["family"] == "subspace (issue 16)"]
+    assert [e["key"] for e in rows] == [f"25% {k}" for k in FRONTIER_KEYS]  # none at 50%
+    for L in (256, 1024):
+        geom = Geometry.of_model(shipped, L)
+        ms = [e["at"][L] for e in rows]
+        ref = {m.name: m.allocation for m in frontier_methods(geom, 0.25, cal)}
+        for m in ms:
+            assert ref[m.name] == m.allocation
+        assert ms[0].bytes(geom).fraction <= 0.25 + 1e-9 and ms[1].bytes(geom).fraction <= 0.25 + 1e-9
+        assert ms[1].allocation.window == L // 32 and ms[1].allocation.sinks == 4
+        assert ms[2].bytes(geom).per_token <= QuantizedKV(bits=4, group=64).bytes(geom).per_token + 1e-9
+
+
+def test_paired_difference_and_frontier_section():
+    """Frontier minus quantisation on the same units: a frontier row that answers every unit the
+    quantisation row misses is measurably higher; equal rows tie at exactly 0."""
+    from subspace_ref.experiments import tasks as T
+
+    def row(key, family, correct, per_window, lam, name, nbytes):
+        cells = [dict(length=256, depth=0.5, needle=True, correct=correct, n=len(correct), accuracy=float(np.mean(correct)))]
+        return dict(key=key, family=family, budget=0.25, needle=cells,
+                    next_token=dict(correct_per_window=per_window, tokens_per_window=10, accuracy=0.0, ci=[0, 0]),
+                    lambada=dict(correct=lam, windows=[0, 0, 1, 1, 2, 2]),
+                    bytes={"1024": dict(name=name, bytes_per_token=nbytes, fraction_of_full=nbytes / 2048,
+                                        allocation=dict(heads=[[dict(key_basis="pre_rope")]]) if "@" in name else None)})
+
+    quant = row("25% quantized KV", "quantized KV", [0] * 12, [5, 5, 5, 5], [0] * 6, "4-bit KV (g=64)", 576)
+    front = row("25% allocator", "subspace (issue 16)", [1] * 12, [9, 9, 9, 9], [0] * 6, "allocator @ 576 bytes", 574)
+    d = T.paired_difference(front, quant, [256])
+    assert d["recall"]["difference"] == 1.0 and d["recall"]["ci"][0] > 0
+    assert d["next_token"]["difference"] == pytest.approx(0.4) and d["next_token"]["ci"][0] > 0
+    assert d["lambada"]["difference"] == 0.0 and d["lambada"]["ci"] == [0.0, 0.0]
+    record = dict(rows=[quant, front], window_length=1024, meta=dict(budgets=[0.25]))
+    text = "\n".join(T.frontier_section(record, [256]))
+    assert "allocator @ 576 bytes (574)" in text and "wins measurably on recall, next-token" in text
+    assert "1 pre-RoPE, 0 post-RoPE, 0 RoPE-plane" in text
+    del front["next_token"]["correct_per_window"]  # a record from before per-unit results were saved
+    assert T.frontier_section(record, [256]) == []

@@ -112,7 +112,7 @@ def calibration_losses(model, ids: np.ndarray, ranks=RANK_GRID, group: int = 32,
     """Everything the allocator needs from calibration windows ``ids``: post- and pre-RoPE key
     SVDs (``svd``: the post-RoPE one when already computed), the RoPE, and per layer and KV head the
     measured losses of :func:`subspace_ref.allocation.side_losses` on the first LOSS_TOKENS tokens."""
-    from subspace_ref.allocation import side_losses
+    from subspace_ref.allocation import plane_rows, side_losses
     from subspace_ref.experiments.calibrate import capture_windows, layer_svd
     from subspace_ref.rope import RopeParams
 
@@ -124,12 +124,16 @@ def calibration_losses(model, ids: np.ndarray, ranks=RANK_GRID, group: int = 32,
     n = min(LOSS_TOKENS, post.num_tokens)
     positions = np.arange(n) % ids.shape[1]
     pick = np.linspace(0, n - 1, min(LOSS_QUERIES, n)).astype(int)
-    losses = []
+    losses, planes = [], []
     for li, (lp, lq) in enumerate(zip(post.layers, pre.layers)):
         H = lp.keys.shape[0]
         g = lp.queries.shape[0] // H
         row = []
+        planes.append(np.zeros_like(svd[li]["Wk"]))
         for h in range(H):
+            queries = lp.queries[h * g : (h + 1) * g][:, pick].reshape(-1, lp.queries.shape[-1]).astype(np.float64)
+            # spec/rope.md P4: planes chosen by the allocator's own key loss, on the same tokens
+            planes[li][h] = plane_rows(lp.keys[h, :n].astype(np.float64), rope.planes(lp.keys.shape[-1]), queries)
             layer = dict(
                 keys=lp.keys[h, :n].astype(np.float64),
                 keys_pre=lq.keys[h, :n].astype(np.float64),
@@ -138,11 +142,28 @@ def calibration_losses(model, ids: np.ndarray, ranks=RANK_GRID, group: int = 32,
                 Wk=svd[li]["Wk"][h],
                 Wk_pre=svd_pre[li]["Wk"][h],
                 Wv=svd[li]["Wv"][h],
+                Wk_plane=planes[li][h],
             )
-            queries = lp.queries[h * g : (h + 1) * g][:, pick].reshape(-1, lp.queries.shape[-1]).astype(np.float64)
             row.append(side_losses(layer, h, queries, ranks, group=group, rope=rope))
         losses.append(row)
-    return dict(losses=losses, svd=svd, svd_pre=svd_pre, rope=rope, tokens=int(post.num_tokens), loss_tokens=int(n))
+    return dict(losses=losses, svd=svd, svd_pre=svd_pre, planes=planes, rope=rope, tokens=int(post.num_tokens), loss_tokens=int(n))
+
+
+def frontier_bases(alloc, cal: dict) -> tuple:
+    """The (svd, svd_pre, rope) that :meth:`~subspace_ref.baselines.frontier.Frontier.with_bases`
+    takes, with each plane head's key rows (``cal["planes"]``) in place of its post-RoPE SVD rows:
+    a plane basis is a post-RoPE static basis (spec/rope.md R1), so it is evaluated as one."""
+    svd = cal["svd"]
+    if not any(h.key_basis == "plane" for layer in alloc.heads for h in layer):
+        return svd, cal["svd_pre"], cal["rope"]
+    out = []
+    for li, layer in enumerate(alloc.heads):
+        Wk = svd[li]["Wk"].copy()
+        for h, c in enumerate(layer):
+            if c.key_basis == "plane":
+                Wk[h] = cal["planes"][li][h]
+        out.append({**svd[li], "Wk": Wk})
+    return out, cal["svd_pre"], cal["rope"]
 
 
 def uniform(geom, fraction: float, bits: int, key_basis: str, group: int = 32, window: int = 0, sinks: int = 0):
@@ -208,7 +229,6 @@ def run_comparison(ctx: C.Context, n_windows: int, batch: int, budgets=EXTRA_BUD
     del cal
     edges = C.position_edges(ctx.context)
     frontier = calibration_losses(model, ctx.calib_windows(), batch=batch, svd=svd)
-    frontier_bases = (frontier["svd"], frontier["svd_pre"], frontier["rope"])
 
     plan = [(None, None)] + [(f, m) for f in budgets for m in methods_at(geom, f) + (frontier_methods(geom, f, frontier) if f in FRONTIER_BUDGETS else [])]
     C_ = geom.context
@@ -223,7 +243,7 @@ def run_comparison(ctx: C.Context, n_windows: int, batch: int, budgets=EXTRA_BUD
     bar = ctx.bar(total=len(plan) + len(checks), desc="baselines")
     for budget, m in plan:
         if m is not None and hasattr(m, "allocation"):
-            bases = frontier_bases
+            bases = frontier_bases(m.allocation, frontier)
         else:
             bases = bases_for(svd, m.rank_k, m.rank_v) if m is not None and hasattr(m, "rank_k") else None
         nll, secs = score(model, ids, m, bases, batch)
@@ -500,7 +520,7 @@ def goal_check(record: dict) -> list[dict]:
 
 def allocation_table(alloc: dict) -> list[str]:
     """One line per layer: each KV head's key basis, r_k x bits_k, r_v x bits_v."""
-    short = {"post_rope": "post", "pre_rope": "pre"}
+    short = {"post_rope": "post", "pre_rope": "pre", "plane": "planes"}
     lines = []
     for li, layer in enumerate(alloc["heads"]):
         cells = [f"h{h}: K {short[c['key_basis']]} {c['rank_k']}x{c['bits_k']}b, V {c['rank_v']}x{c['bits_v']}b" for h, c in enumerate(layer)]
@@ -532,8 +552,8 @@ def frontier_sections(record: dict) -> list[str]:
         "fp16 scale and zero point each), uniform ranks."
     )
     L.append(
-        "* **allocator p%**: `allocation.allocate(compression_ratio=p)`: per layer and KV head the key basis kind (post- or "
-        "pre-RoPE), r_k, r_v and the bits of each side (16/8/4/2), greedy on the lower convex hulls of the measured "
+        "* **allocator p%**: `allocation.allocate(compression_ratio=p)`: per layer and KV head the key basis kind (post-RoPE, "
+        "pre-RoPE, or whole RoPE planes chosen by the same measured loss: spec/rope.md P4, a plain post-RoPE basis), r_k, r_v and the bits of each side (16/8/4/2), greedy on the lower convex hulls of the measured "
         "calibration losses (logit error x value spread for keys, value reconstruction error; "
         "`allocation.side_losses`) per byte. **+ sinks 4 + window W**: the same with the first 4 and the last W tokens "
         "exact (their fp16 K/V counted), the allocator spending what is left."
@@ -541,6 +561,14 @@ def frontier_sections(record: dict) -> list[str]:
     L.append(
         "* Evaluated as exact attention over the state's reconstruction (spec/quantization.md Q2.1), checked against "
         "`SubspaceState` (numpy oracle) in `tests/test_baselines.py`.\n"
+    )
+    heads = [h for r in record["rows"] if "allocation" in r for layer in r["allocation"]["heads"] for h in layer]
+    kinds = {k: sum(h["key_basis"] == k for h in heads) for k in ("pre_rope", "post_rope", "plane")}
+    L.append(
+        f"* Key basis kinds over the heads of every issue 16 row: {kinds['pre_rope']} pre-RoPE, {kinds['post_rope']} "
+        f"post-RoPE, {kinds['plane']} RoPE-plane (spec/rope.md P4)"
+        + (": the plane kind was a candidate of every head and never the cheapest for its measured loss, so it changes "
+           "no configuration here.\n" if kinds["plane"] == 0 and heads else ".\n")
     )
     for r in record["rows"]:
         if "allocation" in r and r["budget"] in (0.25, 0.125) and r["method"].startswith("allocator"):

@@ -28,13 +28,19 @@ import numpy as np
 
 from subspace_ref.experiments import _common as C
 from subspace_ref.experiments.baselines import bases_for
-from subspace_ref.experiments.page import Page, model_scope
+from subspace_ref.experiments.page import Page, model_scope, table
 
 DEFAULT_OUT = Path("results/tasks")
 LENGTHS, DEPTHS = (256, 512, 1000), (0.1, 0.5, 0.9)
 TASK_SEED = 12
 BUDGETS = (0.5, 0.25, 0.125)
 OWN_FRACTIONS = (1 / 4, 1 / 2)
+#: budgets of issue 16's frontier configurations (docs/baselines.md "Issue 16: the goal at matched bytes")
+FRONTIER_BUDGETS = (0.25, 0.125)
+#: which of :func:`~subspace_ref.experiments.baselines.frontier_methods` are the frontier rows: the
+#: allocator at the budget, with 4 sinks + an exact window, and at the quantisation row's bytes
+#: (the best subspace rows of docs/baselines.md against eviction, H2O and quantisation)
+FRONTIER_KEYS = ("allocator", "allocator + sinks + window", "allocator @ quant bytes + sinks + window")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,10 +57,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # ----------------------------------------------------------------------------- methods
-def method_plan(model, lengths, budgets=BUDGETS, own=True) -> list[dict]:
+def frontier_at(geom, fraction: float, cal: dict) -> list:
+    """The :data:`FRONTIER_KEYS` configurations at ``fraction`` of ``geom`` (its context: the
+    instance length; the exact window is context/32 tokens as in ``subspace-kv baselines``)."""
+    from subspace_ref.experiments.baselines import frontier_methods
+
+    ms = [m for m in frontier_methods(geom, fraction, cal) if m.name.startswith("allocator")]
+    plain = [m for m in ms if "sinks" not in m.name]
+    window = [m for m in ms if "sinks" in m.name and "@" not in m.name]
+    at = [m for m in ms if "@" in m.name]
+    if len(plain) != 1 or len(window) != 1 or len(at) > 1:
+        raise ValueError(f"fraction: expected one allocator row of each kind at {fraction}, got {[m.name for m in ms]}")
+    return plain + window + at
+
+
+def method_plan(model, lengths, budgets=BUDGETS, own=True, frontier: dict | None = None) -> list[dict]:
     """One entry per method: ``key``, ``family``, ``budget`` and ``at`` (length -> method object, or
     a tuple for own states). Baselines come from :func:`subspace_ref.baselines.methods_at` at the
-    geometry of each length (the same byte accounting as ``subspace-kv baselines``)."""
+    geometry of each length (the same byte accounting as ``subspace-kv baselines``). ``frontier``:
+    :func:`~subspace_ref.experiments.baselines.calibration_losses` output; then the frontier
+    configurations of issue 16 (:func:`frontier_at`) are added at the budgets of
+    :data:`FRONTIER_BUDGETS`, allocated for each length's geometry."""
     from subspace_ref.baselines import Geometry, methods_at
 
     plan = [dict(key="full cache", family="full", budget=None, at={L: None for L in lengths})]
@@ -67,6 +90,10 @@ def method_plan(model, lengths, budgets=BUDGETS, own=True) -> list[dict]:
         per_len = {L: methods_at(Geometry.of_model(model, L), f) for L in lengths}
         for i, m in enumerate(per_len[lengths[0]]):
             plan.append(dict(key=f"{100 * f:g}% {m.family}", family=m.family, budget=f, at={L: per_len[L][i] for L in lengths}))
+        if frontier is not None and f in FRONTIER_BUDGETS:
+            per_len = {L: frontier_at(Geometry.of_model(model, L), f, frontier) for L in lengths}
+            for i, key in enumerate(FRONTIER_KEYS[: len(per_len[lengths[0]])]):
+                plan.append(dict(key=f"{100 * f:g}% {key}", family="subspace (issue 16)", budget=f, at={L: per_len[L][i] for L in lengths}))
     return plan
 
 
@@ -97,6 +124,10 @@ def logits_of(model, ids: np.ndarray, m, svd, own_options: dict):
             return teacher_forced(model, x, m.factory(bases_for(svd, m.rank_k, m.rank_v)), backend=m.backend, keep_logits=True).logits
         if isinstance(m, SubspaceWindow):
             m = m.with_bases(bases_for(svd, m.rank_k, m.rank_v))
+        elif hasattr(m, "allocation"):  # issue 16's configurations, on their own calibration (plane heads included)
+            from subspace_ref.experiments.baselines import frontier_bases
+
+            m = m.with_bases(*frontier_bases(m.allocation, own_options["frontier"]))
         with applied(model, m):
             return model(input_ids=x).logits
 
@@ -107,7 +138,10 @@ def method_bytes(m, L: int, model) -> dict | None:
     if m is None or isinstance(m, tuple):
         return None
     b = m.bytes(Geometry.of_model(model, L))
-    return dict(name=m.name, bytes_per_token=b.per_token, fraction_of_full=b.fraction)
+    out = dict(name=m.name, bytes_per_token=b.per_token, fraction_of_full=b.fraction)
+    if hasattr(m, "allocation"):
+        out["allocation"] = m.allocation.to_dict()
+    return out
 
 
 # ----------------------------------------------------------------------------- the run
@@ -125,12 +159,12 @@ def instances_hash(inst: dict) -> str:
     return hashlib.sha256(json.dumps(inst, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def evaluate(ctx, inst: dict, plan: list[dict], svd, batch: int, tau: dict) -> list[dict]:
+def evaluate(ctx, inst: dict, plan: list[dict], svd, batch: int, tau: dict, frontier: dict | None = None) -> list[dict]:
     from subspace_ref.tasks import bootstrap_ci, score_answer
     from subspace_ref.tasks.next_token import lambada_correct, next_token_correct
 
     model, p = ctx.model, ctx.profile
-    own_options = dict(max_chunk=p.max_chunk, refresh_every=p.refresh_every, tau=tau)
+    own_options = dict(max_chunk=p.max_chunk, refresh_every=p.refresh_every, tau=tau, frontier=frontier)
     wins = np.asarray(inst["windows"])
     Lw = wins.shape[1]
     edges = C.position_edges(Lw)
@@ -181,9 +215,11 @@ def evaluate(ctx, inst: dict, plan: list[dict], svd, batch: int, tau: dict) -> l
         row = dict(key=entry["key"], family=entry["family"], budget=entry["budget"],
                    bytes={str(L): method_bytes(entry["at"][L], L, model) for L in entry["at"]},
                    needle=cells,
-                   next_token=dict(accuracy=float(nt.mean()), ci=list(bootstrap_ci(nt, groups=grp)), by_position=by_pos),
+                   next_token=dict(accuracy=float(nt.mean()), ci=list(bootstrap_ci(nt, groups=grp)), by_position=by_pos,
+                                   correct_per_window=nt.sum(axis=1).astype(int).tolist(), tokens_per_window=int(nt.shape[1])),
                    lambada=dict(n=int(lam.size), accuracy=float(lam.mean()) if lam.size else float("nan"),
-                                ci=list(bootstrap_ci(lam, groups=lam_groups)), by_position=lam_by),
+                                ci=list(bootstrap_ci(lam, groups=lam_groups)), by_position=lam_by, correct=lam.astype(int).tolist(),
+                                windows=lam_groups.astype(int).tolist()),
                    seconds=round(time.perf_counter() - t0, 2))
         rows.append(row)
         bar.update()
@@ -205,8 +241,15 @@ def run_suite(ctx, n_needles, n_windows, seed, batch, lengths=LENGTHS, depths=DE
     tau = measure_tau(hold, len(hold_ids), C.ranks_from(OWN_FRACTIONS, ctx.d), ctx.profile.max_chunk, "torch")
     del hold
     lens = tuple(sorted(set(lengths) | {ctx.context}))
-    plan = method_plan(ctx.model, lens, budgets)
-    rows = evaluate(ctx, inst, plan, svd, batch, tau["by_rank"])
+    frontier = None
+    if any(f in FRONTIER_BUDGETS for f in budgets):
+        from subspace_ref.experiments.baselines import calibration_losses
+
+        # the calibration of `subspace-kv baselines` (its default profile's windows), so the
+        # frontier rows use the bases and allocations of docs/baselines.md
+        frontier = calibration_losses(ctx.model, C.windows("train", C.PROFILES["full"].calib_windows, ctx.context, C.SEED_BASES), batch=batch)
+    plan = method_plan(ctx.model, lens, budgets, frontier=frontier)
+    rows = evaluate(ctx, inst, plan, svd, batch, tau["by_rank"], frontier)
     record = dict(meta=C.meta(ctx, "tasks", task_seed=seed, instances_sha256=instances_hash(inst), needles_per_cell=n_needles,
                               windows=n_windows, lambada_targets=len(inst["lambada"]), budgets=list(budgets),
                               own_ranks=C.ranks_from(OWN_FRACTIONS, ctx.d),
@@ -286,6 +329,91 @@ def recall_at(row: dict, lengths) -> dict:
     return dict(accuracy=float(x.mean()), ci=list(bootstrap_ci(x)), n=int(x.size))
 
 
+def paired_difference(a: dict, b: dict, valid_lengths) -> dict | None:
+    """Row ``a`` minus row ``b`` on the same task instances, per task, with paired 95% bootstrap
+    intervals over the independent unit: a needle instance (recall, valid lengths only), a
+    window (next-token: per-window accuracy, windows of one length), a window's LAMBADA targets
+    (resampled whole). None when the rows carry no per-unit results (a record from before they
+    were saved)."""
+    from subspace_ref.tasks import bootstrap_ci
+
+    if "correct_per_window" not in a["next_token"] or "correct_per_window" not in b["next_token"]:
+        return None
+
+    def needles(r):
+        return np.concatenate([np.asarray(c["correct"], float) for c in r["needle"] if c["needle"] and c["length"] in valid_lengths] or [np.zeros(0)])
+
+    out = {}
+    x = needles(a) - needles(b)
+    out["recall"] = dict(difference=float(x.mean()) if x.size else float("nan"), ci=list(bootstrap_ci(x)))
+    n = a["next_token"]["tokens_per_window"]
+    x = (np.asarray(a["next_token"]["correct_per_window"]) - np.asarray(b["next_token"]["correct_per_window"])) / n
+    out["next_token"] = dict(difference=float(x.mean()), ci=list(bootstrap_ci(x)))
+    x = np.asarray(a["lambada"]["correct"], float) - np.asarray(b["lambada"]["correct"], float)
+    out["lambada"] = dict(difference=float(x.mean()) if x.size else float("nan"), ci=list(bootstrap_ci(x, groups=a["lambada"]["windows"])))
+    return out
+
+
+def _diff(v: dict) -> str:
+    lo, hi = v["ci"]
+    word = "ties" if lo <= 0 <= hi else ("higher" if lo > 0 else "lower")
+    return f"{v['difference']:+.3f} [{lo:+.3f}, {hi:+.3f}] ({word})"
+
+
+def frontier_section(record: dict, valid) -> list[str]:
+    """Issue 16 acceptance: the frontier rows against the quantisation row of their budget."""
+    rows = record["rows"]
+    Lw = str(record["window_length"])
+    out, body, words = [], [], []
+    for f in record["meta"]["budgets"]:
+        quant = next((r for r in rows if r["budget"] == f and r["family"] == "quantized KV"), None)
+        front = [r for r in rows if r["budget"] == f and r["family"] == "subspace (issue 16)"]
+        if quant is None or not front:
+            continue
+        qb = quant["bytes"][Lw]
+        for r in front:
+            d = paired_difference(r, quant, valid)
+            if d is None:
+                return []
+            b = r["bytes"][Lw]
+            body.append([f"{100 * f:g}%", f"{b['name']} ({b['bytes_per_token']:.0f})", f"{qb['name']} ({qb['bytes_per_token']:.0f})",
+                         _diff(d["recall"]), _diff(d["next_token"]), _diff(d["lambada"])])
+            if "@" in b["name"]:
+                words.append((f, b, qb, d))
+    if not body:
+        return []
+    heads = [h for r in rows if r["family"] == "subspace (issue 16)" for e in r["bytes"].values() if e and e.get("allocation")
+             for layer in e["allocation"]["heads"] for h in layer]
+    kinds = {k: sum(h["key_basis"] == k for h in heads) for k in ("pre_rope", "post_rope", "plane")}
+    out += ["## Issue 16: frontier configurations against quantisation at matched bytes", "",
+            "The frontier configurations are the best subspace rows of `docs/baselines.md` at 25% and 12.5% of the fp16 bytes "
+            "(section \"Issue 16: the goal at matched bytes\"): the byte-budget allocator (`subspace_ref/allocation.py`: per layer "
+            "and KV head the key basis kind, r_k, r_v and the bits of each side) at the budget, with 4 sinks + an exact window of "
+            "L/32 tokens, and the same at exactly the bytes of the quantisation row of the budget (`@ N bytes`). They are "
+            "calibrated and allocated as `subspace-kv baselines` does (8 calibration windows of the training split, seed 1), for "
+            "each instance's length L, and evaluated as exact attention over the state's reconstruction (spec/quantization.md Q2.1). "
+            f"Key basis kinds chosen over all their heads and lengths: {kinds['pre_rope']} pre-RoPE, {kinds['post_rope']} post-RoPE, "
+            f"{kinds['plane']} RoPE-plane (spec/rope.md P4)"
+            + (": the plane kind, a candidate of every head, was never the cheapest for its measured loss, so it changes no "
+               "configuration here." if kinds["plane"] == 0 else "."), "",
+            "Differences are frontier minus quantisation on the same instances (paired): recall over the needle instances of the "
+            "valid lengths, next-token top-1 per window, LAMBADA-style per target with windows resampled; 95% bootstrap intervals "
+            "(seed 0). 'higher / lower / ties': the interval lies above 0 / below 0 / contains 0. Bytes per token at "
+            f"{Lw} tokens.", ""]
+    out += table(["budget", "frontier row (bytes)", "quantisation row (bytes)", "Δ recall", "Δ next-token top-1", "Δ LAMBADA-style"], body, "llllll")
+    out.append("")  # a list right after a table would be read as more table rows
+    for f, b, qb, d in words:
+        parts = [f"{name} {v['difference']:+.3f} [{v['ci'][0]:+.3f}, {v['ci'][1]:+.3f}]" for name, v in
+                 (("recall", d["recall"]), ("next-token", d["next_token"]), ("LAMBADA", d["lambada"]))]
+        res = [("ties" if v["ci"][0] <= 0 <= v["ci"][1] else ("wins" if v["ci"][0] > 0 else "loses")) for v in (d["recall"], d["next_token"], d["lambada"])]
+        verdict = ("loses measurably on " + ", ".join(n for n, w in zip(("recall", "next-token", "LAMBADA"), res) if w == "loses")) if "loses" in res else \
+                  ("wins measurably on " + ", ".join(n for n, w in zip(("recall", "next-token", "LAMBADA"), res) if w == "wins") if "wins" in res else "is not resolved from it on any task")
+        out.append(f"* **{100 * f:g}%, same bytes**: *{b['name']}* ({b['bytes_per_token']:.0f} bytes/token) against *{qb['name']}* "
+                   f"({qb['bytes_per_token']:.0f}): {'; '.join(parts)}; it {verdict}.")
+    out.append("")
+    return out
+
+
 def _ci(v: dict) -> str:
     lo, hi = v["ci"]
     return f"{v['accuracy']:.3f} [{lo:.3f}, {hi:.3f}]"
@@ -318,7 +446,8 @@ def write_page(record: dict, command: str, docs: Path, figures_from: Path) -> Pa
              "calibration residuals, seed 001 §10; sketches reset at chunk boundaries) and "
              f"rotating states at r = {', '.join(map(str, meta['own_ranks']))} (no byte budget: ranks shown); every baseline of "
              "`subspace_ref.baselines.methods_at` at 50/25/12.5% of the full fp16 cache, configured for the length of each "
-             "instance (a sliding window of capacity f·L for an L-byte instance), bytes counted by `subspace_ref/baselines/budget.py`.", "",
+             "instance (a sliding window of capacity f·L for an L-byte instance), bytes counted by `subspace_ref/baselines/budget.py`; "
+             "and at 25% and 12.5% the frontier configurations of issue 16 (the byte-budget allocator, section below).", "",
              "## Validity of the recall task", "")
     validity = recall_validity(full, record["lengths"])
     valid = [L for L, v in validity.items() if v["valid"]]
@@ -346,6 +475,8 @@ def write_page(record: dict, command: str, docs: Path, figures_from: Path) -> Pa
         body.append([r["key"], bb, _ci(recall_at(r, valid)), _ci(r["next_token"]), _ci(r["lambada"]), f"{r['seconds']:.0f}"])
     page.table(["method", f"bytes (% of full, at {record['window_length']})", "recall (valid lengths)", "next-token top-1", "LAMBADA-style", "s"],
                body, "lrlllr")
+    for line in frontier_section(record, valid):
+        page.add(line)
     labels = list(full["next_token"]["by_position"])
     page.add("## Next-token top-1 accuracy by position", "")
     page.table(["method"] + labels, [[r["key"]] + [_ci(r["next_token"]["by_position"][k]) for k in labels] for r in rows])

@@ -47,3 +47,31 @@ def to_storage(x, ptr, MANUAL_BF16: tl.constexpr):
     else:
         out = x.to(ptr.dtype.element_ty)
     return out
+
+
+@triton.jit
+def low_bit_tile(kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, tail_base, tok, t_mask, offs_r, r_mask, offs_rv, rv_mask,
+                 complete, kgroup, skc_t, svc_t, sks_t, svs_t, stl_t, BITS: tl.constexpr):
+    """Spec/quantization.md Q1-Q2 for the tokens ``tok`` of one tile: the key and value
+    coefficients (float32) of an int4/int2 layout, x = code * s + z, code i of a byte in bits
+    [i BITS, (i + 1) BITS). code * s is exact in float32 (a BITS-bit integer times a float16), so
+    the one rounding of the sum (FMA or not) is the oracle's float64 sum rounded to float32. Keys
+    of complete groups from their codes with their group's per-channel scale and zero; keys of
+    the unfinished group from ``key_tail`` (state dtype; its rows past T are never read); values
+    per token. Zero points share the strides of their scales."""
+    coded = tok < complete
+    k_m = (t_mask & coded)[:, None] & r_mask[None, :]
+    kbyte = tl.load(kc_base + tok[:, None] * skc_t + (offs_r // (8 // BITS))[None, :], mask=k_m, other=0).to(tl.int32)
+    kcode = ((kbyte >> ((offs_r % (8 // BITS)) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+    grp = tok // kgroup
+    k_sc = tl.load(ks_base + grp[:, None] * sks_t + offs_r[None, :], mask=k_m, other=0.0).to(tl.float32)
+    k_ze = tl.load(kz_base + grp[:, None] * sks_t + offs_r[None, :], mask=k_m, other=0.0).to(tl.float32)
+    tail_m = (t_mask & (tok >= complete))[:, None] & r_mask[None, :]
+    k_tl = tl.load(tail_base + (tok - complete)[:, None] * stl_t + offs_r[None, :], mask=tail_m, other=0.0).to(tl.float32)
+    keys = tl.where(coded[:, None], kcode * k_sc + k_ze, k_tl)
+    v_m = t_mask[:, None] & rv_mask[None, :]
+    vbyte = tl.load(vc_base + tok[:, None] * svc_t + (offs_rv // (8 // BITS))[None, :], mask=v_m, other=0).to(tl.int32)
+    vcode = ((vbyte >> ((offs_rv % (8 // BITS)) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+    v_sc = tl.load(vs_base + tok * svs_t, mask=t_mask, other=0.0).to(tl.float32)
+    v_ze = tl.load(vz_base + tok * svs_t, mask=t_mask, other=0.0).to(tl.float32)
+    return keys, vcode * v_sc[:, None] + v_ze[:, None]

@@ -55,7 +55,7 @@ from subspace_ref_triton._common import Launch, cdiv, interpreting, pow2_at_leas
 from subspace_ref_triton.occupancy import GPU, full_wave_splits, resident_blocks
 from subspace_ref_triton._tl import MAX_COMBINE as _MAX
 from subspace_ref_triton._tl import SUM_COMBINE as _SUM
-from subspace_ref_triton._tl import to_storage
+from subspace_ref_triton._tl import low_bit_tile, to_storage
 
 BLOCK_T = 64  # tokens per split-length unit (splits stay tile-aligned); the tile itself is launch_config's
 BLOCK_D = 32  # columns of q and B_j per step of the query projection (the interpreter takes all d)
@@ -269,31 +269,11 @@ def _decode_split_kernel(
                 c = c.to(tl.float32).to(COEF)
                 dvals = dvals.to(tl.float32).to(COEF)
             if BITS > 0:
-                # spec/quantization.md Q1-Q2: x = code * s + z, code i of a byte in bits
-                # [i BITS, (i + 1) BITS). code * s is exact in float32 (a BITS-bit integer times a
-                # float16), so the one rounding of the sum (FMA or not) is the oracle's float64
-                # sum rounded to float32; for 16-bit bases it is rounded once more, to nearest
-                # even, to the bases' dtype, where the tensor-core products below take it exactly
-                # (the oracle's reading in that dtype, up to a double-rounding tie).
-                tok = t0 + offs_t
-                coded = tok < complete
-                k_m = (t_mask & coded)[:, None] & r_mask[None, :]
-                kbyte = tl.load(kc_base + tok[:, None] * skc_t + (offs_r // (8 // BITS))[None, :], mask=k_m, other=0).to(tl.int32)
-                kcode = ((kbyte >> ((offs_r % (8 // BITS)) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
-                grp = tok // kgroup
-                k_sc = tl.load(ks_base + grp[:, None] * sks_t + offs_r[None, :], mask=k_m, other=0.0).to(tl.float32)
-                k_ze = tl.load(kz_base + grp[:, None] * sks_t + offs_r[None, :], mask=k_m, other=0.0).to(tl.float32)
-                # the unfinished group, in float in the state's dtype (its rows past T are never read)
-                k_tl = tl.load(
-                    tail_base + (tok - complete)[:, None] * stl_t + offs_r[None, :], mask=(t_mask & (tok >= complete))[:, None] & r_mask[None, :], other=0.0
-                ).to(tl.float32)
-                cf = tl.where(coded[:, None], kcode * k_sc + k_ze, k_tl)
-                v_m = t_mask[:, None] & rv_mask[None, :]
-                vbyte = tl.load(vc_base + tok[:, None] * svc_t + (offs_rv // (8 // BITS))[None, :], mask=v_m, other=0).to(tl.int32)
-                vcode = ((vbyte >> ((offs_rv % (8 // BITS)) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
-                v_sc = tl.load(vs_base + tok * svs_t, mask=t_mask, other=0.0).to(tl.float32)
-                v_ze = tl.load(vz_base + tok * svs_t, mask=t_mask, other=0.0).to(tl.float32)
-                df = vcode * v_sc[:, None] + v_ze[:, None]
+                # spec/quantization.md Q1-Q2 in float32 (_tl.low_bit_tile); for 16-bit bases rounded
+                # once more, to nearest even, to the bases' dtype, where the tensor-core products
+                # below take it exactly (the oracle's reading in that dtype, up to a double-rounding tie)
+                cf, df = low_bit_tile(kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, tail_base, t0 + offs_t, t_mask, offs_r, r_mask, offs_rv, rv_mask,
+                                      complete, kgroup, skc_t, svc_t, sks_t, svs_t, stl_t, BITS)
                 if PARTS == 1:
                     c = cf
                     dvals = df
@@ -526,6 +506,23 @@ def decode_partials(q, layout, scale: float, split_len: int, num_splits: int | N
     return outputs
 
 
+def scale_operands(layout) -> tuple[bool, int, tuple]:
+    """(int8, bits, (key scale, value scale, key zero, value zero, key tail)) of a layout: int8
+    per-token scales (spec A10), or int4/int2 groups (spec/quantization.md Q2). Operands a
+    format does not read are stand-ins (any tensor will do: the kernel never loads them)."""
+    kc, vc = layout.key_coef, layout.value_coef
+    int8 = getattr(layout, "key_scale", None) is not None
+    bits = int(getattr(layout, "low_bits", 0) or 0)
+    if int8:
+        return int8, bits, (layout.key_scale, layout.value_scale, kc, vc, kc)
+    if not bits:
+        return int8, bits, (kc, vc, kc, vc, kc)
+    ks, vs, kz, vz = layout.key_group_scale, layout.value_token_scale, layout.key_group_zero, layout.value_token_zero
+    if kz.stride() != ks.stride() or vz.stride() != vs.stride():
+        raise ValueError("the zero points of a low-bit layout must have the strides of its scales")
+    return int8, bits, (ks, vs, kz, vz, layout.key_tail)
+
+
 def split_launch(
     q,
     layout,
@@ -572,17 +569,7 @@ def split_launch(
     pm, pz, po = outputs
     kc, vc, kb, vb = layout.key_coef, layout.value_coef, layout.key_bases, layout.value_bases
     st, nc = layout.chunk_starts, layout.num_chunks
-    int8 = getattr(layout, "key_scale", None) is not None  # spec A10
-    bits = int(getattr(layout, "low_bits", 0) or 0)  # int4/int2, spec/quantization.md Q2
-    # without INT8 or BITS the scale pointers are never read, nor num_tokens without DEVICE_T:
-    # any tensor will do
-    ks, vs, kz, vz, tail = kc, vc, kc, vc, kc
-    if int8:
-        ks, vs = layout.key_scale, layout.value_scale
-    elif bits:
-        ks, vs, kz, vz, tail = layout.key_group_scale, layout.value_token_scale, layout.key_group_zero, layout.value_token_zero, layout.key_tail
-        if kz.stride() != ks.stride() or vz.stride() != vs.stride():
-            raise ValueError("the zero points of a low-bit layout must have the strides of its scales")
+    int8, bits, (ks, vs, kz, vz, tail) = scale_operands(layout)
     for name, x in (
         ("q", q),
         ("key_coef", kc),

@@ -32,7 +32,8 @@ import triton.language as tl
 from subspace_ref_triton._common import Launch, cdiv, pow2_at_least
 from subspace_ref_triton._tl import MAX_COMBINE as _MAX
 from subspace_ref_triton._tl import SUM_COMBINE as _SUM
-from subspace_ref_triton.decode import default_split_len, merge_partials
+from subspace_ref_triton._tl import low_bit_tile
+from subspace_ref_triton.decode import default_split_len, merge_partials, scale_operands
 
 # Tokens per tile and warps: three (BLOCK_T x d/2) float32 key parts live at once. The compile
 # report (gpu_report, d = 128, r = 32, g = 4) gives 164-171 registers and no spills on sm_80 and
@@ -119,24 +120,9 @@ def _rope_split_kernel(
             c = tl.load(kc_base + (t0 + offs_t)[:, None] * skc_t + offs_r[None, :], mask=t_mask[:, None] & r_mask[None, :], other=0).to(tl.float32)
             dvals = tl.load(vc_base + (t0 + offs_t)[:, None] * svc_t + offs_rv[None, :], mask=t_mask[:, None] & rv_mask[None, :], other=0).to(tl.float32)
         else:
-            # spec/quantization.md Q1-Q2, as in decode.py: code * s + z in float32 (the product
-            # exact), kept in float32 like every other operand of this kernel
-            tok = t0 + offs_t
-            coded = tok < complete
-            k_m = (t_mask & coded)[:, None] & r_mask[None, :]
-            kbyte = tl.load(kc_base + tok[:, None] * skc_t + (offs_r // (8 // BITS))[None, :], mask=k_m, other=0).to(tl.int32)
-            kcode = ((kbyte >> ((offs_r % (8 // BITS)) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
-            grp = tok // kgroup
-            k_sc = tl.load(ks_base + grp[:, None] * sks_t + offs_r[None, :], mask=k_m, other=0.0).to(tl.float32)
-            k_ze = tl.load(kz_base + grp[:, None] * sks_t + offs_r[None, :], mask=k_m, other=0.0).to(tl.float32)
-            k_tl = tl.load(tail_base + (tok - complete)[:, None] * stl_t + offs_r[None, :], mask=(t_mask & (tok >= complete))[:, None] & r_mask[None, :], other=0.0).to(tl.float32)
-            c = tl.where(coded[:, None], kcode * k_sc + k_ze, k_tl)
-            v_m = t_mask[:, None] & rv_mask[None, :]
-            vbyte = tl.load(vc_base + tok[:, None] * svc_t + (offs_rv // (8 // BITS))[None, :], mask=v_m, other=0).to(tl.int32)
-            vcode = ((vbyte >> ((offs_rv % (8 // BITS)) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
-            v_sc = tl.load(vs_base + tok * svs_t, mask=t_mask, other=0.0).to(tl.float32)
-            v_ze = tl.load(vz_base + tok * svs_t, mask=t_mask, other=0.0).to(tl.float32)
-            dvals = vcode * v_sc[:, None] + v_ze[:, None]
+            # spec/quantization.md Q1-Q2 in float32, kept in float32 like every other operand here
+            c, dvals = low_bit_tile(kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, tail_base, t0 + offs_t, t_mask, offs_r, r_mask, offs_rv, rv_mask,
+                                    complete, kgroup, skc_t, svc_t, sks_t, svs_t, stl_t, BITS)
         # step 1: rebuild; step 2: rotate to positions S + t0 + k (spec/window.md W10: S sinks
         # before the compressed tokens; angle addition, scale a folded in)
         ua = tl.dot(c, Ba, input_precision="ieee")  # (BLOCK_T, M)
@@ -194,15 +180,7 @@ def split_launch(q, layout, rope, scale: float, split_len: int, first_position: 
     po = torch.empty((N, Hq, S, d_v), dtype=torch.float32, device=dev)
     kc, vc = layout.key_coef, layout.value_coef
     kb, vb = layout.key_bases[:, :, 0], layout.value_bases[:, :, 0]
-    int8 = getattr(layout, "key_scale", None) is not None
-    bits = int(getattr(layout, "low_bits", 0) or 0)
-    ks, vs, kz, vz, tail = kc, vc, kc, vc, kc  # never read without INT8 / BITS
-    if int8:
-        ks, vs = layout.key_scale, layout.value_scale
-    elif bits:
-        ks, vs, kz, vz, tail = layout.key_group_scale, layout.value_token_scale, layout.key_group_zero, layout.value_token_zero, layout.key_tail
-        if kz.stride() != ks.stride() or vz.stride() != vs.stride():
-            raise ValueError("the zero points of a low-bit layout must have the strides of its scales")
+    int8, bits, (ks, vs, kz, vz, tail) = scale_operands(layout)
     m = rope.inv_freq.size
     pairs = rope.planes(d)
     order = torch.as_tensor([*pairs[:m, 0], *pairs[:m, 1], *pairs[m:].reshape(-1)], dtype=torch.int32, device=dev)

@@ -29,8 +29,8 @@ def test_the_kernels_build_where_a_c_compiler_is():
 
 
 def _state(coefficients: str, T: int, window: int, ranks: tuple[int, int], rng) -> sr.SubspaceState:
-    """Two sequences, 3 KV heads, d = 40, groups of 16 keys with an unfinished one."""
-    H, d = 3, 40
+    """Two sequences, 3 KV heads, d = 96, groups of 16 keys with an unfinished one."""
+    H, d = 3, 96
     r, r_v = ranks
     B = np.linalg.qr(rng.standard_normal((H, d, r)))[0].transpose(0, 2, 1)
     E = np.linalg.qr(rng.standard_normal((H, d, r_v)))[0].transpose(0, 2, 1)
@@ -43,18 +43,19 @@ def _state(coefficients: str, T: int, window: int, ranks: tuple[int, int], rng) 
 @pytest.mark.parametrize("coefficients", ["int8", "int4", "int2"])
 @pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("group", [1, 3])
-@pytest.mark.parametrize("ranks", [(11, 9), (32, 16)], ids=["r11-9", "r32-16"])
+@pytest.mark.parametrize("ranks", [(11, 9), (32, 16), (80, 48)], ids=["r11-9", "r32-16", "r80-48"])
 @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch-ops"])
 def test_attend_within_the_derived_tolerance(coefficients, window, group, ranks, kernels, monkeypatch):
     """T = 2100: three value tiles (VALUE_TILE = 1024), blocks of 16 tokens and a remainder, and a
     trailing partial key group; a window makes the weights a strided view. Ranks 11 and 9 fill no
-    vector register and end inside a byte (int4 / int2 padding: the kernels' scalar loops), 32
-    and 16 take the 16-token blocks. With ``kernels`` the kernels must serve both products."""
+    vector register and end inside a byte (int4 / int2 padding: the kernels' scalar loops); 32
+    and 16 (rows of 4-32 bytes) take the in-register chunks; 80 and 48 the widened 16-token
+    blocks (rows past 64 values). With ``kernels`` the kernels must serve both products."""
     if kernels and not cpu_kernels.availability()[0]:
         pytest.skip(f"CPU kernels unavailable: {cpu_kernels.availability()[1]}")
     rng = np.random.default_rng(hash((coefficients, window, group, ranks)) % 2**32)
     state = _state(coefficients, 2100, window, ranks, rng)
-    q = rng.standard_normal((2, 3 * group, 40)) * 2
+    q = rng.standard_normal((2, 3 * group, 96)) * 2
     out64 = sr.attend(q, state)
     calls = []
     if kernels:

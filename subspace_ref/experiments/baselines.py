@@ -553,7 +553,8 @@ def frontier_sections(record: dict) -> list[str]:
     )
     L.append(
         "* **allocator p%**: `allocation.allocate(compression_ratio=p)`: per layer and KV head the key basis kind (post-RoPE, "
-        "pre-RoPE, or whole RoPE planes chosen by the same measured loss: spec/rope.md P4, a plain post-RoPE basis), r_k, r_v and the bits of each side (16/8/4/2), greedy on the lower convex hulls of the measured "
+        "pre-RoPE, or whole RoPE planes chosen by the same measured loss: spec/rope.md P4, a plain post-RoPE basis), "
+        "r_k, r_v and the bits of each side (16/8/4/2), greedy on the lower convex hulls of the measured "
         "calibration losses (logit error x value spread for keys, value reconstruction error; "
         "`allocation.side_losses`) per byte. **+ sinks 4 + window W**: the same with the first 4 and the last W tokens "
         "exact (their fp16 K/V counted), the allocator spending what is left."

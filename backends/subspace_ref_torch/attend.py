@@ -28,7 +28,9 @@ States with J = 1 (static, rotating, adaptive with a single chunk) take a fast p
 are one batched matmul (N, H, g, r) x (N, H, r, T) and the value side one (g, T) x (T, r_v)
 matmul then (g, r_v) x (r_v, d_v): no per-token index, no gathered queries. (For T > VALUE_TILE
 the (g, T) x (T, r_v) product is summed over at most MAX_VALUE_TILES = 16 tiles of tokens, a
-loop of <= 16 iterations, for float32 accuracy: see :data:`VALUE_TILE`.) States with J > 1
+loop of <= 16 iterations, for float32 accuracy: see :data:`VALUE_TILE`. On CPU tensors in
+float32, int8/int4/int2 coefficients are read by :mod:`subspace_ref_torch.cpu_kernels`, which
+dequantise in registers: spec R14.) States with J > 1
 gather each token's projected query; that and the per-chunk value sums run over tiles of
 tokens (a loop over at most T / tile iterations, with tile chosen so a tile's gathered
 (N, H, tile, g, max(r, r_v)) block holds about TILE_ELEMENTS numbers) to bound memory.
@@ -309,7 +311,10 @@ def low_bit_logits(q0: torch.Tensor, state) -> torch.Tensor:
 
 def softmax_weights(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """exp(logits - max) and their sum (N, H, g, 1), max over all tokens of a query head (A3.1).
-    Overwrites ``logits``."""
+    Overwrites ``logits``. The sum divides the output once, after the value sums, as spec A3
+    does: normalising every weight first (torch.softmax, one fused pass) rounds each weight once
+    more and left the float32 output at up to 2.75x the oracle's own error, against 2.0x this
+    way (T = 2100, logits ~15, 24 draws)."""
     m = logits.amax(dim=-1, keepdim=True)
     w = logits.sub_(m).exp_()
     return w, w.sum(dim=-1, keepdim=True)
@@ -390,8 +395,8 @@ def one_chunk_maps(state, d: int, scale: float | None, dtype: torch.dtype) -> tu
 
 def one_chunk_float(state, dtype: torch.dtype) -> bool:
     """Whether ``state`` takes :func:`attend_one_chunk`: one chunk of bases (static or rotating),
-    no exact tokens, no RoPE, float coefficients already in the work dtype (float64: at most
-    VALUE_TILE tokens)."""
+    no exact tokens, no RoPE, float coefficients already in the work dtype, at most VALUE_TILE
+    tokens."""
     lay = state.layout
     return (
         state.window is None
@@ -399,9 +404,11 @@ def one_chunk_float(state, dtype: torch.dtype) -> bool:
         and getattr(state.policy, "rope", None) is None
         and lay.key_coef.dtype == dtype
         and lay.value_coef.dtype == dtype
-        # float64 beyond one value tile keeps the general path's tiles: torch's fused SDPA in
-        # float64 rounds the long sum up to ~2.5x the oracle's error at logits ~1e4 (T = 8k)
-        and (lay.num_tokens <= VALUE_TILE or dtype != torch.float64)
+        # beyond one value tile the general path's tiles bound the rounding of the long sum over
+        # tokens; torch's fused SDPA over the coefficients did not: in float64 ~2.5x the oracle's
+        # error at logits ~1e4 (T = 8k), in float32 2.5x at T = 16k (the slow harness case
+        # static-d128-T16k), at the same speed on a CPU core (2.6-3.0 ms both, T = 16k, r = 32)
+        and lay.num_tokens <= VALUE_TILE
     )
 
 
@@ -411,9 +418,7 @@ def attend_one_chunk(q: torch.Tensor, state, scale: float | None, dtype: torch.d
     contention as SDPA does. With one chunk, spec A3 is softmax attention whose queries are the
     scaled projected queries (gamma and the logit scale folded into the map) and whose keys and
     values are the coefficients: up to VALUE_TILE tokens as logits, softmax (with the global
-    maximum, equal to A3's running rescaling by A3.1) and value sums, three batched operations;
-    longer, torch's fused SDPA over the coefficients, whose blocked online softmax bounds the
-    rounding of the long sum over tokens as the general path's tiles do (:data:`VALUE_TILE`).
+    maximum, equal to A3's running rescaling by A3.1) and value sums, three batched operations.
     Then the value basis. The coefficients are read through (N H)-batched views made once per
     coefficient array."""
     lay = state.layout
@@ -425,10 +430,7 @@ def attend_one_chunk(q: torch.Tensor, state, scale: float | None, dtype: torch.d
     T = lay.num_tokens
     qg = q.reshape(maps.shape[0], -1, d)
     qt = torch.bmm(qg if qg.dtype == dtype else qg.to(dtype), maps)  # (N H, g, r)
-    if T <= VALUE_TILE:
-        sums = torch.bmm(torch.softmax(torch.bmm(qt, keys_t[:, :, :T]), dim=-1), values[:, :T])  # (N H, g, r_v)
-    else:
-        sums = torch.nn.functional.scaled_dot_product_attention(qt[:, None], keys_t[:, :, :T].mT[:, None], values[:, None, :T], scale=1.0)[:, 0]
+    sums = torch.bmm(torch.softmax(torch.bmm(qt, keys_t[:, :, :T]), dim=-1), values[:, :T])  # (N H, g, r_v)
     out = torch.bmm(sums, E).view(N, Hq, -1)
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
@@ -441,8 +443,14 @@ def attend(q: torch.Tensor, state, scale: float | None) -> torch.Tensor:
         return attend_one_chunk(q, state, scale, dtype)
     J = used_chunks(state)
     index = token_chunk_index(state, J) if J > 1 else None
-    if getattr(state.policy, "rope", None) is not None:  # spec/rope.md P3 (static: J = 1)
+    rope = getattr(state.policy, "rope", None)
+    H = state.layout.key_coef.shape[1]
+    maps = one_chunk_maps(state, q.shape[-1], scale, dtype) if J == 1 and rope is None else None
+    if rope is not None:  # spec/rope.md P3 (static: J = 1)
         logits = rope_logits(q, state, scale, dtype)
+    elif maps is not None:  # one batched product with the cached map gamma * scale * B^T
+        q_proj = torch.bmm(q.reshape(N * H, Hq // H, -1).to(dtype), maps[0])
+        logits = one_chunk_logits(q_proj.view(N, H, Hq // H, -1), state)
     else:
         logits = coefficient_logits(project_queries(q, state, scale, J, dtype), state, index)
     T_c = state.layout.num_tokens
@@ -450,7 +458,10 @@ def attend(q: torch.Tensor, state, scale: float | None) -> torch.Tensor:
         logits = torch.cat([logits, window.exact_logits(q, state, scale, dtype)], dim=-1)
     weights, Z = softmax_weights(logits)
     sums = chunk_value_coefficients(weights[..., :T_c], state, J, index)
-    out = apply_value_bases(sums, state)
+    if maps is not None:
+        out = torch.bmm(sums.reshape(N * H, Hq // H, -1), maps[1]).view(N, H, Hq // H, -1)
+    else:
+        out = apply_value_bases(sums, state)
     if state.window is not None:
         out = out + window.exact_values(weights[..., T_c:], state)
     out = out / Z

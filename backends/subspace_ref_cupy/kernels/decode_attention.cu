@@ -577,7 +577,7 @@ __device__ __forceinline__ void softmax_tile(float* s_w, float* s_m, float* s_z,
 // one sincos per item) and the offsets k theta (float64 once per block, kept in shared memory as
 // float), so no table of positions is read.
 constexpr int kRopeTokens = kWarpSize;
-constexpr int kRopeSub = 16;
+constexpr int kRopeSub = 8;
 
 template <int RT, typename CoefT>
 struct RopeTiles {
@@ -730,9 +730,10 @@ decode_rope_partial(const T* __restrict__ q,                    // (N, H_q, d), 
             }
             float* row = s_k + k0 * (d + 1);
             if (p < m) {
-                const double base = static_cast<double>(first_position + t0 + k0) * inv_freq[p];
-                const float cb = static_cast<float>(rope_scale * cos(base));
-                const float sb = static_cast<float>(rope_scale * sin(base));
+                double sin_base, cos_base;
+                sincos(static_cast<double>(first_position + t0 + k0) * inv_freq[p], &sin_base, &cos_base);
+                const float cb = static_cast<float>(rope_scale * cos_base);
+                const float sb = static_cast<float>(rope_scale * sin_base);
 #pragma unroll
                 for (int k = 0; k < kRopeSub; ++k) {
                     const float ck = s_cs[k * half + p];

@@ -622,16 +622,18 @@ def _check_state(lib, state64, q64: np.ndarray, scale, dtype: str, splits, array
 
 @needs_emulation
 @pytest.mark.parametrize(
-    "layout, coefficients, dtype, rank_k",
-    [("half", "float", "float32", 20), ("interleaved", "float", "float32", 20), ("half", "int8", "float32", 20),
-     ("half", "float", "bfloat16", 20), ("half", "float", "float32", 40)],
-    ids=["half", "interleaved", "int8", "bf16", "rank-tile-64"],
+    "layout, coefficients, dtype, rank_k, splits",
+    [("half", "float", "float32", 20, (2, 64)), ("interleaved", "float", "float32", 20, (5, 32)), ("half", "int8", "float32", 20, None),
+     ("half", "float", "bfloat16", 20, (3, 32)), ("half", "float", "float32", 40, (2, 64))],
+    ids=["half-two-stages", "interleaved-empty-splits", "int8", "bf16", "rank-tile-64-one-stage"],
 )
-def test_emulated_rope_static(emu_lib, layout, coefficients, dtype, rank_k):
+def test_emulated_rope_static(emu_lib, layout, coefficients, dtype, rank_k, splits):
     """Spec/rope.md P3: keys rebuilt from the coefficients, rotated to positions 0..T-1 (partial
-    rotary, attention scaling 1.1, both plane layouts), GQA group 2, splits of 32 tokens (the
-    second tile of a split and a short last one). The rotation matters: attending over the same
-    coefficients as a plain static state (no rotation) is outside twice the tolerance."""
+    rotary, attention scaling 1.1, both plane layouts), GQA group 2; 90 tokens in splits of two
+    32-token tiles (double-buffered at rank tile 32, one buffer at float32 rank tile 64, a short
+    last tile), in 5 splits of 32 (two empty: the merge identity), or the automatic split. The
+    rotation matters: attending over the same coefficients as a plain static state (no rotation)
+    is outside twice the tolerance."""
     rng = np.random.default_rng(31)
     d = 64
     K = rng.standard_normal((2, 256, d))
@@ -639,7 +641,7 @@ def test_emulated_rope_static(emu_lib, layout, coefficients, dtype, rank_k):
     state = SubspaceState.static(basis, dtype=np.float64, rope=_rope(d, layout), coefficients=coefficients)
     state.append(rng.standard_normal((2, 90, d)), rng.standard_normal((2, 90, d)))
     q = rng.standard_normal((1, 4, d))
-    tol = _check_state(emu_lib, state, q, None, dtype, (3, 32))
+    tol = _check_state(emu_lib, state, q, None, dtype, splits)
     flat = state.copy()
     flat.policy = replace(flat.policy, rope=None)
     assert np.abs(attend_reference(q, flat, None) - attend_reference(q, state, None)).max() > 2 * tol
@@ -690,6 +692,36 @@ def test_emulated_sinks_and_window(emu_lib, dtype):
     no_exact = replace(_emulation.host_state_arrays(state, dtype), exact=())
     out = from_host(_emulation.attend(host_q(q.astype(np.float32), dtype), dtype, no_exact, 1 / 8, splits=(3, 32), lib=emu_lib), dtype)
     assert np.abs(out - attend_reference(q, state, None)).max() > 2 * tol
+
+
+@needs_emulation
+def test_emulated_long_sinks_and_window(emu_lib):
+    """Exact segments longer than one 32-token tile (40 sinks, a 70-token window: two and three
+    tiles, the last ones short) beside a static compressed part, GQA group 4, logits ~1e2."""
+    state = static_state(H=2, rank_k=12, rank_v=16, T=0, seed=61, dtype=np.float64, sinks=40, window=70)
+    rng = np.random.default_rng(62)
+    state.append(rng.standard_normal((2, 150, 64)), rng.standard_normal((2, 150, 64)))
+    assert state.window.sink_count == 40 and state.window.keys.shape[2] == 70 and state.layout.num_tokens == 40
+    _check_state(emu_lib, state, rng.standard_normal((1, 8, 64)) * 4, None, "float32", None)
+
+
+def test_pre_rope_append_unrotates_at_the_compressed_positions():
+    """The cupy static append un-rotates keys at positions S+T.. (spec/rope.md P2, spec/window.md
+    W10) before its projection kernel: projected with B, they are the coefficients the oracle
+    stores (numpy arrays stand in for CuPy ones; the rotation is array-generic)."""
+    from subspace_ref.policies.append_static import append_static
+    from subspace_ref_cupy.cupy_backend import _pre_rope_keys
+
+    rng = np.random.default_rng(71)
+    state = static_state(rank_k=12, rank_v=12, T=0, dtype=np.float64, rope=_rope(64), sinks=3, window=4)
+    state.append(rng.standard_normal((2, 30, 64)), rng.standard_normal((2, 30, 64)))
+    T = state.layout.num_tokens
+    assert T == 23
+    keys = rng.standard_normal((1, 2, 5, 64))
+    oracle = state.copy()
+    append_static(oracle, keys, rng.standard_normal((1, 2, 5, 64)))
+    got = np.einsum("nhtd,nhrd->nhtr", _pre_rope_keys(state, keys), state.layout.key_bases[:, :, 0])
+    np.testing.assert_allclose(got, oracle.layout.key_coef[:, :, T : T + 5], rtol=1e-12, atol=1e-12)
 
 
 def test_rope_and_window_are_accepted_and_low_bit_rope_refused():

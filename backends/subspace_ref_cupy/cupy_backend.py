@@ -283,13 +283,7 @@ class CupyBackend:
                 append_reference(state, keys, values)
             return
         T, n_new = lay.num_tokens, keys.shape[2]
-        rope = getattr(state.policy, "rope", None)
-        if rope is not None:  # spec/rope.md P2 step 1 at positions S+T.. (spec/window.md W10)
-            from subspace_ref.rope import rotate
-            from subspace_ref.window import first_compressed_position
-
-            first = first_compressed_position(state)
-            keys = rotate(keys, np.arange(first + T, first + T + n_new), rope, inverse=True)
+        keys = _pre_rope_keys(state, keys)
         lay = lay.with_capacity(T + n_new, lay.key_bases.shape[2])
         with _interop.launch_context(_interop.device_id(lay.key_coef)):
             _launch.project(
@@ -381,6 +375,20 @@ def _append_widened(state, keys: Any, values: Any) -> None:
     append_reference(wide, keys.astype(np.float32), values.astype(np.float32))
     state.layout = wide.layout.map_arrays(back)
     state.sketches = replace(wide.sketches, keys=back("", wide.sketches.keys), values=back("", wide.sketches.values))
+
+
+def _pre_rope_keys(state, keys: Any) -> Any:
+    """Spec/rope.md P2 step 1 for the keys a static append is about to project: a pre-RoPE state's
+    are un-rotated at positions S+T.. (S the sinks, spec/window.md W10; T the compressed tokens
+    held); other states' are returned as they are."""
+    rope = getattr(state.policy, "rope", None)
+    if rope is None:
+        return keys
+    from subspace_ref.rope import rotate
+    from subspace_ref.window import first_compressed_position
+
+    first = first_compressed_position(state) + state.layout.num_tokens
+    return rotate(keys, np.arange(first, first + keys.shape[2]), rope, inverse=True)
 
 
 def _exact_arrays(state) -> dict:

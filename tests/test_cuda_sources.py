@@ -21,7 +21,10 @@ from subspace_ref_triton import compile_report, gpu_report
 
 NVCC = compile_report.nvcc()
 CU_FILES = sorted(p.name for p in _kernels.KERNEL_DIR.glob("*.cu"))
-THREADS = {"decode_split_partial": _kernels.DECODE_THREADS, "merge_splits": _kernels.MERGE_THREADS, "project_append": _kernels.PROJECT_THREADS}
+THREADS = {
+    "decode_split_partial": _kernels.DECODE_THREADS, "merge_splits": _kernels.MERGE_THREADS, "project_append": _kernels.PROJECT_THREADS,
+    "decode_rope_partial": _kernels.DECODE_THREADS, "exact_partial": _kernels.DECODE_THREADS,
+}
 
 
 def test_every_kernel_file_is_wired_to_python():

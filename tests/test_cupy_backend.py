@@ -110,6 +110,9 @@ FakeCupyArray.__module__ = "cupy._core.core"
 def fake_gpu_state(state, **overrides):
     out = state.copy()
     out.layout = out.layout.map_arrays(lambda name, x: overrides.get(name, FakeCupyArray(x)))
+    if out.window is not None:
+        fields = ("keys", "values", "sink_keys", "sink_values")
+        out.window = replace(out.window, **{f: overrides.get(f, FakeCupyArray(getattr(out.window, f))) for f in fields if getattr(out.window, f) is not None})
     return out
 
 
@@ -344,10 +347,20 @@ _EMU_CONFIGS = [
 ]
 
 
+# pre-RoPE states (spec/rope.md P3): float and int8 coefficients, rank tiles 32 and 64
+_EMU_ROPE = [
+    _kernels.RopeConfig("float32", "same", 32),
+    _kernels.RopeConfig("float32", "int8", 32),
+    _kernels.RopeConfig("bfloat16", "same", 32),
+    _kernels.RopeConfig("float32", "same", 64),
+]
+
+
 @pytest.fixture(scope="module")
 def emu_lib():
     """One host build holding every kernel these tests launch (one compile, ~10 s)."""
     names = [c.decode_name for c in _EMU_CONFIGS] + [_kernels.merge_name(t) for t in ("float32", "float16", "bfloat16")]
+    names += [c.name for c in _EMU_ROPE] + [_kernels.exact_name(t) for t in ("float32", "float16", "bfloat16")]
     names += [c.project_name for c in _EMU_CONFIGS if c.dtype == "float32" and c.d in (64, _kernels.GENERIC) and c.coef in _kernels.COEF_KINDS]
     return _emulation.library(names)
 
@@ -550,7 +563,8 @@ def _check_harness_case(lib, case) -> None:
         pytest.skip(f"{case}: the cupy backend declares no {', '.join(sorted(gaps))} (its capabilities)")
     b = build(case)
     scale = 1 / np.sqrt(case.d) if b.scale is None else b.scale
-    out = _emulation.attend(b.q.astype(np.float32), "float32", _emulation.host_arrays(b.state.layout, "float32"), scale, lib=lib)
+    # the state's arrays beyond the layout: a pre-RoPE rotation, the sinks and the recent window
+    out = _emulation.attend(b.q.astype(np.float32), "float32", _emulation.host_state_arrays(b.state, "float32"), scale, lib=lib)
     err = float(np.abs(out.astype(np.float64) - b.out64).max())
     tol = tolerance(reference_error(b.state, b.q, b.scale, b.out64, "float32"), b.out64, "float32")
     assert err <= tol, f"{case}: max |kernel - oracle64| = {err:.3g} > tol {tol:.3g}"
@@ -562,6 +576,19 @@ def test_emulated_attention_harness_cases(emu_lib, case):
     _check_harness_case(emu_lib, case)
 
 
+def _exact_and_rope_cases():
+    return [c for c in _harness_cases(slow=True) if {"window", "sinks", "rope"} & set(c.features)]
+
+
+@needs_emulation
+@pytest.mark.parametrize("case", _exact_and_rope_cases(), ids=str)
+def test_emulated_attention_harness_window_sinks_rope(emu_lib, case):
+    """The harness's window, sink and pre-RoPE cases (issue 16; small, so not only under -m slow):
+    exact-only states (T < min_tokens), sinks beside a window, per-head ranks, GQA 4, logits 1e4,
+    adaptive chunks with sinks, partial rotary with attention scaling."""
+    _check_harness_case(emu_lib, case)
+
+
 @pytest.mark.slow
 @needs_emulation
 @pytest.mark.parametrize("case", _harness_cases(slow=True), ids=str)
@@ -569,6 +596,147 @@ def test_emulated_attention_harness_cases_slow(emu_lib, case):
     """The rest of the harness's cases (hundreds of chunks, T = 4000, huge logits): minutes on
     the host, so on purpose only (-m slow)."""
     _check_harness_case(emu_lib, case)
+
+
+def _rope(d: int, layout: str = "half", scaling: float = 1.1, rotary: float = 0.75):
+    from subspace_ref.rope import RopeParams
+
+    m = int(rotary * d) // 2
+    return RopeParams(1.0 / 10000.0 ** (np.arange(m) / m), layout=layout, attention_scaling=scaling)
+
+
+def _check_state(lib, state64, q64: np.ndarray, scale, dtype: str, splits, arrays=None) -> float:
+    """The emulated kernels in ``dtype`` over a float64 state against the float64 oracle, within
+    the differential harness's tolerance; returns the tolerance."""
+    from tests.differential.tolerance import reference_error, tolerance
+
+    out64 = attend_reference(q64, state64, scale)
+    arrays = _emulation.host_state_arrays(state64, dtype) if arrays is None else arrays
+    s = 1 / np.sqrt(q64.shape[-1]) if scale is None else scale
+    out = from_host(_emulation.attend(host_q(q64.astype(np.float32), dtype), dtype, arrays, s, splits=splits, lib=lib), dtype)
+    err = float(np.abs(out.astype(np.float64) - out64).max())
+    tol = tolerance(reference_error(state64, q64, scale, out64, dtype), out64, dtype)
+    assert err <= tol, f"max |kernel - oracle64| = {err:.3g} > tol {tol:.3g}"
+    return tol
+
+
+@needs_emulation
+@pytest.mark.parametrize(
+    "layout, coefficients, dtype, rank_k, splits",
+    [("half", "float", "float32", 20, (2, 64)), ("interleaved", "float", "float32", 20, (5, 32)), ("half", "int8", "float32", 20, None),
+     ("half", "float", "bfloat16", 20, (3, 32)), ("half", "float", "float32", 40, (2, 64))],
+    ids=["half-two-stages", "interleaved-empty-splits", "int8", "bf16", "rank-tile-64-one-stage"],
+)
+def test_emulated_rope_static(emu_lib, layout, coefficients, dtype, rank_k, splits):
+    """Spec/rope.md P3: keys rebuilt from the coefficients, rotated to positions 0..T-1 (partial
+    rotary, attention scaling 1.1, both plane layouts), GQA group 2; 90 tokens in splits of two
+    32-token tiles (double-buffered at rank tile 32, one buffer at float32 rank tile 64, a short
+    last tile), in 5 splits of 32 (two empty: the merge identity), or the automatic split. The
+    rotation matters: attending over the same coefficients as a plain static state (no rotation)
+    is outside twice the tolerance."""
+    rng = np.random.default_rng(31)
+    d = 64
+    K = rng.standard_normal((2, 256, d))
+    basis = calibrate(K, rng.standard_normal((2, 256, d)), rank_k=rank_k, rank_v=24, gamma="paper")
+    state = SubspaceState.static(basis, dtype=np.float64, rope=_rope(d, layout), coefficients=coefficients)
+    state.append(rng.standard_normal((2, 90, d)), rng.standard_normal((2, 90, d)))
+    q = rng.standard_normal((1, 4, d))
+    tol = _check_state(emu_lib, state, q, None, dtype, splits)
+    flat = state.copy()
+    flat.policy = replace(flat.policy, rope=None)
+    assert np.abs(attend_reference(q, flat, None) - attend_reference(q, state, None)).max() > 2 * tol
+
+
+@needs_emulation
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_emulated_rope_with_sinks_and_window_is_exact_on_the_span(emu_lib, dtype):
+    """Spec/window.md W10.1 through the kernels: pre-RoPE keys of rank 4 in the span of B, 3
+    sinks and a 5-token window: the result is exact attention over the keys given (the oracle's
+    and subspace_ref.exact's), and rotating from position 0 instead of S = 3 (W10's offset
+    removed) moves it past twice the tolerance."""
+    import subspace_ref as sr
+    from subspace_ref.rope import rotate
+
+    rng = np.random.default_rng(41)
+    H, d, T = 2, 32, 70
+    rope = _rope(d)
+    basis_rows = np.linalg.qr(rng.standard_normal((H, d, 4)))[0].transpose(0, 2, 1)  # (H, 4, d)
+    pre = np.einsum("htr,hrd->htd", rng.standard_normal((H, T, 4)), basis_rows)
+    K = rotate(pre, np.arange(T), rope)  # post-RoPE at positions 0..T-1, as a model gives them
+    V = rng.standard_normal((H, T, d))
+    E = np.linalg.qr(rng.standard_normal((H, d, d)))[0].transpose(0, 2, 1)
+    state = SubspaceState.static(sr.StaticBasis.from_bases(basis_rows, E, np.ones(H)), dtype=np.float64, rope=rope, sinks=3, window=5)
+    state.append(K[:, :40], V[:, :40])
+    state.append(K[:, 40:], V[:, 40:])
+    assert state.layout.num_tokens == T - 8
+    q = rng.standard_normal((1, 4, d))
+    tol = _check_state(emu_lib, state, q[0][None], None, dtype, (2, 64))
+    np.testing.assert_allclose(attend_reference(q, state, None)[0], sr.exact_attention(q[0], K, V), atol=1e-9)
+    wrong = replace(_emulation.host_state_arrays(state, dtype), rope_first_position=0)
+    out = from_host(_emulation.attend(host_q(q.astype(np.float32), dtype), dtype, wrong, d**-0.5, splits=(2, 64), lib=emu_lib), dtype)
+    assert np.abs(out - attend_reference(q, state, None)).max() > 2 * tol
+
+
+@needs_emulation
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_emulated_sinks_and_window(emu_lib, dtype):
+    """Spec/window.md W3, W8: the exact tokens (4 sinks, a 6-token window) join the compressed
+    tokens' softmax as partials merged with the splits; adaptive chunks (spec A7), batch 2, GQA 2.
+    Dropping the exact segments moves the result past twice the tolerance."""
+    rng = np.random.default_rng(51)
+    state = SubspaceState.adaptive(2, 64, rank_k=6, rank_v=8, max_chunk=16, batch=2, dtype=np.float64, sinks=4, window=6, byte_ceiling=math.inf)
+    state.append(rng.standard_normal((2, 2, 75, 64)), rng.standard_normal((2, 2, 75, 64)))
+    assert state.window.sink_count == 4 and state.window.keys.shape[2] == 6 and (state.layout.num_chunks > 1).all()
+    q = rng.standard_normal((2, 4, 64)) * 2
+    tol = _check_state(emu_lib, state, q, None, dtype, (3, 32))
+    no_exact = replace(_emulation.host_state_arrays(state, dtype), exact=())
+    out = from_host(_emulation.attend(host_q(q.astype(np.float32), dtype), dtype, no_exact, 1 / 8, splits=(3, 32), lib=emu_lib), dtype)
+    assert np.abs(out - attend_reference(q, state, None)).max() > 2 * tol
+
+
+@needs_emulation
+def test_emulated_long_sinks_and_window(emu_lib):
+    """Exact segments longer than one 32-token tile (40 sinks, a 70-token window: two and three
+    tiles, the last ones short) beside a static compressed part, GQA group 4, logits ~1e2."""
+    state = static_state(H=2, rank_k=12, rank_v=16, T=0, seed=61, dtype=np.float64, sinks=40, window=70)
+    rng = np.random.default_rng(62)
+    state.append(rng.standard_normal((2, 150, 64)), rng.standard_normal((2, 150, 64)))
+    assert state.window.sink_count == 40 and state.window.keys.shape[2] == 70 and state.layout.num_tokens == 40
+    _check_state(emu_lib, state, rng.standard_normal((1, 8, 64)) * 4, None, "float32", None)
+
+
+def test_pre_rope_append_unrotates_at_the_compressed_positions():
+    """The cupy static append un-rotates keys at positions S+T.. (spec/rope.md P2, spec/window.md
+    W10) before its projection kernel: projected with B, they are the coefficients the oracle
+    stores (numpy arrays stand in for CuPy ones; the rotation is array-generic)."""
+    from subspace_ref.policies.append_static import append_static
+    from subspace_ref_cupy.cupy_backend import _pre_rope_keys
+
+    rng = np.random.default_rng(71)
+    state = static_state(rank_k=12, rank_v=12, T=0, dtype=np.float64, rope=_rope(64), sinks=3, window=4)
+    state.append(rng.standard_normal((2, 30, 64)), rng.standard_normal((2, 30, 64)))
+    T = state.layout.num_tokens
+    assert T == 23
+    keys = rng.standard_normal((1, 2, 5, 64))
+    oracle = state.copy()
+    append_static(oracle, keys, rng.standard_normal((1, 2, 5, 64)))
+    got = np.einsum("nhtd,nhrd->nhtr", _pre_rope_keys(state, keys), state.layout.key_bases[:, :, 0])
+    np.testing.assert_allclose(got, oracle.layout.key_coef[:, :, T : T + 5], rtol=1e-12, atol=1e-12)
+
+
+def test_rope_and_window_are_accepted_and_low_bit_rope_refused():
+    """The capability declares window, sinks and rope; a pre-RoPE state with int4 codes (no
+    kernel reads them rotated) is refused with the format named."""
+    caps = CupyBackend().capabilities
+    assert caps.window and caps.sinks and caps.rope
+    q = FakeCupyArray(np.zeros((1, 4, 64), dtype=np.float32))
+    state = static_state(rank_k=8, rank_v=8, T=20, sinks=2, window=4, rope=_rope(64))
+    assert reasons_besides_availability(q, fake_gpu_state(state)) == []
+    try:
+        low = static_state(rank_k=8, rank_v=8, T=20, rope=_rope(64), coefficients="int4", group_size=4)
+    except ValueError as err:  # the state itself may refuse the combination
+        pytest.skip(f"pre-RoPE int4 states are not built: {err}")
+    assert any("int4" in r and "pre-RoPE" in r for r in reasons_besides_availability(q, fake_gpu_state(low)))
 
 
 @needs_emulation

@@ -178,17 +178,12 @@ def bf16_float(bits: np.ndarray) -> np.ndarray:
 def attend(
     q: np.ndarray, dtype: str, arrays: L.CoefArrays, scale: float, splits: tuple[int, int] | None = None, sm_count: int = 4, lib: Library | None = None
 ) -> np.ndarray:
-    """:func:`._launch.attend` with host arrays: the same plan and argument tuples. ``lib``: a
-    prebuilt :class:`Library` holding the kernels needed (else one is built)."""
-    plan = L.plan_decode(dtype, q.shape, arrays, sm_count, splits)
-    lib = lib or library([plan.cfg.decode_name, plan.cfg.merge_name])
-    part_m = np.empty((plan.N, plan.Hq, plan.num_splits), dtype=np.float32)
-    part_z = np.empty_like(part_m)
-    part_o = np.empty((plan.N, plan.Hq, plan.num_splits, plan.d_v), dtype=np.float32)
-    out = np.empty((plan.N, plan.Hq, plan.d_v), dtype=q.dtype)
-    lib.launch(plan.cfg.decode_name, plan.grid, K.DECODE_THREADS, plan.shared_bytes, L.decode_args(plan, q, arrays, part_m, part_z, part_o, scale))
-    lib.launch(plan.cfg.merge_name, (plan.N * plan.Hq, 1, 1), K.MERGE_THREADS, 0, L.merge_args(plan, part_m, part_z, part_o, out))
-    return out
+    """:func:`._launch.attend` with host arrays: the same plan, argument tuples and launch order
+    (:func:`._launch.run_attention`). ``lib``: a prebuilt :class:`Library` holding the kernels
+    needed (else one is built)."""
+    plan = L.plan_attend(dtype, q.shape, arrays, sm_count, splits)
+    lib = lib or library(plan.kernel_names())
+    return L.run_attention(plan, q, arrays, scale, np, lib.launch)
 
 
 def project(
@@ -214,6 +209,27 @@ def project(
     if n_new:
         (lib or library([cfg.project_name])).launch(cfg.project_name, L.project_grid(keys.shape), K.PROJECT_THREADS, 0, args)
     return rho_k, rho_v
+
+
+def host_state_arrays(state: Any, dtype: str) -> L.CoefArrays:
+    """:func:`host_arrays` of a state's layout with what the layout does not hold: a pre-RoPE
+    state's rotation (spec/rope.md P3, positions from S, spec/window.md W10) and the exact
+    segments (sinks, recent window; spec/window.md W3, W8) in ``dtype`` storage."""
+    from dataclasses import replace
+
+    from subspace_ref.window import first_compressed_position
+
+    arrays = host_arrays(state.layout, dtype)
+    rope = getattr(state.policy, "rope", None)
+    if rope is not None:
+        arrays = replace(arrays, **L.rope_fields(rope, state.d, first_compressed_position(state)))
+    exact = tuple((_store(k, dtype), _store(v, dtype)) for k, v in L.exact_segments(state))
+    return replace(arrays, exact=exact)
+
+
+def _store(x, dtype: str) -> np.ndarray:
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    return bf16_bits(x) if dtype == "bfloat16" else x.astype(dtype)
 
 
 def host_arrays(layout: Any, dtype: str) -> L.CoefArrays:

@@ -48,6 +48,9 @@ TOKEN_TILE = 64  # kTokenTile: tokens per tile when two stages of them fit STAGE
 TOKEN_TILE_SMALL = 32  # kTokenTileSmall: otherwise
 STAGE_BUDGET_BYTES = 24 * 1024  # kStageBudgetBytes: shared memory of the coefficient tiles
 ROW_PAD_BYTES = 16  # kRowPadBytes
+ROPE_TOKEN_TILE = 32  # kRopeTokens
+ROPE_SUB = 8  # kRopeSub: tokens per rebuild item
+EXACT_TOKEN_TILE = 32  # kExactTokens
 MERGE_THREADS = 128
 PROJECT_THREADS = 128
 PROJECT_WARPS = PROJECT_THREADS // 32
@@ -101,11 +104,49 @@ def configs() -> list[KernelConfig]:
     return [KernelConfig(dtype, coef, d, d_v, rt) for dtype in CUDA_TYPES for coef in DECODE_COEF_KINDS for d, d_v, rt in shapes]
 
 
+@dataclass(frozen=True)
+class RopeConfig:
+    """One instantiation of ``decode_rope_partial`` (spec/rope.md P3): head sizes are run-time
+    arguments, since the per-token work (the O(r d) rebuild) loops over d at run time anyway."""
+
+    dtype: str
+    coef: str  # "same" or "int8"
+    rank_tile: int
+
+    @property
+    def name(self) -> str:
+        coef_type = INT8_TYPE if self.coef == "int8" else CUDA_TYPES[self.dtype]
+        return f"{NAMESPACE}::decode_rope_partial<{CUDA_TYPES[self.dtype]}, {coef_type}, {self.rank_tile}>"
+
+    @property
+    def coef_type(self) -> str:
+        return INT8_TYPE if self.coef == "int8" else CUDA_TYPES[self.dtype]
+
+
+def rope_configs() -> list[RopeConfig]:
+    """Every pre-RoPE decode instantiation: float and int8 coefficients (int4/int2 pre-RoPE states
+    are refused by the backend), every rank tile."""
+    return [RopeConfig(dtype, coef, rt) for dtype in CUDA_TYPES for coef in COEF_KINDS for rt in RANK_TILES]
+
+
+def find_rope_config(dtype: str, coef: str, rank: int, rank_v: int) -> RopeConfig | None:
+    rt = rank_tile(rank, rank_v)
+    if rt is None or dtype not in CUDA_TYPES or coef not in COEF_KINDS:
+        return None
+    return RopeConfig(dtype, coef, rt)
+
+
+def exact_name(dtype: str) -> str:
+    """``exact_partial``: the A3.2 partial of exact tokens (spec/window.md W3, W8)."""
+    return f"{NAMESPACE}::exact_partial<{CUDA_TYPES[dtype]}>"
+
+
 def name_expressions() -> dict[str, list[str]]:
     """Source file -> the template-ids instantiated from it, in a fixed order."""
     cfgs = configs()
     return {
-        DECODE_SOURCE: [c.decode_name for c in cfgs] + [merge_name(t) for t in CUDA_TYPES],
+        DECODE_SOURCE: [c.decode_name for c in cfgs] + [merge_name(t) for t in CUDA_TYPES]
+        + [c.name for c in rope_configs()] + [exact_name(t) for t in CUDA_TYPES],
         PROJECT_SOURCE: [c.project_name for c in cfgs if c.coef in COEF_KINDS],
     }
 
@@ -163,6 +204,28 @@ def decode_shared_bytes(group: int, d: int, d_v: int, rt: int, coef_type: str) -
     if low_bit:
         extra += stages * tt + tt * (rt + 1)  # key group per token; dequantised key tile
     return tiles + 4 * extra + 4 * group * (d + 2 * rt + tt + d_v + 4)
+
+
+def rope_tiles(rt: int, bits: int) -> tuple[int, int]:
+    """(tokens per tile, stages) of ``decode_rope_partial`` (RopeTiles<RT, CoefT> there): 32-token
+    tiles, two stages when their key and value tiles fit STAGE_BUDGET_BYTES."""
+    row = rt * bits // 8 + ROW_PAD_BYTES
+    return ROPE_TOKEN_TILE, 2 if 2 * 2 * ROPE_TOKEN_TILE * row <= STAGE_BUDGET_BYTES else 1
+
+
+def rope_shared_bytes(group: int, d: int, rt: int, coef_type: str) -> int:
+    """Dynamic shared memory of ``decode_rope_partial`` (the carve-up at the top of the kernel)."""
+    bits = COEF_BITS[coef_type]
+    tt, stages = rope_tiles(rt, bits)
+    tiles = stages * 2 * tt * (rt * bits // 8 + ROW_PAD_BYTES)
+    scales = stages * 2 * tt if coef_type == INT8_TYPE else 0
+    return tiles + 4 * (scales + tt * (d + 1) + 2 * ROPE_SUB * (d // 2) + group * (d + tt + rt + 3))
+
+
+def exact_shared_bytes(group: int, d: int, d_v: int) -> int:
+    """Dynamic shared memory of ``exact_partial``."""
+    tt = EXACT_TOKEN_TILE
+    return 4 * (group * (d + tt + d_v + 3) + tt * (d + 1) + tt * d_v)
 
 
 # ------------------------------------------------------------------------------ sources

@@ -51,6 +51,16 @@ class CoefArrays:
     key_tail: Any = None
     value_token_scale: Any = None
     value_token_zero: Any = None
+    # pre-RoPE static state (spec/rope.md P3): the m frequencies (float64), the dims in the order
+    # the kernel reads planes (int32: first dims, second dims, fixed dims), the position of
+    # compressed token 0 (spec/window.md W10) and the attention scaling a
+    rope_inv_freq: Any = None
+    rope_order: Any = None
+    rope_first_position: int = 0
+    rope_scale: float = 1.0
+    # exact segments (spec/window.md W3, W8), sinks first: ((keys (N, H, n, d), values (N, H, n, d_v)), ...),
+    # each with n >= 1 tokens, in the bases' dtype
+    exact: tuple = ()
 
     @property
     def coef(self) -> str:
@@ -62,7 +72,7 @@ class CoefArrays:
 
 @dataclass(frozen=True)
 class DecodePlan:
-    cfg: K.KernelConfig
+    cfg: Any  # K.KernelConfig, or K.RopeConfig for a pre-RoPE state
     N: int
     H: int
     Hq: int
@@ -75,6 +85,72 @@ class DecodePlan:
     @property
     def grid(self) -> tuple[int, int, int]:
         return (self.num_splits, self.H, self.N)
+
+    @property
+    def kernel(self) -> str:
+        return self.cfg.name if isinstance(self.cfg, K.RopeConfig) else self.cfg.decode_name
+
+
+@dataclass(frozen=True)
+class AttendPlan:
+    """Every launch of one attention call: the compressed part's split kernel (None when it holds
+    no token), one exact_partial per exact segment, and the merge over all their partials."""
+
+    decode: DecodePlan | None
+    dtype: str
+    N: int
+    H: int
+    Hq: int
+    d: int
+    d_v: int
+    exact_shared_bytes: int
+    num_exact: int
+
+    @property
+    def group(self) -> int:
+        return self.Hq // self.H
+
+    @property
+    def merge_name(self) -> str:
+        return K.merge_name(self.dtype)
+
+    @property
+    def exact_name(self) -> str:
+        return K.exact_name(self.dtype)
+
+    @property
+    def columns(self) -> int:
+        return (self.decode.num_splits if self.decode else 0) + self.num_exact
+
+    def kernel_names(self) -> list[str]:
+        names = [self.merge_name]
+        if self.decode is not None:
+            names.append(self.decode.kernel)
+        if self.num_exact:
+            names.append(self.exact_name)
+        return names
+
+
+def rope_fields(rope: Any, d: int, first_position: int) -> dict:
+    """The CoefArrays fields of a pre-RoPE state (spec/rope.md P3) as host arrays: ``rope`` a
+    :class:`subspace_ref.rope.RopeParams`; ``first_position`` = S, the sinks (spec/window.md W10)."""
+    m = rope.inv_freq.size
+    pairs = rope.planes(d)
+    order = np.concatenate([pairs[:m, 0], pairs[:m, 1], pairs[m:].reshape(-1)]).astype(np.int32)
+    return dict(
+        rope_inv_freq=np.ascontiguousarray(rope.inv_freq, dtype=np.float64), rope_order=order,
+        rope_first_position=int(first_position), rope_scale=float(rope.attention_scaling),
+    )
+
+
+def exact_segments(state) -> list[tuple[Any, Any]]:
+    """The exact (keys, values) segments attention reads, sinks first (spec/window.md W8), each
+    holding at least one token; as the state holds them."""
+    win = state.window
+    if win is None:
+        return []
+    segments = [(win.sink_keys, win.sink_values), (win.keys, win.values)]
+    return [(k, v) for k, v in segments if k is not None and k.shape[2] > 0]
 
 
 def i32(x: int) -> np.int32:
@@ -110,15 +186,31 @@ def plan_decode(dtype: str, q_shape: tuple, arrays: CoefArrays, sm_count: int, s
     r, r_v = arrays.key_bases.shape[3], arrays.value_bases.shape[3]
     d_v = arrays.value_bases.shape[4]
     coef = arrays.coef
-    cfg = K.find_config(dtype, coef, d, d_v, r, r_v)
+    rope = arrays.rope_inv_freq is not None
+    cfg = K.find_rope_config(dtype, coef, r, r_v) if rope else K.find_config(dtype, coef, d, d_v, r, r_v)
     if cfg is None:  # not_supported_reasons refuses these first; this is the backstop
-        raise ValueError(f"no compiled kernel for dtype={dtype}, coef={coef}, d={d}, d_v={d_v}, r={r}, r_v={r_v}")
+        raise ValueError(f"no compiled kernel for dtype={dtype}, coef={coef}, d={d}, d_v={d_v}, r={r}, r_v={r_v}, rope={rope}")
     T = arrays.num_tokens
     num_splits, split_len = splits if splits is not None else choose_splits(N * H, T, sm_count)
     if num_splits < 1 or split_len < 1 or num_splits * split_len < T:
         raise ValueError(f"{num_splits} splits of {split_len} tokens do not cover {T} tokens")
     group = Hq // H
-    return DecodePlan(cfg, N, H, Hq, group, d_v, num_splits, split_len, K.decode_shared_bytes(group, d, d_v, cfg.rank_tile, cfg.coef_type))
+    if rope:
+        shared = K.rope_shared_bytes(group, d, cfg.rank_tile, cfg.coef_type)
+    else:
+        shared = K.decode_shared_bytes(group, d, d_v, cfg.rank_tile, cfg.coef_type)
+    return DecodePlan(cfg, N, H, Hq, group, d_v, num_splits, split_len, shared)
+
+
+def plan_attend(dtype: str, q_shape: tuple, arrays: CoefArrays, sm_count: int, splits: tuple[int, int] | None) -> AttendPlan:
+    """:func:`plan_decode` for the compressed part (when it holds tokens) and the exact segments."""
+    N, Hq, d = q_shape
+    H = arrays.key_coef.shape[1]
+    d_v = arrays.value_bases.shape[4]
+    if arrays.num_tokens == 0 and not arrays.exact:
+        raise ValueError("no tokens were attended to; the softmax of an empty set is undefined")
+    decode = plan_decode(dtype, q_shape, arrays, sm_count, splits) if arrays.num_tokens > 0 else None
+    return AttendPlan(decode, dtype, N, H, Hq, d, d_v, K.exact_shared_bytes(Hq // H, d, d_v), len(arrays.exact))
 
 
 def decode_args(plan: DecodePlan, q: Any, arrays: CoefArrays, part_m: Any, part_z: Any, part_o: Any, scale: float) -> tuple:
@@ -134,6 +226,56 @@ def decode_args(plan: DecodePlan, q: Any, arrays: CoefArrays, part_m: Any, part_
         i32(a.key_bases.shape[4]), i32(a.value_bases.shape[4]),
         i32(a.num_tokens), i32(plan.split_len), i32(a.key_group if a.low_bits else 1), np.float32(scale),
     )
+
+
+def rope_args(plan: DecodePlan, q: Any, arrays: CoefArrays, part_m: Any, part_z: Any, part_o: Any, scale: float) -> tuple:
+    """Arguments of ``decode_rope_partial``, in the kernel's parameter order."""
+    a = arrays
+    return (
+        q, a.key_coef, a.value_coef, _ptr(a.key_scale), _ptr(a.value_scale), a.key_bases, a.value_bases, a.gamma,
+        a.rope_inv_freq, a.rope_order, part_m, part_z, part_o,
+        i32(plan.H), i32(plan.group), i32(a.key_coef.shape[2]), i32(a.key_bases.shape[2]),
+        i32(a.key_bases.shape[3]), i32(a.value_bases.shape[3]), i32(a.key_bases.shape[4]), i32(a.value_bases.shape[4]),
+        i32(a.num_tokens), i32(plan.split_len), i32(a.rope_inv_freq.shape[0]), i32(a.rope_first_position),
+        np.float32(a.rope_scale), np.float32(scale),
+    )
+
+
+def exact_args(plan: AttendPlan, q: Any, keys: Any, values: Any, part_m: Any, part_z: Any, part_o: Any, col: int, scale: float) -> tuple:
+    """Arguments of ``exact_partial`` for one exact segment written to column ``col``."""
+    return (
+        q, keys, values, part_m, part_z, part_o,
+        i32(plan.H), i32(plan.group), i32(keys.shape[2]), i32(plan.d), i32(plan.d_v), i32(col), i32(part_m.shape[2]), np.float32(scale),
+    )
+
+
+def run_attention(plan: AttendPlan, q: Any, arrays: CoefArrays, scale: float, xp: Any, launch) -> Any:
+    """The launches of one attention call, in order, through ``launch(name, grid, threads,
+    shared_bytes, args)`` (a CuPy launch, or the host emulation's), with ``xp`` (cupy or numpy)
+    allocating: the compressed part's split partials, one partial per exact segment, then the
+    merge of all of them (spec A3.2; exact tokens are one more chunk, spec/window.md W3, W8)."""
+    f32 = dict(dtype=xp.float32)
+    parts = []
+    dec = plan.decode
+    if dec is not None:
+        pm = xp.empty((plan.N, plan.Hq, dec.num_splits), **f32)
+        pz = xp.empty_like(pm)
+        po = xp.empty((plan.N, plan.Hq, dec.num_splits, plan.d_v), **f32)
+        make = rope_args if isinstance(dec.cfg, K.RopeConfig) else decode_args
+        launch(dec.kernel, dec.grid, K.DECODE_THREADS, dec.shared_bytes, make(dec, q, arrays, pm, pz, po, scale))
+        parts.append((pm, pz, po))
+    if plan.num_exact:
+        em = xp.empty((plan.N, plan.Hq, plan.num_exact), **f32)
+        ez = xp.empty_like(em)
+        eo = xp.empty((plan.N, plan.Hq, plan.num_exact, plan.d_v), **f32)
+        for col, (keys, values) in enumerate(arrays.exact):
+            args = exact_args(plan, q, keys, values, em, ez, eo, col, scale)
+            launch(plan.exact_name, (1, plan.H, plan.N), K.DECODE_THREADS, plan.exact_shared_bytes, args)
+        parts.append((em, ez, eo))
+    pm, pz, po = (xp.ascontiguousarray(xp.concatenate([p[i] for p in parts], axis=2)) if len(parts) > 1 else parts[0][i] for i in range(3))
+    out = xp.empty((plan.N, plan.Hq, plan.d_v), dtype=q.dtype)
+    launch(plan.merge_name, (plan.N * plan.Hq, 1, 1), K.MERGE_THREADS, 0, (pm, pz, po, out, i32(plan.columns), i32(plan.d_v)))
+    return out
 
 
 def merge_args(plan: DecodePlan, part_m: Any, part_z: Any, part_o: Any, out: Any) -> tuple:
@@ -186,19 +328,16 @@ def attend(q, dtype: str, arrays: CoefArrays, scale: float, splits: tuple[int, i
     import cupy
 
     device = cupy.cuda.Device()
-    plan = plan_decode(dtype, q.shape, arrays, int(device.attributes["MultiProcessorCount"]), splits)
-    decode = K.function(K.DECODE_SOURCE, plan.cfg.decode_name, plan.cfg.merge_name)
-    merge = K.function(K.DECODE_SOURCE, plan.cfg.merge_name, plan.cfg.decode_name)
-    if plan.shared_bytes > SMEM_DEFAULT and decode.max_dynamic_shared_size_bytes < plan.shared_bytes:
-        decode.max_dynamic_shared_size_bytes = plan.shared_bytes
+    plan = plan_attend(dtype, q.shape, arrays, int(device.attributes["MultiProcessorCount"]), splits)
+    names = plan.kernel_names()
 
-    part_m = cupy.empty((plan.N, plan.Hq, plan.num_splits), dtype=cupy.float32)
-    part_z = cupy.empty((plan.N, plan.Hq, plan.num_splits), dtype=cupy.float32)
-    part_o = cupy.empty((plan.N, plan.Hq, plan.num_splits, plan.d_v), dtype=cupy.float32)
-    out = cupy.empty((plan.N, plan.Hq, plan.d_v), dtype=q.dtype)
-    decode(plan.grid, (K.DECODE_THREADS,), decode_args(plan, q, arrays, part_m, part_z, part_o, scale), shared_mem=plan.shared_bytes)
-    merge((plan.N * plan.Hq,), (K.MERGE_THREADS,), merge_args(plan, part_m, part_z, part_o, out))
-    return out
+    def launch(name, grid, threads, shared_bytes, args):
+        fn = K.function(K.DECODE_SOURCE, name, *names)
+        if shared_bytes > SMEM_DEFAULT and fn.max_dynamic_shared_size_bytes < shared_bytes:
+            fn.max_dynamic_shared_size_bytes = shared_bytes
+        fn(grid, (threads,), args, shared_mem=shared_bytes)
+
+    return run_attention(plan, q, arrays, scale, cupy, launch)
 
 
 def project(dtype: str, keys, values, key_bases, value_bases, num_chunks, key_coef, value_coef, offset: int, key_scale=None, value_scale=None):

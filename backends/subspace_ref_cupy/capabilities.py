@@ -7,11 +7,15 @@ from subspace_ref.capabilities import SKETCH_VARIANTS, Capabilities
 
 def declared(dtypes: tuple[str, ...]) -> Capabilities:
     """The declaration for the kernel ``dtypes`` usable here. CuPy arrays and torch CUDA tensors
-    (viewed through DLPack); native bases only (spec/storage.md S7); no exact window (spec/window.md
-    W3), no pre-RoPE state (spec/rope.md P2), float, int8, int4 or int2 coefficients (spec/quantization.md; int4/int2
-    are read by the decode kernel, appends to them are refused before any change). Adaptive and rotating appends run the oracle's
-    token loop on CuPy arrays, so every sketch variant but lookahead (a window option) runs."""
+    (viewed through DLPack); native bases only (spec/storage.md S7); exact recent windows and
+    attention sinks (spec/window.md W3, W7-W8: kernels/decode_attention.cu exact_partial, merged
+    with the compressed splits); pre-RoPE static states (spec/rope.md P3, decode_rope_partial, positions
+    from S per W10; float and int8 coefficients, int4/int2 ones refused in call_reasons); float, int8,
+    int4 or int2 coefficients (spec/quantization.md; int4/int2 are read by the decode kernel, appends
+    to them are refused before any change). Adaptive and rotating appends run the oracle's token loop
+    on CuPy arrays, so every sketch variant but lookahead (a window option) runs."""
     return Capabilities(
         array_families=("cupy", "torch"), devices=("cuda",), dtypes=dtypes, coefficient_formats=("float", "int8", "int4", "int2"), basis_formats=("native",),
+        window=True, sinks=True, rope=True,
         sketch_variants=tuple(v for v in SKETCH_VARIANTS if v != "lookahead"),
     )

@@ -18,7 +18,7 @@ import numpy as np
 from subspace_ref.arrays import array_family
 from subspace_ref.backend import Availability
 from subspace_ref.capabilities import Capabilities, attend_reasons
-from subspace_ref_cupy import _interop, _kernels
+from subspace_ref_cupy import _interop, _kernels, _launch
 from subspace_ref_cupy.capabilities import declared
 
 # The fields of the packed layout (spec A9, A10) the kernels read.
@@ -112,6 +112,8 @@ class CupyBackend:
         low_bits = int(getattr(lay, "low_bits", 0) or 0)
         if low_bits:
             arrays.update({f: getattr(lay, f) for f in _LOW_BIT_FIELDS})
+        exact = _exact_arrays(state)
+        arrays.update(exact)
 
         devices = set()
         for field, x in arrays.items():
@@ -171,6 +173,11 @@ class CupyBackend:
                 f"no compiled kernel for head sizes (d, d_v) = ({d}, {d_v}) with ranks (r, r_v) = ({r}, {r_v}); "
                 f"rank tiles compiled: {', '.join(map(str, _kernels.RANK_TILES))}"
             )
+        if getattr(state.policy, "rope", None) is not None and low_bits:
+            reasons.append(f"the pre-RoPE decode kernel reads float or int8 coefficients; this state stores int{low_bits} (spec/quantization.md Q2): use the torch or numpy backend")
+        for field, x in exact.items():
+            if _interop.dtype_name(x) != dtype:
+                reasons.append(f"{field} has dtype {_interop.dtype_name(x)} but the bases have {dtype}; expected one dtype")
         if len(q.shape) == 3 and q.shape[2] != d:
             reasons.append(f"q has head size {q.shape[2]}; the state has d = {d}")
         if lay.num_tokens > _INT32_MAX:
@@ -197,7 +204,12 @@ class CupyBackend:
             coef_type = _kernels.INT8_TYPE
         else:
             coef_type = _kernels.CUDA_TYPES[_interop.dtype_name(lay.key_bases)]
-        need = _kernels.decode_shared_bytes(group, d, d_v, rt, coef_type)
+        if getattr(state.policy, "rope", None) is not None:
+            need = _kernels.rope_shared_bytes(group, d, rt, coef_type)
+        else:
+            need = _kernels.decode_shared_bytes(group, d, d_v, rt, coef_type)
+        if _launch.exact_segments(state):
+            need = max(need, _kernels.exact_shared_bytes(group, d, d_v))
         device = _interop.device_id(q)
         limit = _launch.max_shared_bytes(cupy.cuda.Device(device))
         if need > limit:
@@ -271,6 +283,7 @@ class CupyBackend:
                 append_reference(state, keys, values)
             return
         T, n_new = lay.num_tokens, keys.shape[2]
+        keys = _pre_rope_keys(state, keys)
         lay = lay.with_capacity(T + n_new, lay.key_bases.shape[2])
         with _interop.launch_context(_interop.device_id(lay.key_coef)):
             _launch.project(
@@ -293,14 +306,26 @@ class CupyBackend:
         q's dtype and array kind, accumulated in float32."""
         from subspace_ref_cupy import _launch
 
+        from subspace_ref.window import first_compressed_position
+
         lay = state.layout
-        if lay.num_tokens == 0:
+        segments = _launch.exact_segments(state)
+        if lay.num_tokens == 0 and not segments:
             raise ValueError("no tokens were attended to; the softmax of an empty set is undefined")
         family = array_family(q)
         dtype = _interop.dtype_name(q)
         s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         scale_k, scale_v = (getattr(lay, f, None) for f in _SCALE_FIELDS)
-        with _interop.launch_context(_interop.device_id(q), q, *lay.arrays().values()):
+        rope = getattr(state.policy, "rope", None)
+        with _interop.launch_context(_interop.device_id(q), q, *lay.arrays().values(), *(x for seg in segments for x in seg)):
+            import cupy
+
+            extra = {}
+            if rope is not None:  # spec/rope.md P3 from position S (spec/window.md W10)
+                fields = _launch.rope_fields(rope, q.shape[-1], first_compressed_position(state))
+                extra = {**fields, "rope_inv_freq": cupy.asarray(fields["rope_inv_freq"]), "rope_order": cupy.asarray(fields["rope_order"])}
+            # spec/window.md W3, W8: the exact tokens as stored, one partial per segment
+            extra["exact"] = tuple((cupy.ascontiguousarray(_interop.as_cupy(k)), cupy.ascontiguousarray(_interop.as_cupy(v))) for k, v in segments)
             arrays = _launch.CoefArrays(
                 key_coef=_interop.as_cupy(lay.key_coef),
                 value_coef=_interop.as_cupy(lay.value_coef),
@@ -314,6 +339,7 @@ class CupyBackend:
                 key_scale=None if scale_k is None else _interop.as_cupy_float32(scale_k),
                 value_scale=None if scale_v is None else _interop.as_cupy_float32(scale_v),
                 **_low_bit_arrays(lay),
+                **extra,
             )
             out = _launch.attend(_interop.as_cupy(q), dtype, arrays, s, self.splits)
         return _interop.to_family(out, family, dtype)
@@ -349,6 +375,29 @@ def _append_widened(state, keys: Any, values: Any) -> None:
     append_reference(wide, keys.astype(np.float32), values.astype(np.float32))
     state.layout = wide.layout.map_arrays(back)
     state.sketches = replace(wide.sketches, keys=back("", wide.sketches.keys), values=back("", wide.sketches.values))
+
+
+def _pre_rope_keys(state, keys: Any) -> Any:
+    """Spec/rope.md P2 step 1 for the keys a static append is about to project: a pre-RoPE state's
+    are un-rotated at positions S+T.. (S the sinks, spec/window.md W10; T the compressed tokens
+    held); other states' are returned as they are."""
+    rope = getattr(state.policy, "rope", None)
+    if rope is None:
+        return keys
+    from subspace_ref.rope import rotate
+    from subspace_ref.window import first_compressed_position
+
+    first = first_compressed_position(state) + state.layout.num_tokens
+    return rotate(keys, np.arange(first, first + keys.shape[2]), rope, inverse=True)
+
+
+def _exact_arrays(state) -> dict:
+    """The exact tokens' arrays the kernels read (spec/window.md W3, W7), by name."""
+    win = state.window
+    if win is None:
+        return {}
+    fields = ("sink_keys", "sink_values", "keys", "values")
+    return {f"window.{f}": getattr(win, f) for f in fields if getattr(win, f) is not None and getattr(win, f).shape[2] > 0}
 
 
 def _cupy_dtype(dtype: Any) -> np.dtype:

@@ -152,14 +152,19 @@ def triton_rows(exhaustive: bool = False) -> list[Row]:
 
 
 def cuda_default_names() -> set[str]:
-    """The CuPy backend's instantiations for the benchmark's setting, every dtype and storage."""
+    """The CuPy backend's instantiations for the benchmark's setting, every dtype and storage:
+    decode (float, int8, int4, int2 coefficients), projection (float, int8: the formats appended
+    to), merge, the pre-RoPE decode (float, int8) and the exact-token partial."""
     from subspace_ref_cupy import _kernels as K
 
     names = set()
     for dtype in K.CUDA_TYPES:
-        for coef in K.COEF_KINDS:
+        for coef in K.DECODE_COEF_KINDS:
             cfg = K.find_config(dtype, coef, D, D, RANK, RANK)
-            names |= {cfg.decode_name, cfg.project_name, cfg.merge_name}
+            names |= {cfg.decode_name, cfg.merge_name}
+            if coef in K.COEF_KINDS:
+                names |= {cfg.project_name, K.find_rope_config(dtype, coef, RANK, RANK).name}
+        names.add(K.exact_name(dtype))
     return {n.replace(" ", "") for n in names}
 
 
@@ -170,7 +175,8 @@ def cuda_rows(workdir: Path | None = None) -> tuple[list[Row], list[str]]:
 
     from subspace_ref_triton.compile_report import nvcc_compile, nvcc_resources
 
-    threads = {"decode_split_partial": K.DECODE_THREADS, "merge_splits": K.MERGE_THREADS, "project_append": K.PROJECT_THREADS}
+    threads = {"decode_split_partial": K.DECODE_THREADS, "merge_splits": K.MERGE_THREADS, "project_append": K.PROJECT_THREADS,
+               "decode_rope_partial": K.DECODE_THREADS, "exact_partial": K.DECODE_THREADS}
     defaults = cuda_default_names()
     rows, failures = [], []
     with tempfile.TemporaryDirectory() as tmp:
@@ -197,6 +203,15 @@ def _decode_shared(row: Row) -> int:
         args = [a.strip() for a in row.config.split("<", 1)[1].rstrip(">").split(",")]
         d = int(args[2]) or D
         return row.shared + K.decode_shared_bytes(GROUP, d, d, int(args[4]), args[1])
+    if row.backend == "cuda" and row.kernel == "decode_rope_partial":  # head sizes at run time: the benchmark's d
+        from subspace_ref_cupy import _kernels as K
+
+        args = [a.strip() for a in row.config.split("<", 1)[1].rstrip(">").split(",")]
+        return row.shared + K.rope_shared_bytes(GROUP, D, int(args[2]), args[1])
+    if row.backend == "cuda" and row.kernel == "exact_partial":
+        from subspace_ref_cupy import _kernels as K
+
+        return row.shared + K.exact_shared_bytes(GROUP, D, D)
     return row.shared
 
 

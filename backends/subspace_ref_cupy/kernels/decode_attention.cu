@@ -534,6 +534,387 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
     }
 }
 
+// ------------------------------------------------------------------ softmax over a tile
+// Spec A3 steps 2.2-2.3 for one tile of `tt` (a multiple of 32) logits per query head in s_w,
+// one warp per head: s_w becomes the weights exp(logit - m_new), s_m/s_z are updated and s_alpha
+// holds exp(m_old - m_new) for the caller's accumulator. Ends at a barrier.
+__device__ __forceinline__ void softmax_tile(float* s_w, float* s_m, float* s_z, float* s_alpha, int group, int tt, int warp, int lane) {
+    for (int g = warp; g < group; g += kDecodeWarps) {
+        float tile_max = -SUBSPACE_INFINITY;
+        for (int t = lane; t < tt; t += kWarpSize) {
+            tile_max = fmaxf(tile_max, s_w[g * tt + t]);
+        }
+        const float m_old = s_m[g];
+        const float m_new = fmaxf(m_old, warp_max(tile_max));
+        float lane_sum = 0.0f;
+        for (int t = lane; t < tt; t += kWarpSize) {
+            const float w = exp_shift(s_w[g * tt + t], m_new);
+            s_w[g * tt + t] = w;
+            lane_sum += w;
+        }
+        const float w_sum = warp_sum(lane_sum);
+        __syncwarp();
+        if (lane == 0) {
+            const float alpha = exp_shift(m_old, m_new);
+            s_alpha[g] = alpha;
+            s_z[g] = s_z[g] * alpha + w_sum;
+            s_m[g] = m_new;
+        }
+    }
+    __syncthreads();
+}
+
+// ------------------------------------------------------------------ pre-RoPE static states
+// Spec/rope.md P3, spec/roofline.md R13: the logit of compressed token t is q . R_{p(t)} B^T c_t
+// with p(t) = first_position + t (spec/window.md W10: the sinks hold positions 0..S-1). No
+// r-dimensional transport exists for a general basis (spec/rope.md R4), so each tile's keys are
+// rebuilt (u_t = B^T c_t, O(r d) per token, shared by the g query heads of the group: cheaper
+// than rotating the query per token once g >= 2), rotated, and dotted with the queries; values
+// stay in coefficient space. One chunk (static states), so E is applied once per split.
+//
+// A thread rebuilds one plane (two dims) of kRopeSub consecutive tokens, so the rotation happens
+// in registers; cos/sin of (p0 + k) theta by angle addition of the item's base angle (float64,
+// one sincos per item) and the offsets k theta (float64 once per block, kept in shared memory as
+// float), so no table of positions is read.
+constexpr int kRopeTokens = kWarpSize;
+constexpr int kRopeSub = 8;
+
+template <int RT, typename CoefT>
+struct RopeTiles {
+    using Reader = CoefReader<CoefT>;
+    static_assert(!Reader::kLowBit, "pre-RoPE states read float or int8 coefficients");
+    static constexpr int kRowBytes = RT * Reader::kBits / 8 + kRowPadBytes;
+    static constexpr int kTokens = kRopeTokens;
+    static constexpr int kStages = 2 * 2 * kTokens * kRowBytes <= kStageBudgetBytes ? 2 : 1;
+    static constexpr int kTileBytes = kTokens * kRowBytes;
+    static constexpr int kScaleFloats = Reader::kScaled ? kStages * 2 * kTokens : 0;
+    static constexpr int kBytes = kStages * 2 * kTileBytes + 4 * kScaleFloats;
+};
+
+// Dynamic shared memory of decode_rope_partial (subspace_ref_cupy._kernels.rope_shared_bytes):
+//   RopeTiles<RT, CoefT>::kBytes + 4 * (TT * (d + 1) + 2 * kRopeSub * (d / 2) + group * (d + TT + RT + 3))
+template <typename T, typename CoefT, int RT>
+__global__ void __launch_bounds__(kDecodeThreads, kDecodeMinBlocks)
+decode_rope_partial(const T* __restrict__ q,                    // (N, H_q, d), post-RoPE
+                    const CoefT* __restrict__ key_coef,         // (N, H, T_cap, r)
+                    const CoefT* __restrict__ value_coef,       // (N, H, T_cap, r_v)
+                    const float* __restrict__ key_scale,        // (N, H, T_cap), INT8 only
+                    const float* __restrict__ value_scale,      // (N, H, T_cap), INT8 only
+                    const T* __restrict__ key_bases,            // (N, H, J_cap, r, d), chunk 0 read
+                    const T* __restrict__ value_bases,          // (N, H, J_cap, r_v, d_v)
+                    const float* __restrict__ gamma,            // (H,)
+                    const double* __restrict__ inv_freq,        // (m,)
+                    const int* __restrict__ order,              // (d,): planes' first dims, second dims, fixed dims
+                    float* __restrict__ part_m,                 // (N, H_q, S)
+                    float* __restrict__ part_z,                 // (N, H_q, S)
+                    float* __restrict__ part_o,                 // (N, H_q, S, d_v)
+                    int num_kv_heads, int group, int t_cap, int j_cap, int rank, int rank_v, int d, int dv,
+                    int num_tokens, int split_len, int num_rotating, int first_position, float rope_scale, float scale) {
+    static_assert(RT % kWarpSize == 0, "rank tiles are whole warps");
+    using Tiles = RopeTiles<RT, CoefT>;
+    using Reader = CoefReader<CoefT>;
+    constexpr int TT = Tiles::kTokens;
+    constexpr int kStages = Tiles::kStages;
+    constexpr int kRowBytes = Tiles::kRowBytes;
+    constexpr int kTileBytes = Tiles::kTileBytes;
+    static_assert(TT % kRopeSub == 0, "a tile is whole rebuild items");
+
+    const int split = blockIdx.x;
+    const int h = blockIdx.y;
+    const int n = blockIdx.z;
+    const int num_splits = gridDim.x;
+    const int tid = threadIdx.x;
+    const int lane = tid % kWarpSize;
+    const int warp = tid / kWarpSize;
+    const int num_q_heads = num_kv_heads * group;
+    const int half = d / 2;
+    const int m = num_rotating;
+
+    extern __shared__ float smem[];
+    unsigned char* s_tiles = reinterpret_cast<unsigned char*>(smem);
+    float* s_scales = reinterpret_cast<float*>(s_tiles + kStages * 2 * kTileBytes);
+    float* s_k = s_scales + Tiles::kScaleFloats;   // TT x (d + 1): rotated keys (odd stride: no bank conflicts per token)
+    float* s_cs = s_k + TT * (d + 1);              // 2 x kRopeSub x half: cos, then sin, of k theta_i
+    float* s_q = s_cs + 2 * kRopeSub * half;       // group x d, scaled by gamma * scale
+    float* s_w = s_q + group * d;                  // group x TT
+    float* s_acc = s_w + group * TT;               // group x RT
+    float* s_m = s_acc + group * RT;
+    float* s_z = s_m + group;
+    float* s_alpha = s_z + group;
+
+    const long long nh = static_cast<long long>(n) * num_kv_heads + h;
+    const long long q_row0 = static_cast<long long>(n) * num_q_heads + static_cast<long long>(h) * group;
+    const long long coef_row0 = nh * t_cap;
+    const int lo = split * split_len;
+    const int hi = min(num_tokens, lo + split_len);
+
+    // The split's first tile is in flight while the block fills its tables.
+    if (lo < hi) {
+        issue_tile<kRowBytes>(s_tiles, s_scales, key_coef, key_scale, coef_row0 + lo, min(TT, hi - lo), rank, tid);
+        issue_tile<kRowBytes>(s_tiles + kTileBytes, s_scales + TT, value_coef, value_scale, coef_row0 + lo, min(TT, hi - lo), rank_v, tid);
+    }
+    cp_async_commit();
+
+    const float logit_scale = gamma[h] * scale;
+    for (int i = tid; i < group * d; i += kDecodeThreads) {
+        s_q[i] = logit_scale * to_float(q[q_row0 * d + i]);
+    }
+    for (int i = tid; i < group * RT; i += kDecodeThreads) {
+        s_acc[i] = 0.0f;
+    }
+    for (int i = tid; i < kRopeSub * m; i += kDecodeThreads) {
+        const int k = i / m;
+        const int p = i - k * m;
+        const double angle = static_cast<double>(k) * inv_freq[p];
+        s_cs[k * half + p] = static_cast<float>(cos(angle));
+        s_cs[(kRopeSub + k) * half + p] = static_cast<float>(sin(angle));
+    }
+    for (int g = tid; g < group; g += kDecodeThreads) {
+        s_m[g] = -SUBSPACE_INFINITY;
+        s_z[g] = 0.0f;
+    }
+    __syncthreads();
+
+    const T* basis = key_bases + nh * j_cap * static_cast<long long>(rank) * d;
+    int stage = 0;
+    for (int t0 = lo; t0 < hi; t0 += TT, stage ^= kStages - 1) {
+        const int tile_len = min(TT, hi - t0);
+        const int next = t0 + TT;
+        if constexpr (kStages == 2) {
+            if (next < hi) {
+                unsigned char* s_next = s_tiles + (stage ^ 1) * 2 * kTileBytes;
+                float* s_next_scale = s_scales + (stage ^ 1) * 2 * TT;
+                const int next_len = min(TT, hi - next);
+                issue_tile<kRowBytes>(s_next, s_next_scale, key_coef, key_scale, coef_row0 + next, next_len, rank, tid);
+                issue_tile<kRowBytes>(s_next + kTileBytes, s_next_scale + TT, value_coef, value_scale, coef_row0 + next, next_len, rank_v, tid);
+            }
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const unsigned char* s_kc = s_tiles + stage * 2 * kTileBytes;
+        const unsigned char* s_vc = s_kc + kTileBytes;
+        [[maybe_unused]] const float* s_ks = s_scales + stage * 2 * TT;
+        [[maybe_unused]] const float* s_vs = s_ks + TT;
+
+        // P3 step 1: rebuild and rotate, one (plane, kRopeSub tokens) item per thread. Rows past
+        // tile_len hold an earlier tile's finite coefficients; their logits are masked below.
+        for (int item = tid; item < half * (TT / kRopeSub); item += kDecodeThreads) {
+            const int sub = item / half;
+            const int p = item - sub * half;
+            const int k0 = sub * kRopeSub;
+            if (k0 >= tile_len) {
+                continue;
+            }
+            // fixed dims are paired consecutively after the 2m rotating ones: plane p >= m is
+            // (order[2p], order[2p + 1])
+            const int a = order[p < m ? p : 2 * p];
+            const int b = order[p < m ? m + p : 2 * p + 1];
+            float ua[kRopeSub], ub[kRopeSub];
+#pragma unroll
+            for (int k = 0; k < kRopeSub; ++k) {
+                ua[k] = 0.0f;
+                ub[k] = 0.0f;
+            }
+            for (int i = 0; i < rank; ++i) {
+                const float ba = to_float(basis[static_cast<long long>(i) * d + a]);
+                const float bb = to_float(basis[static_cast<long long>(i) * d + b]);
+#pragma unroll
+                for (int k = 0; k < kRopeSub; ++k) {
+                    const float c = Reader::at(s_kc + (k0 + k) * kRowBytes, i);
+                    ua[k] = fmaf(c, ba, ua[k]);
+                    ub[k] = fmaf(c, bb, ub[k]);
+                }
+            }
+            float* row = s_k + k0 * (d + 1);
+            if (p < m) {
+                double sin_base, cos_base;
+                sincos(static_cast<double>(first_position + t0 + k0) * inv_freq[p], &sin_base, &cos_base);
+                const float cb = static_cast<float>(rope_scale * cos_base);
+                const float sb = static_cast<float>(rope_scale * sin_base);
+#pragma unroll
+                for (int k = 0; k < kRopeSub; ++k) {
+                    const float ck = s_cs[k * half + p];
+                    const float sk = s_cs[(kRopeSub + k) * half + p];
+                    const float c = ck * cb - sk * sb;
+                    const float s = sk * cb + ck * sb;
+                    row[k * (d + 1) + a] = ua[k] * c - ub[k] * s;
+                    row[k * (d + 1) + b] = ua[k] * s + ub[k] * c;
+                }
+            } else {
+#pragma unroll
+                for (int k = 0; k < kRopeSub; ++k) {
+                    row[k * (d + 1) + a] = ua[k];
+                    row[k * (d + 1) + b] = ub[k];
+                }
+            }
+        }
+        __syncthreads();
+
+        // P3 step 2: logits gamma * scale * q . k^_t (INT8: times the key scale, spec A10).
+        for (int idx = tid; idx < group * TT; idx += kDecodeThreads) {
+            const int g = idx / TT;
+            const int t = idx - g * TT;
+            float logit = -SUBSPACE_INFINITY;
+            if (t < tile_len) {
+                logit = 0.0f;
+                for (int c = 0; c < d; ++c) {
+                    logit = fmaf(s_q[g * d + c], s_k[t * (d + 1) + c], logit);
+                }
+                if constexpr (Reader::kScaled) {
+                    logit *= s_ks[t];
+                }
+            }
+            s_w[idx] = logit;
+        }
+        __syncthreads();
+        softmax_tile(s_w, s_m, s_z, s_alpha, group, TT, warp, lane);
+
+        for (int idx = tid; idx < group * RT; idx += kDecodeThreads) {
+            const int g = idx / RT;
+            const int i = idx - g * RT;
+            float acc = s_acc[idx] * s_alpha[g];
+            for (int t = 0; t < tile_len; ++t) {
+                float w = s_w[g * TT + t];
+                if constexpr (Reader::kScaled) {
+                    w *= s_vs[t];
+                }
+                acc += w * Reader::at(s_vc + t * kRowBytes, i);
+            }
+            s_acc[idx] = acc;
+        }
+        __syncthreads();
+        if constexpr (kStages == 1) {
+            if (next < hi) {
+                const int next_len = min(TT, hi - next);
+                issue_tile<kRowBytes>(s_tiles, s_scales, key_coef, key_scale, coef_row0 + next, next_len, rank, tid);
+                issue_tile<kRowBytes>(s_tiles + kTileBytes, s_scales + TT, value_coef, value_scale, coef_row0 + next, next_len, rank_v, tid);
+                cp_async_commit();
+            }
+        }
+    }
+    // an empty split committed its (empty) first group and never waited
+    cp_async_wait<0>();
+
+    // One chunk: N = acc E once per split (spec A3 step 2.3); an empty split writes (-inf, 0, 0).
+    const T* vbasis = value_bases + nh * j_cap * static_cast<long long>(rank_v) * dv;
+    for (int idx = tid; idx < group * dv; idx += kDecodeThreads) {
+        const int g = idx / dv;
+        const int c = idx - g * dv;
+        float out = 0.0f;
+        for (int i = 0; i < rank_v; ++i) {
+            out += s_acc[g * RT + i] * to_float(vbasis[static_cast<long long>(i) * dv + c]);
+        }
+        part_o[((q_row0 + g) * num_splits + split) * dv + c] = out;
+    }
+    for (int g = tid; g < group; g += kDecodeThreads) {
+        const long long row = (q_row0 + g) * num_splits + split;
+        part_m[row] = s_m[g];
+        part_z[row] = s_z[g];
+    }
+}
+
+// ------------------------------------------------------------------ exact tokens
+// Spec/window.md W3, W8: the recent window and the attention sinks are exact chunks of spec A3
+// (B = I, E = I, gamma = 1): this writes their partial (m, Z, N) of spec A3.2 into column `col`
+// of (N, H_q, num_cols) partials, which merge_splits combines with the compressed part's splits,
+// one softmax over every token. One block per (KV head, sequence) serves the g query heads of
+// the group; a window holds a few hundred tokens against the compressed part's thousands, so it
+// is not split further. Plain loads: the keys are read once.
+constexpr int kExactTokens = kWarpSize;
+
+// Dynamic shared memory (subspace_ref_cupy._kernels.exact_shared_bytes):
+//   4 * (group * (d + TT + d_v + 3) + TT * (d + 1) + TT * d_v),  TT = kExactTokens
+template <typename T>
+__global__ void __launch_bounds__(kDecodeThreads)
+exact_partial(const T* __restrict__ q,       // (N, H_q, d)
+              const T* __restrict__ keys,    // (N, H, n, d), post-RoPE as given
+              const T* __restrict__ values,  // (N, H, n, d_v)
+              float* __restrict__ part_m,    // (N, H_q, num_cols)
+              float* __restrict__ part_z,
+              float* __restrict__ part_o,    // (N, H_q, num_cols, d_v)
+              int num_kv_heads, int group, int num_tokens, int d, int dv, int col, int num_cols, float scale) {
+    constexpr int TT = kExactTokens;
+    const int h = blockIdx.y;
+    const int n = blockIdx.z;
+    const int tid = threadIdx.x;
+    const int lane = tid % kWarpSize;
+    const int warp = tid / kWarpSize;
+    const int num_q_heads = num_kv_heads * group;
+
+    extern __shared__ float smem[];
+    float* s_q = smem;                 // group x d, scaled
+    float* s_k = s_q + group * d;      // TT x (d + 1)
+    float* s_v = s_k + TT * (d + 1);   // TT x d_v
+    float* s_w = s_v + TT * dv;        // group x TT
+    float* s_acc = s_w + group * TT;   // group x d_v
+    float* s_m = s_acc + group * dv;
+    float* s_z = s_m + group;
+    float* s_alpha = s_z + group;
+
+    const long long nh = static_cast<long long>(n) * num_kv_heads + h;
+    const long long q_row0 = static_cast<long long>(n) * num_q_heads + static_cast<long long>(h) * group;
+    for (int i = tid; i < group * d; i += kDecodeThreads) {
+        s_q[i] = scale * to_float(q[q_row0 * d + i]);
+    }
+    for (int i = tid; i < group * dv; i += kDecodeThreads) {
+        s_acc[i] = 0.0f;
+    }
+    for (int g = tid; g < group; g += kDecodeThreads) {
+        s_m[g] = -SUBSPACE_INFINITY;
+        s_z[g] = 0.0f;
+    }
+    const T* k_head = keys + nh * num_tokens * static_cast<long long>(d);
+    const T* v_head = values + nh * num_tokens * static_cast<long long>(dv);
+    for (int t0 = 0; t0 < num_tokens; t0 += TT) {
+        const int tile_len = min(TT, num_tokens - t0);
+        // the previous tile's readers finished at the barrier that ends the loop body
+        for (int i = tid; i < tile_len * d; i += kDecodeThreads) {
+            const int t = i / d;
+            s_k[t * (d + 1) + (i - t * d)] = to_float(k_head[static_cast<long long>(t0) * d + i]);
+        }
+        for (int i = tid; i < tile_len * dv; i += kDecodeThreads) {
+            s_v[i] = to_float(v_head[static_cast<long long>(t0) * dv + i]);
+        }
+        __syncthreads();
+        for (int idx = tid; idx < group * TT; idx += kDecodeThreads) {
+            const int g = idx / TT;
+            const int t = idx - g * TT;
+            float logit = -SUBSPACE_INFINITY;
+            if (t < tile_len) {
+                logit = 0.0f;
+                for (int c = 0; c < d; ++c) {
+                    logit = fmaf(s_q[g * d + c], s_k[t * (d + 1) + c], logit);
+                }
+            }
+            s_w[idx] = logit;
+        }
+        __syncthreads();
+        softmax_tile(s_w, s_m, s_z, s_alpha, group, TT, warp, lane);
+        for (int idx = tid; idx < group * dv; idx += kDecodeThreads) {
+            const int g = idx / dv;
+            const int c = idx - g * dv;
+            float acc = s_acc[idx] * s_alpha[g];
+            for (int t = 0; t < tile_len; ++t) {
+                acc = fmaf(s_w[g * TT + t], s_v[t * dv + c], acc);
+            }
+            s_acc[idx] = acc;
+        }
+        __syncthreads();
+    }
+    for (int idx = tid; idx < group * dv; idx += kDecodeThreads) {
+        const int g = idx / dv;
+        part_o[((q_row0 + g) * num_cols + col) * dv + (idx - g * dv)] = s_acc[idx];
+    }
+    for (int g = tid; g < group; g += kDecodeThreads) {
+        const long long row = (q_row0 + g) * num_cols + col;
+        part_m[row] = s_m[g];
+        part_z[row] = s_z[g];
+    }
+}
+
 constexpr int kMergeThreads = 128;
 
 // Spec A3.2: merge the S split partials of one (sequence, query head) and write N / Z.

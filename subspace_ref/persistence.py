@@ -31,6 +31,7 @@ from subspace_ref.policies import AdaptivePolicy, RotatingPolicy, StaticPolicy
 from subspace_ref.policies._online import sketch_size, warmup_length
 from subspace_ref.policies.adaptive import sketch_options, trigger_order
 from subspace_ref.quantization import LOW_BITS, packed_width
+from subspace_ref.rope import RopeParams
 from subspace_ref.window import ExactWindow, after_sinks_threshold, compressed_count, options, sink_option
 
 FORMAT_NAME = "subspace_ref.state"
@@ -279,8 +280,6 @@ def _rope_from(header: dict[str, Any], policy, path):
         _fail(path, f"rope is set on a {policy.kind} state; only static states have pre-RoPE bases")
     if not isinstance(spec, dict) or set(spec) != {"inv_freq", "layout", "attention_scaling"}:
         _fail(path, f"rope must be an object with inv_freq, layout and attention_scaling, got {spec!r}")
-    from subspace_ref.rope import RopeParams
-
     freq = spec["inv_freq"]
     if not isinstance(freq, list) or not all(type(x) in (int, float) for x in freq):
         _fail(path, f"rope.inv_freq must be a list of numbers, got {freq!r}")

@@ -32,7 +32,7 @@ from subspace_ref.backend import Backend
 from subspace_ref.numpy_backend import attend_reference
 from subspace_ref.policies.online_run import relative_residual
 from subspace_ref.quantization import quantize_rows
-from subspace_ref_cupy import CupyBackend, _emulation, _kernels, _launch
+from subspace_ref_cupy import CupyBackend, _emulation, _kernels, _launch, cupy_backend
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -344,6 +344,7 @@ _EMU_CONFIGS = [
     _kernels.KernelConfig("bfloat16", "int4", 64, 64, 32),
     _kernels.KernelConfig("float32", "int4", 64, 64, 64),
     _kernels.KernelConfig("float32", "int2", _kernels.GENERIC, _kernels.GENERIC, 32),
+    _kernels.KernelConfig("float32", "int4", _kernels.GENERIC, _kernels.GENERIC, 32),
 ]
 
 
@@ -562,6 +563,9 @@ def _check_harness_case(lib, case) -> None:
     if gaps:  # the kernel does not read these arrays: the cupy backend refuses such states
         pytest.skip(f"{case}: the cupy backend declares no {', '.join(sorted(gaps))} (its capabilities)")
     b = build(case)
+    combination = cupy_backend.combination_reasons(b.state)
+    if combination:
+        pytest.skip(f"{case}: {'; '.join(combination)}")
     scale = 1 / np.sqrt(case.d) if b.scale is None else b.scale
     # the state's arrays beyond the layout: a pre-RoPE rotation, the sinks and the recent window
     out = _emulation.attend(b.q.astype(np.float32), "float32", _emulation.host_state_arrays(b.state, "float32"), scale, lib=lib)

@@ -45,6 +45,15 @@ def _has_ml_dtypes() -> bool:
     return int(cupy.__version__.split(".")[0]) >= 14
 
 
+def combination_reasons(state) -> list[str]:
+    """Refusals of feature combinations that each declared feature alone does not show: the
+    pre-RoPE kernel reads float and int8 coefficients only."""
+    low_bits = int(getattr(state.layout, "low_bits", 0) or 0)
+    if getattr(state.policy, "rope", None) is not None and low_bits:
+        return [f"the pre-RoPE decode kernel reads float or int8 coefficients; this state stores int{low_bits} (spec/quantization.md Q2): use the torch or numpy backend"]
+    return []
+
+
 class CupyBackend:
     """Decode attention (spec A2, A3, A3.2) and static appends (spec A6) on the CUDA kernels of
     ``kernels/*.cu``; adaptive and rotating appends (spec A7, A8) run the oracle's array-generic
@@ -173,8 +182,7 @@ class CupyBackend:
                 f"no compiled kernel for head sizes (d, d_v) = ({d}, {d_v}) with ranks (r, r_v) = ({r}, {r_v}); "
                 f"rank tiles compiled: {', '.join(map(str, _kernels.RANK_TILES))}"
             )
-        if getattr(state.policy, "rope", None) is not None and low_bits:
-            reasons.append(f"the pre-RoPE decode kernel reads float or int8 coefficients; this state stores int{low_bits} (spec/quantization.md Q2): use the torch or numpy backend")
+        reasons += combination_reasons(state)
         for field, x in exact.items():
             if _interop.dtype_name(x) != dtype:
                 reasons.append(f"{field} has dtype {_interop.dtype_name(x)} but the bases have {dtype}; expected one dtype")
@@ -190,7 +198,6 @@ class CupyBackend:
     def _shared_memory_reasons(self, q: Any, state) -> list[str]:
         import cupy
 
-        from subspace_ref_cupy import _launch
 
         lay = state.layout
         group = q.shape[1] // lay.key_coef.shape[1]
@@ -254,7 +261,6 @@ class CupyBackend:
             raise NotImplementedError(f"the cupy backend cannot append to {fmt} coefficients (spec/quantization.md); append on the torch or numpy backend")
         import cupy
 
-        from subspace_ref_cupy import _launch
 
         lay = state.layout
         if getattr(lay, "basis_format", "native") != "native":  # refused before anything changes
@@ -304,7 +310,6 @@ class CupyBackend:
     def attend(self, q: Any, state, scale: float | None) -> Any:
         """Spec A2/A3 with the flash-decoding split of A3.2: q (N, H_q, d) -> (N, H_q, d_v) in
         q's dtype and array kind, accumulated in float32."""
-        from subspace_ref_cupy import _launch
 
         from subspace_ref.window import first_compressed_position
 
@@ -350,7 +355,6 @@ class CupyBackend:
         """(c, d, rho_k, rho_v) of new tokens (N, H, n, d) against explicit open bases B (N, H, r, d),
         E (N, H, r_v, d_v) in one launch (spec A7 steps 1-2), for an online-policy token loop that
         keeps its open bases outside the layout. CuPy in, CuPy out."""
-        from subspace_ref_cupy import _launch
 
         with _interop.launch_context(_interop.device_id(keys)):
             return _launch.project_tokens(_interop.dtype_name(keys), keys, values, B, E)

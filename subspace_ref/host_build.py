@@ -29,13 +29,24 @@ def cache_dir() -> Path:
     raise OSError(f"no writable build cache among {[str(p) for p in candidates]}; set SUBSPACE_REF_CACHE")
 
 
+def _cpu() -> str:
+    """The CPU's model and instruction-set flags where the system says them (/proc/cpuinfo): a
+    library built with -march=native must not be loaded on another CPU sharing the cache."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor()
+
+
 def build_shared_library(source: str, compiler: str, flags: list[str], stem: str, suffix: str = ".c", depends: list[Path] = ()) -> Path:
     """The shared library of ``source`` (text) built with ``compiler`` and ``flags``, built only if
     no library of the same source, headers it includes (``depends``), compiler, flags and machine
     is cached. Raises RuntimeError with the compiler's message when the build fails. The file is
     written under a temporary name and renamed, so concurrent processes never load a half-written
     library."""
-    key = "\0".join([source, *(Path(p).read_text() for p in depends), compiler, *flags, platform.machine(), platform.processor()])
+    key = "\0".join([source, *(Path(p).read_text() for p in depends), compiler, *flags, platform.machine(), _cpu()])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     build = cache_dir() / "build"
     build.mkdir(exist_ok=True)

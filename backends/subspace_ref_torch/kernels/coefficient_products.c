@@ -84,6 +84,27 @@ ALWAYS_INLINE void widen_plane(const uint8_t *row, int64_t width, int bits, int 
 /* operand (rank) -> planes[p][k] = operand[k PER + p], zero past the rank. */
 ALWAYS_INLINE void deinterleave(const float *x, int64_t rank, int64_t width, int bits, float *planes) {
     const int per = 8 / bits;
+#if defined(__AVX512F__)
+    /* int4 / int2 keys do this twice per group of G tokens (scales, zeros): a gather per 16
+     * lanes instead of a scalar loop where rows fill whole planes of 4, 8 or 16k bytes */
+    if (bits < 8 && rank == per * width && rank % 16 == 0 && (width % 16 == 0 || width == 4 || width == 8)) {
+        const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        for (int64_t c = 0; c < rank; c += 16) {
+            const __m512i i = _mm512_add_epi32(lanes, _mm512_set1_epi32((int)c));
+            __m512i p, k;
+            if (width % 16 == 0) {
+                p = _mm512_set1_epi32((int)(c / width));
+                k = _mm512_add_epi32(lanes, _mm512_set1_epi32((int)(c % width)));
+            } else {
+                p = _mm512_srli_epi32(i, width == 4 ? 2 : 3);
+                k = _mm512_and_si512(i, _mm512_set1_epi32((int)width - 1));
+            }
+            const __m512i source = _mm512_add_epi32(_mm512_mullo_epi32(k, _mm512_set1_epi32(per)), p);
+            _mm512_storeu_ps(planes + c, _mm512_i32gather_ps(source, x, 4));
+        }
+        return;
+    }
+#endif
     for (int p = 0; p < per; ++p)
         for (int64_t k = 0; k < width; ++k) {
             const int64_t c = k * per + p;

@@ -213,6 +213,33 @@ __device__ __forceinline__ float row_dot(const float* qt, const unsigned char* r
     return acc;
 }
 
+// One tile's update of the value sums in coefficient space (spec A2 step 4, A3 step 2.3): each
+// thread owns (query head g, coefficient i) pairs, rescales its running sum by the tile's alpha
+// and adds the tile's weighted codes: r_v numbers per head per token instead of d_v. int8 codes
+// take their per-token scale (s_vs); int4/int2 codes are read as x = code s + z (s_vs the scales,
+// s_zero the zero points). Shared by the plain and the pre-RoPE decode kernels.
+template <class Reader, typename T, int RT, int TT, int kRowBytes>
+__device__ __forceinline__ void accumulate_value_tile(float* s_acc, const float* s_alpha, const float* s_w, const float* s_vs,
+                                                      const float* s_zero, const unsigned char* s_vc, int group, int tile_len, int tid) {
+    for (int idx = tid; idx < group * RT; idx += kDecodeThreads) {
+        const int g = idx / RT;
+        const int i = idx - g * RT;
+        float acc = s_acc[idx] * s_alpha[g];
+        for (int t = 0; t < tile_len; ++t) {
+            float w = s_w[g * TT + t];
+            if constexpr (Reader::kLowBit) {
+                acc += w * low_bit_value<T>(Reader::at(s_vc + t * kRowBytes, i), s_vs[t], s_zero[t]);
+            } else {
+                if constexpr (Reader::kScaled) {
+                    w *= s_vs[t];
+                }
+                acc += w * Reader::at(s_vc + t * kRowBytes, i);
+            }
+        }
+        s_acc[idx] = acc;
+    }
+}
+
 template <typename T, typename CoefT, int D, int DV, int RT>
 __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinBlocks)
 decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
@@ -463,24 +490,7 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
 
                 // The weighted sum stays in coefficient space (spec A2 step 4): r_v numbers per
                 // head per token instead of d_v.
-                for (int idx = tid; idx < group * RT; idx += kDecodeThreads) {
-                    const int g = idx / RT;
-                    const int i = idx - g * RT;
-                    float acc = s_acc[idx] * s_alpha[g];
-                    for (int t = 0; t < tile_len; ++t) {
-                        float w = s_w[g * TT + t];
-                        if constexpr (Reader::kLowBit) {
-                            // s_ks holds the value zero points here, s_vs the scales
-                            acc += w * low_bit_value<T>(Reader::at(s_vc + t * kRowBytes, i), s_vs[t], s_ks[t]);
-                        } else {
-                            if constexpr (Reader::kScaled) {
-                                w *= s_vs[t];
-                            }
-                            acc += w * Reader::at(s_vc + t * kRowBytes, i);
-                        }
-                    }
-                    s_acc[idx] = acc;
-                }
+                accumulate_value_tile<Reader, T, RT, TT, kRowBytes>(s_acc, s_alpha, s_w, s_vs, s_ks, s_vc, group, tile_len, tid);
                 // Also frees this stage for the copy issued at the top of the tile after next
                 // (two stages), or right below (one stage).
                 __syncthreads();
@@ -772,19 +782,7 @@ decode_rope_partial(const T* __restrict__ q,                    // (N, H_q, d), 
         __syncthreads();
         softmax_tile(s_w, s_m, s_z, s_alpha, group, TT, warp, lane);
 
-        for (int idx = tid; idx < group * RT; idx += kDecodeThreads) {
-            const int g = idx / RT;
-            const int i = idx - g * RT;
-            float acc = s_acc[idx] * s_alpha[g];
-            for (int t = 0; t < tile_len; ++t) {
-                float w = s_w[g * TT + t];
-                if constexpr (Reader::kScaled) {
-                    w *= s_vs[t];
-                }
-                acc += w * Reader::at(s_vc + t * kRowBytes, i);
-            }
-            s_acc[idx] = acc;
-        }
+        accumulate_value_tile<Reader, T, RT, TT, kRowBytes>(s_acc, s_alpha, s_w, s_vs, s_vs, s_vc, group, tile_len, tid);
         __syncthreads();
         if constexpr (kStages == 1) {
             if (next < hi) {

@@ -213,6 +213,29 @@ __device__ __forceinline__ float row_dot(const float* qt, const unsigned char* r
     return acc;
 }
 
+// q . k for a query and a key row held in shared memory (keys in rows of d + 1 floats: the pad
+// keeps consecutive threads' rows in different banks). Rebuilt pre-RoPE keys and exact keys alike.
+__device__ __forceinline__ float shared_key_dot(const float* q, const float* k, int d) {
+    float acc = 0.0f;
+    for (int c = 0; c < d; ++c) {
+        acc = fmaf(q[c], k[c], acc);
+    }
+    return acc;
+}
+
+// Spec A3 step 2.2 for query head g after a tile: the running maximum moves from m_old to m_new,
+// so the sums so far are rescaled by alpha = e^(m_old - m_new) (s_alpha, read by the value update)
+// and the tile's weight sum w_sum (already relative to m_new) joins Z. One lane writes.
+__device__ __forceinline__ void commit_tile_softmax(float* s_alpha, float* s_z, float* s_m, int g, float m_old, float m_new, float w_sum, int lane) {
+    __syncwarp();
+    if (lane == 0) {
+        const float alpha = exp_shift(m_old, m_new);
+        s_alpha[g] = alpha;
+        s_z[g] = s_z[g] * alpha + w_sum;
+        s_m[g] = m_new;
+    }
+}
+
 // One tile's update of the value sums in coefficient space (spec A2 step 4, A3 step 2.3): each
 // thread owns (query head g, coefficient i) pairs, rescales its running sum by the tile's alpha
 // and adds the tile's weighted codes: r_v numbers per head per token instead of d_v. int8 codes
@@ -477,14 +500,7 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
                         s_w[g * TT + k * kWarpSize + lane] = w;
                         lane_sum += w;
                     }
-                    const float w_sum = warp_sum(lane_sum);
-                    __syncwarp();
-                    if (lane == 0) {
-                        const float alpha = exp_shift(m_old, m_new);
-                        s_alpha[g] = alpha;
-                        s_z[g] = s_z[g] * alpha + w_sum;
-                        s_m[g] = m_new;
-                    }
+                    commit_tile_softmax(s_alpha, s_z, s_m, g, m_old, m_new, warp_sum(lane_sum), lane);
                 }
                 __syncthreads();
 
@@ -562,14 +578,7 @@ __device__ __forceinline__ void softmax_tile(float* s_w, float* s_m, float* s_z,
             s_w[g * tt + t] = w;
             lane_sum += w;
         }
-        const float w_sum = warp_sum(lane_sum);
-        __syncwarp();
-        if (lane == 0) {
-            const float alpha = exp_shift(m_old, m_new);
-            s_alpha[g] = alpha;
-            s_z[g] = s_z[g] * alpha + w_sum;
-            s_m[g] = m_new;
-        }
+        commit_tile_softmax(s_alpha, s_z, s_m, g, m_old, m_new, warp_sum(lane_sum), lane);
     }
     __syncthreads();
 }
@@ -769,10 +778,7 @@ decode_rope_partial(const T* __restrict__ q,                    // (N, H_q, d), 
             const int t = idx - g * TT;
             float logit = -SUBSPACE_INFINITY;
             if (t < tile_len) {
-                logit = 0.0f;
-                for (int c = 0; c < d; ++c) {
-                    logit = fmaf(s_q[g * d + c], s_k[t * (d + 1) + c], logit);
-                }
+                logit = shared_key_dot(s_q + g * d, s_k + t * (d + 1), d);
                 if constexpr (Reader::kScaled) {
                     logit *= s_ks[t];
                 }
@@ -882,10 +888,7 @@ exact_partial(const T* __restrict__ q,       // (N, H_q, d)
             const int t = idx - g * TT;
             float logit = -SUBSPACE_INFINITY;
             if (t < tile_len) {
-                logit = 0.0f;
-                for (int c = 0; c < d; ++c) {
-                    logit = fmaf(s_q[g * d + c], s_k[t * (d + 1) + c], logit);
-                }
+                logit = shared_key_dot(s_q + g * d, s_k + t * (d + 1), d);
             }
             s_w[idx] = logit;
         }

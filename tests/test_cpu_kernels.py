@@ -54,7 +54,7 @@ def test_attend_within_the_derived_tolerance(coefficients, window, group, ranks,
     trailing partial key group; a window makes the weights a strided view. Ranks 11 and 9 fill no
     vector register and end inside a byte (int4 / int2 padding: the kernels' scalar loops); 32
     and 16 (rows of 4-32 bytes) take the in-register chunks; 80 and 48 the widened 16-token
-    blocks (rows past 64 values). With ``kernels`` the kernels must serve both products."""
+    blocks (rows past 64 values). With ``kernels`` the kernels must serve the call (logits, softmax and value sums in one)."""
     if kernels and not cpu_kernels.availability()[0]:
         pytest.skip(f"CPU kernels unavailable: {cpu_kernels.availability()[1]}")
     rng = np.random.default_rng(zlib.crc32(repr((coefficients, window, group, ranks)).encode()) + SEED_OFFSET)
@@ -63,22 +63,34 @@ def test_attend_within_the_derived_tolerance(coefficients, window, group, ranks,
     out64 = sr.attend(q, state)
     calls = []
     if kernels:
-        for name in ("int8_logits", "low_bit_logits", "code_value_sums"):
-            real = getattr(cpu_kernels, name)
-            monkeypatch.setattr(cpu_kernels, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+        real = cpu_kernels.coefficient_attention
+        monkeypatch.setattr(cpu_kernels, "coefficient_attention", lambda *a, **k: calls.append(a) or real(*a, **k))
     else:
-        monkeypatch.setattr(cpu_kernels, "applies", lambda queries, codes: False)
+        monkeypatch.setattr(cpu_kernels, "serves", lambda q, state, dtype: False)
     got = sr.attend(torch.from_numpy(q).float(), state.to("torch", dtype=torch.float32), backend="torch").double().numpy()
     err = float(np.abs(got - out64).max())
     assert err <= tolerance(reference_error(state, q, None, out64, "float32"), out64, "float32")
-    if kernels:
-        assert sorted(set(calls)) == sorted({"int8_logits" if coefficients == "int8" else "low_bit_logits", "code_value_sums"})
+    assert len(calls) == int(kernels)
 
 
 def test_beyond_the_kernel_limits_is_a_clear_error():
     if not cpu_kernels.availability()[0]:
         pytest.skip(f"CPU kernels unavailable: {cpu_kernels.availability()[1]}")
-    q = torch.zeros((1, 1, 65, 4))
-    codes = torch.zeros((1, 1, 8, 4), dtype=torch.int8)
+    state = _state("int8", 8, 0, (4, 4), np.random.default_rng(0)).to("torch", dtype=torch.float32)
+    maps = torch_attend.one_chunk_maps(state, 96, None, torch.float32)
     with pytest.raises(ValueError, match="query heads per KV head <= 64"):
-        cpu_kernels.int8_logits(q, codes, torch.ones((1, 1, 8)), 8)
+        cpu_kernels.coefficient_attention(torch.zeros((2, 3 * 65, 96)), state.layout, maps[0], maps[1], 1024)
+
+
+def test_the_softmax_exponential_is_within_one_ulp():
+    """The kernels' own e^x (x <= 0: logit minus the maximum) against float64, over the whole
+    range where float32 results are normal, and 0 below it; NaN stays NaN."""
+    if not cpu_kernels.availability()[0]:
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.availability()[1]}")
+    x = torch.cat([torch.linspace(-87.3, 0.0, 400_003), torch.tensor([-1e4, -float("inf"), float("nan")])])
+    got = cpu_kernels.softmax_exp(x).double().numpy()
+    exact = np.exp(x.double().numpy())
+    normal = exact >= np.finfo(np.float32).tiny
+    ulps = np.abs(got[normal] - exact[normal]) / np.spacing(exact[normal].astype(np.float32)).astype(np.float64)
+    assert ulps.max() <= 1.0
+    assert got[-3] == 0.0 and got[-2] == 0.0 and np.isnan(got[-1])

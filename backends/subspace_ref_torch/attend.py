@@ -206,10 +206,6 @@ def one_chunk_logits(q0: torch.Tensor, state) -> torch.Tensor:
     T = lay.num_tokens
     if lay.key_coef.dtype == q0.dtype:
         return torch.matmul(q0, lay.key_coef[:, :, :T].mT)
-    if lay.low_bits and cpu_kernels.applies(q0, lay.key_coef):
-        return low_bit_logits(q0, state)
-    if scales_after(state, q0.dtype) and cpu_kernels.applies(q0, lay.key_coef):
-        return cpu_kernels.int8_logits(q0, lay.key_coef, lay.key_scale, T)
     N, H, g, r = q0.shape
     q3 = q0.reshape(N * H, g, r)
     logits = torch.empty((N * H, g, T), dtype=q0.dtype, device=q0.device)
@@ -293,22 +289,6 @@ def rope_logits(q: torch.Tensor, state, scale: float | None, dtype: torch.dtype)
     return logits
 
 
-def low_bit_logits(q0: torch.Tensor, state) -> torch.Tensor:
-    """Logits (N, H, g, T) of a one-chunk int4/int2 state (spec/quantization.md Q2) from float32
-    projected queries q0 (N, H, g, r) on the CPU kernels: complete key groups dequantised in
-    registers as the oracle reads them (``cpu_kernels.low_bit_logits``), the float tail of the
-    unfinished group read as it is."""
-    lay = state.layout
-    N, H, g, r = q0.shape
-    T, G = lay.num_tokens, lay.group
-    complete = (T // G) * G
-    logits = torch.empty((N, H, g, T), dtype=q0.dtype, device=q0.device)
-    cpu_kernels.low_bit_logits(q0, lay.key_coef, lay.key_group_scale, lay.key_group_zero, lay.low_bits, G, complete, logits)
-    if complete < T:
-        logits[..., complete:] = torch.matmul(q0, lay.key_tail[:, :, : T - complete].to(q0.dtype).mT)
-    return logits
-
-
 def softmax_weights(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """exp(logits - max) and their sum (N, H, g, 1), max over all tokens of a query head (A3.1).
     Overwrites ``logits``. The sum divides the output once, after the value sums, as spec A3
@@ -353,13 +333,8 @@ def chunk_value_coefficients(weights: torch.Tensor, state, num_chunks: int, chun
         # float32 (error ~ T eps); tiles of VALUE_TILE tokens, then a sum over tiles
         # (3-D bmm: torch.matmul on the 4-D tiles takes a path several times slower on CPU for
         # tiles of ~1k tokens)
-        if lay.low_bits and cpu_kernels.applies(weights, lay.value_coef):
-            sums = cpu_kernels.code_value_sums(weights, lay.value_coef, lay.low_bits, r_v, token_tiles(T).step, lay.value_token_scale, lay.value_token_zero)
-            return sums[:, :, None]
         if scales_after(state, dtype):
             weights = weights * lay.value_scale[:, :, None, :T]
-            if cpu_kernels.applies(weights, lay.value_coef):
-                return cpu_kernels.code_value_sums(weights, lay.value_coef, 8, r_v, token_tiles(T).step)[:, :, None]
         w = weights.reshape(N * H, g, T)
         acc = torch.zeros((N * H, g, r_v), dtype=dtype, device=weights.device) if T == 0 else None  # every token in the exact window
         for a, b, rows in raw_tiles(state, "value", T, dtype):
@@ -456,6 +431,24 @@ def attend_one_chunk(q: torch.Tensor, state, scale: float | None, dtype: torch.d
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
+def attend_quantized_cpu(q: torch.Tensor, state, scale: float | None) -> torch.Tensor:
+    """Spec A2/A3 of a one-chunk int8/int4/int2 state on a CPU core (spec R14) in one call of
+    the CPU kernels (``cpu_kernels.coefficient_attention``): query map, logits, softmax, value
+    sums and value basis, each code read once, the logits never leaving the core's cache, and
+    no tensor operation around it (after the layers before it evicted the caches, each costs
+    15-25 us to start). With exact tokens their logits set the kernels' starting maximum, so that
+    all tokens share one softmax (spec/window.md W3)."""
+    maps = one_chunk_maps(state, q.shape[-1], scale, torch.float32)
+    tile = token_tiles(state.layout.num_tokens).step
+    if state.window is None:
+        return cpu_kernels.coefficient_attention(q, state.layout, maps[0], maps[1], tile)[0].to(q.dtype)
+    exact = window.exact_logits(q, state, scale, torch.float32)
+    out, m, Z = cpu_kernels.coefficient_attention(q, state.layout, maps[0], maps[1], tile, exact.amax(dim=-1, keepdim=True))
+    weights = exact.sub_(m).exp_()
+    out = (out + window.exact_values(weights, state)) / (Z + weights.sum(dim=-1, keepdim=True))
+    return out.reshape(q.shape[0], q.shape[1], -1).to(q.dtype)
+
+
 def attend(q: torch.Tensor, state, scale: float | None) -> torch.Tensor:
     """Spec A2/A3 for q (N, H_q, d) over a torch-family state -> (N, H_q, d_v) in q's dtype."""
     N, Hq, _ = q.shape
@@ -463,8 +456,10 @@ def attend(q: torch.Tensor, state, scale: float | None) -> torch.Tensor:
     if one_chunk_float(state, dtype):
         return attend_one_chunk(q, state, scale, dtype)
     J = used_chunks(state)
-    index = token_chunk_index(state, J) if J > 1 else None
     rope = getattr(state.policy, "rope", None)
+    if J == 1 and rope is None and cpu_kernels.serves(q, state, dtype):
+        return attend_quantized_cpu(q, state, scale)
+    index = token_chunk_index(state, J) if J > 1 else None
     H = state.layout.key_coef.shape[1]
     maps = one_chunk_maps(state, q.shape[-1], scale, dtype) if J == 1 and rope is None else None
     if rope is not None:  # spec/rope.md P3 (static: J = 1)

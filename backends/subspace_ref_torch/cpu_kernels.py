@@ -31,12 +31,24 @@ _failure: str | None = None
 
 _i64 = ctypes.c_int64
 _ptr = ctypes.c_void_p
-_SIGNATURES = {
-    "int8_logits": [_i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64],
-    "low_bit_logits": [ctypes.c_int, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64],
-    "code_value_sums": [ctypes.c_int, _i64, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr],
-}
 
+
+class _Side(ctypes.Structure):
+    """``struct coefficient_side`` of the source: one side (keys or values) of a state as stored."""
+
+    _fields_ = [
+        ("codes", _ptr), ("head_stride", _i64), ("width", _i64), ("rank", _i64),
+        ("scale", _ptr), ("zero", _ptr), ("scale_head_stride", _i64), ("group", _i64),
+    ]  # fmt: skip
+
+
+_SIGNATURES = {
+    "coefficient_attention": [
+        ctypes.c_int, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, ctypes.POINTER(_Side), _ptr, _i64,
+        ctypes.POINTER(_Side), _ptr, _i64, _ptr, ctypes.c_int, _ptr, _ptr, _ptr,
+    ],
+    "softmax_exp": [_i64, _ptr, _ptr],
+}
 
 def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
@@ -70,16 +82,19 @@ def availability() -> tuple[bool, str]:
     return (True, "") if _load() is not None else (False, _failure or "")
 
 
-def applies(queries: torch.Tensor, codes: torch.Tensor) -> bool:
-    """Whether the kernels serve float32 ``queries`` (N, H, g, ...) against ``codes`` (N, H, T, row
-    bytes): CPU tensors within the kernels' limits, kernels available. Elsewhere attend takes
-    its torch-operations path."""
+def serves(q: torch.Tensor, state, dtype: torch.dtype) -> bool:
+    """Whether :func:`coefficient_attention` serves queries ``q`` (N, H_q, d) on the torch
+    ``state`` in the work dtype ``dtype``: float32 work, int8 / int4 / int2 coefficients, CPU
+    tensors within the kernels' limits, kernels available (the caller checks one chunk of bases,
+    no RoPE). Elsewhere attend takes its torch-operations path."""
+    lay = state.layout
     return (
-        queries.device.type == "cpu"
-        and codes.device.type == "cpu"
-        and queries.dtype == torch.float32
-        and queries.shape[2] <= MAX_QUERIES
-        and codes.shape[-1] <= MAX_ROW_BYTES
+        (lay.quantized or bool(lay.low_bits))
+        and dtype == torch.float32
+        and q.device.type == "cpu"
+        and lay.key_coef.device.type == "cpu"
+        and q.shape[1] // lay.key_coef.shape[1] <= MAX_QUERIES
+        and max(lay.key_coef.shape[-1], lay.value_coef.shape[-1]) <= MAX_ROW_BYTES
         and _load() is not None
     )
 
@@ -100,61 +115,66 @@ def _check(rc: int, name: str) -> None:
         raise ValueError(f"{name}: shape beyond the CPU kernel's limits (row bytes <= {MAX_ROW_BYTES}, query heads per KV head <= {MAX_QUERIES})")
 
 
-def int8_logits(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, T: int) -> torch.Tensor:
-    """Spec A10 logits (N, H, g, T): scale_t (q . code_t) for q (N, H, g, r) float32, codes
-    (N, H, >= T, r) int8 and per-token scales (N, H, >= T) float32."""
-    N, H, g, r = q.shape
-    q = q.contiguous()
-    out = torch.empty((N, H, g, T), dtype=torch.float32)
-    codes, codes_stride, _ = _heads(codes, T, packed=True)
-    scale, scale_stride, _ = _heads(scale, T, packed=True)
-    rc = _load().int8_logits(N * H, g, r, T, q.data_ptr(), codes.data_ptr(), codes_stride, scale.data_ptr(), scale_stride, out.data_ptr(), g * T, T)
-    _check(rc, "int8_logits")
-    return out
-
-
-def low_bit_logits(
-    q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group: int, tokens: int, out: torch.Tensor
-) -> None:
-    """Spec Q2 logits of the first ``tokens`` (whole groups of ``group``) keys, written into
-    ``out[..., :tokens]`` (out (N, H, g, >= tokens) float32, contiguous): q . fl32(code_t s_G + z_G)
-    for q (N, H, g, r) float32, packed codes (N, H, >= tokens, width) uint8 and per-group,
-    per-channel float16 scale and zero (N, H, >= tokens / group, r), widened in the kernel."""
-    N, H, g, r = q.shape
-    groups = tokens // group
-    q = q.contiguous()
-    scale, scale_stride, _ = _heads(scale, groups, packed=True)
-    zero, zero_stride, _ = _heads(zero, groups, packed=True)
-    if zero_stride != scale_stride or scale.dtype != torch.float16 or zero.dtype != torch.float16:
-        raise ValueError(f"scale and zero must be float16 arrays of one layout (spec/quantization.md Q2), got {scale.dtype}, {zero.dtype}")
+def _side(codes: torch.Tensor, rank: int, tokens: int, scale: torch.Tensor, zero: torch.Tensor | None, scale_rows: int, group: int, keep: list):
+    """The ``_Side`` of codes (N, H, >= tokens, width) with per-head scales (and zeros) of
+    ``scale_rows`` rows; the tensors it points into are appended to ``keep``."""
     codes, codes_stride, _ = _heads(codes, tokens, packed=True)
-    rc = _load().low_bit_logits(
-        bits, N * H, g, r, groups, group, q.data_ptr(), codes.data_ptr(), codes_stride, codes.shape[-1],
-        scale.data_ptr(), zero.data_ptr(), scale_stride, out.data_ptr(), out.stride(1), out.stride(2),
-    )  # fmt: skip
-    _check(rc, "low_bit_logits")
-
-
-def code_value_sums(
-    w: torch.Tensor, codes: torch.Tensor, bits: int, rank: int, tile: int, scale: torch.Tensor | None = None, zero: torch.Tensor | None = None
-) -> torch.Tensor:
-    """sum_t w_t x_t (N, H, g, rank) float32 for weights w (N, H, g, T) float32 and codes (N, H,
-    >= T, width): int8 (x = the codes; per-token scales already folded into w), or uint8 packing
-    int4 / int2 codes, read as fl32(code s_t + z_t) with per-token float16 ``scale`` and ``zero``
-    (N, H, >= T), widened in the kernel. Summed per tile of ``tile`` tokens, then over tiles."""
-    N, H, g, T = w.shape
-    w, w_head_stride, w_row_stride = _heads(w, T, packed=False)
-    codes, codes_stride, _ = _heads(codes, T, packed=True)
-    token_stride = 0
-    if bits != 8:
-        scale, token_stride, _ = _heads(scale, T, packed=True)
-        zero, zero_stride, _ = _heads(zero, T, packed=True)
-        if zero_stride != token_stride or scale.dtype != torch.float16 or zero.dtype != torch.float16:
+    scale, scale_stride, _ = _heads(scale, scale_rows, packed=True)
+    if zero is not None:
+        zero, zero_stride, _ = _heads(zero, scale_rows, packed=True)
+        if zero_stride != scale_stride or scale.dtype != torch.float16 or zero.dtype != torch.float16:
             raise ValueError(f"scale and zero must be float16 arrays of one layout (spec/quantization.md Q2), got {scale.dtype}, {zero.dtype}")
-    sums = torch.empty((N, H, g, rank), dtype=torch.float32)
-    rc = _load().code_value_sums(
-        bits, N * H, g, rank, T, w.data_ptr(), w_head_stride, w_row_stride, codes.data_ptr(), codes_stride, codes.shape[-1],
-        None if bits == 8 else scale.data_ptr(), None if bits == 8 else zero.data_ptr(), token_stride, tile, sums.data_ptr(),
+    keep += [codes, scale, zero]
+    return _Side(codes.data_ptr(), codes_stride, codes.shape[-1], rank, scale.data_ptr(), None if zero is None else zero.data_ptr(), scale_stride, group)
+
+
+def coefficient_attention(
+    q: torch.Tensor, layout, query_map: torch.Tensor, value_map: torch.Tensor, tile: int, initial_max: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Spec A2/A3 over a one-chunk int8 / int4 / int2 ``layout`` (N, H sequences and KV heads)
+    for queries q (N, H_q, d) (float32 work), H_q = g H, in one call of the kernels: the projected
+    queries by ``query_map`` (N H, d, r) = gamma scale B^T, logits (int4 / int2 keys of the
+    unfinished group from their float tail), softmax with the global maximum (A3.1), value sums
+    per tile of ``tile`` tokens then over tiles, and the value basis ``value_map`` (N H, r_v,
+    d_v). Without ``initial_max``: returns (out (N, H_q, d_v), None, None), normalised. With it
+    (the exact tokens' maximum, (N, H, g, 1): spec/window.md W3): returns the unnormalised
+    sum_t w_t v~_t, m (N, H, g, 1) >= initial_max and Z = sum_t w_t (N, H, g, 1), w_t =
+    e^(l_t - m), for the caller to add the exact tokens' terms and divide."""
+    N, Hq, d = q.shape
+    H = layout.key_coef.shape[1]
+    g = Hq // H
+    T, bits = layout.num_tokens, layout.low_bits or 8
+    r, r_v, d_v = query_map.shape[2], value_map.shape[1], value_map.shape[2]
+    q = q.to(torch.float32).contiguous()
+    keep: list = []
+    tail, tail_stride = None, 0
+    if bits == 8:
+        keys = _side(layout.key_coef, r, T, layout.key_scale, None, T, 0, keep)
+        values = _side(layout.value_coef, r_v, T, layout.value_scale, None, T, 0, keep)
+    else:
+        G = layout.group
+        keys = _side(layout.key_coef, r, T, layout.key_group_scale, layout.key_group_zero, T // G, G, keep)
+        values = _side(layout.value_coef, r_v, T, layout.value_token_scale, layout.value_token_zero, T, 0, keep)
+        if T % G:  # the unfinished group's keys, kept in float (spec/quantization.md Q2)
+            tail = layout.key_tail[:, :, : T % G].to(torch.float32).contiguous()
+            tail_stride = tail.stride(1)
+    out = torch.empty((N, H, g, d_v), dtype=torch.float32)
+    m = Z = None
+    if initial_max is not None:
+        initial_max = initial_max.to(torch.float32).contiguous()
+        m, Z = torch.empty((N, H, g, 1), dtype=torch.float32), torch.empty((N, H, g, 1), dtype=torch.float32)
+    rc = _load().coefficient_attention(
+        bits, N * H, g, T, tile, q.data_ptr(), d, query_map.data_ptr(), ctypes.byref(keys), None if tail is None else tail.data_ptr(),
+        tail_stride, ctypes.byref(values), value_map.data_ptr(), d_v, None if initial_max is None else initial_max.data_ptr(),
+        int(initial_max is None), out.data_ptr(), None if m is None else m.data_ptr(), None if Z is None else Z.data_ptr(),
     )  # fmt: skip
-    _check(rc, "code_value_sums")
-    return sums
+    _check(rc, "coefficient_attention")
+    return (out.view(N, Hq, d_v) if initial_max is None else out), m, Z
+
+
+def softmax_exp(x: torch.Tensor) -> torch.Tensor:
+    """e^x (float32, contiguous) by the exponential of the kernels' softmax: for its tests."""
+    x = x.to(torch.float32).contiguous()
+    out = torch.empty_like(x)
+    _load().softmax_exp(x.numel(), x.data_ptr(), out.data_ptr())
+    return out

@@ -18,6 +18,7 @@
  * VALUE_TILE does. Heads are (sequence, KV head) pairs; each head's rows are contiguous, heads are
  * `*_head_stride` elements apart.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -47,6 +48,7 @@ static inline float widen_half(half h) {
  * step finds its coefficients out of cache (the layers before it evicted them), and the
  * hardware prefetcher alone left a cold int4 pass ~25% slower than a warm one. */
 #define PREFETCH_ROWS 128
+#define PREFETCH_GROUPS 4 /* key groups of int4 / int2 scales and zeros: G = 32 tokens each */
 ALWAYS_INLINE void prefetch_rows(const uint8_t *codes, int64_t first, int64_t rows, int64_t limit, int64_t width) {
     const int64_t end = first + rows < limit ? first + rows : limit;
     for (int64_t off = first * width; off < end * width; off += 64) __builtin_prefetch(codes + off, 0, 0);
@@ -81,47 +83,53 @@ ALWAYS_INLINE void widen_plane(const uint8_t *row, int64_t width, int bits, int 
     for (int64_t k = 0; k < width; ++k) out[k] = (float)(((int32_t)row[k] >> shift) & mask);
 }
 
-/* operand (rank) -> planes[p][k] = operand[k PER + p], zero past the rank. */
-ALWAYS_INLINE void deinterleave(const float *x, int64_t rank, int64_t width, int bits, float *planes) {
+/* The de-interleaving of a rank-long operand into planes: order[j] = the operand column at plane
+ * position j = p width + k, that is k PER + p, or -1 past the rank. Found once per call, so that
+ * the per-group work below is free of divisions. */
+static void plane_order(int64_t rank, int64_t width, int bits, int32_t *order) {
     const int per = 8 / bits;
+    for (int64_t j = 0; j < per * width; ++j) {
+        const int64_t c = (j % width) * per + j / width;
+        order[j] = c < rank ? (int32_t)c : -1;
+    }
+}
+
+/* operand x (rank) -> planes[j] = x[order[j]] (0 where order[j] < 0), for n = PER width
+ * positions. int4 / int2 keys do this twice per group of G tokens (scales, zeros): where n <= 64
+ * the operand sits in four registers and each 16 positions are two two-source permutes and a
+ * blend, instead of a gather (microcoded, ~20% of the logits at G = 32 on this core). */
+ALWAYS_INLINE void deinterleave(const float *x, int64_t rank, int64_t n, const int32_t *order, float *planes) {
 #if defined(__AVX512F__)
-    /* int4 / int2 keys do this twice per group of G tokens (scales, zeros): a gather per 16
-     * lanes instead of a scalar loop where rows fill whole planes of 4, 8 or 16k bytes */
-    if (bits < 8 && rank == per * width && rank % 16 == 0 && (width % 16 == 0 || width == 4 || width == 8)) {
-        const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-        for (int64_t c = 0; c < rank; c += 16) {
-            const __m512i i = _mm512_add_epi32(lanes, _mm512_set1_epi32((int)c));
-            __m512i p, k;
-            if (width % 16 == 0) {
-                p = _mm512_set1_epi32((int)(c / width));
-                k = _mm512_add_epi32(lanes, _mm512_set1_epi32((int)(c % width)));
-            } else {
-                p = _mm512_srli_epi32(i, width == 4 ? 2 : 3);
-                k = _mm512_and_si512(i, _mm512_set1_epi32((int)width - 1));
-            }
-            const __m512i source = _mm512_add_epi32(_mm512_mullo_epi32(k, _mm512_set1_epi32(per)), p);
-            _mm512_storeu_ps(planes + c, _mm512_i32gather_ps(source, x, 4));
+    if (n % 16 == 0 && n <= 64) {
+        __m512 src[4];
+        for (int s = 0; s < 4; ++s) {
+            const int64_t left = rank - 16 * s;
+            const __mmask16 m = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1u);
+            src[s] = _mm512_maskz_loadu_ps(m, x + 16 * s);
+        }
+        for (int64_t c = 0; c < n; c += 16) {
+            const __m512i idx = _mm512_loadu_si512(order + c);
+            const __mmask16 valid = _mm512_cmpge_epi32_mask(idx, _mm512_setzero_si512());
+            const __mmask16 high = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(32));
+            const __m512 low_part = _mm512_permutex2var_ps(src[0], idx, src[1]);
+            const __m512 high_part = _mm512_permutex2var_ps(src[2], idx, src[3]);
+            _mm512_storeu_ps(planes + c, _mm512_maskz_mov_ps(valid, _mm512_mask_blend_ps(high, low_part, high_part)));
         }
         return;
     }
 #endif
-    for (int p = 0; p < per; ++p)
-        for (int64_t k = 0; k < width; ++k) {
-            const int64_t c = k * per + p;
-            planes[p * width + k] = c < rank ? x[c] : 0.0f;
-        }
+    for (int64_t j = 0; j < n; ++j) planes[j] = order[j] < 0 ? 0.0f : x[order[j]];
 }
 
-/* As deinterleave, for a float16 operand (a group's scales or zeros: once per group of tokens,
- * so the widening is vectorised where it can be). */
-ALWAYS_INLINE void deinterleave_half(const half *x, int64_t rank, int64_t width, int bits, float *planes) {
+/* As deinterleave, for a float16 operand (a group's scales or zeros), widened first. */
+ALWAYS_INLINE void deinterleave_half(const half *x, int64_t rank, int64_t n, const int32_t *order, float *planes) {
     float wide[8 * MAX_BYTES];
     int64_t c = 0;
 #if defined(__AVX512F__)
     for (; c + 16 <= rank; c += 16) _mm512_storeu_ps(wide + c, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(x + c))));
 #endif
     for (; c < rank; ++c) wide[c] = widen_half(x[c]);
-    deinterleave(wide, rank, width, bits, planes);
+    deinterleave(wide, rank, n, order, planes);
 }
 
 ALWAYS_INLINE float plane_dot(const float *a, const float *b, int64_t n) {
@@ -226,8 +234,10 @@ ALWAYS_INLINE __m512 chunk_codes(const uint8_t *row, int64_t width, int bits, in
 }
 #endif
 
-/* logits[i][t] = query_planes[i] . widened row t (times row_scale[t] when given). */
-ALWAYS_INLINE void rows_logits(const uint8_t *codes, int64_t tokens, int64_t width, int bits, int64_t queries,
+/* logits[i][t] = query_planes[i] . widened row t (times row_scale[t] when given), t < tokens.
+ * `readable` rows of codes exist (>= tokens: the caller goes on with the rows after these, as it
+ * does group after group), the bound of the prefetches. */
+ALWAYS_INLINE void rows_logits(const uint8_t *codes, int64_t tokens, int64_t readable, int64_t width, int bits, int64_t queries,
                                const float *query_planes, const float *scale_planes, const float *zero_planes,
                                const float *row_scale, float *out, int64_t out_row_stride) {
     const int64_t n = (8 / bits) * width;
@@ -246,7 +256,7 @@ ALWAYS_INLINE void rows_logits(const uint8_t *codes, int64_t tokens, int64_t wid
             }
         __m512 v[REGISTER_QUERIES][BLOCK];
         for (; t + BLOCK <= tokens; t += BLOCK) {
-            prefetch_rows(codes, t + PREFETCH_ROWS, BLOCK, tokens, width);
+            prefetch_rows(codes, t + PREFETCH_ROWS, BLOCK, readable, width);
             for (int b = 0; b < BLOCK; ++b) {
                 const uint8_t *row = codes + (t + b) * width;
                 __m512 x[4];
@@ -274,7 +284,7 @@ ALWAYS_INLINE void rows_logits(const uint8_t *codes, int64_t tokens, int64_t wid
         const __m512i order = _mm512_loadu_si512(block_lanes);
         float block[BLOCK * 8 * MAX_BYTES / BLOCK];
         for (; t + BLOCK <= tokens; t += BLOCK) {
-            prefetch_rows(codes, t + PREFETCH_ROWS, BLOCK, tokens, width);
+            prefetch_rows(codes, t + PREFETCH_ROWS, BLOCK, readable, width);
             for (int b = 0; b < BLOCK; ++b) widen_row(codes + (t + b) * width, width, bits, scale_planes, zero_planes, block + b * n);
             for (int64_t i = 0; i < queries; ++i) {
                 const float *qi = query_planes + i * n;
@@ -301,50 +311,10 @@ ALWAYS_INLINE void rows_logits(const uint8_t *codes, int64_t tokens, int64_t wid
     }
 }
 
-/* Spec A10: logits[h][i][t] = scale[h][t] (q[h][i] . c[h][t]) over int8 codes, per-token scales.
- * q (heads, queries, rank) contiguous; codes rows of `rank` bytes. Returns 0, or -1 if the shape
- * exceeds the kernel's fixed buffers. */
-int int8_logits(int64_t heads, int64_t queries, int64_t rank, int64_t tokens, const float *q,
-                const int8_t *codes, int64_t codes_head_stride, const float *scale, int64_t scale_head_stride,
-                float *out, int64_t out_head_stride, int64_t out_row_stride) {
-    if (rank > MAX_BYTES || queries > MAX_QUERIES) return -1;
-    for (int64_t h = 0; h < heads; ++h)
-        WITH_WIDTH(rank, rows_logits((const uint8_t *)(codes + h * codes_head_stride), tokens, W, 8, queries, q + h * queries * rank,
-                                     NULL, NULL, scale + h * scale_head_stride, out + h * out_head_stride, out_row_stride));
-    return 0;
-}
-
-/* Spec Q2, keys of complete groups: codes per channel over groups of G tokens, (s, z) per group
- * and channel, float16 (heads, >= groups, rank); logits of tokens [0, groups G). The query is
- * de-interleaved once per head, the group's scales and zeros once per group. */
-int low_bit_logits(int bits, int64_t heads, int64_t queries, int64_t rank, int64_t groups, int64_t G, const float *q,
-                   const uint8_t *codes, int64_t codes_head_stride, int64_t width, const half *scale, const half *zero,
-                   int64_t scale_head_stride, float *out, int64_t out_head_stride, int64_t out_row_stride) {
-    if ((bits != 4 && bits != 2) || width > MAX_BYTES || queries > MAX_QUERIES || width * (8 / bits) < rank) return -1;
-    const int64_t n = (8 / bits) * width;
-    float *planes = malloc(sizeof(float) * (queries + 2) * n);
-    if (!planes) return -1;
-    float *scale_planes = planes + queries * n, *zero_planes = scale_planes + n;
-    for (int64_t h = 0; h < heads; ++h) {
-        for (int64_t i = 0; i < queries; ++i) deinterleave(q + (h * queries + i) * rank, rank, width, bits, planes + i * n);
-        for (int64_t g = 0; g < groups; ++g) {
-            deinterleave_half(scale + h * scale_head_stride + g * rank, rank, width, bits, scale_planes);
-            deinterleave_half(zero + h * scale_head_stride + g * rank, rank, width, bits, zero_planes);
-            const uint8_t *rows = codes + h * codes_head_stride + g * G * width;
-            float *o = out + h * out_head_stride + g * G;
-            if (bits == 4)
-                WITH_WIDTH(width, rows_logits(rows, G, W, 4, queries, planes, scale_planes, zero_planes, NULL, o, out_row_stride));
-            else
-                WITH_WIDTH(width, rows_logits(rows, G, W, 2, queries, planes, scale_planes, zero_planes, NULL, o, out_row_stride));
-        }
-    }
-    free(planes);
-    return 0;
-}
-
 /* acc[i][p width + k] += w[i][t] x_{k PER + p}(t) over the rows of one tile, x the widened row;
- * int4 / int2 rows take their token's scale and zero (token_scale[t], token_zero[t]). */
-ALWAYS_INLINE void rows_value_sums(const uint8_t *codes, int64_t tokens, int64_t width, int bits, int64_t queries,
+ * int4 / int2 rows take their token's scale and zero (token_scale[t], token_zero[t]). Prefetches
+ * reach into the `readable` rows, as rows_logits. */
+ALWAYS_INLINE void rows_value_sums(const uint8_t *codes, int64_t tokens, int64_t readable, int64_t width, int bits, int64_t queries,
                                    const float *w, int64_t w_row_stride, const half *token_scale, const half *token_zero,
                                    float *acc, float *blocks) {
     const int64_t n = (8 / bits) * width;
@@ -360,7 +330,7 @@ ALWAYS_INLINE void rows_value_sums(const uint8_t *codes, int64_t tokens, int64_t
                 _mm512_storeu_ps(scales, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(token_scale + t))));
                 _mm512_storeu_ps(zeros, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(token_zero + t))));
             }
-            prefetch_rows(codes, t + PREFETCH_ROWS, BLOCK, tokens, width);
+            prefetch_rows(codes, t + PREFETCH_ROWS, BLOCK, readable, width);
             for (int b = 0; b < BLOCK; ++b) {
                 float *row = block + b * n;
                 const uint8_t *bytes = codes + (t + b) * width;
@@ -386,13 +356,24 @@ ALWAYS_INLINE void rows_value_sums(const uint8_t *codes, int64_t tokens, int64_t
                 /* the block's own sum, then added to the tile's: summed sequentially over the
                  * tile instead, float32 rounding grows with its 1024 tokens, and on values whose
                  * weighted sum cancels to a few percent of its terms that was 4x the oracle's error */
-                __m512 sums[8];
-                for (int64_t k = 0; k < n / 16; ++k) sums[k] = _mm512_setzero_ps();
-                for (int b = 0; b < BLOCK; ++b) {
-                    const __m512 wt = _mm512_set1_ps(wi[b]);
-                    for (int64_t k = 0; k < n / 16; ++k) sums[k] = _mm512_fmadd_ps(wt, _mm512_loadu_ps(block + b * n + 16 * k), sums[k]);
+                /* `sets` interleaved partial sums (token b feeds set b mod sets): with one chain per
+                 * register the fma latency, not the throughput, bound narrow rows (n = 32: two
+                 * chains of 16 dependent fmas per block) */
+                enum { MAX_SETS = 4 };
+                const int sets = n <= 32 ? 4 : n <= 64 ? 2 : 1;
+                __m512 sums[MAX_SETS][8];
+                for (int j = 0; j < sets; ++j)
+                    for (int64_t k = 0; k < n / 16; ++k) sums[j][k] = _mm512_setzero_ps();
+                for (int b = 0; b < BLOCK; b += sets)
+                    for (int j = 0; j < sets; ++j) {
+                        const __m512 wt = _mm512_set1_ps(wi[b + j]);
+                        for (int64_t k = 0; k < n / 16; ++k) sums[j][k] = _mm512_fmadd_ps(wt, _mm512_loadu_ps(block + (b + j) * n + 16 * k), sums[j][k]);
+                    }
+                for (int64_t k = 0; k < n / 16; ++k) {
+                    __m512 total = sums[0][k];
+                    for (int j = 1; j < sets; ++j) total = _mm512_add_ps(total, sums[j][k]);
+                    _mm512_storeu_ps(a + 16 * k, _mm512_add_ps(_mm512_loadu_ps(a + 16 * k), total));
                 }
-                for (int64_t k = 0; k < n / 16; ++k) _mm512_storeu_ps(a + 16 * k, _mm512_add_ps(_mm512_loadu_ps(a + 16 * k), sums[k]));
             }
         }
     }
@@ -421,55 +402,231 @@ ALWAYS_INLINE void rows_value_sums(const uint8_t *codes, int64_t tokens, int64_t
     }
 }
 
-/* sums[h][i][c] = sum_t w[h][i][t] x_c(t): int8 codes as they are (spec A10: the caller folds the
- * per-token scales into w), int4 / int2 codes dequantised with token_scale / token_zero (heads,
- * >= tokens) float16, token_head_stride apart (spec Q2: values per token). w (heads, queries,
- * >= tokens) with rows w_row_stride apart; sums (heads, queries, rank). */
-int code_value_sums(int bits, int64_t heads, int64_t queries, int64_t rank, int64_t tokens, const float *w,
-                    int64_t w_head_stride, int64_t w_row_stride, const uint8_t *codes, int64_t codes_head_stride,
-                    int64_t width, const half *token_scale, const half *token_zero, int64_t token_head_stride,
-                    int64_t tile, float *sums) {
-    if ((bits != 8 && bits != 4 && bits != 2) || width > MAX_BYTES || queries > MAX_QUERIES || width * (8 / bits) < rank || tile < 1 ||
-        (bits != 8 && (!token_scale || !token_zero)))
+
+/* e^x for x <= 0 (softmax exponents, logit minus the maximum), 16 at a time: Cody-Waite reduction
+ * x = n ln2 + r, |r| <= ln2 / 2, with ln2 split so n ln2 is exact, the Cephes polynomial for e^r
+ * (relative error below 2^-23 on that interval) and 2^n applied by scalef, which gives 0 below
+ * float32's range. Below -104 every result is 0 (e^-104 < half the least subnormal); NaN stays
+ * NaN (max returns its second operand when either is NaN). */
+#if defined(__AVX512F__)
+ALWAYS_INLINE __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(y, n);
+}
+#endif
+
+/* For tests of the exponential the softmax uses: out[i] = e^x[i]. */
+void softmax_exp(int64_t count, const float *x, float *out) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i < count; i += 16) {
+        const __mmask16 m = count - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (count - i)) - 1u);
+        _mm512_mask_storeu_ps(out + i, m, exp16(_mm512_maskz_loadu_ps(m, x + i)));
+    }
+#endif
+    for (; i < count; ++i) out[i] = expf(x[i]);
+}
+
+/* One side (keys or values) of a one-chunk quantised state, as stored (N H heads evenly spaced):
+ * int8: codes (rows of `rank` bytes) and per-token float32 scales (spec A10); int4 / int2: packed
+ * codes (rows of `width` bytes) and float16 scale and zero, per channel and group of `group`
+ * tokens for keys, per token for values (spec/quantization.md Q2). */
+struct coefficient_side {
+    const uint8_t *codes;
+    int64_t head_stride, width, rank;
+    const void *scale; /* float32 (int8) or float16 */
+    const half *zero; /* int4 / int2 only */
+    int64_t scale_head_stride;
+    int64_t group; /* keys of int4 / int2: tokens per scale group */
+};
+
+/* Logits of one head's first `tokens` keys (int4 / int2: whole groups) into out (queries rows,
+ * `out_row_stride` apart) for projected queries q (queries, rank). planes: (queries + 2) n floats. */
+static void head_logits(int bits, const struct coefficient_side *keys, int64_t h, int64_t queries, int64_t tokens, const float *q,
+                        float *planes, float *out, int64_t out_row_stride) {
+    const uint8_t *codes = keys->codes + h * keys->head_stride;
+    if (bits == 8) {
+        const float *scale = (const float *)keys->scale + h * keys->scale_head_stride;
+        WITH_WIDTH(keys->rank, rows_logits(codes, tokens, tokens, W, 8, queries, q, NULL, NULL, scale, out, out_row_stride));
+        return;
+    }
+    const int64_t width = keys->width, n = (8 / bits) * width, rank = keys->rank, G = keys->group;
+    float *scale_planes = planes + queries * n, *zero_planes = scale_planes + n;
+    int32_t order[8 * MAX_BYTES];
+    plane_order(rank, width, bits, order);
+    for (int64_t i = 0; i < queries; ++i) deinterleave(q + i * rank, rank, n, order, planes + i * n);
+    const half *scale = (const half *)keys->scale + h * keys->scale_head_stride, *zero = keys->zero + h * keys->scale_head_stride;
+    for (int64_t g = 0; g < tokens / G; ++g) {
+        if (g + PREFETCH_GROUPS < tokens / G) { /* one group's scales or zeros: 2 r bytes */
+            for (int64_t off = 0; off < 2 * rank; off += 64) {
+                __builtin_prefetch((const char *)(scale + (g + PREFETCH_GROUPS) * rank) + off, 0, 0);
+                __builtin_prefetch((const char *)(zero + (g + PREFETCH_GROUPS) * rank) + off, 0, 0);
+            }
+        }
+        deinterleave_half(scale + g * rank, rank, n, order, scale_planes);
+        deinterleave_half(zero + g * rank, rank, n, order, zero_planes);
+        const uint8_t *rows = codes + g * G * width;
+        if (bits == 4)
+            WITH_WIDTH(width, rows_logits(rows, G, tokens - g * G, W, 4, queries, planes, scale_planes, zero_planes, NULL, out + g * G, out_row_stride));
+        else
+            WITH_WIDTH(width, rows_logits(rows, G, tokens - g * G, W, 2, queries, planes, scale_planes, zero_planes, NULL, out + g * G, out_row_stride));
+    }
+}
+
+/* Spec A3 with the global maximum (A3.1) over one query head's `tokens` logits, in place:
+ * m = max(initial, max_t l_t), l_t <- e^(l_t - m) times value_scale[t] when given (int8 values:
+ * spec A10 folds the per-token scale into the weight), returns m and Z = sum_t e^(l_t - m), the
+ * latter summed per lane over each tile of `tile` tokens, then over lanes and tiles (the value
+ * sums' order). */
+static void row_weights(float *l, int64_t tokens, int64_t tile, float initial, const float *value_scale, float *max_out, float *total_out) {
+    float m = initial, Z = 0.0f;
+    int64_t t = 0;
+#if defined(__AVX512F__)
+    __m512 mv = _mm512_set1_ps(initial);
+    for (; t + 16 <= tokens; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(l + t));
+    m = _mm512_reduce_max_ps(mv);
+#endif
+    for (; t < tokens; ++t) m = l[t] > m ? l[t] : m;
+    for (int64_t a = 0; a < tokens; a += tile) {
+        const int64_t end = a + tile < tokens ? a + tile : tokens;
+        float part = 0.0f;
+#if defined(__AVX512F__)
+        const __m512 mv16 = _mm512_set1_ps(m);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t u = a; u < end; u += 16) {
+            const __mmask16 k = end - u >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (end - u)) - 1u);
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, l + u), mv16));
+            sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, e));
+            _mm512_mask_storeu_ps(l + u, k, value_scale ? _mm512_mul_ps(e, _mm512_maskz_loadu_ps(k, value_scale + u)) : e);
+        }
+        part = _mm512_reduce_add_ps(sum);
+#else
+        for (int64_t u = a; u < end; ++u) {
+            const float e = expf(l[u] - m);
+            part += e;
+            l[u] = value_scale ? e * value_scale[u] : e;
+        }
+#endif
+        Z += part;
+    }
+    *max_out = m;
+    *total_out = Z;
+}
+
+/* out[i][c] = sum_k x[i][k] M[k][c] for rows i < rows (x rows x inner, M inner x cols, out rows x
+ * cols): a query times its map, coefficient sums times the value basis. The sum over k is kept in
+ * two halves (even and odd k; `odd`: cols floats of scratch), two fma chains instead of one. */
+static void map_rows(const float *x, int64_t rows, int64_t inner, const float *M, int64_t cols, float *odd, float *out) {
+    for (int64_t i = 0; i < rows; ++i) {
+        float *o = out + i * cols;
+        const float *xi = x + i * inner;
+        memset(o, 0, sizeof(float) * cols);
+        memset(odd, 0, sizeof(float) * cols);
+        int64_t k = 0;
+        for (; k + 2 <= inner; k += 2) {
+            const float a = xi[k], b = xi[k + 1];
+            const float *m0 = M + k * cols, *m1 = m0 + cols;
+#pragma omp simd
+            for (int64_t c = 0; c < cols; ++c) {
+                o[c] = __builtin_fmaf(a, m0[c], o[c]);
+                odd[c] = __builtin_fmaf(b, m1[c], odd[c]);
+            }
+        }
+        if (k < inner)
+#pragma omp simd
+            for (int64_t c = 0; c < cols; ++c) o[c] = __builtin_fmaf(xi[k], M[k * cols + c], o[c]);
+#pragma omp simd
+        for (int64_t c = 0; c < cols; ++c) o[c] += odd[c];
+    }
+}
+
+/* Spec A2/A3 for a one-chunk int8 (A10) or int4 / int2 (Q2) state on a CPU core, for every head
+ * h < heads (a (sequence, KV head) pair) and query head i < queries of its group:
+ *
+ * 1. the projected query q~ = q query_map[h] (query_map = gamma scale B^T, d x r: spec A3 step
+ *    2.1 with the logit scale folded in);
+ * 2. logits of the keys (int4 / int2: of whole groups; the unfinished group's keys are the float
+ *    rows key_tail[h][0 .. tokens - complete), `tail_head_stride` apart per head);
+ * 3. m = max(initial_max[h][i] (the exact tokens' maximum; NULL: -inf), max_t l_t), weights
+ *    w_t = e^(l_t - m), Z = sum_t w_t (A3.1: the global maximum);
+ * 4. s = sum_t w_t v_t over the value coefficients, per tile of `tile` tokens then over tiles;
+ * 5. out[h][i] = s value_map[h] (the value basis E, r_v x d_v), divided by Z when `normalize`
+ *    (else the caller adds the exact tokens' terms and divides: spec/window.md W3).
+ *
+ * q (heads, queries, d) float32; out (heads, queries, d_v); max_out and total_out (heads,
+ * queries) or NULL. Returns 0, or -1 when a shape exceeds the fixed buffers or memory runs out. */
+int coefficient_attention(int bits, int64_t heads, int64_t queries, int64_t tokens, int64_t tile, const float *q, int64_t d,
+                          const float *query_map, const struct coefficient_side *keys, const float *key_tail, int64_t tail_head_stride,
+                          const struct coefficient_side *values, const float *value_map, int64_t d_v, const float *initial_max,
+                          int normalize, float *out, float *max_out, float *total_out) {
+    if ((bits != 8 && bits != 4 && bits != 2) || queries > MAX_QUERIES || tile < 1 || keys->width > MAX_BYTES || values->width > MAX_BYTES ||
+        keys->width * (8 / bits) < keys->rank || values->width * (8 / bits) < values->rank || (bits != 8 && keys->group < 1))
         return -1;
     const int per = 8 / bits;
-    const int64_t n = queries * per * width;
-    float *part = malloc(sizeof(float) * n);
-    float *total = malloc(sizeof(float) * n);
-    float *blocks = malloc(sizeof(float) * n);
-    if (!part || !total || !blocks) {
-        free(part);
-        free(total);
-        free(blocks);
+    const int64_t r = keys->rank, r_v = values->rank, complete = bits == 8 ? tokens : tokens / keys->group * keys->group;
+    const int64_t key_n = per * keys->width, value_n = queries * per * values->width;
+    const int64_t widest = d > d_v ? d : d_v;
+    float *planes = malloc(sizeof(float) * (queries + 2) * key_n), *logits = malloc(sizeof(float) * (queries * tokens + 1));
+    float *part = malloc(sizeof(float) * value_n), *total = malloc(sizeof(float) * value_n), *blocks = malloc(sizeof(float) * value_n);
+    float *projected = malloc(sizeof(float) * queries * r), *sums = malloc(sizeof(float) * queries * r_v);
+    float *odd = malloc(sizeof(float) * (widest > r ? widest : r));
+    if (!planes || !logits || !part || !total || !blocks || !projected || !sums || !odd) {
+        free(planes), free(logits), free(part), free(total), free(blocks), free(projected), free(sums), free(odd);
         return -1;
     }
     for (int64_t h = 0; h < heads; ++h) {
-        const uint8_t *ch = codes + h * codes_head_stride;
-        const float *wh = w + h * w_head_stride;
-        const half *ts = token_scale ? token_scale + h * token_head_stride : NULL;
-        const half *tz = token_zero ? token_zero + h * token_head_stride : NULL;
-        memset(total, 0, sizeof(float) * n);
+        map_rows(q + h * queries * d, queries, d, query_map + h * d * r, r, odd, projected);
+        head_logits(bits, keys, h, queries, complete, projected, planes, logits, tokens);
+        for (int64_t i = 0; i < queries; ++i)
+            for (int64_t t = complete; t < tokens; ++t)
+                logits[i * tokens + t] = plane_dot(projected + i * r, key_tail + h * tail_head_stride + (t - complete) * r, r);
+
+        const float *value_scale = bits == 8 ? (const float *)values->scale + h * values->scale_head_stride : NULL;
+        float m[MAX_QUERIES], Z[MAX_QUERIES];
+        for (int64_t i = 0; i < queries; ++i)
+            row_weights(logits + i * tokens, tokens, tile, initial_max ? initial_max[h * queries + i] : -INFINITY, value_scale, m + i, Z + i);
+
+        const uint8_t *vc = values->codes + h * values->head_stride;
+        const half *ts = bits == 8 ? NULL : (const half *)values->scale + h * values->scale_head_stride;
+        const half *tz = bits == 8 ? NULL : values->zero + h * values->scale_head_stride;
+        memset(total, 0, sizeof(float) * value_n);
         for (int64_t a = 0; a < tokens; a += tile) {
             const int64_t len = tokens - a < tile ? tokens - a : tile;
-            memset(part, 0, sizeof(float) * n);
+            memset(part, 0, sizeof(float) * value_n);
             if (bits == 8)
-                WITH_WIDTH(width, rows_value_sums(ch + a * width, len, W, 8, queries, wh + a, w_row_stride, NULL, NULL, part, blocks));
+                WITH_WIDTH(values->width, rows_value_sums(vc + a * values->width, len, tokens - a, W, 8, queries, logits + a, tokens, NULL, NULL, part, blocks));
             else if (bits == 4)
-                WITH_WIDTH(width, rows_value_sums(ch + a * width, len, W, 4, queries, wh + a, w_row_stride, ts + a, tz + a, part, blocks));
+                WITH_WIDTH(values->width, rows_value_sums(vc + a * values->width, len, tokens - a, W, 4, queries, logits + a, tokens, ts + a, tz + a, part, blocks));
             else
-                WITH_WIDTH(width, rows_value_sums(ch + a * width, len, W, 2, queries, wh + a, w_row_stride, ts + a, tz + a, part, blocks));
+                WITH_WIDTH(values->width, rows_value_sums(vc + a * values->width, len, tokens - a, W, 2, queries, logits + a, tokens, ts + a, tz + a, part, blocks));
 #pragma omp simd
-            for (int64_t k = 0; k < n; ++k) total[k] += part[k];
+            for (int64_t k = 0; k < value_n; ++k) total[k] += part[k];
         }
         for (int64_t i = 0; i < queries; ++i)
             for (int p = 0; p < per; ++p)
-                for (int64_t k = 0; k < width; ++k) {
+                for (int64_t k = 0; k < values->width; ++k) {
                     const int64_t c = k * per + p;
-                    if (c < rank) sums[(h * queries + i) * rank + c] = total[(i * per + p) * width + k];
+                    if (c < r_v) sums[i * r_v + c] = total[(i * per + p) * values->width + k];
                 }
+        float *oh = out + h * queries * d_v;
+        map_rows(sums, queries, r_v, value_map + h * r_v * d_v, d_v, odd, oh);
+        for (int64_t i = 0; i < queries; ++i) {
+            if (normalize)
+                for (int64_t e = 0; e < d_v; ++e) oh[i * d_v + e] /= Z[i];
+            if (max_out) max_out[h * queries + i] = m[i];
+            if (total_out) total_out[h * queries + i] = Z[i];
+        }
     }
-    free(part);
-    free(total);
-    free(blocks);
+    free(planes), free(logits), free(part), free(total), free(blocks), free(projected), free(sums), free(odd);
     return 0;
 }

@@ -187,9 +187,10 @@ def measure_row(args, fmt: str, basis, K, V, q, backend, src, dst, gen):
     copy_gbs, read_gbs = 2 * src_bytes / t_copy / 1e9, src_bytes / t_read / 1e9
 
     bytes_sdpa = 2 * H * T * d * 4 + q.numel() * 4
-    # spec R4.3: int8 codes and one float32 scale per token; int4 (spec/quantization.md Q3): half a byte per code
-    # and float16 scale and zero point per token (values) or per channel and group (keys), counted approximately
-    per_coef = {"int8": 1 + 4 / r, "int4": 0.5 + 4 / r}.get(coefficients, 4)
+    # spec R4.3: int8 codes and one float32 scale per token; int4 / int2 (spec/quantization.md Q3): half / a quarter
+    # of a byte per code and float16 scale and zero point per token (values) or per channel and group (keys),
+    # counted approximately
+    per_coef = {"int8": 1 + 4 / r, "int4": 0.5 + 4 / r, "int2": 0.25 + 4 / r}.get(coefficients, 4)
     bytes_att = H * T * 2 * r * per_coef + 2 * H * r * d * 4 + q.numel() * 4
 
     # append one token at a time to a state holding T tokens. The first append grows the

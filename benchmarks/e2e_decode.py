@@ -9,7 +9,7 @@ Two settings:
   and values; static bases calibrated on other text at r = r_v = 16 of 64), then ``--steps``
   greedy decode steps are timed.
 * ``llama128``: a random-init Llama with head size 128 (hidden 1024, 8 query / 8 KV heads,
-  ``--layers`` layers) at 8k-16k tokens. Prefilling 16k tokens through the model on one CPU
+  ``--layers`` layers) at 8k-16k tokens, subspace caches with float, int8 and int4 coefficients. Prefilling 16k tokens through the model on one CPU
   thread would take minutes per cache, so every cache is filled with the same random keys and
   values of the context length (what decode reads is then the same amount of data); the decode
   steps run the whole model. Bases: random orthonormal, r = r_v = 32 of 128 (speed and bytes do
@@ -210,7 +210,17 @@ def llama128(steps: int, layers: int, contexts=(8192, 16384), dtype=torch.float3
 
     print(f"random-init Llama, head 128, {layers} layers, 8 KV heads, {str(dtype)[6:]}, r = r_v = 32 of 128, caches filled with random K/V, {steps} steps")
     with compress(model, static_states(bases)) as kv:
-        caches = {"DynamicCache": lambda: DynamicCache(config=model.config), "SubspaceCache r=32": kv.cache, **quantized_caches(model.config)}
+        caches = {
+            "DynamicCache": lambda: DynamicCache(config=model.config),
+            "SubspaceCache r=32": kv.cache,
+            # quantised coefficients (spec A10, spec/quantization.md Q2): on a CPU the torch backend's
+            # kernels read them without dequantising (spec R14)
+            **{
+                f"SubspaceCache r=32 {fmt}": lambda fmt=fmt: SubspaceCache(model.config, static_states(bases, coefficients=fmt))
+                for fmt in ("int8", "int4")
+            },
+            **quantized_caches(model.config),
+        }
         return rows_for(model, contexts, steps, caches, prefill)
 
 

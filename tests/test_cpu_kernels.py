@@ -94,3 +94,23 @@ def test_the_softmax_exponential_is_within_one_ulp():
     ulps = np.abs(got[normal] - exact[normal]) / np.spacing(exact[normal].astype(np.float32)).astype(np.float64)
     assert ulps.max() <= 1.0
     assert got[-3] == 0.0 and got[-2] == 0.0 and np.isnan(got[-1])
+
+
+@pytest.mark.parametrize("coefficients", ["int4", "int2"])
+@pytest.mark.parametrize("ranks", [(11, 9), (32, 16), (80, 48)], ids=["r11-9", "r32-16", "r80-48"])
+def test_low_bit_rows_read_bit_for_bit_as_the_oracle(coefficients, ranks):
+    """The kernels' tile reading (pre-RoPE keys are rebuilt from it, and every torch-operations
+    product on a CPU reads it) against spec Q2's own reading, ``quantization.read_low_bit``: the
+    same float32 numbers, for ranges inside groups, across them and into the unfinished group's
+    float tail, for keys and values, ranks that end inside a byte and ranks past 64 columns."""
+    if not cpu_kernels.availability()[0]:
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.availability()[1]}")
+    from subspace_ref.quantization import read_low_bit
+
+    rng = np.random.default_rng(zlib.crc32(repr((coefficients, ranks)).encode()) + SEED_OFFSET)
+    lay = _state(coefficients, 150, 0, ranks, rng).to("torch", dtype=torch.float32).layout  # groups of 16: 9 whole, 6 in the tail
+    for which in ("key", "value"):
+        for a, b in [(0, 150), (5, 37), (140, 150), (144, 150), (0, 144), (17, 17)]:
+            want = read_low_bit(lay, which, a, b, torch.float32, lay.num_tokens)
+            got = cpu_kernels.low_bit_rows(lay, which, a, b)
+            assert got.shape == want.shape and torch.equal(got, want), (which, a, b)

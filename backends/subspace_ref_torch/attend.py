@@ -115,7 +115,9 @@ def coefficient_rows(state, which: str, a: int, b: int, dtype: torch.dtype) -> t
     "value", dequantised as the oracle does (float32 q * s, then ``dtype``) for int8 layouts
     (spec A10)."""
     lay = state.layout
-    if lay.low_bits:  # int4/int2: dequantised first (spec/quantization.md Q2)
+    if lay.low_bits:  # int4/int2: dequantised first (spec/quantization.md Q2), on a CPU by the kernels
+        if cpu_kernels.reads_low_bit(lay, dtype):
+            return cpu_kernels.low_bit_rows(lay, which, a, b)
         from subspace_ref.quantization import read_low_bit
 
         return read_low_bit(lay, which, a, b, dtype, lay.num_tokens)

@@ -47,6 +47,7 @@ _SIGNATURES = {
         ctypes.c_int, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, ctypes.POINTER(_Side), _ptr, _i64,
         ctypes.POINTER(_Side), _ptr, _i64, _ptr, ctypes.c_int, _ptr, _ptr, _ptr,
     ],
+    "low_bit_rows": [ctypes.c_int, _i64, _i64, _i64, ctypes.POINTER(_Side), _ptr, _i64],
     "softmax_exp": [_i64, _ptr, _ptr],
 }
 
@@ -170,6 +171,41 @@ def coefficient_attention(
     )  # fmt: skip
     _check(rc, "coefficient_attention")
     return (out.view(N, Hq, d_v) if initial_max is None else out), m, Z
+
+
+def reads_low_bit(layout, dtype: torch.dtype) -> bool:
+    """Whether :func:`low_bit_rows` reads ``layout``'s int4 / int2 coefficients into ``dtype``:
+    float32 rows of CPU tensors, kernels available."""
+    return bool(layout.low_bits) and dtype == torch.float32 and layout.key_coef.device.type == "cpu" and _load() is not None
+
+
+def low_bit_rows(layout, which: str, a: int, b: int) -> torch.Tensor:
+    """Spec Q2: the int4 / int2 coefficients of tokens [a, b) of every head of ``layout``, (N, H,
+    b - a, r) float32, as the oracle reads them (``quantization.read_low_bit``): fl32(code s + z),
+    keys of whole groups with their group's per-channel scales and zeros and the unfinished
+    group from its float tail, values with their token's."""
+    N, H = layout.key_coef.shape[:2]
+    T, bits = layout.num_tokens, layout.low_bits
+    if which == "value":
+        r, end = layout.value_bases.shape[3], b
+        arrays, rows, group = (layout.value_coef, layout.value_token_scale, layout.value_token_zero), T, 0
+    else:
+        r, G = layout.key_bases.shape[3], layout.group
+        end = min(b, (T // G) * G)
+        arrays, rows, group = (layout.key_coef, layout.key_group_scale, layout.key_group_zero), T // G, G
+
+    def build():  # a pre-RoPE attend reads a tile per call, ~100 of them at 16k tokens: built once per attend
+        keep: list = []
+        return _side(arrays[0], r, T, arrays[1], arrays[2], rows, group, keep), keep
+
+    side, _ = layout.derived(("low_bit_side", which, T), arrays, build)
+    out = torch.empty((N, H, b - a, r), dtype=torch.float32)
+    if end > a:
+        _check(_load().low_bit_rows(bits, N * H, a, end - a, ctypes.byref(side), out.data_ptr(), b - a), "low_bit_rows")
+    if b > end:  # the unfinished key group, kept in float (spec/quantization.md Q2)
+        complete = (T // layout.group) * layout.group
+        out[:, :, max(a, end) - a :] = layout.key_tail[:, :, max(a, complete) - complete : b - complete]
+    return out
 
 
 def softmax_exp(x: torch.Tensor) -> torch.Tensor:

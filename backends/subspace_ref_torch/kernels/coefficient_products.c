@@ -523,6 +523,62 @@ static void row_weights(float *l, int64_t tokens, int64_t tile, float initial, c
     *total_out = Z;
 }
 
+/* Spec Q1 read of one packed row into column order: out[c] = fl32(code_c s_c + z_c), c < rank,
+ * with per-channel float16 scales and zeros (keys: their group's row) or, where `scale` is NULL,
+ * the token's s and z for every column (values). 16 columns at a time: their 16 / PER bytes,
+ * each repeated PER times by a byte shuffle, shifted per lane to its code and widened. */
+ALWAYS_INLINE void read_row(const uint8_t *row, int64_t width, int bits, int64_t rank, const half *scale, const half *zero, float s, float z,
+                            float *out) {
+    const int per = 8 / bits, mask = (1 << bits) - 1;
+    int64_t c = 0;
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    /* lane l: byte l / PER of the 16 columns' bytes, bits (l mod PER) b of it */
+    const __m128i spread = bits == 4 ? _mm_set_epi8(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0) : _mm_set_epi8(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512i shifts = bits == 4 ? _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0) : _mm512_set_epi32(6, 4, 2, 0, 6, 4, 2, 0, 6, 4, 2, 0, 6, 4, 2, 0);
+    const __m512i codes_mask = _mm512_set1_epi32(mask);
+    for (; c < rank; c += 16) {
+        const int64_t left = rank - c, bytes = width - c / per < 16 ? width - c / per : 16;
+        const __mmask16 lanes = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+        const __m128i packed = _mm_maskz_loadu_epi8((__mmask16)((1u << bytes) - 1u), row + c / per);
+        const __m512i wide = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(packed, spread));
+        const __m512 x = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(wide, shifts), codes_mask));
+        const __m512 sv = scale ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, scale + c)) : _mm512_set1_ps(s);
+        const __m512 zv = scale ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, zero + c)) : _mm512_set1_ps(z);
+        _mm512_mask_storeu_ps(out + c, lanes, _mm512_fmadd_ps(x, sv, zv));
+    }
+#endif
+    for (; c < rank; ++c) {
+        const float code = (float)((row[c / per] >> ((c % per) * bits)) & mask);
+        out[c] = scale ? __builtin_fmaf(code, widen_half(scale[c]), widen_half(zero[c])) : __builtin_fmaf(code, s, z);
+    }
+}
+
+/* Spec Q1-Q2: the int4 / int2 coefficients of tokens [first, first + count) of every head, in
+ * column order, out (heads, out_rows >= count, rank): keys (`side->group` > 0) with their group's per-channel
+ * scales and zeros (the tokens in whole groups: the caller reads the float tail), values with
+ * their token's. As the oracle reads them: fl32(code s + z), code s exact in float32. Returns 0,
+ * or -1 for a layout the kernel does not read. */
+int low_bit_rows(int bits, int64_t heads, int64_t first, int64_t count, const struct coefficient_side *side, float *out, int64_t out_rows) {
+    if ((bits != 4 && bits != 2) || side->width * (8 / bits) < side->rank) return -1;
+    const int64_t rank = side->rank, width = side->width, G = side->group;
+    for (int64_t h = 0; h < heads; ++h) {
+        const uint8_t *codes = side->codes + h * side->head_stride;
+        const half *scale = (const half *)side->scale + h * side->scale_head_stride, *zero = side->zero + h * side->scale_head_stride;
+        for (int64_t t = first; t < first + count; ++t) {
+            float *o = out + (h * out_rows + t - first) * rank;
+            if (G > 0 && bits == 4)
+                read_row(codes + t * width, width, 4, rank, scale + (t / G) * rank, zero + (t / G) * rank, 0.0f, 0.0f, o);
+            else if (G > 0)
+                read_row(codes + t * width, width, 2, rank, scale + (t / G) * rank, zero + (t / G) * rank, 0.0f, 0.0f, o);
+            else if (bits == 4)
+                read_row(codes + t * width, width, 4, rank, NULL, NULL, widen_half(scale[t]), widen_half(zero[t]), o);
+            else
+                read_row(codes + t * width, width, 2, rank, NULL, NULL, widen_half(scale[t]), widen_half(zero[t]), o);
+        }
+    }
+    return 0;
+}
+
 /* out[i][c] = sum_k x[i][k] M[k][c] for rows i < rows (x rows x inner, M inner x cols, out rows x
  * cols): a query times its map, coefficient sums times the value basis. The sum over k is kept in
  * two halves (even and odd k; `odd`: cols floats of scratch), two fma chains instead of one. */

@@ -233,10 +233,11 @@ def test_command_quick(tmp_path):
     assert "Verdict" in page and (tmp_path / "docs" / "figures" / "baselines_pareto.png").exists()
 
 
-@pytest.mark.parametrize("window", [0, 5])
-def test_frontier_runtime_is_the_state(window):
+@pytest.mark.parametrize("window, sinks", [(0, 0), (5, 0), (5, 3)])
+def test_frontier_runtime_is_the_state(window, sinks):
     """baselines/frontier.py's batched evaluation equals SubspaceState (numpy oracle) with int4
-    coefficients, pre-RoPE key bases and an exact window, at every query position."""
+    coefficients, pre-RoPE key bases, an exact window and sinks, at every query position: the
+    one-state rows of docs/baselines.md decode as they are evaluated."""
     torch = pytest.importorskip("torch")
     from subspace_ref import StaticBasis, SubspaceState, attend
     from subspace_ref.allocation import Allocation, HeadAllocation
@@ -248,7 +249,7 @@ def test_frontier_runtime_is_the_state(window):
     rope = RopeParams(1.0 / 100.0 ** (np.arange(0, d, 2) / d))
     Wk = np.linalg.qr(rng.standard_normal((H, d, d)))[0].transpose(0, 2, 1)
     Wv = np.linalg.qr(rng.standard_normal((H, d, d)))[0].transpose(0, 2, 1)
-    alloc = Allocation(((HeadAllocation(r, rv, 4, 4, "pre_rope"),) * H,), G, window=window)
+    alloc = Allocation(((HeadAllocation(r, rv, 4, 4, "pre_rope"),) * H,), G, window=window, sinks=sinks)
     runtime = Frontier(alloc, "t").with_bases([{"Wv": Wv}], [{"Wk": Wk}], rope).runtime(0)  # keys: pre-RoPE bases only
     k_pre = rng.standard_normal((H, T, r)) @ Wk[:, :r] * 3 + 0.1 * rng.standard_normal((H, T, d))
     k = rotate(k_pre, np.arange(T), rope)
@@ -256,7 +257,8 @@ def test_frontier_runtime_is_the_state(window):
     q = rng.standard_normal((2 * H, T, d))  # two query heads per KV head
     s = 1 / np.sqrt(d)
     got = runtime.attend(*(torch.from_numpy(x[None]).float() for x in (q, k, v)), s)[0].double().numpy()
-    state = SubspaceState.static(StaticBasis.from_bases(Wk[:, :r], Wv[:, :rv]), coefficients="int4", group_size=G, rope=rope, window=window)
+    basis = StaticBasis.from_bases(Wk[:, :r], Wv[:, :rv])
+    state = SubspaceState.static(basis, coefficients="int4", group_size=G, rope=rope, window=window, sinks=sinks)
     for p in range(T):
         state.append(k[:, p], v[:, p])
         want = attend(q[:, p], state)

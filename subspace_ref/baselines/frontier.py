@@ -58,9 +58,11 @@ class _BoundFrontier:
         return _FrontierRuntime(heads, bases, self.alloc.group, self.alloc.window, self.alloc.sinks, self.rope)
 
 
-def _quantized_keys(c: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+def _quantized_keys(c: torch.Tensor, bits: int, group: int, first: int = 0) -> torch.Tensor:
     """Coefficients (B, T, r) as read once their group is complete (the tail's rows are only
-    read before that, so they are left as they are)."""
+    read before that, so they are left as they are). The groups are those of the compressed
+    stream, which starts at token ``first`` (after the sinks: spec/window.md W10); the rows
+    before it are exact tokens, never read from here."""
     from subspace_ref.quantization import dequantize_groups, dequantize_rows, quantize_groups, quantize_rows
 
     if bits == 16 or c.shape[-1] == 0:
@@ -69,11 +71,11 @@ def _quantized_keys(c: torch.Tensor, bits: int, group: int) -> torch.Tensor:
         q, s = quantize_rows(c)
         return dequantize_rows(q, s, c.dtype)
     B, T, r = c.shape
-    done = (T // group) * group
+    done = max(0, T - first) // group * group
     out = c.clone()
     if done:
-        q, s, z = quantize_groups(c[:, :done].reshape(B, done // group, group, r), bits, -2)
-        out[:, :done] = dequantize_groups(q, s, z, -2, c.dtype).reshape(B, done, r)
+        q, s, z = quantize_groups(c[:, first : first + done].reshape(B, done // group, group, r), bits, -2)
+        out[:, first : first + done] = dequantize_groups(q, s, z, -2, c.dtype).reshape(B, done, r)
     return out
 
 
@@ -114,7 +116,7 @@ class _FrontierRuntime:
             x = rotate(kk, positions, self.rope, inverse=True) if c.key_basis == "pre_rope" else kk
             coef = x @ Bk.T
             k_tail = coef @ Bk
-            k_done = _quantized_keys(coef, c.bits_k, self.group) @ Bk
+            k_done = _quantized_keys(coef, c.bits_k, self.group, self.sinks) @ Bk
             if c.key_basis == "pre_rope":
                 k_tail, k_done = rotate(k_tail, positions, self.rope), rotate(k_done, positions, self.rope)
             v_hat = _quantized_values(vv @ Ev.T, c.bits_v) @ Ev

@@ -32,7 +32,7 @@ from subspace_ref.backend import Backend
 from subspace_ref.numpy_backend import attend_reference
 from subspace_ref.policies.online_run import relative_residual
 from subspace_ref.quantization import quantize_rows
-from subspace_ref_cupy import CupyBackend, _emulation, _kernels, _launch, cupy_backend
+from subspace_ref_cupy import CupyBackend, _emulation, _kernels, _launch
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -348,12 +348,16 @@ _EMU_CONFIGS = [
 ]
 
 
-# pre-RoPE states (spec/rope.md P3): float and int8 coefficients, rank tiles 32 and 64
+# pre-RoPE states (spec/rope.md P3): float, int8, int4 and int2 coefficients, rank tiles 32 and 64
 _EMU_ROPE = [
     _kernels.RopeConfig("float32", "same", 32),
     _kernels.RopeConfig("float32", "int8", 32),
     _kernels.RopeConfig("bfloat16", "same", 32),
     _kernels.RopeConfig("float32", "same", 64),
+    _kernels.RopeConfig("float32", "int4", 32),
+    _kernels.RopeConfig("float32", "int2", 32),
+    _kernels.RopeConfig("bfloat16", "int4", 32),
+    _kernels.RopeConfig("float32", "int4", 64),
 ]
 
 
@@ -563,9 +567,6 @@ def _check_harness_case(lib, case) -> None:
     if gaps:  # the kernel does not read these arrays: the cupy backend refuses such states
         pytest.skip(f"{case}: the cupy backend declares no {', '.join(sorted(gaps))} (its capabilities)")
     b = build(case)
-    combination = cupy_backend.combination_reasons(b.state)
-    if combination:
-        pytest.skip(f"{case}: {'; '.join(combination)}")
     scale = 1 / np.sqrt(case.d) if b.scale is None else b.scale
     # the state's arrays beyond the layout: a pre-RoPE rotation, the sinks and the recent window
     out = _emulation.attend(b.q.astype(np.float32), "float32", _emulation.host_state_arrays(b.state, "float32"), scale, lib=lib)
@@ -652,6 +653,36 @@ def test_emulated_rope_static(emu_lib, layout, coefficients, dtype, rank_k, spli
 
 
 @needs_emulation
+@pytest.mark.parametrize(
+    "fmt, dtype, rank_k, splits",
+    [("int4", "float32", 19, (3, 32)), ("int2", "float32", 19, (3, 32)), ("int4", "bfloat16", 19, (2, 64)), ("int4", "float32", 40, None)],
+    ids=["int4", "int2", "int4-bf16", "int4-rank-tile-64"],
+)
+def test_emulated_rope_low_bit(emu_lib, fmt, dtype, rank_k, splits):
+    """Spec/rope.md P3 over int4/int2 codes (spec/quantization.md Q2): the keys dequantised per
+    tile (per channel over groups of 8 tokens, the last 3 of 75 tokens the float tail) before the
+    rebuild and rotation, the values per token in the weighted sum. Odd key rank (a half-filled
+    last byte), GQA group 2, splits of 32 tokens crossing key groups and the tail, splits of two
+    tiles, and the automatic split at rank tile 64. The codes matter (all keys read as their
+    group's zero point moves the output past twice the tolerance), and so does the rotation."""
+    rng = np.random.default_rng(35)
+    d = 64
+    basis = calibrate(rng.standard_normal((2, 256, d)), rng.standard_normal((2, 256, d)), rank_k=rank_k, rank_v=24, gamma="paper")
+    state = SubspaceState.static(basis, dtype=np.float64, rope=_rope(d), coefficients=fmt, group_size=8)
+    state.append(rng.standard_normal((2, 75, d)), rng.standard_normal((2, 75, d)))
+    assert state.layout.low_bits == int(fmt[3]) and state.layout.num_tokens == 75
+    q = rng.standard_normal((1, 4, d))
+    tol = _check_state(emu_lib, state, q, None, dtype, splits)
+    out64 = attend_reference(q, state, None)
+    flat = state.copy()
+    flat.layout = replace(flat.layout, key_coef=np.zeros_like(flat.layout.key_coef))
+    assert np.abs(attend_reference(q, flat, None) - out64).max() > 2 * tol
+    unrotated = state.copy()
+    unrotated.policy = replace(unrotated.policy, rope=None)
+    assert np.abs(attend_reference(q, unrotated, None) - out64).max() > 2 * tol
+
+
+@needs_emulation
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_emulated_rope_with_sinks_and_window_is_exact_on_the_span(emu_lib, dtype):
     """Spec/window.md W10.1 through the kernels: pre-RoPE keys of rank 4 in the span of B, 3
@@ -728,19 +759,17 @@ def test_pre_rope_append_unrotates_at_the_compressed_positions():
     np.testing.assert_allclose(got, oracle.layout.key_coef[:, :, T : T + 5], rtol=1e-12, atol=1e-12)
 
 
-def test_rope_and_window_are_accepted_and_low_bit_rope_refused():
-    """The capability declares window, sinks and rope; a pre-RoPE state with int4 codes (no
-    kernel reads them rotated) is refused with the format named."""
+@pytest.mark.parametrize("fmt", ["int4", "int2"])
+def test_rope_window_and_low_bit_rope_are_accepted(fmt):
+    """The capability declares window, sinks and rope; pre-RoPE states with int4/int2 codes are
+    accepted too (decode_rope_partial reads them as decode_split_partial does)."""
     caps = CupyBackend().capabilities
     assert caps.window and caps.sinks and caps.rope
     q = FakeCupyArray(np.zeros((1, 4, 64), dtype=np.float32))
     state = static_state(rank_k=8, rank_v=8, T=20, sinks=2, window=4, rope=_rope(64))
     assert reasons_besides_availability(q, fake_gpu_state(state)) == []
-    try:
-        low = static_state(rank_k=8, rank_v=8, T=20, rope=_rope(64), coefficients="int4", group_size=4)
-    except ValueError as err:  # the state itself may refuse the combination
-        pytest.skip(f"pre-RoPE int4 states are not built: {err}")
-    assert any("int4" in r and "pre-RoPE" in r for r in reasons_besides_availability(q, fake_gpu_state(low)))
+    low = static_state(rank_k=8, rank_v=8, T=20, rope=_rope(64), coefficients=fmt, group_size=4)
+    assert reasons_besides_availability(q, fake_gpu_state(low)) == []
 
 
 @needs_emulation

@@ -56,6 +56,13 @@ PROJECT_THREADS = 128
 PROJECT_WARPS = PROJECT_THREADS // 32
 
 
+def coef_cuda_type(dtype: str, coef: str) -> str:
+    """The CUDA coefficient type (the templates' CoefT) of a coefficient kind stored beside ``dtype`` bases."""
+    if coef in LOW_BIT_TYPES:
+        return LOW_BIT_TYPES[coef]
+    return INT8_TYPE if coef == "int8" else CUDA_TYPES[dtype]
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     """One instantiation of the decode and projection templates (the merge depends on dtype only)."""
@@ -72,9 +79,7 @@ class KernelConfig:
 
     @property
     def coef_type(self) -> str:
-        if self.coef in LOW_BIT_TYPES:
-            return LOW_BIT_TYPES[self.coef]
-        return INT8_TYPE if self.coef == "int8" else self.cuda_type
+        return coef_cuda_type(self.dtype, self.coef)
 
     def _args(self) -> str:
         return f"{self.cuda_type}, {self.coef_type}, {self.d}, {self.d_v}, {self.rank_tile}"
@@ -110,28 +115,27 @@ class RopeConfig:
     arguments, since the per-token work (the O(r d) rebuild) loops over d at run time anyway."""
 
     dtype: str
-    coef: str  # "same" or "int8"
+    coef: str  # "same", "int8", "int4" or "int2", as KernelConfig's
     rank_tile: int
 
     @property
-    def name(self) -> str:
-        coef_type = INT8_TYPE if self.coef == "int8" else CUDA_TYPES[self.dtype]
-        return f"{NAMESPACE}::decode_rope_partial<{CUDA_TYPES[self.dtype]}, {coef_type}, {self.rank_tile}>"
+    def coef_type(self) -> str:
+        return coef_cuda_type(self.dtype, self.coef)
 
     @property
-    def coef_type(self) -> str:
-        return INT8_TYPE if self.coef == "int8" else CUDA_TYPES[self.dtype]
+    def name(self) -> str:
+        return f"{NAMESPACE}::decode_rope_partial<{CUDA_TYPES[self.dtype]}, {self.coef_type}, {self.rank_tile}>"
 
 
 def rope_configs() -> list[RopeConfig]:
-    """Every pre-RoPE decode instantiation: float and int8 coefficients (int4/int2 pre-RoPE states
-    are refused by the backend), every rank tile."""
-    return [RopeConfig(dtype, coef, rt) for dtype in CUDA_TYPES for coef in COEF_KINDS for rt in RANK_TILES]
+    """Every pre-RoPE decode instantiation: every coefficient storage the plain decode reads
+    (float, int8, int4, int2), every rank tile."""
+    return [RopeConfig(dtype, coef, rt) for dtype in CUDA_TYPES for coef in DECODE_COEF_KINDS for rt in RANK_TILES]
 
 
 def find_rope_config(dtype: str, coef: str, rank: int, rank_v: int) -> RopeConfig | None:
     rt = rank_tile(rank, rank_v)
-    if rt is None or dtype not in CUDA_TYPES or coef not in COEF_KINDS:
+    if rt is None or dtype not in CUDA_TYPES or coef not in DECODE_COEF_KINDS:
         return None
     return RopeConfig(dtype, coef, rt)
 
@@ -181,45 +185,52 @@ def _config_set() -> frozenset[KernelConfig]:
 COEF_BITS = {"float": 32, "__half": 16, "__nv_bfloat16": 16, INT8_TYPE: 8, LOW_BIT_TYPES["int4"]: 4, LOW_BIT_TYPES["int2"]: 2}
 
 
+def _stages(tokens: int, row_bytes: int) -> int:
+    """TileGeometry<RT, CoefT, TT>::kStages: two if two stages of key and value tiles fit
+    STAGE_BUDGET_BYTES, else one."""
+    return 2 if 2 * 2 * tokens * row_bytes <= STAGE_BUDGET_BYTES else 1
+
+
 def decode_tiles(rt: int, bits: int) -> tuple[int, int]:
     """(tokens per tile, stages) of ``decode_split_partial`` for rank tile ``rt`` and ``bits`` per
     stored coefficient (DecodeTiles<RT, CoefT> there): two stages of 64-token tiles if their key
     and value tiles fit STAGE_BUDGET_BYTES, else two of 32, else one of 32."""
     row = rt * bits // 8 + ROW_PAD_BYTES
-    if 2 * 2 * TOKEN_TILE * row <= STAGE_BUDGET_BYTES:
-        return TOKEN_TILE, 2
-    return TOKEN_TILE_SMALL, 2 if 2 * 2 * TOKEN_TILE_SMALL * row <= STAGE_BUDGET_BYTES else 1
-
-
-def decode_shared_bytes(group: int, d: int, d_v: int, rt: int, coef_type: str) -> int:
-    """Dynamic shared memory of ``decode_split_partial`` (the carve-up at the top of the kernel);
-    ``coef_type`` is the CUDA coefficient type of the instantiation (its second template argument)."""
-    bits = COEF_BITS[coef_type]
-    low_bit = coef_type in LOW_BIT_TYPES.values()
-    tt, stages = decode_tiles(rt, bits)
-    tiles = stages * 2 * tt * (rt * bits // 8 + ROW_PAD_BYTES)
-    extra = 0
-    if coef_type == INT8_TYPE or low_bit:
-        extra += stages * 2 * tt  # int8 scales; low-bit value zero points and scales
-    if low_bit:
-        extra += stages * tt + tt * (rt + 1)  # key group per token; dequantised key tile
-    return tiles + 4 * extra + 4 * group * (d + 2 * rt + tt + d_v + 4)
+    tt = TOKEN_TILE if _stages(TOKEN_TILE, row) == 2 else TOKEN_TILE_SMALL
+    return tt, _stages(tt, row)
 
 
 def rope_tiles(rt: int, bits: int) -> tuple[int, int]:
     """(tokens per tile, stages) of ``decode_rope_partial`` (RopeTiles<RT, CoefT> there): 32-token
     tiles, two stages when their key and value tiles fit STAGE_BUDGET_BYTES."""
-    row = rt * bits // 8 + ROW_PAD_BYTES
-    return ROPE_TOKEN_TILE, 2 if 2 * 2 * ROPE_TOKEN_TILE * row <= STAGE_BUDGET_BYTES else 1
+    return ROPE_TOKEN_TILE, _stages(ROPE_TOKEN_TILE, rt * bits // 8 + ROW_PAD_BYTES)
+
+
+def _tile_bytes(tt: int, stages: int, rt: int, coef_type: str) -> int:
+    """TileGeometry<RT, CoefT, TT>::kBytes: the coefficient tiles of every stage and the per-token
+    numbers beside them (int8 scales; low-bit value zero points and scales, key groups, and the
+    dequantised key tile)."""
+    bits = COEF_BITS[coef_type]
+    low_bit = coef_type in LOW_BIT_TYPES.values()
+    extra = 0
+    if coef_type == INT8_TYPE or low_bit:
+        extra += stages * 2 * tt  # int8 scales; low-bit value zero points and scales
+    if low_bit:
+        extra += stages * tt + tt * (rt + 1)  # key group per token; dequantised key tile
+    return stages * 2 * tt * (rt * bits // 8 + ROW_PAD_BYTES) + 4 * extra
+
+
+def decode_shared_bytes(group: int, d: int, d_v: int, rt: int, coef_type: str) -> int:
+    """Dynamic shared memory of ``decode_split_partial`` (the carve-up at the top of the kernel);
+    ``coef_type`` is the CUDA coefficient type of the instantiation (its second template argument)."""
+    tt, stages = decode_tiles(rt, COEF_BITS[coef_type])
+    return _tile_bytes(tt, stages, rt, coef_type) + 4 * group * (d + 2 * rt + tt + d_v + 4)
 
 
 def rope_shared_bytes(group: int, d: int, rt: int, coef_type: str) -> int:
     """Dynamic shared memory of ``decode_rope_partial`` (the carve-up at the top of the kernel)."""
-    bits = COEF_BITS[coef_type]
-    tt, stages = rope_tiles(rt, bits)
-    tiles = stages * 2 * tt * (rt * bits // 8 + ROW_PAD_BYTES)
-    scales = stages * 2 * tt if coef_type == INT8_TYPE else 0
-    return tiles + 4 * (scales + tt * (d + 1) + 2 * ROPE_SUB * (d // 2) + group * (d + tt + rt + 3))
+    tt, stages = rope_tiles(rt, COEF_BITS[coef_type])
+    return _tile_bytes(tt, stages, rt, coef_type) + 4 * (tt * (d + 1) + 2 * ROPE_SUB * (d // 2) + group * (d + tt + rt + 3))
 
 
 def exact_shared_bytes(group: int, d: int, d_v: int) -> int:

@@ -213,18 +213,32 @@ def plan_attend(dtype: str, q_shape: tuple, arrays: CoefArrays, sm_count: int, s
     return AttendPlan(decode, dtype, N, H, Hq, d, d_v, K.exact_shared_bytes(Hq // H, d, d_v), len(arrays.exact))
 
 
+def _coef_side_args(a: CoefArrays) -> tuple:
+    """The arrays both decode kernels take after key_coef and value_coef (HeadCoefs there): int8
+    scales, then the int4/int2 key group scales and zero points, key tail and value scales and
+    zero points; null pointers where the storage has none."""
+    return (
+        _ptr(a.key_scale), _ptr(a.value_scale),
+        _ptr(a.key_group_scale), _ptr(a.key_group_zero), _ptr(a.key_tail), _ptr(a.value_token_scale), _ptr(a.value_token_zero),
+    )
+
+
+def _key_group_arg(a: CoefArrays) -> np.int32:
+    """The key group size G of int4/int2 keys (spec/quantization.md Q2); 1 for other storage."""
+    return i32(a.key_group if a.low_bits else 1)
+
+
 def decode_args(plan: DecodePlan, q: Any, arrays: CoefArrays, part_m: Any, part_z: Any, part_o: Any, scale: float) -> tuple:
     """Arguments of ``decode_split_partial``, in the kernel's parameter order."""
     a = arrays
     return (
-        q, a.key_coef, a.value_coef, _ptr(a.key_scale), _ptr(a.value_scale),
-        _ptr(a.key_group_scale), _ptr(a.key_group_zero), _ptr(a.key_tail), _ptr(a.value_token_scale), _ptr(a.value_token_zero),
+        q, a.key_coef, a.value_coef, *_coef_side_args(a),
         a.key_bases, a.value_bases, a.chunk_starts, a.num_chunks, a.gamma,
         part_m, part_z, part_o,
         i32(plan.H), i32(plan.group), i32(a.key_coef.shape[2]), i32(a.key_bases.shape[2]),
         i32(a.key_bases.shape[3]), i32(a.value_bases.shape[3]),
         i32(a.key_bases.shape[4]), i32(a.value_bases.shape[4]),
-        i32(a.num_tokens), i32(plan.split_len), i32(a.key_group if a.low_bits else 1), np.float32(scale),
+        i32(a.num_tokens), i32(plan.split_len), _key_group_arg(a), np.float32(scale),
     )
 
 
@@ -232,11 +246,11 @@ def rope_args(plan: DecodePlan, q: Any, arrays: CoefArrays, part_m: Any, part_z:
     """Arguments of ``decode_rope_partial``, in the kernel's parameter order."""
     a = arrays
     return (
-        q, a.key_coef, a.value_coef, _ptr(a.key_scale), _ptr(a.value_scale), a.key_bases, a.value_bases, a.gamma,
+        q, a.key_coef, a.value_coef, *_coef_side_args(a), a.key_bases, a.value_bases, a.gamma,
         a.rope_inv_freq, a.rope_order, part_m, part_z, part_o,
         i32(plan.H), i32(plan.group), i32(a.key_coef.shape[2]), i32(a.key_bases.shape[2]),
         i32(a.key_bases.shape[3]), i32(a.value_bases.shape[3]), i32(a.key_bases.shape[4]), i32(a.value_bases.shape[4]),
-        i32(a.num_tokens), i32(plan.split_len), i32(a.rope_inv_freq.shape[0]), i32(a.rope_first_position),
+        i32(a.num_tokens), i32(plan.split_len), _key_group_arg(a), i32(a.rope_inv_freq.shape[0]), i32(a.rope_first_position),
         np.float32(a.rope_scale), np.float32(scale),
     )
 

@@ -10,9 +10,8 @@ def declared(dtypes: tuple[str, ...]) -> Capabilities:
     (viewed through DLPack); native bases only (spec/storage.md S7); exact recent windows and
     attention sinks (spec/window.md W3, W7-W8: kernels/decode_attention.cu exact_partial, merged
     with the compressed splits); pre-RoPE static states (spec/rope.md P3, decode_rope_partial, positions
-    from S per W10; float and int8 coefficients, int4/int2 ones refused in call_reasons); float, int8,
-    int4 or int2 coefficients (spec/quantization.md; int4/int2 are read by the decode kernel, appends
-    to them are refused before any change). Adaptive and rotating appends run the oracle's token loop
+    from S per W10); float, int8, int4 or int2 coefficients (spec/quantization.md; int4/int2 are read
+    by both decode kernels, plain and pre-RoPE; appends to them are refused before any change). Adaptive and rotating appends run the oracle's token loop
     on CuPy arrays, so every sketch variant but lookahead (a window option) runs."""
     return Capabilities(
         array_families=("cupy", "torch"), devices=("cuda",), dtypes=dtypes, coefficient_formats=("float", "int8", "int4", "int2"), basis_formats=("native",),

@@ -45,15 +45,6 @@ def _has_ml_dtypes() -> bool:
     return int(cupy.__version__.split(".")[0]) >= 14
 
 
-def combination_reasons(state) -> list[str]:
-    """Refusals of feature combinations that each declared feature alone does not show: the
-    pre-RoPE kernel reads float and int8 coefficients only."""
-    low_bits = int(getattr(state.layout, "low_bits", 0) or 0)
-    if getattr(state.policy, "rope", None) is not None and low_bits:
-        return [f"the pre-RoPE decode kernel reads float or int8 coefficients; this state stores int{low_bits} (spec/quantization.md Q2): use the torch or numpy backend"]
-    return []
-
-
 class CupyBackend:
     """Decode attention (spec A2, A3, A3.2) and static appends (spec A6) on the CUDA kernels of
     ``kernels/*.cu``; adaptive and rotating appends (spec A7, A8) run the oracle's array-generic
@@ -182,7 +173,6 @@ class CupyBackend:
                 f"no compiled kernel for head sizes (d, d_v) = ({d}, {d_v}) with ranks (r, r_v) = ({r}, {r_v}); "
                 f"rank tiles compiled: {', '.join(map(str, _kernels.RANK_TILES))}"
             )
-        reasons += combination_reasons(state)
         for field, x in exact.items():
             if _interop.dtype_name(x) != dtype:
                 reasons.append(f"{field} has dtype {_interop.dtype_name(x)} but the bases have {dtype}; expected one dtype")

@@ -153,17 +153,17 @@ def triton_rows(exhaustive: bool = False) -> list[Row]:
 
 def cuda_default_names() -> set[str]:
     """The CuPy backend's instantiations for the benchmark's setting, every dtype and storage:
-    decode (float, int8, int4, int2 coefficients), projection (float, int8: the formats appended
-    to), merge, the pre-RoPE decode (float, int8) and the exact-token partial."""
+    decode and pre-RoPE decode (float, int8, int4, int2 coefficients), projection (float, int8:
+    the formats appended to), merge and the exact-token partial."""
     from subspace_ref_cupy import _kernels as K
 
     names = set()
     for dtype in K.CUDA_TYPES:
         for coef in K.DECODE_COEF_KINDS:
             cfg = K.find_config(dtype, coef, D, D, RANK, RANK)
-            names |= {cfg.decode_name, cfg.merge_name}
+            names |= {cfg.decode_name, cfg.merge_name, K.find_rope_config(dtype, coef, RANK, RANK).name}
             if coef in K.COEF_KINDS:
-                names |= {cfg.project_name, K.find_rope_config(dtype, coef, RANK, RANK).name}
+                names.add(cfg.project_name)
         names.add(K.exact_name(dtype))
     return {n.replace(" ", "") for n in names}
 

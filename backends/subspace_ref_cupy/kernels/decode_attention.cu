@@ -40,24 +40,19 @@ constexpr int kStageBudgetBytes = 24 * 1024;
 // of a quarter warp, reading one vector each from 8 consecutive rows, hit 8 distinct bank groups.
 constexpr int kRowPadBytes = 16;
 
-// Tile geometry of one instantiation. Tiles hold the coefficients as stored (no dequantisation
-// on the copy, so the copy can be asynchronous); each row is RT * sizeof(CoefT) + kRowPadBytes
-// bytes, the bytes past a row's `rank` coefficients stay zero. The first of these that fits the
-// budget is used:
-//   two stages of 64-token tiles  (16-bit coefficients at rank tile 32; int8 at 32 and 64),
-//   two stages of 32-token tiles  (float32 at 32; 16-bit at 64; int8 at 128),
-//   one stage of 32-token tiles   (the rest: the copy of the next tile then waits for the
-//                                  compute on the current one, as before streaming).
-// At rank tile 64 two 64-row stages of 16-bit coefficients take 4 x 64 x 144 B = 36.9 KB, which
-// with the rest (7.2 KB) exceeds the 40 KB per block of 4 blocks on A100; 32-row stages take
-// 18.4 KB.
-template <int RT, typename CoefT>
-struct DecodeTiles {
+// Shared-memory geometry of a decode kernel's coefficient tiles: kStages stages, each a key and a
+// value tile of TT rows. Tiles hold the coefficients as stored (no dequantisation on the copy, so
+// the copy can be asynchronous); each row is RT * bits / 8 + kRowPadBytes bytes, the bytes past a
+// row's `rank` coefficients are never copied. Two stages (the next tile in flight while the block
+// computes on the current one) when they fit kStageBudgetBytes, else one (the copy of the next
+// tile then waits for the compute on the current one).
+template <int RT, typename CoefT, int TT>
+struct TileGeometry {
     using Reader = CoefReader<CoefT>;
+    static constexpr int kRankTile = RT;
     static constexpr int kRowBytes = RT * Reader::kBits / 8 + kRowPadBytes;
-    static constexpr bool kWide = 2 * 2 * kTokenTile * kRowBytes <= kStageBudgetBytes;
-    static constexpr int kTokens = kWide ? kTokenTile : kTokenTileSmall;
-    static constexpr int kStages = (kWide || 2 * 2 * kTokenTileSmall * kRowBytes <= kStageBudgetBytes) ? 2 : 1;
+    static constexpr int kTokens = TT;
+    static constexpr int kStages = 2 * 2 * kTokens * kRowBytes <= kStageBudgetBytes ? 2 : 1;
     static constexpr int kTileBytes = kTokens * kRowBytes;
     // Per stage: int8, the float32 scales of the keys then of the values; low-bit, the value
     // zero points then scales (float16 widened), and each token's key group (-1: the tail).
@@ -68,6 +63,16 @@ struct DecodeTiles {
     static constexpr int kKeyFloats = Reader::kLowBit ? kTokens * (RT + 1) : 0;
     static constexpr int kBytes = kStages * 2 * kTileBytes + 4 * (kScaleFloats + kGroupInts + kKeyFloats);
 };
+
+// The tiles of decode_split_partial: the first of these that fits the budget is used:
+//   two stages of 64-token tiles  (16-bit coefficients at rank tile 32; int8 at 32 and 64),
+//   two stages of 32-token tiles  (float32 at 32; 16-bit at 64; int8 at 128),
+//   one stage of 32-token tiles   (the rest).
+// At rank tile 64 two 64-row stages of 16-bit coefficients take 4 x 64 x 144 B = 36.9 KB, which
+// with the rest (7.2 KB) exceeds the 40 KB per block of 4 blocks on A100; 32-row stages take
+// 18.4 KB.
+template <int RT, typename CoefT>
+using DecodeTiles = TileGeometry<RT, CoefT, TileGeometry<RT, CoefT, kTokenTile>::kStages == 2 ? kTokenTile : kTokenTileSmall>;
 
 // Dynamic shared memory of decode_split_partial, in bytes (the Python launcher uses the same
 // formula, subspace_ref_cupy._kernels.decode_shared_bytes):
@@ -236,27 +241,197 @@ __device__ __forceinline__ void commit_tile_softmax(float* s_alpha, float* s_z, 
     }
 }
 
+// ------------------------------------------------------------------ coefficient tile stream
+// The coefficient arrays of one (sequence n, KV head h) as the decode kernels read them: the rows
+// as stored (spec A9), with int8's per-token scales (spec A10) or int4/int2's key group scales
+// and zero points, unfinished key group and value scales and zero points (spec/quantization.md Q2).
+template <typename T, typename CoefT>
+struct HeadCoefs {
+    const CoefT* key_coef;            // (N, H, T_cap, r)
+    const CoefT* value_coef;          // (N, H, T_cap, r_v)
+    const float* key_scale;           // (N, H, T_cap), int8 only
+    const float* value_scale;         // (N, H, T_cap), int8 only
+    const __half* key_group_scale;    // (N, H, ceil(T_cap / G), r), int4/int2 only
+    const __half* key_group_zero;     // (N, H, ceil(T_cap / G), r), int4/int2 only
+    const T* key_tail;                // (N, H, G, r), int4/int2 only
+    const __half* value_token_scale;  // (N, H, T_cap), int4/int2 only
+    const __half* value_token_zero;   // (N, H, T_cap), int4/int2 only
+    long long nh;                     // n H + h
+    long long row0;                   // the head's token 0 in the (N, H, T_cap) arrays
+    long long key_groups_cap;         // ceil(T_cap / G)
+    int rank, rank_v;
+    int key_group;                    // G (1 for float and int8)
+    int complete;                     // low-bit: tokens below are in complete key groups (spec Q2 step 2)
+
+    __device__ __forceinline__ HeadCoefs(const CoefT* key_coef, const CoefT* value_coef, const float* key_scale, const float* value_scale,
+                                         const __half* key_group_scale, const __half* key_group_zero, const T* key_tail,
+                                         const __half* value_token_scale, const __half* value_token_zero, long long nh, int t_cap,
+                                         int rank, int rank_v, int num_tokens, int key_group)
+        : key_coef(key_coef), value_coef(value_coef), key_scale(key_scale), value_scale(value_scale), key_group_scale(key_group_scale),
+          key_group_zero(key_group_zero), key_tail(key_tail), value_token_scale(value_token_scale), value_token_zero(value_token_zero),
+          nh(nh), row0(nh * t_cap), key_groups_cap((t_cap + key_group - 1) / key_group), rank(rank), rank_v(rank_v),
+          key_group(key_group), complete(CoefReader<CoefT>::kLowBit ? (num_tokens / key_group) * key_group : 0) {}
+};
+
+// A block's coefficient tiles at the start of its dynamic shared memory (the tiles first: their
+// 16-byte alignment is the buffer's); the kernel's own arrays start at end().
+template <class Tiles>
+struct TileBuffers {
+    unsigned char* tiles;  // stage s: the key tile at 2 s kTileBytes, the value tile after it
+    float* scales;         // stage s at 2 s TT: int8, key then value scales; low-bit, value zero points then scales
+    int* groups;           // low-bit: stage s at s TT, each token's key group (-1: the tail)
+    float* keys;           // low-bit: the current tile's keys dequantised, TT rows of RT + 1 floats
+
+    __device__ __forceinline__ explicit TileBuffers(float* smem)
+        : tiles(reinterpret_cast<unsigned char*>(smem)),
+          scales(reinterpret_cast<float*>(tiles + Tiles::kStages * 2 * Tiles::kTileBytes)),
+          groups(reinterpret_cast<int*>(scales + Tiles::kScaleFloats)),
+          keys(reinterpret_cast<float*>(groups + Tiles::kGroupInts)) {}
+    __device__ __forceinline__ float* end() const { return keys + Tiles::kKeyFloats; }
+};
+
+// The tile of tokens t0 .. t0 + len - 1 as a kernel's per-tile work reads it, its copies landed.
+template <class Tiles>
+struct Tile {
+    using Reader = typename Tiles::Reader;
+    const unsigned char* key_codes;    // rows of kRowBytes bytes, as stored
+    const unsigned char* value_codes;
+    const float* key_scale;            // int8: per token
+    const float* value_scale;          // int8 and int4/int2: per token
+    const float* value_zero;           // int4/int2: per token
+    const float* keys;                 // int4/int2: the keys dequantised, rows of RT + 1 floats
+    int t0, len;
+
+    // Key coefficient i of token t: the stored number (int8: before the token's scale, which the
+    // logit takes once), or the dequantised low-bit key.
+    __device__ __forceinline__ float key(int t, int i) const {
+        if constexpr (Reader::kLowBit) {
+            return keys[t * (Tiles::kRankTile + 1) + i];
+        } else {
+            return Reader::at(key_codes + t * Tiles::kRowBytes, i);
+        }
+    }
+};
+
+// Issues the copies of tokens t0 .. t0 + len - 1 into stage `stage`: key and value rows and int8
+// scales asynchronously, the low-bit per-token numbers as plain loads.
+template <class Tiles, typename T, typename CoefT>
+__device__ __forceinline__ void issue_stage(const TileBuffers<Tiles>& buf, const HeadCoefs<T, CoefT>& src, int stage, int t0, int len, int tid) {
+    constexpr int TT = Tiles::kTokens;
+    unsigned char* s_tile = buf.tiles + stage * 2 * Tiles::kTileBytes;
+    float* s_scale = buf.scales + stage * 2 * TT;
+    issue_tile<Tiles::kRowBytes>(s_tile, s_scale, src.key_coef, src.key_scale, src.row0 + t0, len, src.rank, tid);
+    issue_tile<Tiles::kRowBytes>(s_tile + Tiles::kTileBytes, s_scale + TT, src.value_coef, src.value_scale, src.row0 + t0, len, src.rank_v, tid);
+    if constexpr (CoefReader<CoefT>::kLowBit) {
+        stage_low_bit_token_data(buf.groups + stage * TT, s_scale, src.value_token_scale, src.value_token_zero, src.row0 + t0, t0, len,
+                                 src.complete, src.key_group, TT, tid);
+    }
+}
+
+// Low-bit keys of a landed tile (spec Q2 step 2): a complete group's codes with its per-channel
+// scale and zero point, the unfinished group's tokens from key_tail as they are; zero past the
+// rank. Ends at a barrier.
+template <class Tiles, typename T, typename CoefT>
+__device__ __forceinline__ void dequantize_keys(const Tile<Tiles>& tile, float* s_kf, const int* s_grp, const HeadCoefs<T, CoefT>& src, int tid) {
+    using Reader = CoefReader<CoefT>;
+    constexpr int RT = Tiles::kRankTile;
+    const RowCol step = RowCol::of(kDecodeThreads, RT);
+    RowCol at = RowCol::of(tid, RT);
+    for (int idx = tid; idx < tile.len * RT; idx += kDecodeThreads, step.advance(at.t, at.i, RT)) {
+        float x = 0.0f;
+        if (at.i < src.rank) {
+            const int grp = s_grp[at.t];
+            if (grp >= 0) {
+                const long long sz = (src.nh * src.key_groups_cap + grp) * src.rank + at.i;
+                x = low_bit_value<T>(Reader::at(tile.key_codes + at.t * Tiles::kRowBytes, at.i), to_float(src.key_group_scale[sz]),
+                                     to_float(src.key_group_zero[sz]));
+            } else {
+                x = to_float(src.key_tail[(src.nh * src.key_group + (tile.t0 + at.t - src.complete)) * src.rank + at.i]);
+            }
+        }
+        s_kf[at.t * (RT + 1) + at.i] = x;
+    }
+    __syncthreads();
+}
+
+// The tile pipeline of both decode kernels over tokens lo .. hi - 1 of one head, in tiles of TT
+// tokens, tile k in stage k mod kStages. start_tiles issues the first tile (which lands while the
+// block computes something else) and commits its copy group, even when the range is empty.
+template <class Tiles, typename T, typename CoefT>
+__device__ __forceinline__ void start_tiles(const TileBuffers<Tiles>& buf, const HeadCoefs<T, CoefT>& src, int lo, int hi, int tid) {
+    if (lo < hi) {
+        issue_stage(buf, src, 0, lo, min(Tiles::kTokens, hi - lo), tid);
+    }
+    cp_async_commit();
+}
+
+// Then, per tile: two stages, issue the next tile into the other stage (last read by the previous
+// tile, which ended at a barrier) and wait for all but that newest copy group; one stage, wait for
+// all. After a barrier the tile has landed for the whole block; low-bit keys are dequantised, and
+// body(tile) runs. A barrier ends the tile (so its stage may be overwritten), and with one stage the
+// next tile is issued into it. Returns with no copy pending.
+template <class Tiles, typename T, typename CoefT, class Body>
+__device__ __forceinline__ void stream_tiles(const TileBuffers<Tiles>& buf, const HeadCoefs<T, CoefT>& src, int lo, int hi, int tid, Body&& body) {
+    constexpr int TT = Tiles::kTokens;
+    constexpr int kStages = Tiles::kStages;
+    int stage = 0;
+    for (int t0 = lo; t0 < hi; t0 += TT, stage ^= kStages - 1) {
+        const int next = t0 + TT;
+        if constexpr (kStages == 2) {
+            if (next < hi) {
+                issue_stage(buf, src, stage ^ 1, next, min(TT, hi - next), tid);
+            }
+            // Committed even when empty, so that "all groups but the newest" is always the
+            // current tile's.
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const unsigned char* s_kc = buf.tiles + stage * 2 * Tiles::kTileBytes;
+        const float* s_scale = buf.scales + stage * 2 * TT;
+        const Tile<Tiles> tile{s_kc, s_kc + Tiles::kTileBytes, s_scale, s_scale + TT, s_scale, buf.keys, t0, min(TT, hi - t0)};
+        if constexpr (CoefReader<CoefT>::kLowBit) {
+            dequantize_keys(tile, buf.keys, buf.groups + stage * TT, src, tid);
+        }
+        body(tile);
+        __syncthreads();
+        if constexpr (kStages == 1) {
+            if (next < hi) {
+                issue_stage(buf, src, 0, next, min(TT, hi - next), tid);
+                cp_async_commit();
+            }
+        }
+    }
+    // an empty range committed its (empty) first group and never waited
+    cp_async_wait<0>();
+}
+
 // One tile's update of the value sums in coefficient space (spec A2 step 4, A3 step 2.3): each
 // thread owns (query head g, coefficient i) pairs, rescales its running sum by the tile's alpha
 // and adds the tile's weighted codes: r_v numbers per head per token instead of d_v. int8 codes
-// take their per-token scale (s_vs); int4/int2 codes are read as x = code s + z (s_vs the scales,
-// s_zero the zero points). Shared by the plain and the pre-RoPE decode kernels.
-template <class Reader, typename T, int RT, int TT, int kRowBytes>
-__device__ __forceinline__ void accumulate_value_tile(float* s_acc, const float* s_alpha, const float* s_w, const float* s_vs,
-                                                      const float* s_zero, const unsigned char* s_vc, int group, int tile_len, int tid) {
+// take their per-token scale; int4/int2 codes are read as x = code s + z (the value scales and
+// zero points). Shared by the plain and the pre-RoPE decode kernels.
+template <typename T, class Tiles>
+__device__ __forceinline__ void accumulate_value_tile(float* s_acc, const float* s_alpha, const float* s_w, const Tile<Tiles>& tile, int group, int tid) {
+    using Reader = typename Tiles::Reader;
+    constexpr int RT = Tiles::kRankTile;
+    constexpr int TT = Tiles::kTokens;
     for (int idx = tid; idx < group * RT; idx += kDecodeThreads) {
         const int g = idx / RT;
         const int i = idx - g * RT;
         float acc = s_acc[idx] * s_alpha[g];
-        for (int t = 0; t < tile_len; ++t) {
+        for (int t = 0; t < tile.len; ++t) {
             float w = s_w[g * TT + t];
+            const float code = Reader::at(tile.value_codes + t * Tiles::kRowBytes, i);
             if constexpr (Reader::kLowBit) {
-                acc += w * low_bit_value<T>(Reader::at(s_vc + t * kRowBytes, i), s_vs[t], s_zero[t]);
+                acc += w * low_bit_value<T>(code, tile.value_scale[t], tile.value_zero[t]);
             } else {
                 if constexpr (Reader::kScaled) {
-                    w *= s_vs[t];
+                    w *= tile.value_scale[t];
                 }
-                acc += w * Reader::at(s_vc + t * kRowBytes, i);
+                acc += w * code;
             }
         }
         s_acc[idx] = acc;
@@ -291,9 +466,6 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
     using Tiles = DecodeTiles<RT, CoefT>;
     using Reader = CoefReader<CoefT>;
     constexpr int TT = Tiles::kTokens;
-    constexpr int kStages = Tiles::kStages;
-    constexpr int kRowBytes = Tiles::kRowBytes;
-    constexpr int kTileBytes = Tiles::kTileBytes;
     constexpr int kPerLane = TT / kWarpSize;
     const int d = D > 0 ? D : d_rt;
     const int dv = DV > 0 ? DV : d_v_rt;
@@ -308,14 +480,8 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
     const int num_q_heads = num_kv_heads * group;
 
     extern __shared__ float smem[];
-    // Stage s holds the key tile at s_tiles + 2 s kTileBytes, the value tile after it, and (int8)
-    // their scales at s_scales + 2 s TT. The tiles come first: their 16-byte alignment is the
-    // buffer's.
-    unsigned char* s_tiles = reinterpret_cast<unsigned char*>(smem);
-    float* s_scales = reinterpret_cast<float*>(s_tiles + kStages * 2 * kTileBytes);
-    [[maybe_unused]] int* s_groups = reinterpret_cast<int*>(s_scales + Tiles::kScaleFloats);  // kStages x TT
-    [[maybe_unused]] float* s_kf = reinterpret_cast<float*>(s_groups + Tiles::kGroupInts);    // TT x (RT + 1)
-    float* s_q = s_kf + Tiles::kKeyFloats;      // group x d
+    const TileBuffers<Tiles> buf(smem);
+    float* s_q = buf.end();                     // group x d
     float* s_qt = s_q + group * d;              // group x RT, scaled by gamma * scale
     float* s_w = s_qt + group * RT;             // group x TT: logits, then weights
     float* s_acc = s_w + group * TT;            // group x RT: value-coefficient accumulator
@@ -327,6 +493,8 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
 
     const long long nh = static_cast<long long>(n) * num_kv_heads + h;
     const long long q_row0 = static_cast<long long>(n) * num_q_heads + static_cast<long long>(h) * group;
+    const HeadCoefs<T, CoefT> src(key_coef, value_coef, key_scale, value_scale, key_group_scale, key_group_zero, key_tail, value_token_scale,
+                                  value_token_zero, nh, t_cap, rank, rank_v, num_tokens, key_group);
 
     for (int i = tid; i < group * d; i += kDecodeThreads) {
         s_q[i] = to_float(q[q_row0 * d + i]);
@@ -339,8 +507,8 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
     }
     // Bytes past a row's rank coefficients are never copied; zero makes them inert in the RT-long
     // dots (and finite in the value sums, whose columns past r_v are never read).
-    for (int i = tid; i < kStages * 2 * kTileBytes / 16; i += kDecodeThreads) {
-        reinterpret_cast<uint4*>(s_tiles)[i] = make_uint4(0u, 0u, 0u, 0u);
+    for (int i = tid; i < Tiles::kStages * 2 * Tiles::kTileBytes / 16; i += kDecodeThreads) {
+        reinterpret_cast<uint4*>(buf.tiles)[i] = make_uint4(0u, 0u, 0u, 0u);
     }
     for (int i = tid; i < group; i += kDecodeThreads) {
         s_m[i] = -SUBSPACE_INFINITY;
@@ -352,9 +520,6 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
     const int lo = split * split_len;
     const int hi = min(num_tokens, lo + split_len);
     const float logit_scale = gamma[h] * scale;
-    // Low-bit keys: tokens below `complete` are in complete groups (spec Q2 step 2).
-    [[maybe_unused]] const int complete = Reader::kLowBit ? (num_tokens / key_group) * key_group : 0;
-    [[maybe_unused]] const long long key_groups_cap = Reader::kLowBit ? (t_cap + key_group - 1) / key_group : 0;
     const long long num_j = num_chunks[nh];
     const long long* starts = chunk_starts + nh * j_cap;
 
@@ -382,14 +547,7 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
             }
 
             // The chunk's first tile is in flight while q~_j is computed.
-            const long long coef_row0 = nh * t_cap;
-            issue_tile<kRowBytes>(s_tiles, s_scales, key_coef, key_scale, coef_row0 + c_lo, min(TT, c_hi - c_lo), rank, tid);
-            issue_tile<kRowBytes>(s_tiles + kTileBytes, s_scales + TT, value_coef, value_scale, coef_row0 + c_lo, min(TT, c_hi - c_lo), rank_v, tid);
-            if constexpr (Reader::kLowBit) {
-                stage_low_bit_token_data(s_groups, s_scales, value_token_scale, value_token_zero, coef_row0 + c_lo, c_lo,
-                                         min(TT, c_hi - c_lo), complete, key_group, TT, tid);
-            }
-            cp_async_commit();
+            start_tiles(buf, src, c_lo, c_hi, tid);
 
             // Spec A3 step 2.1: q~_j = B_j q, one warp per basis row.
             const T* basis = key_bases + (nh * j_cap + j) * static_cast<long long>(rank) * d;
@@ -404,76 +562,24 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
             }
             __syncthreads();
 
-            int stage = 0;
-            for (int t0 = c_lo; t0 < c_hi; t0 += TT, stage ^= kStages - 1) {
-                const int tile_len = min(TT, c_hi - t0);
-                const int next = t0 + TT;
-                if constexpr (kStages == 2) {
-                    // The other stage was last read by the previous tile, which ended at a barrier.
-                    if (next < c_hi) {
-                        unsigned char* s_next = s_tiles + (stage ^ 1) * 2 * kTileBytes;
-                        float* s_next_scale = s_scales + (stage ^ 1) * 2 * TT;
-                        const int next_len = min(TT, c_hi - next);
-                        issue_tile<kRowBytes>(s_next, s_next_scale, key_coef, key_scale, coef_row0 + next, next_len, rank, tid);
-                        issue_tile<kRowBytes>(s_next + kTileBytes, s_next_scale + TT, value_coef, value_scale, coef_row0 + next, next_len, rank_v, tid);
-                        if constexpr (Reader::kLowBit) {
-                            stage_low_bit_token_data(s_groups + (stage ^ 1) * TT, s_next_scale, value_token_scale, value_token_zero,
-                                                     coef_row0 + next, next, next_len, complete, key_group, TT, tid);
-                        }
-                    }
-                    // Committed even when empty, so that "all groups but the newest" is always
-                    // the current tile's.
-                    cp_async_commit();
-                    cp_async_wait<1>();
-                } else {
-                    cp_async_wait<0>();
-                }
-                __syncthreads();
-                const unsigned char* s_kc = s_tiles + stage * 2 * kTileBytes;
-                const unsigned char* s_vc = s_kc + kTileBytes;
-                [[maybe_unused]] const float* s_ks = s_scales + stage * 2 * TT;
-                [[maybe_unused]] const float* s_vs = s_ks + TT;
-
-                // Low-bit keys (spec Q2 step 2): a complete group's codes with its per-channel
-                // scale and zero point, the unfinished group's tokens from key_tail as they are.
-                if constexpr (Reader::kLowBit) {
-                    const int* s_grp = s_groups + stage * TT;
-                    const RowCol step = RowCol::of(kDecodeThreads, RT);
-                    RowCol at = RowCol::of(tid, RT);
-                    for (int idx = tid; idx < tile_len * RT; idx += kDecodeThreads, step.advance(at.t, at.i, RT)) {
-                        float x = 0.0f;
-                        if (at.i < rank) {
-                            const int grp = s_grp[at.t];
-                            if (grp >= 0) {
-                                const long long sz = (nh * key_groups_cap + grp) * rank + at.i;
-                                x = low_bit_value<T>(Reader::at(s_kc + at.t * kRowBytes, at.i), to_float(key_group_scale[sz]),
-                                                     to_float(key_group_zero[sz]));
-                            } else {
-                                x = to_float(key_tail[(nh * key_group + (t0 + at.t - complete)) * rank + at.i]);
-                            }
-                        }
-                        s_kf[at.t * (RT + 1) + at.i] = x;
-                    }
-                    __syncthreads();
-                }
-
+            stream_tiles(buf, src, c_lo, c_hi, tid, [&](const Tile<Tiles>& tile) {
                 // Logits gamma * scale * q~_j . c_t; tokens past the tile end get -inf so that
                 // they weigh exactly 0.
                 for (int idx = tid; idx < group * TT; idx += kDecodeThreads) {
                     const int g = idx / TT;
                     const int t = idx - g * TT;
                     float logit = -SUBSPACE_INFINITY;
-                    if (t < tile_len) {
+                    if (t < tile.len) {
                         if constexpr (Reader::kLowBit) {
                             logit = 0.0f;
 #pragma unroll 8
                             for (int i = 0; i < RT; ++i) {
-                                logit += s_qt[g * RT + i] * s_kf[t * (RT + 1) + i];
+                                logit += s_qt[g * RT + i] * tile.key(t, i);
                             }
                         } else {
-                            logit = row_dot<RT, CoefT>(s_qt + g * RT, s_kc + t * kRowBytes);
+                            logit = row_dot<RT, CoefT>(s_qt + g * RT, tile.key_codes + t * Tiles::kRowBytes);
                             if constexpr (Reader::kScaled) {
-                                logit *= s_ks[t];
+                                logit *= tile.key_scale[t];
                             }
                         }
                     }
@@ -506,23 +612,8 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
 
                 // The weighted sum stays in coefficient space (spec A2 step 4): r_v numbers per
                 // head per token instead of d_v.
-                accumulate_value_tile<Reader, T, RT, TT, kRowBytes>(s_acc, s_alpha, s_w, s_vs, s_ks, s_vc, group, tile_len, tid);
-                // Also frees this stage for the copy issued at the top of the tile after next
-                // (two stages), or right below (one stage).
-                __syncthreads();
-                if constexpr (kStages == 1) {
-                    if (next < c_hi) {
-                        const int next_len = min(TT, c_hi - next);
-                        issue_tile<kRowBytes>(s_tiles, s_scales, key_coef, key_scale, coef_row0 + next, next_len, rank, tid);
-                        issue_tile<kRowBytes>(s_tiles + kTileBytes, s_scales + TT, value_coef, value_scale, coef_row0 + next, next_len, rank_v, tid);
-                        if constexpr (Reader::kLowBit) {
-                            stage_low_bit_token_data(s_groups, s_scales, value_token_scale, value_token_zero, coef_row0 + next, next, next_len,
-                                                     complete, key_group, TT, tid);
-                        }
-                        cp_async_commit();
-                    }
-                }
-            }
+                accumulate_value_tile<T>(s_acc, s_alpha, s_w, tile, group, tid);
+            });
 
             // Once per chunk, not per token: N <- N * exp(m_out - m) + acc E_j (spec A3 step 2.3).
             // s_out was last brought to scale s_mout; acc is at the current m.
@@ -598,20 +689,16 @@ __device__ __forceinline__ void softmax_tile(float* s_w, float* s_m, float* s_z,
 constexpr int kRopeTokens = kWarpSize;
 constexpr int kRopeSub = 8;
 
+// 32-token tiles, two stages where they fit the budget (at rank tile 32 every storage; at 64 all
+// but float32; at 128 int8 and int4/int2; at 256 int4/int2).
 template <int RT, typename CoefT>
-struct RopeTiles {
-    using Reader = CoefReader<CoefT>;
-    static_assert(!Reader::kLowBit, "pre-RoPE states read float or int8 coefficients");
-    static constexpr int kRowBytes = RT * Reader::kBits / 8 + kRowPadBytes;
-    static constexpr int kTokens = kRopeTokens;
-    static constexpr int kStages = 2 * 2 * kTokens * kRowBytes <= kStageBudgetBytes ? 2 : 1;
-    static constexpr int kTileBytes = kTokens * kRowBytes;
-    static constexpr int kScaleFloats = Reader::kScaled ? kStages * 2 * kTokens : 0;
-    static constexpr int kBytes = kStages * 2 * kTileBytes + 4 * kScaleFloats;
-};
+using RopeTiles = TileGeometry<RT, CoefT, kRopeTokens>;
 
 // Dynamic shared memory of decode_rope_partial (subspace_ref_cupy._kernels.rope_shared_bytes):
 //   RopeTiles<RT, CoefT>::kBytes + 4 * (TT * (d + 1) + 2 * kRopeSub * (d / 2) + group * (d + TT + RT + 3))
+// Coefficient storage as decode_split_partial's: float, int8 with per-token scales (applied to the
+// logit and the weight), or int4/int2 codes (keys dequantised once per tile before the rebuild,
+// values in the weighted sum).
 template <typename T, typename CoefT, int RT>
 __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinBlocks)
 decode_rope_partial(const T* __restrict__ q,                    // (N, H_q, d), post-RoPE
@@ -619,6 +706,11 @@ decode_rope_partial(const T* __restrict__ q,                    // (N, H_q, d), 
                     const CoefT* __restrict__ value_coef,       // (N, H, T_cap, r_v)
                     const float* __restrict__ key_scale,        // (N, H, T_cap), INT8 only
                     const float* __restrict__ value_scale,      // (N, H, T_cap), INT8 only
+                    const __half* __restrict__ key_group_scale, // (N, H, ceil(T_cap / G), r), int4/int2 only
+                    const __half* __restrict__ key_group_zero,  // (N, H, ceil(T_cap / G), r), int4/int2 only
+                    const T* __restrict__ key_tail,             // (N, H, G, r), int4/int2 only
+                    const __half* __restrict__ value_token_scale, // (N, H, T_cap), int4/int2 only
+                    const __half* __restrict__ value_token_zero,  // (N, H, T_cap), int4/int2 only
                     const T* __restrict__ key_bases,            // (N, H, J_cap, r, d), chunk 0 read
                     const T* __restrict__ value_bases,          // (N, H, J_cap, r_v, d_v)
                     const float* __restrict__ gamma,            // (H,)
@@ -628,14 +720,11 @@ decode_rope_partial(const T* __restrict__ q,                    // (N, H_q, d), 
                     float* __restrict__ part_z,                 // (N, H_q, S)
                     float* __restrict__ part_o,                 // (N, H_q, S, d_v)
                     int num_kv_heads, int group, int t_cap, int j_cap, int rank, int rank_v, int d, int dv,
-                    int num_tokens, int split_len, int num_rotating, int first_position, float rope_scale, float scale) {
+                    int num_tokens, int split_len, int key_group, int num_rotating, int first_position, float rope_scale, float scale) {
     static_assert(RT % kWarpSize == 0, "rank tiles are whole warps");
     using Tiles = RopeTiles<RT, CoefT>;
     using Reader = CoefReader<CoefT>;
     constexpr int TT = Tiles::kTokens;
-    constexpr int kStages = Tiles::kStages;
-    constexpr int kRowBytes = Tiles::kRowBytes;
-    constexpr int kTileBytes = Tiles::kTileBytes;
     static_assert(TT % kRopeSub == 0, "a tile is whole rebuild items");
 
     const int split = blockIdx.x;
@@ -650,9 +739,8 @@ decode_rope_partial(const T* __restrict__ q,                    // (N, H_q, d), 
     const int m = num_rotating;
 
     extern __shared__ float smem[];
-    unsigned char* s_tiles = reinterpret_cast<unsigned char*>(smem);
-    float* s_scales = reinterpret_cast<float*>(s_tiles + kStages * 2 * kTileBytes);
-    float* s_k = s_scales + Tiles::kScaleFloats;   // TT x (d + 1): rotated keys (odd stride: no bank conflicts per token)
+    const TileBuffers<Tiles> buf(smem);
+    float* s_k = buf.end();                        // TT x (d + 1): rotated keys (odd stride: no bank conflicts per token)
     float* s_cs = s_k + TT * (d + 1);              // 2 x kRopeSub x half: cos, then sin, of k theta_i
     float* s_q = s_cs + 2 * kRopeSub * half;       // group x d, scaled by gamma * scale
     float* s_w = s_q + group * d;                  // group x TT
@@ -663,16 +751,13 @@ decode_rope_partial(const T* __restrict__ q,                    // (N, H_q, d), 
 
     const long long nh = static_cast<long long>(n) * num_kv_heads + h;
     const long long q_row0 = static_cast<long long>(n) * num_q_heads + static_cast<long long>(h) * group;
-    const long long coef_row0 = nh * t_cap;
+    const HeadCoefs<T, CoefT> src(key_coef, value_coef, key_scale, value_scale, key_group_scale, key_group_zero, key_tail, value_token_scale,
+                                  value_token_zero, nh, t_cap, rank, rank_v, num_tokens, key_group);
     const int lo = split * split_len;
     const int hi = min(num_tokens, lo + split_len);
 
     // The split's first tile is in flight while the block fills its tables.
-    if (lo < hi) {
-        issue_tile<kRowBytes>(s_tiles, s_scales, key_coef, key_scale, coef_row0 + lo, min(TT, hi - lo), rank, tid);
-        issue_tile<kRowBytes>(s_tiles + kTileBytes, s_scales + TT, value_coef, value_scale, coef_row0 + lo, min(TT, hi - lo), rank_v, tid);
-    }
-    cp_async_commit();
+    start_tiles(buf, src, lo, hi, tid);
 
     const float logit_scale = gamma[h] * scale;
     for (int i = tid; i < group * d; i += kDecodeThreads) {
@@ -695,36 +780,14 @@ decode_rope_partial(const T* __restrict__ q,                    // (N, H_q, d), 
     __syncthreads();
 
     const T* basis = key_bases + nh * j_cap * static_cast<long long>(rank) * d;
-    int stage = 0;
-    for (int t0 = lo; t0 < hi; t0 += TT, stage ^= kStages - 1) {
-        const int tile_len = min(TT, hi - t0);
-        const int next = t0 + TT;
-        if constexpr (kStages == 2) {
-            if (next < hi) {
-                unsigned char* s_next = s_tiles + (stage ^ 1) * 2 * kTileBytes;
-                float* s_next_scale = s_scales + (stage ^ 1) * 2 * TT;
-                const int next_len = min(TT, hi - next);
-                issue_tile<kRowBytes>(s_next, s_next_scale, key_coef, key_scale, coef_row0 + next, next_len, rank, tid);
-                issue_tile<kRowBytes>(s_next + kTileBytes, s_next_scale + TT, value_coef, value_scale, coef_row0 + next, next_len, rank_v, tid);
-            }
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        __syncthreads();
-        const unsigned char* s_kc = s_tiles + stage * 2 * kTileBytes;
-        const unsigned char* s_vc = s_kc + kTileBytes;
-        [[maybe_unused]] const float* s_ks = s_scales + stage * 2 * TT;
-        [[maybe_unused]] const float* s_vs = s_ks + TT;
-
+    stream_tiles(buf, src, lo, hi, tid, [&](const Tile<Tiles>& tile) {
         // P3 step 1: rebuild and rotate, one (plane, kRopeSub tokens) item per thread. Rows past
-        // tile_len hold an earlier tile's finite coefficients; their logits are masked below.
+        // tile.len hold an earlier tile's coefficients; their logits are masked below.
         for (int item = tid; item < half * (TT / kRopeSub); item += kDecodeThreads) {
             const int sub = item / half;
             const int p = item - sub * half;
             const int k0 = sub * kRopeSub;
-            if (k0 >= tile_len) {
+            if (k0 >= tile.len) {
                 continue;
             }
             // fixed dims are paired consecutively after the 2m rotating ones: plane p >= m is
@@ -742,7 +805,7 @@ decode_rope_partial(const T* __restrict__ q,                    // (N, H_q, d), 
                 const float bb = to_float(basis[static_cast<long long>(i) * d + b]);
 #pragma unroll
                 for (int k = 0; k < kRopeSub; ++k) {
-                    const float c = Reader::at(s_kc + (k0 + k) * kRowBytes, i);
+                    const float c = tile.key(k0 + k, i);
                     ua[k] = fmaf(c, ba, ua[k]);
                     ub[k] = fmaf(c, bb, ub[k]);
                 }
@@ -750,7 +813,7 @@ decode_rope_partial(const T* __restrict__ q,                    // (N, H_q, d), 
             float* row = s_k + k0 * (d + 1);
             if (p < m) {
                 double sin_base, cos_base;
-                sincos(static_cast<double>(first_position + t0 + k0) * inv_freq[p], &sin_base, &cos_base);
+                sincos(static_cast<double>(first_position + tile.t0 + k0) * inv_freq[p], &sin_base, &cos_base);
                 const float cb = static_cast<float>(rope_scale * cos_base);
                 const float sb = static_cast<float>(rope_scale * sin_base);
 #pragma unroll
@@ -777,10 +840,10 @@ decode_rope_partial(const T* __restrict__ q,                    // (N, H_q, d), 
             const int g = idx / TT;
             const int t = idx - g * TT;
             float logit = -SUBSPACE_INFINITY;
-            if (t < tile_len) {
+            if (t < tile.len) {
                 logit = shared_key_dot(s_q + g * d, s_k + t * (d + 1), d);
                 if constexpr (Reader::kScaled) {
-                    logit *= s_ks[t];
+                    logit *= tile.key_scale[t];
                 }
             }
             s_w[idx] = logit;
@@ -788,19 +851,8 @@ decode_rope_partial(const T* __restrict__ q,                    // (N, H_q, d), 
         __syncthreads();
         softmax_tile(s_w, s_m, s_z, s_alpha, group, TT, warp, lane);
 
-        accumulate_value_tile<Reader, T, RT, TT, kRowBytes>(s_acc, s_alpha, s_w, s_vs, s_vs, s_vc, group, tile_len, tid);
-        __syncthreads();
-        if constexpr (kStages == 1) {
-            if (next < hi) {
-                const int next_len = min(TT, hi - next);
-                issue_tile<kRowBytes>(s_tiles, s_scales, key_coef, key_scale, coef_row0 + next, next_len, rank, tid);
-                issue_tile<kRowBytes>(s_tiles + kTileBytes, s_scales + TT, value_coef, value_scale, coef_row0 + next, next_len, rank_v, tid);
-                cp_async_commit();
-            }
-        }
-    }
-    // an empty split committed its (empty) first group and never waited
-    cp_async_wait<0>();
+        accumulate_value_tile<T>(s_acc, s_alpha, s_w, tile, group, tid);
+    });
 
     // One chunk: N = acc E once per split (spec A3 step 2.3); an empty split writes (-inf, 0, 0).
     const T* vbasis = value_bases + nh * j_cap * static_cast<long long>(rank_v) * dv;

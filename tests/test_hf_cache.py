@@ -304,6 +304,25 @@ def test_windowed_prefill_in_one_block_equals_token_by_token_decoding(name):
     assert float((whole.logits - stock).abs().max()) > 1e-3  # tokens really left the window
 
 
+LOW_BIT = {"int4": {"coefficients": "int4", "group_size": 4}, "int2+window+sinks": {"coefficients": "int2", "group_size": 4, "window": 3, "sinks": 2}}
+
+
+@pytest.mark.parametrize("backend", ["torch", "numpy"])
+@pytest.mark.parametrize("name", list(LOW_BIT))
+def test_low_bit_prefill_in_one_block_equals_token_by_token_decoding(name, backend):
+    """spec/quantization.md Q2: a key group's tokens are read from the float tail until the group
+    is finished, then quantised with scales from all its tokens. A prompt in one forward (and in
+    blocks of 5) equals decoding token by token: no query sees a group finished by a later token
+    of its block (which would also leak later tokens into its scales). Until 2026-11-25 the block
+    was one causal evaluation after one append, and this failed (logits ~1e-3 apart)."""
+    model = model_for("llama")
+    ids = torch.randint(0, VOCAB, (1, 23), generator=torch.Generator().manual_seed(7))
+    factory = static_states(calibrated_bases(model, seed=2), **LOW_BIT[name])
+    dec = decode_token_by_token(model, ids, factory, backend=backend)
+    assert_logits_close(teacher_forced(model, ids, factory, keep_logits=True, backend=backend).logits, dec, "llama")
+    assert_logits_close(teacher_forced(model, ids, factory, keep_logits=True, block_size=5, backend=backend).logits, dec, "llama")
+
+
 # --------------------------------------------------------------------------- what is compressed
 class ProjectingCache(DynamicCache):
     """Stock reference: a DynamicCache storing K P_B and V P_E per KV head (post-RoPE).

@@ -168,6 +168,9 @@ EDITED_STATES = {
     "rotating": lambda: rotating_states(rank_k=6, rank_v=6, refresh_every=3, warmup=2),
     "static+window": lambda: static_states([sr_basis(model_for("llama"), 6)] * 2, window=4, sinks=1),
     "adaptive+window": lambda: adaptive_states(rank_k=6, rank_v=6, tau_k=0.05, tau_v=0.05, max_chunk=5, warmup=2, window=3, min_tokens=6),
+    # key groups of 4: the 7-token forward finishes groups that the crop cuts into
+    "static+int4": lambda: static_states([sr_basis(model_for("llama"), 6)] * 2, coefficients="int4", group_size=4),
+    "static+int2+window": lambda: static_states([sr_basis(model_for("llama"), 6)] * 2, coefficients="int2", group_size=4, window=3),
 }
 
 
@@ -182,7 +185,8 @@ def test_crop_takes_back_the_last_forward_exactly_and_refuses_further(name, back
     """crop(-3) after a 7-token forward gives the state of never appending those 3 tokens (the
     next token's logits equal those of a cache fed only the kept ones, to rounding); cropping below the
     last forward's start is refused with the reason, the state unchanged. Spec change: these
-    states refused every crop before (issue 17 item 5 follow-up)."""
+    states refused every crop before (issue 17 item 5 follow-up; int4/int2 states until
+    2026-11-25)."""
     model = model_for("llama")
     ids = prompt_ids(length=17)
     with compress(model, EDITED_STATES[name](), backend=backend) as kv, torch.no_grad():

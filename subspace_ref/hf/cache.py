@@ -33,6 +33,7 @@ from subspace_ref.capabilities import require, state_reasons
 from subspace_ref.hf import attention as _attn
 from subspace_ref.layout import FIXED, mapped_parts
 from subspace_ref.operations import select_sequences
+from subspace_ref.quantization import DEFAULT_GROUP
 from subspace_ref.registry import get_backend
 from subspace_ref.state import SubspaceState
 
@@ -92,14 +93,15 @@ class static_states:
     exact, ``min_tokens=M`` compresses nothing below M tokens and ``sinks=S`` keeps the first S
     exact (spec/window.md; the
     :meth:`SubspaceState.static` keywords; an int, or per layer a mapping or a callable of the
-    layer index).
+    layer index); ``coefficients="int4" | "int2"`` stores spec/quantization.md Q2 codes, keys in
+    groups of ``group_size`` tokens (also per layer).
 
     ``rope``: bases calibrated on pre-RoPE keys (spec/rope.md P2): a
     :class:`~subspace_ref.rope.RopeParams` (``RopeParams.from_config(model.config)``; or one per
     layer, a mapping or a callable) given to :meth:`SubspaceState.static`. The state un-rotates
     each appended key at its position (the cache's token index, which is the model's position
-    for unpadded sequences) and rotates rebuilt keys back when attending: O(r d) per token, and
-    only ``backend="numpy"`` runs it (the others refuse).
+    for unpadded sequences) and rotates rebuilt keys back when attending: O(r d) per token
+    (spec/roofline.md R13); every backend runs it.
 
     ``share``: "kv_head" (default) takes bases with one head per KV head, shared by the query
     heads of its group; "query_head" takes bases with one head per QUERY head (H_q = g H, e.g.
@@ -120,8 +122,10 @@ class static_states:
         min_tokens: Any = 0,
         sinks: Any = 0,
         share: str = "kv_head",
+        group_size: Any = DEFAULT_GROUP,
     ):
         self.bases = bases
+        self.group_size = group_size
         self.keys, self.values = _side(compress)
         self.coefficients = coefficients
         self.dtype = dtype
@@ -166,6 +170,7 @@ class static_states:
             min_tokens=per_layer(self.min_tokens, spec.layer_idx),
             sinks=per_layer(self.sinks, spec.layer_idx),
             query_group=group,
+            group_size=per_layer(self.group_size, spec.layer_idx),
         )
 
 
@@ -387,18 +392,14 @@ class SubspaceLayer(CacheLayerMixin):
             return f"the {st.kind} state's sketches have absorbed the dropped tokens"
         if st.window is not None:
             return "tokens that left the exact window are projected and cannot be made exact again"
-        return self.crop_reason()
-
-    def crop_reason(self) -> str | None:
-        """Why this layer cannot be cropped at all (None: it can; see :meth:`crop` for how far)."""
-        st = self.state
-        if st is not None and st.layout.low_bits:
-            return f"{st.layout.coefficients} keys are quantised in groups of {st.layout.group} tokens with an unfinished tail"
+        if st.layout.low_bits:
+            return f"{st.layout.coefficients} keys are quantised in groups of {st.layout.group} tokens: a finished group cannot give its tokens back to the float tail"
         return None
 
     @property
     def is_croppable(self) -> bool:
-        return self.crop_reason() is None
+        """Every layer can be cropped, back to the start of its last forward at least (:meth:`crop`)."""
+        return True
 
     def truncate(self, num_tokens: int) -> None:
         """Keep the first ``num_tokens`` tokens (static states: coefficients are per token)."""
@@ -417,7 +418,7 @@ class SubspaceLayer(CacheLayerMixin):
         most ``max_crop_block`` tokens, so a prefill's are not held twice.)"""
         self._restore_point = self._forward_tokens = None
         st = self.state
-        if st is None or self.truncate_reason() is None or self.crop_reason() is not None:
+        if st is None or self.truncate_reason() is None:
             return
         parts = mapped_parts(st, lambda a, x: clone(x) if a.axis == FIXED else x)
         self._restore_point = SubspaceState(st.policy, parts["layout"], parts["sketches"], st.batched, st.engine, parts["window"])
@@ -429,8 +430,9 @@ class SubspaceLayer(CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens (transformers' convention: negative).
 
-        Static states without a window: their coefficients are cut, to any length. Others
-        (windowed, adaptive, rotating): the state goes back to its restore point at the start
+        Static states without a window and with float or int8 coefficients: their coefficients
+        are cut, to any length. Others (windowed, adaptive, rotating, int4/int2 whose key groups
+        are quantised as a whole): the state goes back to its restore point at the start
         of the last forward and the forward's tokens up to the new length are appended again,
         which gives exactly the state of appending only those tokens; so they crop only back
         to the start of the last forward of at most ``max_crop_block`` tokens (what assisted
@@ -439,7 +441,6 @@ class SubspaceLayer(CacheLayerMixin):
             raise ValueError(f"tokens_to_remove: expected a negative number of tokens to remove, got {tokens_to_remove}")
         if not tokens_to_remove or self.state is None:
             return
-        require([self.crop_reason()] if self.crop_reason() else [], f"layer {self.layer_idx}: cannot crop")
         keep = max(0, self.state.num_tokens + tokens_to_remove)
         if self.truncate_reason() is None:
             self.truncate(keep)
@@ -529,21 +530,30 @@ class SubspaceLayer(CacheLayerMixin):
     def _segments(self, n: int) -> list[tuple[int, int]]:
         """The pending block's queries cut into runs [a, b) that one causal evaluation covers:
         the whole block, except that a rotating state's query whose append runs a refresh
-        (spec A8: all stored coefficients rewritten) stands alone, and ``prefill="attend"`` on
-        a windowed state (whose prefix views would need the evicted exact tokens) goes token
-        by token."""
+        (spec A8: all stored coefficients rewritten) stands alone; an int4/int2 state's query
+        whose append finishes a key group (spec/quantization.md Q2: the group's tokens leave the
+        float tail for their quantised reading) starts a run, so that no query sees a group that
+        a later token of its run finished (nor scales that depend on tokens after it); and
+        ``prefill="attend"`` on a windowed state (whose prefix views would need the evicted
+        exact tokens) goes token by token."""
         st = self.state
         if st.window is not None and self.cache.prefill == "attend":
             return [(i, i + 1) for i in range(n)]
-        if st.kind != "rotating":
+        if st.kind != "rotating" and not st.layout.low_bits:
             return [(0, n)]
         T0 = st.num_tokens
         compressed, _ = _attn.compressed_visible(st, np.arange(T0, T0 + n + 1))  # before and after each query's append
-        m, W = st.policy.refresh_every, st.policy.warmup
-        t = np.arange(int(compressed[-1]))
-        refreshed = np.concatenate([[0], np.cumsum((t >= W) & ((t + 1 - W) % m == 0))])  # refreshes among the first k compressed
-        alone = np.flatnonzero(refreshed[compressed[1:]] > refreshed[compressed[:-1]])
-        cuts = sorted({0, n, *alone.tolist(), *(alone + 1).tolist()})
+        cuts = {0, n}
+        if st.layout.low_bits:
+            G = st.layout.group
+            cuts.update(np.flatnonzero(compressed[1:] // G > compressed[:-1] // G).tolist())
+        if st.kind == "rotating":
+            m, W = st.policy.refresh_every, st.policy.warmup
+            t = np.arange(int(compressed[-1]))
+            refreshed = np.concatenate([[0], np.cumsum((t >= W) & ((t + 1 - W) % m == 0))])  # refreshes among the first k compressed
+            alone = np.flatnonzero(refreshed[compressed[1:]] > refreshed[compressed[:-1]])
+            cuts.update(alone.tolist() + (alone + 1).tolist())
+        cuts = sorted(cuts)
         return list(zip(cuts[:-1], cuts[1:]))
 
     def attend_pending(self, query: torch.Tensor, scale: float, *, mask: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
@@ -554,7 +564,8 @@ class SubspaceLayer(CacheLayerMixin):
         :func:`causal_attention` (or one ``attend`` call when n = 1), whatever the state kind
         but rotating: a refresh rewrites all stored coefficients, so a query whose append
         runs one is appended and attended alone (``attend`` on the refreshed state), the runs
-        between them in one block each. A windowed state's queries see its compressed part as
+        between them in one block each; int4/int2 states start a run at each query whose append
+        finishes a key group (:meth:`_segments`). A windowed state's queries see its compressed part as
         it was at their step and every other token of theirs exactly (spec/window.md W2, W3;
         :func:`~subspace_ref.hf.attention.exact_part`). A ``mask`` that is not the plain causal
         one (left padding, a sliding window) or ``softcap`` is applied to the logits by

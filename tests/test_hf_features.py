@@ -363,3 +363,22 @@ def test_assisted_decoding_with_a_draft_model_crops_and_matches_greedy():
         got = model.generate(ids, do_sample=False, max_new_tokens=10, pad_token_id=0, assistant_model=draft, past_key_values=cache)
     assert torch.equal(got, expected)
     assert cache.get_seq_length() == got.shape[1] - 1
+
+
+def test_prompt_lookup_with_an_int4_state_equals_its_greedy_decoding():
+    """Assisted decoding is lossless with int4 coefficients too: prompt lookup (verifying
+    forwards of up to 4 tokens, the rejected candidates cropped back through the restore point)
+    gives the tokens and logits of plain greedy decoding with the same state. Key groups of 4
+    tokens, so verifying forwards finish groups that crops cut into. In float64: the two runs
+    compute the kept keys in forwards of different lengths, rounding apart, and in float32 a
+    code can round the other way (an int4 step, not a wrong crop); float32 tolerance as bound."""
+    from tests.test_hf_generation import check_call
+
+    model = copy.deepcopy(model_for("llama")).to(torch.float64)
+    factory = static_states([sr_basis(model, 6)] * 2, coefficients="int4", group_size=4)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]])
+    kw = dict(max_new_tokens=10, do_sample=False, return_dict_in_generate=True, output_logits=True, pad_token_id=0)
+    with compress(model, factory) as kv:
+        greedy = model.generate(ids, past_key_values=kv.cache(), **kw)
+        lookup = model.generate(ids, prompt_lookup_num_tokens=3, past_key_values=kv.cache(), **kw)
+    assert check_call("llama/int4/lookup", model, greedy, lookup, True, False, tolerance("llama", "float32"))

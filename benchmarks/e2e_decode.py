@@ -139,9 +139,21 @@ def shipped(steps: int, contexts=(256, 512, 1008)) -> list[dict]:
         with torch.no_grad():
             return model(ids[:, :T], past_key_values=cache).logits[:, -1:].argmax(-1)
 
+    # docs/baselines.md's one-state configuration at 25% of the fp16 bytes: pre-RoPE key bases
+    # (spec/rope.md P2), int4 coefficients, 4 sinks and 32 exact recent tokens
+    from subspace_ref.rope import RopeParams
+
+    pre = capture(model, calib, queries=True, rope=False).calibrate(rank_k=37, rank_v=36, gamma="mse")
+    pre_states = static_states(pre, coefficients="int4", rope=RopeParams.from_config(model.config), sinks=4, window=32)
+
     print(f"shipped model, float32, r = r_v = 16 of 64, {steps} decode steps after a real prefill")
     with compress(model, static_states(bases)) as kv:
-        caches = {"DynamicCache": lambda: DynamicCache(config=model.config), "SubspaceCache r=16": kv.cache, **quantized_caches(model.config)}
+        caches = {
+            "DynamicCache": lambda: DynamicCache(config=model.config),
+            "SubspaceCache r=16": kv.cache,
+            "pre-RoPE r=37/36 int4 + sinks 4 + window 32": lambda: SubspaceCache(model.config, pre_states),
+            **quantized_caches(model.config),
+        }
         return rows_for(model, contexts, steps, caches, prefill)
 
 

@@ -248,7 +248,10 @@ def rope_tables(rope, a: int, n: int, dtype: torch.dtype, device: torch.device) 
     if dtype == torch.float64:
         cos, sin = rope.cos_sin(np.arange(a, a + n))
         return torch.as_tensor(cos, device=device), torch.as_tensor(sin, device=device)
-    ck, sk = _rope_offsets(rope, n, dtype, device)
+    # the table for the next power of two >= n, sliced: the last tile's length changes with every
+    # decode step, and a table per length missed the cache each step (0.7 ms of a 12 ms step of the
+    # shipped model at 1k tokens)
+    ck, sk = (x[:n] for x in _rope_offsets(rope, 1 << max(4, (n - 1).bit_length()), dtype, device))
     base = a * rope.inv_freq
     ca = torch.as_tensor(rope.attention_scaling * np.cos(base), dtype=dtype, device=device)
     sa = torch.as_tensor(rope.attention_scaling * np.sin(base), dtype=dtype, device=device)

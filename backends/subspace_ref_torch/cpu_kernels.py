@@ -55,6 +55,18 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
+def build(flags: list[str] = FLAGS, stem: str = "coefficient_products") -> ctypes.CDLL:
+    """The kernels built with ``flags`` (cached by ``host_build``) and loaded, their signatures
+    declared. OSError or RuntimeError when they do not build. Tests build them for a CPU without
+    AVX-512 too (``-march=x86-64-v3``): the portable loops must hold the same tolerance."""
+    lib = ctypes.CDLL(str(build_shared_library(SOURCE.read_text(), compiler(), flags, stem)))
+    for name, args in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = args
+        fn.restype = ctypes.c_int
+    return lib
+
+
 def _load() -> ctypes.CDLL | None:
     global _library, _failure
     with _lock:
@@ -66,15 +78,9 @@ def _load() -> ctypes.CDLL | None:
             _failure = "no C compiler (cc, gcc, clang or $CC) to build kernels/coefficient_products.c"
         else:
             try:
-                lib = ctypes.CDLL(str(build_shared_library(SOURCE.read_text(), compiler(), FLAGS, "coefficient_products")))
+                _library = build()
             except (OSError, RuntimeError) as e:
                 _failure = f"kernels/coefficient_products.c did not build: {e}"
-            else:
-                for name, args in _SIGNATURES.items():
-                    fn = getattr(lib, name)
-                    fn.argtypes = args
-                    fn.restype = ctypes.c_int
-                _library = lib
         return _library
 
 

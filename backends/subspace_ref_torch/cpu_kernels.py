@@ -135,6 +135,29 @@ def _side(codes: torch.Tensor, rank: int, tokens: int, scale: torch.Tensor, zero
     return _Side(codes.data_ptr(), codes_stride, codes.shape[-1], rank, scale.data_ptr(), None if zero is None else zero.data_ptr(), scale_stride, group)
 
 
+def layout_side(layout, which: str) -> _Side:
+    """The ``_Side`` of ``layout``'s "key" or "value" coefficients as stored: int8 codes with
+    per-token float32 scales (spec A10); int4 / int2 codes with float16 scales and zeros per
+    channel and group of keys, per value token (spec/quantization.md Q2). Built once per layout
+    state (``PackedLayout.derived``): a pre-RoPE attend reads ~100 tiles at 16k tokens."""
+    T = layout.num_tokens
+    rank = getattr(layout, f"{which}_bases").shape[3]
+    coef = getattr(layout, f"{which}_coef")
+    if not layout.low_bits:
+        arrays, rows, group = (coef, getattr(layout, f"{which}_scale"), None), T, 0
+    elif which == "key":
+        arrays, rows, group = (coef, layout.key_group_scale, layout.key_group_zero), T // layout.group, layout.group
+    else:
+        arrays, rows, group = (coef, layout.value_token_scale, layout.value_token_zero), T, 0
+
+    def build():  # the fields as plain numbers: a layout's derived values are deep-copied with it
+        keep: list = []
+        side = _side(arrays[0], rank, T, arrays[1], arrays[2], rows, group, keep)
+        return tuple(getattr(side, name) for name, _ in _Side._fields_), keep
+
+    return _Side(*layout.derived(("kernel_side", which, T), arrays, build)[0])
+
+
 def coefficient_attention(
     q: torch.Tensor, layout, query_map: torch.Tensor, value_map: torch.Tensor, tile: int, initial_max: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -151,20 +174,13 @@ def coefficient_attention(
     H = layout.key_coef.shape[1]
     g = Hq // H
     T, bits = layout.num_tokens, layout.low_bits or 8
-    r, r_v, d_v = query_map.shape[2], value_map.shape[1], value_map.shape[2]
+    d_v = value_map.shape[2]
     q = q.to(torch.float32).contiguous()
-    keep: list = []
+    keys, values = layout_side(layout, "key"), layout_side(layout, "value")
     tail, tail_stride = None, 0
-    if bits == 8:
-        keys = _side(layout.key_coef, r, T, layout.key_scale, None, T, 0, keep)
-        values = _side(layout.value_coef, r_v, T, layout.value_scale, None, T, 0, keep)
-    else:
-        G = layout.group
-        keys = _side(layout.key_coef, r, T, layout.key_group_scale, layout.key_group_zero, T // G, G, keep)
-        values = _side(layout.value_coef, r_v, T, layout.value_token_scale, layout.value_token_zero, T, 0, keep)
-        if T % G:  # the unfinished group's keys, kept in float (spec/quantization.md Q2)
-            tail = layout.key_tail[:, :, : T % G].to(torch.float32).contiguous()
-            tail_stride = tail.stride(1)
+    if bits != 8 and T % layout.group:  # the unfinished group's keys, kept in float (spec/quantization.md Q2)
+        tail = layout.key_tail[:, :, : T % layout.group].to(torch.float32).contiguous()
+        tail_stride = tail.stride(1)
     out = torch.empty((N, H, g, d_v), dtype=torch.float32)
     m = Z = None
     if initial_max is not None:
@@ -191,25 +207,13 @@ def low_bit_rows(layout, which: str, a: int, b: int) -> torch.Tensor:
     keys of whole groups with their group's per-channel scales and zeros and the unfinished
     group from its float tail, values with their token's."""
     N, H = layout.key_coef.shape[:2]
-    T, bits = layout.num_tokens, layout.low_bits
-    if which == "value":
-        r, end = layout.value_bases.shape[3], b
-        arrays, rows, group = (layout.value_coef, layout.value_token_scale, layout.value_token_zero), T, 0
-    else:
-        r, G = layout.key_bases.shape[3], layout.group
-        end = min(b, (T // G) * G)
-        arrays, rows, group = (layout.key_coef, layout.key_group_scale, layout.key_group_zero), T // G, G
-
-    def build():  # a pre-RoPE attend reads a tile per call, ~100 of them at 16k tokens: built once per attend
-        keep: list = []
-        return _side(arrays[0], r, T, arrays[1], arrays[2], rows, group, keep), keep
-
-    side, _ = layout.derived(("low_bit_side", which, T), arrays, build)
-    out = torch.empty((N, H, b - a, r), dtype=torch.float32)
+    side = layout_side(layout, which)
+    complete = layout.num_tokens // layout.group * layout.group
+    end = b if which == "value" else min(b, complete)
+    out = torch.empty((N, H, b - a, side.rank), dtype=torch.float32)
     if end > a:
-        _check(_load().low_bit_rows(bits, N * H, a, end - a, ctypes.byref(side), out.data_ptr(), b - a), "low_bit_rows")
+        _check(_load().low_bit_rows(layout.low_bits, N * H, a, end - a, ctypes.byref(side), out.data_ptr(), b - a), "low_bit_rows")
     if b > end:  # the unfinished key group, kept in float (spec/quantization.md Q2)
-        complete = (T // layout.group) * layout.group
         out[:, :, max(a, end) - a :] = layout.key_tail[:, :, max(a, complete) - complete : b - complete]
     return out
 

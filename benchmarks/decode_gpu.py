@@ -3,8 +3,8 @@ SDPA (and flash-attention's ``flash_attn_with_kvcache`` when importable) over th
 cache, in one run.
 
 Setting (issues 5 and 21): batch N in {1, 8}, 32 query heads over 8 KV heads (GQA group 4),
-d = d_v = 128, r = r_v = 32, bfloat16 bases, float (bf16) and int8 coefficients (spec A10),
-T in {4k, 8k, 32k, 64k, 128k}.
+d = d_v = 128, r = r_v = 32, bfloat16 bases, float (bf16), int8 (spec A10) and int4
+(spec/quantization.md Q2, ``--coef int4``) coefficients, T in {4k, 8k, 32k, 64k, 128k}.
 
 Per (N, T), all in the same process:
 
@@ -20,6 +20,9 @@ Per (N, T), all in the same process:
 * **triton-<kind> bt=<tile> w=<warps>** -- the triton kernel with other tiles / warp counts
   (``--no-sweep`` skips them), to check ``launch_config`` (chosen from the compile report) by
   measurement.
+* **<backend>-rope[-int8|-int4]** (``--rope``) -- the same on a pre-RoPE static state
+  (spec/rope.md P2-P3: keys stored as coefficients before the rotation, rebuilt and rotated to
+  each token's position inside the kernel), full rotary (64 planes, base 10000).
 * **<backend>-adaptive[-int8]** -- the same on an adaptive-layout state (spec A7/A9) with
   J = T / 256 chunks per head (``--chunk-tokens``): chunk j covers tokens [256 j, 256 (j + 1))
   with its own random orthonormal bases, coefficients those of the static state. Synthetic --
@@ -31,9 +34,9 @@ Per (N, T), all in the same process:
   captured CUDA graph. The difference is the host overhead a graph removes.
 
 Columns: median time (``triton.testing.do_bench``, L2 flushed between calls, after its warm-up),
-bytes each method reads (SDPA: K and V; coefficient attention: coefficients (and int8 scales) of
-every token and the bases of every chunk in use; the split partials, ~1% at T >= 32k, are not
-counted), achieved bandwidth, its fraction of the device-to-device copy bandwidth measured in the
+bytes each method reads (SDPA: K and V; coefficient attention: ``state.nbytes``, the
+coefficients, scales and zero points of every token and the bases of every chunk in use, as the
+library counts them; the split partials, ~1% at T >= 32k, are not counted), achieved bandwidth, its fraction of the device-to-device copy bandwidth measured in the
 same run (``dst.copy_(src)`` on 1 GiB, counted as read + write), speedup over the best SDPA, and
 max |out - torch backend out| on the same state (correctness on the GPU, at every size).
 
@@ -135,9 +138,18 @@ def copy_bandwidth(device) -> float:
     return 2 * n / (ms * 1e-3)
 
 
-def build_states(N: int, T: int, K, V, chunk_tokens: int, adaptive: bool, gen, device, coef: str = "float", spare: int = 0):
+def rope_params():
+    """Full rotary over d = 128 (64 planes), base 10000, Llama's "half" layout."""
+    from subspace_ref.rope import RopeParams
+
+    return RopeParams(1.0 / 10000.0 ** (np.arange(D // 2) / (D // 2)))
+
+
+def build_states(N: int, T: int, K, V, chunk_tokens: int, adaptive: bool, gen, device, coef: str = "float", spare: int = 0, rope=None):
     """(static state, adaptive-layout state or None) in bf16 on ``device``, with ``coef``
-    coefficients ("float" or "int8", spec A10) and room for ``spare`` more tokens."""
+    coefficients ("float", "int8" (spec A10) or "int4" (spec/quantization.md Q2)) and room for
+    ``spare`` more tokens; with ``rope``, a pre-RoPE static state (spec/rope.md P2) and no
+    adaptive one."""
     import torch
 
     import subspace_ref as sr
@@ -150,12 +162,12 @@ def build_states(N: int, T: int, K, V, chunk_tokens: int, adaptive: bool, gen, d
     B = orthonormal(gen, (H_KV,), RANK, D, device, torch.float64).cpu().numpy()
     E = orthonormal(gen, (H_KV,), RANK, D, device, torch.float64).cpu().numpy()
     gamma = np.ones(H_KV)
-    static = sr.SubspaceState.static(sr.StaticBasis.from_bases(B, E, gamma), batch=N, coefficients=coef).to("triton", device=device, dtype=DTYPE)
+    static = sr.SubspaceState.static(sr.StaticBasis.from_bases(B, E, gamma), batch=N, coefficients=coef, rope=rope).to("triton", device=device, dtype=DTYPE)
     if spare:
         static.layout = static.layout.with_capacity(T + spare, 1)
-    TritonBackend().append(static, K, V)  # spec A6, one projection launch for all N x H x T
+    TritonBackend().append(static, K, V)  # spec A6, one projection launch for all N x H x T (float, int8)
     synchronize()
-    if not adaptive:
+    if not adaptive or rope is not None or coef not in ("float", "int8"):
         return static, None
     J = -(-T // chunk_tokens)
     lay = static.layout
@@ -176,27 +188,14 @@ def build_states(N: int, T: int, K, V, chunk_tokens: int, adaptive: bool, gen, d
     return static, SubspaceState(policy, layout, None, True, "torch")
 
 
-def coef_bytes(state, N: int, split_partials: int) -> int:
-    """Bytes coefficient attention reads: coefficients, bases of the chunks in use, partials."""
-    lay = state.layout
-    item = lay.key_coef.element_size()
-    T = lay.num_tokens
-    J = int(lay.num_chunks.max())
-    coef = N * H_KV * T * (lay.key_coef.shape[3] + lay.value_coef.shape[3]) * item
-    if getattr(lay, "key_scale", None) is not None:  # spec A10: one float32 scale per token, head, K/V
-        coef += N * H_KV * T * 2 * 4
-    bases = N * H_KV * J * (lay.key_bases.shape[3] * D + lay.value_bases.shape[3] * D) * lay.key_bases.element_size()
-    partials = 2 * N * H_Q * split_partials * (D + 2) * 4  # written by the split kernel, read by the merge
-    return coef + bases + partials
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench_results", help="folder for the JSON and markdown results")
     ap.add_argument("--backend", default="triton,torch", help="comma-separated backends to time on the same states (e.g. triton,cupy,torch)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 32768, 65536, 131072])
-    ap.add_argument("--coef", nargs="+", default=["float", "int8"], choices=["float", "int8"], help="coefficient storage (spec A10)")
+    ap.add_argument("--coef", nargs="+", default=["float", "int8"], choices=["float", "int8", "int4"], help="coefficient storage (spec A10, spec/quantization.md Q2)")
+    ap.add_argument("--rope", action="store_true", help="also time pre-RoPE static states (spec/rope.md P3) for every --coef")
     ap.add_argument("--no-graph", dest="graph", action="store_false", help="skip the eager / CUDA-graph decode step")
     ap.add_argument("--plot", nargs="+", default=None, metavar="JSON", help="only draw the plots of these result files into --out")
     ap.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk of the adaptive layout (J = T / this)")
@@ -273,13 +272,17 @@ def main() -> None:
             base_ms = baselines(here, q, K, V)
             for coef in args.coef:
                 static, adaptive = build_states(N, T, K, V, args.chunk_tokens, not args.no_adaptive, gen, device, coef, spare=16 if coef == "float" else 0)
-                suffix = "" if coef == "float" else "-int8"
+                suffix = "" if coef == "float" else f"-{coef}"
                 states = [("static" + suffix, static)] + ([("adaptive" + suffix, adaptive)] if adaptive is not None else [])
                 for kind, state in states:
                     time_backends(here, names, usable, kind, state, q, scale, sweep=args.sweep)
                 if coef == "float" and args.graph:
                     time_steps(here, static, q, K, V, scale)
                 del static, adaptive, states
+                if args.rope:
+                    rope_state, _ = build_states(N, T, K, V, args.chunk_tokens, False, gen, device, coef, rope=rope_params())
+                    time_backends(here, names, usable, "rope" + suffix, rope_state, q, scale, sweep=False)
+                    del rope_state
             for r in here:
                 r.update(N=N, T=T)
                 if "ms" in r:
@@ -335,10 +338,9 @@ def time_backends(rows: list[dict], names, usable, kind: str, state, q, scale: f
     from subspace_ref.registry import get_backend
     from subspace_ref_triton import decode
 
-    N = q.shape[0]
     ref = get_backend("torch").attend(q, state, scale).float()
     J = int(state.layout.num_chunks.max())
-    nbytes = coef_bytes(state, N, 0)
+    nbytes = state.nbytes
     for name in names:
         row = dict(method=f"{name}-{kind}", chunks=J)
         if not usable[name]:

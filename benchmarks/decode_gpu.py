@@ -397,7 +397,9 @@ def time_steps(rows: list[dict], state, q, K, V, scale: float) -> None:
 
     try:
         eager = bench(lambda: (reset(), step()))
-        rows.append(dict(method="step-eager", ms=eager))
+        reset()
+        want = get_torch_attend(state, ws.layout, q, scale, T0 + 1)  # row T0 is in the workspace's buffers, not the state's
+        rows.append(dict(method="step-eager", ms=eager, max_abs_diff_vs_torch=float((step().float() - want).abs().max())))
         if SMOKE:
             rows.append(dict(method="step-graph", skipped="no CUDA graphs on the CPU interpreter"))
             return
@@ -414,7 +416,6 @@ def time_steps(rows: list[dict], state, q, K, V, scale: float) -> None:
             step()
         reset()
         graph.replay()
-        want = get_torch_attend(state, q, scale, T0 + 1)
         diff = float((ws.out.float() - want).abs().max())
         rows.append(dict(method="step-graph", ms=bench(lambda: (reset(), graph.replay())), max_abs_diff_vs_torch=diff))
     except Exception as err:  # noqa: BLE001
@@ -424,14 +425,14 @@ def time_steps(rows: list[dict], state, q, K, V, scale: float) -> None:
         reset()
 
 
-def get_torch_attend(state, q, scale, T):
-    """The torch backend's attention over the first T tokens of ``state``."""
+def get_torch_attend(state, layout, q, scale, T):
+    """The torch backend's attention over the first T tokens of ``layout`` under ``state``'s policy."""
     from dataclasses import replace
 
     from subspace_ref.registry import get_backend
 
     view = state.copy()
-    view.layout = replace(view.layout, num_tokens=T)
+    view.layout = replace(layout, num_tokens=T)
     return get_backend("torch").attend(q, view, scale).float()
 
 

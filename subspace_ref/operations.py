@@ -98,7 +98,8 @@ def _admission(backend: str, q: Any) -> tuple | None:
     shape = getattr(q, "shape", None)
     if shape is None:
         return None
-    return (backend, type(q), getattr(q, "dtype", None), getattr(q, "device", None), tuple(shape))
+    # by name: a CuPy Device is unhashable, and a set of admissions needs hashable keys
+    return (backend, type(q), str(getattr(q, "dtype", None)), str(getattr(q, "device", None)), tuple(shape))
 
 
 def _admit(q: Any, state, backend: str, impl) -> Any:

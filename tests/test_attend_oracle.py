@@ -107,3 +107,34 @@ def test_empty_state_cannot_be_attended():
     state = sr.SubspaceState.adaptive(1, 4, rank_k=2, rank_v=2)
     with pytest.raises(ValueError, match="holds no tokens"):
         sr.attend(np.ones((1, 4)), state)
+
+
+class _UnhashableDevice:
+    """Like ``cupy.cuda.Device``: defines __eq__ without __hash__."""
+
+    def __eq__(self, other):
+        return isinstance(other, _UnhashableDevice)
+
+    __hash__ = None
+
+    def __str__(self):
+        return "<device 0>"
+
+
+class _ArrayOnUnhashableDevice(np.ndarray):
+    @property
+    def device(self):
+        return _UnhashableDevice()
+
+
+def test_attend_takes_queries_whose_device_is_unhashable(rng):
+    """attend remembers each admitted (backend, query kind) in a set: a query whose ``device`` is
+    unhashable (every CuPy array's is) must be admitted by the device's name, not hashed (an
+    H100 run failed every CuPy attend with "unhashable type: 'cupy.cuda.device.Device'")."""
+    H, d, r, T = 2, 8, 3, 20
+    state = sr.SubspaceState.static(sr.calibrate(rng.standard_normal((H, 40, d)), rng.standard_normal((H, 40, d)), rank_k=r, rank_v=r))
+    state.append(rng.standard_normal((H, T, d)), rng.standard_normal((H, T, d)))
+    q = rng.standard_normal((H, d))
+    want = sr.attend(q, state)
+    got = sr.attend(q.view(_ArrayOnUnhashableDevice), state)
+    np.testing.assert_array_equal(np.asarray(got), want)

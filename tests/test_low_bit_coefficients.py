@@ -223,12 +223,12 @@ def test_triton_attends_low_bit_states():
         # batch 1, 11 tokens: two complete key groups of 4 and a tail of 3
         state = sr.SubspaceState.static(_basis(rng), coefficients=coefficients, group_size=4, batch=1)
         state.append(rng.standard_normal((1, 2, 11, 16)), rng.standard_normal((1, 2, 11, 16)))
-        tq = torch.from_numpy(rng.standard_normal((1, 2, 16))).float()
-        tstate = state.to("triton", dtype="float32")
+        tstate = state.to("triton", dtype="float32")  # on the GPU when there is one
+        tq = torch.from_numpy(rng.standard_normal((1, 2, 16))).float().to(tstate.layout.key_coef.device)
         assert impl.not_supported_reasons(tq, tstate) == []
-        q = tq.double().numpy()
+        q = tq.double().cpu().numpy()
         want = sr.attend(q, state)
-        got = sr.attend(tq, tstate, backend="triton").double().numpy()
+        got = sr.attend(tq, tstate, backend="triton").double().cpu().numpy()
         assert np.abs(got - want).max() <= tolerance(reference_error(state, q, None, want, "float32"), want, "float32")
 
 

@@ -117,8 +117,8 @@ def test_triton_pre_rope_kernel_matches_oracle(case, rng):
     state.append(keys, values)
     want = sr.attend(q, state)
     ref = reference_error(state.copy(), q[None], None, want[None], "float32")
-    tst = state.to("triton", dtype="float32")
-    qt = torch.as_tensor(q, dtype=torch.float32)
+    tst = state.to("triton", dtype="float32")  # on the GPU when there is one
+    qt = torch.as_tensor(q, dtype=torch.float32, device=tst.layout.key_coef.device)
     got = to_numpy(sr.attend(qt, tst, backend="triton")).astype(np.float64)
     assert np.abs(got - want).max() <= tolerance(ref, want, "float32")
     if tst.window is not None:
@@ -139,10 +139,11 @@ def test_triton_pre_rope_append_then_attend(rng):
     state, keys, values, q = build(CASES[2], rng)
     tst = state.to("triton", dtype="float32")
     state.append(keys, values)
-    tst.append(torch.as_tensor(keys, dtype=torch.float32), torch.as_tensor(values, dtype=torch.float32))
+    dev = tst.layout.key_coef.device  # the GPU when there is one
+    tst.append(torch.as_tensor(keys, dtype=torch.float32, device=dev), torch.as_tensor(values, dtype=torch.float32, device=dev))
     want = sr.attend(q, state)
     ref = reference_error(state.copy(), q[None], None, want[None], "float32")
-    got = to_numpy(sr.attend(torch.as_tensor(q, dtype=torch.float32), tst, backend="triton")).astype(np.float64)
+    got = to_numpy(sr.attend(torch.as_tensor(q, dtype=torch.float32, device=dev), tst, backend="triton")).astype(np.float64)
     assert np.abs(got - want).max() <= tolerance(ref, want, "float32") + 1e-6 * np.abs(want).max()
 
 

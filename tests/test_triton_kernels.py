@@ -497,7 +497,7 @@ class TestWindowDecode:
         q = _t(rng.standard_normal((N, H * g, d)), torch.float32)
         k = _t(rng.standard_normal((N, H, n, d)), torch.float32)
         v = _t(rng.standard_normal((N, H, n, d_v)), torch.float32)
-        out = (torch.full((N, H * g, 2), 7.0), torch.full((N, H * g, 2), 7.0), torch.full((N, H * g, 2, d_v), 7.0))
+        out = tuple(torch.full(shape, 7.0, device=DEVICE) for shape in ((N, H * g, 2), (N, H * g, 2), (N, H * g, 2, d_v)))
         launch = window_decode.exact_launch(q, k, v, 0.3, out, 1)
         if block_d is not None:
             launch.constexprs["BLOCK_D"] = block_d

@@ -124,10 +124,10 @@ def test_append_grid_is_capped_for_two_million_tokens():
 def test_programs_stride_over_tiles_beyond_the_grid_cap(monkeypatch, rng):
     monkeypatch.setattr(project, "MAX_GRID_Y", 2)  # 7 tiles of 16 tokens over 2 programs per head
     N, H, n_new, d, r = 1, 2, 100, 32, 5
-    keys = torch.as_tensor(rng.standard_normal((N, H, n_new, d)), dtype=torch.float32)
-    bases = torch.as_tensor(np.swapaxes(np.linalg.qr(rng.standard_normal((N, H, 1, d, r)))[0], -1, -2).copy(), dtype=torch.float32)
-    chunk = torch.zeros(N, H, dtype=torch.int64)
-    got = [torch.full((N, H, n_new, r), float("nan")) for _ in range(2)]
+    keys = torch.as_tensor(rng.standard_normal((N, H, n_new, d)), dtype=torch.float32, device=DEVICE)
+    bases = torch.as_tensor(np.swapaxes(np.linalg.qr(rng.standard_normal((N, H, 1, d, r)))[0], -1, -2).copy(), dtype=torch.float32, device=DEVICE)
+    chunk = torch.zeros(N, H, dtype=torch.int64, device=DEVICE)
+    got = [torch.full((N, H, n_new, r), float("nan"), device=DEVICE) for _ in range(2)]
     want = [torch.empty_like(g) for g in got]
     launch, _ = project.project_launch(keys, keys, bases, bases, chunk, *got, True)
     assert launch.grid == (N * H, 2)

@@ -209,7 +209,7 @@ __device__ __forceinline__ float row_dot(const float* qt, const unsigned char* r
     for (int k = 0; k < RT / kVec; ++k) {
         const uint4 raw = v[k];
         CoefT e[kVec];
-        __builtin_memcpy(e, &raw, sizeof(raw));
+        memcpy(e, &raw, sizeof(raw));  // NVRTC has memcpy in device code, not __builtin_memcpy
 #pragma unroll
         for (int u = 0; u < kVec; ++u) {
             acc += qt[k * kVec + u] * CoefReader<CoefT>::code(e[u]);

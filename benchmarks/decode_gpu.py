@@ -23,6 +23,9 @@ Per (N, T), all in the same process:
 * **<backend>-rope[-int8|-int4]** (``--rope``) -- the same on a pre-RoPE static state
   (spec/rope.md P2-P3: keys stored as coefficients before the rotation, rebuilt and rotated to
   each token's position inside the kernel), full rotary (64 planes, base 10000).
+  **triton-rope[-...] bt=<tile> w=<warps> [fp32-rebuild]** (``--rope-sweep``): the pre-RoPE
+  kernel with other tiles and warps, and with the float32 rebuild where the tensor cores would
+  take it.
 * **<backend>-adaptive[-int8]** -- the same on an adaptive-layout state (spec A7/A9) with
   J = T / 256 chunks per head (``--chunk-tokens``): chunk j covers tokens [256 j, 256 (j + 1))
   with its own random orthonormal bases, coefficients those of the static state. Synthetic --
@@ -74,6 +77,8 @@ H_Q, H_KV, D, RANK = 32, 8, 128, 32
 DTYPE = "bfloat16"
 # (tokens per tile, warps) of the triton split kernel timed besides its default (launch_config)
 SWEEP = ((32, 4), (64, 4), (128, 4), (32, 8), (64, 8))
+# (tokens per tile, warps, tensor-core rebuild) of the pre-RoPE kernel timed besides its default
+ROPE_SWEEP = ((16, 8, False), (16, 4, True), (32, 8, True), (64, 8, True), (32, 4, True))
 
 
 def fail(msg: str) -> None:
@@ -196,6 +201,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 32768, 65536, 131072])
     ap.add_argument("--coef", nargs="+", default=["float", "int8"], choices=["float", "int8", "int4"], help="coefficient storage (spec A10, spec/quantization.md Q2)")
     ap.add_argument("--rope", action="store_true", help="also time pre-RoPE static states (spec/rope.md P3) for every --coef")
+    ap.add_argument("--rope-sweep", action="store_true", help="time the pre-RoPE kernel's other tiles, warps and rebuilds too (ROPE_SWEEP)")
     ap.add_argument("--no-graph", dest="graph", action="store_false", help="skip the eager / CUDA-graph decode step")
     ap.add_argument("--plot", nargs="+", default=None, metavar="JSON", help="only draw the plots of these result files into --out")
     ap.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk of the adaptive layout (J = T / this)")
@@ -281,7 +287,7 @@ def main() -> None:
                 del static, adaptive, states
                 if args.rope:
                     rope_state, _ = build_states(N, T, K, V, args.chunk_tokens, False, gen, device, coef, rope=rope_params())
-                    time_backends(here, names, usable, "rope" + suffix, rope_state, q, scale, sweep=False)
+                    time_backends(here, names, usable, "rope" + suffix, rope_state, q, scale, sweep=args.rope_sweep)
                     del rope_state
             for r in here:
                 r.update(N=N, T=T)
@@ -336,7 +342,7 @@ def time_backends(rows: list[dict], names, usable, kind: str, state, q, scale: f
     import subspace_ref as sr
     from subspace_ref.arrays import to_numpy
     from subspace_ref.registry import get_backend
-    from subspace_ref_triton import decode
+    from subspace_ref_triton import decode, rope_decode
 
     ref = get_backend("torch").attend(q, state, scale).float()
     J = int(state.layout.num_chunks.max())
@@ -362,7 +368,14 @@ def time_backends(rows: list[dict], names, usable, kind: str, state, q, scale: f
             if name == "triton" and kind == "static":
                 ms_api = bench(functools.partial(sr.attend, q, state, backend="triton", scale=scale))
                 rows.append(dict(method="triton-static-api", chunks=J, ms=ms_api, bytes=nbytes))
-            if name == "triton" and sweep:
+            if name == "triton" and sweep and kind.startswith("rope"):
+                rope = st.policy.rope
+                for bt, nw, native in ROPE_SWEEP:
+                    fn = functools.partial(rope_decode.decode_attention, q, st.layout, rope, scale, block_t=bt, num_warps=nw, native=native)
+                    d_sw = float((fn().float() - ref).abs().max())
+                    label = f"triton-{kind} bt={bt} w={nw}" + ("" if native else " fp32-rebuild")
+                    rows.append(dict(method=label, chunks=J, ms=bench(fn), bytes=nbytes, max_abs_diff_vs_torch=d_sw))
+            elif name == "triton" and sweep:
                 for bt, nw in SWEEP:
                     fn = functools.partial(decode.decode_attention, q, st.layout, scale, block_t=bt, num_warps=nw)
                     d_sw = float((fn().float() - ref).abs().max())

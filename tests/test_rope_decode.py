@@ -133,6 +133,32 @@ def test_triton_pre_rope_kernel_matches_oracle(case, rng):
     assert np.abs(split - want).max() <= tolerance(ref, want, "float32")
 
 
+@pytest.mark.parametrize("coefficients", ["float", "int8"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_triton_pre_rope_16bit_state(dtype, coefficients, rng):
+    """A 16-bit state whose rebuild products are all at least 16 wide (d = 64: 32 planes, r = 16,
+    GQA 4): on a GPU the rebuild runs on the tensor cores (``rope_decode.native16``), under the
+    interpreter in float32; against the float64 oracle of the state as stored, within the
+    harness's tolerance derived in that dtype, several splits merged."""
+    _triton_or_skip()
+    from subspace_ref_triton import rope_decode
+    from subspace_ref_triton._common import interpreting
+
+    state, keys, values, q = build(("native16", "half", None, 1.0, 2, 4, 64, 16, 300, coefficients, "native", 0), rng)
+    state.append(keys, values)
+    tst = state.to("triton", dtype=dtype)  # on the GPU when there is one
+    qt = torch.as_tensor(q, device=tst.layout.key_coef.device).to(getattr(torch, dtype))
+    state64 = tst.to("numpy", dtype=np.float64)
+    q64 = to_numpy(qt).astype(np.float64)
+    want = sr.attend(q64, state64)
+    ref = reference_error(state64, q64[None], None, want[None], dtype)
+    launch, _ = rope_decode.split_launch(qt[None], tst.layout, tst.policy.rope, 0.125, 64)
+    assert launch.constexprs["NATIVE16"] == (not interpreting())
+    for split_len in (None, 4 * rope_decode.BLOCK_T):
+        got = to_numpy(rope_decode.decode_attention(qt[None], tst.layout, tst.policy.rope, split_len=split_len))[0].astype(np.float64)
+        assert np.abs(got - want).max() <= tolerance(ref, want, dtype), (np.abs(got - want).max(), ref)
+
+
 def test_triton_pre_rope_append_then_attend(rng):
     """P2 through the triton backend's append (keys un-rotated before projection) then P3."""
     _triton_or_skip()

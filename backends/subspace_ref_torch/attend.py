@@ -59,6 +59,10 @@ MAX_VALUE_TILES = 16
 # pass through the rotation several times: tiles of this many numbers (512 KiB in float32, a
 # CPU core's L2) keep those passes out of DRAM.
 ROPE_TILE_ELEMENTS = 1 << 17
+# On a GPU a tile costs about ten kernel launches and a host-to-device copy of its base angles,
+# whatever its size: 128-token tiles took 209 ms at T = 128k on an H100 (docs/gpu.md). Tiles of
+# this many numbers (64 MiB in float32) make it a handful.
+ROPE_TILE_ELEMENTS_GPU = 1 << 24
 
 
 def work_dtype(q: torch.Tensor, state) -> torch.dtype:
@@ -278,7 +282,7 @@ def rope_logits(q: torch.Tensor, state, scale: float | None, dtype: torch.dtype)
     qg = (q.reshape(N, H, g, d).to(dtype)[..., order] * logit_scale(state, d, scale, dtype)[None, :, None, None]).reshape(N * H, g, d)
     B = lay.basis("key", (slice(None), slice(None), 0), dtype)[..., order].reshape(N * H, -1, d)  # (N H, r, d)
     logits = torch.empty((N * H, g, T), dtype=dtype, device=q.device)
-    tile = max(16, ROPE_TILE_ELEMENTS // (N * H * d))
+    tile = max(16, (ROPE_TILE_ELEMENTS if q.device.type == "cpu" else ROPE_TILE_ELEMENTS_GPU) // (N * H * d))
     first = first_compressed_position(state)  # spec/window.md W10: positions start after the sinks
     for a, b, rows in raw_tiles(state, "key", T, dtype, range(0, T, tile)):
         keys = torch.bmm(rows.reshape(N * H, b - a, -1), B)  # (N H, b - a, d): planes' first dims, second dims, fixed dims

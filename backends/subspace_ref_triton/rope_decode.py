@@ -16,9 +16,14 @@ A program owns one (sequence, KV head) and one split, and per tile of ``BLOCK_T`
    space (``g x r_v`` accumulator), mapped through ``E`` once per split.
 
 Rebuilding the key (not rotating the query per token) serves all g query heads with one
-``O(r d)`` product per token: spec/roofline.md R13. Everything is float32 (``ieee`` products):
-the rebuild is O(r d) per token, so the tensor-core splitting of :mod:`decode` would buy
-nothing measurable here before the kernel is timed on a GPU (docs/gpu.md).
+``O(r d)`` product per token: spec/roofline.md R13. On a GPU, when the bases are 16-bit and the
+coefficients are of the bases' dtype or int8 (``NATIVE16``), the rebuild runs on the tensor
+cores with the operands as stored: a product of two 16-bit numbers is exact in float32 (int8
+codes are exact in either 16-bit type), and the sums accumulate in float32, so it computes what
+the float32 ``ieee`` product computes up to the order of the sums. Everything else is float32
+(``ieee`` products), and so is the rebuild of float32 and int4/int2 states and the interpreter's
+(whose 16-bit ``tl.dot`` multiplies bit patterns). Measured on an H100 (docs/gpu.md, 2026-11-26),
+the float32 rebuild of a bf16 state took 5.1 ms at T = 128k, N = 1: 26x SDPA's time.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from subspace_ref_triton._common import Launch, cdiv, pow2_at_least
+from subspace_ref_triton._common import Launch, cdiv, interpreting, pow2_at_least
 from subspace_ref_triton._tl import MAX_COMBINE as _MAX
 from subspace_ref_triton._tl import SUM_COMBINE as _SUM
 from subspace_ref_triton._tl import low_bit_tile
@@ -41,6 +46,9 @@ from subspace_ref_triton.decode import default_split_len, merge_partials, scale_
 # 4 warps spilled ~1.3 KB per thread, 16 on 4 warps ~140 bytes, 32 on 8 ~140 bytes.
 BLOCK_T = 16
 NUM_WARPS = 8
+# GQA groups below this take their logits and value sums as broadcast products and sums, larger
+# ones as float32 tl.dot products
+SMALL_GROUP = 16
 
 
 @triton.jit
@@ -58,7 +66,8 @@ def _rope_split_kernel(
     svs_n, svs_h, svs_t,
     kgroup, stl_n, stl_h, stl_t,
     G: tl.constexpr, M: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, RV: tl.constexpr,
-    BLOCK_T: tl.constexpr, INT8: tl.constexpr, BITS: tl.constexpr, HAS_FIXED: tl.constexpr,
+    BLOCK_T: tl.constexpr, INT8: tl.constexpr, BITS: tl.constexpr, HAS_FIXED: tl.constexpr, NATIVE16: tl.constexpr,
+    SMALL_G: tl.constexpr,
 ):
     nh = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
@@ -83,14 +92,17 @@ def _rope_split_kernel(
     qa = tl.load(q_rows + dim_a[None, :], mask=g_mask[:, None] & m_mask[None, :], other=0.0).to(tl.float32)
     qb = tl.load(q_rows + dim_b[None, :], mask=g_mask[:, None] & m_mask[None, :], other=0.0).to(tl.float32)
     kb_rows = kb_ptr + n * skb_n + h * skb_h + offs_r[:, None] * skb_r
-    Ba = tl.load(kb_rows + dim_a[None, :], mask=r_mask[:, None] & m_mask[None, :], other=0.0).to(tl.float32)  # (R, M)
-    Bb = tl.load(kb_rows + dim_b[None, :], mask=r_mask[:, None] & m_mask[None, :], other=0.0).to(tl.float32)
+    COEF = kb_ptr.dtype.element_ty  # the rebuild's operand type: float32, or the 16-bit bases' (NATIVE16)
+    if not NATIVE16:
+        COEF = tl.float32
+    Ba = tl.load(kb_rows + dim_a[None, :], mask=r_mask[:, None] & m_mask[None, :], other=0.0).to(COEF)  # (R, M)
+    Bb = tl.load(kb_rows + dim_b[None, :], mask=r_mask[:, None] & m_mask[None, :], other=0.0).to(COEF)
     if HAS_FIXED:
         offs_f = tl.arange(0, F)
         f_mask = offs_f < f
         dim_f = tl.load(order_ptr + 2 * m + offs_f, mask=f_mask, other=0)
         qf = tl.load(q_rows + dim_f[None, :], mask=g_mask[:, None] & f_mask[None, :], other=0.0).to(tl.float32)
-        Bf = tl.load(kb_rows + dim_f[None, :], mask=r_mask[:, None] & f_mask[None, :], other=0.0).to(tl.float32)
+        Bf = tl.load(kb_rows + dim_f[None, :], mask=r_mask[:, None] & f_mask[None, :], other=0.0).to(COEF)
 
     # cos/sin of k theta_i for the offsets k < BLOCK_T of a tile, in float64, once per program
     theta = tl.load(freq_ptr + offs_m, mask=m_mask, other=0.0)  # float64
@@ -117,7 +129,9 @@ def _rope_split_kernel(
     for t0 in range(lo, hi, BLOCK_T):
         t_mask = t0 + offs_t < hi
         if BITS == 0:
-            c = tl.load(kc_base + (t0 + offs_t)[:, None] * skc_t + offs_r[None, :], mask=t_mask[:, None] & r_mask[None, :], other=0).to(tl.float32)
+            # int8 codes through float32: exact in every type (the interpreter turns int8 ->
+            # bfloat16 into a bit copy)
+            c = tl.load(kc_base + (t0 + offs_t)[:, None] * skc_t + offs_r[None, :], mask=t_mask[:, None] & r_mask[None, :], other=0).to(tl.float32).to(COEF)
             dvals = tl.load(vc_base + (t0 + offs_t)[:, None] * svc_t + offs_rv[None, :], mask=t_mask[:, None] & rv_mask[None, :], other=0).to(tl.float32)
         else:
             # spec/quantization.md Q1-Q2 in float32, kept in float32 like every other operand here
@@ -125,8 +139,12 @@ def _rope_split_kernel(
                                     complete, kgroup, skc_t, svc_t, sks_t, svs_t, stl_t, BITS)
         # step 1: rebuild; step 2: rotate to positions S + t0 + k (spec/window.md W10: S sinks
         # before the compressed tokens; angle addition, scale a folded in)
-        ua = tl.dot(c, Ba, input_precision="ieee")  # (BLOCK_T, M)
-        ub = tl.dot(c, Bb, input_precision="ieee")
+        if NATIVE16:  # tensor cores, float32 sums of exact products (module docstring)
+            ua = tl.dot(c, Ba)  # (BLOCK_T, M)
+            ub = tl.dot(c, Bb)
+        else:
+            ua = tl.dot(c, Ba, input_precision="ieee")
+            ub = tl.dot(c, Bb, input_precision="ieee")
         base = theta * (first_position + t0)  # float64
         ca = (tl.cos(base) * rope_scale).to(tl.float32)
         sa = (tl.sin(base) * rope_scale).to(tl.float32)
@@ -135,11 +153,23 @@ def _rope_split_kernel(
         ra = ua * cos_t - ub * sin_t
         rb = ua * sin_t + ub * cos_t
         # step 3: logits of the g query heads
-        logits = tl.dot(qa, tl.trans(ra), input_precision="ieee")
-        logits = tl.dot(qb, tl.trans(rb), acc=logits, input_precision="ieee")
         if HAS_FIXED:
-            uf = tl.dot(c, Bf, input_precision="ieee")
-            logits = tl.dot(qf, tl.trans(uf), acc=logits, input_precision="ieee")
+            if NATIVE16:
+                uf = tl.dot(c, Bf)
+            else:
+                uf = tl.dot(c, Bf, input_precision="ieee")
+        if SMALL_G:
+            # (G, BLOCK_T, M) products summed over M: a float32 tl.dot this narrow runs on FMA
+            # units with every operand's whole M in each thread's registers (172 registers at
+            # 16-token tiles, spills at 32)
+            logits = tl.reduce(qa[:, None, :] * ra[None, :, :] + qb[:, None, :] * rb[None, :, :], 2, _SUM)
+            if HAS_FIXED:
+                logits += tl.reduce(qf[:, None, :] * uf[None, :, :], 2, _SUM)
+        else:
+            logits = tl.dot(qa, tl.trans(ra), input_precision="ieee")
+            logits = tl.dot(qb, tl.trans(rb), acc=logits, input_precision="ieee")
+            if HAS_FIXED:
+                logits = tl.dot(qf, tl.trans(uf), acc=logits, input_precision="ieee")
         logits = logits * logit_scale
         if INT8:  # spec A10: k_t = s_t R_t B^T q_t
             logits = logits * tl.load(ks_base + (t0 + offs_t) * sks_t, mask=t_mask, other=0.0)[None, :]
@@ -150,7 +180,10 @@ def _rope_split_kernel(
         z_i = z_i * alpha + tl.reduce(w, 1, _SUM)
         if INT8:
             w = w * tl.load(vs_base + (t0 + offs_t) * svs_t, mask=t_mask, other=0.0)[None, :]
-        acc = acc * alpha[:, None] + tl.dot(w, dvals, input_precision="ieee")
+        if SMALL_G:
+            acc = acc * alpha[:, None] + tl.reduce(w[:, :, None] * dvals[None, :, :], 1, _SUM)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(w, dvals, input_precision="ieee")
         m_i = m_new
 
     E = tl.load(vb_ptr + n * svb_n + h * svb_h + offs_rv[:, None] * svb_r + offs_dv[None, :],
@@ -162,11 +195,15 @@ def _rope_split_kernel(
     tl.store(po_ptr + (row * num_splits + s)[:, None] * d_v + offs_dv[None, :], o_i, mask=g_mask[:, None] & (offs_dv < d_v)[None, :])
 
 
-def split_launch(q, layout, rope, scale: float, split_len: int, first_position: int = 0):
+def split_launch(q, layout, rope, scale: float, split_len: int, first_position: int = 0, *, block_t: int | None = None, num_warps: int | None = None,
+                 native: bool | None = None):
     """The split kernel's launch (not run) and the partials (m, Z, N) it fills, float32, in the
     format of :func:`subspace_ref_triton.decode.split_launch` (m includes gamma * scale).
     ``layout``: a one-chunk layout of torch tensors (a static state's, bases decoded);
-    ``first_position``: the position of compressed token 0 (spec/window.md W10: the sinks)."""
+    ``first_position``: the position of compressed token 0 (spec/window.md W10: the sinks).
+    ``block_t`` (a power of two >= 16), ``num_warps`` and ``native`` (False: the float32 rebuild
+    even where :func:`native16` allows the tensor cores) override the defaults, for the
+    benchmark's sweep."""
     N, Hq, d = q.shape
     H = layout.key_coef.shape[1]
     group = Hq // H
@@ -202,30 +239,46 @@ def split_launch(q, layout, rope, scale: float, split_len: int, first_position: 
     )
     constexprs = {
         "G": pow2_at_least(group), "M": pow2_at_least(m), "F": pow2_at_least(f), "DV": pow2_at_least(d_v),
-        "R": pow2_at_least(r), "RV": pow2_at_least(r_v), "BLOCK_T": BLOCK_T, "INT8": int8, "BITS": bits, "HAS_FIXED": f > 0,
+        "R": pow2_at_least(r), "RV": pow2_at_least(r_v), "BLOCK_T": block_t or BLOCK_T, "INT8": int8, "BITS": bits, "HAS_FIXED": f > 0,
     }
-    return Launch(_rope_split_kernel, (N * H, S), args, constexprs, NUM_WARPS), (pm, pz, po)
+    constexprs["NATIVE16"] = native16(kc, kb, constexprs) and native is not False
+    constexprs["SMALL_G"] = constexprs["G"] < SMALL_GROUP
+    return Launch(_rope_split_kernel, (N * H, S), args, constexprs, num_warps or NUM_WARPS), (pm, pz, po)
 
 
-def attention_partials(q, layout, rope, scale: float, split_len: int | None = None, first_position: int = 0):
+def native16(key_coef, key_bases, constexprs: dict) -> bool:
+    """Whether the rebuild runs on the tensor cores (module docstring): a compiled launch, 16-bit
+    bases, coefficients of their dtype or int8, and every dimension of the products at least the
+    16 an MMA tile needs."""
+    dims = [constexprs["BLOCK_T"], constexprs["R"], constexprs["M"]] + ([constexprs["F"]] if constexprs["HAS_FIXED"] else [])
+    return (
+        not interpreting()
+        and key_bases.dtype in (torch.float16, torch.bfloat16)
+        and key_coef.dtype in (key_bases.dtype, torch.int8)
+        and min(dims) >= 16
+    )
+
+
+def attention_partials(q, layout, rope, scale: float, split_len: int | None = None, first_position: int = 0, **launch):
     """The split partials (m, Z, N) (spec A3.2) that :func:`decode_attention` merges (exact
     tokens add theirs: :mod:`subspace_ref_triton.window_decode`); compressed token t sits at
     position ``first_position + t`` (spec/window.md W10)."""
     T = int(layout.num_tokens)
     if split_len is None:
         split_len = default_split_len(T, q.shape[0] * layout.key_coef.shape[1], q.device)
-        split_len = cdiv(split_len, BLOCK_T) * BLOCK_T
-    launch, partials = split_launch(q, layout, rope, scale, split_len, first_position)
-    launch.run()
+        block_t = launch.get("block_t") or BLOCK_T
+        split_len = cdiv(split_len, block_t) * block_t
+    split, partials = split_launch(q, layout, rope, scale, split_len, first_position, **launch)
+    split.run()
     return partials
 
 
-def decode_attention(q, layout, rope, scale: float | None = None, split_len: int | None = None):
+def decode_attention(q, layout, rope, scale: float | None = None, split_len: int | None = None, **launch):
     """Spec/rope.md P3 of q (N, H_q, d) over a pre-RoPE static state's ``layout``: (N, H_q, d_v)
     in q's dtype, float32 inside."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    pm, pz, po = attention_partials(q, layout, rope, scale, split_len)
+    pm, pz, po = attention_partials(q, layout, rope, scale, split_len, **launch)
     return merge_partials(pm, pz, po, q.dtype)
 
 
-__all__ = ["BLOCK_T", "attention_partials", "decode_attention", "split_launch"]
+__all__ = ["BLOCK_T", "attention_partials", "decode_attention", "native16", "split_launch"]

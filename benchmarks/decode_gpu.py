@@ -491,7 +491,7 @@ def format_row(r: dict) -> str:
 
 def write_results(out: Path, meta: dict, rows: list[dict]) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    stamp = meta["date"].replace(":", "").replace("-", "")
+    stamp = "".join(ch for ch in meta["date"] if ch.isalnum())  # 20261126T160941+0000 -> 20261126T1609410000: plain file names
     (out / f"decode_gpu_{stamp}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = [
         f"# Decode attention on {meta['device']}",

@@ -53,6 +53,7 @@ class Row:
     resident: int = 0
     limiter: str = ""
     waves: dict | None = None  # "N=1": (splits, waves now, waves with 4 programs/SM assumed)
+    measured: str = ""  # a default chosen by GPU timings although it spills: why
 
 
 # ------------------------------------------------------------------------------------- Triton
@@ -137,14 +138,24 @@ def triton_launches(exhaustive: bool = False):
     return out
 
 
+def measured_defaults() -> dict[str, str]:
+    """Kernels whose default launch configuration was chosen by GPU timings over the compile
+    report's rule (no spill, then the most resident warps), with why."""
+    from subspace_ref_triton import rope_decode
+
+    return {"decode rope": rope_decode.SPILLS_MEASURED}
+
+
 def triton_rows(exhaustive: bool = False) -> list[Row]:
     from subspace_ref_triton.compile_report import launch_resources
 
     rows = []
+    measured = measured_defaults()
     for kernel, label, default, launch in triton_launches(exhaustive):
         for arch in ARCHS:
             res = launch_resources(launch, arch)
-            rows.append(Row("triton", kernel, label, default, arch, res.registers, res.spill_stores, res.spill_loads, res.stack, res.shared, res.num_warps))
+            rows.append(Row("triton", kernel, label, default, arch, res.registers, res.spill_stores, res.spill_loads, res.stack, res.shared, res.num_warps,
+                            measured=measured.get(kernel, "") if default else ""))
     return rows
 
 
@@ -285,10 +296,12 @@ def build(exhaustive: bool = False, cuda: bool = True) -> dict:
     return dict(rows=[asdict(r) for r in rows], roofline=roofline_rows(), nvcc_failures=failures, skipped=skipped)
 
 
-def default_spills(report: dict) -> list[str]:
-    """The default configurations that spill, one line each (empty: none)."""
+def default_spills(report: dict, measured: bool = False) -> list[str]:
+    """The default configurations that spill, one line each (empty: none): those not chosen by
+    GPU timings, or (``measured``) those that were, with why."""
     return [f"{r['backend']} {r['kernel']} [{r['config']}] sm_{r['arch']}: {r['spill_stores']} B spill stores, {r['spill_loads']} B loads"
-            for r in report["rows"] if r["default"] and (r["spill_stores"] or r["spill_loads"])]
+            + (f" ({r['measured']})" if measured else "")
+            for r in report["rows"] if r["default"] and (r["spill_stores"] or r["spill_loads"]) and bool(r.get("measured")) == measured]
 
 
 def markdown(report: dict) -> str:
@@ -318,6 +331,9 @@ def markdown(report: dict) -> str:
         lines.append(f"\nnvcc failed:\n```\n{f}\n```")
     spills = default_spills(report)
     lines.append("\nDefault configurations that spill: " + ("none." if not spills else "\n- " + "\n- ".join(spills)))
+    chosen = default_spills(report, measured=True)
+    if chosen:
+        lines.append("\nDefault configurations that spill, chosen by GPU timings:\n- " + "\n- ".join(chosen))
     return "\n".join(lines) + "\n"
 
 

@@ -40,12 +40,14 @@ from subspace_ref_triton._tl import SUM_COMBINE as _SUM
 from subspace_ref_triton._tl import low_bit_tile
 from subspace_ref_triton.decode import default_split_len, merge_partials, scale_operands
 
-# Tokens per tile and warps: three (BLOCK_T x d/2) float32 key parts live at once. The compile
-# report (gpu_report, d = 128, r = 32, g = 4) gives 164-171 registers and no spills on sm_80 and
-# sm_90 for 16-token tiles on 8 warps, every dtype and coefficient storage; 32-token tiles on
-# 4 warps spilled ~1.3 KB per thread, 16 on 4 warps ~140 bytes, 32 on 8 ~140 bytes.
-BLOCK_T = 16
-NUM_WARPS = 8
+# Tokens per tile and warps, chosen by timing on an H100 (docs/gpu.md, 2026-11-26; d = 128,
+# r = 32, g = 4, bf16): 32-token tiles on 4 warps took 12.4 ms at N = 8, T = 128k, 16-token
+# tiles on 8 warps 24.8 ms, although ptxas spills ~1.3 KB per thread of the first and none of the
+# second (172 registers); int8 12.5 against 26.8 ms, int4 23.5 against 43.5 ms. The compile
+# report lists this default as spilling by choice (SPILLS_MEASURED).
+BLOCK_T = 32
+NUM_WARPS = 4
+SPILLS_MEASURED = "spills; 2x faster than the largest configuration that does not (16-token tiles, 8 warps) on an H100: docs/gpu.md"
 # GQA groups below this take their logits and value sums as broadcast products and sums, larger
 # ones as float32 tl.dot products
 SMALL_GROUP = 16

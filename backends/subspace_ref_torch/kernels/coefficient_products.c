@@ -113,8 +113,10 @@ ALWAYS_INLINE vf fold_block(vf *v) {
 /* deinterleave for n <= 64 (a multiple of 16), the operand in four registers (src, 0 past the
  * rank): each 16 positions are two two-source permutes and a blend, instead of a gather
  * (microcoded, ~20% of the logits at G = 32). */
-ALWAYS_INLINE void deinterleave_registers(const __m512 *src, int64_t width, int64_t n, const int32_t *order, float *planes) {
+ALWAYS_INLINE void deinterleave_registers(const __m512 *loaded, int64_t width, int64_t n, const int32_t *order, float *planes) {
     (void)width;
+    __m512 src[4];
+    for (int s = 0; s < 4; ++s) src[s] = s < n / 16 ? loaded[s] : _mm512_setzero_ps(); /* the first n / 16 are loaded */
     for (int64_t c = 0; c < n; c += 16) {
         const __m512i idx = _mm512_loadu_si512(order + c);
         const __mmask16 valid = _mm512_cmpge_epi32_mask(idx, _mm512_setzero_si512());
@@ -377,7 +379,7 @@ ALWAYS_INLINE void deinterleave(const float *x, int64_t rank, int64_t width, int
 #if defined(LANES)
     if (n % LANES == 0 && n <= 64) {
         vf src[64 / LANES];
-        for (int s = 0; s < 64 / LANES; ++s) src[s] = vf_load_upto(x + LANES * s, rank - LANES * s);
+        for (int s = 0; s < n / LANES; ++s) src[s] = vf_load_upto(x + LANES * s, rank - LANES * s);
         deinterleave_registers(src, width, n, order, planes);
         return;
     }
@@ -391,7 +393,7 @@ ALWAYS_INLINE void deinterleave_half(const half *x, int64_t rank, int64_t width,
 #if defined(LANES)
     if (n % LANES == 0 && n <= 64) {
         vf src[64 / LANES];
-        for (int s = 0; s < 64 / LANES; ++s) src[s] = vf_load_half_upto(x + LANES * s, rank - LANES * s);
+        for (int s = 0; s < n / LANES; ++s) src[s] = vf_load_half_upto(x + LANES * s, rank - LANES * s);
         deinterleave_registers(src, width, n, order, planes);
         return;
     }
@@ -678,25 +680,14 @@ struct coefficient_side {
     int64_t group; /* keys of int4 / int2: tokens per scale group */
 };
 
-/* Logits of one head's first `tokens` keys (int4 / int2: whole groups) into out (queries rows,
- * `out_row_stride` apart) for projected queries q (queries, rank). planes: (queries + 4) n floats. */
-static void head_logits(int bits, const struct coefficient_side *keys, int64_t h, int64_t queries, int64_t tokens, const float *q,
-                        float *planes, float *out, int64_t out_row_stride) {
-    const uint8_t *codes = keys->codes + h * keys->head_stride;
-    if (bits == 8) {
-        const float *scale = (const float *)keys->scale + h * keys->scale_head_stride;
-        WITH_WIDTH(keys->rank, rows_logits(codes, tokens, tokens, W, 8, queries, q, NULL, NULL, scale, out, out_row_stride));
-        return;
-    }
-    const int64_t width = keys->width, n = (8 / bits) * width, rank = keys->rank, G = keys->group;
-    int32_t order[8 * MAX_BYTES];
-    plane_order(rank, width, bits, order);
-    for (int64_t i = 0; i < queries; ++i) deinterleave(q + i * rank, rank, width, n, order, planes + i * n);
-    const half *scale = (const half *)keys->scale + h * keys->scale_head_stride, *zero = keys->zero + h * keys->scale_head_stride;
-    /* group g's scales and zeros in plane order, at planes + (queries + 2 (g mod 2)) n: put in
-     * order one group ahead, so that their loads, shuffles and stores overlap the logits of the
-     * group before instead of delaying its first rows (~0.5 ns a token at G = 32) */
-    const int64_t groups = tokens / G;
+/* Logits of one head's whole key groups of int4 / int2 keys (`scale`, `zero`: the head's group
+ * scales and zeros), rows of `width` bytes (constant where WITH_WIDTH makes it one), for the
+ * query planes at planes[0 .. queries n). Group g's scales and zeros in plane order lie at
+ * planes + (queries + 2 (g mod 2)) n: put in order one group ahead, so that their loads,
+ * shuffles and stores overlap the logits of the group before instead of delaying its first rows. */
+ALWAYS_INLINE void group_logits(const uint8_t *codes, const half *scale, const half *zero, int64_t tokens, int64_t G, int64_t rank, int64_t width,
+                                int bits, int64_t queries, const int32_t *order, float *planes, float *out, int64_t out_row_stride) {
+    const int64_t n = (8 / bits) * width, groups = tokens / G;
     if (groups > 0) {
         deinterleave_half(scale, rank, width, n, order, planes + queries * n);
         deinterleave_half(zero, rank, width, n, order, planes + (queries + 1) * n);
@@ -714,12 +705,29 @@ static void head_logits(int bits, const struct coefficient_side *keys, int64_t h
             deinterleave_half(scale + (g + 1) * rank, rank, width, n, order, next);
             deinterleave_half(zero + (g + 1) * rank, rank, width, n, order, next + n);
         }
-        const uint8_t *rows = codes + g * G * width;
-        if (bits == 4)
-            WITH_WIDTH(width, rows_logits(rows, G, tokens - g * G, W, 4, queries, planes, scale_planes, zero_planes, NULL, out + g * G, out_row_stride));
-        else
-            WITH_WIDTH(width, rows_logits(rows, G, tokens - g * G, W, 2, queries, planes, scale_planes, zero_planes, NULL, out + g * G, out_row_stride));
+        rows_logits(codes + g * G * width, G, tokens - g * G, width, bits, queries, planes, scale_planes, zero_planes, NULL, out + g * G, out_row_stride);
     }
+}
+
+/* Logits of one head's first `tokens` keys (int4 / int2: whole groups) into out (queries rows,
+ * `out_row_stride` apart) for projected queries q (queries, rank). planes: (queries + 4) n floats. */
+static void head_logits(int bits, const struct coefficient_side *keys, int64_t h, int64_t queries, int64_t tokens, const float *q,
+                        float *planes, float *out, int64_t out_row_stride) {
+    const uint8_t *codes = keys->codes + h * keys->head_stride;
+    if (bits == 8) {
+        const float *scale = (const float *)keys->scale + h * keys->scale_head_stride;
+        WITH_WIDTH(keys->rank, rows_logits(codes, tokens, tokens, W, 8, queries, q, NULL, NULL, scale, out, out_row_stride));
+        return;
+    }
+    const int64_t width = keys->width, n = (8 / bits) * width, rank = keys->rank, G = keys->group;
+    int32_t order[8 * MAX_BYTES];
+    plane_order(rank, width, bits, order);
+    for (int64_t i = 0; i < queries; ++i) deinterleave(q + i * rank, rank, width, n, order, planes + i * n);
+    const half *scale = (const half *)keys->scale + h * keys->scale_head_stride, *zero = keys->zero + h * keys->scale_head_stride;
+    if (bits == 4)
+        WITH_WIDTH(width, group_logits(codes, scale, zero, tokens, G, rank, W, 4, queries, order, planes, out, out_row_stride));
+    else
+        WITH_WIDTH(width, group_logits(codes, scale, zero, tokens, G, rank, W, 2, queries, order, planes, out, out_row_stride));
 }
 
 /* Spec A3 with the global maximum (A3.1) over one query head's `tokens` logits, in place:

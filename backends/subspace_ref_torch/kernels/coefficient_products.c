@@ -446,8 +446,12 @@ ALWAYS_INLINE void rows_logits(const uint8_t *codes, int64_t tokens, int64_t rea
 #if defined(LANES)
     /* blocks of LANES tokens, their dot products folded together (fold_block) */
     const vi order = vi_load(block_lanes);
-    /* each row dequantised and dotted in registers, chunk by chunk: no widened copy stored and
-     * read back, one fma per element for the reading and one for the dot */
+    /* Each row dequantised and dotted in registers, chunk by chunk: no widened copy stored and
+     * read back, one fma per element for the reading and one for the dot. One query head: chunk
+     * after chunk over the block's rows, so that a chunk's query, scale and zero take three
+     * registers and the rows' sums are LANES independent fma chains (AVX2 has 16 registers: row
+     * after row, the four chunks' twelve spilled; int8 and int2 logits ~20% slower). Several:
+     * row after row, each row serving every query head. The sums are added in the same order. */
     if (register_chunks(width, bits) && queries == 1) {
         const int64_t chunks = n / LANES;
         for (; t + LANES <= tokens; t += LANES) {

@@ -44,39 +44,60 @@ def _state(coefficients: str, T: int, window: int, ranks: tuple[int, int], rng) 
     return state
 
 
-@pytest.fixture(scope="module")
-def portable_library():
-    """The kernels built for an x86-64 CPU without AVX-512 (AVX2: ``-march=x86-64-v3``), so that
-    their portable loops are tested on machines that have it as well; None where that build is
-    impossible (another architecture, no compiler), with the reason."""
+#: the builds the kernel tests run on besides the native one: "portable" for an x86-64 CPU without
+#: AVX-512 (x86-64-v3: the 8-lane AVX2 register paths), "scalar" for one without AVX2 either
+#: (x86-64: the portable loops, which other architectures run), so that every path is tested on
+#: a machine that has AVX-512 or AVX2
+MARCH = {"portable": "x86-64-v3", "scalar": "x86-64"}
+
+
+def _library_for(kind: str):
+    """(the kernels built with -march=MARCH[kind], "") or (None, why) where that build is
+    impossible (another architecture, no compiler)."""
     import platform
 
     if platform.machine() not in ("x86_64", "AMD64") or cpu_kernels.compiler() is None:
         return None, f"not an x86-64 machine with a C compiler ({platform.machine()})"
-    flags = [f for f in cpu_kernels.FLAGS if not f.startswith("-march")] + ["-march=x86-64-v3"]
+    march = MARCH[kind]
+    flags = [f for f in cpu_kernels.FLAGS if not f.startswith("-march")] + [f"-march={march}"]
     try:
-        return cpu_kernels.build(flags, "coefficient_products_x86_64_v3"), ""
+        return cpu_kernels.build(flags, f"coefficient_products_{march.replace('-', '_')}"), ""
     except (OSError, RuntimeError) as e:
-        return None, f"the x86-64-v3 build failed: {e}"
+        return None, f"the {march} build failed: {e}"
+
+
+@pytest.fixture(scope="module")
+def portable_library():
+    return _library_for("portable")
+
+
+@pytest.fixture(scope="module")
+def scalar_library():
+    return _library_for("scalar")
 
 
 @pytest.mark.parametrize("coefficients", ["int8", "int4", "int2"])
 @pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("group", [1, 3])
-@pytest.mark.parametrize("ranks", [(11, 9), (32, 16), (80, 48)], ids=["r11-9", "r32-16", "r80-48"])
-@pytest.mark.parametrize("kernels", ["native", "portable", False], ids=["kernels", "portable-kernels", "torch-ops"])
+@pytest.mark.parametrize("ranks", [(11, 9), (32, 16), (16, 24), (80, 48)], ids=["r11-9", "r32-16", "r16-24", "r80-48"])
+@pytest.mark.parametrize(
+    "kernels", ["native", "portable", "scalar", False], ids=["kernels", "portable-kernels", "scalar-kernels", "torch-ops"]
+)
 def test_attend_within_the_derived_tolerance(coefficients, window, group, ranks, kernels, monkeypatch, request):
     """T = 2100: three value tiles (VALUE_TILE = 1024), blocks of 16 tokens and a remainder, and a
     trailing partial key group; a window makes the weights a strided view. Ranks 11 and 9 fill no
     vector register and end inside a byte (int4 / int2 padding: the kernels' scalar loops); 32
-    and 16 (rows of 4-32 bytes) take the in-register chunks; 80 and 48 the widened 16-token
-    blocks (rows past 64 values). With ``kernels`` the kernels must serve the call (logits, softmax and value sums in one);
-    "portable": built without AVX-512, their scalar and compiler-vectorised loops (a sequential
-    sum of a tile's softmax weights there reached 1.8x the tolerance before 2026-11-25)."""
+    and 16 (rows of 4-32 bytes) take the in-register chunks; 16 and 24 the chunks that span
+    planes (int2 keys: rows of 4 bytes), the operand permutes for planes narrower than a vector
+    and value rows of 8 lanes but not 16; 80 and 48 the widened 16-token blocks (rows past 64
+    values). With ``kernels`` the kernels must serve the call (logits, softmax and value sums in
+    one); "portable": built for AVX2 without AVX-512, their 8-lane register paths; "scalar":
+    built without either, their portable loops (a sequential sum of a tile's softmax weights
+    there reached 1.8x the tolerance before 2026-11-25)."""
     if kernels and not cpu_kernels.availability()[0]:
         pytest.skip(f"CPU kernels unavailable: {cpu_kernels.availability()[1]}")
-    if kernels == "portable":
-        library, why = request.getfixturevalue("portable_library")
+    if kernels in MARCH:
+        library, why = request.getfixturevalue(f"{kernels}_library")
         if library is None:
             pytest.skip(why)
         monkeypatch.setattr(cpu_kernels, "_library", library)
@@ -105,13 +126,13 @@ def test_beyond_the_kernel_limits_is_a_clear_error():
         cpu_kernels.coefficient_attention(torch.zeros((2, 3 * 65, 96)), state.layout, maps[0], maps[1], 1024)
 
 
-@pytest.fixture(params=["native", "portable"], ids=["kernels", "portable-kernels"])
+@pytest.fixture(params=["native", "portable", "scalar"], ids=["kernels", "portable-kernels", "scalar-kernels"])
 def either_library(request, monkeypatch):
-    """Runs a test on the kernels as built here and on their build without AVX-512."""
+    """Runs a test on the kernels as built here and on their builds for AVX2 and for neither."""
     if not cpu_kernels.availability()[0]:
         pytest.skip(f"CPU kernels unavailable: {cpu_kernels.availability()[1]}")
-    if request.param == "portable":
-        library, why = request.getfixturevalue("portable_library")
+    if request.param in MARCH:
+        library, why = request.getfixturevalue(f"{request.param}_library")
         if library is None:
             pytest.skip(why)
         monkeypatch.setattr(cpu_kernels, "_library", library)
@@ -133,7 +154,7 @@ def test_the_softmax_exponential_is_within_one_ulp():
 
 
 @pytest.mark.parametrize("coefficients", ["int4", "int2"])
-@pytest.mark.parametrize("ranks", [(11, 9), (32, 16), (80, 48)], ids=["r11-9", "r32-16", "r80-48"])
+@pytest.mark.parametrize("ranks", [(11, 9), (32, 16), (16, 24), (80, 48)], ids=["r11-9", "r32-16", "r16-24", "r80-48"])
 @pytest.mark.usefixtures("either_library")
 def test_low_bit_rows_read_bit_for_bit_as_the_oracle(coefficients, ranks):
     """The kernels' tile reading (pre-RoPE keys are rebuilt from it, and every torch-operations

@@ -57,8 +57,9 @@ def compiler() -> str | None:
 
 def build(flags: list[str] = FLAGS, stem: str = "coefficient_products") -> ctypes.CDLL:
     """The kernels built with ``flags`` (cached by ``host_build``) and loaded, their signatures
-    declared. OSError or RuntimeError when they do not build. Tests build them for a CPU without
-    AVX-512 too (``-march=x86-64-v3``): the portable loops must hold the same tolerance."""
+    declared. OSError or RuntimeError when they do not build. Tests build them for CPUs without
+    AVX-512 too (``-march=x86-64-v3``: the AVX2 register paths; ``-march=x86-64``: the portable
+    loops): every path must hold the same tolerance."""
     lib = ctypes.CDLL(str(build_shared_library(SOURCE.read_text(), compiler(), flags, stem)))
     for name, args in _SIGNATURES.items():
         fn = getattr(lib, name)

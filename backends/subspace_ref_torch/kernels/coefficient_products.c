@@ -22,13 +22,15 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 /* Scales and zero points of int4 / int2 layouts are float16 (Q1), read here as stored: the bits,
  * widened by the F16C instruction where there is one (a scalar _Float16 conversion is a library
  * call in GCC 12, slower than the whole dot product it feeds). */
 typedef uint16_t half;
 #if defined(__F16C__)
-#include <immintrin.h>
 static inline float widen_half(half h) { return _cvtsh_ss(h); }
 #else
 static inline float widen_half(half h) {
@@ -41,8 +43,284 @@ static inline float widen_half(half h) {
 #define MAX_BYTES 256 /* packed bytes of one row: rank <= 256 for int8, more for int4 / int2 */
 #define MAX_QUERIES 64 /* query heads per KV head */
 #define REGISTER_QUERIES 8 /* query heads per KV head of the in-register logits path */
+/* Tokens per block of the value sums, whatever the vector width: the sums' rounding is that of
+ * 16-token blocks added per tile, on every path (see rows_value_sums). */
+#define VALUE_BLOCK 16
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* The register paths are written once, over vectors of LANES floats: 16 with AVX-512 (F, BW and
+ * VL: every AVX-512 CPU but the Xeon Phi), 8 with AVX2, FMA and F16C (x86-64-v3: the AMD and
+ * Intel cores without AVX-512). Below is only what the two spell differently: lane-masked loads
+ * and stores (AVX2 has none of bytes or 16-bit words, and masks are vectors), the fold of a
+ * block's dot products, the operand permutes and the scaling by 2^n. Elsewhere the portable loops
+ * run. A partial load ("first count lanes") reads no byte past them and gives 0 in the others. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define LANES 16
+typedef __m512 vf;
+typedef __m512i vi;
+#define vf_load _mm512_loadu_ps
+#define vf_store _mm512_storeu_ps
+#define vf_set1 _mm512_set1_ps
+#define vf_zero _mm512_setzero_ps
+#define vf_add _mm512_add_ps
+#define vf_sub _mm512_sub_ps
+#define vf_mul _mm512_mul_ps
+#define vf_max _mm512_max_ps
+#define vf_fmadd _mm512_fmadd_ps
+#define vf_fnmadd _mm512_fnmadd_ps
+#define vf_from_vi _mm512_cvtepi32_ps
+#define vi_load(p) _mm512_loadu_si512(p)
+#define vi_set1 _mm512_set1_epi32
+#define vi_add _mm512_add_epi32
+#define vi_and _mm512_and_si512
+#define vi_srli _mm512_srli_epi32
+#define vi_slli _mm512_slli_epi32
+#define vi_srlv _mm512_srlv_epi32
+#define vi_widen_u8 _mm512_cvtepu8_epi32 /* the 16 bytes of an __m128i */
+#define vi_widen_i8 _mm512_cvtepi8_epi32
+#define vf_permute(v, idx) _mm512_permutexvar_ps(idx, v)
+ALWAYS_INLINE vi vi_lanes(void) { return _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0); }
+ALWAYS_INLINE __m128i load_lane_bytes(const uint8_t *p) { return _mm_loadu_si128((const __m128i *)p); }
+ALWAYS_INLINE __mmask16 first_lanes(int64_t count) {
+    return count >= 16 ? (__mmask16)0xFFFF : count <= 0 ? (__mmask16)0 : (__mmask16)((1u << count) - 1u);
+}
+ALWAYS_INLINE vf vf_load_first(const float *p, int64_t count) { return _mm512_maskz_loadu_ps(first_lanes(count), p); }
+ALWAYS_INLINE void vf_store_first(float *p, int64_t count, vf v) { _mm512_mask_storeu_ps(p, first_lanes(count), v); }
+ALWAYS_INLINE vf vf_keep_first(int64_t count, vf v) { return _mm512_maskz_mov_ps(first_lanes(count), v); }
+ALWAYS_INLINE vf vf_load_half(const half *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+ALWAYS_INLINE vf vf_load_half_first(const half *p, int64_t count) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first_lanes(count), p)); }
+ALWAYS_INLINE float vf_reduce_max(vf v) { return _mm512_reduce_max_ps(v); }
+/* GCC's and clang's: halving steps, lanes[i] + lanes[i + 8], then + 4, + 2, + 1 */
+ALWAYS_INLINE float vf_reduce_add(vf v) { return _mm512_reduce_add_ps(v); }
+ALWAYS_INLINE vf vf_round(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+ALWAYS_INLINE vf vf_scale2(vf y, vf n) { return _mm512_scalef_ps(y, n); }
+
+/* The 16 sums of v[0..15] (one 16-lane vector of partial sums per token) as one vector, lane
+ * order given by block_lanes: a dot product's horizontal sum costs ~8 shuffles and adds, and
+ * a token's whole dot product ~6 instructions at r = 32, so summing tokens one by one is most
+ * of the work; folded in four halving steps, 16 tokens share 15 shuffle pairs. */
+ALWAYS_INLINE vf fold_block(vf *v) {
+    for (int t = 0; t < 8; ++t) /* 256-bit halves: tokens t, t + 8 share a vector */
+        v[t] = _mm512_add_ps(_mm512_shuffle_f32x4(v[t], v[t + 8], 0x44), _mm512_shuffle_f32x4(v[t], v[t + 8], 0xEE));
+    for (int t = 0; t < 4; ++t) /* 128-bit quarters */
+        v[t] = _mm512_add_ps(_mm512_shuffle_f32x4(v[t], v[t + 4], 0x88), _mm512_shuffle_f32x4(v[t], v[t + 4], 0xDD));
+    for (int t = 0; t < 2; ++t) /* pairs within quarters */
+        v[t] = _mm512_add_ps(_mm512_shuffle_ps(v[t], v[t + 2], 0x44), _mm512_shuffle_ps(v[t], v[t + 2], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], 0x88), _mm512_shuffle_ps(v[0], v[1], 0xDD));
+}
+
+/* deinterleave for n <= 64 (a multiple of 16), the operand in four registers (src, 0 past the
+ * rank): each 16 positions are two two-source permutes and a blend, instead of a gather
+ * (microcoded, ~20% of the logits at G = 32). */
+ALWAYS_INLINE void deinterleave_registers(const __m512 *loaded, int64_t width, int64_t n, const int32_t *order, float *planes) {
+    (void)width;
+    __m512 src[4];
+    for (int s = 0; s < 4; ++s) src[s] = s < n / 16 ? loaded[s] : _mm512_setzero_ps(); /* the first n / 16 are loaded */
+    for (int64_t c = 0; c < n; c += 16) {
+        const __m512i idx = _mm512_loadu_si512(order + c);
+        const __mmask16 valid = _mm512_cmpge_epi32_mask(idx, _mm512_setzero_si512());
+        const __mmask16 high = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(32));
+        const __m512 low_part = _mm512_permutex2var_ps(src[0], idx, src[1]);
+        const __m512 high_part = _mm512_permutex2var_ps(src[2], idx, src[3]);
+        _mm512_storeu_ps(planes + c, _mm512_maskz_mov_ps(valid, _mm512_mask_blend_ps(high, low_part, high_part)));
+    }
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define LANES 8
+typedef __m256 vf;
+typedef __m256i vi;
+#define vf_load _mm256_loadu_ps
+#define vf_store _mm256_storeu_ps
+#define vf_set1 _mm256_set1_ps
+#define vf_zero _mm256_setzero_ps
+#define vf_add _mm256_add_ps
+#define vf_sub _mm256_sub_ps
+#define vf_mul _mm256_mul_ps
+#define vf_max _mm256_max_ps
+#define vf_fmadd _mm256_fmadd_ps
+#define vf_fnmadd _mm256_fnmadd_ps
+#define vf_from_vi _mm256_cvtepi32_ps
+#define vi_load(p) _mm256_loadu_si256((const __m256i *)(p))
+#define vi_set1 _mm256_set1_epi32
+#define vi_add _mm256_add_epi32
+#define vi_and _mm256_and_si256
+#define vi_srli _mm256_srli_epi32
+#define vi_slli _mm256_slli_epi32
+#define vi_srlv _mm256_srlv_epi32
+#define vi_widen_u8 _mm256_cvtepu8_epi32 /* the low 8 bytes of an __m128i */
+#define vi_widen_i8 _mm256_cvtepi8_epi32
+#define vf_permute(v, idx) _mm256_permutevar8x32_ps(v, idx)
+ALWAYS_INLINE vi vi_lanes(void) { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+ALWAYS_INLINE __m128i load_lane_bytes(const uint8_t *p) { return _mm_loadl_epi64((const __m128i *)p); }
+ALWAYS_INLINE vi first_lanes(int64_t count) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(count >= 8 ? 8 : count <= 0 ? 0 : (int)count), vi_lanes());
+}
+ALWAYS_INLINE vf vf_load_first(const float *p, int64_t count) { return _mm256_maskload_ps(p, first_lanes(count)); }
+ALWAYS_INLINE void vf_store_first(float *p, int64_t count, vf v) { _mm256_maskstore_ps(p, first_lanes(count), v); }
+ALWAYS_INLINE vf vf_keep_first(int64_t count, vf v) { return _mm256_and_ps(_mm256_castsi256_ps(first_lanes(count)), v); }
+ALWAYS_INLINE vf vf_load_half(const half *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+ALWAYS_INLINE vf vf_load_half_first(const half *p, int64_t count) {
+    if (count >= 8) return vf_load_half(p);
+    half part[8] = {0};
+    for (int64_t k = 0; k < count; ++k) part[k] = p[k];
+    return vf_load_half(part);
+}
+ALWAYS_INLINE float vf_reduce_max(vf v) {
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+/* in halving steps, lanes[i] + lanes[i + 4], then + 2, + 1: the order of AVX-512's reduction
+ * after its first step, so that a sum over 16 lanes held in two vectors is the same number */
+ALWAYS_INLINE float vf_reduce_add(vf v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+ALWAYS_INLINE vf vf_round(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+/* y 2^n for integral n >= -252 (the exponential's n is >= -150): 2^n itself may be below
+ * float32's normal range, which an exponent field cannot hold, so it is applied as two powers
+ * of two in it, 2^(n - floor(n/2)) after 2^floor(n/2); y (in [0.7, 1.5)) times the first is
+ * exact and the second product rounds once, as AVX-512's scalef does. */
+ALWAYS_INLINE vf vf_scale2(vf y, vf n) {
+    const __m256i k = _mm256_cvtps_epi32(n), k1 = _mm256_srai_epi32(k, 1), k2 = _mm256_sub_epi32(k, k1);
+    const __m256 p1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k1, _mm256_set1_epi32(127)), 23));
+    const __m256 p2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k2, _mm256_set1_epi32(127)), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(y, p1), p2);
+}
+
+/* The 8 sums of v[0..7] (one vector of partial sums per token) as one vector, lane order given
+ * by block_lanes: three halving steps shared by 8 tokens instead of a horizontal sum each (as
+ * the 16-lane fold). */
+ALWAYS_INLINE vf fold_block(vf *v) {
+    for (int t = 0; t < 4; ++t) /* 128-bit halves: tokens t, t + 4 share a vector */
+        v[t] = _mm256_add_ps(_mm256_permute2f128_ps(v[t], v[t + 4], 0x20), _mm256_permute2f128_ps(v[t], v[t + 4], 0x31));
+    for (int t = 0; t < 2; ++t) /* pairs within halves */
+        v[t] = _mm256_add_ps(_mm256_shuffle_ps(v[t], v[t + 2], 0x44), _mm256_shuffle_ps(v[t], v[t + 2], 0xEE));
+    return _mm256_add_ps(_mm256_shuffle_ps(v[0], v[1], 0x88), _mm256_shuffle_ps(v[0], v[1], 0xDD));
+}
+
+/* The even and the odd lanes of a, b in order ([a0 a2 a4 a6 b0 b2 b4 b6], [a1 a3 ...]): the
+ * operand's columns at stride 2 (int4's two planes), and twice, at stride 4 (int2's four). */
+ALWAYS_INLINE __m256 even_lanes(__m256 a, __m256 b) {
+    return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
+}
+ALWAYS_INLINE __m256 odd_lanes(__m256 a, __m256 b) {
+    return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
+}
+
+/* deinterleave for n <= 64 (a multiple of 8), the operand in eight registers (src, 0 past the
+ * rank). Planes of a
+ * multiple of 8 columns (int4 / int2 rows of a multiple of 8 bytes: r = 32, 64) are the
+ * operand's columns at stride PER: split by in-lane shuffles, two per vector and halving of the
+ * stride. Otherwise each 8 positions take, from every register that holds one of their
+ * columns, a one-source permute blended in where the column is that register's (AVX2 has no
+ * two-source permute, and a gather is slower). */
+ALWAYS_INLINE void deinterleave_registers(const __m256 *src, int64_t width, int64_t n, const int32_t *order, float *planes) {
+    const int64_t per = n / width;
+    if (width % 8 == 0 && (per == 2 || per == 4)) {
+        const int64_t halves = n / 16; /* vector pairs of the operand */
+        __m256 even[4], odd[4];
+        for (int64_t m = 0; m < halves; ++m) even[m] = even_lanes(src[2 * m], src[2 * m + 1]), odd[m] = odd_lanes(src[2 * m], src[2 * m + 1]);
+        if (per == 2)
+            for (int64_t m = 0; m < halves; ++m) _mm256_storeu_ps(planes + 8 * m, even[m]), _mm256_storeu_ps(planes + width + 8 * m, odd[m]);
+        else /* columns 4k, 4k + 2 are the even columns' even and odd ones; 4k + 1, 4k + 3 the odd columns' */
+            for (int64_t m = 0; m < halves / 2; ++m) {
+                _mm256_storeu_ps(planes + 8 * m, even_lanes(even[2 * m], even[2 * m + 1]));
+                _mm256_storeu_ps(planes + width + 8 * m, even_lanes(odd[2 * m], odd[2 * m + 1]));
+                _mm256_storeu_ps(planes + 2 * width + 8 * m, odd_lanes(even[2 * m], even[2 * m + 1]));
+                _mm256_storeu_ps(planes + 3 * width + 8 * m, odd_lanes(odd[2 * m], odd[2 * m + 1]));
+            }
+        return;
+    }
+    for (int64_t c = 0; c < n; c += 8) {
+        const __m256i idx = vi_load(order + c), reg = _mm256_srai_epi32(idx, 3); /* -1 past the rank: no register */
+        __m256 v = _mm256_setzero_ps();
+        for (int s = 0; s < n / 8; ++s) /* the columns (< n) of a position are in the first n / 8 */
+            v = _mm256_blendv_ps(v, _mm256_permutevar8x32_ps(src[s], idx), _mm256_castsi256_ps(_mm256_cmpeq_epi32(reg, _mm256_set1_epi32(s))));
+        _mm256_storeu_ps(planes + c, v);
+    }
+}
+#endif
+
+#if defined(LANES)
+/* The first `count` (any integer) floats at p, then zeros: a plain load where the vector is whole
+ * and none where it is empty, the masked one only between. */
+ALWAYS_INLINE vf vf_load_upto(const float *p, int64_t count) { return count >= LANES ? vf_load(p) : count <= 0 ? vf_zero() : vf_load_first(p, count); }
+ALWAYS_INLINE vf vf_load_half_upto(const half *p, int64_t count) {
+    return count >= LANES ? vf_load_half(p) : count <= 0 ? vf_zero() : vf_load_half_first(p, count);
+}
+
+/* The permutation that puts token t of fold_block's result in lane t, found once by folding
+ * markers (the order is fixed by its shuffles; deriving it keeps the two in step). */
+static int32_t block_lanes[LANES];
+__attribute__((constructor)) static void find_block_order(void) {
+    vf v[LANES];
+    for (int t = 0; t < LANES; ++t) v[t] = vf_set1((float)t / (float)LANES); /* lanes sum to t */
+    float lanes[LANES];
+    vf_store(lanes, fold_block(v));
+    for (int lane = 0; lane < LANES; ++lane) block_lanes[(int)(lanes[lane] + 0.5f)] = lane;
+}
+
+/* e^x for x <= 0 (softmax exponents, logit minus the maximum), LANES at a time: Cody-Waite
+ * reduction x = n ln2 + r, |r| <= ln2 / 2, with ln2 split so n ln2 is exact, the Cephes
+ * polynomial for e^r (relative error below 2^-23 on that interval) and 2^n applied by
+ * vf_scale2, which gives 0 below float32's range. Below -104 every result is 0 (e^-104 < half
+ * the least subnormal); NaN stays NaN (max returns its second operand when either is NaN). */
+ALWAYS_INLINE vf exp_lanes(vf x) {
+    x = vf_max(vf_set1(-104.0f), x);
+    const vf n = vf_round(vf_mul(x, vf_set1(1.44269504088896341f)));
+    vf r = vf_fnmadd(n, vf_set1(0.693359375f), x);
+    r = vf_fnmadd(n, vf_set1(-2.12194440e-4f), r);
+    vf p = vf_set1(1.9875691500e-4f);
+    p = vf_fmadd(p, r, vf_set1(1.3981999507e-3f));
+    p = vf_fmadd(p, r, vf_set1(8.3334519073e-3f));
+    p = vf_fmadd(p, r, vf_set1(4.1665795894e-2f));
+    p = vf_fmadd(p, r, vf_set1(1.6666665459e-1f));
+    p = vf_fmadd(p, r, vf_set1(5.0000001201e-1f));
+    const vf y = vf_add(vf_fmadd(p, vf_mul(r, r), r), vf_set1(1.0f));
+    return vf_scale2(y, n);
+}
+
+/* Whether rows of `width` bytes split into whole LANES-lane chunks of the widened row (in plane
+ * order), which chunk_codes builds in registers: int8 rows of a multiple of LANES bytes; int4 /
+ * int2 rows of a multiple of LANES bytes (a chunk within one plane) or of 4 or 8 bytes, fewer
+ * than LANES (a chunk spans LANES / width planes). */
+ALWAYS_INLINE int whole_chunks(int64_t width, int bits) {
+    return (8 / bits) * width % LANES == 0 && (width % LANES == 0 || (bits < 8 && (width == 4 || width == 8)));
+}
+
+/* ... and at most 4 chunks, so that the query, scale and zero chunks stay in registers. */
+ALWAYS_INLINE int register_chunks(int64_t width, int bits) { return whole_chunks(width, bits) && (8 / bits) * width <= 4 * LANES; }
+
+/* Chunk c (lanes LANES c .. LANES c + LANES - 1 of the widened row, plane order) of byte row
+ * `row`, as floats: the codes, not yet scaled. */
+ALWAYS_INLINE vf chunk_codes(const uint8_t *row, int64_t width, int bits, int64_t c) {
+    if (bits == 8) return vf_from_vi(vi_widen_i8(load_lane_bytes(row + LANES * c)));
+    const vi mask = vi_set1((1 << bits) - 1);
+    if (width % LANES == 0) {
+        const int p = (int)(LANES * c / width);
+        const vi codes = vi_srli(vi_widen_u8(load_lane_bytes(row + LANES * c % width)), p * bits);
+        return vf_from_vi(p == 8 / bits - 1 ? codes : vi_and(codes, mask)); /* the last plane's are the byte's top bits */
+    }
+    /* Rows of 4 or 8 bytes: lane l holds column k = l mod width of plane p = (LANES c + l) / width:
+     * the row's bytes repeated across the vector, each lane shifted by its plane's bits. */
+    __m128i bytes;
+    if (width == 4) {
+        int32_t word;
+        memcpy(&word, row, 4);
+        bytes = _mm_set1_epi32(word);
+    } else {
+        int64_t word;
+        memcpy(&word, row, 8);
+        bytes = _mm_set1_epi64x(word);
+    }
+    const vi plane = vi_srli(vi_add(vi_lanes(), vi_set1((int)(LANES * c))), width == 4 ? 2 : 3);
+    const vi shift = vi_slli(plane, bits == 4 ? 2 : 1);
+    return vf_from_vi(vi_and(vi_srlv(vi_widen_u8(bytes), shift), mask));
+}
+#endif
 
 /* The bytes of the rows PREFETCH_ROWS ahead are requested while a block is computed: a decode
  * step finds its coefficients out of cache (the layers before it evicted them), and the
@@ -95,41 +373,34 @@ static void plane_order(int64_t rank, int64_t width, int bits, int32_t *order) {
 }
 
 /* operand x (rank) -> planes[j] = x[order[j]] (0 where order[j] < 0), for n = PER width
- * positions. int4 / int2 keys do this twice per group of G tokens (scales, zeros): where n <= 64
- * the operand sits in four registers and each 16 positions are two two-source permutes and a
- * blend, instead of a gather (microcoded, ~20% of the logits at G = 32 on this core). */
-ALWAYS_INLINE void deinterleave(const float *x, int64_t rank, int64_t n, const int32_t *order, float *planes) {
-#if defined(__AVX512F__)
-    if (n % 16 == 0 && n <= 64) {
-        __m512 src[4];
-        for (int s = 0; s < 4; ++s) {
-            const int64_t left = rank - 16 * s;
-            const __mmask16 m = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1u);
-            src[s] = _mm512_maskz_loadu_ps(m, x + 16 * s);
-        }
-        for (int64_t c = 0; c < n; c += 16) {
-            const __m512i idx = _mm512_loadu_si512(order + c);
-            const __mmask16 valid = _mm512_cmpge_epi32_mask(idx, _mm512_setzero_si512());
-            const __mmask16 high = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(32));
-            const __m512 low_part = _mm512_permutex2var_ps(src[0], idx, src[1]);
-            const __m512 high_part = _mm512_permutex2var_ps(src[2], idx, src[3]);
-            _mm512_storeu_ps(planes + c, _mm512_maskz_mov_ps(valid, _mm512_mask_blend_ps(high, low_part, high_part)));
-        }
+ * positions. int4 / int2 keys do this twice per group of G tokens (scales, zeros), in registers
+ * where n <= 64. */
+ALWAYS_INLINE void deinterleave(const float *x, int64_t rank, int64_t width, int64_t n, const int32_t *order, float *planes) {
+#if defined(LANES)
+    if (n % LANES == 0 && n <= 64) {
+        vf src[64 / LANES];
+        for (int s = 0; s < n / LANES; ++s) src[s] = vf_load_upto(x + LANES * s, rank - LANES * s);
+        deinterleave_registers(src, width, n, order, planes);
         return;
     }
 #endif
     for (int64_t j = 0; j < n; ++j) planes[j] = order[j] < 0 ? 0.0f : x[order[j]];
 }
 
-/* As deinterleave, for a float16 operand (a group's scales or zeros), widened first. */
-ALWAYS_INLINE void deinterleave_half(const half *x, int64_t rank, int64_t n, const int32_t *order, float *planes) {
-    float wide[8 * MAX_BYTES];
-    int64_t c = 0;
-#if defined(__AVX512F__)
-    for (; c + 16 <= rank; c += 16) _mm512_storeu_ps(wide + c, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(x + c))));
+/* As deinterleave, for a float16 operand (a group's scales or zeros), widened first (in
+ * registers where the vector path takes it: a group's are put in order in ~20 instructions). */
+ALWAYS_INLINE void deinterleave_half(const half *x, int64_t rank, int64_t width, int64_t n, const int32_t *order, float *planes) {
+#if defined(LANES)
+    if (n % LANES == 0 && n <= 64) {
+        vf src[64 / LANES];
+        for (int s = 0; s < n / LANES; ++s) src[s] = vf_load_half_upto(x + LANES * s, rank - LANES * s);
+        deinterleave_registers(src, width, n, order, planes);
+        return;
+    }
 #endif
-    for (; c < rank; ++c) wide[c] = widen_half(x[c]);
-    deinterleave(wide, rank, n, order, planes);
+    float wide[8 * MAX_BYTES];
+    for (int64_t c = 0; c < rank; ++c) wide[c] = widen_half(x[c]);
+    deinterleave(wide, rank, width, n, order, planes);
 }
 
 ALWAYS_INLINE float plane_dot(const float *a, const float *b, int64_t n) {
@@ -149,24 +420,13 @@ ALWAYS_INLINE float plane_dot(const float *a, const float *b, int64_t n) {
 ALWAYS_INLINE void widen_row(const uint8_t *row, int64_t width, int bits, const float *scale_planes, const float *zero_planes,
                              float *out) {
     const int per = 8 / bits;
-#if defined(__AVX512BW__)
-    if (bits < 8 && (width == 4 || width == 8)) {
-        /* Rows of 4 or 8 bytes (int2 at r = 16 / 32, int4 at r = 16): a plane is 4 or 8 floats, and
-         * storing planes one by one, then reading 16 floats back, stalls store forwarding (the
-         * compiler's version spent most of its time there). So each 16-lane vector takes
-         * 16 / width planes at once: lane l holds column k = l mod width of plane p = l / width,
-         * its byte placed by a permute and its plane's bits by a per-lane shift. */
-        const int log_width = width == 4 ? 2 : 3;
-        const __m512i wide = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8((__mmask16)((1u << width) - 1u), row));
-        const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
-        const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-        for (int64_t c = 0; c < per * width; c += 16) {
-            const __m512i i = _mm512_add_epi32(lanes, _mm512_set1_epi32((int)c));
-            const __m512i bytes = _mm512_permutexvar_epi32(_mm512_and_si512(i, _mm512_set1_epi32((int)width - 1)), wide);
-            const __m512i shift = _mm512_mullo_epi32(_mm512_srli_epi32(i, log_width), _mm512_set1_epi32(bits));
-            _mm512_storeu_ps(out + c, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(bytes, shift), mask)));
-        }
-    } else
+#if defined(LANES)
+    /* Rows of 4 or 8 bytes (int2 at r = 16 / 32, int4 at r = 16) have planes narrower than a
+     * vector, and storing planes one by one, then reading a vector back, stalls store forwarding
+     * (the compiler's version spent most of its time there): chunk_codes fills whole vectors. */
+    if (whole_chunks(width, bits))
+        for (int64_t c = 0; c < per * width / LANES; ++c) vf_store(out + LANES * c, chunk_codes(row, width, bits, c));
+    else
 #endif
         for (int p = 0; p < per; ++p) widen_plane(row, width, bits, p, out + p * width);
     if (bits == 8 || !scale_planes) return; /* int8, or per-token scales applied by the caller */
@@ -174,65 +434,6 @@ ALWAYS_INLINE void widen_row(const uint8_t *row, int64_t width, int bits, const 
 #pragma omp simd
     for (int64_t k = 0; k < n; ++k) out[k] = __builtin_fmaf(out[k], scale_planes[k], zero_planes[k]);
 }
-
-/* logits[i][t] = query_planes[i] . widened row t (times row_scale[t] when given). */
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#define BLOCK 16
-/* The 16 sums of v[0..15] (one 16-lane vector of partial sums per token) as one vector, lane
- * order given by block_lanes: a dot product's horizontal sum costs ~8 shuffles and adds, and
- * a token's whole dot product ~6 instructions at r = 32, so summing tokens one by one is most
- * of the work; folded in four halving steps, 16 tokens share 15 shuffle pairs. */
-ALWAYS_INLINE __m512 fold16(__m512 *v) {
-    for (int t = 0; t < 8; ++t) /* 256-bit halves: tokens t, t + 8 share a vector */
-        v[t] = _mm512_add_ps(_mm512_shuffle_f32x4(v[t], v[t + 8], 0x44), _mm512_shuffle_f32x4(v[t], v[t + 8], 0xEE));
-    for (int t = 0; t < 4; ++t) /* 128-bit quarters */
-        v[t] = _mm512_add_ps(_mm512_shuffle_f32x4(v[t], v[t + 4], 0x88), _mm512_shuffle_f32x4(v[t], v[t + 4], 0xDD));
-    for (int t = 0; t < 2; ++t) /* pairs within quarters */
-        v[t] = _mm512_add_ps(_mm512_shuffle_ps(v[t], v[t + 2], 0x44), _mm512_shuffle_ps(v[t], v[t + 2], 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], 0x88), _mm512_shuffle_ps(v[0], v[1], 0xDD));
-}
-
-/* The permutation that puts token t of fold16's result in lane t, found once by folding markers
- * (the order is fixed by the shuffles above; deriving it keeps the two in step). */
-static int32_t block_lanes[16];
-__attribute__((constructor)) static void find_block_order(void) {
-    __m512 v[16];
-    for (int t = 0; t < 16; ++t) v[t] = _mm512_set1_ps((float)t / 16.0f); /* lanes sum to t */
-    float lanes[16];
-    _mm512_storeu_ps(lanes, fold16(v));
-    for (int lane = 0; lane < 16; ++lane) block_lanes[(int)(lanes[lane] + 0.5f)] = lane;
-}
-
-/* Whether rows of `width` bytes split into whole 16-lane chunks of the widened row (in plane
- * order), which chunk_codes builds in registers: int8 rows of a multiple of 16 bytes; int4 / int2
- * rows of a multiple of 16 bytes (a chunk within one plane) or of 4 or 8 bytes (a chunk spans
- * 16 / width planes); at most 4 chunks (n <= 64: the query, scale and zero chunks stay in
- * registers). */
-ALWAYS_INLINE int register_chunks(int64_t width, int bits) {
-    const int64_t n = (8 / bits) * width;
-    return n % 16 == 0 && n <= 64 && (width % 16 == 0 || (bits < 8 && (width == 4 || width == 8)));
-}
-
-/* Chunk c (lanes 16c .. 16c + 15 of the widened row, plane order) of byte row `row`, as floats:
- * the codes, not yet scaled. Rows of 4 or 8 bytes: lane l holds column k = l mod width of plane
- * p = l / width, its byte placed by a permute and its plane's bits by a per-lane shift. */
-ALWAYS_INLINE __m512 chunk_codes(const uint8_t *row, int64_t width, int bits, int64_t c) {
-    if (bits == 8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + 16 * c))));
-    const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
-    if (width % 16 == 0) {
-        const int64_t p = 16 * c / width, k0 = 16 * c % width;
-        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + k0)));
-        return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(bytes, _mm512_set1_epi32((int)(p * bits))), mask));
-    }
-    const int log_width = width == 4 ? 2 : 3;
-    const __m512i wide = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8((__mmask16)((1u << width) - 1u), row));
-    const __m512i i = _mm512_add_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32((int)(16 * c)));
-    const __m512i bytes = _mm512_permutexvar_epi32(_mm512_and_si512(i, _mm512_set1_epi32((int)width - 1)), wide);
-    const __m512i shift = _mm512_mullo_epi32(_mm512_srli_epi32(i, log_width), _mm512_set1_epi32(bits));
-    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(bytes, shift), mask));
-}
-#endif
 
 /* logits[i][t] = query_planes[i] . widened row t (times row_scale[t] when given), t < tokens.
  * `readable` rows of codes exist (>= tokens: the caller goes on with the rows after these, as it
@@ -242,61 +443,87 @@ ALWAYS_INLINE void rows_logits(const uint8_t *codes, int64_t tokens, int64_t rea
                                const float *row_scale, float *out, int64_t out_row_stride) {
     const int64_t n = (8 / bits) * width;
     int64_t t = 0;
-#if defined(__AVX512BW__)
-    /* each row dequantised and dotted in registers, chunk by chunk: no widened copy stored and
-     * read back, one fma per element for the reading and one for the dot */
-    if (register_chunks(width, bits) && queries <= REGISTER_QUERIES) {
-        const int64_t chunks = n / 16;
-        const __m512i order = _mm512_loadu_si512(block_lanes);
-        __m512 S[4], Z[4];
-        for (int64_t c = 0; c < chunks; ++c)
-            if (scale_planes) {
-                S[c] = _mm512_loadu_ps(scale_planes + 16 * c);
-                Z[c] = _mm512_loadu_ps(zero_planes + 16 * c);
+#if defined(LANES)
+    /* blocks of LANES tokens, their dot products folded together (fold_block) */
+    const vi order = vi_load(block_lanes);
+    /* Each row dequantised and dotted in registers, chunk by chunk: no widened copy stored and
+     * read back, one fma per element for the reading and one for the dot. One query head: chunk
+     * after chunk over the block's rows, so that a chunk's query, scale and zero take three
+     * registers and the rows' sums are LANES independent fma chains (AVX2 has 16 registers: row
+     * after row, the four chunks' twelve spilled; int8 and int2 logits ~20% slower). Several:
+     * row after row, each row serving every query head. The sums are added in the same order. */
+    if (register_chunks(width, bits) && queries == 1) {
+        const int64_t chunks = n / LANES;
+        for (; t + LANES <= tokens; t += LANES) {
+            prefetch_rows(codes, t + PREFETCH_ROWS, LANES, readable, width);
+            vf v[LANES];
+#pragma GCC unroll 4
+            for (int64_t c = 0; c < chunks; ++c) {
+                const vf qc = vf_load(query_planes + LANES * c);
+                const vf s = bits < 8 ? vf_load(scale_planes + LANES * c) : vf_zero(), z = bits < 8 ? vf_load(zero_planes + LANES * c) : vf_zero();
+#pragma GCC unroll 16
+                for (int b = 0; b < LANES; ++b) {
+                    vf x = chunk_codes(codes + (t + b) * width, width, bits, c);
+                    if (bits < 8) x = vf_fmadd(x, s, z);
+                    v[b] = c == 0 ? vf_mul(qc, x) : vf_fmadd(qc, x, v[b]);
+                }
             }
-        __m512 v[REGISTER_QUERIES][BLOCK];
-        for (; t + BLOCK <= tokens; t += BLOCK) {
-            prefetch_rows(codes, t + PREFETCH_ROWS, BLOCK, readable, width);
-            for (int b = 0; b < BLOCK; ++b) {
+            vf dots = vf_permute(fold_block(v), order);
+            if (row_scale) dots = vf_mul(dots, vf_load(row_scale + t));
+            vf_store(out + t, dots);
+        }
+    }
+    if (register_chunks(width, bits) && queries <= REGISTER_QUERIES) {
+        const int64_t chunks = n / LANES;
+        vf S[4], Z[4];
+        for (int64_t c = 0; c < chunks; ++c)
+            if (bits < 8) {
+                S[c] = vf_load(scale_planes + LANES * c);
+                Z[c] = vf_load(zero_planes + LANES * c);
+            }
+        vf v[REGISTER_QUERIES][LANES];
+        for (; t + LANES <= tokens; t += LANES) {
+            prefetch_rows(codes, t + PREFETCH_ROWS, LANES, readable, width);
+#pragma GCC unroll 16
+            for (int b = 0; b < LANES; ++b) {
                 const uint8_t *row = codes + (t + b) * width;
-                __m512 x[4];
+                vf x[4];
+#pragma GCC unroll 4
                 for (int64_t c = 0; c < chunks; ++c) {
                     x[c] = chunk_codes(row, width, bits, c);
-                    if (scale_planes) x[c] = _mm512_fmadd_ps(x[c], S[c], Z[c]);
+                    if (bits < 8) x[c] = vf_fmadd(x[c], S[c], Z[c]);
                 }
                 for (int64_t i = 0; i < queries; ++i) { /* the row serves every query head of the group */
                     const float *qi = query_planes + i * n;
-                    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qi), x[0]);
-                    for (int64_t c = 1; c < chunks; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qi + 16 * c), x[c], acc);
+                    vf acc = vf_mul(vf_load(qi), x[0]);
+#pragma GCC unroll 4
+                    for (int64_t c = 1; c < chunks; ++c) acc = vf_fmadd(vf_load(qi + LANES * c), x[c], acc);
                     v[i][b] = acc;
                 }
             }
             for (int64_t i = 0; i < queries; ++i) {
-                __m512 dots = _mm512_permutexvar_ps(order, fold16(v[i]));
-                if (row_scale) dots = _mm512_mul_ps(dots, _mm512_loadu_ps(row_scale + t));
-                _mm512_storeu_ps(out + i * out_row_stride + t, dots);
+                vf dots = vf_permute(fold_block(v[i]), order);
+                if (row_scale) dots = vf_mul(dots, vf_load(row_scale + t));
+                vf_store(out + i * out_row_stride + t, dots);
             }
         }
     }
-#endif
-#if defined(__AVX512F__)
-    if (n % 16 == 0 && n <= 8 * MAX_BYTES / BLOCK) {
-        const __m512i order = _mm512_loadu_si512(block_lanes);
-        float block[BLOCK * 8 * MAX_BYTES / BLOCK];
-        for (; t + BLOCK <= tokens; t += BLOCK) {
-            prefetch_rows(codes, t + PREFETCH_ROWS, BLOCK, readable, width);
-            for (int b = 0; b < BLOCK; ++b) widen_row(codes + (t + b) * width, width, bits, scale_planes, zero_planes, block + b * n);
+    if (n % LANES == 0 && n <= 8 * MAX_BYTES / LANES) {
+        float block[8 * MAX_BYTES];
+        for (; t + LANES <= tokens; t += LANES) {
+            prefetch_rows(codes, t + PREFETCH_ROWS, LANES, readable, width);
+            for (int b = 0; b < LANES; ++b) widen_row(codes + (t + b) * width, width, bits, scale_planes, zero_planes, block + b * n);
             for (int64_t i = 0; i < queries; ++i) {
                 const float *qi = query_planes + i * n;
-                __m512 v[BLOCK];
-                for (int b = 0; b < BLOCK; ++b) {
-                    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qi), _mm512_loadu_ps(block + b * n));
-                    for (int64_t k = 16; k < n; k += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qi + k), _mm512_loadu_ps(block + b * n + k), acc);
+                vf v[LANES];
+                for (int b = 0; b < LANES; ++b) {
+                    vf acc = vf_mul(vf_load(qi), vf_load(block + b * n));
+                    for (int64_t k = LANES; k < n; k += LANES) acc = vf_fmadd(vf_load(qi + k), vf_load(block + b * n + k), acc);
                     v[b] = acc;
                 }
-                __m512 dots = _mm512_permutexvar_ps(order, fold16(v));
-                if (row_scale) dots = _mm512_mul_ps(dots, _mm512_loadu_ps(row_scale + t));
-                _mm512_storeu_ps(out + i * out_row_stride + t, dots);
+                vf dots = vf_permute(fold_block(v), order);
+                if (row_scale) dots = vf_mul(dots, vf_load(row_scale + t));
+                vf_store(out + i * out_row_stride + t, dots);
             }
         }
     }
@@ -311,6 +538,72 @@ ALWAYS_INLINE void rows_logits(const uint8_t *codes, int64_t tokens, int64_t rea
     }
 }
 
+#if defined(LANES)
+/* acc[i][p width + k] += sum of w[i][t + b] x(t + b) over one block of 16 rows b (see
+ * rows_value_sums), int4 / int2 rows as fl32(code s + z) with their token's s and z. `direct`:
+ * one query head, rows of whole chunks (whole_chunks, n <= 8 LANES): each chunk goes from the
+ * codes into the sums in registers. Otherwise the block's rows are widened into `block` once
+ * and read by every query head: AVX2 stores one vector a cycle, so for one query head the store
+ * of the widened block, not the arithmetic, bound the sums. Both add in the same order. */
+ALWAYS_INLINE void block_value_sums(const uint8_t *codes, int64_t width, int bits, int64_t queries, const float *w, int64_t w_row_stride,
+                                    const float *scales, const float *zeros, float *acc, float *block, int direct) {
+    const int64_t n = (8 / bits) * width, vectors = n / LANES;
+    if (!direct)
+#pragma GCC unroll 1 /* whole, the unrolled rows made GCC keep the block in (spilled) registers */
+        for (int b = 0; b < VALUE_BLOCK; ++b) {
+            float *row = block + b * n;
+            const uint8_t *bytes = codes + b * width;
+            if (whole_chunks(width, bits)) { /* widened and dequantised in one pass */
+                for (int64_t c = 0; c < vectors; ++c) {
+                    vf x = chunk_codes(bytes, width, bits, c);
+                    if (bits != 8) x = vf_fmadd(x, vf_set1(scales[b]), vf_set1(zeros[b]));
+                    vf_store(row + LANES * c, x);
+                }
+                continue;
+            }
+            widen_row(bytes, width, bits, NULL, NULL, row);
+            if (bits != 8) {
+                const vf s = vf_set1(scales[b]), z = vf_set1(zeros[b]);
+                for (int64_t k = 0; k < n; k += LANES) vf_store(row + k, vf_fmadd(vf_load(row + k), s, z));
+            }
+        }
+    for (int64_t i = 0; i < queries; ++i) {
+        float *a = acc + i * n;
+        const float *wi = w + i * w_row_stride;
+        /* the block's own sum, then added to the tile's: summed sequentially over the tile
+         * instead, float32 rounding grows with its 1024 tokens, and on values whose weighted
+         * sum cancels to a few percent of its terms that was 4x the oracle's error */
+        /* `sets` interleaved partial sums (token b feeds set b mod sets): with one chain per
+         * register the fma latency, not the throughput, bound narrow rows (n = 32 in 16 lanes:
+         * two chains of 16 dependent fmas per block); up to ~8 chains in all */
+        enum { MAX_SETS = 4 };
+        const int sets = vectors <= 2 ? 4 : vectors <= 4 ? 2 : 1;
+        vf sums[MAX_SETS][128 / LANES];
+        for (int j = 0; j < sets; ++j)
+            for (int64_t k = 0; k < vectors; ++k) sums[j][k] = vf_zero();
+        for (int b = 0; b < VALUE_BLOCK; b += sets)
+            for (int j = 0; j < sets; ++j) {
+                const vf wt = vf_set1(wi[b + j]);
+                for (int64_t k = 0; k < vectors; ++k) {
+                    vf x;
+                    if (direct) {
+                        x = chunk_codes(codes + (b + j) * width, width, bits, k);
+                        if (bits != 8) x = vf_fmadd(x, vf_set1(scales[b + j]), vf_set1(zeros[b + j]));
+                    } else {
+                        x = vf_load(block + (b + j) * n + LANES * k);
+                    }
+                    sums[j][k] = vf_fmadd(wt, x, sums[j][k]);
+                }
+            }
+        for (int64_t k = 0; k < vectors; ++k) {
+            vf total = sums[0][k];
+            for (int j = 1; j < sets; ++j) total = vf_add(total, sums[j][k]);
+            vf_store(a + LANES * k, vf_add(vf_load(a + LANES * k), total));
+        }
+    }
+}
+#endif
+
 /* acc[i][p width + k] += w[i][t] x_{k PER + p}(t) over the rows of one tile, x the widened row;
  * int4 / int2 rows take their token's scale and zero (token_scale[t], token_zero[t]). Prefetches
  * reach into the `readable` rows, as rows_logits. */
@@ -319,69 +612,31 @@ ALWAYS_INLINE void rows_value_sums(const uint8_t *codes, int64_t tokens, int64_t
                                    float *acc, float *blocks) {
     const int64_t n = (8 / bits) * width;
     int64_t t = 0;
-#if defined(__AVX512F__)
-    /* blocks of 16 rows widened once, then each query's sums kept in registers over the block
-     * (up to 8 vectors: n <= 128) instead of loaded and stored for every token */
-    if (n % 16 == 0 && n <= 128) {
-        float block[BLOCK * 128];
-        for (; t + BLOCK <= tokens; t += BLOCK) {
-            float scales[BLOCK], zeros[BLOCK];
-            if (bits != 8) {
-                _mm512_storeu_ps(scales, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(token_scale + t))));
-                _mm512_storeu_ps(zeros, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(token_zero + t))));
-            }
-            prefetch_rows(codes, t + PREFETCH_ROWS, BLOCK, readable, width);
-            for (int b = 0; b < BLOCK; ++b) {
-                float *row = block + b * n;
-                const uint8_t *bytes = codes + (t + b) * width;
-#if defined(__AVX512BW__)
-                if (register_chunks(width, bits)) { /* widened and dequantised in one pass */
-                    for (int64_t c = 0; c < n / 16; ++c) {
-                        __m512 x = chunk_codes(bytes, width, bits, c);
-                        if (bits != 8) x = _mm512_fmadd_ps(x, _mm512_set1_ps(scales[b]), _mm512_set1_ps(zeros[b]));
-                        _mm512_storeu_ps(row + 16 * c, x);
-                    }
-                    continue;
+#if defined(LANES)
+    /* blocks of 16 rows, each query's sums kept in registers over the block (n / LANES vectors,
+     * n <= 128) instead of loaded and stored for every token */
+    if (n % LANES == 0 && n <= 128) {
+        const int direct = queries == 1 && whole_chunks(width, bits) && n <= 8 * LANES;
+        float block[VALUE_BLOCK * 128];
+        for (; t + VALUE_BLOCK <= tokens; t += VALUE_BLOCK) {
+            float scales[VALUE_BLOCK], zeros[VALUE_BLOCK];
+            if (bits != 8)
+                for (int j = 0; j < VALUE_BLOCK; j += LANES) {
+                    vf_store(scales + j, vf_load_half(token_scale + t + j));
+                    vf_store(zeros + j, vf_load_half(token_zero + t + j));
                 }
-#endif
-                widen_row(bytes, width, bits, NULL, NULL, row);
-                if (bits != 8) {
-                    const __m512 s = _mm512_set1_ps(scales[b]), z = _mm512_set1_ps(zeros[b]);
-                    for (int64_t k = 0; k < n; k += 16) _mm512_storeu_ps(row + k, _mm512_fmadd_ps(_mm512_loadu_ps(row + k), s, z));
-                }
-            }
-            for (int64_t i = 0; i < queries; ++i) {
-                float *a = acc + i * n;
-                const float *wi = w + i * w_row_stride + t;
-                /* the block's own sum, then added to the tile's: summed sequentially over the
-                 * tile instead, float32 rounding grows with its 1024 tokens, and on values whose
-                 * weighted sum cancels to a few percent of its terms that was 4x the oracle's error */
-                /* `sets` interleaved partial sums (token b feeds set b mod sets): with one chain per
-                 * register the fma latency, not the throughput, bound narrow rows (n = 32: two
-                 * chains of 16 dependent fmas per block) */
-                enum { MAX_SETS = 4 };
-                const int sets = n <= 32 ? 4 : n <= 64 ? 2 : 1;
-                __m512 sums[MAX_SETS][8];
-                for (int j = 0; j < sets; ++j)
-                    for (int64_t k = 0; k < n / 16; ++k) sums[j][k] = _mm512_setzero_ps();
-                for (int b = 0; b < BLOCK; b += sets)
-                    for (int j = 0; j < sets; ++j) {
-                        const __m512 wt = _mm512_set1_ps(wi[b + j]);
-                        for (int64_t k = 0; k < n / 16; ++k) sums[j][k] = _mm512_fmadd_ps(wt, _mm512_loadu_ps(block + (b + j) * n + 16 * k), sums[j][k]);
-                    }
-                for (int64_t k = 0; k < n / 16; ++k) {
-                    __m512 total = sums[0][k];
-                    for (int j = 1; j < sets; ++j) total = _mm512_add_ps(total, sums[j][k]);
-                    _mm512_storeu_ps(a + 16 * k, _mm512_add_ps(_mm512_loadu_ps(a + 16 * k), total));
-                }
-            }
+            prefetch_rows(codes, t + PREFETCH_ROWS, VALUE_BLOCK, readable, width);
+            if (direct)
+                block_value_sums(codes + t * width, width, bits, 1, w + t, w_row_stride, scales, zeros, acc, block, 1);
+            else
+                block_value_sums(codes + t * width, width, bits, queries, w + t, w_row_stride, scales, zeros, acc, block, 0);
         }
     }
 #endif
     /* the same per-block sums (16 tokens) added to the tile's, on rows of any width */
     float widened[8 * MAX_BYTES];
-    for (; t < tokens; t += 16) {
-        const int64_t end = t + 16 < tokens ? t + 16 : tokens;
+    for (; t < tokens; t += VALUE_BLOCK) {
+        const int64_t end = t + VALUE_BLOCK < tokens ? t + VALUE_BLOCK : tokens;
         memset(blocks, 0, sizeof(float) * queries * n);
         for (int64_t u = t; u < end; ++u) {
             widen_row(codes + u * width, width, bits, NULL, NULL, widened);
@@ -403,35 +658,14 @@ ALWAYS_INLINE void rows_value_sums(const uint8_t *codes, int64_t tokens, int64_t
 }
 
 
-/* e^x for x <= 0 (softmax exponents, logit minus the maximum), 16 at a time: Cody-Waite reduction
- * x = n ln2 + r, |r| <= ln2 / 2, with ln2 split so n ln2 is exact, the Cephes polynomial for e^r
- * (relative error below 2^-23 on that interval) and 2^n applied by scalef, which gives 0 below
- * float32's range. Below -104 every result is 0 (e^-104 < half the least subnormal); NaN stays
- * NaN (max returns its second operand when either is NaN). */
-#if defined(__AVX512F__)
-ALWAYS_INLINE __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(y, n);
-}
-#endif
-
 /* For tests of the exponential the softmax uses: out[i] = e^x[i]. */
 void softmax_exp(int64_t count, const float *x, float *out) {
     int64_t i = 0;
-#if defined(__AVX512F__)
-    for (; i < count; i += 16) {
-        const __mmask16 m = count - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (count - i)) - 1u);
-        _mm512_mask_storeu_ps(out + i, m, exp16(_mm512_maskz_loadu_ps(m, x + i)));
+#if defined(LANES)
+    for (; i + LANES <= count; i += LANES) vf_store(out + i, exp_lanes(vf_load(x + i)));
+    if (i < count) {
+        vf_store_first(out + i, count - i, exp_lanes(vf_load_first(x + i, count - i)));
+        i = count;
     }
 #endif
     for (; i < count; ++i) out[i] = expf(x[i]);
@@ -450,8 +684,37 @@ struct coefficient_side {
     int64_t group; /* keys of int4 / int2: tokens per scale group */
 };
 
+/* Logits of one head's whole key groups of int4 / int2 keys (`scale`, `zero`: the head's group
+ * scales and zeros), rows of `width` bytes (constant where WITH_WIDTH makes it one), for the
+ * query planes at planes[0 .. queries n). Group g's scales and zeros in plane order lie at
+ * planes + (queries + 2 (g mod 2)) n: put in order one group ahead, so that their loads,
+ * shuffles and stores overlap the logits of the group before instead of delaying its first rows. */
+ALWAYS_INLINE void group_logits(const uint8_t *codes, const half *scale, const half *zero, int64_t tokens, int64_t G, int64_t rank, int64_t width,
+                                int bits, int64_t queries, const int32_t *order, float *planes, float *out, int64_t out_row_stride) {
+    const int64_t n = (8 / bits) * width, groups = tokens / G;
+    if (groups > 0) {
+        deinterleave_half(scale, rank, width, n, order, planes + queries * n);
+        deinterleave_half(zero, rank, width, n, order, planes + (queries + 1) * n);
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+        if (g + PREFETCH_GROUPS < groups) { /* one group's scales or zeros: 2 r bytes */
+            for (int64_t off = 0; off < 2 * rank; off += 64) {
+                __builtin_prefetch((const char *)(scale + (g + PREFETCH_GROUPS) * rank) + off, 0, 0);
+                __builtin_prefetch((const char *)(zero + (g + PREFETCH_GROUPS) * rank) + off, 0, 0);
+            }
+        }
+        const float *scale_planes = planes + (queries + 2 * (g % 2)) * n, *zero_planes = scale_planes + n;
+        if (g + 1 < groups) {
+            float *next = planes + (queries + 2 * ((g + 1) % 2)) * n;
+            deinterleave_half(scale + (g + 1) * rank, rank, width, n, order, next);
+            deinterleave_half(zero + (g + 1) * rank, rank, width, n, order, next + n);
+        }
+        rows_logits(codes + g * G * width, G, tokens - g * G, width, bits, queries, planes, scale_planes, zero_planes, NULL, out + g * G, out_row_stride);
+    }
+}
+
 /* Logits of one head's first `tokens` keys (int4 / int2: whole groups) into out (queries rows,
- * `out_row_stride` apart) for projected queries q (queries, rank). planes: (queries + 2) n floats. */
+ * `out_row_stride` apart) for projected queries q (queries, rank). planes: (queries + 4) n floats. */
 static void head_logits(int bits, const struct coefficient_side *keys, int64_t h, int64_t queries, int64_t tokens, const float *q,
                         float *planes, float *out, int64_t out_row_stride) {
     const uint8_t *codes = keys->codes + h * keys->head_stride;
@@ -461,26 +724,14 @@ static void head_logits(int bits, const struct coefficient_side *keys, int64_t h
         return;
     }
     const int64_t width = keys->width, n = (8 / bits) * width, rank = keys->rank, G = keys->group;
-    float *scale_planes = planes + queries * n, *zero_planes = scale_planes + n;
     int32_t order[8 * MAX_BYTES];
     plane_order(rank, width, bits, order);
-    for (int64_t i = 0; i < queries; ++i) deinterleave(q + i * rank, rank, n, order, planes + i * n);
+    for (int64_t i = 0; i < queries; ++i) deinterleave(q + i * rank, rank, width, n, order, planes + i * n);
     const half *scale = (const half *)keys->scale + h * keys->scale_head_stride, *zero = keys->zero + h * keys->scale_head_stride;
-    for (int64_t g = 0; g < tokens / G; ++g) {
-        if (g + PREFETCH_GROUPS < tokens / G) { /* one group's scales or zeros: 2 r bytes */
-            for (int64_t off = 0; off < 2 * rank; off += 64) {
-                __builtin_prefetch((const char *)(scale + (g + PREFETCH_GROUPS) * rank) + off, 0, 0);
-                __builtin_prefetch((const char *)(zero + (g + PREFETCH_GROUPS) * rank) + off, 0, 0);
-            }
-        }
-        deinterleave_half(scale + g * rank, rank, n, order, scale_planes);
-        deinterleave_half(zero + g * rank, rank, n, order, zero_planes);
-        const uint8_t *rows = codes + g * G * width;
-        if (bits == 4)
-            WITH_WIDTH(width, rows_logits(rows, G, tokens - g * G, W, 4, queries, planes, scale_planes, zero_planes, NULL, out + g * G, out_row_stride));
-        else
-            WITH_WIDTH(width, rows_logits(rows, G, tokens - g * G, W, 2, queries, planes, scale_planes, zero_planes, NULL, out + g * G, out_row_stride));
-    }
+    if (bits == 4)
+        WITH_WIDTH(width, group_logits(codes, scale, zero, tokens, G, rank, W, 4, queries, order, planes, out, out_row_stride));
+    else
+        WITH_WIDTH(width, group_logits(codes, scale, zero, tokens, G, rank, W, 2, queries, order, planes, out, out_row_stride));
 }
 
 /* Spec A3 with the global maximum (A3.1) over one query head's `tokens` logits, in place:
@@ -491,25 +742,36 @@ static void head_logits(int bits, const struct coefficient_side *keys, int64_t h
 static void row_weights(float *l, int64_t tokens, int64_t tile, float initial, const float *value_scale, float *max_out, float *total_out) {
     float m = initial, Z = 0.0f;
     int64_t t = 0;
-#if defined(__AVX512F__)
-    __m512 mv = _mm512_set1_ps(initial);
-    for (; t + 16 <= tokens; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(l + t));
-    m = _mm512_reduce_max_ps(mv);
+#if defined(LANES)
+    vf mv = vf_set1(initial);
+    for (; t + LANES <= tokens; t += LANES) mv = vf_max(mv, vf_load(l + t));
+    m = vf_reduce_max(mv);
 #endif
     for (; t < tokens; ++t) m = l[t] > m ? l[t] : m;
     for (int64_t a = 0; a < tokens; a += tile) {
         const int64_t end = a + tile < tokens ? a + tile : tokens;
         float part = 0.0f;
-#if defined(__AVX512F__)
-        const __m512 mv16 = _mm512_set1_ps(m);
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t u = a; u < end; u += 16) {
-            const __mmask16 k = end - u >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (end - u)) - 1u);
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, l + u), mv16));
-            sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, e));
-            _mm512_mask_storeu_ps(l + u, k, value_scale ? _mm512_mul_ps(e, _mm512_maskz_loadu_ps(k, value_scale + u)) : e);
-        }
-        part = _mm512_reduce_add_ps(sum);
+#if defined(LANES)
+        /* 16 lanes whatever the vector width (token u in lane (u - a) mod 16: 16 / LANES vectors,
+         * added first), then halving steps: one order on every path */
+        const vf mv = vf_set1(m);
+        vf sum[16 / LANES];
+        for (int j = 0; j < 16 / LANES; ++j) sum[j] = vf_zero();
+        for (int64_t u = a; u < end; u += 16)
+            for (int j = 0; j < 16 / LANES; ++j) {
+                const int64_t v = u + LANES * j, left = end - v;
+                if (left >= LANES) { /* masked AVX2 stores are slow (microcoded on AMD): the tile's last vector only */
+                    const vf e = exp_lanes(vf_sub(vf_load(l + v), mv));
+                    sum[j] = vf_add(sum[j], e);
+                    vf_store(l + v, value_scale ? vf_mul(e, vf_load(value_scale + v)) : e);
+                } else { /* lanes past `end` read nothing and add 0 */
+                    const vf e = vf_keep_first(left, exp_lanes(vf_sub(vf_load_first(l + v, left), mv)));
+                    sum[j] = vf_add(sum[j], e);
+                    vf_store_first(l + v, left, value_scale ? vf_mul(e, vf_load_first(value_scale + v, left)) : e);
+                }
+            }
+        for (int j = 1; j < 16 / LANES; ++j) sum[0] = vf_add(sum[0], sum[j]);
+        part = vf_reduce_add(sum[0]);
 #else
         /* the vector path's order: 16 lanes, token u in lane (u - a) mod 16, then halving steps;
          * one sequential sum over a tile's 1024 weights was up to 1.8x the derived tolerance */
@@ -537,20 +799,23 @@ ALWAYS_INLINE void read_row(const uint8_t *row, int64_t width, int bits, int64_t
                             float *out) {
     const int per = 8 / bits, mask = (1 << bits) - 1;
     int64_t c = 0;
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-    /* lane l: byte l / PER of the 16 columns' bytes, bits (l mod PER) b of it */
+#if defined(LANES)
+    /* lane l: byte l / PER of the LANES columns' LANES / PER bytes, bits (l mod PER) b of it */
     const __m128i spread = bits == 4 ? _mm_set_epi8(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0) : _mm_set_epi8(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    const __m512i shifts = bits == 4 ? _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0) : _mm512_set_epi32(6, 4, 2, 0, 6, 4, 2, 0, 6, 4, 2, 0, 6, 4, 2, 0);
-    const __m512i codes_mask = _mm512_set1_epi32(mask);
-    for (; c < rank; c += 16) {
-        const int64_t left = rank - c, bytes = width - c / per < 16 ? width - c / per : 16;
-        const __mmask16 lanes = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
-        const __m128i packed = _mm_maskz_loadu_epi8((__mmask16)((1u << bytes) - 1u), row + c / per);
-        const __m512i wide = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(packed, spread));
-        const __m512 x = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(wide, shifts), codes_mask));
-        const __m512 sv = scale ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, scale + c)) : _mm512_set1_ps(s);
-        const __m512 zv = scale ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, zero + c)) : _mm512_set1_ps(z);
-        _mm512_mask_storeu_ps(out + c, lanes, _mm512_fmadd_ps(x, sv, zv));
+    const vi shifts = vi_slli(vi_and(vi_lanes(), vi_set1(per - 1)), bits == 4 ? 2 : 1);
+    const vi codes_mask = vi_set1(mask);
+    for (; c < rank; c += LANES) {
+        const int64_t left = rank - c, bytes = width - c / per < LANES / per ? width - c / per : LANES / per;
+        uint64_t packed = 0; /* the row's last bytes may end before a whole vector's */
+        if (bytes == LANES / per)
+            memcpy(&packed, row + c / per, LANES / per);
+        else
+            for (int64_t k = 0; k < bytes; ++k) packed |= (uint64_t)row[c / per + k] << (8 * k);
+        const vi wide = vi_widen_u8(_mm_shuffle_epi8(_mm_loadl_epi64((const __m128i *)&packed), spread));
+        const vf x = vf_from_vi(vi_and(vi_srlv(wide, shifts), codes_mask));
+        const vf sv = scale ? vf_load_half_first(scale + c, left) : vf_set1(s);
+        const vf zv = scale ? vf_load_half_first(zero + c, left) : vf_set1(z);
+        vf_store_first(out + c, left, vf_fmadd(x, sv, zv));
     }
 #endif
     for (; c < rank; ++c) {
@@ -638,7 +903,7 @@ int coefficient_attention(int bits, int64_t heads, int64_t queries, int64_t toke
     const int64_t r = keys->rank, r_v = values->rank, complete = bits == 8 ? tokens : tokens / keys->group * keys->group;
     const int64_t key_n = per * keys->width, value_n = queries * per * values->width;
     const int64_t widest = d > d_v ? d : d_v;
-    float *planes = malloc(sizeof(float) * (queries + 2) * key_n), *logits = malloc(sizeof(float) * (queries * tokens + 1));
+    float *planes = malloc(sizeof(float) * (queries + 4) * key_n), *logits = malloc(sizeof(float) * (queries * tokens + 1));
     float *part = malloc(sizeof(float) * value_n), *total = malloc(sizeof(float) * value_n), *blocks = malloc(sizeof(float) * value_n);
     float *projected = malloc(sizeof(float) * queries * r), *sums = malloc(sizeof(float) * queries * r_v);
     float *odd = malloc(sizeof(float) * (widest > r ? widest : r));

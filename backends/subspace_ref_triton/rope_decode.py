@@ -48,9 +48,6 @@ from subspace_ref_triton.decode import default_split_len, merge_partials, scale_
 BLOCK_T = 32
 NUM_WARPS = 4
 SPILLS_MEASURED = "spills; on an H100 (bf16 float, int8, int4; fp32 and int2 not timed) 1.9-2.1x faster than the largest configuration that does not (16-token tiles, 8 warps): docs/gpu.md"
-# GQA groups below this take their logits and value sums as broadcast products and sums, larger
-# ones as float32 tl.dot products
-SMALL_GROUP = 16
 
 
 @triton.jit
@@ -69,7 +66,6 @@ def _rope_split_kernel(
     kgroup, stl_n, stl_h, stl_t,
     G: tl.constexpr, M: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, RV: tl.constexpr,
     BLOCK_T: tl.constexpr, INT8: tl.constexpr, BITS: tl.constexpr, HAS_FIXED: tl.constexpr, NATIVE16: tl.constexpr,
-    SMALL_G: tl.constexpr,
 ):
     nh = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
@@ -160,18 +156,10 @@ def _rope_split_kernel(
                 uf = tl.dot(c, Bf)
             else:
                 uf = tl.dot(c, Bf, input_precision="ieee")
-        if SMALL_G:
-            # (G, BLOCK_T, M) products summed over M: a float32 tl.dot this narrow runs on FMA
-            # units with every operand's whole M in each thread's registers (172 registers at
-            # 16-token tiles, spills at 32)
-            logits = tl.reduce(qa[:, None, :] * ra[None, :, :] + qb[:, None, :] * rb[None, :, :], 2, _SUM)
-            if HAS_FIXED:
-                logits += tl.reduce(qf[:, None, :] * uf[None, :, :], 2, _SUM)
-        else:
-            logits = tl.dot(qa, tl.trans(ra), input_precision="ieee")
-            logits = tl.dot(qb, tl.trans(rb), acc=logits, input_precision="ieee")
-            if HAS_FIXED:
-                logits = tl.dot(qf, tl.trans(uf), acc=logits, input_precision="ieee")
+        logits = tl.dot(qa, tl.trans(ra), input_precision="ieee")
+        logits = tl.dot(qb, tl.trans(rb), acc=logits, input_precision="ieee")
+        if HAS_FIXED:
+            logits = tl.dot(qf, tl.trans(uf), acc=logits, input_precision="ieee")
         logits = logits * logit_scale
         if INT8:  # spec A10: k_t = s_t R_t B^T q_t
             logits = logits * tl.load(ks_base + (t0 + offs_t) * sks_t, mask=t_mask, other=0.0)[None, :]
@@ -182,10 +170,7 @@ def _rope_split_kernel(
         z_i = z_i * alpha + tl.reduce(w, 1, _SUM)
         if INT8:
             w = w * tl.load(vs_base + (t0 + offs_t) * svs_t, mask=t_mask, other=0.0)[None, :]
-        if SMALL_G:
-            acc = acc * alpha[:, None] + tl.reduce(w[:, :, None] * dvals[None, :, :], 1, _SUM)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(w, dvals, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(w, dvals, input_precision="ieee")
         m_i = m_new
 
     E = tl.load(vb_ptr + n * svb_n + h * svb_h + offs_rv[:, None] * svb_r + offs_dv[None, :],
@@ -244,7 +229,6 @@ def split_launch(q, layout, rope, scale: float, split_len: int, first_position: 
         "R": pow2_at_least(r), "RV": pow2_at_least(r_v), "BLOCK_T": block_t or BLOCK_T, "INT8": int8, "BITS": bits, "HAS_FIXED": f > 0,
     }
     constexprs["NATIVE16"] = native16(kc, kb, constexprs) and native is not False
-    constexprs["SMALL_G"] = constexprs["G"] < SMALL_GROUP
     return Launch(_rope_split_kernel, (N * H, S), args, constexprs, num_warps or NUM_WARPS), (pm, pz, po)
 
 

@@ -372,32 +372,33 @@ static void plane_order(int64_t rank, int64_t width, int bits, int32_t *order) {
     }
 }
 
+/* The register path of deinterleave / deinterleave_half (x float32, or float16 when is_half, a
+ * constant at every call): 1 where it applies (n <= 64, whole vectors), else 0. */
+ALWAYS_INLINE int deinterleave_in_registers(const void *x, int is_half, int64_t rank, int64_t width, int64_t n, const int32_t *order, float *planes) {
+#if defined(LANES)
+    if (n % LANES == 0 && n <= 64) {
+        vf src[64 / LANES];
+        for (int s = 0; s < n / LANES; ++s)
+            src[s] = is_half ? vf_load_half_upto((const half *)x + LANES * s, rank - LANES * s) : vf_load_upto((const float *)x + LANES * s, rank - LANES * s);
+        deinterleave_registers(src, width, n, order, planes);
+        return 1;
+    }
+#endif
+    return 0;
+}
+
 /* operand x (rank) -> planes[j] = x[order[j]] (0 where order[j] < 0), for n = PER width
  * positions. int4 / int2 keys do this twice per group of G tokens (scales, zeros), in registers
  * where n <= 64. */
 ALWAYS_INLINE void deinterleave(const float *x, int64_t rank, int64_t width, int64_t n, const int32_t *order, float *planes) {
-#if defined(LANES)
-    if (n % LANES == 0 && n <= 64) {
-        vf src[64 / LANES];
-        for (int s = 0; s < n / LANES; ++s) src[s] = vf_load_upto(x + LANES * s, rank - LANES * s);
-        deinterleave_registers(src, width, n, order, planes);
-        return;
-    }
-#endif
+    if (deinterleave_in_registers(x, 0, rank, width, n, order, planes)) return;
     for (int64_t j = 0; j < n; ++j) planes[j] = order[j] < 0 ? 0.0f : x[order[j]];
 }
 
 /* As deinterleave, for a float16 operand (a group's scales or zeros), widened first (in
  * registers where the vector path takes it: a group's are put in order in ~20 instructions). */
 ALWAYS_INLINE void deinterleave_half(const half *x, int64_t rank, int64_t width, int64_t n, const int32_t *order, float *planes) {
-#if defined(LANES)
-    if (n % LANES == 0 && n <= 64) {
-        vf src[64 / LANES];
-        for (int s = 0; s < n / LANES; ++s) src[s] = vf_load_half_upto(x + LANES * s, rank - LANES * s);
-        deinterleave_registers(src, width, n, order, planes);
-        return;
-    }
-#endif
+    if (deinterleave_in_registers(x, 1, rank, width, n, order, planes)) return;
     float wide[8 * MAX_BYTES];
     for (int64_t c = 0; c < rank; ++c) wide[c] = widen_half(x[c]);
     deinterleave(wide, rank, width, n, order, planes);

@@ -8,8 +8,9 @@ on the object holding it): name, part, attribute, axis kind, dtype rule and byte
 
 from __future__ import annotations
 
+import copy
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from subspace_ref.arrays import array_family, clone, grown, itemsize, numel, to_numpy
@@ -164,13 +165,19 @@ class PackedLayout:
             return decode(stored, scale, dtype)
         return self.derived((which, dtype), (stored, scale), lambda: decode(stored, scale, dtype))
 
+    def __deepcopy__(self, memo: dict) -> "PackedLayout":
+        # derived values are caches keyed by the ids of the arrays they came from, which a copy's
+        # arrays do not share: it starts without them (some, kernel addresses, cannot be copied)
+        copied = {f.name: copy.deepcopy(getattr(self, f.name), memo) for f in fields(self) if f.name != "_derived"}
+        return replace(self, _derived={}, **copied)
+
     def derived(self, key: Any, sources: tuple, build, writes: bool = True) -> Any:
         """``build()``, computed once per ``key`` and reused while every torch tensor in
         ``sources`` (None entries allowed) is the same object and, when ``writes`` (a value
         derived from the data), has the same version counter (torch bumps it on every in-place
         write; views of the sources pass ``writes=False``): what attention reads on every call,
         kept across appends that leave its sources alone."""
-        stamp = tuple((id(x), x._version if writes else 0) for x in sources if x is not None)
+        stamp = tuple([(id(x), x._version) for x in sources if x is not None]) if writes else tuple(map(id, sources))
         hit = self._derived.get(key)
         if hit is not None and hit[0] == stamp:
             return hit[2]

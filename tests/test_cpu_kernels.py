@@ -172,3 +172,73 @@ def test_low_bit_rows_read_bit_for_bit_as_the_oracle(coefficients, ranks):
             want = read_low_bit(lay, which, a, b, torch.float32, lay.num_tokens)
             got = cpu_kernels.low_bit_rows(lay, which, a, b)
             assert got.shape == want.shape and torch.equal(got, want), (which, a, b)
+
+
+@pytest.mark.parametrize("coefficients", ["int8", "int4"])
+def test_a_decode_loop_reads_every_append_and_keeps_one_binding(coefficients):
+    """What the kernels hold between calls is addresses and strides only (``kernel_sides``): a
+    decode loop appends one token and attends, crossing key-group ends and a growth of the
+    arrays into new ones; every step must read the tokens appended so far (within the derived
+    tolerance of the oracle over the same stored state), and the layout must keep one binding,
+    not one per token count. (The oracle's own appends would store other codes where float32
+    projections round across a quantisation step: the appends are compared elsewhere.)"""
+    if not cpu_kernels.availability()[0]:
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.availability()[1]}")
+    rng = np.random.default_rng(zlib.crc32(coefficients.encode()) + SEED_OFFSET)
+    state = _state(coefficients, 40, 0, (11, 9), rng).to("torch", dtype=torch.float32)  # arrays of exactly 40 rows: the first append grows them
+    sr.attend(torch.zeros(2, 3, 96), state, backend="torch")
+    addresses = {state.layout.key_coef.data_ptr()}
+    for step in range(40):
+        state.append(torch.from_numpy(rng.standard_normal((2, 3, 96)) * 3).float(), torch.from_numpy(rng.standard_normal((2, 3, 96))).float())
+        q = rng.standard_normal((2, 3, 96)) * 2
+        oracle = state.to("numpy", dtype="float64")
+        out64 = sr.attend(q, oracle)
+        got = sr.attend(torch.from_numpy(q).float(), state, backend="torch").double().numpy()
+        assert np.abs(got - out64).max() <= tolerance(reference_error(oracle, q, None, out64, "float32"), out64, "float32"), step
+        kernel_entries = [key for key in state.layout._derived if "kernel" in str(key)]
+        assert kernel_entries == ["kernel_sides"], kernel_entries
+        addresses.add(state.layout.key_coef.data_ptr())
+    assert len(addresses) > 1, "the loop must cross a growth of the coefficient arrays"
+
+
+def test_a_deep_copy_attends_over_its_own_arrays():
+    """A copy of a state the kernels have served (beam search deep-copies caches) must not
+    inherit the original's kernel addresses: it attends over its own arrays, and appends to
+    either leave the other alone."""
+    if not cpu_kernels.availability()[0]:
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.availability()[1]}")
+    import copy
+
+    rng = np.random.default_rng(7 + SEED_OFFSET)
+    state = _state("int4", 50, 0, (11, 9), rng).to("torch", dtype=torch.float32)
+    q = torch.from_numpy(rng.standard_normal((2, 3, 96))).float()
+    before = sr.attend(q, state, backend="torch")
+    twin = copy.deepcopy(state)
+    assert torch.equal(sr.attend(q, twin, backend="torch"), before)
+    twin.append(torch.from_numpy(rng.standard_normal((2, 3, 96)) * 3).float(), torch.from_numpy(rng.standard_normal((2, 3, 96))).float())
+    assert torch.equal(sr.attend(q, state, backend="torch"), before)
+    assert not torch.equal(sr.attend(q, twin, backend="torch"), before)
+
+
+@pytest.mark.parametrize("coefficients", ["int8", "int4"])
+def test_arrays_the_kernels_cannot_read_in_place_take_the_torch_path(coefficients):
+    """Coefficient rows that are not back to back (a strided view standing for the stored
+    array) are refused by the kernels, not copied behind the appends' back: attend takes the
+    torch-operations path, within the same tolerance."""
+    if not cpu_kernels.availability()[0]:
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.availability()[1]}")
+    from dataclasses import replace
+
+    rng = np.random.default_rng(zlib.crc32(coefficients.encode()) + 1 + SEED_OFFSET)
+    oracle = _state(coefficients, 300, 0, (11, 9), rng)
+    state = oracle.to("torch", dtype=torch.float32)
+    codes = state.layout.key_coef
+    wide = torch.zeros(codes.shape[:3] + (2 * codes.shape[3],), dtype=codes.dtype)
+    wide[..., : codes.shape[3]] = codes
+    state.layout = replace(state.layout, key_coef=wide[..., : codes.shape[3]], _derived={})
+    q = rng.standard_normal((2, 3, 96)) * 2
+    out64 = sr.attend(q, oracle)
+    assert cpu_kernels.kernel_sides(state.layout) is None
+    assert not cpu_kernels.serves(torch.from_numpy(q).float(), state, torch.float32)
+    got = sr.attend(torch.from_numpy(q).float(), state, backend="torch").double().numpy()
+    assert np.abs(got - out64).max() <= tolerance(reference_error(oracle, q, None, out64, "float32"), out64, "float32")

@@ -68,7 +68,14 @@ ROPE_TILE_ELEMENTS_GPU = 1 << 24
 def work_dtype(q: torch.Tensor, state) -> torch.dtype:
     """The oracle's rule: the promotion of q's dtype, the state's and float32 -- float32 for
     half inputs, float64 as soon as either is float64."""
-    return torch.promote_types(torch.promote_types(q.dtype, state.layout.dtype), torch.float32)
+    pair = (q.dtype, state.layout.dtype)
+    promoted = _WORK_DTYPES.get(pair)
+    if promoted is None:  # a decode step asks on every call: a lookup, not two promotions
+        promoted = _WORK_DTYPES[pair] = torch.promote_types(torch.promote_types(*pair), torch.float32)
+    return promoted
+
+
+_WORK_DTYPES: dict[tuple[torch.dtype, torch.dtype], torch.dtype] = {}
 
 
 def used_chunks(state) -> int:
@@ -450,7 +457,8 @@ def attend_quantized_cpu(q: torch.Tensor, state, scale: float | None) -> torch.T
     maps = one_chunk_maps(state, q.shape[-1], scale, torch.float32)
     tile = token_tiles(state.layout.num_tokens).step
     if state.window is None:
-        return cpu_kernels.coefficient_attention(q, state.layout, maps[0], maps[1], tile)[0].to(q.dtype)
+        out = cpu_kernels.coefficient_attention(q, state.layout, maps[0], maps[1], tile)[0]
+        return out if out.dtype == q.dtype else out.to(q.dtype)
     exact = window.exact_logits(q, state, scale, torch.float32)
     out, m, Z = cpu_kernels.coefficient_attention(q, state.layout, maps[0], maps[1], tile, exact.amax(dim=-1, keepdim=True))
     weights = exact.sub_(m).exp_()

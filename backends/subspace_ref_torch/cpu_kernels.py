@@ -70,6 +70,8 @@ def build(flags: list[str] = FLAGS, stem: str = "coefficient_products") -> ctype
 
 def _load() -> ctypes.CDLL | None:
     global _library, _failure
+    if _library is not None:  # every decode step asks: no lock once loaded
+        return _library
     with _lock:
         if _library is not None or _failure is not None:
             return _library
@@ -93,29 +95,29 @@ def availability() -> tuple[bool, str]:
 def serves(q: torch.Tensor, state, dtype: torch.dtype) -> bool:
     """Whether :func:`coefficient_attention` serves queries ``q`` (N, H_q, d) on the torch
     ``state`` in the work dtype ``dtype``: float32 work, int8 / int4 / int2 coefficients, CPU
-    tensors within the kernels' limits, kernels available (the caller checks one chunk of bases,
-    no RoPE). Elsewhere attend takes its torch-operations path."""
+    tensors within the kernels' limits and lying as they read them, kernels available (the caller
+    checks one chunk of bases, no RoPE). Elsewhere attend takes its torch-operations path."""
     lay = state.layout
     return (
         (lay.quantized or bool(lay.low_bits))
         and dtype == torch.float32
-        and q.device.type == "cpu"
-        and lay.key_coef.device.type == "cpu"
+        and q.is_cpu
+        and lay.key_coef.is_cpu
         and q.shape[1] // lay.key_coef.shape[1] <= MAX_QUERIES
         and max(lay.key_coef.shape[-1], lay.value_coef.shape[-1]) <= MAX_ROW_BYTES
         and _load() is not None
+        and kernel_sides(lay) is not None
     )
 
 
-def _heads(x: torch.Tensor, rows: int, packed: bool) -> tuple[torch.Tensor, int, int]:
-    """(x', head stride, row stride) for an (N, H, >= rows, ...) operand: x itself when its last
-    dim is contiguous, its (N, H) heads evenly spaced and (``packed``) its rows back to back, as
-    the kernel reads them; else a contiguous copy of its first ``rows`` rows."""
+def _in_place(x: torch.Tensor | None) -> bool:
+    """Whether the kernels read ``x`` (N, H, rows[, width]) where it lies: its last axis
+    contiguous, its (N, H) heads evenly spaced and its rows back to back, as every array a state
+    allocates is."""
+    if x is None:
+        return True
     N, H = x.shape[:2]
-    even = x.stride(-1) == 1 and (N == 1 or x.stride(0) == H * x.stride(1))
-    if not even or (packed and x.dim() == 4 and x.stride(2) != x.shape[3]):
-        x = x[:, :, :rows].contiguous() if packed else x.contiguous()
-    return x, x.stride(1), x.stride(2) if x.dim() == 4 else 1
+    return x.stride(-1) == 1 and (N == 1 or x.stride(0) == H * x.stride(1)) and (x.dim() == 3 or x.stride(2) == x.shape[3])
 
 
 def _check(rc: int, name: str) -> None:
@@ -123,40 +125,36 @@ def _check(rc: int, name: str) -> None:
         raise ValueError(f"{name}: shape beyond the CPU kernel's limits (row bytes <= {MAX_ROW_BYTES}, query heads per KV head <= {MAX_QUERIES})")
 
 
-def _side(codes: torch.Tensor, rank: int, tokens: int, scale: torch.Tensor, zero: torch.Tensor | None, scale_rows: int, group: int, keep: list):
-    """The ``_Side`` of codes (N, H, >= tokens, width) with per-head scales (and zeros) of
-    ``scale_rows`` rows; the tensors it points into are appended to ``keep``."""
-    codes, codes_stride, _ = _heads(codes, tokens, packed=True)
-    scale, scale_stride, _ = _heads(scale, scale_rows, packed=True)
-    if zero is not None:
-        zero, zero_stride, _ = _heads(zero, scale_rows, packed=True)
-        if zero_stride != scale_stride or scale.dtype != torch.float16 or zero.dtype != torch.float16:
-            raise ValueError(f"scale and zero must be float16 arrays of one layout (spec/quantization.md Q2), got {scale.dtype}, {zero.dtype}")
-    keep += [codes, scale, zero]
-    return _Side(codes.data_ptr(), codes_stride, codes.shape[-1], rank, scale.data_ptr(), None if zero is None else zero.data_ptr(), scale_stride, group)
+def kernel_sides(layout) -> tuple[_Side, _Side] | None:
+    """The ``_Side`` of ``layout``'s key and of its value coefficients as stored: int8 codes
+    with per-token float32 scales (spec A10); int4 / int2 codes with float16 scales and zeros
+    per channel and group of keys, per value token (spec/quantization.md Q2). None when the
+    arrays do not lie as the kernels read them (:func:`_in_place`); then the kernels serve
+    nothing.
 
-
-def layout_side(layout, which: str) -> _Side:
-    """The ``_Side`` of ``layout``'s "key" or "value" coefficients as stored: int8 codes with
-    per-token float32 scales (spec A10); int4 / int2 codes with float16 scales and zeros per
-    channel and group of keys, per value token (spec/quantization.md Q2). Built once per layout
-    state (``PackedLayout.derived``): a pre-RoPE attend reads ~100 tiles at 16k tokens."""
-    T = layout.num_tokens
-    rank = getattr(layout, f"{which}_bases").shape[3]
-    coef = getattr(layout, f"{which}_coef")
+    They hold addresses and strides only, not the token count, so they are derived once per set
+    of arrays and serve every decode step until an append grows them into new arrays: appends
+    write tokens in place, and each call passes the count."""
     if not layout.low_bits:
-        arrays, rows, group = (coef, getattr(layout, f"{which}_scale"), None), T, 0
-    elif which == "key":
-        arrays, rows, group = (coef, layout.key_group_scale, layout.key_group_zero), T // layout.group, layout.group
+        keys = (layout.key_coef, layout.key_scale, None)
+        values = (layout.value_coef, layout.value_scale, None)
     else:
-        arrays, rows, group = (coef, layout.value_token_scale, layout.value_token_zero), T, 0
+        keys = (layout.key_coef, layout.key_group_scale, layout.key_group_zero)
+        values = (layout.value_coef, layout.value_token_scale, layout.value_token_zero)
 
-    def build():  # the fields as plain numbers: a layout's derived values are deep-copied with it
-        keep: list = []
-        side = _side(arrays[0], rank, T, arrays[1], arrays[2], rows, group, keep)
-        return tuple(getattr(side, name) for name, _ in _Side._fields_), keep
+    def side(arrays: tuple, rank: int, group: int) -> _Side:
+        codes, scale, zero = arrays
+        if zero is not None and (zero.stride(1) != scale.stride(1) or scale.dtype != torch.float16 or zero.dtype != torch.float16):
+            raise ValueError(f"scale and zero must be float16 arrays of one layout (spec/quantization.md Q2), got {scale.dtype}, {zero.dtype}")
+        zero_ptr = None if zero is None else zero.data_ptr()
+        return _Side(codes.data_ptr(), codes.stride(1), codes.shape[-1], rank, scale.data_ptr(), zero_ptr, scale.stride(1), group)
 
-    return _Side(*layout.derived(("kernel_side", which, T), arrays, build)[0])
+    def build() -> tuple[_Side, _Side] | None:
+        if not all(map(_in_place, keys + values)):
+            return None
+        return side(keys, layout.key_bases.shape[3], layout.group if layout.low_bits else 0), side(values, layout.value_bases.shape[3], 0)
+
+    return layout.derived("kernel_sides", keys + values, build, writes=False)
 
 
 def coefficient_attention(
@@ -170,21 +168,33 @@ def coefficient_attention(
     d_v). Without ``initial_max``: returns (out (N, H_q, d_v), None, None), normalised. With it
     (the exact tokens' maximum, (N, H, g, 1): spec/window.md W3): returns the unnormalised
     sum_t w_t v~_t, m (N, H, g, 1) >= initial_max and Z = sum_t w_t (N, H, g, 1), w_t =
-    e^(l_t - m), for the caller to add the exact tokens' terms and divide."""
+    e^(l_t - m), for the caller to add the exact tokens' terms and divide.
+
+    A decode step's call: nothing is copied that is already as the kernels read it (float32
+    contiguous queries, a float32 key tail), and the output is made in its final shape, so that
+    the call costs one tensor operation besides the kernels (after the layers before it evicted
+    the caches, each operation costs 15-25 us to start: docs/benchmarks.md)."""
     N, Hq, d = q.shape
     H = layout.key_coef.shape[1]
     g = Hq // H
     T, bits = layout.num_tokens, layout.low_bits or 8
     d_v = value_map.shape[2]
-    q = q.to(torch.float32).contiguous()
-    keys, values = layout_side(layout, "key"), layout_side(layout, "value")
+    if q.dtype != torch.float32 or not q.is_contiguous():
+        q = q.to(torch.float32).contiguous()
+    sides = kernel_sides(layout)
+    if sides is None:
+        raise ValueError("the layout's coefficient arrays do not lie as the CPU kernels read them (contiguous rows, evenly spaced heads)")
+    keys, values = sides
     tail, tail_stride = None, 0
     if bits != 8 and T % layout.group:  # the unfinished group's keys, kept in float (spec/quantization.md Q2)
-        tail = layout.key_tail[:, :, : T % layout.group].to(torch.float32).contiguous()
+        tail = layout.key_tail
+        if tail.dtype != torch.float32 or not _in_place(tail):
+            tail = tail[:, :, : T % layout.group].to(torch.float32).contiguous()
         tail_stride = tail.stride(1)
-    out = torch.empty((N, H, g, d_v), dtype=torch.float32)
-    m = Z = None
-    if initial_max is not None:
+    if initial_max is None:
+        out, m, Z = torch.empty((N, Hq, d_v), dtype=torch.float32), None, None
+    else:
+        out = torch.empty((N, H, g, d_v), dtype=torch.float32)
         initial_max = initial_max.to(torch.float32).contiguous()
         m, Z = torch.empty((N, H, g, 1), dtype=torch.float32), torch.empty((N, H, g, 1), dtype=torch.float32)
     rc = _load().coefficient_attention(
@@ -193,13 +203,19 @@ def coefficient_attention(
         int(initial_max is None), out.data_ptr(), None if m is None else m.data_ptr(), None if Z is None else Z.data_ptr(),
     )  # fmt: skip
     _check(rc, "coefficient_attention")
-    return (out.view(N, Hq, d_v) if initial_max is None else out), m, Z
+    return out, m, Z
 
 
 def reads_low_bit(layout, dtype: torch.dtype) -> bool:
     """Whether :func:`low_bit_rows` reads ``layout``'s int4 / int2 coefficients into ``dtype``:
-    float32 rows of CPU tensors, kernels available."""
-    return bool(layout.low_bits) and dtype == torch.float32 and layout.key_coef.device.type == "cpu" and _load() is not None
+    float32 rows of CPU tensors that lie as the kernels read them, kernels available."""
+    return (
+        bool(layout.low_bits)
+        and dtype == torch.float32
+        and layout.key_coef.is_cpu
+        and _load() is not None
+        and kernel_sides(layout) is not None
+    )
 
 
 def low_bit_rows(layout, which: str, a: int, b: int) -> torch.Tensor:
@@ -208,7 +224,7 @@ def low_bit_rows(layout, which: str, a: int, b: int) -> torch.Tensor:
     keys of whole groups with their group's per-channel scales and zeros and the unfinished
     group from its float tail, values with their token's."""
     N, H = layout.key_coef.shape[:2]
-    side = layout_side(layout, which)
+    side = kernel_sides(layout)[0 if which == "key" else 1]
     complete = layout.num_tokens // layout.group * layout.group
     end = b if which == "value" else min(b, complete)
     out = torch.empty((N, H, b - a, side.rank), dtype=torch.float32)

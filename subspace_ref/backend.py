@@ -38,6 +38,16 @@ class Backend(Protocol):
     ``capabilities`` declares what it supports; ``devices`` and ``dtypes`` repeat two of its
     fields. A backend may add ``call_reasons(q, state) -> list[str]``: refusals only the arrays
     themselves show (devices that differ, strides, shared memory), asked after the declaration.
+
+    A backend may also add ``attend_route(q, state)``, asked once per admitted query kind (see
+    :func:`subspace_ref.operations.attend`): None, or a function ``route(q, state, scale)`` that
+    ``attend`` then calls first on every call with such queries, with q as the caller passed it
+    ((H_q, d) for an unbatched state) and the final result to return, or None where it does not
+    serve the call (the state changed), and then ``attend`` runs. It must take the state as an
+    argument, not hold it (states are copied with what they admitted), and re-read from it
+    whatever an append can change. A decode loop's calls then skip what is decided once: after
+    the layers before it evicted the caches, every Python step and tensor operation costs tens
+    of microseconds (docs/benchmarks.md).
     """
 
     name: str

@@ -70,17 +70,24 @@ def attend(q: Any, state, backend: str = "numpy", scale: float | None = None) ->
     """
     impl = get_backend(backend)
     admission = _admission(backend, q)
-    if admission is None or admission not in getattr(state, "admitted", ()):
-        q = _admit(q, state, backend, impl)
+    admitted = getattr(state, "admitted", {})
+    if admission is not None and admission in admitted:
+        route, batched_q = admitted[admission], None
+    else:
+        batched_q = _admit(q, state, backend, impl)
+        route = None
         if admission is not None:
-            state.admitted.add(admission)
-    elif not state.batched:
-        q = q[None]
+            route = admitted[admission] = impl.attend_route(q, state) if hasattr(impl, "attend_route") else None
     if scale is not None and not 0 < _checks.real("scale", scale) < float("inf"):
         raise ValueError(f"scale must be positive and finite, got {scale}")
     if state.num_tokens == 0:
         raise ValueError("the state holds no tokens; append keys and values before attending")
     scans = _scans(backend)
+    if route is not None and not scans:
+        out = route(q, state, scale)
+        if out is not None:
+            return out
+    q = batched_q if batched_q is not None else q if state.batched else q[None]
     if scans:
         _checks.finite("q", q)
     out = impl.attend(q, state, scale)

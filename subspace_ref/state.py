@@ -47,8 +47,9 @@ class SubspaceState:
         # the exact recent tokens (spec/window.md); None: every token is in ``layout``
         self.window = window
         # the (backend, query kind) pairs whose attend calls passed every check that reads only
-        # metadata (subspace_ref.operations.attend): none of it changes over the state's life
-        self.admitted: set = set()
+        # metadata (subspace_ref.operations.attend), none of which changes over the state's
+        # life, each with the backend's route for such calls (Backend.attend_route) or None
+        self.admitted: dict = {}
 
     # ----------------------------------------------------------------- construction
     @classmethod

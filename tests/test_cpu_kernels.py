@@ -242,3 +242,60 @@ def test_arrays_the_kernels_cannot_read_in_place_take_the_torch_path(coefficient
     assert not cpu_kernels.serves(torch.from_numpy(q).float(), state, torch.float32)
     got = sr.attend(torch.from_numpy(q).float(), state, backend="torch").double().numpy()
     assert np.abs(got - out64).max() <= tolerance(reference_error(oracle, q, None, out64, "float32"), out64, "float32")
+
+
+def test_attend_routes_decode_calls_straight_to_the_kernels():
+    """``attend`` asks the torch backend once per admitted query kind for its route
+    (``Backend.attend_route``): the kernels' for a one-chunk quantised state without exact
+    tokens, batched or not, and none for a state they do not serve; routed calls give what the
+    general path gives, and a route that no longer serves (arrays replaced by ones the kernels
+    cannot read in place) hands the call back to it."""
+    if not cpu_kernels.availability()[0]:
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.availability()[1]}")
+    from dataclasses import replace
+
+    rng = np.random.default_rng(11 + SEED_OFFSET)
+    H, d, r = 3, 96, 11
+    B = np.linalg.qr(rng.standard_normal((H, d, r)))[0].transpose(0, 2, 1)
+    basis = sr.StaticBasis.from_bases(B, B)
+    keys, values = rng.standard_normal((H, 70, d)) * 3, rng.standard_normal((H, 70, d))
+    q = torch.from_numpy(rng.standard_normal((2 * H, d))).float()
+    oracles = {}
+    for coefficients, window, routed in (("int4", 0, True), ("int8", 0, True), ("float", 0, False), ("int4", 5, False)):
+        oracle = oracles[coefficients, window] = sr.SubspaceState.static(basis, coefficients=coefficients, group_size=16, window=window)
+        oracle.append(keys, values)
+        state = oracle.to("torch", dtype=torch.float32)
+        first = sr.attend(q, state, backend="torch")
+        assert list(state.admitted.values()) == [torch_attend.kernel_attend if routed else None], coefficients
+        general = sr.get_backend("torch").attend(q[None], state, None)[0]
+        assert torch.equal(first, general) and torch.equal(sr.attend(q, state, backend="torch"), general)
+        out64 = sr.attend(q.double().numpy(), oracle)
+        assert np.abs(first.double().numpy() - out64).max() <= tolerance(reference_error(oracle, q.double().numpy()[None], None, out64[None], "float32"), out64, "float32")
+    state = oracles["int4", 0].to("torch", dtype=torch.float32)
+    sr.attend(q, state, backend="torch")
+    assert list(state.admitted.values()) == [torch_attend.kernel_attend]
+    codes = state.layout.key_coef
+    wide = torch.zeros(codes.shape[:3] + (2 * codes.shape[3],), dtype=codes.dtype)
+    wide[..., : codes.shape[3]] = codes
+    state.layout = replace(state.layout, key_coef=wide[..., : codes.shape[3]])
+    assert torch_attend.kernel_attend(q, state, None) is None
+    torch.testing.assert_close(sr.attend(q, state, backend="torch"), sr.get_backend("torch").attend(q[None], state, None)[0])
+
+
+@pytest.mark.parametrize("group_size", [16, 32, 24])
+@pytest.mark.usefixtures("either_library")
+def test_int4_keys_of_sixteen_byte_rows_within_the_derived_tolerance(group_size):
+    """Int4 keys of r = 32 (16-byte rows) and one query head per KV head, the decode case of
+    docs/benchmarks.md: on AVX2 their logits take tokens in lanes (groups of 16 and of 32 tokens,
+    two and four blocks of 8 per pass); groups of 24 take the columns-in-lanes loop. Every build
+    must stay within the derived tolerance over three value tiles and a partial key group."""
+    rng = np.random.default_rng(zlib.crc32(repr(("lanes", group_size)).encode()) + SEED_OFFSET)
+    H, d, r, r_v = 3, 96, 32, 32
+    B = np.linalg.qr(rng.standard_normal((H, d, r)))[0].transpose(0, 2, 1)
+    E = np.linalg.qr(rng.standard_normal((H, d, r_v)))[0].transpose(0, 2, 1)
+    state = sr.SubspaceState.static(sr.StaticBasis.from_bases(B, E), coefficients="int4", group_size=group_size, batch=2)
+    state.append(rng.standard_normal((2, H, 2100, d)) * 3, rng.standard_normal((2, H, 2100, d)))
+    q = rng.standard_normal((2, H, d)) * 2
+    out64 = sr.attend(q, state)
+    got = sr.attend(torch.from_numpy(q).float(), state.to("torch", dtype=torch.float32), backend="torch").double().numpy()
+    assert np.abs(got - out64).max() <= tolerance(reference_error(state, q, None, out64, "float32"), out64, "float32")

@@ -450,20 +450,50 @@ def attend_one_chunk(q: torch.Tensor, state, scale: float | None, dtype: torch.d
 def attend_quantized_cpu(q: torch.Tensor, state, scale: float | None) -> torch.Tensor:
     """Spec A2/A3 of a one-chunk int8/int4/int2 state on a CPU core (spec R14) in one call of
     the CPU kernels (``cpu_kernels.coefficient_attention``): query map, logits, softmax, value
-    sums and value basis, each code read once, the logits never leaving the core's cache, and
-    no tensor operation around it (after the layers before it evicted the caches, each costs
-    15-25 us to start). With exact tokens their logits set the kernels' starting maximum, so that
-    all tokens share one softmax (spec/window.md W3)."""
+    sums and value basis, each code read once, the logits never leaving the core's cache.
+    Without exact tokens: :func:`kernel_attend`. With them their logits set the kernels'
+    starting maximum, so that all tokens share one softmax (spec/window.md W3)."""
+    if state.window is None:
+        return kernel_attend(q, state, scale)
     maps = one_chunk_maps(state, q.shape[-1], scale, torch.float32)
     tile = token_tiles(state.layout.num_tokens).step
-    if state.window is None:
-        out = cpu_kernels.coefficient_attention(q, state.layout, maps[0], maps[1], tile)[0]
-        return out if out.dtype == q.dtype else out.to(q.dtype)
     exact = window.exact_logits(q, state, scale, torch.float32)
     out, m, Z = cpu_kernels.coefficient_attention(q, state.layout, maps[0], maps[1], tile, exact.amax(dim=-1, keepdim=True))
     weights = exact.sub_(m).exp_()
     out = (out + window.exact_values(weights, state)) / (Z + weights.sum(dim=-1, keepdim=True))
     return out.reshape(q.shape[0], q.shape[1], -1).to(q.dtype)
+
+
+def kernel_attend(q: torch.Tensor, state, scale: float | None) -> torch.Tensor | None:
+    """Spec A2/A3 by the CPU kernels over a one-chunk int8/int4/int2 state without exact tokens,
+    for q (N, H_q, d) or, unbatched, (H_q, d) -> the output of q's shape with d_v columns, in
+    q's dtype: the maps (derived once per bases), one kernel call and no tensor operation but the
+    output's allocation. None when the state's arrays no longer lie as the kernels read them.
+    What a decode step runs (:func:`attend_route`)."""
+    lay = state.layout
+    if cpu_kernels.kernel_sides(lay) is None:
+        return None
+    maps = one_chunk_maps(state, q.shape[-1], scale, torch.float32)
+    out = cpu_kernels.coefficient_attention(q, lay, maps[0], maps[1], token_tiles(lay.num_tokens).step)[0]
+    return out if out.dtype == q.dtype else out.to(q.dtype)
+
+
+def attend_route(q: torch.Tensor, state):
+    """The torch backend's ``Backend.attend_route``: :func:`kernel_attend` for queries like q
+    (as the caller passes them) where :func:`attend` would take it -- a static or rotating
+    (one chunk) int8/int4/int2 state without exact tokens or RoPE that the CPU kernels serve --
+    else None. Every fact it decides on is fixed over the state's life, but the arrays' lying in
+    place, which kernel_attend asks again."""
+    batched = q if state.batched else q[None]
+    dtype = work_dtype(batched, state)
+    served = (
+        state.window is None
+        and state.policy.kind in ("static", "rotating")
+        and getattr(state.policy, "rope", None) is None
+        and not one_chunk_float(state, dtype)
+        and cpu_kernels.serves(batched, state, dtype)
+    )
+    return kernel_attend if served else None
 
 
 def attend(q: torch.Tensor, state, scale: float | None) -> torch.Tensor:
@@ -504,6 +534,8 @@ def attend(q: torch.Tensor, state, scale: float | None) -> torch.Tensor:
 __all__ = [
     "apply_value_bases",
     "attend_one_chunk",
+    "attend_route",
+    "kernel_attend",
     "one_chunk_float",
     "one_chunk_maps",
     "one_chunk_logits",

@@ -58,6 +58,11 @@ class TorchBackend:
 
         return attend(q, state, scale)
 
+    def attend_route(self, q, state):
+        from subspace_ref_torch.attend import attend_route
+
+        return attend_route(q, state)
+
 
 def device_reasons(q: Any, state) -> list[str]:
     """The refusals every backend reading torch tensors shares beyond its declaration: q on

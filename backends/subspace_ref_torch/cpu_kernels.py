@@ -161,7 +161,8 @@ def coefficient_attention(
     q: torch.Tensor, layout, query_map: torch.Tensor, value_map: torch.Tensor, tile: int, initial_max: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Spec A2/A3 over a one-chunk int8 / int4 / int2 ``layout`` (N, H sequences and KV heads)
-    for queries q (N, H_q, d) (float32 work), H_q = g H, in one call of the kernels: the projected
+    for queries q (N, H_q, d) (float32 work; (H_q, d) when N = 1 gives (H_q, d_v) results),
+    H_q = g H, in one call of the kernels: the projected
     queries by ``query_map`` (N H, d, r) = gamma scale B^T, logits (int4 / int2 keys of the
     unfinished group from their float tail), softmax with the global maximum (A3.1), value sums
     per tile of ``tile`` tokens then over tiles, and the value basis ``value_map`` (N H, r_v,
@@ -174,7 +175,8 @@ def coefficient_attention(
     contiguous queries, a float32 key tail), and the output is made in its final shape, so that
     the call costs one tensor operation besides the kernels (after the layers before it evicted
     the caches, each operation costs 15-25 us to start: docs/benchmarks.md)."""
-    N, Hq, d = q.shape
+    Hq, d = q.shape[-2:]
+    N = q.shape[0] if q.dim() == 3 else 1
     H = layout.key_coef.shape[1]
     g = Hq // H
     T, bits = layout.num_tokens, layout.low_bits or 8
@@ -192,7 +194,7 @@ def coefficient_attention(
             tail = tail[:, :, : T % layout.group].to(torch.float32).contiguous()
         tail_stride = tail.stride(1)
     if initial_max is None:
-        out, m, Z = torch.empty((N, Hq, d_v), dtype=torch.float32), None, None
+        out, m, Z = torch.empty(q.shape[:-1] + (d_v,), dtype=torch.float32), None, None
     else:
         out = torch.empty((N, H, g, d_v), dtype=torch.float32)
         initial_max = initial_max.to(torch.float32).contiguous()

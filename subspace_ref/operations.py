@@ -100,8 +100,9 @@ def attend(q: Any, state, backend: str = "numpy", scale: float | None = None) ->
 def _admission(backend: str, q: Any) -> tuple | None:
     """What the metadata checks of an attend call depend on besides the state: the backend and
     the query's type, dtype, device and shape (None for a query without a shape, e.g. a list,
-    which is checked on every call). A state remembers the admissions that passed, so a decode
-    loop pays for the checks and the capability composer once, not on every token."""
+    which is checked on every call). A state remembers the admissions that passed, each with
+    the backend's route for such calls (``Backend.attend_route``), so a decode loop pays for the
+    checks, the capability composer and the backend's dispatch once, not on every token."""
     shape = getattr(q, "shape", None)
     if shape is None:
         return None

@@ -285,10 +285,10 @@ def test_attend_routes_decode_calls_straight_to_the_kernels():
 @pytest.mark.parametrize("group_size", [16, 32, 24])
 @pytest.mark.usefixtures("either_library")
 def test_int4_keys_of_sixteen_byte_rows_within_the_derived_tolerance(group_size):
-    """Int4 keys of r = 32 (16-byte rows) and one query head per KV head, the decode case of
-    docs/benchmarks.md: on AVX2 their logits take tokens in lanes (groups of 16 and of 32 tokens,
-    two and four blocks of 8 per pass); groups of 24 take the columns-in-lanes loop. Every build
-    must stay within the derived tolerance over three value tiles and a partial key group."""
+    """Int4 keys of r = 32 (16-byte rows: the in-register chunks of the logits) and one query
+    head per KV head, the decode case of docs/benchmarks.md, at the default group of 32 tokens
+    and at groups of 16 and 24: every build within the derived tolerance over three value tiles
+    and a partial key group."""
     rng = np.random.default_rng(zlib.crc32(repr(("lanes", group_size)).encode()) + SEED_OFFSET)
     H, d, r, r_v = 3, 96, 32, 32
     B = np.linalg.qr(rng.standard_normal((H, d, r)))[0].transpose(0, 2, 1)

@@ -39,6 +39,26 @@ def finite_norms(name: str, x: Any) -> None:
         raise ValueError(f"{name} has rows whose squared norm overflows {x.dtype}; expected |row|^2 within the dtype's range (rescale the inputs)")
 
 
+def finite_rows(name: str, original: Any, x: Any) -> None:
+    """:func:`finite` of ``original`` and :func:`finite_norms` of ``x`` (``original`` cast to
+    the dtype it is kept in), with their messages, at the cost of one sum of squares where both
+    hold: a finite sum of every squared entry (accumulated as finite_norms does) bounds every
+    row's squared norm and excludes NaN and Inf. Only when that sum is not finite are the two
+    precise checks run, to name the failure (or to find that only the total overflowed)."""
+    if array_family(x) == "torch":
+        import torch
+
+        wide = x.float() if x.element_size() < 4 else x
+        total = float(torch.sum(wide * wide))
+    else:
+        wide = x.astype(np.float32) if x.dtype.itemsize < 4 else x
+        with np.errstate(over="ignore", invalid="ignore"):
+            total = float(namespace(x).sum(wide * wide))
+    if total != total or total in (float("inf"), float("-inf")):
+        finite(name, original)
+        finite_norms(name, x)
+
+
 def as_array(name: str, x: Any) -> Any:
     """x as an array (NumPy for lists), or ValueError naming the argument for ragged input."""
     if isinstance(x, (list, tuple)):

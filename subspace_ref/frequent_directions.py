@@ -125,9 +125,9 @@ class FrequentDirections:
         if rows.ndim == 1:
             rows = rows[None, :]
         _checks.shape("rows", rows, (None, self.d))
-        _checks.finite("rows", rows)
-        _checks.finite_norms("rows", rows.astype(self.dtype))
-        self._buffer, self._filled = insert(self._buffer, self._filled, rows.astype(self.dtype), self.ell)
+        kept = rows.astype(self.dtype)
+        _checks.finite_rows("rows", rows, kept)
+        self._buffer, self._filled = insert(self._buffer, self._filled, kept, self.ell)
         self.rows_seen += rows.shape[0]
         return self
 

@@ -171,12 +171,10 @@ def _tokens(state, name: str, x: Any, dim: int) -> Any:
         x = x[None]
     if family == "torch" and x.device != state.layout.key_coef.device:
         raise ValueError(f"{name} is on {x.device} but the state is on {state.layout.key_coef.device}")
-    scans = _scans(state.engine) or _on_host(x)
-    if scans:
-        _checks.finite(name, x)
-    x = x.astype(state.dtype) if family != "torch" else x.detach().to(state.dtype)
-    if scans:
-        _checks.finite_norms(name, x)
+    kept = x.astype(state.dtype) if family != "torch" else x.detach().to(state.dtype)
+    if _scans(state.engine) or _on_host(x):
+        _checks.finite_rows(name, x, kept)
+    x = kept
     return repeat_kv_heads(x, state.heads // state.kv_heads)  # spec/sharing.md A3 step 1
 
 

@@ -211,6 +211,27 @@ def test_keys_too_large_for_the_dtype_are_rejected_cleanly(dtype, size):
     rejects(state, lambda: state.append(rng.standard_normal((1, 8, 4)) * size, rng.standard_normal((1, 8, 4))), ValueError, r"keys")
 
 
+@pytest.mark.parametrize("engine", ["numpy", "torch"])
+def test_rows_within_range_whose_total_overflows_are_accepted(engine):
+    """The append's value scan sums every squared entry at once and looks row by row only when
+    that total is not finite (``_checks.finite_rows``): a block whose rows are each within
+    float32's range but whose total is not must be appended, and one row beyond it refused."""
+    rng = np.random.default_rng(4)
+    state = SubspaceState.static(StaticBasis.from_bases(np.eye(4)[None, :2], np.eye(4)[None, :2]), dtype=np.float32)
+    if engine == "torch":
+        torch = pytest.importorskip("torch")
+        state = state.to("torch", dtype="float32")
+        A = lambda x: torch.from_numpy(x.astype(np.float32))  # noqa: E731
+    else:
+        A = lambda x: x.astype(np.float32)  # noqa: E731
+    big = np.full((1, 40, 4), 4e18)  # each row's squared norm 6.4e37 < 3.4e38; the 40 rows' 2.6e39
+    state.append(A(big), A(rng.standard_normal((1, 40, 4))))
+    assert state.num_tokens == 40
+    huge = big.copy()
+    huge[0, 7] = 2e19  # that row's squared norm 1.6e39
+    rejects(state, lambda: state.append(A(huge), A(rng.standard_normal((1, 40, 4)))), ValueError, r"keys has rows whose squared norm overflows")
+
+
 def test_frequent_directions_rejects_rows_too_large():
     fd = FrequentDirections(3, 2)
     try:

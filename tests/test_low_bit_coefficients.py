@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import subspace_ref as sr
+from subspace_ref import quantization
 from subspace_ref.exact import exact_attention
 from subspace_ref.quantization import dequantize_groups, pack, quantize_groups, unpack
 
@@ -151,10 +152,16 @@ def test_bad_format_and_group_are_refused():
 
 @pytest.mark.parametrize("coefficients", FORMATS)
 @pytest.mark.parametrize("kind", ["static", "adaptive", "rotating"])
-def test_torch_append_matches_the_oracle(coefficients, kind):
+@pytest.mark.parametrize("branch", ["numpy-views", "torch-ops"])
+def test_torch_append_matches_the_oracle(coefficients, kind, branch, monkeypatch):
     """The torch backend stores the same codes, scales, zero points and float tail as the oracle
-    (float64: the coefficients agree to rounding, far from a rounding boundary of the codes)."""
+    (float64: the coefficients agree to rounding, far from a rounding boundary of the codes).
+    On a CPU the quantiser runs its NumPy branch on views of the tensors; "torch-ops" runs the
+    torch branch that device arrays take, here on CPU tensors, so that it is tested without a
+    GPU."""
     torch = pytest.importorskip("torch")
+    if branch == "torch-ops":
+        monkeypatch.setattr(quantization, "_numpy_viewable", lambda *arrays: False)
     rng = np.random.default_rng(6)
     ref, _ = _states(rng, coefficients, kind)
     tst = ref.to("torch")

@@ -87,7 +87,9 @@ def attend(q: Any, state, backend: str = "numpy", scale: float | None = None) ->
         out = route(q, state, scale)
         if out is not None:
             return out
-    q = batched_q if batched_q is not None else q if state.batched else q[None]
+    if batched_q is None:
+        batched_q = q if state.batched else q[None]
+    q = batched_q
     if scans:
         _checks.finite("q", q)
     out = impl.attend(q, state, scale)

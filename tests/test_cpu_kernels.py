@@ -220,6 +220,13 @@ def test_a_deep_copy_attends_over_its_own_arrays():
     assert not torch.equal(sr.attend(q, twin, backend="torch"), before)
 
 
+def _strided(codes: "torch.Tensor") -> "torch.Tensor":
+    """The same codes in rows that are not back to back (a view of a twice-as-wide array)."""
+    wide = torch.zeros(codes.shape[:3] + (2 * codes.shape[3],), dtype=codes.dtype)
+    wide[..., : codes.shape[3]] = codes
+    return wide[..., : codes.shape[3]]
+
+
 @pytest.mark.parametrize("coefficients", ["int8", "int4"])
 def test_arrays_the_kernels_cannot_read_in_place_take_the_torch_path(coefficients):
     """Coefficient rows that are not back to back (a strided view standing for the stored
@@ -232,10 +239,7 @@ def test_arrays_the_kernels_cannot_read_in_place_take_the_torch_path(coefficient
     rng = np.random.default_rng(zlib.crc32(coefficients.encode()) + 1 + SEED_OFFSET)
     oracle = _state(coefficients, 300, 0, (11, 9), rng)
     state = oracle.to("torch", dtype=torch.float32)
-    codes = state.layout.key_coef
-    wide = torch.zeros(codes.shape[:3] + (2 * codes.shape[3],), dtype=codes.dtype)
-    wide[..., : codes.shape[3]] = codes
-    state.layout = replace(state.layout, key_coef=wide[..., : codes.shape[3]], _derived={})
+    state.layout = replace(state.layout, key_coef=_strided(state.layout.key_coef), _derived={})
     q = rng.standard_normal((2, 3, 96)) * 2
     out64 = sr.attend(q, oracle)
     assert cpu_kernels.kernel_sides(state.layout) is None
@@ -274,10 +278,7 @@ def test_attend_routes_decode_calls_straight_to_the_kernels():
     state = oracles["int4", 0].to("torch", dtype=torch.float32)
     sr.attend(q, state, backend="torch")
     assert list(state.admitted.values()) == [torch_attend.kernel_attend]
-    codes = state.layout.key_coef
-    wide = torch.zeros(codes.shape[:3] + (2 * codes.shape[3],), dtype=codes.dtype)
-    wide[..., : codes.shape[3]] = codes
-    state.layout = replace(state.layout, key_coef=wide[..., : codes.shape[3]])
+    state.layout = replace(state.layout, key_coef=_strided(state.layout.key_coef))
     assert torch_attend.kernel_attend(q, state, None) is None
     torch.testing.assert_close(sr.attend(q, state, backend="torch"), sr.get_backend("torch").attend(q[None], state, None)[0])
 

@@ -68,14 +68,7 @@ ROPE_TILE_ELEMENTS_GPU = 1 << 24
 def work_dtype(q: torch.Tensor, state) -> torch.dtype:
     """The oracle's rule: the promotion of q's dtype, the state's and float32 -- float32 for
     half inputs, float64 as soon as either is float64."""
-    pair = (q.dtype, state.layout.dtype)
-    promoted = _WORK_DTYPES.get(pair)
-    if promoted is None:  # a decode step asks on every call: a lookup, not two promotions
-        promoted = _WORK_DTYPES[pair] = torch.promote_types(torch.promote_types(*pair), torch.float32)
-    return promoted
-
-
-_WORK_DTYPES: dict[tuple[torch.dtype, torch.dtype], torch.dtype] = {}
+    return torch.promote_types(torch.promote_types(q.dtype, state.layout.dtype), torch.float32)
 
 
 def used_chunks(state) -> int:
@@ -471,11 +464,24 @@ def kernel_attend(q: torch.Tensor, state, scale: float | None) -> torch.Tensor |
     output's allocation. None when the state's arrays no longer lie as the kernels read them.
     What a decode step runs (:func:`attend_route`)."""
     lay = state.layout
-    if cpu_kernels.kernel_sides(lay) is None:
-        return None
     maps = one_chunk_maps(state, q.shape[-1], scale, torch.float32)
-    out = cpu_kernels.coefficient_attention(q, lay, maps[0], maps[1], token_tiles(lay.num_tokens).step)[0]
+    result = cpu_kernels.coefficient_attention(q, lay, maps[0], maps[1], token_tiles(lay.num_tokens).step)
+    if result is None:
+        return None
+    out = result[0]
     return out if out.dtype == q.dtype else out.to(q.dtype)
+
+
+def kernels_serve(q: torch.Tensor, state, dtype: torch.dtype, chunks: int) -> bool:
+    """Whether :func:`attend` takes the CPU kernels (:func:`attend_quantized_cpu`) for q (N, H_q,
+    d) in work dtype ``dtype`` over ``chunks`` chunks in use: one chunk, no RoPE, quantised
+    coefficients the kernels serve (``cpu_kernels.serves``)."""
+    return (
+        chunks == 1
+        and getattr(state.policy, "rope", None) is None
+        and not one_chunk_float(state, dtype)
+        and cpu_kernels.serves(q, state, dtype)
+    )
 
 
 def attend_route(q: torch.Tensor, state):
@@ -485,14 +491,8 @@ def attend_route(q: torch.Tensor, state):
     else None. Every fact it decides on is fixed over the state's life, but the arrays' lying in
     place, which kernel_attend asks again."""
     batched = q if state.batched else q[None]
-    dtype = work_dtype(batched, state)
-    served = (
-        state.window is None
-        and state.policy.kind in ("static", "rotating")
-        and getattr(state.policy, "rope", None) is None
-        and not one_chunk_float(state, dtype)
-        and cpu_kernels.serves(batched, state, dtype)
-    )
+    fixed_chunks = state.policy.kind in ("static", "rotating")  # an adaptive state's may grow
+    served = state.window is None and fixed_chunks and kernels_serve(batched, state, work_dtype(batched, state), 1)
     return kernel_attend if served else None
 
 
@@ -503,9 +503,9 @@ def attend(q: torch.Tensor, state, scale: float | None) -> torch.Tensor:
     if one_chunk_float(state, dtype):
         return attend_one_chunk(q, state, scale, dtype)
     J = used_chunks(state)
-    rope = getattr(state.policy, "rope", None)
-    if J == 1 and rope is None and cpu_kernels.serves(q, state, dtype):
+    if kernels_serve(q, state, dtype, J):
         return attend_quantized_cpu(q, state, scale)
+    rope = getattr(state.policy, "rope", None)
     index = token_chunk_index(state, J) if J > 1 else None
     H = state.layout.key_coef.shape[1]
     maps = one_chunk_maps(state, q.shape[-1], scale, dtype) if J == 1 and rope is None else None
@@ -536,6 +536,7 @@ __all__ = [
     "attend_one_chunk",
     "attend_route",
     "kernel_attend",
+    "kernels_serve",
     "one_chunk_float",
     "one_chunk_maps",
     "one_chunk_logits",

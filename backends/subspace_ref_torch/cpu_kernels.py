@@ -159,7 +159,7 @@ def kernel_sides(layout) -> tuple[_Side, _Side] | None:
 
 def coefficient_attention(
     q: torch.Tensor, layout, query_map: torch.Tensor, value_map: torch.Tensor, tile: int, initial_max: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
     """Spec A2/A3 over a one-chunk int8 / int4 / int2 ``layout`` (N, H sequences and KV heads)
     for queries q (N, H_q, d) (float32 work; (H_q, d) when N = 1 gives (H_q, d_v) results),
     H_q = g H, in one call of the kernels: the projected
@@ -169,7 +169,8 @@ def coefficient_attention(
     d_v). Without ``initial_max``: returns (out (N, H_q, d_v), None, None), normalised. With it
     (the exact tokens' maximum, (N, H, g, 1): spec/window.md W3): returns the unnormalised
     sum_t w_t v~_t, m (N, H, g, 1) >= initial_max and Z = sum_t w_t (N, H, g, 1), w_t =
-    e^(l_t - m), for the caller to add the exact tokens' terms and divide.
+    e^(l_t - m), for the caller to add the exact tokens' terms and divide. None when the layout's
+    arrays do not lie as the kernels read them (:func:`kernel_sides`; :func:`serves` says so).
 
     A decode step's call: nothing is copied that is already as the kernels read it (float32
     contiguous queries, a float32 key tail), and the output is made in its final shape, so that
@@ -185,7 +186,7 @@ def coefficient_attention(
         q = q.to(torch.float32).contiguous()
     sides = kernel_sides(layout)
     if sides is None:
-        raise ValueError("the layout's coefficient arrays do not lie as the CPU kernels read them (contiguous rows, evenly spaced heads)")
+        return None
     keys, values = sides
     tail, tail_stride = None, 0
     if bits != 8 and T % layout.group:  # the unfinished group's keys, kept in float (spec/quantization.md Q2)

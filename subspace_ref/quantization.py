@@ -77,7 +77,7 @@ def quantize_groups(x: Any, bits: int, axis: int) -> tuple[Any, Any, Any]:
 
         wide = x.double()
         lo, hi = wide.amin(dim=axis), wide.amax(dim=axis)
-        _check_fp16_range(float(lo.abs().max()) if lo.numel() else 0.0, float(hi.abs().max()) if hi.numel() else 0.0)
+        check_fp16_range(float(lo.abs().max()) if lo.numel() else 0.0, float(hi.abs().max()) if hi.numel() else 0.0)
         zero = _fp16_round(lo, -float("inf"))
         scale = _fp16_round((hi - zero.double()) / levels, float("inf"))
         safe = torch.where(scale > 0, scale.double(), torch.ones_like(hi))
@@ -86,7 +86,7 @@ def quantize_groups(x: Any, bits: int, axis: int) -> tuple[Any, Any, Any]:
     xp = namespace(x)
     wide = x.astype(np.float64)
     lo, hi = wide.min(axis=axis), wide.max(axis=axis)
-    _check_fp16_range(float(abs(lo).max()) if lo.size else 0.0, float(abs(hi).max()) if hi.size else 0.0)
+    check_fp16_range(float(abs(lo).max()) if lo.size else 0.0, float(abs(hi).max()) if hi.size else 0.0)
     zero = _fp16_round(lo, -np.inf)
     scale = _fp16_round((hi - zero.astype(np.float64)) / levels, np.inf)
     safe = xp.where(scale > 0, scale.astype(np.float64), 1.0)
@@ -94,7 +94,9 @@ def quantize_groups(x: Any, bits: int, axis: int) -> tuple[Any, Any, Any]:
     return q, scale, zero
 
 
-def _check_fp16_range(lo: float, hi: float) -> None:
+def check_fp16_range(lo: float, hi: float) -> None:
+    """ValueError unless |lo|, |hi| (a slice's extremes) lie within float16's range: the zero point
+    and scale of Q1 are stored in float16."""
     if not (max(lo, hi) <= _FP16_MAX):
         raise ValueError(f"low-bit coefficients must be finite with |c| <= {_FP16_MAX} (their float16 scale and zero point); got max |c| = {max(lo, hi)}")
 

@@ -1,7 +1,8 @@
-"""The torch backend's CPU kernels for quantised coefficients (backends/subspace_ref_torch/kernels/
-coefficient_products.c, spec R14): built wherever a C compiler is, used by attend on one-chunk
-int8/int4/int2 states, and within the harness's derived tolerance of the float64 oracle, as is
-the torch-operations path they replace."""
+"""The torch backend's CPU kernels for quantised coefficients (backends/subspace_ref_torch/kernels/):
+built wherever a C compiler is; the decode products (coefficient_products.c, spec R14), used by
+attend on one-chunk int8/int4/int2 states, within the harness's derived tolerance of the float64
+oracle, as is the torch-operations path they replace; the int4/int2 stores (quantized_stores.c,
+spec A10, spec/quantization.md Q1-Q2), used by appends to CPU states, bit for bit the other paths'."""
 
 from __future__ import annotations
 
@@ -300,3 +301,101 @@ def test_int4_keys_of_sixteen_byte_rows_within_the_derived_tolerance(group_size)
     out64 = sr.attend(q, state)
     got = sr.attend(torch.from_numpy(q).float(), state.to("torch", dtype=torch.float32), backend="torch").double().numpy()
     assert np.abs(got - out64).max() <= tolerance(reference_error(state, q, None, out64, "float32"), out64, "float32")
+
+
+# ---------------------------------------------------------------- stores (kernels/quantized_stores.c)
+
+def _coordinate_state(coefficients: str, rank: int, group: int) -> sr.SubspaceState:
+    """A float32 torch state, one sequence, 2 KV heads, d = 40, whose bases are the first
+    ``rank`` coordinate axes: a token's coefficients are its first ``rank`` entries exactly (a
+    matmul with 0 / 1 weights rounds nothing), so that a test sets the numbers quantised."""
+    H, d = 2, 40
+    B = np.broadcast_to(np.eye(d)[:rank], (H, rank, d)).copy()
+    state = sr.SubspaceState.static(sr.StaticBasis.from_bases(B, B), coefficients=coefficients, group_size=group)
+    return state.to("torch", dtype=torch.float32)
+
+
+def _edge_tokens(rng, n: int, rank: int) -> np.ndarray:
+    """(2, n, 40) float32 tokens whose coefficients stress spec Q1's roundings: magnitudes from
+    1e-9 to 6.5e4, all-zero and constant rows, minima on float16 values, on midpoints between
+    two (ties of the rounding to nearest, then the step down) and on float16's subnormals, and
+    the range's ends +-65504, and rows whose int8 codes c / s fall on ties."""
+    halves = rng.integers(1, 0x7BFF, size=4096).astype(np.uint16).view(np.float16).astype(np.float64)
+    upper = np.nextafter(halves.astype(np.float16), np.float16(np.inf)).astype(np.float64)
+    special = np.concatenate([halves, (halves + upper) / 2, np.arange(1, 1100) * 2.0**-24, [65504.0, 6.0e4]])
+    x = np.zeros((2, n, 40))
+    for h in range(2):
+        for t in range(n):
+            kind = rng.integers(8)
+            if kind == 0:
+                continue  # zeros: scale 0
+            if kind == 1:
+                x[h, t, :rank] = rng.choice(special) * rng.choice([-1, 1])  # constant
+                continue
+            row = rng.standard_normal(rank) * 10.0 ** rng.uniform(-9, 4.5)
+            if kind == 2:  # int8 ties: max 127 2^e, so s = 2^e and c / s = m + 1/2
+                row = np.concatenate([[127.0], rng.integers(-126, 126, rank - 1) + 0.5]) * 2.0 ** rng.integers(-20, 8) * rng.choice([-1, 1])
+            if kind >= 5:  # the minimum on a special value, the others above it
+                row = rng.choice(special) * rng.choice([-1, 1]) + np.abs(row)
+            x[h, t, :rank] = np.clip(row, -65504, 65504)
+    return x.astype(np.float32)
+
+
+def _stored(state) -> dict:
+    """Every array a low-bit store writes; of the key tail, the rows holding keys (the rest is
+    never read: the oracle's fresh tail is the old one times 0, whose zeros may be negative)."""
+    lay = state.layout
+    if not lay.low_bits:
+        return {name: getattr(lay, name).clone() for name in ("key_coef", "key_scale", "value_coef", "value_scale")} | {"num_tokens": lay.num_tokens}
+    names = ("key_coef", "key_group_scale", "key_group_zero", "value_coef", "value_token_scale", "value_token_zero")
+    live_tail = lay.key_tail[:, :, : lay.num_tokens % lay.group]
+    return {name: getattr(lay, name).clone() for name in names} | {"key_tail": live_tail.clone(), "num_tokens": lay.num_tokens}
+
+
+@pytest.mark.parametrize("coefficients", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("rank", [11, 32], ids=["r11", "r32"])
+@pytest.mark.usefixtures("either_library")
+def test_low_bit_stores_write_the_oracles_bits(coefficients, rank, monkeypatch):
+    """Spec A10's and Q2's stores by the kernels (``cpu_kernels.store_quantized``, what a CPU
+    state's appends use) against the array operations (``fd.quantize_rows``, the oracle's
+    ``quantization.store_low_bit``) on the same tokens:
+    every code, scale, zero point and tail row the same bits, appended one token at a time across
+    a key group's end, as a block completing two groups, and after it, at a rank ending inside a
+    byte (11) and a whole one; edge values (_edge_tokens) decide the roundings (int8: ties of
+    c / s)."""
+    rng = np.random.default_rng(zlib.crc32(repr((coefficients, rank)).encode()) + SEED_OFFSET)
+    tokens = torch.from_numpy(_edge_tokens(rng, 62, rank))
+    values = torch.from_numpy(_edge_tokens(rng, 62, rank))
+    runs = {}
+    for kernels in (True, False):
+        if not kernels:
+            monkeypatch.setattr(cpu_kernels, "store_quantized", lambda *args: False)
+        state = _coordinate_state(coefficients, rank, 16)
+        for a, b in [(t, t + 1) for t in range(20)] + [(20, 57)] + [(t, t + 1) for t in range(57, 62)]:
+            state.append(tokens[:, a:b], values[:, a:b])
+        runs[kernels] = _stored(state)
+    for name, want in runs[False].items():
+        got = runs[True][name]
+        same = got == want if name == "num_tokens" else (got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8)))
+        assert same, name
+
+
+@pytest.mark.parametrize("which", ["key", "value"])
+def test_a_store_beyond_float16s_range_raises_and_changes_nothing(which):
+    """Coefficients over 65504 have no float16 scale: the kernels' store raises the oracle's
+    ValueError before writing anything (keys: when their group completes, as the oracle's), and
+    the state keeps every array and its token count."""
+    if not cpu_kernels.availability()[0]:
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.availability()[1]}")
+    state = _coordinate_state("int4", 8, 16)
+    small = torch.ones(2, 15, 40)
+    big = small.clone()
+    big[1, 0, 2] = 7.0e4
+    if which == "key":
+        state.append(big, small)  # held in the float tail: no group complete yet
+    before = _stored(state)
+    with pytest.raises(ValueError, match=r"\|c\| <= 65504"):
+        state.append(small[:, :1], big[:, :1] if which == "value" else small[:, :1])
+    after = _stored(state)
+    for name, want in before.items():
+        assert (after[name] == want) if name == "num_tokens" else torch.equal(after[name], want), name

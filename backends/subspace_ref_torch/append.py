@@ -46,7 +46,7 @@ from subspace_ref.policies.online_run import relative_residual, warmup_row
 from subspace_ref.quantization import read_low_bit, side_arrays, store_low_bit
 from subspace_ref.rope import rotate
 from subspace_ref.window import first_compressed_position
-from subspace_ref_torch import fd
+from subspace_ref_torch import cpu_kernels, fd
 from subspace_ref_torch.convert import compute_dtype
 
 # First window of the adaptive trigger search, and its bounds (see _next_window).
@@ -92,11 +92,15 @@ def append_static(state, keys: torch.Tensor, values: torch.Tensor) -> None:
 
 def store(lay, which: str, rows, coef: torch.Tensor) -> None:
     """Write coefficients (N, H, ..., r) at token ``rows`` of ``lay`` (in place), quantised to
-    int8 with per-token scales when the layout is (spec A10), else cast to the stored dtype."""
+    int8 with per-token scales (spec A10) or to int4 / int2 (spec/quantization.md Q2) when the
+    layout is, by the same definitions as the oracle (on a CPU core, by the store kernels), else
+    cast to the stored dtype."""
     target = getattr(lay, f"{which}_coef")
     scales = getattr(lay, f"{which}_scale", None)
-    if lay.low_bits:  # int4/int2 (spec/quantization.md Q2), by the oracle's definition
-        a, b = (rows, rows + 1) if isinstance(rows, int) else (rows.start, rows.stop)
+    a, b = (rows, rows + 1) if isinstance(rows, int) else (rows.start, rows.stop)
+    if (lay.low_bits or scales is not None) and cpu_kernels.store_quantized(lay, which, a, b, coef[:, :, None] if isinstance(rows, int) else coef):
+        return
+    if lay.low_bits:
         store_low_bit(lay, which, a, b, coef[:, :, None] if isinstance(rows, int) else coef)
     elif scales is None:
         target[:, :, rows] = coef

@@ -1,10 +1,14 @@
-"""The CPU kernels of ``kernels/coefficient_products.c``: decode products over int8, int4 and int2
-coefficients, dequantised in registers (spec R14). Built with the host C compiler at first use
-(``subspace_ref.host_build``) and called through ctypes on CPU tensors.
+"""The CPU kernels: decode products over int8, int4 and int2 coefficients, dequantised in
+registers (``kernels/coefficient_products.c``, spec R14), and the stores that quantise appended
+coefficients bit for bit as the other paths do (``kernels/quantized_stores.c``: spec A10,
+spec/quantization.md Q1-Q2). Built into one library with
+the host C compiler at first use (``subspace_ref.host_build``) and called through ctypes on CPU
+tensors.
 
-Without a C compiler, or with ``SUBSPACE_REF_CPU_KERNELS=0``, :func:`availability` says why and
-the attend path dequantises tiles with torch operations instead: the same numbers to within
-float32 rounding order, several times slower (docs/benchmarks.md).
+Without a C compiler, or with ``SUBSPACE_REF_CPU_KERNELS=0``, :func:`availability` says why; the
+attend path then dequantises tiles with torch operations instead (the same numbers to within
+float32 rounding order, several times slower: docs/benchmarks.md) and appends quantise with
+array operations (the same bits).
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ from pathlib import Path
 import torch
 
 from subspace_ref.host_build import build_shared_library
+from subspace_ref.quantization import check_fp16_range
 
-SOURCE = Path(__file__).resolve().parent / "kernels" / "coefficient_products.c"
+SOURCES = [Path(__file__).resolve().parent / "kernels" / name for name in ("coefficient_products.c", "quantized_stores.c")]
 FLAGS = ["-std=c11", "-O3", "-march=native", "-fopenmp-simd"]
 #: the kernel's fixed buffers (MAX_BYTES, MAX_QUERIES in the source)
 MAX_ROW_BYTES = 256
@@ -49,6 +54,9 @@ _SIGNATURES = {
     ],
     "low_bit_rows": [ctypes.c_int, _i64, _i64, _i64, ctypes.POINTER(_Side), _ptr, _i64],
     "softmax_exp": [_i64, _ptr, _ptr],
+    "int8_store": [_i64, _i64, _i64, _ptr, ctypes.POINTER(_Side)],
+    "low_bit_store_values": [ctypes.c_int, _i64, _i64, _i64, _ptr, ctypes.POINTER(_Side), ctypes.POINTER(ctypes.c_double)],
+    "low_bit_store_keys": [ctypes.c_int, _i64, _i64, _i64, _ptr, _ptr, _ptr, ctypes.POINTER(_Side), ctypes.POINTER(ctypes.c_double)],
 }
 
 def compiler() -> str | None:
@@ -60,7 +68,8 @@ def build(flags: list[str] = FLAGS, stem: str = "coefficient_products") -> ctype
     declared. OSError or RuntimeError when they do not build. Tests build them for CPUs without
     AVX-512 too (``-march=x86-64-v3``: the AVX2 register paths; ``-march=x86-64``: the portable
     loops): every path must hold the same tolerance."""
-    lib = ctypes.CDLL(str(build_shared_library(SOURCE.read_text(), compiler(), flags, stem)))
+    source = "\n".join(path.read_text() for path in SOURCES)
+    lib = ctypes.CDLL(str(build_shared_library(source, compiler(), flags, stem)))
     for name, args in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = args
@@ -78,12 +87,12 @@ def _load() -> ctypes.CDLL | None:
         if os.environ.get("SUBSPACE_REF_CPU_KERNELS", "1") == "0":
             _failure = "disabled by SUBSPACE_REF_CPU_KERNELS=0"
         elif compiler() is None:
-            _failure = "no C compiler (cc, gcc, clang or $CC) to build kernels/coefficient_products.c"
+            _failure = "no C compiler (cc, gcc, clang or $CC) to build the kernels (kernels/*.c)"
         else:
             try:
                 _library = build()
             except (OSError, RuntimeError) as e:
-                _failure = f"kernels/coefficient_products.c did not build: {e}"
+                _failure = f"the kernels (kernels/*.c) did not build: {e}"
         return _library
 
 
@@ -123,6 +132,11 @@ def _in_place(x: torch.Tensor | None) -> bool:
 def _check(rc: int, name: str) -> None:
     if rc != 0:
         raise ValueError(f"{name}: shape beyond the CPU kernel's limits (row bytes <= {MAX_ROW_BYTES}, query heads per KV head <= {MAX_QUERIES})")
+
+
+#: the store kernels' fixed buffers (MAX_RANK, MAX_GROUP in kernels/quantized_stores.c)
+MAX_STORE_RANK = 512
+MAX_STORE_GROUP = 128
 
 
 def kernel_sides(layout) -> tuple[_Side, _Side] | None:
@@ -236,6 +250,48 @@ def low_bit_rows(layout, which: str, a: int, b: int) -> torch.Tensor:
     if b > end:  # the unfinished key group, kept in float (spec/quantization.md Q2)
         out[:, :, max(a, end) - a :] = layout.key_tail[:, :, max(a, complete) - complete : b - complete]
     return out
+
+
+def store_quantized(layout, which: str, a: int, b: int, coef: torch.Tensor) -> bool:
+    """Coefficients ``coef`` (N, H, b - a, r) of tokens [a, b) quantised into ``layout``'s "key"
+    or "value" side by the store kernels: int8 with per-token scales (spec A10) bit for bit as
+    ``fd.quantize_rows``; int4 / int2 (spec Q2) bit for bit as
+    ``subspace_ref.quantization.store_low_bit`` (keys: the groups completed, and a new
+    ``key_tail`` holding the unfinished one). True when done; False, with nothing written, where
+    the kernels do not serve it (float32 coefficients and tail, CPU tensors lying in place,
+    kernels built, ranks and groups within their buffers), for the caller to store with array
+    operations. int4 / int2 coefficients beyond float16's range raise the oracle's ValueError
+    with nothing written."""
+    if not ((layout.quantized or layout.low_bits) and coef.dtype == torch.float32 and coef.is_cpu and layout.key_coef.is_cpu):
+        return False
+    if which == "key" and layout.low_bits and (layout.key_tail.dtype != torch.float32 or not layout.key_tail.is_contiguous() or layout.group > MAX_STORE_GROUP):
+        return False
+    if _load() is None or coef.shape[-1] > MAX_STORE_RANK:
+        return False
+    sides = kernel_sides(layout)
+    if sides is None:
+        return False
+    side = sides[0 if which == "key" else 1]
+    N, H = coef.shape[:2]
+    coef = coef.contiguous()
+    if not layout.low_bits:
+        _load().int8_store(N * H, a, b - a, coef.data_ptr(), ctypes.byref(side))
+        return True
+    magnitude = ctypes.c_double()
+    if which == "value":
+        rc = _load().low_bit_store_values(layout.low_bits, N * H, a, b - a, coef.data_ptr(), ctypes.byref(side), ctypes.byref(magnitude))
+    else:
+        tail = torch.zeros_like(layout.key_tail)  # the state's own tail is never written
+        rc = _load().low_bit_store_keys(
+            layout.low_bits, N * H, a, b - a, coef.data_ptr(), layout.key_tail.data_ptr(), tail.data_ptr(), ctypes.byref(side), ctypes.byref(magnitude)
+        )
+    if rc == -2:
+        check_fp16_range(magnitude.value, magnitude.value)
+    if rc != 0:
+        raise RuntimeError(f"low_bit_store_{which}s returned {rc} for a layout it was told it serves")
+    if which == "key":
+        layout.key_tail = tail
+    return True
 
 
 def softmax_exp(x: torch.Tensor) -> torch.Tensor:

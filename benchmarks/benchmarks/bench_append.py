@@ -98,3 +98,47 @@ class BlockAppendVsDecode:
 
 def _adaptive_r32(byte_ceiling: float):
     return C.sr.SubspaceState.adaptive(C.HEADS, C.D, rank_k=32, rank_v=32, max_chunk=C.MAX_CHUNK, dtype=C.DTYPE, byte_ceiling=byte_ceiling)
+
+
+class AppendFormats:
+    """Torch-cpu decode appends (one token, every head) to static states by coefficient format
+    (issue 16): float32, int8 (spec A10), int4 and int2 (spec/quantization.md Q2, quantised on a
+    CPU core by ``kernels/quantized_stores.c``). ``track_slowdown_vs_float`` is this format's
+    append time over float32's, both measured in the same run: what quantising a token costs
+    (1: nothing)."""
+
+    params = (["float", "int8", "int4", "int2"],)
+    param_names = ["format"]
+    timeout = 600
+
+    def setup(self, fmt):
+        from subspace_ref import SubspaceState
+        from subspace_ref.workloads import spanning_basis
+
+        self.target = C.target("torch-cpu")
+        K = [self.target.convert(x) for x in np.split(C.tokens(21, 16), 16, axis=1)]
+        V = [self.target.convert(x) for x in np.split(C.tokens(22, 16), 16, axis=1)]
+        self.steps = {}
+        for name in {fmt, "float"}:
+            state = self.target.state(SubspaceState.static(spanning_basis(C.HEADS, C.D, 32, C.DTYPE), dtype=C.DTYPE, coefficients=name))
+            state.append(self.target.convert(C.tokens(1, START)), self.target.convert(C.tokens(2, START)))
+            self.steps[name] = self._stepper(state, K, V)
+
+    @staticmethod
+    def _stepper(state, K, V):
+        count = iter(range(10**9))
+
+        def step():
+            i = next(count) % len(K)
+            state.append(K[i], V[i])
+
+        return step
+
+    def time_append(self, fmt):
+        self.steps[fmt]()
+
+    def track_slowdown_vs_float(self, fmt):
+        """This format's one-token append time over float32's (same run, same thread count)."""
+        return float(C.median_seconds(self.steps[fmt], self.target.sync) / C.median_seconds(self.steps["float"], self.target.sync))
+
+    track_slowdown_vs_float.unit = "x"

@@ -84,9 +84,9 @@ def append_static(state, keys: torch.Tensor, values: torch.Tensor) -> None:
         keys = rotate(keys.to(work), np.arange(first + T, first + T + n_new), state.policy.rope, inverse=True)
     # rows T.. are spare capacity until the commit below: writing them changes nothing visible
     rows = slice(T, T + n_new)
-    every = (slice(None), slice(None), 0)
-    store(lay, "key", rows, torch.matmul(keys.to(work), lay.basis("key", every, work).mT))
-    store(lay, "value", rows, torch.matmul(values.to(work), lay.basis("value", every, work).mT))
+    # the bases as attention reads them (decoded once per set of stored bases, not copied per token)
+    store(lay, "key", rows, torch.matmul(keys.to(work), lay.decoded_bases("key", work)[:, :, 0].mT))
+    store(lay, "value", rows, torch.matmul(values.to(work), lay.decoded_bases("value", work)[:, :, 0].mT))
     state.layout = replace(lay, num_tokens=T + n_new)
 
 

@@ -98,10 +98,11 @@ def store(lay, which: str, rows, coef: torch.Tensor) -> None:
     target = getattr(lay, f"{which}_coef")
     scales = getattr(lay, f"{which}_scale", None)
     a, b = (rows, rows + 1) if isinstance(rows, int) else (rows.start, rows.stop)
-    if (lay.low_bits or scales is not None) and cpu_kernels.store_quantized(lay, which, a, b, coef[:, :, None] if isinstance(rows, int) else coef):
+    block = coef[:, :, None] if isinstance(rows, int) else coef
+    if cpu_kernels.store_quantized(lay, which, a, b, block):
         return
     if lay.low_bits:
-        store_low_bit(lay, which, a, b, coef[:, :, None] if isinstance(rows, int) else coef)
+        store_low_bit(lay, which, a, b, block)
     elif scales is None:
         target[:, :, rows] = coef
     else:

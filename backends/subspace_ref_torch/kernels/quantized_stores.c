@@ -88,12 +88,11 @@ static void pack_row(const uint8_t *codes, int64_t rank, int bits, int64_t width
     }
 }
 
-static double max_magnitude(const float *x, int64_t count) {
-    double m = 0.0;
-    for (int64_t i = 0; i < count; ++i) {
-        const double a = fabs((double)x[i]);
-        m = a > m || a != a ? a : m; /* NaN is out of range too */
-    }
+/* the larger of two magnitudes, NaN the largest (it is out of range too) */
+static double larger(double m, double a) { return a > m || a != a ? a : m; }
+
+static double max_magnitude(const float *x, int64_t count, double m) {
+    for (int64_t i = 0; i < count; ++i) m = larger(m, fabs((double)x[i]));
     return m;
 }
 
@@ -134,13 +133,13 @@ int int8_store(int64_t heads, int64_t a, int64_t count, const float *coef, const
 #define MAX_GROUP 128 /* key tokens per scale group */
 
 /* Spec Q2, values: tokens [a, a + count) of every head from coef (heads, count, rank) float32,
- * each token quantised over its rank coefficients. Returns 0, -1 for a rank beyond MAX_RANK (keys: or a group beyond MAX_GROUP),
- * or -2 with *magnitude = max |coef| when that exceeds float16's range (nothing written). */
+ * each token quantised over its rank coefficients. Returns 0, -1 for a rank beyond MAX_RANK, or
+ * -2 with *magnitude = max |coef| when that exceeds float16's range (nothing written). */
 int low_bit_store_values(int bits, int64_t heads, int64_t a, int64_t count, const float *coef, const struct quantized_side *side,
                          double *magnitude) {
     const int64_t r = side->rank;
     if (r > MAX_RANK) return -1;
-    *magnitude = max_magnitude(coef, heads * count * r);
+    *magnitude = max_magnitude(coef, heads * count * r, 0.0);
     if (!(*magnitude <= FP16_MAX)) return -2;
     uint8_t codes[MAX_RANK];
     for (int64_t h = 0; h < heads; ++h)
@@ -157,8 +156,9 @@ int low_bit_store_values(int bits, int64_t heads, int64_t a, int64_t count, cons
  * The rows of the group a falls in that came before a are old_tail[h][0 .. a mod G) (float32,
  * (heads, G, rank)); every group these rows and the new ones complete is quantised per channel
  * over its G tokens, and the rows after the last complete group go to new_tail (zeroed by the
- * caller, same shape): the state's own tail is never written. Returns as the values' store
- * (the range checked over the completed groups only, as the oracle's). */
+ * caller, same shape): the state's own tail is never written. Returns as the values' store, -1
+ * also for a group beyond MAX_GROUP (the range checked over the completed groups only, as the
+ * oracle's). */
 int low_bit_store_keys(int bits, int64_t heads, int64_t a, int64_t count, const float *coef, const float *old_tail, float *new_tail,
                        const struct quantized_side *side, double *magnitude) {
     const int64_t r = side->rank, G = side->group, g0 = a / G, before = a - g0 * G, rows = before + count, done = rows / G * G;
@@ -167,10 +167,7 @@ int low_bit_store_keys(int bits, int64_t heads, int64_t a, int64_t count, const 
 #define FULL_ROW(h, i) ((i) < before ? old_tail + ((h) * G + (i)) * r : coef + ((h) * count + (i) - before) * r)
     *magnitude = 0.0;
     for (int64_t h = 0; h < heads; ++h)
-        for (int64_t i = 0; i < done; ++i) {
-            const double m = max_magnitude(FULL_ROW(h, i), r);
-            *magnitude = m > *magnitude || m != m ? m : *magnitude;
-        }
+        for (int64_t i = 0; i < done; ++i) *magnitude = max_magnitude(FULL_ROW(h, i), r, *magnitude);
     if (!(*magnitude <= FP16_MAX)) return -2;
     float channel[MAX_GROUP];
     uint8_t channel_codes[MAX_GROUP], codes[MAX_GROUP][MAX_RANK];

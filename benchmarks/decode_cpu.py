@@ -6,12 +6,16 @@ static basis, float32, batch 1: ``subspace_ref.attend(q, state, backend="torch")
 tokens, for T in {4k, 16k, 64k}. Both run in the same process with the same thread count.
 
 Reported per T (medians of --repeats timed calls after --warmup untimed ones; SDPA, attend, the
-backend call, the copy and the read are timed in turn within each repeat, so load from other
+read, the backend call and the copy are timed in turn within each repeat, so load from other
 processes on a shared machine falls on all of them alike, and each call finds its data evicted
-from the caches by the others, as a decode step finds a layer's cache):
+from the caches by the one before, as a decode step finds a layer's cache):
 
-* time of the coefficient-space attend (public API, with its argument checks) and of the
-  backend call alone (``TorchBackend.attend``), and of SDPA; ratio = attend / SDPA;
+* time of the coefficient-space attend (public API, with its argument checks; it follows SDPA)
+  and of the backend call alone (``TorchBackend.attend``; it follows the read of 256 MiB), and
+  of SDPA; ratio = attend / SDPA. The two columns can differ by more than the public layer: in
+  experiments on this machine a call after SDPA took up to ~0.4 ms longer than the same call
+  after the read (docs/benchmarks.md, 2026-11-27). Until 2026-11-27 the backend call followed the
+  public call over the same arrays, and found them in cache;
 * bytes each reads -- SDPA: K and V (2 H T d 4 bytes); attend: key and value coefficients
   (H T (r + r_v) 4 bytes) plus the bases -- and the bandwidth that achieves;
 * the machine's copy bandwidth measured in the same run, per row, timed in turn with the
@@ -177,9 +181,9 @@ def measure_row(args, fmt: str, basis, K, V, q, backend, src, dst, gen):
     assert torch.isfinite(out).all() and out.shape == out_ref.shape
 
     with torch.inference_mode():
-        t_sdpa, t_att, t_bk, t_copy, t_read = interleaved(
-            [sdpa, lambda: sr.attend(q_state, state, backend="torch"), lambda: backend.attend(q_backend, state, None),
-             lambda: dst.copy_(src), lambda: src.sum()],
+        t_sdpa, t_att, t_read, t_bk, t_copy = interleaved(
+            [sdpa, lambda: sr.attend(q_state, state, backend="torch"), lambda: src.sum(), lambda: backend.attend(q_backend, state, None),
+             lambda: dst.copy_(src)],
             args.repeats,
             args.warmup,
         )

@@ -20,12 +20,16 @@ Two settings:
 
 Usage: ``python benchmarks/e2e_decode.py [--setting shipped|llama128|both|prefill] [--steps N] [--rounds N] [--json PATH]``.
 Prints one table per setting; ratios are against DynamicCache in the model's dtype, same run.
+Decode steps of the caches of one context are timed in turn, one step of each (median per
+cache): since 2026-11-27; before, each cache's steps ran back to back, and a shared machine's
+load moved a ratio by up to 2x between runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import numpy as np
@@ -79,15 +83,21 @@ def cache_bytes(cache) -> int:
 
 
 @torch.no_grad()
-def time_decode(model, cache, first_token: torch.Tensor, steps: int) -> float:
-    """Seconds per decode step (greedy, batch 1), after two warm-up steps."""
-    tok = first_token
-    for _ in range(2):
-        tok = model(tok, past_key_values=cache).logits[:, -1:].argmax(-1)
-    start = time.perf_counter()
-    for _ in range(steps):
-        tok = model(tok, past_key_values=cache).logits[:, -1:].argmax(-1)
-    return (time.perf_counter() - start) / steps
+def decode_seconds(model, caches: dict, first_tokens: dict, steps: int) -> dict:
+    """Median seconds of one greedy decode step (batch 1) per cache, the caches stepped in turn
+    (one step of each, then the next), so that load from other processes on a shared machine
+    falls on all of them alike; two untimed steps each first. Without autograd's recording, as
+    ``generate`` runs them."""
+    tokens = dict(first_tokens)
+    times = {name: [] for name in caches}
+    with torch.no_grad():
+        for step in range(2 + steps):
+            for name, cache in caches.items():
+                start = time.perf_counter()
+                tokens[name] = model(tokens[name], past_key_values=cache).logits[:, -1:].argmax(-1)
+                if step >= 2:
+                    times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def fill(cache, keys: list, values: list) -> None:
@@ -103,12 +113,12 @@ def fill(cache, keys: list, values: list) -> None:
 def rows_for(model, contexts, steps, make_caches, prefill) -> list[dict]:
     rows = []
     for T in contexts:
+        caches = {name: make() for name, make in make_caches.items()}
+        firsts = {name: prefill(cache, T) for name, cache in caches.items()}
+        seconds = decode_seconds(model, caches, firsts, steps)
         base = None
-        for name, make in make_caches.items():
-            cache = make()
-            first = prefill(cache, T)
-            sec = time_decode(model, cache, first, steps)
-            row = dict(context=T, cache=name, tokens_per_s=1.0 / sec, bytes=cache_bytes(cache))
+        for name, cache in caches.items():
+            row = dict(context=T, cache=name, tokens_per_s=1.0 / seconds[name], bytes=cache_bytes(cache))
             if base is None:
                 base = row
             row["speed_ratio"] = row["tokens_per_s"] / base["tokens_per_s"]
@@ -116,6 +126,7 @@ def rows_for(model, contexts, steps, make_caches, prefill) -> list[dict]:
             rows.append(row)
             speed, size = f"{row['tokens_per_s']:8.2f} tok/s ({row['speed_ratio']:.2f}x)", f"{row['bytes'] / 2**20:9.2f} MiB ({row['bytes_ratio']:.3f}x)"
             print(f"  T={T:6d} {name:22s} {speed}  {size}", flush=True)
+        del caches
     return rows
 
 

@@ -9,6 +9,7 @@ given a torch tensor.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -120,8 +121,7 @@ def rotate(x: Any, positions: Any, rope: RopeParams, *, inverse: bool = False) -
     Plane (i, j) with angle t theta_i: (x_i, x_j) -> a (c x_i - s x_j, s x_i + c x_j). The inverse
     is Q_t^T / a: (c x_i + s x_j, -s x_i + c x_j) / a^2 with c, s already holding a. NumPy, CuPy
     or torch arrays (float64 angles cast to x's dtype); returns a new array."""
-    d = x.shape[-1]
-    pairs = rope.planes(d)[: rope.inv_freq.size]
+    a, b = _rotating_dims(rope, x.shape[-1])
     cos, sin = rope.cos_sin(positions)
     if inverse:
         cos, sin = cos / rope.attention_scaling**2, -sin / rope.attention_scaling**2
@@ -131,19 +131,29 @@ def rotate(x: Any, positions: Any, rope: RopeParams, *, inverse: bool = False) -
 
         cos = torch.as_tensor(cos, dtype=x.dtype, device=x.device)
         sin = torch.as_tensor(sin, dtype=x.dtype, device=x.device)
-        a, b = (torch.as_tensor(p, device=x.device) for p in pairs.T)
         out = x.clone()
     else:
         from subspace_ref.arrays import namespace
 
         xp = namespace(x)
         cos, sin = xp.asarray(cos, dtype=x.dtype), xp.asarray(sin, dtype=x.dtype)
-        a, b = pairs[:, 0], pairs[:, 1]
         out = x.copy()
     xa, xb = x[..., a], x[..., b]
     out[..., a] = cos * xa - sin * xb
     out[..., b] = sin * xa + cos * xb
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _rotating_dims(rope: RopeParams, d: int) -> tuple[slice, slice]:
+    """The first and the second dims of the rotating planes of :func:`plane_pairs` as slices
+    (views, not gathers: a decode step rotates one token, where each indexing operation costs
+    more than the arithmetic): (i, i + m) for "half", (2i, 2i + 1) for "interleaved"."""
+    pairs = rope.planes(d)[: rope.inv_freq.size]  # validates d
+    m = len(pairs)
+    a, b = (slice(0, m), slice(m, 2 * m)) if rope.layout == "half" else (slice(0, 2 * m, 2), slice(1, 2 * m, 2))
+    assert np.array_equal(np.arange(d)[a], pairs[:, 0]) and np.array_equal(np.arange(d)[b], pairs[:, 1])
+    return a, b
 
 
 # ----------------------------------------------------------------------------- plane bases

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import subspace_ref as sr
+from subspace_ref.rope import RopeParams
 from tests.differential.tolerance import reference_error, tolerance
 
 #: moves every case's data (a sweep over seeds: SUBSPACE_REF_TEST_SEED=k)
@@ -301,6 +302,48 @@ def test_int4_keys_of_sixteen_byte_rows_within_the_derived_tolerance(group_size)
     out64 = sr.attend(q, state)
     got = sr.attend(torch.from_numpy(q).float(), state.to("torch", dtype=torch.float32), backend="torch").double().numpy()
     assert np.abs(got - out64).max() <= tolerance(reference_error(state, q, None, out64, "float32"), out64, "float32")
+
+
+#: the rotations of the pre-RoPE kernel tests: Llama's rotate-half over every dim, and GPT-J's
+#: interleaved planes over 80 of 96 dims (partial rotary: 8 fixed dims) with an attention scaling
+ROTATIONS = {
+    "half": lambda: RopeParams(1.0 / 10000.0 ** (np.arange(0, 96, 2) / 96)),
+    "interleaved-partial-scaled": lambda: RopeParams(1.0 / 500.0 ** (np.arange(0, 80, 2) / 80), layout="interleaved", attention_scaling=1.2),
+}
+
+
+@pytest.mark.parametrize("coefficients", ["int8", "int4", "int2"])
+@pytest.mark.parametrize(
+    "rotation, ranks", [("half", (32, 16)), ("interleaved-partial-scaled", (11, 9))], ids=["half-r32-16", "interleaved-partial-scaled-r11-9"]
+)
+@pytest.mark.parametrize("exact", [(0, 0), (4, 16)], ids=["compressed-only", "sinks-and-window"])
+@pytest.mark.usefixtures("either_library")
+def test_pre_rope_attend_within_the_derived_tolerance(coefficients, rotation, ranks, exact, monkeypatch):
+    """Spec/rope.md P3 in the kernels (coefficient_attention with a rope_keys): each key rebuilt
+    from its codes, turned to its position and dotted, in one call with the softmax and value
+    sums. T = 1100: 69 blocks of 16 positions, so the blocks' base angles run past a reseed
+    (every 64 blocks), and a trailing partial key group read from the float tail. With sinks
+    the compressed tokens sit at positions S.. (spec/window.md W10) and the exact tokens share
+    the softmax (W3). Ranks 32 / 16 take the whole-vector rows, 11 / 9 rows that end inside a
+    byte. Every build within the derived tolerance of the float64 oracle."""
+    sinks, window = exact
+    rng = np.random.default_rng(zlib.crc32(repr(("rope", coefficients, rotation, exact)).encode()) + SEED_OFFSET)
+    H, d, T = 3, 96, 1100
+    r, r_v = ranks
+    B = np.linalg.qr(rng.standard_normal((H, d, r)))[0].transpose(0, 2, 1)
+    E = np.linalg.qr(rng.standard_normal((H, d, r_v)))[0].transpose(0, 2, 1)
+    basis = sr.StaticBasis.from_bases(B, E)
+    state = sr.SubspaceState.static(basis, coefficients=coefficients, group_size=16, rope=ROTATIONS[rotation](), sinks=sinks, window=window, batch=2)
+    state.append(rng.standard_normal((2, H, T, d)) * 3, rng.standard_normal((2, H, T, d)))
+    q = rng.standard_normal((2, 2 * H, d)) * 2
+    out64 = sr.attend(q, state)
+    calls = []
+    real = cpu_kernels.coefficient_attention
+    monkeypatch.setattr(cpu_kernels, "coefficient_attention", lambda *a, **k: calls.append(k.get("rope", a[6] if len(a) > 6 else None)) or real(*a, **k))
+    got = sr.attend(torch.from_numpy(q).float(), state.to("torch", dtype=torch.float32), backend="torch").double().numpy()
+    assert len(calls) == 1 and calls[0] is not None  # the kernels served it, keys rotated
+    err = float(np.abs(got - out64).max())
+    assert err <= tolerance(reference_error(state, q, None, out64, "float32"), out64, "float32")
 
 
 # ---------------------------------------------------------------- stores (kernels/quantized_stores.c)

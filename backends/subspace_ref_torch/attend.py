@@ -448,10 +448,10 @@ def attend_quantized_cpu(q: torch.Tensor, state, scale: float | None) -> torch.T
     starting maximum, so that all tokens share one softmax (spec/window.md W3)."""
     if state.window is None:
         return kernel_attend(q, state, scale)
-    maps = one_chunk_maps(state, q.shape[-1], scale, torch.float32)
+    query_map, value_map, rope = kernel_maps(state, q.shape[-1], scale)
     tile = token_tiles(state.layout.num_tokens).step
     exact = window.exact_logits(q, state, scale, torch.float32)
-    out, m, Z = cpu_kernels.coefficient_attention(q, state.layout, maps[0], maps[1], tile, exact.amax(dim=-1, keepdim=True))
+    out, m, Z = cpu_kernels.coefficient_attention(q, state.layout, query_map, value_map, tile, exact.amax(dim=-1, keepdim=True), rope)
     weights = exact.sub_(m).exp_()
     out = (out + window.exact_values(weights, state)) / (Z + weights.sum(dim=-1, keepdim=True))
     return out.reshape(q.shape[0], q.shape[1], -1).to(q.dtype)
@@ -464,21 +464,43 @@ def kernel_attend(q: torch.Tensor, state, scale: float | None) -> torch.Tensor |
     output's allocation. None when the state's arrays no longer lie as the kernels read them.
     What a decode step runs (:func:`attend_route`)."""
     lay = state.layout
-    maps = one_chunk_maps(state, q.shape[-1], scale, torch.float32)
-    result = cpu_kernels.coefficient_attention(q, lay, maps[0], maps[1], token_tiles(lay.num_tokens).step)
+    query_map, value_map, rope = kernel_maps(state, q.shape[-1], scale)
+    result = cpu_kernels.coefficient_attention(q, lay, query_map, value_map, token_tiles(lay.num_tokens).step, rope=rope)
     if result is None:
         return None
     out = result[0]
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
+def kernel_maps(state, d: int, scale: float | None) -> tuple[torch.Tensor, torch.Tensor, cpu_kernels.RopeKeys | None]:
+    """What the CPU kernels take for a one-chunk state besides its arrays: the query map, the
+    value map (:func:`one_chunk_maps`) and, for a pre-RoPE state (spec/rope.md P3), the rotation
+    of its keys, with gamma * scale * B (N H, r, d), its dims in the rotation's order, as the
+    query map: each key is rebuilt by it and turned to its position in the kernel. Derived once
+    per bases."""
+    maps = one_chunk_maps(state, d, scale, torch.float32)
+    rope = getattr(state.policy, "rope", None)
+    if rope is None:
+        return maps[0], maps[1], None
+    s = 1.0 / math.sqrt(d) if scale is None else float(scale)
+
+    def build():
+        order = _rope_order(rope, d, torch.device("cpu"))
+        rebuild = maps[0].mT[..., order].contiguous()  # (N H, r, d): gamma scale B, dims in rope order
+        inv_freq = torch.tensor(rope.inv_freq, dtype=torch.float64)  # a copy: rope's array is read-only
+        return rebuild, cpu_kernels.RopeKeys(order.to(torch.int32), inv_freq, rope.attention_scaling, first_compressed_position(state))
+
+    rebuild, keys = state.layout.derived(("kernel_rope", s), (maps[0],), build, writes=False)
+    return rebuild, maps[1], keys
+
+
 def kernels_serve(q: torch.Tensor, state, dtype: torch.dtype, chunks: int) -> bool:
     """Whether :func:`attend` takes the CPU kernels (:func:`attend_quantized_cpu`) for q (N, H_q,
-    d) in work dtype ``dtype`` over ``chunks`` chunks in use: one chunk, no RoPE, quantised
-    coefficients the kernels serve (``cpu_kernels.serves``)."""
+    d) in work dtype ``dtype`` over ``chunks`` chunks in use: one chunk, no RoPE but a static
+    state's (spec/rope.md P3), quantised coefficients the kernels serve (``cpu_kernels.serves``)."""
     return (
         chunks == 1
-        and getattr(state.policy, "rope", None) is None
+        and (getattr(state.policy, "rope", None) is None or state.policy.kind == "static")
         and not one_chunk_float(state, dtype)
         and cpu_kernels.serves(q, state, dtype)
     )
@@ -486,8 +508,9 @@ def kernels_serve(q: torch.Tensor, state, dtype: torch.dtype, chunks: int) -> bo
 
 def attend_route(q: torch.Tensor, state):
     """The torch backend's ``Backend.attend_route``: :func:`kernel_attend` for queries like q
-    (as the caller passes them) where :func:`attend` would take it -- a static or rotating
-    (one chunk) int8/int4/int2 state without exact tokens or RoPE that the CPU kernels serve --
+    (as the caller passes them) where :func:`attend` would take it -- a static (plain or
+    pre-RoPE) or rotating (one chunk) int8/int4/int2 state without exact tokens that the CPU
+    kernels serve --
     else None. Every fact it decides on is fixed over the state's life, but the arrays' lying in
     place, which kernel_attend asks again."""
     batched = q if state.batched else q[None]

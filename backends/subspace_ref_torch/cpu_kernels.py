@@ -18,6 +18,7 @@ import os
 import shutil
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -29,6 +30,7 @@ FLAGS = ["-std=c11", "-O3", "-march=native", "-fopenmp-simd"]
 #: the kernel's fixed buffers (MAX_BYTES, MAX_QUERIES in the source)
 MAX_ROW_BYTES = 256
 MAX_QUERIES = 64
+MAX_DIM = 512  # head size of a pre-RoPE state's rebuilt keys
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -47,9 +49,15 @@ class _Side(ctypes.Structure):
     ]  # fmt: skip
 
 
+class _RopeKeys(ctypes.Structure):
+    """``struct rope_keys`` of the source: the rotation of a pre-RoPE state's keys (spec/rope.md P3)."""
+
+    _fields_ = [("order", _ptr), ("planes", _i64), ("inv_freq", _ptr), ("scaling", ctypes.c_double), ("first", _i64)]
+
+
 _SIGNATURES = {
     "coefficient_attention": [
-        ctypes.c_int, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, ctypes.POINTER(_Side), _ptr, _i64,
+        ctypes.c_int, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, ctypes.POINTER(_Side), _ptr, _i64, ctypes.POINTER(_RopeKeys),
         ctypes.POINTER(_Side), _ptr, _i64, _ptr, ctypes.c_int, _ptr, _ptr, _ptr,
     ],
     "low_bit_rows": [ctypes.c_int, _i64, _i64, _i64, ctypes.POINTER(_Side), _ptr, _i64],
@@ -105,7 +113,8 @@ def serves(q: torch.Tensor, state, dtype: torch.dtype) -> bool:
     """Whether :func:`coefficient_attention` serves queries ``q`` (N, H_q, d) on the torch
     ``state`` in the work dtype ``dtype``: float32 work, int8 / int4 / int2 coefficients, CPU
     tensors within the kernels' limits and lying as they read them, kernels available (the caller
-    checks one chunk of bases, no RoPE). Elsewhere attend takes its torch-operations path."""
+    checks one chunk of bases, and that a pre-RoPE state is static). Elsewhere attend takes its
+    torch-operations path."""
     lay = state.layout
     return (
         (lay.quantized or bool(lay.low_bits))
@@ -114,6 +123,7 @@ def serves(q: torch.Tensor, state, dtype: torch.dtype) -> bool:
         and lay.key_coef.is_cpu
         and q.shape[1] // lay.key_coef.shape[1] <= MAX_QUERIES
         and max(lay.key_coef.shape[-1], lay.value_coef.shape[-1]) <= MAX_ROW_BYTES
+        and (getattr(state.policy, "rope", None) is None or q.shape[-1] <= MAX_DIM)
         and _load() is not None
         and kernel_sides(lay) is not None
     )
@@ -131,7 +141,10 @@ def _in_place(x: torch.Tensor | None) -> bool:
 
 def _check(rc: int, name: str) -> None:
     if rc != 0:
-        raise ValueError(f"{name}: shape beyond the CPU kernel's limits (row bytes <= {MAX_ROW_BYTES}, query heads per KV head <= {MAX_QUERIES})")
+        raise ValueError(
+            f"{name}: shape beyond the CPU kernel's limits (row bytes <= {MAX_ROW_BYTES}, query heads per KV head <= {MAX_QUERIES}, "
+            f"head size of pre-RoPE keys <= {MAX_DIM})"
+        )
 
 
 #: the store kernels' fixed buffers (MAX_RANK, MAX_GROUP in kernels/quantized_stores.c)
@@ -171,13 +184,35 @@ def kernel_sides(layout) -> tuple[_Side, _Side] | None:
     return layout.derived("kernel_sides", keys + values, build, writes=False)
 
 
+class RopeKeys(NamedTuple):
+    """The rotation of a pre-RoPE state's keys as :func:`coefficient_attention` takes it
+    (spec/rope.md P3): ``order`` (d,) int32, the permutation of the dims that puts the m
+    rotating planes' first dims first, their second dims next and the fixed dims last (the
+    query map's columns are in this order); the planes' frequencies ``inv_freq`` (m,) float64;
+    ``scaling``, transformers' attention_scaling; ``first``, the position of compressed token 0
+    (spec/window.md W10)."""
+
+    order: torch.Tensor
+    inv_freq: torch.Tensor
+    scaling: float
+    first: int
+
+
 def coefficient_attention(
-    q: torch.Tensor, layout, query_map: torch.Tensor, value_map: torch.Tensor, tile: int, initial_max: torch.Tensor | None = None
+    q: torch.Tensor,
+    layout,
+    query_map: torch.Tensor,
+    value_map: torch.Tensor,
+    tile: int,
+    initial_max: torch.Tensor | None = None,
+    rope: RopeKeys | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
     """Spec A2/A3 over a one-chunk int8 / int4 / int2 ``layout`` (N, H sequences and KV heads)
     for queries q (N, H_q, d) (float32 work; (H_q, d) when N = 1 gives (H_q, d_v) results),
     H_q = g H, in one call of the kernels: the projected
-    queries by ``query_map`` (N H, d, r) = gamma scale B^T, logits (int4 / int2 keys of the
+    queries by ``query_map`` (N H, d, r) = gamma scale B^T -- or, with ``rope`` (a pre-RoPE
+    state, spec/rope.md P3), each key rebuilt by ``query_map`` (N H, r, d) = gamma scale B, its
+    dims in ``rope.order``, and turned to its position --, logits (int4 / int2 keys of the
     unfinished group from their float tail), softmax with the global maximum (A3.1), value sums
     per tile of ``tile`` tokens then over tiles, and the value basis ``value_map`` (N H, r_v,
     d_v). Without ``initial_max``: returns (out (N, H_q, d_v), None, None), normalised. With it
@@ -214,9 +249,13 @@ def coefficient_attention(
         out = torch.empty((N, H, g, d_v), dtype=torch.float32)
         initial_max = initial_max.to(torch.float32).contiguous()
         m, Z = torch.empty((N, H, g, 1), dtype=torch.float32), torch.empty((N, H, g, 1), dtype=torch.float32)
+    rotation = None
+    if rope is not None:
+        planes = rope.inv_freq.numel()
+        rotation = ctypes.byref(_RopeKeys(rope.order.data_ptr(), planes, rope.inv_freq.data_ptr(), rope.scaling, rope.first))
     rc = _load().coefficient_attention(
         bits, N * H, g, T, tile, q.data_ptr(), d, query_map.data_ptr(), ctypes.byref(keys), None if tail is None else tail.data_ptr(),
-        tail_stride, ctypes.byref(values), value_map.data_ptr(), d_v, None if initial_max is None else initial_max.data_ptr(),
+        tail_stride, rotation, ctypes.byref(values), value_map.data_ptr(), d_v, None if initial_max is None else initial_max.data_ptr(),
         int(initial_max is None), out.data_ptr(), None if m is None else m.data_ptr(), None if Z is None else Z.data_ptr(),
     )  # fmt: skip
     _check(rc, "coefficient_attention")

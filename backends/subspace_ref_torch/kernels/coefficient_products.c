@@ -878,13 +878,180 @@ static void map_rows(const float *x, int64_t rows, int64_t inner, const float *M
     }
 }
 
+/* The keys of a pre-RoPE state (spec/rope.md P3): stored in coefficients of bases taken before
+ * the rotation, so each is rebuilt, u_t = B^T c_t, and turned to its position by R_t before its
+ * dot products (the rebuild serves every query head of the group: spec/roofline.md R13).
+ * `order` permutes the d dims so that the m rotating planes' first dims come first, their second
+ * dims next and the fixed dims last, as the caller's bases are permuted (a dot product is
+ * invariant under it); the rotation of plane i at position p is by the angle p inv_freq[i],
+ * cos and sin scaled by `scaling` (transformers' attention_scaling). Token t sits at position
+ * first + t (the sinks come first: spec/window.md W10). */
+struct rope_keys {
+    const int32_t *order;
+    int64_t planes;
+    const double *inv_freq;
+    double scaling;
+    int64_t first;
+};
+
+#define ROPE_BLOCK 16 /* tokens per base angle: cos and sin of the offsets k < 16 come from a table */
+#define ROPE_RESEED 64 /* blocks between base angles taken from libm rather than by the recurrence */
+#define MAX_DIM 512 /* head size of the rebuilt keys */
+
+/* cos and sin of the angles k inv_freq[i] for k < ROPE_BLOCK (tables (ROPE_BLOCK, m)) and of
+ * ROPE_BLOCK inv_freq[i] (step_*: the turn from one block's base to the next), in double. */
+static void rope_offsets(const struct rope_keys *rope, float *off_cos, float *off_sin, double *step_cos, double *step_sin) {
+    const int64_t m = rope->planes;
+    for (int64_t i = 0; i < m; ++i) {
+        for (int k = 0; k < ROPE_BLOCK; ++k) {
+            off_cos[k * m + i] = (float)cos(k * rope->inv_freq[i]);
+            off_sin[k * m + i] = (float)sin(k * rope->inv_freq[i]);
+        }
+        step_cos[i] = cos(ROPE_BLOCK * rope->inv_freq[i]);
+        step_sin[i] = sin(ROPE_BLOCK * rope->inv_freq[i]);
+    }
+}
+
+/* The base angle of block b (positions first + ROPE_BLOCK b ..): scaling cos and sin of
+ * (first + ROPE_BLOCK b) inv_freq[i] into base_* (double, carried from block to block by the
+ * turn step_*; every ROPE_RESEED blocks taken afresh from libm, so that the recurrence's
+ * rounding, ~1e-16 a step, never reaches float32's) and their float32 roundings into ca, sa. */
+static void rope_base(const struct rope_keys *rope, int64_t b, const double *step_cos, const double *step_sin, double *base_cos, double *base_sin,
+                      float *ca, float *sa) {
+    for (int64_t i = 0; i < rope->planes; ++i) {
+        if (b % ROPE_RESEED == 0) {
+            const double angle = (double)(rope->first + ROPE_BLOCK * b) * rope->inv_freq[i];
+            base_cos[i] = cos(angle);
+            base_sin[i] = sin(angle);
+        } else {
+            const double c = base_cos[i], s = base_sin[i];
+            base_cos[i] = c * step_cos[i] - s * step_sin[i];
+            base_sin[i] = s * step_cos[i] + c * step_sin[i];
+        }
+        ca[i] = (float)(rope->scaling * base_cos[i]);
+        sa[i] = (float)(rope->scaling * base_sin[i]);
+    }
+}
+
+/* a . b over n floats: two chains of vectors where n is a multiple of two vectors (the head sizes
+ * of models), one horizontal sum per call instead of the reduction loop's prologue and epilogue */
+ALWAYS_INLINE float key_dot(const float *a, const float *b, int64_t n) {
+#if defined(LANES)
+    if (n % (2 * LANES) == 0) {
+        vf s0 = vf_zero(), s1 = vf_zero();
+        for (int64_t k = 0; k < n; k += 2 * LANES) {
+            s0 = vf_fmadd(vf_load(a + k), vf_load(b + k), s0);
+            s1 = vf_fmadd(vf_load(a + k + LANES), vf_load(b + k + LANES), s1);
+        }
+        return vf_reduce_add(vf_add(s0, s1));
+    }
+#endif
+    return plane_dot(a, b, n);
+}
+
+/* key[e] = sum_j c[j] B[j][e], e < d: the rebuilt key u = B^T c (B rank x d, row-major), eight
+ * vectors of it at a time kept in registers over the rank, then one at a time, then scalars.
+ * (Two tokens at a time, each basis vector loaded once for both, was no faster: ~310 cycles a
+ * token at d = 128, r = 32 on AVX2 either way, against 256 for the fmas alone.) */
+ALWAYS_INLINE void rebuild_key(const float *c, int64_t rank, const float *B, int64_t d, float *key) {
+    int64_t e = 0;
+#if defined(LANES)
+    for (; e + 8 * LANES <= d; e += 8 * LANES) {
+        vf acc[8];
+        for (int v = 0; v < 8; ++v) acc[v] = vf_zero();
+        for (int64_t j = 0; j < rank; ++j) {
+            const vf cj = vf_set1(c[j]);
+            const float *row = B + j * d + e;
+#pragma GCC unroll 8
+            for (int v = 0; v < 8; ++v) acc[v] = vf_fmadd(cj, vf_load(row + LANES * v), acc[v]);
+        }
+        for (int v = 0; v < 8; ++v) vf_store(key + e + LANES * v, acc[v]);
+    }
+    for (; e + LANES <= d; e += LANES) {
+        vf acc = vf_zero();
+        for (int64_t j = 0; j < rank; ++j) acc = vf_fmadd(vf_set1(c[j]), vf_load(B + j * d + e), acc);
+        vf_store(key + e, acc);
+    }
+#endif
+    for (; e < d; ++e) {
+        float acc = 0.0f;
+        for (int64_t j = 0; j < rank; ++j) acc = __builtin_fmaf(c[j], B[j * d + e], acc);
+        key[e] = acc;
+    }
+}
+
+/* Logits of one head's `tokens` pre-RoPE keys (spec/rope.md P3 steps 1-2) into out (queries
+ * rows, `out_row_stride` apart), for the query heads q (queries, d) in the rope order: each key's
+ * coefficients read as the oracle reads them (int8: fl32(code s); int4 / int2: fl32(code s + z)
+ * with its group's channel scales; the unfinished group's from the float tail), rebuilt by the
+ * head's scaled, permuted basis B (rank x d), turned by R at its position and dotted with every
+ * query head. cos and sin of position (block base + k) come by the angle addition from the
+ * block's base and the offset tables, in float32, as the torch path's rope_tables computes them.
+ * int4 / int2 rows are widened in plane order (widen_row: no shuffles), and rebuilt by B's rows
+ * in that order, `plane_basis` (n = PER width rows, 0 past the rank; scratch of n d floats);
+ * `planes` holds a group's scales and zeros in plane order (2 n floats). */
+static void head_rope_logits(int bits, const struct coefficient_side *keys, int64_t h, int64_t queries, int64_t complete, int64_t tokens,
+                             const float *key_tail, const float *q, const float *B, int64_t d, const struct rope_keys *rope,
+                             const float *off_cos, const float *off_sin, const double *step_cos, const double *step_sin, float *plane_basis,
+                             float *planes, float *out, int64_t out_row_stride) {
+    const int64_t rank = keys->rank, m = rope->planes, width = keys->width, G = keys->group;
+    const int64_t n = bits == 8 ? rank : (8 / bits) * width;
+    const uint8_t *codes = keys->codes + h * keys->head_stride;
+    int32_t order[8 * MAX_BYTES];
+    if (bits != 8) {
+        plane_order(rank, width, bits, order);
+        for (int64_t j = 0; j < n; ++j)
+            if (order[j] < 0)
+                memset(plane_basis + j * d, 0, sizeof(float) * d);
+            else
+                memcpy(plane_basis + j * d, B + order[j] * d, sizeof(float) * d);
+    }
+    double base_cos[MAX_DIM / 2], base_sin[MAX_DIM / 2];
+    float ca[MAX_DIM / 2], sa[MAX_DIM / 2], c[8 * MAX_BYTES], key[MAX_DIM];
+    for (int64_t t = 0; t < tokens; ++t) {
+        const int k = (int)(t % ROPE_BLOCK);
+        if (k == 0) rope_base(rope, t / ROPE_BLOCK, step_cos, step_sin, base_cos, base_sin, ca, sa);
+        if (t >= complete) { /* the unfinished group's keys, in float */
+            rebuild_key(key_tail + (t - complete) * rank, rank, B, d, key);
+        } else if (bits == 8) {
+            const int8_t *s8 = (const int8_t *)codes + t * width;
+            const float scale = ((const float *)keys->scale + h * keys->scale_head_stride)[t];
+#pragma omp simd
+            for (int64_t j = 0; j < rank; ++j) c[j] = (float)s8[j] * scale;
+            rebuild_key(c, rank, B, d, key);
+        } else {
+            if (t % G == 0) {
+                const int64_t offset = h * keys->scale_head_stride + (t / G) * rank;
+                deinterleave_half((const half *)keys->scale + offset, rank, width, n, order, planes);
+                deinterleave_half(keys->zero + offset, rank, width, n, order, planes + n);
+            }
+            if (bits == 4)
+                WITH_WIDTH(width, widen_row(codes + t * width, W, 4, planes, planes + n, c));
+            else
+                WITH_WIDTH(width, widen_row(codes + t * width, W, 2, planes, planes + n, c));
+            rebuild_key(c, n, plane_basis, d, key);
+        }
+        const float *oc = off_cos + k * m, *os = off_sin + k * m;
+#pragma omp simd
+        for (int64_t i = 0; i < m; ++i) {
+            const float cs = oc[i] * ca[i] - os[i] * sa[i], sn = os[i] * ca[i] + oc[i] * sa[i];
+            const float ua = key[i], ub = key[m + i];
+            key[i] = ua * cs - ub * sn;
+            key[m + i] = ub * cs + ua * sn;
+        }
+        for (int64_t i = 0; i < queries; ++i) out[i * out_row_stride + t] = key_dot(q + i * d, key, d);
+    }
+}
+
 /* Spec A2/A3 for a one-chunk int8 (A10) or int4 / int2 (Q2) state on a CPU core, for every head
  * h < heads (a (sequence, KV head) pair) and query head i < queries of its group:
  *
  * 1. the projected query q~ = q query_map[h] (query_map = gamma scale B^T, d x r: spec A3 step
  *    2.1 with the logit scale folded in);
  * 2. logits of the keys (int4 / int2: of whole groups; the unfinished group's keys are the float
- *    rows key_tail[h][0 .. tokens - complete), `tail_head_stride` apart per head);
+ *    rows key_tail[h][0 .. tokens - complete), `tail_head_stride` apart per head); with `rope`
+ *    (a pre-RoPE state, spec/rope.md P3) instead: query_map[h] is gamma scale B (r x d, the dims
+ *    in rope->order), each key is rebuilt and rotated (head_rope_logits) and dotted with q;
  * 3. m = max(initial_max[h][i] (the exact tokens' maximum; NULL: -inf), max_t l_t), weights
  *    w_t = e^(l_t - m), Z = sum_t w_t (A3.1: the global maximum);
  * 4. s = sum_t w_t v_t over the value coefficients, per tile of `tile` tokens then over tiles;
@@ -895,10 +1062,11 @@ static void map_rows(const float *x, int64_t rows, int64_t inner, const float *M
  * queries) or NULL. Returns 0, or -1 when a shape exceeds the fixed buffers or memory runs out. */
 int coefficient_attention(int bits, int64_t heads, int64_t queries, int64_t tokens, int64_t tile, const float *q, int64_t d,
                           const float *query_map, const struct coefficient_side *keys, const float *key_tail, int64_t tail_head_stride,
-                          const struct coefficient_side *values, const float *value_map, int64_t d_v, const float *initial_max,
+                          const struct rope_keys *rope, const struct coefficient_side *values, const float *value_map, int64_t d_v, const float *initial_max,
                           int normalize, float *out, float *max_out, float *total_out) {
     if ((bits != 8 && bits != 4 && bits != 2) || queries > MAX_QUERIES || tile < 1 || keys->width > MAX_BYTES || values->width > MAX_BYTES ||
-        keys->width * (8 / bits) < keys->rank || values->width * (8 / bits) < values->rank || (bits != 8 && keys->group < 1))
+        keys->width * (8 / bits) < keys->rank || values->width * (8 / bits) < values->rank || (bits != 8 && keys->group < 1) ||
+        (rope && (d > MAX_DIM || rope->planes < 1 || 2 * rope->planes > d)))
         return -1;
     const int per = 8 / bits;
     const int64_t r = keys->rank, r_v = values->rank, complete = bits == 8 ? tokens : tokens / keys->group * keys->group;
@@ -908,16 +1076,32 @@ int coefficient_attention(int bits, int64_t heads, int64_t queries, int64_t toke
     float *part = malloc(sizeof(float) * value_n), *total = malloc(sizeof(float) * value_n), *blocks = malloc(sizeof(float) * value_n);
     float *projected = malloc(sizeof(float) * queries * r), *sums = malloc(sizeof(float) * queries * r_v);
     float *odd = malloc(sizeof(float) * (widest > r ? widest : r));
-    if (!planes || !logits || !part || !total || !blocks || !projected || !sums || !odd) {
+    /* pre-RoPE keys: the queries in rope order, the offset tables and the block turn */
+    const int64_t rotating = rope ? rope->planes : 0;
+    float *permuted = rope ? malloc(sizeof(float) * queries * d) : NULL, *off = rope ? malloc(sizeof(float) * 2 * ROPE_BLOCK * rotating) : NULL;
+    /* 64-byte aligned: its rows are read a vector at a time, and a load across two cache lines costs two */
+    float *plane_basis = rope ? aligned_alloc(64, (sizeof(float) * key_n * d + 63) / 64 * 64) : NULL;
+    double *step = rope ? malloc(sizeof(double) * 2 * rotating) : NULL;
+    if (!planes || !logits || !part || !total || !blocks || !projected || !sums || !odd || (rope && (!permuted || !off || !step || !plane_basis))) {
         free(planes), free(logits), free(part), free(total), free(blocks), free(projected), free(sums), free(odd);
+        free(permuted), free(off), free(step), free(plane_basis);
         return -1;
     }
+    if (rope) rope_offsets(rope, off, off + ROPE_BLOCK * rotating, step, step + rotating);
     for (int64_t h = 0; h < heads; ++h) {
-        map_rows(q + h * queries * d, queries, d, query_map + h * d * r, r, odd, projected);
-        head_logits(bits, keys, h, queries, complete, projected, planes, logits, tokens);
-        for (int64_t i = 0; i < queries; ++i)
-            for (int64_t t = complete; t < tokens; ++t)
-                logits[i * tokens + t] = plane_dot(projected + i * r, key_tail + h * tail_head_stride + (t - complete) * r, r);
+        if (rope) {
+            for (int64_t i = 0; i < queries; ++i)
+                for (int64_t e = 0; e < d; ++e) permuted[i * d + e] = q[(h * queries + i) * d + rope->order[e]];
+            head_rope_logits(bits, keys, h, queries, complete, tokens, key_tail ? key_tail + h * tail_head_stride : NULL, permuted,
+                             query_map + h * r * d, d, rope, off, off + ROPE_BLOCK * rotating, step, step + rotating, plane_basis, planes, logits,
+                             tokens);
+        } else {
+            map_rows(q + h * queries * d, queries, d, query_map + h * d * r, r, odd, projected);
+            head_logits(bits, keys, h, queries, complete, projected, planes, logits, tokens);
+            for (int64_t i = 0; i < queries; ++i)
+                for (int64_t t = complete; t < tokens; ++t)
+                    logits[i * tokens + t] = plane_dot(projected + i * r, key_tail + h * tail_head_stride + (t - complete) * r, r);
+        }
 
         const float *value_scale = bits == 8 ? (const float *)values->scale + h * values->scale_head_stride : NULL;
         float m[MAX_QUERIES], Z[MAX_QUERIES];
@@ -956,5 +1140,6 @@ int coefficient_attention(int bits, int64_t heads, int64_t queries, int64_t toke
         }
     }
     free(planes), free(logits), free(part), free(total), free(blocks), free(projected), free(sums), free(odd);
+    free(permuted), free(off), free(step), free(plane_basis);
     return 0;
 }

@@ -232,6 +232,8 @@ class PackedLayout:
         """A layout holding the same data with room for ``tokens`` tokens and ``chunks`` chunks."""
         t_cap = self.key_coef.shape[2]
         j_cap = self.key_bases.shape[2]
+        if tokens <= t_cap and chunks <= j_cap:  # a decode step's append, nearly always
+            return replace(self)
         new_t = t_cap if tokens <= t_cap else _capacity(tokens, t_cap)
         new_j = j_cap if chunks <= j_cap else _capacity(chunks, j_cap)
         size = {TOKEN: new_t, CHUNK: new_j, GROUP: -(-new_t // self.group) if self.group else 0}

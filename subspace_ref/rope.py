@@ -121,11 +121,17 @@ def rotate(x: Any, positions: Any, rope: RopeParams, *, inverse: bool = False) -
     Plane (i, j) with angle t theta_i: (x_i, x_j) -> a (c x_i - s x_j, s x_i + c x_j). The inverse
     is Q_t^T / a: (c x_i + s x_j, -s x_i + c x_j) / a^2 with c, s already holding a. NumPy, CuPy
     or torch arrays (float64 angles cast to x's dtype); returns a new array."""
+    family = array_family(x)
+    if family == "torch" and x.device.type == "cpu" and not x.requires_grad and str(x.dtype) in ("torch.float32", "torch.float64"):
+        import torch
+
+        # the same operations in NumPy on a view of x, bit for bit, at ~1 us an operation against
+        # torch's ~3-5: a decode step's append rotates one token (53 against 116 us)
+        return torch.from_numpy(rotate(x.numpy(), positions, rope, inverse=inverse))
     a, b = _rotating_dims(rope, x.shape[-1])
     cos, sin = rope.cos_sin(positions)
     if inverse:
         cos, sin = cos / rope.attention_scaling**2, -sin / rope.attention_scaling**2
-    family = array_family(x)
     if family == "torch":
         import torch
 

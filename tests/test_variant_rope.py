@@ -46,6 +46,23 @@ def test_rotate_is_the_block_rotation(rng, layout, scaling, rot):
     np.testing.assert_allclose(rotate(want, pos, rope, inverse=True), x, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("layout,scaling,rot", [("half", 1.0, None), ("interleaved", 1.3, 4)])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_rotate_of_cpu_tensors_is_the_torch_operations_bit_for_bit(rng, layout, scaling, rot, dtype):
+    """CPU tensors outside autograd are rotated through NumPy (a decode step's one token: fewer
+    microseconds per operation); the result must be the torch operations' bit for bit, which a
+    tensor that requires grad still takes."""
+    torch = pytest.importorskip("torch")
+    rope = params(layout=layout, scaling=scaling, rotary_dim=rot)
+    x = torch.from_numpy(rng.standard_normal((2, H, 9, D))).to(getattr(torch, dtype))
+    pos = np.arange(5, 14) * 37
+    for inverse in (False, True):
+        fast = rotate(x, pos, rope, inverse=inverse)
+        ops = rotate(x.clone().requires_grad_(True), pos, rope, inverse=inverse).detach()
+        assert isinstance(fast, torch.Tensor) and fast.dtype == x.dtype
+        assert torch.equal(fast, ops)
+
+
 def test_rotate_matches_transformers_llama(rng):
     torch = pytest.importorskip("torch")
     from transformers import LlamaConfig

@@ -86,17 +86,16 @@ def cache_bytes(cache) -> int:
 def decode_seconds(model, caches: dict, first_tokens: dict, steps: int) -> dict:
     """Median seconds of one greedy decode step (batch 1) per cache, the caches stepped in turn
     (one step of each, then the next), so that load from other processes on a shared machine
-    falls on all of them alike; two untimed steps each first. Without autograd's recording, as
-    ``generate`` runs them."""
+    falls on all of them alike; two untimed steps each first. Under ``no_grad``, as ``generate``
+    runs them."""
     tokens = dict(first_tokens)
     times = {name: [] for name in caches}
-    with torch.no_grad():
-        for step in range(2 + steps):
-            for name, cache in caches.items():
-                start = time.perf_counter()
-                tokens[name] = model(tokens[name], past_key_values=cache).logits[:, -1:].argmax(-1)
-                if step >= 2:
-                    times[name].append(time.perf_counter() - start)
+    for step in range(2 + steps):
+        for name, cache in caches.items():
+            start = time.perf_counter()
+            tokens[name] = model(tokens[name], past_key_values=cache).logits[:, -1:].argmax(-1)
+            if step >= 2:
+                times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
 
 

@@ -487,8 +487,7 @@ def kernel_maps(state, d: int, scale: float | None) -> tuple[torch.Tensor, torch
     def build():
         order = _rope_order(rope, d, torch.device("cpu"))
         rebuild = maps[0].mT[..., order].contiguous()  # (N H, r, d): gamma scale B, dims in rope order
-        inv_freq = torch.tensor(rope.inv_freq, dtype=torch.float64)  # a copy: rope's array is read-only
-        return rebuild, cpu_kernels.RopeKeys(order.to(torch.int32), inv_freq, rope.attention_scaling, first_compressed_position(state))
+        return rebuild, cpu_kernels.rope_keys(order, rope.inv_freq, rope.attention_scaling, first_compressed_position(state))
 
     rebuild, keys = state.layout.derived(("kernel_rope", s), (maps[0],), build, writes=False)
     return rebuild, maps[1], keys

@@ -31,6 +31,7 @@ FLAGS = ["-std=c11", "-O3", "-march=native", "-fopenmp-simd"]
 MAX_ROW_BYTES = 256
 MAX_QUERIES = 64
 MAX_DIM = 512  # head size of a pre-RoPE state's rebuilt keys
+ROPE_BLOCK = 16  # positions per base angle of the rotation (ROPE_BLOCK in the source)
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -52,7 +53,10 @@ class _Side(ctypes.Structure):
 class _RopeKeys(ctypes.Structure):
     """``struct rope_keys`` of the source: the rotation of a pre-RoPE state's keys (spec/rope.md P3)."""
 
-    _fields_ = [("order", _ptr), ("planes", _i64), ("inv_freq", _ptr), ("scaling", ctypes.c_double), ("first", _i64)]
+    _fields_ = [
+        ("order", _ptr), ("planes", _i64), ("inv_freq", _ptr), ("scaling", ctypes.c_double), ("first", _i64),
+        ("offsets", _ptr), ("turns", _ptr),
+    ]  # fmt: skip
 
 
 _SIGNATURES = {
@@ -61,6 +65,7 @@ _SIGNATURES = {
         ctypes.POINTER(_Side), _ptr, _i64, _ptr, ctypes.c_int, _ptr, _ptr, _ptr,
     ],
     "low_bit_rows": [ctypes.c_int, _i64, _i64, _i64, ctypes.POINTER(_Side), _ptr, _i64],
+    "rope_tables": [_i64, _ptr, _ptr, _ptr],
     "softmax_exp": [_i64, _ptr, _ptr],
     "int8_store": [_i64, _i64, _i64, _ptr, ctypes.POINTER(_Side)],
     "low_bit_store_values": [ctypes.c_int, _i64, _i64, _i64, _ptr, ctypes.POINTER(_Side), ctypes.POINTER(ctypes.c_double)],
@@ -186,16 +191,29 @@ def kernel_sides(layout) -> tuple[_Side, _Side] | None:
 
 class RopeKeys(NamedTuple):
     """The rotation of a pre-RoPE state's keys as :func:`coefficient_attention` takes it
-    (spec/rope.md P3): ``order`` (d,) int32, the permutation of the dims that puts the m
-    rotating planes' first dims first, their second dims next and the fixed dims last (the
-    query map's columns are in this order); the planes' frequencies ``inv_freq`` (m,) float64;
-    ``scaling``, transformers' attention_scaling; ``first``, the position of compressed token 0
-    (spec/window.md W10)."""
+    (spec/rope.md P3), made by :func:`rope_keys`: ``order`` (d,) int32, the permutation of the
+    dims that puts the m rotating planes' first dims first, their second dims next and the fixed
+    dims last (the query map's columns are in this order); the planes' frequencies ``inv_freq``
+    (m,) float64; ``scaling``, transformers' attention_scaling; ``first``, the position of
+    compressed token 0 (spec/window.md W10); the kernels' tables of the rotation, ``offsets`` and
+    ``turns`` (spec R14 step 2')."""
 
     order: torch.Tensor
     inv_freq: torch.Tensor
     scaling: float
     first: int
+    offsets: torch.Tensor
+    turns: torch.Tensor
+
+
+def rope_keys(order: torch.Tensor, inv_freq, scaling: float, first: int) -> RopeKeys:
+    """The :class:`RopeKeys` of a rotation, its tables made once here rather than in every call."""
+    inv_freq = torch.tensor(inv_freq, dtype=torch.float64)  # a copy: a RopeParams' array is read-only
+    m = inv_freq.numel()
+    offsets = torch.empty(2 * ROPE_BLOCK * m, dtype=torch.float32)
+    turns = torch.empty(2 * m, dtype=torch.float64)
+    _load().rope_tables(m, inv_freq.data_ptr(), offsets.data_ptr(), turns.data_ptr())
+    return RopeKeys(order.to(torch.int32).contiguous(), inv_freq, float(scaling), int(first), offsets, turns)
 
 
 def coefficient_attention(
@@ -252,7 +270,9 @@ def coefficient_attention(
     rotation = None
     if rope is not None:
         planes = rope.inv_freq.numel()
-        rotation = ctypes.byref(_RopeKeys(rope.order.data_ptr(), planes, rope.inv_freq.data_ptr(), rope.scaling, rope.first))
+        rotation = ctypes.byref(
+            _RopeKeys(rope.order.data_ptr(), planes, rope.inv_freq.data_ptr(), rope.scaling, rope.first, rope.offsets.data_ptr(), rope.turns.data_ptr())
+        )
     rc = _load().coefficient_attention(
         bits, N * H, g, T, tile, q.data_ptr(), d, query_map.data_ptr(), ctypes.byref(keys), None if tail is None else tail.data_ptr(),
         tail_stride, rotation, ctypes.byref(values), value_map.data_ptr(), d_v, None if initial_max is None else initial_max.data_ptr(),

@@ -892,24 +892,28 @@ struct rope_keys {
     const double *inv_freq;
     double scaling;
     int64_t first;
+    const float *offsets; /* rope_tables': cos, then sin, of k inv_freq[i], (ROPE_BLOCK, m) each */
+    const double *turns; /* rope_tables': cos, then sin, of ROPE_BLOCK inv_freq[i], (m) each */
 };
 
 #define ROPE_BLOCK 16 /* tokens per base angle: cos and sin of the offsets k < 16 come from a table */
 #define ROPE_RESEED 64 /* blocks between base angles taken from libm rather than by the recurrence */
 #define MAX_DIM 512 /* head size of the rebuilt keys */
 
-/* cos and sin of the angles k inv_freq[i] for k < ROPE_BLOCK (tables (ROPE_BLOCK, m)) and of
- * ROPE_BLOCK inv_freq[i] (step_*: the turn from one block's base to the next), in double. */
-static void rope_offsets(const struct rope_keys *rope, float *off_cos, float *off_sin, double *step_cos, double *step_sin) {
-    const int64_t m = rope->planes;
-    for (int64_t i = 0; i < m; ++i) {
+/* The tables of a rotation, made once per rotation by the caller and kept in rope_keys: cos and
+ * sin of the angles k inv_freq[i] for k < ROPE_BLOCK, offsets (2, ROPE_BLOCK, m) float32, and of
+ * ROPE_BLOCK inv_freq[i], turns (2, m) double (the turn from one block's base to the next).
+ * Returns 0. */
+int rope_tables(int64_t planes, const double *inv_freq, float *offsets, double *turns) {
+    for (int64_t i = 0; i < planes; ++i) {
         for (int k = 0; k < ROPE_BLOCK; ++k) {
-            off_cos[k * m + i] = (float)cos(k * rope->inv_freq[i]);
-            off_sin[k * m + i] = (float)sin(k * rope->inv_freq[i]);
+            offsets[k * planes + i] = (float)cos(k * inv_freq[i]);
+            offsets[(ROPE_BLOCK + k) * planes + i] = (float)sin(k * inv_freq[i]);
         }
-        step_cos[i] = cos(ROPE_BLOCK * rope->inv_freq[i]);
-        step_sin[i] = sin(ROPE_BLOCK * rope->inv_freq[i]);
+        turns[i] = cos(ROPE_BLOCK * inv_freq[i]);
+        turns[planes + i] = sin(ROPE_BLOCK * inv_freq[i]);
     }
+    return 0;
 }
 
 /* The base angle of block b (positions first + ROPE_BLOCK b ..): scaling cos and sin of
@@ -991,10 +995,11 @@ ALWAYS_INLINE void rebuild_key(const float *c, int64_t rank, const float *B, int
  * in that order, `plane_basis` (n = PER width rows, 0 past the rank; scratch of n d floats);
  * `planes` holds a group's scales and zeros in plane order (2 n floats). */
 static void head_rope_logits(int bits, const struct coefficient_side *keys, int64_t h, int64_t queries, int64_t complete, int64_t tokens,
-                             const float *key_tail, const float *q, const float *B, int64_t d, const struct rope_keys *rope,
-                             const float *off_cos, const float *off_sin, const double *step_cos, const double *step_sin, float *plane_basis,
+                             const float *key_tail, const float *q, const float *B, int64_t d, const struct rope_keys *rope, float *plane_basis,
                              float *planes, float *out, int64_t out_row_stride) {
     const int64_t rank = keys->rank, m = rope->planes, width = keys->width, G = keys->group;
+    const float *off_cos = rope->offsets, *off_sin = rope->offsets + ROPE_BLOCK * m;
+    const double *step_cos = rope->turns, *step_sin = rope->turns + m;
     const int64_t n = bits == 8 ? rank : (8 / bits) * width;
     const uint8_t *codes = keys->codes + h * keys->head_stride;
     int32_t order[8 * MAX_BYTES];
@@ -1076,25 +1081,21 @@ int coefficient_attention(int bits, int64_t heads, int64_t queries, int64_t toke
     float *part = malloc(sizeof(float) * value_n), *total = malloc(sizeof(float) * value_n), *blocks = malloc(sizeof(float) * value_n);
     float *projected = malloc(sizeof(float) * queries * r), *sums = malloc(sizeof(float) * queries * r_v);
     float *odd = malloc(sizeof(float) * (widest > r ? widest : r));
-    /* pre-RoPE keys: the queries in rope order, the offset tables and the block turn */
-    const int64_t rotating = rope ? rope->planes : 0;
-    float *permuted = rope ? malloc(sizeof(float) * queries * d) : NULL, *off = rope ? malloc(sizeof(float) * 2 * ROPE_BLOCK * rotating) : NULL;
-    /* 64-byte aligned: its rows are read a vector at a time, and a load across two cache lines costs two */
+    /* pre-RoPE keys: the queries in rope order; the basis rows in the codes' plane order, 64-byte
+     * aligned (its rows are read a vector at a time, and a load across two cache lines costs two) */
+    float *permuted = rope ? malloc(sizeof(float) * queries * d) : NULL;
     float *plane_basis = rope ? aligned_alloc(64, (sizeof(float) * key_n * d + 63) / 64 * 64) : NULL;
-    double *step = rope ? malloc(sizeof(double) * 2 * rotating) : NULL;
-    if (!planes || !logits || !part || !total || !blocks || !projected || !sums || !odd || (rope && (!permuted || !off || !step || !plane_basis))) {
+    if (!planes || !logits || !part || !total || !blocks || !projected || !sums || !odd || (rope && (!permuted || !plane_basis))) {
         free(planes), free(logits), free(part), free(total), free(blocks), free(projected), free(sums), free(odd);
-        free(permuted), free(off), free(step), free(plane_basis);
+        free(permuted), free(plane_basis);
         return -1;
     }
-    if (rope) rope_offsets(rope, off, off + ROPE_BLOCK * rotating, step, step + rotating);
     for (int64_t h = 0; h < heads; ++h) {
         if (rope) {
             for (int64_t i = 0; i < queries; ++i)
                 for (int64_t e = 0; e < d; ++e) permuted[i * d + e] = q[(h * queries + i) * d + rope->order[e]];
             head_rope_logits(bits, keys, h, queries, complete, tokens, key_tail ? key_tail + h * tail_head_stride : NULL, permuted,
-                             query_map + h * r * d, d, rope, off, off + ROPE_BLOCK * rotating, step, step + rotating, plane_basis, planes, logits,
-                             tokens);
+                             query_map + h * r * d, d, rope, plane_basis, planes, logits, tokens);
         } else {
             map_rows(q + h * queries * d, queries, d, query_map + h * d * r, r, odd, projected);
             head_logits(bits, keys, h, queries, complete, projected, planes, logits, tokens);
@@ -1140,6 +1141,6 @@ int coefficient_attention(int bits, int64_t heads, int64_t queries, int64_t toke
         }
     }
     free(planes), free(logits), free(part), free(total), free(blocks), free(projected), free(sums), free(odd);
-    free(permuted), free(off), free(step), free(plane_basis);
+    free(permuted), free(plane_basis);
     return 0;
 }

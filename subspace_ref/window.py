@@ -133,6 +133,7 @@ def append(state, keys: Any, values: Any, compress) -> None:
     at its end) and the exact part replaced after, so a failure anywhere leaves the state as it
     was."""
     win = state.window
+    sinks = {}  # the sinks, once full, are the state's own arrays and change no more: kept, not copied
     if win.sink_count < win.sinks:
         # spec/window.md W7: the first S tokens of the stream fill the sinks, the rest follow W2
         take = min(win.sinks - win.sink_count, keys.shape[2])
@@ -141,7 +142,7 @@ def append(state, keys: Any, values: Any, compress) -> None:
         if keys.shape[2] == 0:  # nothing else to do, nothing else can fail
             state.window = replace(win, sink_keys=clone(sink_keys), sink_values=clone(sink_values))
             return
-        win = replace(win, sink_keys=sink_keys, sink_values=sink_values)  # committed at step 4
+        sinks = {"sink_keys": clone(sink_keys), "sink_values": clone(sink_values)}  # committed at step 4
     T_c = state.layout.num_tokens
     # step 1: the new compressed count, of the stream after the sinks (W7)
     T_new = T_c + win.recent + keys.shape[2]
@@ -155,7 +156,6 @@ def append(state, keys: Any, values: Any, compress) -> None:
         ahead = (all_k[:, :, after], all_v[:, :, after]) if win.lookahead else None
         compress(state, all_k[:, :, :moved], all_v[:, :, :moved], ahead)
     # step 4: the rest is the exact part (copies: the state never holds views of the caller's arrays)
-    sinks = {} if win.sink_keys is None else {"sink_keys": clone(win.sink_keys), "sink_values": clone(win.sink_values)}
     state.window = replace(win, keys=clone(all_k[:, :, max(moved, 0) :]), values=clone(all_v[:, :, max(moved, 0) :]), **sinks)
 
 

@@ -252,8 +252,9 @@ def test_arrays_the_kernels_cannot_read_in_place_take_the_torch_path(coefficient
 
 def test_attend_routes_decode_calls_straight_to_the_kernels():
     """``attend`` asks the torch backend once per admitted query kind for its route
-    (``Backend.attend_route``): the kernels' for a one-chunk quantised state without exact
-    tokens, batched or not, and none for a state they do not serve; routed calls give what the
+    (``Backend.attend_route``): the kernels' for a one-chunk quantised state, with exact tokens
+    (sinks, window: they join the kernels' softmax) or without, batched or not, and none for a
+    state they do not serve; routed calls give what the
     general path gives, and a route that no longer serves (arrays replaced by ones the kernels
     cannot read in place) hands the call back to it."""
     if not cpu_kernels.availability()[0]:
@@ -267,8 +268,8 @@ def test_attend_routes_decode_calls_straight_to_the_kernels():
     keys, values = rng.standard_normal((H, 70, d)) * 3, rng.standard_normal((H, 70, d))
     q = torch.from_numpy(rng.standard_normal((2 * H, d))).float()
     oracles = {}
-    for coefficients, window, routed in (("int4", 0, True), ("int8", 0, True), ("float", 0, False), ("int4", 5, False)):
-        oracle = oracles[coefficients, window] = sr.SubspaceState.static(basis, coefficients=coefficients, group_size=16, window=window)
+    for coefficients, window, sinks, routed in (("int4", 0, 0, True), ("int8", 0, 0, True), ("float", 0, 0, False), ("int4", 5, 0, True), ("int8", 3, 2, True)):
+        oracle = oracles[coefficients, window] = sr.SubspaceState.static(basis, coefficients=coefficients, group_size=16, window=window, sinks=sinks)
         oracle.append(keys, values)
         state = oracle.to("torch", dtype=torch.float32)
         first = sr.attend(q, state, backend="torch")
@@ -339,7 +340,7 @@ def test_pre_rope_attend_within_the_derived_tolerance(coefficients, rotation, ra
     out64 = sr.attend(q, state)
     calls = []
     real = cpu_kernels.coefficient_attention
-    monkeypatch.setattr(cpu_kernels, "coefficient_attention", lambda *a, **k: calls.append(k.get("rope", a[6] if len(a) > 6 else None)) or real(*a, **k))
+    monkeypatch.setattr(cpu_kernels, "coefficient_attention", lambda *a, **k: calls.append(k.get("rope", a[5] if len(a) > 5 else None)) or real(*a, **k))
     got = sr.attend(torch.from_numpy(q).float(), state.to("torch", dtype=torch.float32), backend="torch").double().numpy()
     assert len(calls) == 1 and calls[0] is not None  # the kernels served it, keys rotated
     err = float(np.abs(got - out64).max())

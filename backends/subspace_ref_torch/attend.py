@@ -440,35 +440,22 @@ def attend_one_chunk(q: torch.Tensor, state, scale: float | None, dtype: torch.d
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
-def attend_quantized_cpu(q: torch.Tensor, state, scale: float | None) -> torch.Tensor:
-    """Spec A2/A3 of a one-chunk int8/int4/int2 state on a CPU core (spec R14) in one call of
-    the CPU kernels (``cpu_kernels.coefficient_attention``): query map, logits, softmax, value
-    sums and value basis, each code read once, the logits never leaving the core's cache.
-    Without exact tokens: :func:`kernel_attend`. With them their logits set the kernels'
-    starting maximum, so that all tokens share one softmax (spec/window.md W3)."""
-    if state.window is None:
-        return kernel_attend(q, state, scale)
-    query_map, value_map, rope = kernel_maps(state, q.shape[-1], scale)
-    tile = token_tiles(state.layout.num_tokens).step
-    exact = window.exact_logits(q, state, scale, torch.float32)
-    out, m, Z = cpu_kernels.coefficient_attention(q, state.layout, query_map, value_map, tile, exact.amax(dim=-1, keepdim=True), rope)
-    weights = exact.sub_(m).exp_()
-    out = (out + window.exact_values(weights, state)) / (Z + weights.sum(dim=-1, keepdim=True))
-    return out.reshape(q.shape[0], q.shape[1], -1).to(q.dtype)
-
-
 def kernel_attend(q: torch.Tensor, state, scale: float | None) -> torch.Tensor | None:
-    """Spec A2/A3 by the CPU kernels over a one-chunk int8/int4/int2 state without exact tokens,
-    for q (N, H_q, d) or, unbatched, (H_q, d) -> the output of q's shape with d_v columns, in
-    q's dtype: the maps (derived once per bases), one kernel call and no tensor operation but the
-    output's allocation. None when the state's arrays no longer lie as the kernels read them.
+    """Spec A2/A3 of a one-chunk int8/int4/int2 state on a CPU core (spec R14) in one call of
+    the CPU kernels (``cpu_kernels.coefficient_attention``), for q (N, H_q, d) or, unbatched,
+    (H_q, d) -> the output of q's shape with d_v columns, in q's dtype: query map, logits,
+    softmax, value sums and value basis, each code read once, the logits never leaving the
+    core's cache; a windowed state's exact tokens (sinks, recent window) join the same softmax
+    in the call (spec/window.md W3). The maps are derived once per bases; no tensor operation but
+    the output's allocation. None when the state's arrays no longer lie as the kernels read them.
     What a decode step runs (:func:`attend_route`)."""
     lay = state.layout
-    query_map, value_map, rope = kernel_maps(state, q.shape[-1], scale)
-    result = cpu_kernels.coefficient_attention(q, lay, query_map, value_map, token_tiles(lay.num_tokens).step, rope=rope)
-    if result is None:
+    d = q.shape[-1]
+    query_map, value_map, rope = kernel_maps(state, d, scale)
+    exact = cpu_kernels.exact_tokens(state.window, 1.0 / math.sqrt(d) if scale is None else float(scale))
+    out = cpu_kernels.coefficient_attention(q, lay, query_map, value_map, token_tiles(lay.num_tokens).step, rope, exact)
+    if out is None:
         return None
-    out = result[0]
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
@@ -494,7 +481,7 @@ def kernel_maps(state, d: int, scale: float | None) -> tuple[torch.Tensor, torch
 
 
 def kernels_serve(q: torch.Tensor, state, dtype: torch.dtype, chunks: int) -> bool:
-    """Whether :func:`attend` takes the CPU kernels (:func:`attend_quantized_cpu`) for q (N, H_q,
+    """Whether :func:`attend` takes the CPU kernels (:func:`kernel_attend`) for q (N, H_q,
     d) in work dtype ``dtype`` over ``chunks`` chunks in use: one chunk, no RoPE but a static
     state's (spec/rope.md P3), quantised coefficients the kernels serve (``cpu_kernels.serves``)."""
     return (
@@ -508,13 +495,12 @@ def kernels_serve(q: torch.Tensor, state, dtype: torch.dtype, chunks: int) -> bo
 def attend_route(q: torch.Tensor, state):
     """The torch backend's ``Backend.attend_route``: :func:`kernel_attend` for queries like q
     (as the caller passes them) where :func:`attend` would take it -- a static (plain or
-    pre-RoPE) or rotating (one chunk) int8/int4/int2 state without exact tokens that the CPU
-    kernels serve --
-    else None. Every fact it decides on is fixed over the state's life, but the arrays' lying in
+    pre-RoPE) or rotating (one chunk) int8/int4/int2 state, with or without exact tokens, that
+    the CPU kernels serve -- else None. Every fact it decides on is fixed over the state's life, but the arrays' lying in
     place, which kernel_attend asks again."""
     batched = q if state.batched else q[None]
     fixed_chunks = state.policy.kind in ("static", "rotating")  # an adaptive state's may grow
-    served = state.window is None and fixed_chunks and kernels_serve(batched, state, work_dtype(batched, state), 1)
+    served = fixed_chunks and kernels_serve(batched, state, work_dtype(batched, state), 1)
     return kernel_attend if served else None
 
 
@@ -526,7 +512,9 @@ def attend(q: torch.Tensor, state, scale: float | None) -> torch.Tensor:
         return attend_one_chunk(q, state, scale, dtype)
     J = used_chunks(state)
     if kernels_serve(q, state, dtype, J):
-        return attend_quantized_cpu(q, state, scale)
+        out = kernel_attend(q, state, scale)
+        if out is not None:
+            return out
     rope = getattr(state.policy, "rope", None)
     index = token_chunk_index(state, J) if J > 1 else None
     H = state.layout.key_coef.shape[1]

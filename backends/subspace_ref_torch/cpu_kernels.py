@@ -59,10 +59,16 @@ class _RopeKeys(ctypes.Structure):
     ]  # fmt: skip
 
 
+class _Exact(ctypes.Structure):
+    """``struct exact_tokens`` of the source: a windowed state's sinks and recent tokens (spec/window.md W3)."""
+
+    _fields_ = [("keys", _ptr * 2), ("values", _ptr * 2), ("count", _i64 * 2), ("scale", ctypes.c_float)]
+
+
 _SIGNATURES = {
     "coefficient_attention": [
         ctypes.c_int, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, ctypes.POINTER(_Side), _ptr, _i64, ctypes.POINTER(_RopeKeys),
-        ctypes.POINTER(_Side), _ptr, _i64, _ptr, ctypes.c_int, _ptr, _ptr, _ptr,
+        ctypes.POINTER(_Side), _ptr, _i64, ctypes.POINTER(_Exact), _ptr,
     ],
     "low_bit_rows": [ctypes.c_int, _i64, _i64, _i64, ctypes.POINTER(_Side), _ptr, _i64],
     "rope_tables": [_i64, _ptr, _ptr, _ptr],
@@ -206,6 +212,17 @@ class RopeKeys(NamedTuple):
     turns: torch.Tensor
 
 
+class ExactTokens(NamedTuple):
+    """A windowed state's exact tokens as :func:`coefficient_attention` takes them (spec/window.md
+    W3, W8), made by :func:`exact_tokens`: ``sinks`` and ``recent``, each (keys (N, H, count, d),
+    values (N, H, count, d_v)) float32 contiguous (``sinks`` None without sinks), and their logit
+    ``scale`` (no gamma: they are not projected)."""
+
+    sinks: tuple[torch.Tensor, torch.Tensor] | None
+    recent: tuple[torch.Tensor, torch.Tensor]
+    scale: float
+
+
 def rope_keys(order: torch.Tensor, inv_freq, scaling: float, first: int) -> RopeKeys:
     """The :class:`RopeKeys` of a rotation, its tables made once here rather than in every call."""
     inv_freq = torch.tensor(inv_freq, dtype=torch.float64)  # a copy: a RopeParams' array is read-only
@@ -216,37 +233,46 @@ def rope_keys(order: torch.Tensor, inv_freq, scaling: float, first: int) -> Rope
     return RopeKeys(order.to(torch.int32).contiguous(), inv_freq, float(scaling), int(first), offsets, turns)
 
 
+def exact_tokens(window, scale: float) -> ExactTokens | None:
+    """The :class:`ExactTokens` of a state's exact part (``state.window``, spec/window.md W1, W7)
+    at logit ``scale``, float32, as :func:`coefficient_attention` reads them; None without one."""
+    if window is None:
+        return None
+    float32 = lambda x: x.to(torch.float32).contiguous()  # noqa: E731  (no copy for a float32 state's arrays)
+    sinks = (float32(window.sink_keys), float32(window.sink_values)) if window.sink_keys is not None else None
+    return ExactTokens(sinks, (float32(window.keys), float32(window.values)), float(scale))
+
+
 def coefficient_attention(
     q: torch.Tensor,
     layout,
     query_map: torch.Tensor,
     value_map: torch.Tensor,
     tile: int,
-    initial_max: torch.Tensor | None = None,
     rope: RopeKeys | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+    exact: ExactTokens | None = None,
+) -> torch.Tensor | None:
     """Spec A2/A3 over a one-chunk int8 / int4 / int2 ``layout`` (N, H sequences and KV heads)
     for queries q (N, H_q, d) (float32 work; (H_q, d) when N = 1 gives (H_q, d_v) results),
     H_q = g H, in one call of the kernels: the projected
     queries by ``query_map`` (N H, d, r) = gamma scale B^T -- or, with ``rope`` (a pre-RoPE
     state, spec/rope.md P3), each key rebuilt by ``query_map`` (N H, r, d) = gamma scale B, its
     dims in ``rope.order``, and turned to its position --, logits (int4 / int2 keys of the
-    unfinished group from their float tail), softmax with the global maximum (A3.1), value sums
-    per tile of ``tile`` tokens then over tiles, and the value basis ``value_map`` (N H, r_v,
-    d_v). Without ``initial_max``: returns (out (N, H_q, d_v), None, None), normalised. With it
-    (the exact tokens' maximum, (N, H, g, 1): spec/window.md W3): returns the unnormalised
-    sum_t w_t v~_t, m (N, H, g, 1) >= initial_max and Z = sum_t w_t (N, H, g, 1), w_t =
-    e^(l_t - m), for the caller to add the exact tokens' terms and divide. None when the layout's
-    arrays do not lie as the kernels read them (:func:`kernel_sides`; :func:`serves` says so).
+    unfinished group from their float tail), with ``exact`` (a windowed state's exact tokens,
+    :func:`exact_tokens`) their logits too, softmax with the global maximum over all of them
+    (A3.1; spec/window.md W3), value sums per tile of ``tile`` tokens then over tiles, the value
+    basis ``value_map`` (N H, r_v, d_v) and the exact tokens' values. Returns the output, or None
+    when the layout's arrays do not lie as the kernels read them (:func:`kernel_sides`;
+    :func:`serves` says so).
 
     A decode step's call: nothing is copied that is already as the kernels read it (float32
-    contiguous queries, a float32 key tail), and the output is made in its final shape, so that
-    the call costs one tensor operation besides the kernels (after the layers before it evicted
-    the caches, each operation costs 15-25 us to start: docs/benchmarks.md)."""
+    contiguous queries, a float32 key tail, a float32 state's exact tokens), and the output is
+    made in its final shape, so that the call costs one tensor operation besides the kernels
+    (after the layers before it evicted the caches, each operation costs 15-25 us to start:
+    docs/benchmarks.md)."""
     Hq, d = q.shape[-2:]
     N = q.shape[0] if q.dim() == 3 else 1
     H = layout.key_coef.shape[1]
-    g = Hq // H
     T, bits = layout.num_tokens, layout.low_bits or 8
     d_v = value_map.shape[2]
     if q.dtype != torch.float32 or not q.is_contiguous():
@@ -261,25 +287,27 @@ def coefficient_attention(
         if tail.dtype != torch.float32 or not _in_place(tail):
             tail = tail[:, :, : T % layout.group].to(torch.float32).contiguous()
         tail_stride = tail.stride(1)
-    if initial_max is None:
-        out, m, Z = torch.empty(q.shape[:-1] + (d_v,), dtype=torch.float32), None, None
-    else:
-        out = torch.empty((N, H, g, d_v), dtype=torch.float32)
-        initial_max = initial_max.to(torch.float32).contiguous()
-        m, Z = torch.empty((N, H, g, 1), dtype=torch.float32), torch.empty((N, H, g, 1), dtype=torch.float32)
+    out = torch.empty(q.shape[:-1] + (d_v,), dtype=torch.float32)
     rotation = None
     if rope is not None:
         planes = rope.inv_freq.numel()
         rotation = ctypes.byref(
             _RopeKeys(rope.order.data_ptr(), planes, rope.inv_freq.data_ptr(), rope.scaling, rope.first, rope.offsets.data_ptr(), rope.turns.data_ptr())
         )
+    parts = None
+    if exact is not None:
+        held = [exact.sinks, exact.recent]
+        count = [0 if part is None else part[0].shape[2] for part in held]
+        pointer = lambda i, part: None if part is None or part[i].shape[2] == 0 else part[i].data_ptr()  # noqa: E731
+        parts = ctypes.byref(
+            _Exact((_ptr * 2)(*(pointer(0, part) for part in held)), (_ptr * 2)(*(pointer(1, part) for part in held)), (_i64 * 2)(*count), exact.scale)
+        )
     rc = _load().coefficient_attention(
-        bits, N * H, g, T, tile, q.data_ptr(), d, query_map.data_ptr(), ctypes.byref(keys), None if tail is None else tail.data_ptr(),
-        tail_stride, rotation, ctypes.byref(values), value_map.data_ptr(), d_v, None if initial_max is None else initial_max.data_ptr(),
-        int(initial_max is None), out.data_ptr(), None if m is None else m.data_ptr(), None if Z is None else Z.data_ptr(),
+        bits, N * H, Hq // H, T, tile, q.data_ptr(), d, query_map.data_ptr(), ctypes.byref(keys), None if tail is None else tail.data_ptr(),
+        tail_stride, rotation, ctypes.byref(values), value_map.data_ptr(), d_v, parts, out.data_ptr(),
     )  # fmt: skip
     _check(rc, "coefficient_attention")
-    return out, m, Z
+    return out
 
 
 def reads_low_bit(layout, dtype: torch.dtype) -> bool:

@@ -1048,6 +1048,58 @@ static void head_rope_logits(int bits, const struct coefficient_side *keys, int6
     }
 }
 
+/* The exact tokens of a windowed state (spec/window.md W1, W7): the sinks (part 0) and the
+ * recent window (part 1), each (heads, count[p], d) keys and (heads, count[p], d_v) values,
+ * float32, rows back to back; `scale` is their logit scale (gamma = 1: they are not projected,
+ * W3). A part of count 0 is not read. */
+struct exact_tokens {
+    const float *keys[2];
+    const float *values[2];
+    int64_t count[2];
+    float scale;
+};
+
+/* Logits scale q_i . k_j of head h's exact tokens, sinks then recent, into out[i][0 .. count0 +
+ * count1) (`stride` apart per query head); returns nothing, sets start[i] to their maximum
+ * (-inf without any). */
+static void exact_logits(const struct exact_tokens *exact, int64_t h, int64_t queries, const float *q, int64_t d, float *out,
+                         int64_t stride, float *start) {
+    for (int64_t i = 0; i < queries; ++i) {
+        float m = -INFINITY;
+        int64_t j = 0;
+        for (int p = 0; p < 2; ++p)
+            for (int64_t u = 0; u < exact->count[p]; ++u, ++j) {
+                const float l = exact->scale * plane_dot(q + i * d, exact->keys[p] + (h * exact->count[p] + u) * d, d);
+                out[i * stride + j] = l;
+                m = l > m ? l : m;
+            }
+        start[i] = m;
+    }
+}
+
+/* W3's exact terms of one query head: w_j = e^(l_j - m) in place over its `count` exact logits,
+ * o += sum_j w_j v_j (in blocks of VALUE_BLOCK tokens, as the value sums), returns sum_j w_j. */
+static float exact_terms(const struct exact_tokens *exact, int64_t h, float *l, int64_t count, float m, int64_t d_v, float *block, float *o) {
+    for (int64_t j = 0; j < count; ++j) l[j] -= m;
+    softmax_exp(count, l, l);
+    float Z = 0.0f;
+    int64_t j = 0;
+    for (int p = 0; p < 2; ++p)
+        for (int64_t u0 = 0; u0 < exact->count[p]; u0 += VALUE_BLOCK) {
+            const int64_t end = u0 + VALUE_BLOCK < exact->count[p] ? u0 + VALUE_BLOCK : exact->count[p];
+            memset(block, 0, sizeof(float) * d_v);
+            for (int64_t u = u0; u < end; ++u, ++j) {
+                const float w = l[j], *v = exact->values[p] + (h * exact->count[p] + u) * d_v;
+                Z += w;
+#pragma omp simd
+                for (int64_t e = 0; e < d_v; ++e) block[e] += w * v[e];
+            }
+#pragma omp simd
+            for (int64_t e = 0; e < d_v; ++e) o[e] += block[e];
+        }
+    return Z;
+}
+
 /* Spec A2/A3 for a one-chunk int8 (A10) or int4 / int2 (Q2) state on a CPU core, for every head
  * h < heads (a (sequence, KV head) pair) and query head i < queries of its group:
  *
@@ -1057,18 +1109,19 @@ static void head_rope_logits(int bits, const struct coefficient_side *keys, int6
  *    rows key_tail[h][0 .. tokens - complete), `tail_head_stride` apart per head); with `rope`
  *    (a pre-RoPE state, spec/rope.md P3) instead: query_map[h] is gamma scale B (r x d, the dims
  *    in rope->order), each key is rebuilt and rotated (head_rope_logits) and dotted with q;
- * 3. m = max(initial_max[h][i] (the exact tokens' maximum; NULL: -inf), max_t l_t), weights
- *    w_t = e^(l_t - m), Z = sum_t w_t (A3.1: the global maximum);
+ *    with `exact` (a windowed state, spec/window.md W3), the exact tokens' logits scale q . k;
+ * 3. m = max over every logit, weights w_t = e^(l_t - m), Z = sum_t w_t (A3.1: one maximum and
+ *    one normaliser over the compressed and the exact tokens);
  * 4. s = sum_t w_t v_t over the value coefficients, per tile of `tile` tokens then over tiles;
- * 5. out[h][i] = s value_map[h] (the value basis E, r_v x d_v), divided by Z when `normalize`
- *    (else the caller adds the exact tokens' terms and divides: spec/window.md W3).
+ * 5. out[h][i] = (s value_map[h] (the value basis E, r_v x d_v) + sum_j w_j v_j over the exact
+ *    tokens) / Z.
  *
- * q (heads, queries, d) float32; out (heads, queries, d_v); max_out and total_out (heads,
- * queries) or NULL. Returns 0, or -1 when a shape exceeds the fixed buffers or memory runs out. */
+ * q (heads, queries, d) float32; out (heads, queries, d_v). Returns 0, or -1 when a shape
+ * exceeds the fixed buffers or memory runs out. */
 int coefficient_attention(int bits, int64_t heads, int64_t queries, int64_t tokens, int64_t tile, const float *q, int64_t d,
                           const float *query_map, const struct coefficient_side *keys, const float *key_tail, int64_t tail_head_stride,
-                          const struct rope_keys *rope, const struct coefficient_side *values, const float *value_map, int64_t d_v, const float *initial_max,
-                          int normalize, float *out, float *max_out, float *total_out) {
+                          const struct rope_keys *rope, const struct coefficient_side *values, const float *value_map, int64_t d_v,
+                          const struct exact_tokens *exact, float *out) {
     if ((bits != 8 && bits != 4 && bits != 2) || queries > MAX_QUERIES || tile < 1 || keys->width > MAX_BYTES || values->width > MAX_BYTES ||
         keys->width * (8 / bits) < keys->rank || values->width * (8 / bits) < values->rank || (bits != 8 && keys->group < 1) ||
         (rope && (d > MAX_DIM || rope->planes < 1 || 2 * rope->planes > d)))
@@ -1076,21 +1129,28 @@ int coefficient_attention(int bits, int64_t heads, int64_t queries, int64_t toke
     const int per = 8 / bits;
     const int64_t r = keys->rank, r_v = values->rank, complete = bits == 8 ? tokens : tokens / keys->group * keys->group;
     const int64_t key_n = per * keys->width, value_n = queries * per * values->width;
-    const int64_t widest = d > d_v ? d : d_v;
+    const int64_t widest = d > d_v ? d : d_v, exact_count = exact ? exact->count[0] + exact->count[1] : 0;
     float *planes = malloc(sizeof(float) * (queries + 4) * key_n), *logits = malloc(sizeof(float) * (queries * tokens + 1));
     float *part = malloc(sizeof(float) * value_n), *total = malloc(sizeof(float) * value_n), *blocks = malloc(sizeof(float) * value_n);
     float *projected = malloc(sizeof(float) * queries * r), *sums = malloc(sizeof(float) * queries * r_v);
     float *odd = malloc(sizeof(float) * (widest > r ? widest : r));
+    float *exact_l = malloc(sizeof(float) * (queries * exact_count + 1)), *exact_block = malloc(sizeof(float) * d_v);
     /* pre-RoPE keys: the queries in rope order; the basis rows in the codes' plane order, 64-byte
      * aligned (its rows are read a vector at a time, and a load across two cache lines costs two) */
     float *permuted = rope ? malloc(sizeof(float) * queries * d) : NULL;
     float *plane_basis = rope ? aligned_alloc(64, (sizeof(float) * key_n * d + 63) / 64 * 64) : NULL;
-    if (!planes || !logits || !part || !total || !blocks || !projected || !sums || !odd || (rope && (!permuted || !plane_basis))) {
+    if (!planes || !logits || !part || !total || !blocks || !projected || !sums || !odd || !exact_l || !exact_block ||
+        (rope && (!permuted || !plane_basis))) {
         free(planes), free(logits), free(part), free(total), free(blocks), free(projected), free(sums), free(odd);
-        free(permuted), free(plane_basis);
+        free(exact_l), free(exact_block), free(permuted), free(plane_basis);
         return -1;
     }
     for (int64_t h = 0; h < heads; ++h) {
+        float start[MAX_QUERIES];
+        if (exact)
+            exact_logits(exact, h, queries, q + h * queries * d, d, exact_l, exact_count, start);
+        else
+            for (int64_t i = 0; i < queries; ++i) start[i] = -INFINITY;
         if (rope) {
             for (int64_t i = 0; i < queries; ++i)
                 for (int64_t e = 0; e < d; ++e) permuted[i * d + e] = q[(h * queries + i) * d + rope->order[e]];
@@ -1107,7 +1167,7 @@ int coefficient_attention(int bits, int64_t heads, int64_t queries, int64_t toke
         const float *value_scale = bits == 8 ? (const float *)values->scale + h * values->scale_head_stride : NULL;
         float m[MAX_QUERIES], Z[MAX_QUERIES];
         for (int64_t i = 0; i < queries; ++i)
-            row_weights(logits + i * tokens, tokens, tile, initial_max ? initial_max[h * queries + i] : -INFINITY, value_scale, m + i, Z + i);
+            row_weights(logits + i * tokens, tokens, tile, start[i], value_scale, m + i, Z + i);
 
         const uint8_t *vc = values->codes + h * values->head_stride;
         const half *ts = bits == 8 ? NULL : (const half *)values->scale + h * values->scale_head_stride;
@@ -1134,13 +1194,12 @@ int coefficient_attention(int bits, int64_t heads, int64_t queries, int64_t toke
         float *oh = out + h * queries * d_v;
         map_rows(sums, queries, r_v, value_map + h * r_v * d_v, d_v, odd, oh);
         for (int64_t i = 0; i < queries; ++i) {
-            if (normalize)
-                for (int64_t e = 0; e < d_v; ++e) oh[i * d_v + e] /= Z[i];
-            if (max_out) max_out[h * queries + i] = m[i];
-            if (total_out) total_out[h * queries + i] = Z[i];
+            float total_weight = Z[i];
+            if (exact_count) total_weight += exact_terms(exact, h, exact_l + i * exact_count, exact_count, m[i], d_v, exact_block, oh + i * d_v);
+            for (int64_t e = 0; e < d_v; ++e) oh[i * d_v + e] /= total_weight;
         }
     }
     free(planes), free(logits), free(part), free(total), free(blocks), free(projected), free(sums), free(odd);
-    free(permuted), free(plane_basis);
+    free(exact_l), free(exact_block), free(permuted), free(plane_basis);
     return 0;
 }

@@ -400,8 +400,9 @@ def _stored(state) -> dict:
 @pytest.mark.parametrize("rank", [11, 32], ids=["r11", "r32"])
 @pytest.mark.usefixtures("either_library")
 def test_low_bit_stores_write_the_oracles_bits(coefficients, rank, monkeypatch):
-    """Spec A10's and Q2's stores by the kernels (``cpu_kernels.store_quantized``, what a CPU
-    state's appends use) against the array operations (``fd.quantize_rows``, the oracle's
+    """Spec A10's and Q2's stores by the kernels (``cpu_kernels.store_quantized`` after a block's
+    matmul, ``cpu_kernels.static_append`` for a decode step's few tokens: what a CPU state's
+    appends use) against the array operations (``fd.quantize_rows``, the oracle's
     ``quantization.store_low_bit``) on the same tokens:
     every code, scale, zero point and tail row the same bits, appended one token at a time across
     a key group's end, as a block completing two groups, and after it, at a rank ending inside a
@@ -414,6 +415,7 @@ def test_low_bit_stores_write_the_oracles_bits(coefficients, rank, monkeypatch):
     for kernels in (True, False):
         if not kernels:
             monkeypatch.setattr(cpu_kernels, "store_quantized", lambda *args: False)
+            monkeypatch.setattr(cpu_kernels, "static_append", lambda *args: False)
         state = _coordinate_state(coefficients, rank, 16)
         for a, b in [(t, t + 1) for t in range(20)] + [(20, 57)] + [(t, t + 1) for t in range(57, 62)]:
             state.append(tokens[:, a:b], values[:, a:b])
@@ -443,3 +445,59 @@ def test_a_store_beyond_float16s_range_raises_and_changes_nothing(which):
     after = _stored(state)
     for name, want in before.items():
         assert (after[name] == want) if name == "num_tokens" else torch.equal(after[name], want), name
+
+
+@pytest.mark.parametrize("coefficients", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("rotation", [None, "half", "interleaved-partial-scaled"], ids=["post-rope", "half", "interleaved-partial-scaled"])
+@pytest.mark.parametrize("exact", [(0, 0), (4, 16)], ids=["compressed-only", "sinks-and-window"])
+@pytest.mark.usefixtures("either_library")
+def test_decode_appends_in_the_kernels(coefficients, rotation, exact, monkeypatch):
+    """Spec A6 by ``cpu_kernels.static_append`` (a decode step's tokens: projection, for
+    pre-RoPE keys the un-rotation from position S + t (spec/rope.md P2 step 1, spec/window.md
+    W10), the stores), two sequences, one token at a time and in blocks of 3 and 16 after a
+    prefill the torch path appends: against the same appends by the torch operations, every
+    code, scale and tail entry the same but where a float32 rounding of the projection (the two
+    sum in different orders) crosses a quantiser boundary -- at most 1 in 200 -- or moves a scale
+    or zero point by a float16 (or float32) step -- and against the
+    float64 oracle the reconstruction within one quantiser step of the largest coefficient
+    (as the harness's float32 appends: a rounding moves a code by one step)."""
+    sinks, window = exact
+    rng = np.random.default_rng(zlib.crc32(repr(("append", coefficients, rotation, exact)).encode()) + SEED_OFFSET)
+    H, d, r, r_v = 3, 96, 24, 13
+    B = np.linalg.qr(rng.standard_normal((H, d, r)))[0].transpose(0, 2, 1)
+    E = np.linalg.qr(rng.standard_normal((H, d, r_v)))[0].transpose(0, 2, 1)
+    rope = None if rotation is None else ROTATIONS[rotation]()
+    oracle = sr.SubspaceState.static(sr.StaticBasis.from_bases(B, E), coefficients=coefficients, group_size=16, rope=rope, sinks=sinks, window=window, batch=2)
+    keys, values = rng.standard_normal((2, H, 130, d)) * 3, rng.standard_normal((2, H, 130, d))
+    blocks = [(0, 60)] + [(t, t + 1) for t in range(60, 100)] + [(100, 103), (103, 119)] + [(t, t + 1) for t in range(119, 130)]
+    served = []
+    real = cpu_kernels.static_append
+    runs = {}
+    for kernels in (True, False):
+        if kernels:
+            monkeypatch.setattr(cpu_kernels, "static_append", lambda *a: served.append(real(*a)) or served[-1])
+        else:
+            monkeypatch.setattr(cpu_kernels, "static_append", lambda *a: False)
+        state = oracle.to("torch", dtype=torch.float32)
+        for a, b in blocks:
+            state.append(torch.from_numpy(keys[:, :, a:b]).float(), torch.from_numpy(values[:, :, a:b]).float())
+        runs[kernels] = state
+    assert served.count(True) == len(blocks) - 1  # every block but the prefill, in the kernels
+    for a, b in blocks:
+        oracle.append(keys[:, :, a:b].astype(np.float32).astype(np.float64), values[:, :, a:b].astype(np.float32).astype(np.float64))
+    got, want = _stored(runs[True]), _stored(runs[False])
+    for name in want:
+        if name == "num_tokens":
+            assert got[name] == want[name]
+            continue
+        if not got[name].is_floating_point():  # codes
+            differ = float((got[name] != want[name]).double().mean())
+            assert differ <= 1 / 200, (name, differ)
+            continue
+        # scales, zero points, tail rows: the coefficients' extremes and the coefficients themselves
+        x, y = got[name].double(), want[name].double()
+        assert bool(((x - y).abs() <= 2.0**-9 * y.abs()).all()), name
+    step = {"int8": 1 / 127, "int4": 2 / 15, "int2": 2 / 3}[coefficients]
+    for name, x, y in zip(("K_hat", "V_hat"), runs[True].reconstruct(), oracle.reconstruct()):
+        err, largest = np.abs(np.asarray(x, dtype=np.float64) - y).max(), np.abs(y).max()
+        assert err <= step * largest, (name, err, largest)

@@ -74,14 +74,20 @@ def append(state, keys: torch.Tensor, values: torch.Tensor, project=project_wind
 
 
 def append_static(state, keys: torch.Tensor, values: torch.Tensor) -> None:
-    """Spec A6: c_t = B k_t, d_t = E v_t for every token of the block in one matmul."""
+    """Spec A6: c_t = B k_t, d_t = E v_t for every token of the block in one matmul -- or, for a
+    decode step's few tokens into quantised coefficients on a CPU core, in one call of the
+    kernels (``cpu_kernels.static_append``: projection, un-rotation of pre-RoPE keys, stores)."""
     lay = state.layout
     T, n_new = lay.num_tokens, keys.shape[2]
     lay = lay.with_capacity(T + n_new, lay.key_bases.shape[2])
+    rope = getattr(state.policy, "rope", None)
+    first = first_compressed_position(state)
+    if cpu_kernels.static_append(lay, keys, values, rope, first):  # a decode step's tokens, in one call
+        state.layout = replace(lay, num_tokens=T + n_new)
+        return
     work = compute_dtype(lay.dtype)
-    if getattr(state.policy, "rope", None) is not None:  # spec/rope.md P2 step 1: un-rotate at positions S+T.. (spec/window.md W10)
-        first = first_compressed_position(state)
-        keys = rotate(keys.to(work), np.arange(first + T, first + T + n_new), state.policy.rope, inverse=True)
+    if rope is not None:  # spec/rope.md P2 step 1: un-rotate at positions S+T.. (spec/window.md W10)
+        keys = rotate(keys.to(work), np.arange(first + T, first + T + n_new), rope, inverse=True)
     # rows T.. are spare capacity until the commit below: writing them changes nothing visible
     rows = slice(T, T + n_new)
     # the bases as attention reads them (decoded once per set of stored bases, not copied per token)

@@ -1,19 +1,22 @@
 """The CPU kernels: decode products over int8, int4 and int2 coefficients, dequantised in
 registers (``kernels/coefficient_products.c``, spec R14), and the stores that quantise appended
 coefficients bit for bit as the other paths do (``kernels/quantized_stores.c``: spec A10,
-spec/quantization.md Q1-Q2). Built into one library with
+spec/quantization.md Q1-Q2), and a decode step's append to a static state, projection and
+un-rotation of pre-RoPE keys before those stores (``kernels/static_append.c``: spec A6,
+spec/rope.md P2). Built into one library with
 the host C compiler at first use (``subspace_ref.host_build``) and called through ctypes on CPU
 tensors.
 
 Without a C compiler, or with ``SUBSPACE_REF_CPU_KERNELS=0``, :func:`availability` says why; the
 attend path then dequantises tiles with torch operations instead (the same numbers to within
-float32 rounding order, several times slower: docs/benchmarks.md) and appends quantise with
-array operations (the same bits).
+float32 rounding order, several times slower: docs/benchmarks.md) and appends project with
+torch operations and quantise with array operations (the same bits).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import shutil
 import threading
@@ -25,7 +28,7 @@ import torch
 from subspace_ref.host_build import build_shared_library
 from subspace_ref.quantization import check_fp16_range
 
-SOURCES = [Path(__file__).resolve().parent / "kernels" / name for name in ("coefficient_products.c", "quantized_stores.c")]
+SOURCES = [Path(__file__).resolve().parent / "kernels" / name for name in ("coefficient_products.c", "quantized_stores.c", "static_append.c")]
 FLAGS = ["-std=c11", "-O3", "-march=native", "-fopenmp-simd"]
 #: the kernel's fixed buffers (MAX_BYTES, MAX_QUERIES in the source)
 MAX_ROW_BYTES = 256
@@ -65,6 +68,15 @@ class _Exact(ctypes.Structure):
     _fields_ = [("keys", _ptr * 2), ("values", _ptr * 2), ("count", _i64 * 2), ("scale", ctypes.c_float)]
 
 
+class _Unrotation(ctypes.Structure):
+    """``struct key_unrotation`` of the source: the rotating planes of a pre-RoPE state's keys (spec/rope.md §1)."""
+
+    _fields_ = [
+        ("first", _ptr), ("second", _ptr), ("planes", _i64), ("inv_freq", _ptr), ("scaling", ctypes.c_double),
+        ("scaling_squared", ctypes.c_double),
+    ]  # fmt: skip
+
+
 _SIGNATURES = {
     "coefficient_attention": [
         ctypes.c_int, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, ctypes.POINTER(_Side), _ptr, _i64, ctypes.POINTER(_RopeKeys),
@@ -76,6 +88,10 @@ _SIGNATURES = {
     "int8_store": [_i64, _i64, _i64, _ptr, ctypes.POINTER(_Side)],
     "low_bit_store_values": [ctypes.c_int, _i64, _i64, _i64, _ptr, ctypes.POINTER(_Side), ctypes.POINTER(ctypes.c_double)],
     "low_bit_store_keys": [ctypes.c_int, _i64, _i64, _i64, _ptr, _ptr, _ptr, ctypes.POINTER(_Side), ctypes.POINTER(ctypes.c_double)],
+    "static_append": [
+        ctypes.c_int, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr, ctypes.POINTER(_Unrotation), _i64, _ptr, _ptr,
+        ctypes.POINTER(_Side), ctypes.POINTER(_Side), ctypes.POINTER(ctypes.c_double),
+    ],
 }
 
 def compiler() -> str | None:
@@ -377,6 +393,68 @@ def store_quantized(layout, which: str, a: int, b: int, coef: torch.Tensor) -> b
     if rc != 0:
         raise RuntimeError(f"low_bit_store_{which}s returned {rc} for a layout it was told it serves")
     if which == "key":
+        layout.key_tail = tail
+    return True
+
+
+#: the most tokens an append projects in the kernels: a decode step's few; a longer block (a
+#: prefill) is one matmul, which a BLAS library does faster than the kernels' dot products
+APPEND_TOKENS = 16
+
+
+@functools.lru_cache(maxsize=64)
+def _unrotation(rope, d: int) -> tuple[tuple[torch.Tensor, ...], _Unrotation]:
+    """The ``struct key_unrotation`` of ``rope`` for head size d, with the arrays it points into."""
+    pairs = rope.planes(d)[: rope.inv_freq.size]
+    held = (
+        torch.tensor(pairs[:, 0], dtype=torch.int32),
+        torch.tensor(pairs[:, 1], dtype=torch.int32),
+        torch.tensor(rope.inv_freq, dtype=torch.float64),
+    )
+    a = float(rope.attention_scaling)
+    return held, _Unrotation(held[0].data_ptr(), held[1].data_ptr(), len(pairs), held[2].data_ptr(), a, a**2)
+
+
+def static_append(layout, keys: torch.Tensor, values: torch.Tensor, rope, first: int) -> bool:
+    """Spec A6 by the kernels (kernels/static_append.c): keys (N, H, n, d) and values (N, H, n,
+    d_v) appended at tokens [T, T + n) of ``layout`` (T = its token count; rows past it are
+    spare capacity, n <= :data:`APPEND_TOKENS`), projected on its bases as attention reads them
+    and stored as :func:`store_quantized` stores -- for a pre-RoPE state (``rope``) each key
+    first turned back to position 0 (spec/rope.md P2 step 1) from position first + T + t
+    (spec/window.md W10). Writes only rows past T and, for int4 / int2, sets ``layout.key_tail``
+    to a new tail. True when done; False, with nothing written, where the kernels do not serve
+    it (as :func:`store_quantized`: float32 work, so not a float64 state; blocks longer than
+    APPEND_TOKENS). Coefficients beyond
+    float16's range raise the oracle's ValueError with nothing the state reads changed."""
+    T, n = layout.num_tokens, keys.shape[2]
+    float32_work = layout.dtype in (torch.float32, torch.float16, torch.bfloat16)  # a float64 state computes in float64: the torch path
+    if not ((layout.quantized or layout.low_bits) and float32_work and n <= APPEND_TOKENS and keys.is_cpu and values.is_cpu and layout.key_coef.is_cpu):
+        return False
+    if layout.low_bits and (layout.key_tail.dtype != torch.float32 or not layout.key_tail.is_contiguous() or layout.group > MAX_STORE_GROUP):
+        return False
+    if _load() is None or max(layout.key_bases.shape[3], layout.value_bases.shape[3]) > MAX_STORE_RANK or (rope is not None and keys.shape[3] > MAX_DIM):
+        return False
+    sides = kernel_sides(layout)
+    if sides is None:
+        return False
+    N, H, _, d = keys.shape
+    d_v = values.shape[3]
+    keys, values = keys.to(torch.float32).contiguous(), values.to(torch.float32).contiguous()
+    key_basis = layout.decoded_bases("key", torch.float32)[:, :, 0].contiguous()  # (N, H, r, d), as attention reads them
+    value_basis = layout.decoded_bases("value", torch.float32)[:, :, 0].contiguous()
+    unrotation = None if rope is None else ctypes.byref(_unrotation(rope, d)[1])
+    tail = torch.zeros_like(layout.key_tail) if layout.low_bits else None  # the state's own tail is never written
+    magnitude = ctypes.c_double()
+    rc = _load().static_append(
+        layout.low_bits or 8, N * H, T, n, keys.data_ptr(), values.data_ptr(), d, d_v, key_basis.data_ptr(), value_basis.data_ptr(), unrotation,
+        first, None if tail is None else layout.key_tail.data_ptr(), None if tail is None else tail.data_ptr(), ctypes.byref(sides[0]),
+        ctypes.byref(sides[1]), ctypes.byref(magnitude),
+    )  # fmt: skip
+    if rc == -2:
+        check_fp16_range(magnitude.value, magnitude.value)
+    if rc != 0:
+        raise RuntimeError(f"static_append returned {rc} for a layout it was told it serves")
+    if tail is not None:
         layout.key_tail = tail
     return True
 

@@ -205,6 +205,22 @@ def test_crop_takes_back_the_last_forward_exactly_and_refuses_further(name, back
         assert cache.get_seq_length() == 15
 
 
+def test_a_restore_point_refuses_a_state_written_in_place():
+    """The restore point shares the state's objects (appends replace the fixed-size arrays, never
+    write them): one written in place since the forward began would be restored as it now is, so
+    crop raises, naming it, instead."""
+    model = model_for("llama")
+    ids = prompt_ids(length=17)
+    with compress(model, EDITED_STATES["static+window"](), backend="torch") as kv, torch.no_grad():
+        cache = kv.cache()
+        model(ids[:, :10], past_key_values=cache)
+        window = cache.layers[0].state.window
+        model(ids[:, 10:], past_key_values=cache)
+        window.keys.add_(1.0)  # the restore point's exact window, which the forward replaced
+        with pytest.raises(RuntimeError, match="window_keys changed in place"):
+            cache.crop(-3)
+
+
 @pytest.mark.parametrize("kind", ["static", "adaptive", "rotating"])
 def test_select_sequences_equals_each_sequence_alone(kind):
     """operations.select_sequences on an oracle state with window, sinks and chunks: sequence i

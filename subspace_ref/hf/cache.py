@@ -31,7 +31,7 @@ from subspace_ref.arrays import clone
 from subspace_ref.calibration import StaticBasis
 from subspace_ref.capabilities import require, state_reasons
 from subspace_ref.hf import attention as _attn
-from subspace_ref.layout import FIXED, mapped_parts
+from subspace_ref.layout import BY_NAME, FIXED, held_arrays, mapped_parts
 from subspace_ref.operations import select_sequences
 from subspace_ref.quantization import DEFAULT_GROUP
 from subspace_ref.registry import get_backend
@@ -317,7 +317,7 @@ class SubspaceLayer(CacheLayerMixin):
         self.pending_keys: torch.Tensor | None = None
         self.pending_values: torch.Tensor | None = None
         self._forward_start = 0  # tokens held when the current forward began (rollback point)
-        self._restore_point: SubspaceState | None = None  # see keep_restore_point
+        self._restore_point: tuple[SubspaceState, dict] | None = None  # see keep_restore_point
         self._forward_tokens: tuple | None = None  # the current forward's keys and values, while a restore point is kept
 
     def __repr__(self) -> str:
@@ -408,24 +408,36 @@ class SubspaceLayer(CacheLayerMixin):
 
     def keep_restore_point(self) -> None:
         """At the start of a forward: remember what :meth:`restore` needs to bring a state that
-        cannot be truncated back to its present tokens. Appends
-        write only rows and chunk slots past the state's counts (spare until then), copy bases
-        and coefficients in use before rewriting them (warm-up rows, rotating refreshes:
-        ``PackedLayout.with_private_bases``, private rotated coefficients) and replace the small
-        fixed-size arrays (sketch buffers, exact window and sinks, chunk counts), which are
-        copied here all the same: O(ell d + W d) per head, independent of the context. (Crop
-        also needs the forward's tokens, which :meth:`attend_pending` keeps for forwards of at
-        most ``max_crop_block`` tokens, so a prefill's are not held twice.)"""
+        cannot be truncated back to its present tokens. Appends write only rows and chunk slots
+        past the state's counts (spare until then), copy bases and coefficients in use before
+        rewriting them (warm-up rows, rotating refreshes: ``PackedLayout.with_private_bases``,
+        private rotated coefficients), and replace the layout, sketch and window objects and
+        their small fixed-size arrays (sketch buffers, exact window and sinks, key tail, chunk
+        counts) rather than write them. So the restore point shares the state's objects; each
+        fixed-size torch array's version counter is kept with it and checked by :meth:`restore`
+        (an in-place write since would be a bug: it raises rather than restore a changed state),
+        and arrays of other families, which have no counter, are copied. (Crop also needs the
+        forward's tokens, which :meth:`attend_pending` keeps for forwards of at most
+        ``max_crop_block`` tokens, so a prefill's are not held twice.)"""
         self._restore_point = self._forward_tokens = None
         st = self.state
         if st is None or self.truncate_reason() is None:
             return
-        parts = mapped_parts(st, lambda a, x: clone(x) if a.axis == FIXED else x)
-        self._restore_point = SubspaceState(st.policy, parts["layout"], parts["sketches"], st.batched, st.engine, parts["window"])
+        fixed = {name: x for name, x in held_arrays(st).items() if BY_NAME[name].axis == FIXED}
+        if all(isinstance(x, torch.Tensor) for x in fixed.values()):
+            point = SubspaceState(st.policy, st.layout, st.sketches, st.batched, st.engine, st.window)
+            self._restore_point = (point, {name: (x, x._version) for name, x in fixed.items()})
+        else:
+            parts = mapped_parts(st, lambda a, x: clone(x) if a.axis == FIXED else x)
+            self._restore_point = (SubspaceState(st.policy, parts["layout"], parts["sketches"], st.batched, st.engine, parts["window"]), {})
 
     def restore(self) -> None:
         """Bring the state back to the start of the current forward (see :meth:`keep_restore_point`)."""
-        self.state, self._restore_point = self._restore_point, None
+        point, versions = self._restore_point
+        written = [name for name, (x, version) in versions.items() if x._version != version]
+        if written:
+            raise RuntimeError(f"layer {self.layer_idx}: the state's {', '.join(written)} changed in place since the forward began; cannot restore it")
+        self.state, self._restore_point = point, None
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens (transformers' convention: negative).

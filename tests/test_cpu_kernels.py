@@ -313,7 +313,7 @@ ROTATIONS = {
 }
 
 
-@pytest.mark.parametrize("coefficients", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("coefficients", ["float", "int8", "int4", "int2"])
 @pytest.mark.parametrize(
     "rotation, ranks", [("half", (32, 16)), ("interleaved-partial-scaled", (11, 9))], ids=["half-r32-16", "interleaved-partial-scaled-r11-9"]
 )
@@ -323,7 +323,8 @@ def test_pre_rope_attend_within_the_derived_tolerance(coefficients, rotation, ra
     """Spec/rope.md P3 in the kernels (coefficient_attention with a rope_keys): each key rebuilt
     from its codes, turned to its position and dotted, in one call with the softmax and value
     sums. T = 1100: 69 blocks of 16 positions, so the blocks' base angles run past a reseed
-    (every 64 blocks), and a trailing partial key group read from the float tail. With sinks
+    (every 64 blocks), and a trailing partial key group read from the float tail. Float
+    coefficients are read as float32 rows. With sinks
     the compressed tokens sit at positions S.. (spec/window.md W10) and the exact tokens share
     the softmax (W3). Ranks 32 / 16 take the whole-vector rows, 11 / 9 rows that end inside a
     byte. Every build within the derived tolerance of the float64 oracle."""
@@ -447,7 +448,7 @@ def test_a_store_beyond_float16s_range_raises_and_changes_nothing(which):
         assert (after[name] == want) if name == "num_tokens" else torch.equal(after[name], want), name
 
 
-@pytest.mark.parametrize("coefficients", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("coefficients", ["float", "int8", "int4", "int2"])
 @pytest.mark.parametrize("rotation", [None, "half", "interleaved-partial-scaled"], ids=["post-rope", "half", "interleaved-partial-scaled"])
 @pytest.mark.parametrize("exact", [(0, 0), (4, 16)], ids=["compressed-only", "sinks-and-window"])
 @pytest.mark.usefixtures("either_library")
@@ -458,7 +459,8 @@ def test_decode_appends_in_the_kernels(coefficients, rotation, exact, monkeypatc
     prefill the torch path appends: against the same appends by the torch operations, every
     code, scale and tail entry the same but where a float32 rounding of the projection (the two
     sum in different orders) crosses a quantiser boundary -- at most 1 in 200 -- or moves a scale
-    or zero point by a float16 (or float32) step -- and against the
+    or zero point by a float16 (or float32) step, float coefficients within 1e-5 of the largest --
+    and against the
     float64 oracle the reconstruction within one quantiser step of the largest coefficient
     (as the harness's float32 appends: a rounding moves a code by one step)."""
     sinks, window = exact
@@ -485,7 +487,11 @@ def test_decode_appends_in_the_kernels(coefficients, rotation, exact, monkeypatc
     assert served.count(True) == len(blocks) - 1  # every block but the prefill, in the kernels
     for a, b in blocks:
         oracle.append(keys[:, :, a:b].astype(np.float32).astype(np.float64), values[:, :, a:b].astype(np.float32).astype(np.float64))
-    got, want = _stored(runs[True]), _stored(runs[False])
+    if coefficients == "float":  # float32 rows as projected: the two sums' rounding apart
+        for name in ("key_coef", "value_coef"):
+            x, y = (getattr(runs[k].layout, name)[:, :, : runs[k].num_tokens].double() for k in (True, False))
+            assert float((x - y).abs().max()) <= 1e-5 * float(y.abs().max()), name
+    got, want = ({}, {}) if coefficients == "float" else (_stored(runs[True]), _stored(runs[False]))
     for name in want:
         if name == "num_tokens":
             assert got[name] == want[name]
@@ -497,7 +503,7 @@ def test_decode_appends_in_the_kernels(coefficients, rotation, exact, monkeypatc
         # scales, zero points, tail rows: the coefficients' extremes and the coefficients themselves
         x, y = got[name].double(), want[name].double()
         assert bool(((x - y).abs() <= 2.0**-9 * y.abs()).all()), name
-    step = {"int8": 1 / 127, "int4": 2 / 15, "int2": 2 / 3}[coefficients]
+    step = {"float": 1e-4, "int8": 1 / 127, "int4": 2 / 15, "int2": 2 / 3}[coefficients]  # float: the harness's float32 appends
     for name, x, y in zip(("K_hat", "V_hat"), runs[True].reconstruct(), oracle.reconstruct()):
         err, largest = np.abs(np.asarray(x, dtype=np.float64) - y).max(), np.abs(y).max()
         assert err <= step * largest, (name, err, largest)

@@ -35,6 +35,7 @@ MAX_ROW_BYTES = 256
 MAX_QUERIES = 64
 MAX_DIM = 512  # head size of a pre-RoPE state's rebuilt keys
 ROPE_BLOCK = 16  # positions per base angle of the rotation (ROPE_BLOCK in the source)
+FLOAT_ROWS = 32  # the kernels' `bits` of float32 coefficients (FLOAT_ROWS in the source)
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -138,13 +139,14 @@ def availability() -> tuple[bool, str]:
 
 def serves(q: torch.Tensor, state, dtype: torch.dtype) -> bool:
     """Whether :func:`coefficient_attention` serves queries ``q`` (N, H_q, d) on the torch
-    ``state`` in the work dtype ``dtype``: float32 work, int8 / int4 / int2 coefficients, CPU
+    ``state`` in the work dtype ``dtype``: float32 work, int8 / int4 / int2 coefficients (or a
+    pre-RoPE state's float32 ones: :func:`float_rows`), CPU
     tensors within the kernels' limits and lying as they read them, kernels available (the caller
     checks one chunk of bases, and that a pre-RoPE state is static). Elsewhere attend takes its
     torch-operations path."""
     lay = state.layout
     return (
-        (lay.quantized or bool(lay.low_bits))
+        (lay.quantized or bool(lay.low_bits) or float_rows(state))
         and dtype == torch.float32
         and q.is_cpu
         and lay.key_coef.is_cpu
@@ -154,6 +156,13 @@ def serves(q: torch.Tensor, state, dtype: torch.dtype) -> bool:
         and _load() is not None
         and kernel_sides(lay) is not None
     )
+
+
+def float_rows(state) -> bool:
+    """Whether the kernels read ``state``'s coefficients as float32 rows (FLOAT_ROWS in the
+    source): a pre-RoPE state (spec/rope.md P3) whose coefficients are not quantised."""
+    lay = state.layout
+    return getattr(state.policy, "rope", None) is not None and lay.key_coef.dtype == torch.float32 and lay.value_coef.dtype == torch.float32
 
 
 def _in_place(x: torch.Tensor | None) -> bool:
@@ -182,14 +191,15 @@ MAX_STORE_GROUP = 128
 def kernel_sides(layout) -> tuple[_Side, _Side] | None:
     """The ``_Side`` of ``layout``'s key and of its value coefficients as stored: int8 codes
     with per-token float32 scales (spec A10); int4 / int2 codes with float16 scales and zeros
-    per channel and group of keys, per value token (spec/quantization.md Q2). None when the
+    per channel and group of keys, per value token (spec/quantization.md Q2); float32 rows
+    without scales (:func:`float_rows`, strides counting floats). None when the
     arrays do not lie as the kernels read them (:func:`_in_place`); then the kernels serve
     nothing.
 
     They hold addresses and strides only, not the token count, so they are derived once per set
     of arrays and serve every decode step until an append grows them into new arrays: appends
     write tokens in place, and each call passes the count."""
-    if not layout.low_bits:
+    if not layout.low_bits:  # int8 with its scales, or float32 rows (FLOAT_ROWS) without
         keys = (layout.key_coef, layout.key_scale, None)
         values = (layout.value_coef, layout.value_scale, None)
     else:
@@ -201,6 +211,8 @@ def kernel_sides(layout) -> tuple[_Side, _Side] | None:
         if zero is not None and (zero.stride(1) != scale.stride(1) or scale.dtype != torch.float16 or zero.dtype != torch.float16):
             raise ValueError(f"scale and zero must be float16 arrays of one layout (spec/quantization.md Q2), got {scale.dtype}, {zero.dtype}")
         zero_ptr = None if zero is None else zero.data_ptr()
+        if scale is None:
+            return _Side(codes.data_ptr(), codes.stride(1), codes.shape[-1], rank, None, None, 0, group)
         return _Side(codes.data_ptr(), codes.stride(1), codes.shape[-1], rank, scale.data_ptr(), zero_ptr, scale.stride(1), group)
 
     def build() -> tuple[_Side, _Side] | None:
@@ -268,7 +280,8 @@ def coefficient_attention(
     rope: RopeKeys | None = None,
     exact: ExactTokens | None = None,
 ) -> torch.Tensor | None:
-    """Spec A2/A3 over a one-chunk int8 / int4 / int2 ``layout`` (N, H sequences and KV heads)
+    """Spec A2/A3 over a one-chunk int8 / int4 / int2 ``layout`` (or, pre-RoPE, float32 rows)
+    (N, H sequences and KV heads)
     for queries q (N, H_q, d) (float32 work; (H_q, d) when N = 1 gives (H_q, d_v) results),
     H_q = g H, in one call of the kernels: the projected
     queries by ``query_map`` (N H, d, r) = gamma scale B^T -- or, with ``rope`` (a pre-RoPE
@@ -289,7 +302,7 @@ def coefficient_attention(
     Hq, d = q.shape[-2:]
     N = q.shape[0] if q.dim() == 3 else 1
     H = layout.key_coef.shape[1]
-    T, bits = layout.num_tokens, layout.low_bits or 8
+    T, bits = layout.num_tokens, layout.low_bits or (8 if layout.quantized else FLOAT_ROWS)
     d_v = value_map.shape[2]
     if q.dtype != torch.float32 or not q.is_contiguous():
         q = q.to(torch.float32).contiguous()
@@ -298,7 +311,7 @@ def coefficient_attention(
         return None
     keys, values = sides
     tail, tail_stride = None, 0
-    if bits != 8 and T % layout.group:  # the unfinished group's keys, kept in float (spec/quantization.md Q2)
+    if layout.low_bits and T % layout.group:  # the unfinished group's keys, kept in float (spec/quantization.md Q2)
         tail = layout.key_tail
         if tail.dtype != torch.float32 or not _in_place(tail):
             tail = tail[:, :, : T % layout.group].to(torch.float32).contiguous()
@@ -419,16 +432,17 @@ def static_append(layout, keys: torch.Tensor, values: torch.Tensor, rope, first:
     """Spec A6 by the kernels (kernels/static_append.c): keys (N, H, n, d) and values (N, H, n,
     d_v) appended at tokens [T, T + n) of ``layout`` (T = its token count; rows past it are
     spare capacity, n <= :data:`APPEND_TOKENS`), projected on its bases as attention reads them
-    and stored as :func:`store_quantized` stores -- for a pre-RoPE state (``rope``) each key
-    first turned back to position 0 (spec/rope.md P2 step 1) from position first + T + t
-    (spec/window.md W10). Writes only rows past T and, for int4 / int2, sets ``layout.key_tail``
-    to a new tail. True when done; False, with nothing written, where the kernels do not serve
-    it (as :func:`store_quantized`: float32 work, so not a float64 state; blocks longer than
-    APPEND_TOKENS). Coefficients beyond
-    float16's range raise the oracle's ValueError with nothing the state reads changed."""
+    and stored as :func:`store_quantized` stores (float32 coefficients as they are) -- for a
+    pre-RoPE state (``rope``) each key first turned back to position 0 (spec/rope.md P2 step 1)
+    from position first + T + t (spec/window.md W10). Writes only rows past T and, for int4 /
+    int2, sets ``layout.key_tail`` to a new tail. True when done; False, with nothing written,
+    where the kernels do not serve it (as :func:`store_quantized`: float32 work, so not a
+    float64 state; blocks longer than APPEND_TOKENS). Coefficients beyond float16's range raise
+    the oracle's ValueError with nothing the state reads changed."""
     T, n = layout.num_tokens, keys.shape[2]
     float32_work = layout.dtype in (torch.float32, torch.float16, torch.bfloat16)  # a float64 state computes in float64: the torch path
-    if not ((layout.quantized or layout.low_bits) and float32_work and n <= APPEND_TOKENS and keys.is_cpu and values.is_cpu and layout.key_coef.is_cpu):
+    rows = layout.key_coef.dtype == torch.float32 and layout.value_coef.dtype == torch.float32  # float32 coefficients, kept as they are
+    if not ((layout.quantized or layout.low_bits or rows) and float32_work and n <= APPEND_TOKENS and keys.is_cpu and values.is_cpu and layout.key_coef.is_cpu):
         return False
     if layout.low_bits and (layout.key_tail.dtype != torch.float32 or not layout.key_tail.is_contiguous() or layout.group > MAX_STORE_GROUP):
         return False
@@ -446,7 +460,7 @@ def static_append(layout, keys: torch.Tensor, values: torch.Tensor, rope, first:
     tail = torch.zeros_like(layout.key_tail) if layout.low_bits else None  # the state's own tail is never written
     magnitude = ctypes.c_double()
     rc = _load().static_append(
-        layout.low_bits or 8, N * H, T, n, keys.data_ptr(), values.data_ptr(), d, d_v, key_basis.data_ptr(), value_basis.data_ptr(), unrotation,
+        layout.low_bits or (8 if layout.quantized else FLOAT_ROWS), N * H, T, n, keys.data_ptr(), values.data_ptr(), d, d_v, key_basis.data_ptr(), value_basis.data_ptr(), unrotation,
         first, None if tail is None else layout.key_tail.data_ptr(), None if tail is None else tail.data_ptr(), ctypes.byref(sides[0]),
         ctypes.byref(sides[1]), ctypes.byref(magnitude),
     )  # fmt: skip

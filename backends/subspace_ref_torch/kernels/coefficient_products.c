@@ -46,6 +46,9 @@ static inline float widen_half(half h) {
 /* Tokens per block of the value sums, whatever the vector width: the sums' rounding is that of
  * 16-token blocks added per tile, on every path (see rows_value_sums). */
 #define VALUE_BLOCK 16
+/* `bits` of float32 coefficients (a pre-RoPE state without quantisation): rows of `rank` floats,
+ * `head_stride` and `width` (= rank) counting floats, no scales. */
+#define FLOAT_ROWS 32
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
@@ -1000,10 +1003,11 @@ static void head_rope_logits(int bits, const struct coefficient_side *keys, int6
     const int64_t rank = keys->rank, m = rope->planes, width = keys->width, G = keys->group;
     const float *off_cos = rope->offsets, *off_sin = rope->offsets + ROPE_BLOCK * m;
     const double *step_cos = rope->turns, *step_sin = rope->turns + m;
-    const int64_t n = bits == 8 ? rank : (8 / bits) * width;
+    const int64_t n = bits == 8 || bits == FLOAT_ROWS ? rank : (8 / bits) * width;
     const uint8_t *codes = keys->codes + h * keys->head_stride;
+    const float *rows = (const float *)keys->codes + h * keys->head_stride; /* FLOAT_ROWS: strides count floats */
     int32_t order[8 * MAX_BYTES];
-    if (bits != 8) {
+    if (bits == 4 || bits == 2) {
         plane_order(rank, width, bits, order);
         for (int64_t j = 0; j < n; ++j)
             if (order[j] < 0)
@@ -1018,6 +1022,8 @@ static void head_rope_logits(int bits, const struct coefficient_side *keys, int6
         if (k == 0) rope_base(rope, t / ROPE_BLOCK, step_cos, step_sin, base_cos, base_sin, ca, sa);
         if (t >= complete) { /* the unfinished group's keys, in float */
             rebuild_key(key_tail + (t - complete) * rank, rank, B, d, key);
+        } else if (bits == FLOAT_ROWS) {
+            rebuild_key(rows + t * width, rank, B, d, key);
         } else if (bits == 8) {
             const int8_t *s8 = (const int8_t *)codes + t * width;
             const float scale = ((const float *)keys->scale + h * keys->scale_head_stride)[t];
@@ -1045,6 +1051,25 @@ static void head_rope_logits(int bits, const struct coefficient_side *keys, int6
             key[m + i] = ub * cs + ua * sn;
         }
         for (int64_t i = 0; i < queries; ++i) out[i * out_row_stride + t] = key_dot(q + i * d, key, d);
+    }
+}
+
+/* acc[i][k] += w[i][t] x_k(t) over `tokens` float rows of `rank` (FLOAT_ROWS values), summed per
+ * block of VALUE_BLOCK tokens and then added, as rows_value_sums adds its blocks. */
+static void float_value_sums(const float *rows, int64_t tokens, int64_t rank, int64_t queries, const float *w, int64_t w_row_stride, float *acc,
+                             float *blocks) {
+    for (int64_t t = 0; t < tokens; t += VALUE_BLOCK) {
+        const int64_t end = t + VALUE_BLOCK < tokens ? t + VALUE_BLOCK : tokens;
+        memset(blocks, 0, sizeof(float) * queries * rank);
+        for (int64_t u = t; u < end; ++u)
+            for (int64_t i = 0; i < queries; ++i) {
+                const float wt = w[i * w_row_stride + u], *x = rows + u * rank;
+                float *b = blocks + i * rank;
+#pragma omp simd
+                for (int64_t k = 0; k < rank; ++k) b[k] += wt * x[k];
+            }
+#pragma omp simd
+        for (int64_t k = 0; k < queries * rank; ++k) acc[k] += blocks[k];
     }
 }
 
@@ -1122,12 +1147,13 @@ int coefficient_attention(int bits, int64_t heads, int64_t queries, int64_t toke
                           const float *query_map, const struct coefficient_side *keys, const float *key_tail, int64_t tail_head_stride,
                           const struct rope_keys *rope, const struct coefficient_side *values, const float *value_map, int64_t d_v,
                           const struct exact_tokens *exact, float *out) {
-    if ((bits != 8 && bits != 4 && bits != 2) || queries > MAX_QUERIES || tile < 1 || keys->width > MAX_BYTES || values->width > MAX_BYTES ||
-        keys->width * (8 / bits) < keys->rank || values->width * (8 / bits) < values->rank || (bits != 8 && keys->group < 1) ||
-        (rope && (d > MAX_DIM || rope->planes < 1 || 2 * rope->planes > d)))
+    if ((bits != 8 && bits != 4 && bits != 2 && bits != FLOAT_ROWS) || (bits == FLOAT_ROWS && !rope)) return -1;
+    const int per = bits == FLOAT_ROWS ? 1 : 8 / bits;
+    const int low_bit = bits == 4 || bits == 2;
+    if (queries > MAX_QUERIES || tile < 1 || keys->width > MAX_BYTES || values->width > MAX_BYTES || keys->width * per < keys->rank ||
+        values->width * per < values->rank || (low_bit && keys->group < 1) || (rope && (d > MAX_DIM || rope->planes < 1 || 2 * rope->planes > d)))
         return -1;
-    const int per = 8 / bits;
-    const int64_t r = keys->rank, r_v = values->rank, complete = bits == 8 ? tokens : tokens / keys->group * keys->group;
+    const int64_t r = keys->rank, r_v = values->rank, complete = low_bit ? tokens / keys->group * keys->group : tokens;
     const int64_t key_n = per * keys->width, value_n = queries * per * values->width;
     const int64_t widest = d > d_v ? d : d_v, exact_count = exact ? exact->count[0] + exact->count[1] : 0;
     float *planes = malloc(sizeof(float) * (queries + 4) * key_n), *logits = malloc(sizeof(float) * (queries * tokens + 1));
@@ -1164,19 +1190,22 @@ int coefficient_attention(int bits, int64_t heads, int64_t queries, int64_t toke
                     logits[i * tokens + t] = plane_dot(projected + i * r, key_tail + h * tail_head_stride + (t - complete) * r, r);
         }
 
-        const float *value_scale = bits == 8 ? (const float *)values->scale + h * values->scale_head_stride : NULL;
+        const float *value_scale = bits == 8 ? (const float *)values->scale + h * values->scale_head_stride : NULL; /* int8: folded into w_t */
         float m[MAX_QUERIES], Z[MAX_QUERIES];
         for (int64_t i = 0; i < queries; ++i)
             row_weights(logits + i * tokens, tokens, tile, start[i], value_scale, m + i, Z + i);
 
         const uint8_t *vc = values->codes + h * values->head_stride;
-        const half *ts = bits == 8 ? NULL : (const half *)values->scale + h * values->scale_head_stride;
-        const half *tz = bits == 8 ? NULL : values->zero + h * values->scale_head_stride;
+        const float *vf = (const float *)values->codes + h * values->head_stride; /* FLOAT_ROWS: strides count floats */
+        const half *ts = low_bit ? (const half *)values->scale + h * values->scale_head_stride : NULL;
+        const half *tz = low_bit ? values->zero + h * values->scale_head_stride : NULL;
         memset(total, 0, sizeof(float) * value_n);
         for (int64_t a = 0; a < tokens; a += tile) {
             const int64_t len = tokens - a < tile ? tokens - a : tile;
             memset(part, 0, sizeof(float) * value_n);
-            if (bits == 8)
+            if (bits == FLOAT_ROWS)
+                float_value_sums(vf + a * values->width, len, values->width, queries, logits + a, tokens, part, blocks);
+            else if (bits == 8)
                 WITH_WIDTH(values->width, rows_value_sums(vc + a * values->width, len, tokens - a, W, 8, queries, logits + a, tokens, NULL, NULL, part, blocks));
             else if (bits == 4)
                 WITH_WIDTH(values->width, rows_value_sums(vc + a * values->width, len, tokens - a, W, 4, queries, logits + a, tokens, ts + a, tz + a, part, blocks));

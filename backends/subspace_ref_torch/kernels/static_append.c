@@ -1,4 +1,4 @@
-/* Spec A6 on a CPU core for a static state with quantised coefficients: the tokens of a decode
+/* Spec A6 on a CPU core for a static state with quantised or float32 coefficients: the tokens of a decode
  * step projected, c_t = B k_t and d_t = E v_t, and stored by the stores of quantized_stores.c; for
  * a pre-RoPE state (spec/rope.md P2 step 1) each key first turned back by R_p^{-1} at its
  * position p.
@@ -43,7 +43,8 @@ static void project_row(const float *basis, int64_t rank, int64_t d, const float
  * count, d_v) float32, bases (heads, rank, d) and (heads, rank_v, d_v) float32 as attention
  * reads them; with `rope`, key t sits at position first_position + a + t (spec/window.md W10).
  * `bits` 8: int8 stores (spec A10); 4 or 2: the int4 / int2 stores (spec Q2), the keys' rows of
- * the unfinished group from old_tail into new_tail (low_bit_store_keys). Returns 0; -1 for a
+ * the unfinished group from old_tail into new_tail (low_bit_store_keys); FLOAT_ROWS: float32
+ * coefficients, written as they are. Returns 0; -1 for a
  * shape beyond the buffers or memory; -2 with *magnitude set when a side's coefficients exceed
  * float16's range: then nothing the state reads has changed (rows past its tokens and a new
  * tail only). */
@@ -53,7 +54,7 @@ int static_append(int bits, int64_t heads, int64_t a, int64_t count, const float
                   double *magnitude) {
     const int64_t r = key_side->rank, r_v = value_side->rank;
     const int64_t planes = rope ? rope->planes : 0;
-    if (r > MAX_RANK || r_v > MAX_RANK || planes > MAX_DIM / 2 || (bits != 8 && bits != 4 && bits != 2)) return -1;
+    if (r > MAX_RANK || r_v > MAX_RANK || planes > MAX_DIM / 2 || (bits != 8 && bits != 4 && bits != 2 && bits != FLOAT_ROWS)) return -1;
     float *coef = malloc(sizeof(float) * (size_t)(heads * count * (r + r_v) + 1)), *turned = malloc(sizeof(float) * (size_t)(d + 1));
     if (!coef || !turned) {
         free(coef), free(turned);
@@ -84,7 +85,12 @@ int static_append(int bits, int64_t heads, int64_t a, int64_t count, const float
         }
     }
     int rc = 0;
-    if (bits == 8) {
+    if (bits == FLOAT_ROWS) { /* float32 rows (strides counting floats) take the coefficients as they are */
+        for (int64_t h = 0; h < heads; ++h) {
+            memcpy((float *)key_side->codes + h * key_side->head_stride + a * r, coef + h * count * r, sizeof(float) * (size_t)(count * r));
+            memcpy((float *)value_side->codes + h * value_side->head_stride + a * r_v, coef_v + h * count * r_v, sizeof(float) * (size_t)(count * r_v));
+        }
+    } else if (bits == 8) {
         int8_store(heads, a, count, coef, key_side);
         int8_store(heads, a, count, coef_v, value_side);
     } else if ((rc = low_bit_store_keys(bits, heads, a, count, coef, old_tail, new_tail, key_side, magnitude)) == 0) {

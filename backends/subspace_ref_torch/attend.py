@@ -441,7 +441,8 @@ def attend_one_chunk(q: torch.Tensor, state, scale: float | None, dtype: torch.d
 
 
 def kernel_attend(q: torch.Tensor, state, scale: float | None) -> torch.Tensor | None:
-    """Spec A2/A3 of a one-chunk int8/int4/int2 state on a CPU core (spec R14) in one call of
+    """Spec A2/A3 of a one-chunk int8/int4/int2 state (or a pre-RoPE state's float32
+    coefficients) on a CPU core (spec R14) in one call of
     the CPU kernels (``cpu_kernels.coefficient_attention``), for q (N, H_q, d) or, unbatched,
     (H_q, d) -> the output of q's shape with d_v columns, in q's dtype: query map, logits,
     softmax, value sums and value basis, each code read once, the logits never leaving the
@@ -483,7 +484,7 @@ def kernel_maps(state, d: int, scale: float | None) -> tuple[torch.Tensor, torch
 def kernels_serve(q: torch.Tensor, state, dtype: torch.dtype, chunks: int) -> bool:
     """Whether :func:`attend` takes the CPU kernels (:func:`kernel_attend`) for q (N, H_q,
     d) in work dtype ``dtype`` over ``chunks`` chunks in use: one chunk, no RoPE but a static
-    state's (spec/rope.md P3), quantised coefficients the kernels serve (``cpu_kernels.serves``)."""
+    state's (spec/rope.md P3), coefficients the kernels serve (``cpu_kernels.serves``)."""
     return (
         chunks == 1
         and (getattr(state.policy, "rope", None) is None or state.policy.kind == "static")
@@ -496,8 +497,8 @@ def attend_route(q: torch.Tensor, state):
     """The torch backend's ``Backend.attend_route``: :func:`kernel_attend` for queries like q
     (as the caller passes them) where :func:`attend` would take it -- a static (plain or
     pre-RoPE) or rotating (one chunk) int8/int4/int2 state, with or without exact tokens, that
-    the CPU kernels serve -- else None. Every fact it decides on is fixed over the state's life, but the arrays' lying in
-    place, which kernel_attend asks again."""
+    the CPU kernels serve -- else None. Every fact it decides on is fixed over the state's
+    life, but the arrays' lying in place, which kernel_attend asks again."""
     batched = q if state.batched else q[None]
     fixed_chunks = state.policy.kind in ("static", "rotating")  # an adaptive state's may grow
     served = fixed_chunks and kernels_serve(batched, state, work_dtype(batched, state), 1)

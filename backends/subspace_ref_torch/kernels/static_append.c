@@ -1,7 +1,7 @@
-/* Spec A6 on a CPU core for a static state with quantised or float32 coefficients: the tokens of a decode
- * step projected, c_t = B k_t and d_t = E v_t, and stored by the stores of quantized_stores.c; for
- * a pre-RoPE state (spec/rope.md P2 step 1) each key first turned back by R_p^{-1} at its
- * position p.
+/* Spec A6 on a CPU core for a static state with quantised or float32 coefficients: the tokens
+ * of a decode step projected, c_t = B k_t and d_t = E v_t, and stored by the stores of
+ * quantized_stores.c (float32 rows as they are); for a pre-RoPE state (spec/rope.md P2 step 1)
+ * each key first turned back by R_p^{-1} at its position p.
  *
  * Why a kernel of our own: a decode step appends one token, and its projection, un-rotation
  * and the two stores spelled in tensor operations were a dozen calls each costing more to start

@@ -165,6 +165,12 @@ def float_rows(state) -> bool:
     return getattr(state.policy, "rope", None) is not None and lay.key_coef.dtype == torch.float32 and lay.value_coef.dtype == torch.float32
 
 
+def _bits(layout) -> int:
+    """The kernels' ``bits`` of ``layout``'s coefficients: 4 or 2 (int4 / int2), 8 (int8), or
+    FLOAT_ROWS (float32 rows)."""
+    return layout.low_bits or (8 if layout.quantized else FLOAT_ROWS)
+
+
 def _in_place(x: torch.Tensor | None) -> bool:
     """Whether the kernels read ``x`` (N, H, rows[, width]) where it lies: its last axis
     contiguous, its (N, H) heads evenly spaced and its rows back to back, as every array a state
@@ -210,10 +216,8 @@ def kernel_sides(layout) -> tuple[_Side, _Side] | None:
         codes, scale, zero = arrays
         if zero is not None and (zero.stride(1) != scale.stride(1) or scale.dtype != torch.float16 or zero.dtype != torch.float16):
             raise ValueError(f"scale and zero must be float16 arrays of one layout (spec/quantization.md Q2), got {scale.dtype}, {zero.dtype}")
-        zero_ptr = None if zero is None else zero.data_ptr()
-        if scale is None:
-            return _Side(codes.data_ptr(), codes.stride(1), codes.shape[-1], rank, None, None, 0, group)
-        return _Side(codes.data_ptr(), codes.stride(1), codes.shape[-1], rank, scale.data_ptr(), zero_ptr, scale.stride(1), group)
+        pointer = lambda x: None if x is None else x.data_ptr()  # noqa: E731  (float rows have no scales, int8 no zeros)
+        return _Side(codes.data_ptr(), codes.stride(1), codes.shape[-1], rank, pointer(scale), pointer(zero), 0 if scale is None else scale.stride(1), group)
 
     def build() -> tuple[_Side, _Side] | None:
         if not all(map(_in_place, keys + values)):
@@ -302,7 +306,7 @@ def coefficient_attention(
     Hq, d = q.shape[-2:]
     N = q.shape[0] if q.dim() == 3 else 1
     H = layout.key_coef.shape[1]
-    T, bits = layout.num_tokens, layout.low_bits or (8 if layout.quantized else FLOAT_ROWS)
+    T, bits = layout.num_tokens, _bits(layout)
     d_v = value_map.shape[2]
     if q.dtype != torch.float32 or not q.is_contiguous():
         q = q.to(torch.float32).contiguous()
@@ -460,7 +464,7 @@ def static_append(layout, keys: torch.Tensor, values: torch.Tensor, rope, first:
     tail = torch.zeros_like(layout.key_tail) if layout.low_bits else None  # the state's own tail is never written
     magnitude = ctypes.c_double()
     rc = _load().static_append(
-        layout.low_bits or (8 if layout.quantized else FLOAT_ROWS), N * H, T, n, keys.data_ptr(), values.data_ptr(), d, d_v, key_basis.data_ptr(), value_basis.data_ptr(), unrotation,
+        _bits(layout), N * H, T, n, keys.data_ptr(), values.data_ptr(), d, d_v, key_basis.data_ptr(), value_basis.data_ptr(), unrotation,
         first, None if tail is None else layout.key_tail.data_ptr(), None if tail is None else tail.data_ptr(), ctypes.byref(sides[0]),
         ctypes.byref(sides[1]), ctypes.byref(magnitude),
     )  # fmt: skip

@@ -1108,20 +1108,9 @@ static float exact_terms(const struct exact_tokens *exact, int64_t h, float *l, 
     for (int64_t j = 0; j < count; ++j) l[j] -= m;
     softmax_exp(count, l, l);
     float Z = 0.0f;
-    int64_t j = 0;
-    for (int p = 0; p < 2; ++p)
-        for (int64_t u0 = 0; u0 < exact->count[p]; u0 += VALUE_BLOCK) {
-            const int64_t end = u0 + VALUE_BLOCK < exact->count[p] ? u0 + VALUE_BLOCK : exact->count[p];
-            memset(block, 0, sizeof(float) * d_v);
-            for (int64_t u = u0; u < end; ++u, ++j) {
-                const float w = l[j], *v = exact->values[p] + (h * exact->count[p] + u) * d_v;
-                Z += w;
-#pragma omp simd
-                for (int64_t e = 0; e < d_v; ++e) block[e] += w * v[e];
-            }
-#pragma omp simd
-            for (int64_t e = 0; e < d_v; ++e) o[e] += block[e];
-        }
+    for (int64_t j = 0; j < count; ++j) Z += l[j];
+    for (int p = 0, j = 0; p < 2; j += (int)exact->count[p], ++p)
+        if (exact->count[p]) float_value_sums(exact->values[p] + h * exact->count[p] * d_v, exact->count[p], d_v, 1, l + j, 0, o, block);
     return Z;
 }
 

@@ -273,7 +273,7 @@ def _decode_split_kernel(
                 # once more, to nearest even, to the bases' dtype, where the tensor-core products
                 # below take it exactly (the oracle's reading in that dtype, up to a double-rounding tie)
                 cf, df = low_bit_tile(kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, tail_base, t0 + offs_t, t_mask, offs_r, r_mask, offs_rv, rv_mask,
-                                      complete, kgroup, skc_t, svc_t, sks_t, svs_t, stl_t, BITS)
+                                      complete, kgroup, skc_t, svc_t, sks_t, svs_t, stl_t, r, r_v, BITS, R, RV)
                 if PARTS == 1:
                     c = cf
                     dvals = df

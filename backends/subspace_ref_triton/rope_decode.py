@@ -134,7 +134,7 @@ def _rope_split_kernel(
         else:
             # spec/quantization.md Q1-Q2 in float32, kept in float32 like every other operand here
             c, dvals = low_bit_tile(kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, tail_base, t0 + offs_t, t_mask, offs_r, r_mask, offs_rv, rv_mask,
-                                    complete, kgroup, skc_t, svc_t, sks_t, svs_t, stl_t, BITS)
+                                    complete, kgroup, skc_t, svc_t, sks_t, svs_t, stl_t, r, r_v, BITS, R, RV)
         # step 1: rebuild; step 2: rotate to positions S + t0 + k (spec/window.md W10: S sinks
         # before the compressed tokens; angle addition, scale a folded in)
         if NATIVE16:  # tensor cores, float32 sums of exact products (module docstring)

@@ -50,51 +50,50 @@ def to_storage(x, ptr, MANUAL_BF16: tl.constexpr):
 
 
 @triton.jit
-def unpack_codes(packed, BITS: tl.constexpr):
-    """The codes of a tile of packed rows (spec/quantization.md Q2: code i of a row in bits
-    [(i % P) BITS, (i % P + 1) BITS) of byte i // P, P = 8 / BITS), as int32, channels in order.
+def tile_codes(base, tok, rows, offs, n, stride, BITS: tl.constexpr, WIDTH: tl.constexpr, ROWS: tl.constexpr):
+    """The codes (int32) of channels ``offs`` (< ``n``; WIDTH of them) of the tokens ``tok`` whose
+    ``rows`` are set, from packed rows ``stride`` bytes apart (spec/quantization.md Q2: code i of a
+    row in bits [(i % P) BITS, (i % P + 1) BITS) of byte i // P, P = 8 / BITS); 0 elsewhere.
 
-    The rows are loaded whole (contiguous bytes, vectorised) and each code picks its byte from
-    registers (``tl.gather``). Loading one byte per code, as before, took 1.7x the time on an
-    H100 (docs/gpu.md, 2026-11-27). ``tl.interleave`` of the nibble planes was faster still, but
-    with Triton 3.6 on the H100 it gave wrong attention (errors ~0.5) when the tile fed a 16-bit
-    tensor-core product at R = 16 (44 GPU tests failed; the interpreter agreed with the oracle);
-    broadcasting and reshaping was correct and slower than the gather."""
-    packed = packed.to(tl.int32)
-    MASK: tl.constexpr = (1 << BITS) - 1
+    ``ROWS``: each token's row is loaded whole (contiguous, vectorised bytes) and every code takes
+    its byte from registers (``tl.gather``). Otherwise each code loads its own byte. On an H100
+    (2026-11-27, docs/gpu.md) the row reads took 0.58x the time with 16-bit bases (int4, N = 8,
+    T = 128k); with float32 bases they were not timed, and Triton 3.9's ptxas spills them (8 warps
+    on sm_80), so float32 bases keep the byte loads. ``tl.interleave`` of the nibble planes was
+    faster than the gather and gave wrong attention on the H100 (Triton 3.6) when the tile fed a
+    16-bit tensor-core product at WIDTH = 16, although the interpreter agreed with the oracle."""
     P: tl.constexpr = 8 // BITS
-    offs = tl.arange(0, packed.shape[1] * P)
-    idx = tl.broadcast_to((offs // P)[None, :], (packed.shape[0], packed.shape[1] * P))
-    codes = (tl.gather(packed, idx, 1) >> ((offs % P) * BITS)[None, :]) & MASK
-    return codes
+    MASK: tl.constexpr = (1 << BITS) - 1
+    if ROWS:
+        offs_b = tl.arange(0, WIDTH // P)
+        packed = tl.load(base + tok[:, None] * stride + offs_b[None, :], mask=rows[:, None] & (offs_b * P < n)[None, :], other=0).to(tl.int32)
+        byte = tl.gather(packed, tl.broadcast_to((offs // P)[None, :], (packed.shape[0], WIDTH)), 1)
+    else:
+        byte = tl.load(base + tok[:, None] * stride + (offs // P)[None, :], mask=rows[:, None] & (offs < n)[None, :], other=0).to(tl.int32)
+    return (byte >> ((offs % P) * BITS)[None, :]) & MASK
 
 
 @triton.jit
 def low_bit_tile(kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, tail_base, tok, t_mask, offs_r, r_mask, offs_rv, rv_mask,
-                 complete, kgroup, skc_t, svc_t, sks_t, svs_t, stl_t, r, r_v, BITS: tl.constexpr, R: tl.constexpr, RV: tl.constexpr):
+                 complete, kgroup, skc_t, svc_t, sks_t, svs_t, stl_t, r, r_v, BITS: tl.constexpr, R: tl.constexpr, RV: tl.constexpr,
+                 ROWS: tl.constexpr):
     """Spec/quantization.md Q1-Q2 for the tokens ``tok`` of one tile: the key and value
     coefficients (float32) of an int4/int2 layout, x = code * s + z. code * s is exact in float32
     (a BITS-bit integer times a float16), so the one rounding of the sum (FMA or not) is the
     oracle's float64 sum rounded to float32. Keys of complete groups from their codes with their
     group's per-channel scale and zero; keys of the unfinished group from ``key_tail`` (state
     dtype; its rows past T are never read); values per token. Zero points share the strides of
-    their scales. Codes are read as whole packed rows (R / P bytes per token, contiguous) and
-    unpacked in registers (:func:`unpack_codes`)."""
-    P: tl.constexpr = 8 // BITS
+    their scales. Codes: :func:`tile_codes` (``ROWS``: whole-row reads)."""
     coded = tok < complete
     k_m = (t_mask & coded)[:, None] & r_mask[None, :]
-    offs_kb = tl.arange(0, R // P)
-    kbytes = tl.load(kc_base + tok[:, None] * skc_t + offs_kb[None, :], mask=(t_mask & coded)[:, None] & (offs_kb * P < r)[None, :], other=0)
-    kcode = unpack_codes(kbytes, BITS).to(tl.float32)
+    kcode = tile_codes(kc_base, tok, t_mask & coded, offs_r, r, skc_t, BITS, R, ROWS).to(tl.float32)
     grp = tok // kgroup
     k_sc = tl.load(ks_base + grp[:, None] * sks_t + offs_r[None, :], mask=k_m, other=0.0).to(tl.float32)
     k_ze = tl.load(kz_base + grp[:, None] * sks_t + offs_r[None, :], mask=k_m, other=0.0).to(tl.float32)
     tail_m = (t_mask & (tok >= complete))[:, None] & r_mask[None, :]
     k_tl = tl.load(tail_base + (tok - complete)[:, None] * stl_t + offs_r[None, :], mask=tail_m, other=0.0).to(tl.float32)
     keys = tl.where(coded[:, None], kcode * k_sc + k_ze, k_tl)
-    offs_vb = tl.arange(0, RV // P)
-    vbytes = tl.load(vc_base + tok[:, None] * svc_t + offs_vb[None, :], mask=t_mask[:, None] & (offs_vb * P < r_v)[None, :], other=0)
-    vcode = unpack_codes(vbytes, BITS).to(tl.float32)
+    vcode = tile_codes(vc_base, tok, t_mask, offs_rv, r_v, svc_t, BITS, RV, ROWS).to(tl.float32)
     v_sc = tl.load(vs_base + tok * svs_t, mask=t_mask, other=0.0).to(tl.float32)
     v_ze = tl.load(vz_base + tok * svs_t, mask=t_mask, other=0.0).to(tl.float32)
     return keys, vcode * v_sc[:, None] + v_ze[:, None]

@@ -66,6 +66,12 @@ MIN_SPLIT_TOKENS = 256
 # Resident split programs per SM when the compiled kernel cannot be asked (the offline compile
 # report's figure for the benchmark's shape: 179 registers x 4 warps -> 2 per SM on sm_90).
 FALLBACK_RESIDENT = 2
+# The bf16 int4 default (64-token tiles, 4 warps) spills 36-40 bytes on sm_90 under Triton 3.9's ptxas,
+# which then keeps 168 registers (3 programs per SM); the report lists it as spilling by choice.
+LOW_BIT_SPILLS_MEASURED = (
+    "spills under Triton 3.9's ptxas; on an H100 with Triton 3.6 (235 registers) 1734-1759 us at N = 8, T = 128k, the fastest of the "
+    "tile/warp sweep, against 2219 us for a form of the low-bit tile that does not spill under 3.9 (an additive tail): docs/gpu.md"
+)
 # 16-bit pieces a float32 operand is cut into for a tensor-core product with exact 16-bit
 # coefficients: 2 x 11 bits for float16, 3 x 8 bits for bfloat16 (float32 has 24).
 _PARTS = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
@@ -159,6 +165,7 @@ def _decode_split_kernel(
     # The dtype the per-token products run in: the bases' (int8 coefficients, spec A10, are
     # converted to it exactly: |q| <= 127 fits the 8-bit mantissa of bfloat16).
     COEF = kb_ptr.dtype.element_ty
+    ROWS: tl.constexpr = PARTS > 1  # low-bit codes read as whole rows (16-bit bases: _tl.tile_codes)
 
     offs_g = tl.arange(0, G)
     offs_dv = tl.arange(0, DV)
@@ -273,7 +280,7 @@ def _decode_split_kernel(
                 # once more, to nearest even, to the bases' dtype, where the tensor-core products
                 # below take it exactly (the oracle's reading in that dtype, up to a double-rounding tie)
                 cf, df = low_bit_tile(kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, tail_base, t0 + offs_t, t_mask, offs_r, r_mask, offs_rv, rv_mask,
-                                      complete, kgroup, skc_t, svc_t, sks_t, svs_t, stl_t, r, r_v, BITS, R, RV)
+                                      complete, kgroup, skc_t, svc_t, sks_t, svs_t, stl_t, r, r_v, BITS, R, RV, ROWS)
                 if PARTS == 1:
                     c = cf
                     dvals = df
@@ -483,9 +490,10 @@ def launch_config(d: int, d_v: int, dtype=None, int8: bool = False, bits: int = 
     * int8 coefficients (spec A10) with 16-bit bases: 64-token tiles, 4 warps (255 / 250
       registers, 2 per SM; 32-token tiles spill 44 bytes on sm_80);
     * int4/int2 coefficients (spec/quantization.md Q2) with 16-bit bases: 64-token tiles, 4 warps
-      (215-226 registers, 2 per SM, no spills eager or graph-capturable on either arch; 32-token
-      tiles take 167 eagerly but the graph-capturable bf16 build spills 8 bytes on sm_90, and
-      16-token tiles spill 8-16 bytes there too);
+      (179-237 registers, 2 per SM; bf16 int4 on sm_90 keeps 168 and spills 36-40 bytes under
+      Triton 3.9's ptxas, kept because it timed fastest on an H100: LOW_BIT_SPILLS_MEASURED; the
+      H100's sweep, docs/gpu.md 2026-11-27: 32-token tiles 1.4x, 128-token 1.1x, 8 warps 1.6-2.8x
+      the time);
     * float32 bases: 64-token tiles, 8 warps (114 registers: 2 programs of 8 warps; 4 warps take
       194; with int8 coefficients 180, where 4 warps spill 28 bytes on sm_90; int4/int2: 180-182);
     * head sizes above 128: 32-token tiles and 8 warps, which spill least at 256.

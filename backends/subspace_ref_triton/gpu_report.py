@@ -138,12 +138,17 @@ def triton_launches(exhaustive: bool = False):
     return out
 
 
-def measured_defaults() -> dict[str, str]:
-    """Kernels whose default launch configuration was chosen by GPU timings over the compile
-    report's rule (no spill, then the most resident warps), with why."""
-    from subspace_ref_triton import rope_decode
+def measured_defaults() -> dict[tuple[str, str], str]:
+    """Default launches chosen by GPU timings over the compile report's rule (no spill, then the
+    most resident warps), with why: keyed by (kernel, configuration) prefixes ("decode split"
+    covers its graph-capturable variant; "" every configuration)."""
+    from subspace_ref_triton import decode, rope_decode
 
-    return {"decode rope": rope_decode.SPILLS_MEASURED}
+    return {("decode rope", ""): rope_decode.SPILLS_MEASURED, ("decode split", "bf16 int4 "): decode.LOW_BIT_SPILLS_MEASURED}
+
+
+def _measured_reason(measured: dict[tuple[str, str], str], kernel: str, config: str) -> str:
+    return next((why for (k, c), why in measured.items() if kernel.startswith(k) and config.startswith(c)), "")
 
 
 def triton_rows(exhaustive: bool = False) -> list[Row]:
@@ -155,7 +160,7 @@ def triton_rows(exhaustive: bool = False) -> list[Row]:
         for arch in ARCHS:
             res = launch_resources(launch, arch)
             rows.append(Row("triton", kernel, label, default, arch, res.registers, res.spill_stores, res.spill_loads, res.stack, res.shared, res.num_warps,
-                            measured=measured.get(kernel, "") if default else ""))
+                            measured=_measured_reason(measured, kernel, label) if default else ""))
     return rows
 
 

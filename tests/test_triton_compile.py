@@ -76,6 +76,19 @@ def test_no_default_configuration_spills(default_rows):
     assert all("docs/gpu.md" in r["measured"] for r in default_rows if r["measured"])
 
 
+def test_spill_exemptions_cover_only_their_configurations():
+    """An exemption names its kernel and configuration: the bf16 int4 split default (eager and
+    graph-capturable) and the pre-RoPE kernel, not the other split defaults."""
+    from subspace_ref_triton import gpu_report
+
+    measured = gpu_report.measured_defaults()
+    assert gpu_report.measured_reason(measured, "decode split", "bf16 int4 d=128 r=32 g=4 bt=64 w=4")
+    assert gpu_report.measured_reason(measured, "decode split (graph)", "bf16 int4 d=128 r=32 g=4 bt=64 w=4")
+    assert gpu_report.measured_reason(measured, "decode rope", "fp32 d=128 r=32 g=4 bt=32 w=4")
+    for config in ("bf16 int2 d=128 r=32 g=4 bt=64 w=4", "fp16 int4 d=128 r=32 g=4 bt=64 w=4", "fp32 int4 d=128 r=32 g=4 bt=64 w=8", "bf16 d=128 r=32 g=4 bt=32 w=4"):
+        assert not gpu_report.measured_reason(measured, "decode split", config), config
+
+
 def test_the_launch_is_specialised(default_rows):
     """With the divisibility attributes of a real launch the bf16 split kernel at the benchmark's
     shape needs well under the 255 registers of the unspecialised compile, and fits >= 2 per SM."""

@@ -147,7 +147,8 @@ def measured_defaults() -> dict[tuple[str, str], str]:
     return {("decode rope", ""): rope_decode.SPILLS_MEASURED, ("decode split", "bf16 int4 "): decode.LOW_BIT_SPILLS_MEASURED}
 
 
-def _measured_reason(measured: dict[tuple[str, str], str], kernel: str, config: str) -> str:
+def measured_reason(measured: dict[tuple[str, str], str], kernel: str, config: str) -> str:
+    """Why the default ``config`` of ``kernel`` may spill ("" when it may not)."""
     return next((why for (k, c), why in measured.items() if kernel.startswith(k) and config.startswith(c)), "")
 
 
@@ -160,7 +161,7 @@ def triton_rows(exhaustive: bool = False) -> list[Row]:
         for arch in ARCHS:
             res = launch_resources(launch, arch)
             rows.append(Row("triton", kernel, label, default, arch, res.registers, res.spill_stores, res.spill_loads, res.stack, res.shared, res.num_warps,
-                            measured=_measured_reason(measured, kernel, label) if default else ""))
+                            measured=measured_reason(measured, kernel, label) if default else ""))
     return rows
 
 

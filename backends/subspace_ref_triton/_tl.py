@@ -50,8 +50,8 @@ def to_storage(x, ptr, MANUAL_BF16: tl.constexpr):
 
 
 @triton.jit
-def tile_codes(base, tok, rows, offs, n, stride, BITS: tl.constexpr, WIDTH: tl.constexpr, ROWS: tl.constexpr):
-    """The codes (int32) of channels ``offs`` (< ``n``; WIDTH of them) of the tokens ``tok`` whose
+def tile_codes(base, tok, rows, offs, n, stride, BITS: tl.constexpr, ROWS: tl.constexpr):
+    """The codes (int32) of channels ``offs`` (those < ``n`` read) of the tokens ``tok`` whose
     ``rows`` are set, from packed rows ``stride`` bytes apart (spec/quantization.md Q2: code i of a
     row in bits [(i % P) BITS, (i % P + 1) BITS) of byte i // P, P = 8 / BITS); 0 elsewhere.
 
@@ -61,9 +61,10 @@ def tile_codes(base, tok, rows, offs, n, stride, BITS: tl.constexpr, WIDTH: tl.c
     T = 128k); with float32 bases they were not timed, and Triton 3.9's ptxas spills them (8 warps
     on sm_80), so float32 bases keep the byte loads. ``tl.interleave`` of the nibble planes was
     faster than the gather and gave wrong attention on the H100 (Triton 3.6) when the tile fed a
-    16-bit tensor-core product at WIDTH = 16, although the interpreter agreed with the oracle."""
+    16-bit tensor-core product at 16 channels, although the interpreter agreed with the oracle."""
     P: tl.constexpr = 8 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
+    WIDTH: tl.constexpr = offs.shape[0]
     if ROWS:
         offs_b = tl.arange(0, WIDTH // P)
         packed = tl.load(base + tok[:, None] * stride + offs_b[None, :], mask=rows[:, None] & (offs_b * P < n)[None, :], other=0).to(tl.int32)
@@ -75,8 +76,7 @@ def tile_codes(base, tok, rows, offs, n, stride, BITS: tl.constexpr, WIDTH: tl.c
 
 @triton.jit
 def low_bit_tile(kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, tail_base, tok, t_mask, offs_r, r_mask, offs_rv, rv_mask,
-                 complete, kgroup, skc_t, svc_t, sks_t, svs_t, stl_t, r, r_v, BITS: tl.constexpr, R: tl.constexpr, RV: tl.constexpr,
-                 ROWS: tl.constexpr):
+                 complete, kgroup, skc_t, svc_t, sks_t, svs_t, stl_t, r, r_v, BITS: tl.constexpr, ROWS: tl.constexpr):
     """Spec/quantization.md Q1-Q2 for the tokens ``tok`` of one tile: the key and value
     coefficients (float32) of an int4/int2 layout, x = code * s + z. code * s is exact in float32
     (a BITS-bit integer times a float16), so the one rounding of the sum (FMA or not) is the
@@ -86,14 +86,14 @@ def low_bit_tile(kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, tail_base
     their scales. Codes: :func:`tile_codes` (``ROWS``: whole-row reads)."""
     coded = tok < complete
     k_m = (t_mask & coded)[:, None] & r_mask[None, :]
-    kcode = tile_codes(kc_base, tok, t_mask & coded, offs_r, r, skc_t, BITS, R, ROWS).to(tl.float32)
+    kcode = tile_codes(kc_base, tok, t_mask & coded, offs_r, r, skc_t, BITS, ROWS).to(tl.float32)
     grp = tok // kgroup
     k_sc = tl.load(ks_base + grp[:, None] * sks_t + offs_r[None, :], mask=k_m, other=0.0).to(tl.float32)
     k_ze = tl.load(kz_base + grp[:, None] * sks_t + offs_r[None, :], mask=k_m, other=0.0).to(tl.float32)
     tail_m = (t_mask & (tok >= complete))[:, None] & r_mask[None, :]
     k_tl = tl.load(tail_base + (tok - complete)[:, None] * stl_t + offs_r[None, :], mask=tail_m, other=0.0).to(tl.float32)
     keys = tl.where(coded[:, None], kcode * k_sc + k_ze, k_tl)
-    vcode = tile_codes(vc_base, tok, t_mask, offs_rv, r_v, svc_t, BITS, RV, ROWS).to(tl.float32)
+    vcode = tile_codes(vc_base, tok, t_mask, offs_rv, r_v, svc_t, BITS, ROWS).to(tl.float32)
     v_sc = tl.load(vs_base + tok * svs_t, mask=t_mask, other=0.0).to(tl.float32)
     v_ze = tl.load(vz_base + tok * svs_t, mask=t_mask, other=0.0).to(tl.float32)
     return keys, vcode * v_sc[:, None] + v_ze[:, None]

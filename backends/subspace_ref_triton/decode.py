@@ -165,7 +165,7 @@ def _decode_split_kernel(
     # The dtype the per-token products run in: the bases' (int8 coefficients, spec A10, are
     # converted to it exactly: |q| <= 127 fits the 8-bit mantissa of bfloat16).
     COEF = kb_ptr.dtype.element_ty
-    ROWS: tl.constexpr = PARTS > 1  # low-bit codes read as whole rows (16-bit bases: _tl.tile_codes)
+    ROWS: tl.constexpr = COEF != tl.float32  # low-bit codes read as whole rows with 16-bit bases (_tl.tile_codes)
 
     offs_g = tl.arange(0, G)
     offs_dv = tl.arange(0, DV)
@@ -280,7 +280,7 @@ def _decode_split_kernel(
                 # once more, to nearest even, to the bases' dtype, where the tensor-core products
                 # below take it exactly (the oracle's reading in that dtype, up to a double-rounding tie)
                 cf, df = low_bit_tile(kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, tail_base, t0 + offs_t, t_mask, offs_r, r_mask, offs_rv, rv_mask,
-                                      complete, kgroup, skc_t, svc_t, sks_t, svs_t, stl_t, r, r_v, BITS, R, RV, ROWS)
+                                      complete, kgroup, skc_t, svc_t, sks_t, svs_t, stl_t, r, r_v, BITS, ROWS)
                 if PARTS == 1:
                     c = cf
                     dvals = df

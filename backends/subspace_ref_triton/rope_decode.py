@@ -91,7 +91,7 @@ def _rope_split_kernel(
     qb = tl.load(q_rows + dim_b[None, :], mask=g_mask[:, None] & m_mask[None, :], other=0.0).to(tl.float32)
     kb_rows = kb_ptr + n * skb_n + h * skb_h + offs_r[:, None] * skb_r
     COEF = kb_ptr.dtype.element_ty  # the rebuild's operand type: float32, or the 16-bit bases' (NATIVE16)
-    ROWS: tl.constexpr = kb_ptr.dtype.element_ty != tl.float32  # low-bit codes read as whole rows (_tl.tile_codes)
+    ROWS: tl.constexpr = COEF != tl.float32  # low-bit codes read as whole rows with 16-bit bases (_tl.tile_codes)
     if not NATIVE16:
         COEF = tl.float32
     Ba = tl.load(kb_rows + dim_a[None, :], mask=r_mask[:, None] & m_mask[None, :], other=0.0).to(COEF)  # (R, M)
@@ -135,7 +135,7 @@ def _rope_split_kernel(
         else:
             # spec/quantization.md Q1-Q2 in float32, kept in float32 like every other operand here
             c, dvals = low_bit_tile(kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, tail_base, t0 + offs_t, t_mask, offs_r, r_mask, offs_rv, rv_mask,
-                                    complete, kgroup, skc_t, svc_t, sks_t, svs_t, stl_t, r, r_v, BITS, R, RV, ROWS)
+                                    complete, kgroup, skc_t, svc_t, sks_t, svs_t, stl_t, r, r_v, BITS, ROWS)
         # step 1: rebuild; step 2: rotate to positions S + t0 + k (spec/window.md W10: S sinks
         # before the compressed tokens; angle addition, scale a folded in)
         if NATIVE16:  # tensor cores, float32 sums of exact products (module docstring)

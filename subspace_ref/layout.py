@@ -171,18 +171,22 @@ class PackedLayout:
         copied = {f.name: copy.deepcopy(getattr(self, f.name), memo) for f in fields(self) if f.name != "_derived"}
         return replace(self, _derived={}, **copied)
 
-    def derived(self, key: Any, sources: tuple, build, writes: bool = True) -> Any:
+    def derived(self, key: Any, sources: tuple, build, writes: bool = True, views: tuple = ()) -> Any:
         """``build()``, computed once per ``key`` and reused while every torch tensor in
         ``sources`` (None entries allowed) is the same object and, when ``writes`` (a value
         derived from the data), has the same version counter (torch bumps it on every in-place
-        write; views of the sources pass ``writes=False``): what attention reads on every call,
-        kept across appends that leave its sources alone."""
+        write; views of the sources pass ``writes=False``), and every array in ``views`` (what
+        the value points into, whose data it does not hold: the coefficient arrays a kernel
+        call reads) is the same object: what attention reads on every call, kept across appends
+        that leave its sources alone."""
         stamp = tuple([(id(x), x._version) for x in sources if x is not None]) if writes else tuple(map(id, sources))
+        if views:
+            stamp += tuple(map(id, views))
         hit = self._derived.get(key)
         if hit is not None and hit[0] == stamp:
             return hit[2]
         out = build()
-        self._derived[key] = (stamp, sources, out)  # the sources are held so that their ids stay theirs
+        self._derived[key] = (stamp, (sources, views), out)  # the arrays are held so that their ids stay theirs
         return out
 
     def store_basis(self, which: str, index: tuple, x: Any) -> Any:

@@ -108,8 +108,12 @@ def _admission(backend: str, q: Any) -> tuple | None:
     shape = getattr(q, "shape", None)
     if shape is None:
         return None
-    # by name: a CuPy Device is unhashable, and a set of admissions needs hashable keys
-    return (backend, type(q), str(getattr(q, "dtype", None)), str(getattr(q, "device", None)), tuple(shape))
+    key = (backend, type(q), getattr(q, "dtype", None), getattr(q, "device", None), tuple(shape))
+    try:
+        hash(key)
+    except TypeError:  # a CuPy Device is unhashable: by name (str() of a torch device costs more than the hash)
+        key = (backend, type(q), str(key[2]), str(key[3]), key[4])
+    return key
 
 
 def _admit(q: Any, state, backend: str, impl) -> Any:

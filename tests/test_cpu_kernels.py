@@ -109,8 +109,8 @@ def test_attend_within_the_derived_tolerance(coefficients, window, group, ranks,
     out64 = sr.attend(q, state)
     calls = []
     if kernels:
-        real = cpu_kernels.coefficient_attention
-        monkeypatch.setattr(cpu_kernels, "coefficient_attention", lambda *a, **k: calls.append(a) or real(*a, **k))
+        real = cpu_kernels.KernelCall.__call__
+        monkeypatch.setattr(cpu_kernels.KernelCall, "__call__", lambda self, *a, **k: calls.append(a) or real(self, *a, **k))
     else:
         monkeypatch.setattr(cpu_kernels, "serves", lambda q, state, dtype: False)
     got = sr.attend(torch.from_numpy(q).float(), state.to("torch", dtype=torch.float32), backend="torch").double().numpy()
@@ -125,7 +125,7 @@ def test_beyond_the_kernel_limits_is_a_clear_error():
     state = _state("int8", 8, 0, (4, 4), np.random.default_rng(0)).to("torch", dtype=torch.float32)
     maps = torch_attend.one_chunk_maps(state, 96, None, torch.float32)
     with pytest.raises(ValueError, match="query heads per KV head <= 64"):
-        cpu_kernels.coefficient_attention(torch.zeros((2, 3 * 65, 96)), state.layout, maps[0], maps[1], 1024)
+        cpu_kernels.KernelCall.of(state.layout, maps[0], maps[1])(torch.zeros((2, 3 * 65, 96)), state.layout, 1024)
 
 
 @pytest.fixture(params=["native", "portable", "scalar"], ids=["kernels", "portable-kernels", "scalar-kernels"])
@@ -178,11 +178,11 @@ def test_low_bit_rows_read_bit_for_bit_as_the_oracle(coefficients, ranks):
 
 @pytest.mark.parametrize("coefficients", ["int8", "int4"])
 def test_a_decode_loop_reads_every_append_and_keeps_one_binding(coefficients):
-    """What the kernels hold between calls is addresses and strides only (``kernel_sides``): a
-    decode loop appends one token and attends, crossing key-group ends and a growth of the
-    arrays into new ones; every step must read the tokens appended so far (within the derived
-    tolerance of the oracle over the same stored state), and the layout must keep one binding,
-    not one per token count. (The oracle's own appends would store other codes where float32
+    """What the kernels hold between calls is addresses and strides only (``kernel_sides``, and
+    the call prepared over them, ``kernel_call``): a decode loop appends one token and attends,
+    crossing key-group ends and a growth of the arrays into new ones; every step must read the
+    tokens appended so far (within the derived tolerance of the oracle over the same stored
+    state), and the layout must keep one binding of each, not one per token count. (The oracle's own appends would store other codes where float32
     projections round across a quantisation step: the appends are compared elsewhere.)"""
     if not cpu_kernels.availability()[0]:
         pytest.skip(f"CPU kernels unavailable: {cpu_kernels.availability()[1]}")
@@ -198,9 +198,40 @@ def test_a_decode_loop_reads_every_append_and_keeps_one_binding(coefficients):
         got = sr.attend(torch.from_numpy(q).float(), state, backend="torch").double().numpy()
         assert np.abs(got - out64).max() <= tolerance(reference_error(oracle, q, None, out64, "float32"), out64, "float32"), step
         kernel_entries = [key for key in state.layout._derived if "kernel" in str(key)]
-        assert kernel_entries == ["kernel_sides"], kernel_entries
+        assert kernel_entries == ["kernel_sides", ("kernel_call", 96, 1 / np.sqrt(96))], kernel_entries
         addresses.add(state.layout.key_coef.data_ptr())
     assert len(addresses) > 1, "the loop must cross a growth of the coefficient arrays"
+
+
+@pytest.mark.parametrize("coefficients", ["int8", "int4"])
+def test_the_prepared_call_rereads_bases_gamma_and_scale_after_writes(coefficients):
+    """The kernels' call is prepared once (``kernel_call``) and found by one lookup per step:
+    an in-place write to the bases or gamma, an append and another logit scale must each show
+    in the next result (a stale call fails here), within the derived tolerance of the oracle
+    over the same stored state."""
+    if not cpu_kernels.availability()[0]:
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.availability()[1]}")
+    rng = np.random.default_rng(zlib.crc32(coefficients.encode()) + 3 + SEED_OFFSET)
+    state = _state(coefficients, 70, 0, (11, 9), rng).to("torch", dtype=torch.float32)
+    q = rng.standard_normal((2, 3, 96)) * 2
+
+    def check(scale=None):
+        oracle = state.to("numpy", dtype="float64")
+        out64 = sr.attend(q, oracle, scale=scale)
+        got = sr.attend(torch.from_numpy(q).float(), state, backend="torch", scale=scale).double().numpy()
+        assert np.abs(got - out64).max() <= tolerance(reference_error(oracle, q, scale, out64, "float32"), out64, "float32")
+        return got
+
+    first = check()
+    state.layout.gamma.mul_(1.7)
+    second = check()
+    state.layout.key_bases[1, 2, 0, 3] *= -1
+    state.layout.value_bases[0, 1, 0, 2] *= 0.5
+    third = check()
+    state.append(torch.from_numpy(rng.standard_normal((2, 3, 96)) * 3).float(), torch.from_numpy(rng.standard_normal((2, 3, 96))).float())
+    check()
+    check(scale=0.3)
+    assert not np.array_equal(first, second) and not np.array_equal(second, third)
 
 
 def test_a_deep_copy_attends_over_its_own_arrays():
@@ -340,8 +371,8 @@ def test_pre_rope_attend_within_the_derived_tolerance(coefficients, rotation, ra
     q = rng.standard_normal((2, 2 * H, d)) * 2
     out64 = sr.attend(q, state)
     calls = []
-    real = cpu_kernels.coefficient_attention
-    monkeypatch.setattr(cpu_kernels, "coefficient_attention", lambda *a, **k: calls.append(k.get("rope", a[5] if len(a) > 5 else None)) or real(*a, **k))
+    real = cpu_kernels.KernelCall.__call__
+    monkeypatch.setattr(cpu_kernels.KernelCall, "__call__", lambda self, *a, **k: calls.append(self.rope) or real(self, *a, **k))
     got = sr.attend(torch.from_numpy(q).float(), state.to("torch", dtype=torch.float32), backend="torch").double().numpy()
     assert len(calls) == 1 and calls[0] is not None  # the kernels served it, keys rotated
     err = float(np.abs(got - out64).max())

@@ -442,22 +442,38 @@ def attend_one_chunk(q: torch.Tensor, state, scale: float | None, dtype: torch.d
 
 def kernel_attend(q: torch.Tensor, state, scale: float | None) -> torch.Tensor | None:
     """Spec A2/A3 of a one-chunk int8/int4/int2 state (or a pre-RoPE state's float32
-    coefficients) on a CPU core (spec R14) in one call of
-    the CPU kernels (``cpu_kernels.coefficient_attention``), for q (N, H_q, d) or, unbatched,
-    (H_q, d) -> the output of q's shape with d_v columns, in q's dtype: query map, logits,
-    softmax, value sums and value basis, each code read once, the logits never leaving the
-    core's cache; a windowed state's exact tokens (sinks, recent window) join the same softmax
-    in the call (spec/window.md W3). The maps are derived once per bases; no tensor operation but
-    the output's allocation. None when the state's arrays no longer lie as the kernels read them.
+    coefficients) on a CPU core (spec R14) in one call of the CPU kernels (:func:`kernel_call`),
+    for q (N, H_q, d) or, unbatched, (H_q, d) -> the output of q's shape with d_v columns, in
+    q's dtype: query map, logits, softmax, value sums and value basis, each code read once, the
+    logits never leaving the core's cache; a windowed state's exact tokens (sinks, recent
+    window) join the same softmax in the call (spec/window.md W3). No tensor operation but the
+    output's allocation. None when the state's arrays no longer lie as the kernels read them.
     What a decode step runs (:func:`attend_route`)."""
-    lay = state.layout
     d = q.shape[-1]
-    query_map, value_map, rope = kernel_maps(state, d, scale)
-    exact = cpu_kernels.exact_tokens(state.window, 1.0 / math.sqrt(d) if scale is None else float(scale))
-    out = cpu_kernels.coefficient_attention(q, lay, query_map, value_map, token_tiles(lay.num_tokens).step, rope, exact)
-    if out is None:
+    call = kernel_call(state, d, scale)
+    if call is None:
         return None
+    lay = state.layout
+    exact = None if state.window is None else cpu_kernels.exact_tokens(state.window, 1.0 / math.sqrt(d) if scale is None else float(scale))
+    out = call(q, lay, token_tiles(lay.num_tokens).step, exact)
     return out if out.dtype == q.dtype else out.to(q.dtype)
+
+
+def kernel_call(state, d: int, scale: float | None) -> cpu_kernels.KernelCall | None:
+    """The :class:`~subspace_ref_torch.cpu_kernels.KernelCall` of a one-chunk state for head
+    size d and logit scale ``scale``: its maps (:func:`kernel_maps`) and coefficient arrays
+    prepared once, in one lookup per decode step that checks the bases (content: version
+    counters) and the coefficient arrays (identity: appends write them in place, a growth
+    replaces them). None where the arrays do not lie as the kernels read them."""
+    lay = state.layout
+    s = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    sources = (lay.key_bases, lay.key_basis_scale, lay.value_bases, lay.value_basis_scale, lay.gamma)  # what the maps derive from
+
+    def build():
+        query_map, value_map, rope = kernel_maps(state, d, scale)
+        return cpu_kernels.KernelCall.of(lay, query_map, value_map, rope)
+
+    return lay.derived(("kernel_call", d, s), sources, build, views=cpu_kernels.side_arrays(lay))
 
 
 def kernel_maps(state, d: int, scale: float | None) -> tuple[torch.Tensor, torch.Tensor, cpu_kernels.RopeKeys | None]:
@@ -547,6 +563,7 @@ __all__ = [
     "attend_one_chunk",
     "attend_route",
     "kernel_attend",
+    "kernel_call",
     "kernels_serve",
     "one_chunk_float",
     "one_chunk_maps",

@@ -138,7 +138,7 @@ def availability() -> tuple[bool, str]:
 
 
 def serves(q: torch.Tensor, state, dtype: torch.dtype) -> bool:
-    """Whether :func:`coefficient_attention` serves queries ``q`` (N, H_q, d) on the torch
+    """Whether a :class:`KernelCall` serves queries ``q`` (N, H_q, d) on the torch
     ``state`` in the work dtype ``dtype``: float32 work, int8 / int4 / int2 coefficients (or a
     pre-RoPE state's float32 ones: :func:`float_rows`), CPU
     tensors within the kernels' limits and lying as they read them, kernels available (the caller
@@ -194,6 +194,15 @@ MAX_STORE_RANK = 512
 MAX_STORE_GROUP = 128
 
 
+def side_arrays(layout) -> tuple:
+    """What the kernels read of ``layout``'s coefficients: (key codes, their scales, their
+    zeros, value codes, their scales, their zeros), zeros None for int8 (spec A10), scales and
+    zeros None for float32 rows (:func:`float_rows`)."""
+    if not layout.low_bits:  # int8 with its scales, or float32 rows (FLOAT_ROWS) without
+        return layout.key_coef, layout.key_scale, None, layout.value_coef, layout.value_scale, None
+    return layout.key_coef, layout.key_group_scale, layout.key_group_zero, layout.value_coef, layout.value_token_scale, layout.value_token_zero
+
+
 def kernel_sides(layout) -> tuple[_Side, _Side] | None:
     """The ``_Side`` of ``layout``'s key and of its value coefficients as stored: int8 codes
     with per-token float32 scales (spec A10); int4 / int2 codes with float16 scales and zeros
@@ -205,12 +214,8 @@ def kernel_sides(layout) -> tuple[_Side, _Side] | None:
     They hold addresses and strides only, not the token count, so they are derived once per set
     of arrays and serve every decode step until an append grows them into new arrays: appends
     write tokens in place, and each call passes the count."""
-    if not layout.low_bits:  # int8 with its scales, or float32 rows (FLOAT_ROWS) without
-        keys = (layout.key_coef, layout.key_scale, None)
-        values = (layout.value_coef, layout.value_scale, None)
-    else:
-        keys = (layout.key_coef, layout.key_group_scale, layout.key_group_zero)
-        values = (layout.value_coef, layout.value_token_scale, layout.value_token_zero)
+    arrays = side_arrays(layout)
+    keys, values = arrays[:3], arrays[3:]
 
     def side(arrays: tuple, rank: int, group: int) -> _Side:
         codes, scale, zero = arrays
@@ -228,7 +233,7 @@ def kernel_sides(layout) -> tuple[_Side, _Side] | None:
 
 
 class RopeKeys(NamedTuple):
-    """The rotation of a pre-RoPE state's keys as :func:`coefficient_attention` takes it
+    """The rotation of a pre-RoPE state's keys as a :class:`KernelCall` takes it
     (spec/rope.md P3), made by :func:`rope_keys`: ``order`` (d,) int32, the permutation of the
     dims that puts the m rotating planes' first dims first, their second dims next and the fixed
     dims last (the query map's columns are in this order); the planes' frequencies ``inv_freq``
@@ -245,7 +250,7 @@ class RopeKeys(NamedTuple):
 
 
 class ExactTokens(NamedTuple):
-    """A windowed state's exact tokens as :func:`coefficient_attention` takes them (spec/window.md
+    """A windowed state's exact tokens as a :class:`KernelCall` takes them (spec/window.md
     W3, W8), made by :func:`exact_tokens`: ``sinks`` and ``recent``, each (keys (N, H, count, d),
     values (N, H, count, d_v)) float32 contiguous (``sinks`` None without sinks), and their logit
     ``scale`` (no gamma: they are not projected)."""
@@ -267,7 +272,7 @@ def rope_keys(order: torch.Tensor, inv_freq, scaling: float, first: int) -> Rope
 
 def exact_tokens(window, scale: float) -> ExactTokens | None:
     """The :class:`ExactTokens` of a state's exact part (``state.window``, spec/window.md W1, W7)
-    at logit ``scale``, float32, as :func:`coefficient_attention` reads them; None without one."""
+    at logit ``scale``, float32, as a :class:`KernelCall` reads them; None without one."""
     if window is None:
         return None
     float32 = lambda x: x.to(torch.float32).contiguous()  # noqa: E731  (no copy for a float32 state's arrays)
@@ -275,72 +280,75 @@ def exact_tokens(window, scale: float) -> ExactTokens | None:
     return ExactTokens(sinks, (float32(window.keys), float32(window.values)), float(scale))
 
 
-def coefficient_attention(
-    q: torch.Tensor,
-    layout,
-    query_map: torch.Tensor,
-    value_map: torch.Tensor,
-    tile: int,
-    rope: RopeKeys | None = None,
-    exact: ExactTokens | None = None,
-) -> torch.Tensor | None:
-    """Spec A2/A3 over a one-chunk int8 / int4 / int2 ``layout`` (or, pre-RoPE, float32 rows)
-    (N, H sequences and KV heads)
-    for queries q (N, H_q, d) (float32 work; (H_q, d) when N = 1 gives (H_q, d_v) results),
-    H_q = g H, in one call of the kernels: the projected
-    queries by ``query_map`` (N H, d, r) = gamma scale B^T -- or, with ``rope`` (a pre-RoPE
-    state, spec/rope.md P3), each key rebuilt by ``query_map`` (N H, r, d) = gamma scale B, its
-    dims in ``rope.order``, and turned to its position --, logits (int4 / int2 keys of the
-    unfinished group from their float tail), with ``exact`` (a windowed state's exact tokens,
-    :func:`exact_tokens`) their logits too, softmax with the global maximum over all of them
-    (A3.1; spec/window.md W3), value sums per tile of ``tile`` tokens then over tiles, the value
-    basis ``value_map`` (N H, r_v, d_v) and the exact tokens' values. Returns the output, or None
-    when the layout's arrays do not lie as the kernels read them (:func:`kernel_sides`;
-    :func:`serves` says so).
+class KernelCall:
+    """Spec A2/A3 over a one-chunk int8 / int4 / int2 layout (or, pre-RoPE, float32 rows) in one
+    call of the kernels' ``coefficient_attention``, its arguments that stay fixed over a decode
+    loop prepared once: the queries' map ``query_map`` (N H, d, r) = gamma scale B^T -- or, with
+    ``rope`` (a pre-RoPE state, spec/rope.md P3), each key rebuilt by ``query_map`` (N H, r, d)
+    = gamma scale B, its dims in ``rope.order``, and turned to its position --, the value basis
+    ``value_map`` (N H, r_v, d_v), and the coefficient arrays as stored (:func:`kernel_sides`).
+    Made by :meth:`of`, which gives None where those arrays do not lie as the kernels read them.
 
-    A decode step's call: nothing is copied that is already as the kernels read it (float32
-    contiguous queries, a float32 key tail, a float32 state's exact tokens), and the output is
-    made in its final shape, so that the call costs one tensor operation besides the kernels
-    (after the layers before it evicted the caches, each operation costs 15-25 us to start:
-    docs/benchmarks.md)."""
-    Hq, d = q.shape[-2:]
-    N = q.shape[0] if q.dim() == 3 else 1
-    H = layout.key_coef.shape[1]
-    T, bits = layout.num_tokens, _bits(layout)
-    d_v = value_map.shape[2]
-    if q.dtype != torch.float32 or not q.is_contiguous():
-        q = q.to(torch.float32).contiguous()
-    sides = kernel_sides(layout)
-    if sides is None:
-        return None
-    keys, values = sides
-    tail, tail_stride = None, 0
-    if layout.low_bits and T % layout.group:  # the unfinished group's keys, kept in float (spec/quantization.md Q2)
-        tail = layout.key_tail
-        if tail.dtype != torch.float32 or not _in_place(tail):
-            tail = tail[:, :, : T % layout.group].to(torch.float32).contiguous()
-        tail_stride = tail.stride(1)
-    out = torch.empty(q.shape[:-1] + (d_v,), dtype=torch.float32)
-    rotation = None
-    if rope is not None:
-        planes = rope.inv_freq.numel()
-        rotation = ctypes.byref(
-            _RopeKeys(rope.order.data_ptr(), planes, rope.inv_freq.data_ptr(), rope.scaling, rope.first, rope.offsets.data_ptr(), rope.turns.data_ptr())
-        )
-    parts = None
-    if exact is not None:
-        held = [exact.sinks, exact.recent]
-        count = [0 if part is None else part[0].shape[2] for part in held]
-        pointer = lambda i, part: None if part is None or part[i].shape[2] == 0 else part[i].data_ptr()  # noqa: E731
-        parts = ctypes.byref(
-            _Exact((_ptr * 2)(*(pointer(0, part) for part in held)), (_ptr * 2)(*(pointer(1, part) for part in held)), (_i64 * 2)(*count), exact.scale)
-        )
-    rc = _load().coefficient_attention(
-        bits, N * H, Hq // H, T, tile, q.data_ptr(), d, query_map.data_ptr(), ctypes.byref(keys), None if tail is None else tail.data_ptr(),
-        tail_stride, rotation, ctypes.byref(values), value_map.data_ptr(), d_v, parts, out.data_ptr(),
-    )  # fmt: skip
-    _check(rc, "coefficient_attention")
-    return out
+    Each call passes what changes from step to step: the queries, the token count, the token
+    tile, the unfinished key group's float tail (int4 / int2) and a windowed state's exact tokens
+    (:func:`exact_tokens`; their logits join the one softmax: A3.1, spec/window.md W3). A decode
+    step after the layers before it evicted the caches pays 15-25 us for every Python-level
+    operation it starts (docs/benchmarks.md), so a call does nothing but read those and allocate
+    the output in its final shape."""
+
+    def __init__(self, layout, query_map: torch.Tensor, value_map: torch.Tensor, rope: RopeKeys | None, sides: tuple[_Side, _Side]):
+        self.bits = _bits(layout)
+        self.kv_heads = layout.key_coef.shape[1]
+        self.d_v = value_map.shape[2]
+        self.rope = rope
+        self._held = (query_map, value_map, sides)  # the arrays and structures the pointers below point into
+        self._query_map, self._value_map = query_map.data_ptr(), value_map.data_ptr()
+        self._keys, self._values = ctypes.byref(sides[0]), ctypes.byref(sides[1])
+        self._group = layout.group if layout.low_bits else 0
+        self._rotation = None
+        if rope is not None:
+            rotation = _RopeKeys(rope.order.data_ptr(), rope.inv_freq.numel(), rope.inv_freq.data_ptr(), rope.scaling, rope.first, rope.offsets.data_ptr(), rope.turns.data_ptr())
+            self._held += (rotation,)
+            self._rotation = ctypes.byref(rotation)
+
+    @classmethod
+    def of(cls, layout, query_map: torch.Tensor, value_map: torch.Tensor, rope: RopeKeys | None = None) -> "KernelCall | None":
+        """The call over ``layout``'s arrays, or None when they do not lie as the kernels read
+        them (:func:`kernel_sides`; :func:`serves` says so)."""
+        sides = kernel_sides(layout)
+        return None if sides is None else cls(layout, query_map, value_map, rope, sides)
+
+    def __call__(self, q: torch.Tensor, layout, tile: int, exact: ExactTokens | None = None) -> torch.Tensor:
+        """The attention output (N, H_q, d_v) float32 -- (H_q, d_v) for q (H_q, d) -- for queries
+        q (N, H_q, d) (float32 work), H_q = g H, over ``layout``'s first ``num_tokens`` tokens
+        (the layout this call was made for, or one whose arrays are the same: an append's),
+        value sums per tile of ``tile`` tokens, then over tiles."""
+        Hq, d = q.shape[-2:]
+        N = q.shape[0] if q.dim() == 3 else 1
+        T = layout.num_tokens
+        if q.dtype != torch.float32 or not q.is_contiguous():
+            q = q.to(torch.float32).contiguous()
+        tail, tail_stride = None, 0
+        if self._group and T % self._group:  # the unfinished group's keys, kept in float (spec/quantization.md Q2)
+            tail = layout.key_tail
+            if tail.dtype != torch.float32 or not _in_place(tail):
+                tail = tail[:, :, : T % self._group].to(torch.float32).contiguous()
+            tail_stride = tail.stride(1)
+        out = torch.empty(q.shape[:-1] + (self.d_v,), dtype=torch.float32)
+        parts = None
+        if exact is not None:
+            held = [exact.sinks, exact.recent]
+            count = [0 if part is None else part[0].shape[2] for part in held]
+            pointer = lambda i, part: None if part is None or part[i].shape[2] == 0 else part[i].data_ptr()  # noqa: E731
+            parts = ctypes.byref(
+                _Exact((_ptr * 2)(*(pointer(0, part) for part in held)), (_ptr * 2)(*(pointer(1, part) for part in held)), (_i64 * 2)(*count), exact.scale)
+            )
+        rc = _load().coefficient_attention(
+            self.bits, N * self.kv_heads, Hq // self.kv_heads, T, tile, q.data_ptr(), d, self._query_map, self._keys,
+            None if tail is None else tail.data_ptr(), tail_stride, self._rotation, self._values, self._value_map, self.d_v, parts, out.data_ptr(),
+        )  # fmt: skip
+        _check(rc, "coefficient_attention")
+        return out
 
 
 def reads_low_bit(layout, dtype: torch.dtype) -> bool:

@@ -394,8 +394,13 @@ def one_chunk_maps(state, d: int, scale: float | None, dtype: torch.dtype) -> tu
         scaled = B.mT * logit_scale(state, d, s, dtype)[None, :, None, None]
         return scaled.flatten(0, 1).contiguous(), E.flatten(0, 1).contiguous()
 
-    sources = (lay.key_bases, lay.key_basis_scale, lay.value_bases, lay.value_basis_scale, lay.gamma)
-    return lay.derived(("one_chunk_maps", dtype, s), sources, build)
+    return lay.derived(("one_chunk_maps", dtype, s), map_sources(lay), build)
+
+
+def map_sources(lay) -> tuple:
+    """What a one-chunk state's maps (:func:`one_chunk_maps`) are computed from: the stored
+    bases, their scales and gamma."""
+    return lay.key_bases, lay.key_basis_scale, lay.value_bases, lay.value_basis_scale, lay.gamma
 
 
 def one_chunk_float(state, dtype: torch.dtype) -> bool:
@@ -467,13 +472,12 @@ def kernel_call(state, d: int, scale: float | None) -> cpu_kernels.KernelCall | 
     replaces them). None where the arrays do not lie as the kernels read them."""
     lay = state.layout
     s = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    sources = (lay.key_bases, lay.key_basis_scale, lay.value_bases, lay.value_basis_scale, lay.gamma)  # what the maps derive from
 
     def build():
         query_map, value_map, rope = kernel_maps(state, d, scale)
         return cpu_kernels.KernelCall.of(lay, query_map, value_map, rope)
 
-    return lay.derived(("kernel_call", d, s), sources, build, views=cpu_kernels.side_arrays(lay))
+    return lay.derived(("kernel_call", d, s), map_sources(lay), build, views=cpu_kernels.side_arrays(lay))
 
 
 def kernel_maps(state, d: int, scale: float | None) -> tuple[torch.Tensor, torch.Tensor, cpu_kernels.RopeKeys | None]:

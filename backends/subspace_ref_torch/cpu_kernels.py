@@ -301,7 +301,7 @@ class KernelCall:
         self.kv_heads = layout.key_coef.shape[1]
         self.d_v = value_map.shape[2]
         self.rope = rope
-        self._held = (query_map, value_map, sides)  # the arrays and structures the pointers below point into
+        self._held = (query_map, value_map)  # the arrays the pointers below point into (byref holds the sides)
         self._query_map, self._value_map = query_map.data_ptr(), value_map.data_ptr()
         self._keys, self._values = ctypes.byref(sides[0]), ctypes.byref(sides[1])
         self._group = layout.group if layout.low_bits else 0

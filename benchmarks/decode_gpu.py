@@ -17,9 +17,9 @@ Per (N, T), all in the same process:
   state (spec A6) holding the same T tokens, projected by the Triton projection kernel
   (``TritonBackend.append``, one launch); **triton-static-api** is the same through the public
   ``subspace_ref.attend`` (argument checks included).
-* **triton-<kind> bt=<tile> w=<warps>** -- the triton kernel with other tiles / warp counts
-  (``--no-sweep`` skips them), to check ``launch_config`` (chosen from the compile report) by
-  measurement.
+* **triton-<kind> bt=<tile> w=<warps> [cap=<registers>]** -- the triton kernel with other
+  tiles / warp counts and register caps (cap=none: uncapped; ``--no-sweep`` skips them), to
+  check ``launch_config`` (tiles from the compile report, caps from GPU timing) by measurement.
 * **<backend>-rope[-int8|-int4]** (``--rope``) -- the same on a pre-RoPE static state
   (spec/rope.md P2-P3: keys stored as coefficients before the rotation, rebuilt and rotated to
   each token's position inside the kernel), full rotary (64 planes, base 10000).
@@ -75,8 +75,9 @@ import numpy as np
 
 H_Q, H_KV, D, RANK = 32, 8, 128, 32
 DTYPE = "bfloat16"
-# (tokens per tile, warps) of the triton split kernel timed besides its default (launch_config)
-SWEEP = ((32, 4), (64, 4), (128, 4), (32, 8), (64, 8))
+# (tokens per tile, warps, register cap) of the triton split kernel timed besides its default
+# (launch_config; None: the default's, 0: no cap)
+SWEEP = ((32, 4, None), (64, 4, None), (128, 4, None), (32, 8, None), (64, 8, None), (None, None, 0), (None, None, 168), (None, None, 128), (None, None, 96))
 # (tokens per tile, warps, tensor-core rebuild) of the pre-RoPE kernel timed besides its default
 ROPE_SWEEP = ((16, 8, False), (16, 8, True), (16, 4, True), (32, 8, True), (64, 8, True))
 
@@ -378,7 +379,8 @@ def time_backends(rows: list[dict], names, usable, kind: str, state, q, scale: f
                             functools.partial(rope_decode.decode_attention, q, st.layout, rope, scale, block_t=bt, num_warps=nw, native=native))
                            for bt, nw, native in ROPE_SWEEP]
             elif name == "triton" and sweep:
-                configs = [(f"bt={bt} w={nw}", functools.partial(decode.decode_attention, q, st.layout, scale, block_t=bt, num_warps=nw)) for bt, nw in SWEEP]
+                configs = [(sweep_label(bt, nw, cap), functools.partial(decode.decode_attention, q, st.layout, scale, block_t=bt, num_warps=nw, max_registers=cap))
+                           for bt, nw, cap in SWEEP]
             else:
                 configs = []
             for label, fn in configs:
@@ -387,6 +389,12 @@ def time_backends(rows: list[dict], names, usable, kind: str, state, q, scale: f
         except Exception as err:  # noqa: BLE001 - one failing backend must not end the run
             traceback.print_exc()
             rows.append(dict(row, skipped=f"error: {type(err).__name__}: {err}"))
+
+
+def sweep_label(block_t, num_warps, cap) -> str:
+    """"bt=64 w=4", "bt=default w=default cap=none", ... for a SWEEP entry."""
+    label = f"bt={block_t or 'default'} w={num_warps or 'default'}"
+    return label if cap is None else label + f" cap={cap or 'none'}"
 
 
 def time_steps(rows: list[dict], state, q, K, V, scale: float) -> None:

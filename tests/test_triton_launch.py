@@ -234,7 +234,10 @@ def test_resident_programs_reads_the_compiled_kernel(monkeypatch):
 
         def warmup(self, *args, grid, num_warps, **constexprs):
             assert grid == (8, 1) and num_warps == 4 and "BLOCK_T" in constexprs
+            caps.append(constexprs.get("maxnreg"))
             return Compiled()
+
+    caps = []
 
     props = type("Props", (), dict(name="H100", major=9, minor=0, multi_processor_count=132, regs_per_multiprocessor=65536,
                                    max_threads_per_multi_processor=2048, shared_memory_per_multiprocessor=228 * 1024))
@@ -243,5 +246,8 @@ def test_resident_programs_reads_the_compiled_kernel(monkeypatch):
     monkeypatch.setattr(decode, "_RESIDENT", {})
     launch = Launch(Kernel(), (8, 1), (), dict(BLOCK_T=32), 4)
     assert decode.resident_programs(launch, "cuda:0") == 3  # 146 registers x 4 warps: 3 per SM
+    # a register cap reaches the compile (Triton's maxnreg), cached apart from the uncapped kernel
+    assert decode.resident_programs(Launch(Kernel(), (8, 1), (), dict(BLOCK_T=32), 4, 96), "cuda:0") == 3
+    assert caps == [None, 96]
     assert decode.default_split_len(32768, 8, "cuda:0", 3) == -(-32768 // (3 * 132 // 8) // 64) * 64
     assert decode.default_split_len(32768, 8, "cuda:0") == -(-32768 // (decode.FALLBACK_RESIDENT * 132 // 8) // 64) * 64

@@ -57,6 +57,16 @@ class Launch:
     args: tuple
     constexprs: dict = field(default_factory=dict)
     num_warps: int = 4
+    # ptxas's register cap per thread (Triton's ``maxnreg``): more resident programs per SM at the
+    # cost of spills, where a GPU timed that faster (``decode.launch_config``); None: ptxas chooses.
+    max_registers: int | None = None
+
+    def options(self) -> dict:
+        """The compile options Triton takes beside the constexprs."""
+        options = {"num_warps": self.num_warps}
+        if self.max_registers is not None:
+            options["maxnreg"] = self.max_registers
+        return options
 
     def run(self):
-        return self.kernel[self.grid](*self.args, **self.constexprs, num_warps=self.num_warps)
+        return self.kernel[self.grid](*self.args, **self.constexprs, **self.options())

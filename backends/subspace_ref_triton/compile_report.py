@@ -89,7 +89,7 @@ def compile_launch(launch: Launch, arch: int):
     backend = make_backend(target)
     kernel = launch.kernel
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    kwargs = dict(launch.constexprs, num_warps=launch.num_warps)
+    kwargs = dict(launch.constexprs, **launch.options())
     bound, specialization, options = binder(*launch.args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
     return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)

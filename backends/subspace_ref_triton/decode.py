@@ -63,14 +63,20 @@ MERGE_BLOCK_S = 16  # splits per merge step: a (16 x d_v) float32 tile stays in 
 # No split shorter than this: below, the per-split cost (query projection, partial write, merge)
 # starts to dominate.
 MIN_SPLIT_TOKENS = 256
-# Resident split programs per SM when the compiled kernel cannot be asked (the offline compile
-# report's figure for the benchmark's shape: 179 registers x 4 warps -> 2 per SM on sm_90).
+# Resident split programs per SM when the compiled kernel cannot be asked: what the uncapped
+# 16-bit defaults fit at the benchmark's shape (179-255 registers x 4 warps: 2 per SM on sm_90).
 FALLBACK_RESIDENT = 2
-# The bf16 int4 default (64-token tiles, 4 warps) spills 36-40 bytes on sm_90 under Triton 3.9's ptxas,
-# which then keeps 168 registers (3 programs per SM); the report lists it as spilling by choice.
-LOW_BIT_SPILLS_MEASURED = (
-    "spills under Triton 3.9's ptxas; on an H100 with Triton 3.6 (235 registers) 1734-1759 us at N = 8, T = 128k, the fastest of the "
-    "tile/warp sweep, against 2219 us for a form of the low-bit tile that does not spill under 3.9 (an additive tail): docs/gpu.md"
+# Register caps of the split kernel with 16-bit bases (launch_config, Triton's maxnreg), chosen
+# by timing on an H200 (docs/gpu.md, 2026-11-27, "Register caps"): more resident programs per SM
+# hide the loads' latency better than the registers ptxas would keep. At N = 8, T = 128k, bf16,
+# r = 32, d = 128: int4 1770 -> 1164 us (cap 128, 4 programs per SM instead of 2), int8 1080 ->
+# 753 us (128), float 671 -> 555 us (96, 5 instead of 3). The capped kernels spill a few dozen
+# bytes per thread; the compile report lists them as spilling by choice.
+QUANTISED_MAX_REGISTERS = 128
+FLOAT16_MAX_REGISTERS = 96
+REGISTER_CAPS_MEASURED = (
+    "register cap (QUANTISED_MAX_REGISTERS, FLOAT16_MAX_REGISTERS): on an H200 with Triton 3.6 (26-66 B spilled there) 1.2-1.5x faster "
+    "at N = 8, T = 32k-128k than the uncapped kernel (146-255 registers, no spill): docs/gpu.md"
 )
 # 16-bit pieces a float32 operand is cut into for a tensor-core product with exact 16-bit
 # coefficients: 2 x 11 bits for float16, 3 x 8 bits for bfloat16 (float32 has 24).
@@ -460,10 +466,10 @@ def resident_programs(launch: Launch, device) -> int:
     device = torch.device(device)
     if device.type != "cuda" or interpreting():
         return FALLBACK_RESIDENT
-    key = (device.index, launch.kernel.fn.__name__, tuple(sorted(launch.constexprs.items())), launch.num_warps)
+    key = (device.index, launch.kernel.fn.__name__, tuple(sorted(launch.constexprs.items())), launch.num_warps, launch.max_registers)
     if key not in _RESIDENT:
         try:
-            compiled = launch.kernel.warmup(*launch.args, grid=launch.grid, **launch.constexprs, num_warps=launch.num_warps)
+            compiled = launch.kernel.warmup(*launch.args, grid=launch.grid, **launch.constexprs, **launch.options())
             compiled._init_handles()
             props = torch.cuda.get_device_properties(device)
             gpu = GPU(
@@ -481,35 +487,39 @@ def resident_programs(launch: Launch, device) -> int:
 
 
 def launch_config(d: int, d_v: int, dtype=None, int8: bool = False, bits: int = 0) -> dict:
-    """Tile and warps of the split kernel for the bases' ``dtype`` and coefficient storage, chosen
-    from the compile report (``subspace-kv gpu-report``, docs/gpu.md) as the configuration with
-    no spills on sm_80 and sm_90 and the most resident warps per SM, at d = 128, r = 32:
+    """Tile, warps and register cap of the split kernel for the bases' ``dtype`` and coefficient
+    storage. Tile and warps are chosen from the compile report (``subspace-kv gpu-report``,
+    docs/gpu.md) as the configuration with no spills on sm_80 and sm_90 and the most resident
+    warps per SM, at d = 128, r = 32; the caps by GPU timing:
 
-    * 16-bit float coefficients: 32-token tiles, 4 warps (146 registers on sm_90: 3 programs
-      per SM; 64-token tiles take 179 and fit 2, and spill on sm_80);
+    * 16-bit float coefficients: 32-token tiles, 4 warps (146 registers on sm_90 uncapped: 3
+      programs per SM; 64-token tiles take 179 and fit 2, and spill on sm_80), capped at
+      FLOAT16_MAX_REGISTERS (5 per SM);
     * int8 coefficients (spec A10) with 16-bit bases: 64-token tiles, 4 warps (255 / 250
-      registers, 2 per SM; 32-token tiles spill 44 bytes on sm_80);
+      registers uncapped, 2 per SM; 32-token tiles spill 44 bytes on sm_80), capped at
+      QUANTISED_MAX_REGISTERS (4 per SM);
     * int4/int2 coefficients (spec/quantization.md Q2) with 16-bit bases: 64-token tiles, 4 warps
-      (179-237 registers, 2 per SM; bf16 int4 on sm_90 keeps 168 and spills 36-40 bytes under
-      Triton 3.9's ptxas, kept because it timed fastest on an H100: LOW_BIT_SPILLS_MEASURED; the
-      H100's sweep, docs/gpu.md 2026-11-27: 32-token tiles 1.4x, 128-token 1.1x, 8 warps 1.6-2.8x
-      the time);
+      (179-240 registers uncapped, 2 per SM; the H100's sweep, docs/gpu.md 2026-11-27: 32-token
+      tiles 1.4x, 128-token 1.1x, 8 warps 1.6-2.8x the time), capped at QUANTISED_MAX_REGISTERS;
+    * the caps trade spills for resident programs because an H200 timed them 1.2-1.5x faster
+      (REGISTER_CAPS_MEASURED); no other configuration is capped;
     * float32 bases: 64-token tiles, 8 warps (114 registers: 2 programs of 8 warps; 4 warps take
       194; with int8 coefficients 180, where 4 warps spill 28 bytes on sm_90; int4/int2: 180-182);
     * head sizes above 128: 32-token tiles and 8 warps, which spill least at 256.
 
     ``benchmarks/decode_gpu.py`` times the alternatives on a GPU."""
     if max(d, d_v) > 128:
-        return dict(block_t=32, num_warps=8)
+        return dict(block_t=32, num_warps=8, max_registers=None)
     if dtype == torch.float32:
-        return dict(block_t=64, num_warps=8)
+        return dict(block_t=64, num_warps=8, max_registers=None)
     if int8 or bits:
-        return dict(block_t=64, num_warps=4)
-    return dict(block_t=32, num_warps=4)
+        return dict(block_t=64, num_warps=4, max_registers=QUANTISED_MAX_REGISTERS)
+    return dict(block_t=32, num_warps=4, max_registers=FLOAT16_MAX_REGISTERS)
 
 
-def decode_partials(q, layout, scale: float, split_len: int, num_splits: int | None = None, *, block_t: int | None = None, num_warps: int | None = None):
-    launch, outputs = split_launch(q, layout, scale, split_len, num_splits, block_t=block_t, num_warps=num_warps)
+def decode_partials(q, layout, scale: float, split_len: int, num_splits: int | None = None, *, block_t: int | None = None, num_warps: int | None = None,
+                    max_registers: int | None = None):
+    launch, outputs = split_launch(q, layout, scale, split_len, num_splits, block_t=block_t, num_warps=num_warps, max_registers=max_registers)
     launch.run()
     return outputs
 
@@ -540,6 +550,7 @@ def split_launch(
     *,
     block_t: int | None = None,
     num_warps: int | None = None,
+    max_registers: int | None = None,
     num_tokens=None,
     outputs=None,
 ):
@@ -550,7 +561,8 @@ def split_launch(
     ``[s * split_len, min((s + 1) * split_len, T))``; ``num_splits`` defaults to
     ``ceil(T / split_len)``, and splits past the end are empty. Returns float32
     ``m, Z`` (N, H_q, S) and ``N`` (N, H_q, S, d_v), with ``m`` including gamma * scale.
-    ``block_t`` (a power of two >= 16) and ``num_warps`` override :func:`launch_config`.
+    ``block_t`` (a power of two >= 16), ``num_warps`` and ``max_registers`` (0: no cap) override
+    :func:`launch_config`.
 
     ``num_tokens``: a one-element integer tensor on q's device holding T (the layout's
     ``num_tokens`` is then not read); the kernel reads it and derives the split length from it
@@ -593,7 +605,7 @@ def split_launch(
             raise ValueError(f"{name} must have a unit stride in its last dimension")
     parts = _PARTS[kb.dtype]
     cfg = launch_config(d, d_v, kb.dtype, int8, bits)
-    cfg.update({k: v for k, v in (("block_t", block_t), ("num_warps", num_warps)) if v is not None})
+    cfg.update({k: v for k, v in (("block_t", block_t), ("num_warps", num_warps), ("max_registers", max_registers)) if v is not None})
     args = (
         q,
         kc,
@@ -670,7 +682,7 @@ def split_launch(
         DEVICE_T=device_t,
         MIN_SPLIT=MIN_SPLIT_TOKENS if device_t else 1,
     )
-    return Launch(_decode_split_kernel, (N * H, S), args, constexprs, cfg["num_warps"]), outputs
+    return Launch(_decode_split_kernel, (N * H, S), args, constexprs, cfg["num_warps"], cfg["max_registers"] or None), outputs
 
 
 def merge_partials(m, z, o, dtype):

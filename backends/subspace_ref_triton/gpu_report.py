@@ -107,6 +107,9 @@ def triton_launches(exhaustive: bool = False):
                     launch, _ = decode.split_launch(q, lay, 0.1, 0 if graph else 1024, 8, **kw)
                     label = f"{name}{'' if coef == 'float' else ' ' + coef} d={d} r={r} g={g} bt={launch.constexprs['BLOCK_T']} w={launch.num_warps}"
                     out.append(("decode split" + (" (graph)" if graph else ""), label, default, launch))
+                    if default and name == "bf16" and not graph and launch.max_registers:  # what the register cap trades
+                        uncapped, _ = decode.split_launch(q, lay, 0.1, 1024, 8, max_registers=0)
+                        out.append(("decode split", label + " uncapped", False, uncapped))
     import numpy as np
 
     from subspace_ref.rope import RopeParams
@@ -144,7 +147,7 @@ def measured_defaults() -> dict[tuple[str, str], str]:
     covers its graph-capturable variant; "" every configuration)."""
     from subspace_ref_triton import decode, rope_decode
 
-    return {("decode rope", ""): rope_decode.SPILLS_MEASURED, ("decode split", "bf16 int4 "): decode.LOW_BIT_SPILLS_MEASURED}
+    return {("decode rope", ""): rope_decode.SPILLS_MEASURED, **{("decode split", f"{name} "): decode.REGISTER_CAPS_MEASURED for name in ("bf16", "fp16")}}
 
 
 def measured_reason(measured: dict[tuple[str, str], str], kernel: str, config: str) -> str:

@@ -75,7 +75,7 @@ FALLBACK_RESIDENT = 2
 QUANTISED_MAX_REGISTERS = 128
 FLOAT16_MAX_REGISTERS = 96
 REGISTER_CAPS_MEASURED = (
-    "register cap (QUANTISED_MAX_REGISTERS, FLOAT16_MAX_REGISTERS): on an H200 with Triton 3.6 (26-66 B spilled there) 1.2-1.5x faster "
+    "register cap (QUANTISED_MAX_REGISTERS, FLOAT16_MAX_REGISTERS): on an H200 with Triton 3.6 (18-66 B spilled there) 1.2-1.5x faster "
     "at N = 8, T = 32k-128k than the uncapped kernel (146-255 registers, no spill): docs/gpu.md"
 )
 # 16-bit pieces a float32 operand is cut into for a tensor-core product with exact 16-bit

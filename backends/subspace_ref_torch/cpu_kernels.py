@@ -300,16 +300,16 @@ class KernelCall:
         self.bits = _bits(layout)
         self.kv_heads = layout.key_coef.shape[1]
         self.d_v = value_map.shape[2]
-        self.rope = rope
-        self._held = (query_map, value_map)  # the arrays the pointers below point into (byref holds the sides)
+        self.rope = rope  # holds the rotation's arrays, as _held the maps: the pointers below point into them
+        self._held = (query_map, value_map)  # (byref holds the structures)
         self._query_map, self._value_map = query_map.data_ptr(), value_map.data_ptr()
         self._keys, self._values = ctypes.byref(sides[0]), ctypes.byref(sides[1])
         self._group = layout.group if layout.low_bits else 0
         self._rotation = None
         if rope is not None:
-            rotation = _RopeKeys(rope.order.data_ptr(), rope.inv_freq.numel(), rope.inv_freq.data_ptr(), rope.scaling, rope.first, rope.offsets.data_ptr(), rope.turns.data_ptr())
-            self._held += (rotation,)
-            self._rotation = ctypes.byref(rotation)
+            self._rotation = ctypes.byref(
+                _RopeKeys(rope.order.data_ptr(), rope.inv_freq.numel(), rope.inv_freq.data_ptr(), rope.scaling, rope.first, rope.offsets.data_ptr(), rope.turns.data_ptr())
+            )
 
     @classmethod
     def of(cls, layout, query_map: torch.Tensor, value_map: torch.Tensor, rope: RopeKeys | None = None) -> "KernelCall | None":

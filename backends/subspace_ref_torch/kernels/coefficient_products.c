@@ -323,6 +323,35 @@ ALWAYS_INLINE vf chunk_codes(const uint8_t *row, int64_t width, int bits, int64_
     const vi shift = vi_slli(plane, bits == 4 ? 2 : 1);
     return vf_from_vi(vi_and(vi_srlv(vi_widen_u8(bytes), shift), mask));
 }
+
+/* Spec Q6 (step 2): the codes of `total` contiguous bytes (whole rows of `width` bytes) minus the middle
+ * code M = 2^(b-1), as signed bytes in plane order: out[p total + b width + k] is plane p of byte k
+ * of row b, minus M. 32 bytes at a time: each plane's codes picked by a 16-bit shift and a byte
+ * mask (the bits a shift brings in from the next byte stay above the mask), and code - M looked
+ * up in a 16-entry table (pshufb). The loops then read a code as they read an int8 one, one
+ * widening load and one conversion, instead of a widening load, a mask or shift, a conversion
+ * and the dequantising fma. `total` is a multiple of 32. */
+ALWAYS_INLINE void centred_planes(const uint8_t *bytes, int64_t total, int bits, int8_t *out) {
+    const __m256i mask = _mm256_set1_epi8((char)((1 << bits) - 1));
+    const __m256i table = bits == 4 ? _mm256_setr_epi8(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+                                    : _mm256_setr_epi8(-2, -1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, -2, -1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    for (int64_t o = 0; o < total; o += 32) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(bytes + o));
+        for (int p = 0; p < 8 / bits; ++p) {
+            const __m256i codes = _mm256_and_si256(p ? _mm256_srli_epi16(v, p * bits) : v, mask);
+            _mm256_storeu_si256((__m256i *)(out + p * total + o), _mm256_shuffle_epi8(table, codes));
+        }
+    }
+}
+
+/* Chunk c (lanes LANES c .. LANES c + LANES - 1, plane order) of row b of centred_planes' output
+ * of `total` bytes, as floats: code - M. */
+ALWAYS_INLINE vf centred_chunk(const int8_t *planes, int64_t total, int64_t width, int64_t b, int64_t c) {
+    return vf_from_vi(vi_widen_i8(load_lane_bytes((const uint8_t *)planes + LANES * c / width * total + b * width + LANES * c % width)));
+}
+
+/* Whether rows of `width` bytes are read through centred_planes: whole LANES-byte chunks. */
+ALWAYS_INLINE int centred_rows(int64_t width, int bits) { return bits < 8 && width % LANES == 0; }
 #endif
 
 /* The bytes of the rows PREFETCH_ROWS ahead are requested while a block is computed: a decode
@@ -420,7 +449,8 @@ ALWAYS_INLINE float plane_dot(const float *a, const float *b, int64_t n) {
  * row's scale and zero in the same plane order (NULL: the codes alone): one rounding of the exact value (code s is exact
  * in float32: a b-bit integer times a float16), which an fma gives. Factoring s and z out of the
  * sums instead would leave two large terms that cancel (z is the slice minimum), losing more
- * than the oracle's float32 error on long streams. */
+ * than the oracle's float32 error on long streams; the one-query-head paths factor about the
+ * middle code instead (spec Q6, centred_planes). */
 ALWAYS_INLINE void widen_row(const uint8_t *row, int64_t width, int bits, const float *scale_planes, const float *zero_planes,
                              float *out) {
     const int per = 8 / bits;
@@ -550,7 +580,7 @@ ALWAYS_INLINE void rows_logits(const uint8_t *codes, int64_t tokens, int64_t rea
  * and read by every query head: AVX2 stores one vector a cycle, so for one query head the store
  * of the widened block, not the arithmetic, bound the sums. Both add in the same order. */
 ALWAYS_INLINE void block_value_sums(const uint8_t *codes, int64_t width, int bits, int64_t queries, const float *w, int64_t w_row_stride,
-                                    const float *scales, const float *zeros, float *acc, float *block, int direct) {
+                                    const float *scales, const float *zeros, float *acc, float *block, int direct, const int8_t *centred) {
     const int64_t n = (8 / bits) * width, vectors = n / LANES;
     if (!direct)
 #pragma GCC unroll 1 /* whole, the unrolled rows made GCC keep the block in (spilled) registers */
@@ -577,6 +607,22 @@ ALWAYS_INLINE void block_value_sums(const uint8_t *codes, int64_t width, int bit
         /* the block's own sum, then added to the tile's: summed sequentially over the tile
          * instead, float32 rounding grows with its 1024 tokens, and on values whose weighted
          * sum cancels to a few percent of its terms that was 4x the oracle's error */
+        /* `centred` (direct int4 / int2 rows of whole chunks: the block's codes minus M, from
+         * centred_planes): spec Q6.1's form, w x = (w s)(code - M) + w (z + M s), the second
+         * term the same in every column, summed once per block (in vectors: a scalar chain of
+         * 16 dependent fmas per block cost 10%) */
+        float offset = 0.0f, scaled_w[VALUE_BLOCK];
+        if (centred) {
+            const vf middle = vf_set1((float)(1 << (bits - 1)));
+            vf sum = vf_zero();
+            for (int b = 0; b < VALUE_BLOCK; b += LANES) {
+                const vf wb = vf_load(wi + b), sb = vf_load(scales + b);
+                sum = vf_fmadd(wb, vf_fmadd(middle, sb, vf_load(zeros + b)), sum);
+                vf_store(scaled_w + b, vf_mul(wb, sb));
+            }
+            offset = vf_reduce_add(sum);
+        }
+        const float *weights = centred ? scaled_w : wi;
         /* `sets` interleaved partial sums (token b feeds set b mod sets): with one chain per
          * register the fma latency, not the throughput, bound narrow rows (n = 32 in 16 lanes:
          * two chains of 16 dependent fmas per block); up to ~8 chains in all */
@@ -587,10 +633,12 @@ ALWAYS_INLINE void block_value_sums(const uint8_t *codes, int64_t width, int bit
             for (int64_t k = 0; k < vectors; ++k) sums[j][k] = vf_zero();
         for (int b = 0; b < VALUE_BLOCK; b += sets)
             for (int j = 0; j < sets; ++j) {
-                const vf wt = vf_set1(wi[b + j]);
+                const vf wt = vf_set1(weights[b + j]);
                 for (int64_t k = 0; k < vectors; ++k) {
                     vf x;
-                    if (direct) {
+                    if (centred)
+                        x = centred_chunk(centred, VALUE_BLOCK * width, width, b + j, k);
+                    else if (direct) {
                         x = chunk_codes(codes + (b + j) * width, width, bits, k);
                         if (bits != 8) x = vf_fmadd(x, vf_set1(scales[b + j]), vf_set1(zeros[b + j]));
                     } else {
@@ -602,6 +650,7 @@ ALWAYS_INLINE void block_value_sums(const uint8_t *codes, int64_t width, int bit
         for (int64_t k = 0; k < vectors; ++k) {
             vf total = sums[0][k];
             for (int j = 1; j < sets; ++j) total = vf_add(total, sums[j][k]);
+            if (centred) total = vf_add(total, vf_set1(offset));
             vf_store(a + LANES * k, vf_add(vf_load(a + LANES * k), total));
         }
     }
@@ -622,7 +671,13 @@ ALWAYS_INLINE void rows_value_sums(const uint8_t *codes, int64_t tokens, int64_t
     if (n % LANES == 0 && n <= 128) {
         const int direct = queries == 1 && whole_chunks(width, bits) && n <= 8 * LANES;
         float block[VALUE_BLOCK * 128];
-        for (; t + VALUE_BLOCK <= tokens; t += VALUE_BLOCK) {
+        /* direct rows of whole chunks are read centred (spec Q6), the next block's codes put
+         * in order while a block is summed (see centred_logits) */
+        const int centred = direct && centred_rows(width, bits);
+        int8_t centred_codes[2][VALUE_BLOCK * 128] __attribute__((aligned(64)));
+        for (int64_t k = 0; t + VALUE_BLOCK <= tokens; t += VALUE_BLOCK, ++k) {
+            if (centred && k == 0) centred_planes(codes, VALUE_BLOCK * width, bits, centred_codes[0]);
+            if (centred && t + 2 * VALUE_BLOCK <= tokens) centred_planes(codes + (t + VALUE_BLOCK) * width, VALUE_BLOCK * width, bits, centred_codes[(k + 1) % 2]);
             float scales[VALUE_BLOCK], zeros[VALUE_BLOCK];
             if (bits != 8)
                 for (int j = 0; j < VALUE_BLOCK; j += LANES) {
@@ -631,9 +686,9 @@ ALWAYS_INLINE void rows_value_sums(const uint8_t *codes, int64_t tokens, int64_t
                 }
             prefetch_rows(codes, t + PREFETCH_ROWS, VALUE_BLOCK, readable, width);
             if (direct)
-                block_value_sums(codes + t * width, width, bits, 1, w + t, w_row_stride, scales, zeros, acc, block, 1);
+                block_value_sums(codes + t * width, width, bits, 1, w + t, w_row_stride, scales, zeros, acc, block, 1, centred ? centred_codes[k % 2] : NULL);
             else
-                block_value_sums(codes + t * width, width, bits, queries, w + t, w_row_stride, scales, zeros, acc, block, 0);
+                block_value_sums(codes + t * width, width, bits, queries, w + t, w_row_stride, scales, zeros, acc, block, 0, NULL);
         }
     }
 #endif
@@ -688,14 +743,90 @@ struct coefficient_side {
     int64_t group; /* keys of int4 / int2: tokens per scale group */
 };
 
+#if defined(LANES)
+/* Spec Q6 step 1: the constant term of one key group, q . (z + M s), in column order (the query q as
+ * projected, the group's float16 scales and zeros as stored), as LANES partial sums. */
+ALWAYS_INLINE vf centred_offset(const float *q, const half *scale, const half *zero, int64_t rank, float middle) {
+    vf sum = vf_zero();
+    for (int64_t j = 0; j < rank; j += LANES)
+        sum = vf_fmadd(vf_load_upto(q + j, rank - j), vf_fmadd(vf_set1(middle), vf_load_half_upto(scale + j, rank - j), vf_load_half_upto(zero + j, rank - j)), sum);
+    return sum;
+}
+
+/* Logits of one head's whole key groups for one query head, rows of whole chunks
+ * (centred_rows) and groups of whole blocks of LANES tokens: spec Q6.1's centred form,
+ * l_t = (q∘s) . (code_t - M) + q . (z + M s) with the group's s, z. Each code costs one widening
+ * load, one conversion and the dot's fma (centred_planes); the dequantising fma of the other
+ * paths is folded into q∘s, once per group. The groups' q∘s (in plane order) and constant terms
+ * are taken first, GROUP_TERMS groups at a time, in a loop of their own, which keeps the row
+ * loop free of them (what is left of the groups' cost: ~60 cycles a group, the logits at G = 32
+ * 0.42 ms against 0.36 at G = 128, H = 8, T = 16k). The codes of block k + 1 are put in order
+ * while block k is summed: a 32-byte store forwards slowly to the 8-byte loads right after it. */
+#define GROUP_TERMS 32
+ALWAYS_INLINE void centred_logits(const uint8_t *codes, const half *scale, const half *zero, int64_t tokens, int64_t G, int64_t rank, int64_t width,
+                                  int bits, const int32_t *order, const float *q, const float *query_planes, float *out) {
+    const int64_t n = (8 / bits) * width, chunks = n / LANES, block = LANES * width, blocks = tokens / LANES, groups = tokens / G;
+    const float middle = (float)(1 << (bits - 1));
+    if (groups == 0) return;
+    const vi lanes = vi_load(block_lanes);
+    float terms[GROUP_TERMS][4 * LANES] __attribute__((aligned(64))), offsets[GROUP_TERMS]; /* n <= 4 LANES (register_chunks) */
+    int8_t centred[2][4 * LANES * LANES] __attribute__((aligned(64)));
+    centred_planes(codes, block, bits, centred[0]);
+    int64_t k = 0; /* blocks done */
+    for (int64_t first = 0; first < groups; first += GROUP_TERMS) {
+        const int64_t count = groups - first < GROUP_TERMS ? groups - first : GROUP_TERMS;
+        for (int64_t i = 0; i < count; ++i) {
+            deinterleave_half(scale + (first + i) * rank, rank, width, n, order, terms[i]);
+            for (int64_t c = 0; c < chunks; ++c) vf_store(terms[i] + LANES * c, vf_mul(vf_load(query_planes + LANES * c), vf_load(terms[i] + LANES * c)));
+        }
+        /* the constant terms LANES groups at a time, their partial sums folded together (a
+         * horizontal sum each cost ~50 cycles a group, most of the groups' time) */
+        int64_t g = 0;
+        for (vf sums[LANES]; g + LANES <= count; g += LANES) {
+            for (int b = 0; b < LANES; ++b) sums[b] = centred_offset(q, scale + (first + g + b) * rank, zero + (first + g + b) * rank, rank, middle);
+            vf_store(offsets + g, vf_permute(fold_block(sums), lanes));
+        }
+        for (; g < count; ++g) offsets[g] = vf_reduce_add(centred_offset(q, scale + (first + g) * rank, zero + (first + g) * rank, rank, middle));
+        for (int64_t i = 0; i < count; ++i) {
+            vf scaled_q[4];
+            for (int64_t c = 0; c < chunks; ++c) scaled_q[c] = vf_load(terms[i] + LANES * c);
+            const vf offset = vf_set1(offsets[i]);
+            for (int64_t j = 0; j < G / LANES; ++j, ++k) {
+                const int64_t t = k * LANES;
+                prefetch_rows(codes, t + PREFETCH_ROWS, LANES, tokens, width);
+                if (k + 1 < blocks) centred_planes(codes + (t + LANES) * width, block, bits, centred[(k + 1) % 2]);
+                const int8_t *rows = centred[k % 2];
+                vf v[LANES];
+#pragma GCC unroll 4
+                for (int64_t c = 0; c < chunks; ++c) {
+#pragma GCC unroll 16
+                    for (int b = 0; b < LANES; ++b) {
+                        const vf x = centred_chunk(rows, block, width, b, c);
+                        v[b] = c == 0 ? vf_mul(scaled_q[c], x) : vf_fmadd(scaled_q[c], x, v[b]);
+                    }
+                }
+                vf_store(out + t, vf_add(vf_permute(fold_block(v), lanes), offset));
+            }
+        }
+    }
+}
+#endif
+
 /* Logits of one head's whole key groups of int4 / int2 keys (`scale`, `zero`: the head's group
  * scales and zeros), rows of `width` bytes (constant where WITH_WIDTH makes it one), for the
  * query planes at planes[0 .. queries n). Group g's scales and zeros in plane order lie at
  * planes + (queries + 2 (g mod 2)) n: put in order one group ahead, so that their loads,
- * shuffles and stores overlap the logits of the group before instead of delaying its first rows. */
+ * shuffles and stores overlap the logits of the group before instead of delaying its first rows.
+ * One query head over rows of whole chunks goes to centred_logits (q: the projected query). */
 ALWAYS_INLINE void group_logits(const uint8_t *codes, const half *scale, const half *zero, int64_t tokens, int64_t G, int64_t rank, int64_t width,
-                                int bits, int64_t queries, const int32_t *order, float *planes, float *out, int64_t out_row_stride) {
+                                int bits, int64_t queries, const int32_t *order, const float *q, float *planes, float *out, int64_t out_row_stride) {
     const int64_t n = (8 / bits) * width, groups = tokens / G;
+#if defined(LANES)
+    if (queries == 1 && register_chunks(width, bits) && centred_rows(width, bits) && G % LANES == 0) {
+        centred_logits(codes, scale, zero, groups * G, G, rank, width, bits, order, q, planes, out);
+        return;
+    }
+#endif
     if (groups > 0) {
         deinterleave_half(scale, rank, width, n, order, planes + queries * n);
         deinterleave_half(zero, rank, width, n, order, planes + (queries + 1) * n);
@@ -733,9 +864,9 @@ static void head_logits(int bits, const struct coefficient_side *keys, int64_t h
     for (int64_t i = 0; i < queries; ++i) deinterleave(q + i * rank, rank, width, n, order, planes + i * n);
     const half *scale = (const half *)keys->scale + h * keys->scale_head_stride, *zero = keys->zero + h * keys->scale_head_stride;
     if (bits == 4)
-        WITH_WIDTH(width, group_logits(codes, scale, zero, tokens, G, rank, W, 4, queries, order, planes, out, out_row_stride));
+        WITH_WIDTH(width, group_logits(codes, scale, zero, tokens, G, rank, W, 4, queries, order, q, planes, out, out_row_stride));
     else
-        WITH_WIDTH(width, group_logits(codes, scale, zero, tokens, G, rank, W, 2, queries, order, planes, out, out_row_stride));
+        WITH_WIDTH(width, group_logits(codes, scale, zero, tokens, G, rank, W, 2, queries, order, q, planes, out, out_row_stride));
 }
 
 /* Spec A3 with the global maximum (A3.1) over one query head's `tokens` logits, in place:

@@ -317,6 +317,31 @@ def test_attend_routes_decode_calls_straight_to_the_kernels():
     torch.testing.assert_close(sr.attend(q, state, backend="torch"), sr.get_backend("torch").attend(q[None], state, None)[0])
 
 
+def test_each_call_returns_its_own_output():
+    """The kernels' outputs are handed out from blocks allocated several at a time
+    (``KernelCall._output``): an output kept across later calls (a decode loop stacking its
+    steps) must keep its values, no two calls may share memory, and an output of a call
+    outside inference mode must take in-place updates there although earlier calls ran in
+    inference mode."""
+    if not cpu_kernels.availability()[0]:
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.availability()[1]}")
+    rng = np.random.default_rng(29 + SEED_OFFSET)
+    state = _state("int4", 40, 0, (11, 9), rng).to("torch", dtype=torch.float32)
+    queries = [torch.from_numpy(rng.standard_normal((2, 3, 96))).float() for _ in range(2 * cpu_kernels.OUTPUTS_PER_BLOCK + 1)]
+    with torch.inference_mode():
+        outs = [sr.attend(q, state, backend="torch") for q in queries]
+    outside = sr.attend(queries[1], state, backend="torch")
+    assert not outside.is_inference()
+    outside += 1.0
+    kept = [out.clone() for out in outs]
+    for _ in range(cpu_kernels.OUTPUTS_PER_BLOCK):
+        sr.attend(queries[0], state, backend="torch")
+    for out, want, q in zip(outs, kept, queries):
+        assert torch.equal(out, want) and torch.equal(out, sr.get_backend("torch").attend(q, state, None))
+    assert len({out.data_ptr() for out in outs}) == len(outs)
+    assert len({tuple(out.shape) for out in outs}) == 1
+
+
 @pytest.mark.parametrize("group_size", [16, 32, 24])
 @pytest.mark.usefixtures("either_library")
 def test_int4_keys_of_sixteen_byte_rows_within_the_derived_tolerance(group_size):

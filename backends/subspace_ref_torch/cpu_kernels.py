@@ -16,6 +16,7 @@ torch operations and quantise with array operations (the same bits).
 from __future__ import annotations
 
 import ctypes
+import math
 import functools
 import os
 import shutil
@@ -34,6 +35,10 @@ FLAGS = ["-std=c11", "-O3", "-march=native", "-fopenmp-simd"]
 MAX_ROW_BYTES = 256
 MAX_QUERIES = 64
 MAX_DIM = 512  # head size of a pre-RoPE state's rebuilt keys
+#: the most outputs a KernelCall allocates at once (KernelCall._output), and the most bytes that
+#: block may take beyond one output: a caller that keeps an output keeps its block alive
+OUTPUTS_PER_BLOCK = 16
+OUTPUT_BLOCK_BYTES = 64 * 1024
 ROPE_BLOCK = 16  # positions per base angle of the rotation (ROPE_BLOCK in the source)
 FLOAT_ROWS = 32  # the kernels' `bits` of float32 coefficients (FLOAT_ROWS in the source)
 
@@ -293,8 +298,8 @@ class KernelCall:
     tile, the unfinished key group's float tail (int4 / int2) and a windowed state's exact tokens
     (:func:`exact_tokens`; their logits join the one softmax: A3.1, spec/window.md W3). A decode
     step after the layers before it evicted the caches pays 15-25 us for every Python-level
-    operation it starts (docs/benchmarks.md), so a call does nothing but read those and allocate
-    the output in its final shape."""
+    operation it starts (docs/benchmarks.md), so a call does nothing but read those and take its
+    output, in its final shape, from a block allocated ahead (:meth:`_output`)."""
 
     def __init__(self, layout, query_map: torch.Tensor, value_map: torch.Tensor, rope: RopeKeys | None, sides: tuple[_Side, _Side]):
         self.bits = _bits(layout)
@@ -305,6 +310,8 @@ class KernelCall:
         self._query_map, self._value_map = query_map.data_ptr(), value_map.data_ptr()
         self._keys, self._values = ctypes.byref(sides[0]), ctypes.byref(sides[1])
         self._group = layout.group if layout.low_bits else 0
+        self._spare_outputs: dict[tuple, list[torch.Tensor]] = {}
+        self._attention = _load().coefficient_attention
         self._rotation = None
         if rope is not None:
             self._rotation = ctypes.byref(
@@ -334,7 +341,7 @@ class KernelCall:
             if tail.dtype != torch.float32 or not _in_place(tail):
                 tail = tail[:, :, : T % self._group].to(torch.float32).contiguous()
             tail_stride = tail.stride(1)
-        out = torch.empty(q.shape[:-1] + (self.d_v,), dtype=torch.float32)
+        out = self._output(q.shape[:-1] + (self.d_v,))
         parts = None
         if exact is not None:
             held = [exact.sinks, exact.recent]
@@ -343,12 +350,26 @@ class KernelCall:
             parts = ctypes.byref(
                 _Exact((_ptr * 2)(*(pointer(0, part) for part in held)), (_ptr * 2)(*(pointer(1, part) for part in held)), (_i64 * 2)(*count), exact.scale)
             )
-        rc = _load().coefficient_attention(
+        rc = self._attention(
             self.bits, N * self.kv_heads, Hq // self.kv_heads, T, tile, q.data_ptr(), d, self._query_map, self._keys,
             None if tail is None else tail.data_ptr(), tail_stride, self._rotation, self._values, self._value_map, self.d_v, parts, out.data_ptr(),
         )  # fmt: skip
         _check(rc, "coefficient_attention")
         return out
+
+    def _output(self, shape: tuple) -> torch.Tensor:
+        """A float32 array of ``shape`` that no earlier call returned: one of the disjoint views
+        of a block allocated at once (up to OUTPUTS_PER_BLOCK outputs in OUTPUT_BLOCK_BYTES).
+        After the layers before it have evicted the caches, one ``torch.empty`` costs a decode
+        step 60-100 us, as much as a third of the Python around the kernel (docs/benchmarks.md).
+        A block made in inference mode holds inference tensors, which the caller could not
+        update in place outside it, so each mode has its own."""
+        key = (shape, torch.is_inference_mode_enabled())
+        spare = self._spare_outputs.get(key)
+        if not spare:
+            count = max(1, min(OUTPUTS_PER_BLOCK, OUTPUT_BLOCK_BYTES // (4 * math.prod(shape))))
+            spare = self._spare_outputs[key] = list(torch.empty((count, *shape), dtype=torch.float32).unbind(0))
+        return spare.pop()
 
 
 def reads_low_bit(layout, dtype: torch.dtype) -> bool:

@@ -325,27 +325,31 @@ ALWAYS_INLINE vf chunk_codes(const uint8_t *row, int64_t width, int bits, int64_
 }
 
 /* Spec Q6 (step 2): the codes of `total` contiguous bytes (whole rows of `width` bytes) minus the middle
- * code M = 2^(b-1), as signed bytes in plane order: out[p total + b width + k] is plane p of byte k
- * of row b, minus M. 32 bytes at a time: each plane's codes picked by a 16-bit shift and a byte
- * mask (the bits a shift brings in from the next byte stay above the mask), and code - M looked
- * up in a 16-entry table (pshufb). The loops then read a code as they read an int8 one, one
- * widening load and one conversion, instead of a widening load, a mask or shift, a conversion
- * and the dequantising fma. `total` is a multiple of 32. */
+ * code M = 2^(b-1), times F = 2^(8-b) (centred_scale), as signed bytes in plane order: out[p total
+ * + b width + k] is F (code - M) of plane p of byte k of row b. 32 bytes at a time: the top bit of
+ * every code flipped (a b-bit code with its top bit flipped, read as a signed b-bit number, is
+ * code - M), then each plane's codes moved to the top bits of their byte by a 16-bit left shift
+ * and a byte mask (what the shift brings in from the byte below stays under the mask): two
+ * operations a plane and one for all, where a table lookup took three. The loops then read a
+ * code as they read an int8 one, one widening load and one conversion, instead of a widening
+ * load, a mask or shift, a conversion and the dequantising fma. `total` is a multiple of 32. */
 ALWAYS_INLINE void centred_planes(const uint8_t *bytes, int64_t total, int bits, int8_t *out) {
-    const __m256i mask = _mm256_set1_epi8((char)((1 << bits) - 1));
-    const __m256i table = bits == 4 ? _mm256_setr_epi8(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
-                                    : _mm256_setr_epi8(-2, -1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, -2, -1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m256i flip = _mm256_set1_epi8((char)(bits == 4 ? 0x88 : 0xAA)), top = _mm256_set1_epi8((char)(0xFF << (8 - bits)));
     for (int64_t o = 0; o < total; o += 32) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(bytes + o));
+        const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(bytes + o)), flip);
         for (int p = 0; p < 8 / bits; ++p) {
-            const __m256i codes = _mm256_and_si256(p ? _mm256_srli_epi16(v, p * bits) : v, mask);
-            _mm256_storeu_si256((__m256i *)(out + p * total + o), _mm256_shuffle_epi8(table, codes));
+            const int shift = 8 - bits * (p + 1); /* plane p's bits start at bit p b */
+            _mm256_storeu_si256((__m256i *)(out + p * total + o), _mm256_and_si256(shift ? _mm256_slli_epi16(v, shift) : v, top));
         }
     }
 }
 
+/* F = 2^(8-b), the factor of centred_planes' codes: their readers fold 1/F into the operand the
+ * codes multiply (a power of two: the products are the same numbers). */
+ALWAYS_INLINE float centred_scale(int bits) { return (float)(1 << (8 - bits)); }
+
 /* Chunk c (lanes LANES c .. LANES c + LANES - 1, plane order) of row b of centred_planes' output
- * of `total` bytes, as floats: code - M. */
+ * of `total` bytes, as floats: F (code - M). */
 ALWAYS_INLINE vf centred_chunk(const int8_t *planes, int64_t total, int64_t width, int64_t b, int64_t c) {
     return vf_from_vi(vi_widen_i8(load_lane_bytes((const uint8_t *)planes + LANES * c / width * total + b * width + LANES * c % width)));
 }
@@ -613,12 +617,12 @@ ALWAYS_INLINE void block_value_sums(const uint8_t *codes, int64_t width, int bit
          * 16 dependent fmas per block cost 10%) */
         float offset = 0.0f, scaled_w[VALUE_BLOCK];
         if (centred) {
-            const vf middle = vf_set1((float)(1 << (bits - 1)));
+            const vf middle = vf_set1((float)(1 << (bits - 1))), over_f = vf_set1(1.0f / centred_scale(bits));
             vf sum = vf_zero();
             for (int b = 0; b < VALUE_BLOCK; b += LANES) {
                 const vf wb = vf_load(wi + b), sb = vf_load(scales + b);
                 sum = vf_fmadd(wb, vf_fmadd(middle, sb, vf_load(zeros + b)), sum);
-                vf_store(scaled_w + b, vf_mul(wb, sb));
+                vf_store(scaled_w + b, vf_mul(vf_mul(wb, sb), over_f)); /* (w s)/F, exactly: the codes are F (code - M) */
             }
             offset = vf_reduce_add(sum);
         }
@@ -769,6 +773,8 @@ ALWAYS_INLINE void centred_logits(const uint8_t *codes, const half *scale, const
     const float middle = (float)(1 << (bits - 1));
     if (groups == 0) return;
     const vi lanes = vi_load(block_lanes);
+    vf query_over_f[4]; /* the query planes over centred_planes' factor F: (q/F)∘s = (q∘s)/F, exactly */
+    for (int64_t c = 0; c < chunks; ++c) query_over_f[c] = vf_mul(vf_load(query_planes + LANES * c), vf_set1(1.0f / centred_scale(bits)));
     float terms[GROUP_TERMS][4 * LANES] __attribute__((aligned(64))), offsets[GROUP_TERMS]; /* n <= 4 LANES (register_chunks) */
     int8_t centred[2][4 * LANES * LANES] __attribute__((aligned(64)));
     centred_planes(codes, block, bits, centred[0]);
@@ -777,7 +783,7 @@ ALWAYS_INLINE void centred_logits(const uint8_t *codes, const half *scale, const
         const int64_t count = groups - first < GROUP_TERMS ? groups - first : GROUP_TERMS;
         for (int64_t i = 0; i < count; ++i) {
             deinterleave_half(scale + (first + i) * rank, rank, width, n, order, terms[i]);
-            for (int64_t c = 0; c < chunks; ++c) vf_store(terms[i] + LANES * c, vf_mul(vf_load(query_planes + LANES * c), vf_load(terms[i] + LANES * c)));
+            for (int64_t c = 0; c < chunks; ++c) vf_store(terms[i] + LANES * c, vf_mul(query_over_f[c], vf_load(terms[i] + LANES * c)));
         }
         /* the constant terms LANES groups at a time, their partial sums folded together (a
          * horizontal sum each cost ~50 cycles a group, most of the groups' time) */

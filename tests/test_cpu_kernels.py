@@ -339,7 +339,6 @@ def test_each_call_returns_its_own_output():
     for out, want, q in zip(outs, kept, queries):
         assert torch.equal(out, want) and torch.equal(out, sr.get_backend("torch").attend(q, state, None))
     assert len({out.data_ptr() for out in outs}) == len(outs)
-    assert len({tuple(out.shape) for out in outs}) == 1
 
 
 @pytest.mark.parametrize("group_size", [16, 32, 24])

@@ -16,8 +16,8 @@ torch operations and quantise with array operations (the same bits).
 from __future__ import annotations
 
 import ctypes
-import math
 import functools
+import math
 import os
 import shutil
 import threading

@@ -748,12 +748,19 @@ struct coefficient_side {
 };
 
 #if defined(LANES)
-/* Spec Q6 step 1: the constant term of one key group, q . (z + M s), in column order (the query q as
- * projected, the group's float16 scales and zeros as stored), as LANES partial sums. */
-ALWAYS_INLINE vf centred_offset(const float *q, const half *scale, const half *zero, int64_t rank, float middle) {
-    vf sum = vf_zero();
-    for (int64_t j = 0; j < rank; j += LANES)
-        sum = vf_fmadd(vf_load_upto(q + j, rank - j), vf_fmadd(vf_set1(middle), vf_load_half_upto(scale + j, rank - j), vf_load_half_upto(zero + j, rank - j)), sum);
+/* Spec Q6 step 1 for one key group (its float16 scales and zeros as stored, widened once for
+ * both terms): (q∘s)/F in plane order into `terms` (centred_planes' codes are F (code - M)), and
+ * the constant term q . (z + M s) in column order as LANES partial sums. q and q_over_f: the
+ * projected query and it over F, in column order, `chunks` vectors (0 past the rank). */
+ALWAYS_INLINE vf group_terms(const vf *q, const vf *q_over_f, const half *scale, const half *zero, int64_t rank, int64_t width, int64_t chunks,
+                             const int32_t *order, float middle, float *terms) {
+    vf products[4], sum = vf_zero();
+    for (int64_t c = 0; c < chunks; ++c) {
+        const vf s = vf_load_half_upto(scale + LANES * c, rank - LANES * c);
+        products[c] = vf_mul(q_over_f[c], s);
+        sum = vf_fmadd(q[c], vf_fmadd(vf_set1(middle), s, vf_load_half_upto(zero + LANES * c, rank - LANES * c)), sum);
+    }
+    deinterleave_registers(products, width, LANES * chunks, order, terms);
     return sum;
 }
 
@@ -762,37 +769,38 @@ ALWAYS_INLINE vf centred_offset(const float *q, const half *scale, const half *z
  * l_t = (q∘s) . (code_t - M) + q . (z + M s) with the group's s, z. Each code costs one widening
  * load, one conversion and the dot's fma (centred_planes); the dequantising fma of the other
  * paths is folded into q∘s, once per group. The groups' q∘s (in plane order) and constant terms
- * are taken first, GROUP_TERMS groups at a time, in a loop of their own, which keeps the row
- * loop free of them (what is left of the groups' cost: ~60 cycles a group, the logits at G = 32
- * 0.42 ms against 0.36 at G = 128, H = 8, T = 16k). The codes of block k + 1 are put in order
- * while block k is summed: a 32-byte store forwards slowly to the 8-byte loads right after it. */
+ * (group_terms) are taken first, GROUP_TERMS groups at a time, in a loop of their own, which
+ * keeps the row loop free of them (what is left of the groups' cost, T = 16k, H = 8, G = 32:
+ * ~0.05 ms of the logits' ~0.38). The codes of block k + 1 are put in order while block k is
+ * summed: a 32-byte store forwards slowly to the 8-byte loads right after it. */
 #define GROUP_TERMS 32
 ALWAYS_INLINE void centred_logits(const uint8_t *codes, const half *scale, const half *zero, int64_t tokens, int64_t G, int64_t rank, int64_t width,
-                                  int bits, const int32_t *order, const float *q, const float *query_planes, float *out) {
+                                  int bits, const int32_t *order, const float *q, float *out) {
     const int64_t n = (8 / bits) * width, chunks = n / LANES, block = LANES * width, blocks = tokens / LANES, groups = tokens / G;
     const float middle = (float)(1 << (bits - 1));
     if (groups == 0) return;
     const vi lanes = vi_load(block_lanes);
-    vf query_over_f[4]; /* the query planes over centred_planes' factor F: (q/F)∘s = (q∘s)/F, exactly */
-    for (int64_t c = 0; c < chunks; ++c) query_over_f[c] = vf_mul(vf_load(query_planes + LANES * c), vf_set1(1.0f / centred_scale(bits)));
+    vf q_columns[4], q_over_f[4]; /* (q/F)∘s = (q∘s)/F, exactly */
+    for (int64_t c = 0; c < chunks; ++c) {
+        q_columns[c] = vf_load_upto(q + LANES * c, rank - LANES * c);
+        q_over_f[c] = vf_mul(q_columns[c], vf_set1(1.0f / centred_scale(bits)));
+    }
     float terms[GROUP_TERMS][4 * LANES] __attribute__((aligned(64))), offsets[GROUP_TERMS]; /* n <= 4 LANES (register_chunks) */
     int8_t centred[2][4 * LANES * LANES] __attribute__((aligned(64)));
     centred_planes(codes, block, bits, centred[0]);
     int64_t k = 0; /* blocks done */
     for (int64_t first = 0; first < groups; first += GROUP_TERMS) {
         const int64_t count = groups - first < GROUP_TERMS ? groups - first : GROUP_TERMS;
-        for (int64_t i = 0; i < count; ++i) {
-            deinterleave_half(scale + (first + i) * rank, rank, width, n, order, terms[i]);
-            for (int64_t c = 0; c < chunks; ++c) vf_store(terms[i] + LANES * c, vf_mul(query_over_f[c], vf_load(terms[i] + LANES * c)));
-        }
-        /* the constant terms LANES groups at a time, their partial sums folded together (a
+        /* LANES groups at a time, their constant terms' partial sums folded together (a
          * horizontal sum each cost ~50 cycles a group, most of the groups' time) */
         int64_t g = 0;
         for (vf sums[LANES]; g + LANES <= count; g += LANES) {
-            for (int b = 0; b < LANES; ++b) sums[b] = centred_offset(q, scale + (first + g + b) * rank, zero + (first + g + b) * rank, rank, middle);
+            for (int b = 0; b < LANES; ++b)
+                sums[b] = group_terms(q_columns, q_over_f, scale + (first + g + b) * rank, zero + (first + g + b) * rank, rank, width, chunks, order, middle, terms[g + b]);
             vf_store(offsets + g, vf_permute(fold_block(sums), lanes));
         }
-        for (; g < count; ++g) offsets[g] = vf_reduce_add(centred_offset(q, scale + (first + g) * rank, zero + (first + g) * rank, rank, middle));
+        for (; g < count; ++g)
+            offsets[g] = vf_reduce_add(group_terms(q_columns, q_over_f, scale + (first + g) * rank, zero + (first + g) * rank, rank, width, chunks, order, middle, terms[g]));
         for (int64_t i = 0; i < count; ++i) {
             vf scaled_q[4];
             for (int64_t c = 0; c < chunks; ++c) scaled_q[c] = vf_load(terms[i] + LANES * c);
@@ -829,7 +837,7 @@ ALWAYS_INLINE void group_logits(const uint8_t *codes, const half *scale, const h
     const int64_t n = (8 / bits) * width, groups = tokens / G;
 #if defined(LANES)
     if (queries == 1 && register_chunks(width, bits) && centred_rows(width, bits) && G % LANES == 0) {
-        centred_logits(codes, scale, zero, groups * G, G, rank, width, bits, order, q, planes, out);
+        centred_logits(codes, scale, zero, groups * G, G, rank, width, bits, order, q, out);
         return;
     }
 #endif

@@ -325,7 +325,7 @@ ALWAYS_INLINE vf chunk_codes(const uint8_t *row, int64_t width, int bits, int64_
 }
 
 /* Spec Q6 (step 2): the codes of `total` contiguous bytes (whole rows of `width` bytes) minus the middle
- * code M = 2^(b-1), times F = 2^(8-b) (centred_scale), as signed bytes in plane order: out[p total
+ * code M = 2^(b-1), times F = 2^(8-b) (centred_unscale), as signed bytes in plane order: out[p total
  * + b width + k] is F (code - M) of plane p of byte k of row b. 32 bytes at a time: the top bit of
  * every code flipped (a b-bit code with its top bit flipped, read as a signed b-bit number, is
  * code - M), then each plane's codes moved to the top bits of their byte by a 16-bit left shift
@@ -344,9 +344,9 @@ ALWAYS_INLINE void centred_planes(const uint8_t *bytes, int64_t total, int bits,
     }
 }
 
-/* F = 2^(8-b), the factor of centred_planes' codes: their readers fold 1/F into the operand the
- * codes multiply (a power of two: the products are the same numbers). */
-ALWAYS_INLINE float centred_scale(int bits) { return (float)(1 << (8 - bits)); }
+/* 1/F, F = 2^(8-b) the factor of centred_planes' codes: their readers fold it into the operand
+ * the codes multiply (a power of two: the products are the same numbers). */
+ALWAYS_INLINE float centred_unscale(int bits) { return 1.0f / (float)(1 << (8 - bits)); }
 
 /* Chunk c (lanes LANES c .. LANES c + LANES - 1, plane order) of row b of centred_planes' output
  * of `total` bytes, as floats: F (code - M). */
@@ -617,7 +617,7 @@ ALWAYS_INLINE void block_value_sums(const uint8_t *codes, int64_t width, int bit
          * 16 dependent fmas per block cost 10%) */
         float offset = 0.0f, scaled_w[VALUE_BLOCK];
         if (centred) {
-            const vf middle = vf_set1((float)(1 << (bits - 1))), over_f = vf_set1(1.0f / centred_scale(bits));
+            const vf middle = vf_set1((float)(1 << (bits - 1))), over_f = vf_set1(centred_unscale(bits));
             vf sum = vf_zero();
             for (int b = 0; b < VALUE_BLOCK; b += LANES) {
                 const vf wb = vf_load(wi + b), sb = vf_load(scales + b);
@@ -783,7 +783,7 @@ ALWAYS_INLINE void centred_logits(const uint8_t *codes, const half *scale, const
     vf q_columns[4], q_over_f[4]; /* (q/F)∘s = (q∘s)/F, exactly */
     for (int64_t c = 0; c < chunks; ++c) {
         q_columns[c] = vf_load_upto(q + LANES * c, rank - LANES * c);
-        q_over_f[c] = vf_mul(q_columns[c], vf_set1(1.0f / centred_scale(bits)));
+        q_over_f[c] = vf_mul(q_columns[c], vf_set1(centred_unscale(bits)));
     }
     float terms[GROUP_TERMS][4 * LANES] __attribute__((aligned(64))), offsets[GROUP_TERMS]; /* n <= 4 LANES (register_chunks) */
     int8_t centred[2][4 * LANES * LANES] __attribute__((aligned(64)));
@@ -828,10 +828,11 @@ ALWAYS_INLINE void centred_logits(const uint8_t *codes, const half *scale, const
 
 /* Logits of one head's whole key groups of int4 / int2 keys (`scale`, `zero`: the head's group
  * scales and zeros), rows of `width` bytes (constant where WITH_WIDTH makes it one), for the
- * query planes at planes[0 .. queries n). Group g's scales and zeros in plane order lie at
- * planes + (queries + 2 (g mod 2)) n: put in order one group ahead, so that their loads,
- * shuffles and stores overlap the logits of the group before instead of delaying its first rows.
- * One query head over rows of whole chunks goes to centred_logits (q: the projected query). */
+ * projected queries q (queries, rank). One query head over rows of whole chunks goes to
+ * centred_logits; otherwise the queries are put in plane order at planes[0 .. queries n), and
+ * group g's scales and zeros at planes + (queries + 2 (g mod 2)) n, one group ahead, so that
+ * their loads, shuffles and stores overlap the logits of the group before instead of delaying
+ * its first rows. */
 ALWAYS_INLINE void group_logits(const uint8_t *codes, const half *scale, const half *zero, int64_t tokens, int64_t G, int64_t rank, int64_t width,
                                 int bits, int64_t queries, const int32_t *order, const float *q, float *planes, float *out, int64_t out_row_stride) {
     const int64_t n = (8 / bits) * width, groups = tokens / G;
@@ -841,6 +842,7 @@ ALWAYS_INLINE void group_logits(const uint8_t *codes, const half *scale, const h
         return;
     }
 #endif
+    for (int64_t i = 0; i < queries; ++i) deinterleave(q + i * rank, rank, width, n, order, planes + i * n);
     if (groups > 0) {
         deinterleave_half(scale, rank, width, n, order, planes + queries * n);
         deinterleave_half(zero, rank, width, n, order, planes + (queries + 1) * n);
@@ -872,10 +874,9 @@ static void head_logits(int bits, const struct coefficient_side *keys, int64_t h
         WITH_WIDTH(keys->rank, rows_logits(codes, tokens, tokens, W, 8, queries, q, NULL, NULL, scale, out, out_row_stride));
         return;
     }
-    const int64_t width = keys->width, n = (8 / bits) * width, rank = keys->rank, G = keys->group;
+    const int64_t width = keys->width, rank = keys->rank, G = keys->group;
     int32_t order[8 * MAX_BYTES];
     plane_order(rank, width, bits, order);
-    for (int64_t i = 0; i < queries; ++i) deinterleave(q + i * rank, rank, width, n, order, planes + i * n);
     const half *scale = (const half *)keys->scale + h * keys->scale_head_stride, *zero = keys->zero + h * keys->scale_head_stride;
     if (bits == 4)
         WITH_WIDTH(width, group_logits(codes, scale, zero, tokens, G, rank, W, 4, queries, order, q, planes, out, out_row_stride));

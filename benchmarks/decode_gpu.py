@@ -193,6 +193,8 @@ def build_states(N: int, T: int, K, V, chunk_tokens: int, adaptive: bool, gen, d
         num_tokens=T,
         key_scale=getattr(lay, "key_scale", None),
         value_scale=getattr(lay, "value_scale", None),
+        key_format=lay.key_format,
+        value_format=lay.value_format,
     )
     policy = AdaptivePolicy((RANK,) * H_KV, (RANK,) * H_KV, 2 * RANK, 2 * RANK, 0.5, 0.5, chunk_tokens, 0)
     return static, SubspaceState(policy, layout, None, True, "torch")

@@ -93,7 +93,7 @@ def decode_seconds(model, caches: dict, first_tokens: dict, steps: int) -> dict:
     for step in range(2 + steps):
         for name, cache in caches.items():
             start = time.perf_counter()
-            tokens[name] = model(tokens[name], past_key_values=cache).logits[:, -1:].argmax(-1)
+            tokens[name] = model(tokens[name], cache=cache).logits[:, -1:].argmax(-1)
             if step >= 2:
                 times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
@@ -147,7 +147,7 @@ def shipped(steps: int, contexts=(256, 512, 1008)) -> list[dict]:
 
     def prefill(cache, T):
         with torch.no_grad():
-            return model(ids[:, :T], past_key_values=cache).logits[:, -1:].argmax(-1)
+            return model(ids[:, :T], cache=cache).logits[:, -1:].argmax(-1)
 
     # docs/baselines.md's one-state configuration at 25% of the fp16 bytes: pre-RoPE key bases
     # (spec/rope.md P2), int4 coefficients, 4 sinks and 32 exact recent tokens
@@ -194,7 +194,7 @@ def prefill_rows(rounds: int, length: int = 1000) -> list[dict]:
             for name in times:
                 cache = DynamicCache(config=model.config) if name == "DynamicCache" else SubspaceCache(model.config, factories[name])
                 start = time.perf_counter()
-                model(ids, past_key_values=cache)
+                model(ids, cache=cache)
                 times[name].append(time.perf_counter() - start)
         del kv
     base = float(np.median(times["DynamicCache"]))

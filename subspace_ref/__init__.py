@@ -9,6 +9,7 @@ from subspace_ref.backend import Availability, Backend
 from subspace_ref.calibration import StaticBasis, calibrate
 from subspace_ref.exact import exact_attention
 from subspace_ref.frequent_directions import FrequentDirections
+from subspace_ref.layer_state import HeadConfig, LayerState
 from subspace_ref.registry import backends, get_backend, register_backend
 from subspace_ref.state import SubspaceState
 
@@ -16,6 +17,8 @@ __all__ = [
     "Availability",
     "Backend",
     "FrequentDirections",
+    "HeadConfig",
+    "LayerState",
     "StaticBasis",
     "SubspaceState",
     "attend",

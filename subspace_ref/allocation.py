@@ -7,9 +7,9 @@ a table of candidates (bytes per token, measured loss); only the lower convex hu
 can be optimal, and taking hull steps greedily by loss reduction per byte until the budget is
 spent solves the Lagrangian relaxation exactly: the walk up to its first skipped step (a step
 that does not fit) is optimal for the bytes it spent, so the result is at least as good as the
-optimum of the budget less one step (tests compare with brute force). Bytes are counted as
-:mod:`subspace_ref.baselines.budget` counts them (fp16 floats, KIVI scales, the unfinished key
-group in fp16, bases amortised over the window).
+optimum of the budget less one step (tests compare with brute force). Bytes are counted by
+:mod:`subspace_ref.byte_convention` (fp16 floats, KIVI scales, the unfinished key group in fp16,
+bases amortised over the window; spec/quantization.md Q3).
 
 The measured loss of a side at (kind, rank, bits), per (layer, KV head), on calibration tokens:
 
@@ -21,33 +21,42 @@ The measured loss of a side at (kind, rank, bits), per (layer, KV head), on cali
 * values: ``E_t ‖v_t − v̂_t‖²``.
 
 Both are output errors squared, so one budget trades them. ``k̂``, ``v̂`` are the stored
-reconstructions: projection on the calibrated basis, then the int8/int4/int2 quantiser of
-spec/quantization.md Q1 (keys per channel over groups of ``group`` tokens, values per token).
+reconstructions: projection on the calibrated basis, then what the coefficient format reads
+back (:meth:`subspace_ref.formats.CoefficientFormat.reconstruct`: spec A10's int8, the int4/int2
+quantiser of spec/quantization.md Q1, keys per channel over groups of ``group`` tokens, values
+per token).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from subspace_ref.byte_convention import head_parts, make_bytes, side_parts
+from subspace_ref.formats import BY_BITS, of_bits
+
 #: Coefficient widths the allocator chooses from (16: fp16 coefficients).
-BITS = (16, 8, 4, 2)
-#: Key basis kinds: calibrated on post-RoPE keys (A6), on un-rotated keys (spec/rope.md P2), or
-#: whole RoPE planes chosen by the measured key loss (spec/rope.md P4; a plain post-RoPE basis).
-KEY_BASES = ("post_rope", "pre_rope", "plane")
+BITS = tuple(BY_BITS)
+#: Key basis kinds: calibrated on post-RoPE keys (A6), on un-rotated keys (spec/rope.md P2),
+#: whole RoPE planes chosen by the measured key loss (spec/rope.md P4; a plain post-RoPE basis),
+#: or the identity (plain quantised keys, KIVI: rank d, no basis stored; spec/layer_state.md L2).
+KEY_BASES = ("post_rope", "pre_rope", "plane", "identity")
+#: Value basis kinds: calibrated (A6), or the identity (plain quantised values, rank d_v).
+VALUE_BASES = ("subspace", "identity")
 
 
 @dataclass(frozen=True)
 class HeadAllocation:
-    """One KV head's choice: ranks, coefficient bits per side, and the key basis kind."""
+    """One KV head's choice: ranks, coefficient bits per side, and the basis kind of each side
+    (an identity side has the head size as its rank)."""
 
     rank_k: int
     rank_v: int
     bits_k: int = 16
     bits_v: int = 16
     key_basis: str = "post_rope"
+    value_basis: str = "subspace"
 
     def __post_init__(self):
         for name in ("rank_k", "rank_v"):
@@ -58,6 +67,8 @@ class HeadAllocation:
                 raise ValueError(f"{name} must be one of {BITS}, got {getattr(self, name)!r}")
         if self.key_basis not in KEY_BASES:
             raise ValueError(f"key_basis must be one of {KEY_BASES}, got {self.key_basis!r}")
+        if self.value_basis not in VALUE_BASES:
+            raise ValueError(f"value_basis must be one of {VALUE_BASES}, got {self.value_basis!r}")
         if self.key_basis == "plane" and self.rank_k % 2:
             raise ValueError(f"rank_k must be even with key_basis 'plane' (two dims per RoPE plane), got {self.rank_k}")
 
@@ -94,9 +105,8 @@ class Allocation:
                    float(d["calibration_loss"]), dict(d.get("meta", {})))
 
     def bytes(self, geom):
-        """Bytes per token (:class:`~subspace_ref.baselines.budget.Bytes`) as budget.py counts them."""
-        from subspace_ref.baselines.budget import make_bytes
-
+        """Bytes per token (:class:`~subspace_ref.byte_convention.Bytes`) under the byte convention
+        (spec/quantization.md Q3)."""
         parts: dict[str, float] = {}
         for layer in self.heads:
             for h in layer:
@@ -106,24 +116,15 @@ class Allocation:
 
 
 # ------------------------------------------------------------------------------ states
-def layer_pre_rope(alloc: Allocation, layer: int) -> bool:
-    """Whether ``layer``'s state must un-rotate keys (``SubspaceState.static(basis, rope=...)``,
-    spec/rope.md P2): all its heads are pre-RoPE. One state un-rotates all its heads or none, so
-    a layer mixing pre-RoPE heads with other kinds has no single state: ValueError."""
-    kinds = {h.key_basis == "pre_rope" for h in alloc.heads[layer]}
-    if len(kinds) > 1:
-        raise ValueError(f"alloc: layer {layer} mixes pre-RoPE key bases with others; one state un-rotates all its heads or none")
-    return kinds == {True}
-
-
 def allocation_bases(alloc: Allocation, svd: list, *, svd_pre: list | None = None, planes: list | None = None, gamma: float = 1.0) -> list:
     """One :class:`~subspace_ref.StaticBasis` per layer holding ``alloc``'s ranks: per head the
     first ``rank_k`` rows of its kind's key basis (``svd[l]["Wk"][h]`` post-RoPE,
     ``svd_pre[l]["Wk"][h]`` pre-RoPE, ``planes[l][h]`` planes: :func:`plane_rows`) and the first
-    ``rank_v`` rows of ``svd[l]["Wv"][h]``, zero-padded to the layer's largest rank. Plane and
-    post-RoPE heads make plain static states (R1: no rotation anywhere, every backend); pre-RoPE
-    layers need ``rope=`` (:func:`layer_pre_rope`). Coefficient bits are the state's
-    ``coefficients=``, not part of the basis. Saved with the allocation by
+    ``rank_v`` rows of ``svd[l]["Wv"][h]``, zero-padded to the layer's largest rank; an identity
+    side holds no rows (rank 0 here: :class:`~subspace_ref.LayerState` stores it as it is).
+    ``LayerState.from_heads(basis, alloc.heads[l], rope=...)`` builds the layer's state
+    (spec/layer_state.md L2): plane and post-RoPE heads are plain static heads (R1), pre-RoPE heads
+    un-rotate their keys. Saved with the allocation by
     :class:`~subspace_ref.hf.artifact.CalibratedBases` (``allocation=alloc``)."""
     from subspace_ref.calibration import StaticBasis
 
@@ -135,60 +136,18 @@ def allocation_bases(alloc: Allocation, svd: list, *, svd_pre: list | None = Non
             raise ValueError(f"{name} must hold one entry per layer ({alloc.layers}) for this allocation, got {None if src is None else len(src)}")
     out = []
     for li, layer in enumerate(alloc.heads):
-        layer_pre_rope(alloc, li)  # refuses a mixed layer here, before a state is built from it
-        rk, rv = max(h.rank_k for h in layer), max(h.rank_v for h in layer)
+        rank_k = tuple(0 if h.key_basis == "identity" else h.rank_k for h in layer)
+        rank_v = tuple(0 if h.value_basis == "identity" else h.rank_v for h in layer)
         d, dv = svd[li]["Wk"].shape[-1], svd[li]["Wv"].shape[-1]
-        B, E = np.zeros((len(layer), rk, d)), np.zeros((len(layer), rv, dv))
+        B, E = np.zeros((len(layer), max(max(rank_k), 1), d)), np.zeros((len(layer), max(max(rank_v), 1), dv))
         for h, c in enumerate(layer):
-            src = {"post_rope": svd[li]["Wk"], "pre_rope": None if svd_pre is None else svd_pre[li]["Wk"], "plane": None if planes is None else planes[li]}[c.key_basis]
-            B[h, : c.rank_k] = np.asarray(src[h])[: c.rank_k]
-            E[h, : c.rank_v] = np.asarray(svd[li]["Wv"][h])[: c.rank_v]
-        out.append(StaticBasis(B=B, E=E, gamma=np.full(len(layer), float(gamma)), rank_k=tuple(h.rank_k for h in layer),
-                               rank_v=tuple(h.rank_v for h in layer)))
+            src = {"post_rope": svd[li]["Wk"], "pre_rope": None if svd_pre is None else svd_pre[li]["Wk"], "plane": None if planes is None else planes[li]}.get(c.key_basis)
+            if rank_k[h]:
+                B[h, : rank_k[h]] = np.asarray(src[h])[: rank_k[h]]
+            if rank_v[h]:
+                E[h, : rank_v[h]] = np.asarray(svd[li]["Wv"][h])[: rank_v[h]]
+        out.append(StaticBasis(B=B, E=E, gamma=np.full(len(layer), float(gamma)), rank_k=rank_k, rank_v=rank_v))
     return out
-
-
-# ------------------------------------------------------------------------------ byte counting
-def side_parts(geom, side: str, rank: int, bits: int, group: int, kept: float = 1.0) -> dict:
-    """Bytes per token of one head's ``side`` ("key"/"value") at ``rank`` and ``bits`` for the
-    compressed fraction ``kept`` of the tokens, budget.py's convention: codes packed per token
-    (ceil(r b / 8) bytes), fp16 scale + zero point per value token or per key group and channel,
-    the unfinished key group in fp16; int8 (spec A10) r bytes + a float32 scale per token; fp16
-    coefficients at 16 bits; and the fp16 basis amortised over the window (for every key basis
-    kind: a plane basis is stored as dense rows like the others, so it is counted as such)."""
-    fb, C = geom.float_bytes, geom.context
-    dim = geom.head_dim if side == "key" else geom.value_dim
-    out = {f"{side}_basis": rank * dim * fb / C}
-    if rank == 0:
-        return out
-    if bits == 16:
-        out[f"{side}_coefficients"] = rank * fb * kept
-    elif bits == 8:  # spec A10: r bytes and one float32 scale per token
-        out[f"{side}_codes"] = rank * kept
-        out[f"{side}_scales"] = 4 * kept
-    elif side == "value":
-        out["value_codes"] = math.ceil(rank * bits / 8) * kept
-        out["value_scales"] = 2 * fb * kept
-    else:
-        n = C * kept  # compressed tokens at the end of the window
-        tail = n % group
-        out["key_codes"] = math.ceil(rank * bits / 8) * (n - tail) / C
-        out["key_scales"] = 2 * fb * rank * (n // group) / C
-        out["key_tail"] = rank * fb * tail / C
-    return out
-
-
-def head_parts(geom, h: HeadAllocation, group: int, window: int = 0, sinks: int = 0) -> dict:
-    """Bytes per token of one KV head under ``h``, with ``window`` + ``sinks`` tokens exact (fp16 K
-    and V) and the others compressed; gamma (4 bytes) amortised."""
-    exact = min(window + sinks, geom.context)
-    kept = (geom.context - exact) / geom.context
-    parts = {"gamma": 4 / geom.context}
-    if exact:
-        parts["exact_tokens"] = exact * geom.full_head_bytes / geom.context
-    parts.update(side_parts(geom, "key", h.rank_k, h.bits_k, group, kept))
-    parts.update(side_parts(geom, "value", h.rank_v, h.bits_v, group, kept))
-    return parts
 
 
 # ------------------------------------------------------------------------------ the greedy
@@ -248,29 +207,6 @@ def greedy(tables: dict, budget: float) -> tuple[dict, float, float]:
 
 
 # ------------------------------------------------------------------------------ measured losses
-def _quantized(x: np.ndarray, bits: int, axis_kind: str, group: int) -> np.ndarray:
-    """x (N, r) after spec/quantization.md Q1: keys per channel over complete groups of ``group``
-    consecutive tokens (the rest stay exact, KIVI's tail), values per token."""
-    from subspace_ref.quantization import dequantize_groups, quantize_groups
-
-    if bits == 16 or x.shape[1] == 0:
-        return x
-    if bits == 8:  # spec A10's int8 (symmetric, per token, both sides)
-        from subspace_ref.quantization import dequantize_rows, quantize_rows
-
-        q, s = quantize_rows(x)
-        return dequantize_rows(q, s, np.float64)
-    if axis_kind == "value":
-        q, s, z = quantize_groups(x, bits, -1)
-        return dequantize_groups(q, s, z, -1, np.float64)
-    done = (x.shape[0] // group) * group
-    out = x.copy()
-    g = x[:done].reshape(done // group, group, -1)
-    q, s, z = quantize_groups(g, bits, -2)
-    out[:done] = dequantize_groups(q, s, z, -2, np.float64).reshape(done, -1)
-    return out
-
-
 def plane_rows(keys: np.ndarray, pairs: np.ndarray, queries: np.ndarray | None = None) -> np.ndarray:
     """Spec/rope.md P4: an orthonormal (d, d) basis of whole RoPE planes, rows ``e_i, e_j`` plane
     by plane in the order of selection, so that its first ``2 p`` rows are the basis of ``p``
@@ -311,43 +247,45 @@ def plane_rows(keys: np.ndarray, pairs: np.ndarray, queries: np.ndarray | None =
     return W
 
 
-def side_losses(layer: dict, h: int, group_queries: np.ndarray, ranks, bits=BITS, group: int = 32, rope=None) -> dict:
+def side_losses(layer: dict, h: int, group_queries: np.ndarray, ranks, bits=BITS, group: int = 32, rope=None, identity: bool = True) -> dict:
     """Measured losses of one KV head (module docstring). ``layer``: ``keys`` (N, d) post-RoPE,
     ``keys_pre`` (N, d) or None, ``values`` (N, d_v), ``positions`` (N,), SVD rows ``Wk``,
     ``Wk_pre``, ``Wv`` ((dim, dim), rows by decreasing singular value), and ``Wk_plane`` or None
-    (:func:`plane_rows`; its kind is measured at the even ranks only). Returns {("key", kind):
-    {(rank, bits): loss}, ("value", None): {(rank, bits): loss}}."""
+    (:func:`plane_rows`; its kind is measured at the even ranks only). ``identity``: also the
+    identity bases of each side (rank d / d_v, plain quantised keys and values: KIVI,
+    spec/layer_state.md L1). Returns {("key", kind): {(rank, bits): loss}, ("value", kind):
+    {(rank, bits): loss}} with value kinds "subspace" and "identity"."""
     from subspace_ref.rope import rotate
 
     K, V = layer["keys"], layer["values"]
-    d = K.shape[1]
+    d, d_v = K.shape[1], V.shape[1]
     s2 = 1.0 / d
     Sq = group_queries.T @ group_queries / len(group_queries)  # E[q q^T]
     spread = float(np.sum(V.var(axis=0)))
     out = {}
-    kinds = [("post_rope", K, layer["Wk"])] + ([("pre_rope", layer["keys_pre"], layer["Wk_pre"])] if layer.get("keys_pre") is not None else [])
+    kinds = [("post_rope", K, layer["Wk"], ranks)] + ([("pre_rope", layer["keys_pre"], layer["Wk_pre"], ranks)] if layer.get("keys_pre") is not None else [])
     if layer.get("Wk_plane") is not None:  # R1: a plane basis projects post-RoPE keys like any static basis
-        kinds.append(("plane", K, layer["Wk_plane"]))
-    for kind, X, W in kinds:
+        kinds.append(("plane", K, layer["Wk_plane"], [r for r in ranks if r % 2 == 0]))  # whole planes only
+    if identity:
+        kinds.append(("identity", K, np.eye(d), [d]))
+    for kind, X, W, kind_ranks in kinds:
         table = {}
-        for r in ranks:
-            if kind == "plane" and r % 2:
-                continue  # whole planes only
+        for r in kind_ranks:
             C = X @ W[:r].T
             for b in bits:
-                dk = X - _quantized(C, b, "key", group) @ W[:r]
+                dk = X - of_bits(b).reconstruct(C, "key", group) @ W[:r]
                 if kind == "pre_rope":
                     dk = rotate(dk, layer["positions"], rope)
-                table[(r, b)] = s2 * float(np.einsum("ij,ni,nj->", Sq, dk, dk)) / len(dk) * spread
+                table[(r, b)] = s2 * float(np.sum((dk @ Sq) * dk)) / len(dk) * spread
         out[("key", kind)] = table
-    table = {}
-    W = layer["Wv"]
-    for r in ranks:
-        D = V @ W[:r].T
-        for b in bits:
-            dv = V - _quantized(D, b, "value", group) @ W[:r]
-            table[(r, b)] = float(np.sum(dv * dv)) / len(dv)
-    out[("value", None)] = table
+    for kind, W, kind_ranks in [("subspace", layer["Wv"], ranks)] + ([("identity", np.eye(d_v), [d_v])] if identity else []):
+        table = {}
+        for r in kind_ranks:
+            D = V @ W[:r].T
+            for b in bits:
+                dv = V - of_bits(b).reconstruct(D, "value", group) @ W[:r]
+                table[(r, b)] = float(np.sum(dv * dv)) / len(dv)
+        out[("value", kind)] = table
     return out
 
 
@@ -355,7 +293,13 @@ def allocate(losses: list, geom, *, compression_ratio: float | None = None, byte
              group: int = 32, window: int = 0, sinks: int = 0, min_rank_k: int = 1) -> Allocation:
     """The allocation of ``compression_ratio`` x the full fp16 cache (or ``bytes_per_token``)
     minimising the summed measured loss. ``losses[layer][head]``: :func:`side_losses` output.
-    Keys keep at least ``min_rank_k`` dimensions (rank 0 would make attention uniform)."""
+    Keys keep at least ``min_rank_k`` dimensions (rank 0 would make attention uniform).
+
+    The greedy hull walk, or the best uniform allocation (every head the same key and the same
+    value configuration) within the budget where that has less loss: spec/layer_state.md L6.1,
+    so the result is at least as good on the calibration loss as every quantisation row its
+    identity candidates stand for. ``meta["rule"]`` says which. ValueError when the budget is
+    below what sinks and window alone cost."""
     if (compression_ratio is None) == (bytes_per_token is None):
         raise ValueError("give exactly one of compression_ratio= and bytes_per_token=")
     budget = compression_ratio * geom.full_bytes_per_token if bytes_per_token is None else float(bytes_per_token)
@@ -364,25 +308,58 @@ def allocate(losses: list, geom, *, compression_ratio: float | None = None, byte
     exact = min(window + sinks, geom.context)
     kept = (geom.context - exact) / geom.context
     fixed = geom.units * (4 / geom.context + exact * geom.full_head_bytes / geom.context)
+    if budget < fixed:
+        raise ValueError(f"the budget of {budget:.1f} bytes per token is below what sinks={sinks} and window={window} alone cost ({fixed:.1f})")
     tables = {}
     for li, layer in enumerate(losses):
         for h, table in enumerate(layer):
             for (side, kind), entries in table.items():
-                cands = [Candidate(sum(side_parts(geom, side, r, b, group, kept).values()), loss, (kind, r, b))
+                cands = [Candidate(sum(side_parts(geom, side, r, b, group, kept, kind != "identity").values()), loss, (kind, r, b))
                          for (r, b), loss in entries.items() if side == "value" or r >= min_rank_k]
                 key = (li, h, side)
                 tables[key] = tables.get(key, []) + cands
     chosen, spent, loss = greedy(tables, budget - fixed)
+    rule = "greedy"
+    uniform = best_uniform(tables, budget - fixed)
+    if uniform is not None and uniform[2] < loss:
+        chosen, spent, loss = uniform
+        rule = "uniform"
     heads = []
     for li, layer in enumerate(losses):
         row = []
         for h in range(len(layer)):
             kind, rk, bk = chosen[(li, h, "key")].config
-            _, rv, bv = chosen[(li, h, "value")].config
-            row.append(HeadAllocation(int(rk), int(rv), int(bk), int(bv), kind))
+            vkind, rv, bv = chosen[(li, h, "value")].config
+            row.append(HeadAllocation(int(rk), int(rv), int(bk), int(bv), kind, vkind))
         heads.append(tuple(row))
-    return Allocation(tuple(heads), group, budget, window, sinks, loss, dict(bytes_per_token=spent + fixed))
+    return Allocation(tuple(heads), group, budget, window, sinks, loss, dict(bytes_per_token=spent + fixed, rule=rule))
 
 
-__all__ = ["BITS", "KEY_BASES", "Allocation", "Candidate", "HeadAllocation", "allocate", "allocation_bases", "greedy", "head_parts",
-           "layer_pre_rope", "lower_hull", "plane_rows", "side_losses", "side_parts"]
+def best_uniform(tables: dict, budget: float) -> tuple[dict, float, float] | None:
+    """The uniform allocation of least loss within ``budget`` (spec/layer_state.md L6.1): every
+    (layer, head) the same key configuration and the same value configuration, among those every
+    head has; (chosen, bytes, loss) as :func:`greedy` returns, or None when none fits."""
+    def shared(side: str) -> list:
+        keys = [k for k in tables if k[2] == side]
+        if not keys:
+            return []
+        configs = set.intersection(*({c.config for c in tables[k]} for k in keys))
+        by_config = {k: {c.config: c for c in tables[k]} for k in keys}
+        return [(cfg, sum(by_config[k][cfg].bytes for k in keys), sum(by_config[k][cfg].loss for k in keys)) for cfg in sorted(configs, key=repr)]
+
+    keys, values = shared("key"), shared("value")
+    if not keys or not values:
+        return None
+    kb, kl = np.array([b for _, b, _ in keys]), np.array([loss for *_, loss in keys])
+    vb, vl = np.array([b for _, b, _ in values]), np.array([loss for *_, loss in values])
+    total = np.where(kb[:, None] + vb[None, :] <= budget + 1e-9, kl[:, None] + vl[None, :], np.inf)
+    i, j = np.unravel_index(int(np.argmin(total)), total.shape)
+    if not np.isfinite(total[i, j]):
+        return None
+    pick = {"key": keys[i][0], "value": values[j][0]}
+    chosen = {k: next(c for c in cands if c.config == pick[k[2]]) for k, cands in tables.items()}
+    return chosen, float(kb[i] + vb[j]), float(total[i, j])
+
+
+__all__ = ["BITS", "KEY_BASES", "VALUE_BASES", "Allocation", "Candidate", "HeadAllocation", "allocate", "allocation_bases", "best_uniform", "greedy",
+           "lower_hull", "plane_rows", "side_losses"]

@@ -5,17 +5,17 @@ on its own arrays. It declares what it accepts as data (``capabilities``, a
 :class:`~subspace_ref.capabilities.Capabilities`); the one composer of
 :mod:`subspace_ref.capabilities` turns the declaration into every reason a call is refused, so a
 caller is never left guessing why.
+
+Backends see a state through :class:`StateView`, what they read of it, so this module and the
+registry sit below :mod:`subspace_ref.state` (docs/architecture.md).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 from subspace_ref.capabilities import Capabilities
-
-if TYPE_CHECKING:
-    from subspace_ref.state import SubspaceState
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,48 @@ class Availability:
 
     def __bool__(self) -> bool:
         return self.available
+
+
+@runtime_checkable
+class StateView(Protocol):
+    """What a backend reads of a state (spec A9; :class:`~subspace_ref.state.SubspaceState` is
+    one): its policy (spec A6-A8 hyper-parameters), packed arrays (``layout``), sketches, exact
+    window (spec/window.md W1), whether it is batched, its backend name (``engine``), the calls
+    already admitted (:func:`subspace_ref.operations.attend`) and its shape."""
+
+    policy: Any
+    layout: Any
+    sketches: Any
+    window: Any
+    batched: bool
+    engine: str
+    admitted: dict
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def batch(self) -> int: ...
+
+    @property
+    def heads(self) -> int: ...
+
+    @property
+    def kv_heads(self) -> int: ...
+
+    @property
+    def d(self) -> int: ...
+
+    @property
+    def d_v(self) -> int: ...
+
+    @property
+    def dtype(self) -> Any: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    def chunk_bounds(self, head: int, seq: int = 0) -> list[tuple[int, int]]: ...
 
 
 @runtime_checkable
@@ -59,7 +101,7 @@ class Backend(Protocol):
     def availability(self) -> Availability:
         """Whether this machine can run the backend (imports, devices), without raising."""
 
-    def not_supported_reasons(self, q: Any, state: "SubspaceState") -> list[str]:
+    def not_supported_reasons(self, q: Any, state: StateView) -> list[str]:
         """Every reason this backend refuses ``attend(q, state)``; empty when it accepts:
         ``subspace_ref.capabilities.attend_reasons(self.name, self, q, state)``."""
 
@@ -67,7 +109,7 @@ class Backend(Protocol):
         """A function turning any supported array into this backend's family on ``device``;
         floating arrays are cast to ``dtype`` when given (used by ``SubspaceState.to``)."""
 
-    def append(self, state: "SubspaceState", keys: Any, values: Any) -> None:
+    def append(self, state: StateView, keys: Any, values: Any) -> None:
         """Append validated ``keys`` (N, H, n, d) and ``values`` (N, H, n, d_v) to ``state``.
 
         Follows spec A6/A7/A8 for the state's policy. Arrays stay in the backend's family and
@@ -75,7 +117,7 @@ class Backend(Protocol):
         is a bug, not bad input.
         """
 
-    def attend(self, q: Any, state: "SubspaceState", scale: float | None) -> Any:
+    def attend(self, q: Any, state: StateView, scale: float | None) -> Any:
         """Coefficient-space attention (spec A2, A3) of ``q`` (N, H_q, d) over ``state``.
 
         Returns (N, H_q, d_v) in ``q``'s dtype, accumulated in at least float32.

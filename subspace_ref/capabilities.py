@@ -19,13 +19,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from subspace_ref.arrays import array_family
+from subspace_ref.formats import MIXED_FORMATS, UNIFORM_FORMATS
 
 POLICIES = ("static", "adaptive", "rotating")
-COEFFICIENT_FORMATS = ("float", "int8", "int4", "int2")
+#: Every coefficient format a layout can report (spec/quantization.md Q0): uniform, then per-side pairs.
+COEFFICIENT_FORMATS = UNIFORM_FORMATS + MIXED_FORMATS
 BASIS_FORMATS = ("native", "float16", "float8_e4m3", "int8")
 #: Online-sketch and window options set away from their neutral values (spec/sketch_variants.md,
 #: spec/window.md W4): the policy fields marked optional, and the window's lookahead.
-SKETCH_VARIANTS = ("ring_warm_start", "fd_stride", "reuse_angle", "trigger", "byte_ceiling", "lookahead")
+SKETCH_VARIANTS = ("ring_warm_start", "fd_stride", "reuse_angle", "trigger", "byte_ceiling", "track", "lookahead")
 
 
 class NotSupportedError(ValueError, NotImplementedError, TypeError):
@@ -142,7 +144,8 @@ def _state_reasons(backend: str, caps: Capabilities, f: dict[str, Any]) -> list[
     if f["dtype"] not in caps.dtypes:
         out.append(f"the state has dtype {f['dtype']}; the {backend} backend supports {', '.join(caps.dtypes)}")
     if f["coefficients"] not in caps.coefficient_formats:
-        out.append(f"the state stores {f['coefficients']} coefficients; the {backend} backend supports {', '.join(caps.coefficient_formats)}")
+        supported = [name for name in caps.coefficient_formats if "/" not in name] + (["a format per side"] if any("/" in name for name in caps.coefficient_formats) else [])
+        out.append(f"the state stores {f['coefficients']} coefficients; the {backend} backend supports {', '.join(supported)}")
     if f["bases"] not in caps.basis_formats:
         out.append(
             f"the state stores its bases as {f['bases']} (spec/storage.md S1); the {backend} backend reads {', '.join(caps.basis_formats)}: use the torch or numpy backend"

@@ -16,6 +16,8 @@ DESCRIPTION = (
 )
 EPILOG = """\
 first steps (times on 2 idle CPU cores, one thread; many times longer when other jobs share the cores):
+  subspace-kv calibrate --model PATH --compression-ratio 0.25 --bases-out DIR
+                                      bases and a per-head allocation for a checkpoint (docs/hf.md)
   subspace-kv demo                    synthetic streams through every kind of state (about 5 s)
   subspace-kv experiments             the short experiment table on the shipped model (about 1 min)
   subspace-kv experiments --full      every experiment and docs/experiments.md (about 25 min)
@@ -24,6 +26,7 @@ first steps (times on 2 idle CPU cores, one thread; many times longer when other
 """
 
 SUBCOMMANDS = {
+    "calibrate": ("subspace_ref.hf.calibrate_checkpoint", "bases for a local checkpoint at a compression ratio (the allocator; --rule energy for energy ranks)"),
     **EXPERIMENTS,
     "baselines": ("subspace_ref.experiments.baselines", "quantization and eviction baselines at matched KV bytes"),
     "tasks": ("subspace_ref.experiments.tasks", "accuracy tasks (needle recall, next-token, last identifier) under every cache; docs/tasks.md"),
@@ -54,13 +57,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     return parser, modules
 
 
-def threads(args: argparse.Namespace) -> int:
-    """The thread count of a parsed command: the global ``--threads``, else the subcommand's, else 1."""
-    return getattr(args, "global_threads", None) or getattr(args, "threads", None) or 1
-
-
 def main(argv: list[str] | None = None) -> int:
-    from subspace_ref.threads import limit_threads
+    from subspace_ref.experiments._common import MissingDependency
+    from subspace_ref.threads import limit_threads, requested_threads
 
     parser, modules = build_parser()
     args = parser.parse_args(argv)
@@ -68,16 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         print(args._missing, file=sys.stderr)
         return 2
     # one thread unless asked: threaded BLAS on small matrices only adds contention on a shared machine
-    limit_threads(threads(args))
+    limit_threads(requested_threads(args))
     try:
         return int(modules[args.command].run(args) or 0)
     except MissingDependency as err:
         print(f"subspace-kv {args.command}: {err}", file=sys.stderr)
         return 2
-
-
-class MissingDependency(ImportError):
-    """An optional package a subcommand needs, named with the extra that installs it."""
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from typing import Any
 
 from subspace_ref.arrays import array_family, clone, grown, itemsize, numel, to_numpy
 from subspace_ref.basis_storage import decode, encode
+from subspace_ref.formats import FORMATS, CoefficientFormat, pair_name
 from subspace_ref.quantization import dequantize_rows, read_low_bit
 
 #: Axis kinds of axis 2 (after N, H): TOKEN rows past ``layout.num_tokens`` and CHUNK rows past
@@ -76,6 +77,8 @@ STATE_ARRAYS = (
     StateArray("sink_values", "window", "sink_values", FIXED, "state"),  # (N, H, s, d_v)
 )
 BY_NAME = {a.name: a for a in STATE_ARRAYS}
+#: Per side, every layout array some coefficient format adds (spec/quantization.md Q0).
+_SIDE_ARRAYS = {side: tuple(dict.fromkeys(name for f in FORMATS.values() for name in f.arrays(side))) for side in ("key", "value")}
 
 
 def _capacity(needed: int, current: int) -> int:
@@ -110,31 +113,67 @@ class PackedLayout:
     key_tail: Any = None  # (N, H, group, r) state dtype: the keys of the unfinished trailing group
     value_token_scale: Any = None  # (N, H, T_cap) float16, per token
     value_token_zero: Any = None
-    low_bits: int = 0  # 4 or 2 for int4/int2 coefficients, 0 otherwise
-    group: int = 0  # tokens per key group of low-bit coefficients
+    # the formats.FORMATS name of each side's coefficients (spec/quantization.md Q0); the arrays
+    # above that a side's format adds are present, the others None
+    key_format: str = "float"
+    value_format: str = "float"
+    group: int = 0  # tokens per key group of low-bit key coefficients
     # arrays derived from torch arrays (decoded bases, scaled query maps): see derived. An init
     # field, so dataclasses.replace hands it on: an append's new layout keeps what is still valid
     _derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     ARRAYS = tuple(a.attr for a in STATE_ARRAYS if a.part == "layout")
 
+    def __post_init__(self):
+        # the formats' arrays are there and no others (spec/quantization.md Q0): a layout built by
+        # hand with int8 scales but no key_format="int8" would otherwise read its codes as floats
+        for which in ("key", "value"):
+            fmt = FORMATS.get(getattr(self, f"{which}_format"))
+            if fmt is None:
+                raise ValueError(f"{which}_format must be one of {', '.join(map(repr, FORMATS))}, got {getattr(self, f'{which}_format')!r}")
+            for name in _SIDE_ARRAYS[which]:
+                if (getattr(self, name) is not None) != (name in fmt.arrays(which)):
+                    raise ValueError(f"{name} is {'missing' if name in fmt.arrays(which) else 'given'} for {which}_format={fmt.name!r}")
+
+    def side_format(self, which: str) -> CoefficientFormat:
+        """The record of the "key" or "value" coefficients' format (spec/quantization.md Q0)."""
+        return FORMATS[self.key_format if which == "key" else self.value_format]
+
+    def side_arrays(self, which: str) -> tuple[str, ...]:
+        """Names of the arrays holding the "key" or "value" coefficients: ``{which}_coef`` and what its format adds."""
+        return (f"{which}_coef",) + self.side_format(which).arrays(which)
+
     @property
     def coefficients(self) -> str:
-        """How coefficients are stored: "float", "int8" (spec A10), "int4" or "int2" (spec/quantization.md)."""
-        return f"int{self.low_bits}" if self.low_bits else ("int8" if self.quantized else "float")
+        """How coefficients are stored: "float", "int8" (spec A10), "int4" or "int2"
+        (spec/quantization.md Q1-Q2) for both sides, or "key/value" (e.g. "int4/int8") when the
+        sides differ (:func:`~subspace_ref.formats.pair_name`)."""
+        return pair_name(FORMATS[self.key_format], FORMATS[self.value_format])
+
+    @property
+    def uniform(self) -> bool:
+        """Whether both sides store their coefficients in one format."""
+        return self.key_format == self.value_format
 
     @property
     def quantized(self) -> bool:
-        """True when the coefficients are int8 with per-token scales (spec A10)."""
-        return self.key_scale is not None
+        """True when both sides' coefficients are int8 with per-token scales (spec A10)."""
+        return self.uniform and FORMATS[self.key_format].per_token_scale
+
+    @property
+    def low_bits(self) -> int:
+        """4 or 2 when both sides store int4 / int2 codes (spec/quantization.md Q2), else 0: the
+        uniform formats the kernels read. Per-side readers use :meth:`side_format`."""
+        return FORMATS[self.key_format].low_bits if self.uniform else 0
 
     def coefficient_rows(self, which: str, n: int, h: int, a: int, b: int, dtype: Any) -> Any:
         """Rows [a, b) of the "key" or "value" coefficients of sequence n, head h, in ``dtype``,
-        dequantised when the layout is int8 (spec A10)."""
-        if self.low_bits:
+        dequantised when the side is int8 (spec A10) or int4/int2 (spec/quantization.md Q2)."""
+        fmt = self.side_format(which)
+        if fmt.low_bits:
             return read_low_bit(self, which, a, b, dtype, self.num_tokens, (n, h))
         coef = getattr(self, f"{which}_coef")[n, h, a:b]
-        if not self.quantized:
+        if not fmt.per_token_scale:
             return coef.astype(dtype)
         return dequantize_rows(coef, getattr(self, f"{which}_scale")[n, h, a:b], dtype)
 
@@ -220,10 +259,11 @@ class PackedLayout:
             return x[:, :, : self.num_tokens // self.group]
         return x
 
-    def converts(self, rule: str) -> bool:
-        """Whether an array of dtype rule ``rule`` (:data:`DTYPE_RULES`) takes a new dtype on conversion."""
+    def converts(self, rule: str, name: str = "") -> bool:
+        """Whether array ``name`` of dtype rule ``rule`` (:data:`DTYPE_RULES`) takes a new dtype on
+        conversion: "coefficients" arrays ("key_coef", "value_coef") when their side is float."""
         if rule == "coefficients":
-            return not self.quantized and not self.low_bits
+            return self.side_format(name.split("_")[0]).name == "float"
         if rule == "bases":
             return self.basis_format == "native"
         return rule == "state"
@@ -268,6 +308,8 @@ class SketchBuffers:
     ring_values: Any = None
     rows_inserted: int = 0
     svds: int = 0
+    # spec A7.4.1: (token, head) pairs an adaptive state stored with a residual above tau (saved)
+    tokens_over_tau: int = 0
 
 
 # ----------------------------------------------------------------- a state's arrays, enumerated

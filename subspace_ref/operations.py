@@ -224,5 +224,5 @@ def convert(state, backend: str, device: Any = None, dtype: Any = None):
     cast = target.converter(device=device, dtype=dtype)
     keep_dtype = target.converter(device=device)
     live = copy(state)
-    parts = mapped_parts(live, lambda a, x: cast(x) if live.layout.converts(a.dtype) else keep_dtype(x))
+    parts = mapped_parts(live, lambda a, x: cast(x) if live.layout.converts(a.dtype, a.name) else keep_dtype(x))
     return type(state)(state.policy, parts["layout"], parts["sketches"], state.batched, backend, parts["window"])

@@ -30,7 +30,8 @@ from subspace_ref.layout import STATE_ARRAYS, PackedLayout, SketchBuffers, live_
 from subspace_ref.policies import AdaptivePolicy, RotatingPolicy, StaticPolicy
 from subspace_ref.policies._online import sketch_size, warmup_length
 from subspace_ref.policies.adaptive import sketch_options, trigger_order
-from subspace_ref.quantization import LOW_BITS, packed_width
+from subspace_ref.formats import CoefficientFormat, coefficient_format
+from subspace_ref.quantization import packed_width
 from subspace_ref.rope import RopeParams
 from subspace_ref.window import ExactWindow, after_sinks_threshold, compressed_count, options, sink_option
 
@@ -59,7 +60,6 @@ LOW_BIT_TENSORS = ("key_group_scale", "key_group_zero", "key_tail", "value_token
 TENSOR_ORDER = tuple(a.name for a in STATE_ARRAYS if a.name not in UNSAVED)
 
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
-_COEFFICIENTS = {"float": None, "int8": "int8", "int4": "uint8", "int2": "uint8"}  # coefficient storage -> coefficient dtype (None: the state's)
 _WRITE_BLOCK = 1 << 20
 
 
@@ -95,9 +95,19 @@ def save_state(state, path) -> None:
 
     A failure at any point (including a crash) leaves a previous file at ``path`` untouched.
     """
+    path = os.fspath(path)
+    tensors, header, version = _state_record(state)
+    metadata = {"format": FORMAT_NAME, "format_version": str(version), "state": _canonical_json(header)}
+    metadata["checksum"] = checksum(tensors, metadata)
+    data = _serialize(tensors, metadata)
+    _write_atomic(path, data)
+
+
+def _state_record(state) -> tuple[dict[str, np.ndarray], dict[str, Any], int]:
+    """(tensors, header, format version) of ``state``'s file (spec/persistence.md), or the
+    refusal of a state this schema does not describe, before anything is written."""
     if not isinstance(getattr(state, "layout", None), PackedLayout):
         raise TypeError(f"state must be a SubspaceState, got {type(state).__name__}")
-    path = os.fspath(path)
     for f in _unpersisted(state.policy):
         if f.name == "rope":  # written in the header's "rope" (version 2, spec/persistence.md)
             continue
@@ -112,12 +122,67 @@ def save_state(state, path) -> None:
     header = _state_header(state, dtype_name)
     # the oldest version that describes the state
     extended = _bases(state) != "native" or getattr(state, "window", None) is not None or bool(_written_optional(state.policy))
-    extended = extended or getattr(state.layout, "low_bits", 0) > 0 or _rope(state) is not None
-    version = EXTENDED_VERSION if extended else FORMAT_VERSION
-    metadata = {"format": FORMAT_NAME, "format_version": str(version), "state": _canonical_json(header)}
-    metadata["checksum"] = checksum(tensors, metadata)
-    data = _serialize(tensors, metadata)
-    _write_atomic(path, data)
+    extended = extended or _extended_coefficients(_coefficients(state)) or _rope(state) is not None
+    extended = extended or "tokens_over_tau" in (header["sketch"] or {})  # spec A7.4.1's counter, version 2
+    return tensors, header, EXTENDED_VERSION if extended else FORMAT_VERSION
+
+
+#: A layer state's file (spec/persistence.md §6): its head groups' states in one file.
+LAYER_FORMAT_NAME = "subspace_ref.layer_state"
+LAYER_FORMAT_VERSION = 1
+
+
+def save_layer(kv_heads: int, groups: list[tuple[tuple[int, ...], dict[str, bool], Any]], path) -> None:
+    """Write a layer state (spec/persistence.md §6) to ``path`` atomically: ``groups`` holds per
+    head group its KV heads, its flags ({"key_identity": .., "value_identity": ..}) and its
+    state. Each group's tensors are those of its state's own file, named ``group.{i}.{name}``;
+    the metadata's "layer" lists the groups with their state headers and format versions."""
+    path = os.fspath(path)
+    tensors, entries = {}, []
+    for i, (heads, flags, state) in enumerate(groups):
+        own, header, version = _state_record(state)
+        tensors |= {f"group.{i}.{name}": x for name, x in own.items()}
+        entries.append({"heads": [int(h) for h in heads], **{k: bool(v) for k, v in flags.items()}, "format_version": str(version), "state": header})
+    metadata = {"format": LAYER_FORMAT_NAME, "format_version": str(LAYER_FORMAT_VERSION), "layer": _canonical_json({"kv_heads": int(kv_heads), "groups": entries})}
+    metadata["checksum"] = checksum(tensors, metadata, _layer_order(len(groups)))
+    _write_atomic(path, _serialize(tensors, metadata))
+
+
+def _layer_order(groups: int) -> list[str]:
+    return [f"group.{i}.{name}" for i in range(groups) for name in TENSOR_ORDER]
+
+
+def load_layer_parts(path) -> tuple[int, list[tuple[tuple[int, ...], dict[str, bool], tuple]]]:
+    """What :func:`save_layer` wrote: (kv_heads, [(heads, flags, state parts)]), each group's
+    parts checked as a state file's are (:func:`load_parts`); StateFileError naming the problem."""
+    with open(os.fspath(path), "rb") as fh:
+        data = fh.read()
+    metadata, _ = _read_header(data, path)
+    if metadata.get("format") != LAYER_FORMAT_NAME:
+        raise StateFileError(f"{path}: format is {metadata.get('format')!r}, expected {LAYER_FORMAT_NAME!r} (not a saved LayerState)")
+    if metadata.get("format_version") != str(LAYER_FORMAT_VERSION):
+        raise StateFileError(f"{path}: format_version is {metadata.get('format_version')!r}; this version of subspace_ref reads layer files of version {LAYER_FORMAT_VERSION} only")
+    layer = _json_entry(metadata, "layer", path)
+    if not isinstance(layer, dict) or type(layer.get("kv_heads")) is not int or not isinstance(layer.get("groups"), list) or not layer["groups"]:
+        _fail(path, f"layer must hold an int kv_heads and a non-empty list of groups, got {layer!r}")
+    order = _layer_order(len(layer["groups"]))
+    tensors = _decode(data, path, order)
+    _check_checksum(tensors, metadata, path, order)
+    out, seen = [], []
+    for i, entry in enumerate(layer["groups"]):
+        if not isinstance(entry, dict) or set(entry) != {"heads", "key_identity", "value_identity", "format_version", "state"}:
+            _fail(path, f"group {i} must hold heads, key_identity, value_identity, format_version and state, got {entry!r}")
+        heads = entry["heads"]
+        if not isinstance(heads, list) or not heads or not all(type(h) is int and 0 <= h < layer["kv_heads"] for h in heads):
+            _fail(path, f"group {i}: heads must be a non-empty list of KV heads in [0, {layer['kv_heads']}), got {heads!r}")
+        seen += heads
+        prefix = f"group.{i}."
+        own = {name[len(prefix) :]: x for name, x in tensors.items() if name.startswith(prefix)}
+        parts = _state_from_record(entry["state"], entry["format_version"], own, f"{path} (group {i})")
+        out.append((tuple(heads), {"key_identity": bool(entry["key_identity"]), "value_identity": bool(entry["value_identity"])}, parts))
+    if sorted(seen) != list(range(layer["kv_heads"])):
+        _fail(path, f"the groups' heads {sorted(seen)} must be each of the {layer['kv_heads']} KV heads exactly once")
+    return layer["kv_heads"], out
 
 
 def _serialize(tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> bytes:
@@ -182,7 +247,52 @@ def _host(x: Any) -> np.ndarray:
 
 
 def _coefficients(state) -> str:
-    return getattr(state.layout, "coefficients", "int8" if getattr(state.layout, "quantized", False) else "float")
+    return state.layout.coefficients
+
+
+def _side_formats(coefficients: str) -> tuple[CoefficientFormat, CoefficientFormat]:
+    """The (key, value) format records of a header's ``coefficients``: one name for both sides,
+    or "key/value" (version 2; spec/persistence.md). ValueError for anything else."""
+    names = coefficients.split("/") if isinstance(coefficients, str) else [coefficients]
+    if len(names) > 2 or (len(names) == 2 and names[0] == names[1]):
+        raise ValueError(f"coefficients must be a format name or 'key/value' of two different names, got {coefficients!r}")
+    return coefficient_format(names[0]), coefficient_format(names[-1])
+
+
+def _sketch_header(sk) -> dict[str, int]:
+    """The header's "sketch" object: fill counts, rows seen, and spec A7.4.1's tokens_over_tau,
+    written only when not 0 (version 2), so files without it are byte for byte as before."""
+    out = {"filled_k": int(sk.filled_k), "filled_v": int(sk.filled_v), "rows_seen": int(sk.rows_seen)}
+    if getattr(sk, "tokens_over_tau", 0):
+        out["tokens_over_tau"] = int(sk.tokens_over_tau)
+    return out
+
+
+def _version_2_features(header: dict) -> list[str]:
+    """What in a header only version 2 describes (spec/persistence.md), by name."""
+    found = [name for name in ("window", "bases", "group", "rope") if name in header]
+    if isinstance(header.get("sketch"), dict) and "tokens_over_tau" in header["sketch"]:
+        found.append("tokens_over_tau")
+    if _has_optional_fields(header):
+        found.append("optional policy fields")
+    if _extended_coefficients(header.get("coefficients")):
+        found.append(f"{header['coefficients']} coefficients")
+    return found
+
+
+def _extended_coefficients(coefficients: Any) -> bool:
+    """Whether a header's ``coefficients`` need version 2: low-bit codes on a side, or two formats."""
+    try:
+        key_format, value_format = _side_formats(coefficients)
+    except (ValueError, TypeError):
+        return False  # refused with its reason when the state is built
+    return bool(key_format.low_bits or value_format.low_bits) or key_format != value_format
+
+
+def _side_tensors(key_format: CoefficientFormat, value_format: CoefficientFormat) -> tuple[str, ...]:
+    """The tensors the sides' formats add, in file order."""
+    added = set(key_format.arrays("key")) | set(value_format.arrays("value"))
+    return tuple(name for name in TENSOR_ORDER if name in added)
 
 
 def _bases(state) -> str:
@@ -197,8 +307,9 @@ def _expected_dtypes(dtype_name: str, coefficients: str, stored: bool, bases: st
     out.update(chunk_starts="int64", num_chunks="int64", key_scale="float32", value_scale="float32")
     out.update(key_basis_scale="float32", value_basis_scale="float32")
     out.update({name: "float16" for name in LOW_BIT_TENSORS if name != "key_tail"})
-    if _COEFFICIENTS.get(coefficients):
-        out.update(key_coef=_COEFFICIENTS[coefficients], value_coef=_COEFFICIENTS[coefficients])
+    for side, fmt in zip(("key", "value"), _side_formats(coefficients)):
+        if fmt.code_dtype is not None:
+            out[f"{side}_coef"] = fmt.code_dtype
     if bases != "native":
         encoded = {"float16": "float16", "int8": "int8", "float8_e4m3": "uint8" if stored else "float8_e4m3fn"}[bases]
         out.update(key_bases=encoded, value_bases=encoded)
@@ -245,7 +356,7 @@ def _state_header(state, dtype_name: str) -> dict[str, Any]:
     lay = state.layout
     sk = state.sketches
     extra = {} if _bases(state) == "native" else {"bases": _bases(state)}  # version 2 only
-    if getattr(lay, "low_bits", 0):  # version 2 only
+    if _side_formats(_coefficients(state))[0].low_bits:  # version 2 only: low-bit keys have groups
         extra["group"] = int(lay.group)
     rope = _rope(state)
     if rope is not None:  # version 2 only: every number JSON writes as float64 repr reads back exactly
@@ -261,7 +372,7 @@ def _state_header(state, dtype_name: str) -> dict[str, Any]:
         "num_tokens": int(lay.num_tokens),
         "dtype": dtype_name,
         "coefficients": _coefficients(state),
-        "sketch": None if sk is None else {"filled_k": int(sk.filled_k), "filled_v": int(sk.filled_v), "rows_seen": int(sk.rows_seen)},
+        "sketch": None if sk is None else _sketch_header(sk),
         "saved_from": state.engine,
     }
 
@@ -294,13 +405,15 @@ def _canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
 
-def checksum(tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> str:
+def checksum(tensors: dict[str, np.ndarray], metadata: dict[str, str], order: Any = None) -> str:
     """``"sha256:" + hex`` of the metadata (``checksum`` left out) and the tensors, as
-    spec/persistence.md §3 describes: the same bytes give the same digest on every machine."""
+    spec/persistence.md §3 describes: the same bytes give the same digest on every machine.
+    ``order``: the file's tensor order (default: a state file's, :data:`TENSOR_ORDER`)."""
+    order = TENSOR_ORDER if order is None else order
     h = hashlib.sha256()
     h.update(_canonical_json({k: v for k, v in metadata.items() if k != "checksum"}).encode())
     # every tensor, in file order; names outside it (refused on load anyway) after, sorted
-    for name in [n for n in TENSOR_ORDER if n in tensors] + sorted(set(tensors) - set(TENSOR_ORDER)):
+    for name in [n for n in order if n in tensors] + sorted(set(tensors) - set(order)):
         x = np.ascontiguousarray(tensors[name])
         x = x.astype(x.dtype.newbyteorder("<"), copy=False)
         h.update(b"\0" + name.encode() + b"\0" + x.dtype.str.encode() + b"\0" + _canonical_json(list(x.shape)).encode() + b"\0")
@@ -322,21 +435,33 @@ def load_parts(path) -> tuple:
     metadata, _ = _read_header(data, path)
     _check_format(metadata, path)
     tensors = _decode(data, path)
-    expected = checksum(tensors, metadata)
+    _check_checksum(tensors, metadata, path)
+    header = _json_entry(metadata, "state", path)
+    return _state_from_record(header, metadata["format_version"], tensors, path)
+
+
+def _check_checksum(tensors: dict[str, np.ndarray], metadata: dict[str, str], path, order: Any = None) -> None:
+    expected = checksum(tensors, metadata, order)
     if metadata.get("checksum") != expected:
         raise StateFileError(f"{path}: checksum mismatch (stored {metadata.get('checksum')!r}, computed {expected!r}); the file is corrupted")
+
+
+def _json_entry(metadata: dict[str, str], name: str, path) -> Any:
     try:
-        header = json.loads(metadata["state"])
-    except (json.JSONDecodeError, TypeError) as err:
-        raise StateFileError(f"{path}: metadata 'state' is not valid JSON ({err})") from None
-    # the writer uses the oldest version that describes the state: 2 exactly when it has
-    # encoded bases or an exact window
-    extended = isinstance(header, dict) and ("window" in header or "bases" in header or "group" in header or "rope" in header or _has_optional_fields(header))
-    expected_version = str(EXTENDED_VERSION if extended else FORMAT_VERSION)
-    if metadata["format_version"] != expected_version:
+        return json.loads(metadata[name])
+    except (json.JSONDecodeError, TypeError, KeyError) as err:
+        raise StateFileError(f"{path}: metadata {name!r} is not valid JSON ({err})") from None
+
+
+def _state_from_record(header: Any, format_version: str, tensors: dict[str, np.ndarray], path) -> tuple:
+    """The parts of one state from its header, the version it was written as, and its tensors."""
+    # the writer uses the oldest version that describes the state (spec/persistence.md)
+    needs = _version_2_features(header) if isinstance(header, dict) else []
+    expected_version = str(EXTENDED_VERSION if needs else FORMAT_VERSION)
+    if format_version != expected_version:
         raise StateFileError(
-            f"{path}: format_version is {metadata['format_version']!r}, but a state {'with' if extended else 'without'} "
-            f"encoded bases or an exact window is written as version {expected_version}"
+            f"{path}: format_version is {format_version!r}, but a state "
+            + (f"with {', '.join(needs)} is written as version {expected_version}" if needs else f"with no version 2 feature is written as version {expected_version}")
         )
     return _build_state(header, tensors, path)
 
@@ -376,17 +501,18 @@ def _check_format(metadata: dict[str, str], path) -> None:
         raise StateFileError(f"{path}: format_version is {version!r}; this version of subspace_ref reads versions {', '.join(map(str, READ_VERSIONS))} only")
 
 
-def _decode(data: bytes, path) -> dict[str, np.ndarray]:
+def _decode(data: bytes, path, order: Any = None) -> dict[str, np.ndarray]:
     import safetensors.numpy
     from safetensors import SafetensorError
 
+    order = TENSOR_ORDER if order is None else order
     try:
         tensors = safetensors.numpy.load(data)
     except (SafetensorError, ValueError, TypeError) as err:
         raise StateFileError(f"{path}: corrupted safetensors file ({err})") from None
-    unknown = sorted(set(tensors) - set(TENSOR_ORDER))
+    unknown = sorted(set(tensors) - set(order))
     if unknown:
-        raise StateFileError(f"{path}: unexpected arrays {unknown}; a saved state holds only {list(TENSOR_ORDER)}")
+        raise StateFileError(f"{path}: unexpected arrays {unknown}; a saved {'state' if order is TENSOR_ORDER else 'layer'} holds only {list(order)}")
     return tensors
 
 
@@ -488,22 +614,23 @@ def _build_state(header: Any, tensors: dict[str, np.ndarray], path):
     if dtype_name not in _FLOAT_DTYPES:
         _fail(path, f"dtype is {dtype_name!r}; expected one of {list(_FLOAT_DTYPES)}")
     coefficients = header.get("coefficients")
-    if coefficients not in _COEFFICIENTS:
-        _fail(path, f"coefficients is {coefficients!r}; expected one of {list(_COEFFICIENTS)}")
+    try:
+        key_format, value_format = _side_formats(coefficients)
+    except ValueError as err:
+        _fail(path, f"coefficients is {coefficients!r}: {err}")
     basis_format = header.get("bases", "native")
     if "bases" in header and basis_format not in FORMATS[1:]:
         _fail(path, f"bases is {basis_format!r}; a version {EXTENDED_VERSION} file stores them as one of {list(FORMATS[1:])}")
     online = policy.kind != "static"
     win = _window_options(header.get("window", None), policy.kind, path)
-    expected_names = LAYOUT_TENSORS + (SCALE_TENSORS if coefficients == "int8" else ()) + (SKETCH_TENSORS if online else ())
+    expected_names = LAYOUT_TENSORS + _side_tensors(key_format, value_format) + (SKETCH_TENSORS if online else ())
     expected_names += (BASIS_SCALE_TENSORS if basis_format == "int8" else ()) + (WINDOW_TENSORS if win else ()) + (SINK_TENSORS if win and win[3] else ())
-    bits, G = LOW_BITS.get(coefficients, 0), header.get("group", 0)
+    bits, value_bits, G = key_format.low_bits, value_format.low_bits, header.get("group", 0)
     if bits:
-        expected_names += LOW_BIT_TENSORS
         if type(G) is not int or G < 1:
             _fail(path, f"group is {G!r}; {coefficients} coefficients need a positive int group size")
     elif "group" in header:
-        _fail(path, f"group is set but coefficients are {coefficients}; only int4/int2 coefficients have key groups")
+        _fail(path, f"group is set but coefficients are {coefficients}; only int4/int2 keys have key groups")
     missing = [n for n in expected_names if n not in tensors]
     extra = [n for n in tensors if n not in expected_names]
     if missing or extra:
@@ -540,16 +667,18 @@ def _build_state(header: Any, tensors: dict[str, np.ndarray], path):
     r_v, d_v = vb.shape[3], vb.shape[4]
     shapes = {
         "key_coef": (N, H, T, packed_width(r, bits) if bits else r),
-        "value_coef": (N, H, T, packed_width(r_v, bits) if bits else r_v),
+        "value_coef": (N, H, T, packed_width(r_v, value_bits) if value_bits else r_v),
         "chunk_starts": (N, H, J),
         "num_chunks": (N, H),
         "gamma": (H,),
     }
-    if coefficients == "int8":
+    if key_format.per_token_scale:
         shapes["key_scale"] = (N, H, T)
+    if value_format.per_token_scale:
         shapes["value_scale"] = (N, H, T)
     if bits:
         shapes.update(key_group_scale=(N, H, T // G, r), key_group_zero=(N, H, T // G, r), key_tail=(N, H, G, r))
+    if value_bits:
         shapes.update(value_token_scale=(N, H, T), value_token_zero=(N, H, T))
     if basis_format == "int8":
         shapes["key_basis_scale"] = (N, H, J, r)
@@ -606,15 +735,19 @@ def _build_state(header: Any, tensors: dict[str, np.ndarray], path):
 
     sketches = None
     if online:
-        if not isinstance(sk, dict) or set(sk) != {"filled_k", "filled_v", "rows_seen"} or not all(type(v) is int for v in sk.values()):
-            _fail(path, f"sketch must hold int filled_k, filled_v, rows_seen; got {sk!r}")
+        counts = {"filled_k", "filled_v", "rows_seen"}
+        if not isinstance(sk, dict) or not counts <= set(sk) <= counts | {"tokens_over_tau"} or not all(type(v) is int for v in sk.values()):
+            _fail(path, f"sketch must hold int filled_k, filled_v, rows_seen and optionally tokens_over_tau; got {sk!r}")
+        over, pairs = sk.get("tokens_over_tau", 0), arrays["key_coef"].shape[0] * arrays["key_coef"].shape[1]
+        if not 0 <= over <= pairs * T or (over and policy.kind != "adaptive"):
+            _fail(path, f"sketch tokens_over_tau = {over} must lie in [0, {pairs * T}] ((token, head) pairs of an adaptive state, spec A7.4.1)")
         for name, ell in (("filled_k", policy.ell_k), ("filled_v", policy.ell_v)):
             if not 0 <= sk[name] <= min(2 * ell, sk["rows_seen"]):
                 _fail(path, f"sketch {name} = {sk[name]} must lie in [0, min(2 ell = {2 * ell}, rows_seen = {sk['rows_seen']})]")
         for name, filled in (("sketch_keys", sk["filled_k"]), ("sketch_values", sk["filled_v"])):
             if arrays[name][:, :, filled:].any():
                 _fail(path, f"{name} has non-zero rows past its fill count {filled}")
-        sketches = SketchBuffers(arrays["sketch_keys"], arrays["sketch_values"], sk["filled_k"], sk["filled_v"], sk["rows_seen"])
+        sketches = SketchBuffers(arrays["sketch_keys"], arrays["sketch_values"], sk["filled_k"], sk["filled_v"], sk["rows_seen"], tokens_over_tau=over)
     elif sk is not None:
         _fail(path, f"a static state has no sketch, got {sk!r}")
 
@@ -634,8 +767,14 @@ def _build_state(header: Any, tensors: dict[str, np.ndarray], path):
         exact = ExactWindow(size, min_tokens, lookahead, arrays["window_keys"], arrays["window_values"], sinks, *sink_arrays)
 
     names = LAYOUT_TENSORS + SCALE_TENSORS + BASIS_SCALE_TENSORS + LOW_BIT_TENSORS
-    low_bit = dict(low_bits=bits, group=G) if bits else {}
-    layout = PackedLayout(**{name: arrays[name] for name in names if name in arrays}, num_tokens=T, basis_format=basis_format, **low_bit)
+    layout = PackedLayout(
+        **{name: arrays[name] for name in names if name in arrays},
+        num_tokens=T,
+        basis_format=basis_format,
+        key_format=key_format.name,
+        value_format=value_format.name,
+        group=G if bits else 0,
+    )
     return policy, layout, sketches, batched, "numpy", exact
 
 

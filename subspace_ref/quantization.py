@@ -41,8 +41,6 @@ def dequantize_rows(q: Any, scale: Any, dtype: Any) -> Any:
 
 # ---------------------------------------------------------------- low-bit coefficients (spec Q1-Q4)
 
-#: The low-bit coefficient formats and their bits per code (spec/quantization.md Q1).
-LOW_BITS = {"int4": 4, "int2": 2}
 #: Key coefficients share one scale and zero point per channel over groups of this many tokens
 #: by default (KIVI's G; spec/quantization.md Q2).
 DEFAULT_GROUP = 32
@@ -151,13 +149,6 @@ def unpack(packed: Any, bits: int, width: int) -> Any:
 
 # ------------------------------------------- low-bit coefficients in the packed layout (spec Q2)
 
-def side_arrays(which: str) -> tuple[str, ...]:
-    """Names of the layout arrays holding the "key" or "value" coefficients of a low-bit layout."""
-    if which == "key":
-        return ("key_coef", "key_group_scale", "key_group_zero", "key_tail")
-    return ("value_coef", "value_token_scale", "value_token_zero")
-
-
 def _numpy_viewable(*arrays: Any) -> bool:
     """Whether every array is a CPU torch tensor that NumPy can view in place (not bfloat16,
     outside autograd)."""
@@ -186,19 +177,17 @@ def store_low_bit(lay, which: str, a: int, b: int, coef: Any) -> None:
     (a rotating refresh) start at 0.
 
     CPU torch arrays are written through NumPy views of them by the NumPy branch: the same
-    definition as the torch branch (kept for device arrays) and the same numbers, for less: a
-    decode step's token is ~50 array operations on a few dozen numbers, each about a third of
-    torch's cost in NumPy (quantising and packing one token's values: 69 against 203 µs; an
-    int4 append, 8-10% faster: docs/benchmarks.md)."""
-    if _numpy_viewable(coef, *(getattr(lay, name) for name in side_arrays(which))):
+    definition as the torch branch (kept for device arrays) and the same numbers, faster on a
+    decode step's few dozen numbers (docs/benchmarks.md)."""
+    if _numpy_viewable(coef, *(getattr(lay, name) for name in lay.side_arrays(which))):
         import torch
 
-        views = replace(lay, **{name: getattr(lay, name).numpy() for name in side_arrays(which)})
+        views = replace(lay, **{name: getattr(lay, name).numpy() for name in lay.side_arrays(which)})
         store_low_bit(views, which, a, b, coef.detach().numpy())
         if which == "key":
             lay.key_tail = torch.from_numpy(views.key_tail)
         return
-    bits = lay.low_bits
+    bits = lay.side_format(which).low_bits
     if which == "value":
         q, scale, zero = quantize_groups(coef, bits, axis=-1)
         lay.value_coef[:, :, a:b] = pack(q, bits)
@@ -224,7 +213,7 @@ def store_low_bit(lay, which: str, a: int, b: int, coef: Any) -> None:
 def read_low_bit(lay, which: str, a: int, b: int, dtype: Any, upto: int, index: tuple = (slice(None), slice(None))) -> Any:
     """Spec Q2: coefficients of tokens [a, b) (b <= ``upto``, the tokens written) of low-bit
     layout ``lay``, dequantised into ``dtype``: (..., b - a, r), ``index`` selecting over (N, H)."""
-    bits = lay.low_bits
+    bits = lay.side_format(which).low_bits
     if which == "value":
         width = lay.value_bases.shape[3]
         q = unpack(lay.value_coef[index + (slice(a, b),)], bits, width)

@@ -19,9 +19,10 @@ from subspace_ref.layout import (
 )
 from subspace_ref.policies import AdaptivePolicy, RotatingPolicy, StaticPolicy
 from subspace_ref.policies._online import per_head_ranks, sketch_size, warmup_length
-from subspace_ref.policies.adaptive import sketch_options, trigger_order
+from subspace_ref.policies.adaptive import sketch_options, track_option, trigger_order
 from subspace_ref.policies.byte_ceiling import ceiling_option, check_ceiling
-from subspace_ref.quantization import DEFAULT_GROUP, LOW_BITS, packed_width
+from subspace_ref.formats import side_formats
+from subspace_ref.quantization import DEFAULT_GROUP, packed_width
 from subspace_ref.rope import RopeParams
 
 Policy = StaticPolicy | AdaptivePolicy | RotatingPolicy
@@ -157,20 +158,34 @@ class SubspaceState:
         trigger: str = "reproject",
         sinks: int = 0,
         byte_ceiling: float = 1.0,
+        track: bool | None = None,
     ) -> "SubspaceState":
         """Online bases from FD sketches with residual-triggered chunking (spec A7, seed 001 §5).
 
-        ``ell_*`` default to 2 x rank; the first min(``warmup``, rank) tokens of each side
-        (default: the side's rank, so keys and values each fill their basis) are stored exactly
-        in chunk 0 (spec A7 step 0); ``warmup=0`` with ``trigger="paper"`` is the paper verbatim.
+        ``ell_*`` default to 2 x rank; the first min(``warmup``, rank) tokens of each side are
+        stored exactly in chunk 0 (spec A7 step 0; default: the largest rank without tracking;
+        with it, the largest rank of a side kept at full rank, else 0, since growth fills the
+        bases with the tokens that need a row); ``warmup=0`` with ``trigger="paper"`` is the
+        paper verbatim.
+
+        ``track`` (spec A7.4; default None: True under ``trigger="reproject"``, False under
+        "paper"): drift tracking. A side whose token is over tau / 2 and whose open basis has a free
+        (zero) row takes the token's residual as that row, without a new chunk; a chunk that opens
+        keeps the sketch's snapshot on a side only if it holds the firing token within tau, else
+        starts from the token's direction with free rows; and the sketches restart at every
+        opening, so they summarise the open chunk. Every stored token is then within tau, the
+        first of each chunk included (statement A7.4.1), and a switch of the stream's subspace
+        costs at most two chunks (A7.4.2; issue 40's three-subspace stream: 3 chunks, where the
+        paper's sketches opened 112). The exceptions are counted in :attr:`tokens_over_tau`.
         ``trigger="reproject"`` (the default) stores the token that fires the trigger in the new
         chunk, with bases that include it (spec A7.2: every stored token within tau, full rank
         exact); "paper" keeps seed 001's order, where that token stays in the old chunk with its
         residual (and the cap leaves an empty open chunk after a capped chunk). Under both, a
         chunk closed by ``max_chunk`` holds max_chunk tokens.
-        ``sketch_reset=True`` restarts the sketches at each chunk boundary (spec A7 step 3b): the
-        paper's sketches never forget, and under drift they keep returning the old subspace, so
-        the trigger fires on nearly every token (see tests/test_adaptive_state.py).
+        ``sketch_reset=True`` (without tracking, which restarts at every boundary anyway)
+        restarts the sketches at the boundaries of long chunks (spec A7 step 3b): the paper's
+        sketches never forget, and under drift they keep returning the old subspace, so the
+        trigger fires on nearly every token (spec A7.1, tests/test_adaptive_state.py).
         ``bases``: as in :meth:`static`; each snapshot is encoded when stored and the open chunk
         projects with the decoded stored basis (spec/storage.md S3).
 
@@ -194,18 +209,26 @@ class SubspaceState:
         triggers that no longer open chunks). ``ring_warm_start`` and ``lookahead`` do not
         combine (the ring replaces the sketches that lookahead would extend).
 
-        ``byte_ceiling`` (spec A7.3, default 1.0): a trigger opens a chunk only if the chunk pays
-        for its basis bytes, so the state never holds more than ``byte_ceiling`` times the bytes
-        of the full cache in its dtype, beyond the fixed cost of one chunk and the sketches; a
-        trigger it refuses leaves the token in the open chunk (its residual then above tau, and a
-        chunk may outlive ``max_chunk``). ``math.inf`` is seed 001's policy, with no ceiling: on
-        data that is not low-rank at the chosen ranks it can hold several times the full cache.
-        ``trigger="paper", byte_ceiling=math.inf`` is spec A7 verbatim (and what a file saved
-        before these options loads as).
+        ``byte_ceiling`` (spec A7.3, default 1.0): a trigger opens a chunk only if the state with
+        it, sketches included, stays within ``byte_ceiling`` times the full cache's bytes in its
+        dtype. So after every append ``nbytes <= max(byte_ceiling * full_cache_nbytes, the bytes
+        of a one-chunk state of the same length)`` (statement A7.3.1): the only overshoot is
+        that of the smallest state the policy can hold (its sketches and one chunk of bases),
+        and it is gone after t_0 = (F + B_c) / (beta - T_c) tokens, e.g. 54 tokens at d = 32,
+        r = 8 in float64 (``docs/adaptive_policy.md``). An exact window or sinks add their own
+        bytes, exactly their share of the full cache. A trigger it refuses leaves the token in
+        the open chunk: its residual may then be above tau (counted in :attr:`tokens_over_tau`),
+        and a chunk may outlive ``max_chunk``. ``math.inf`` is seed 001's policy, with no
+        ceiling: on data that is not low-rank at the chosen ranks it can hold several times the
+        full cache. ``trigger="paper", byte_ceiling=math.inf`` is spec A7 verbatim (and what a
+        file saved before these options loads as).
         """
         window, min_tokens, lookahead = _window.options(window, min_tokens, lookahead, "adaptive")
         sinks = _window.sink_option(sinks)
+        trigger, track = trigger_order(trigger), track_option(track, trigger_order(trigger))
         heads, d, d_v, rk, rv, ek, ev, w = _online_args(heads, d, d_v, rank_k, rank_v, ell_k, ell_v, warmup)
+        if warmup is None and track:  # spec A7.4: growth fills the bases; only a side kept at full rank warms up
+            w = max([r for r in rk if r == d] + [r for r in rv if r == d_v] + [0])
         ring, stride, reuse = sketch_options(ring_warm_start, fd_stride, reuse_angle, bool(sketch_reset))
         if ring and lookahead:
             raise ValueError(
@@ -224,8 +247,9 @@ class SubspaceState:
             ring,
             stride,
             reuse,
-            trigger_order(trigger),
+            trigger,
             ceiling_option(byte_ceiling),
+            track,
         )
         state = cls._online(policy, heads, d, d_v, gamma, batch, dtype, coefficients, bases, (window, min_tokens, lookahead, sinks), group_size)
         check_ceiling(state)
@@ -350,6 +374,16 @@ class SubspaceState:
         return counted_nbytes(self)
 
     @property
+    def tokens_over_tau(self) -> int:
+        """Adaptive states: how many (token, head) pairs, summed over sequences and heads, the
+        byte ceiling refused a chunk for and which are therefore stored with a relative residual
+        above tau on keys or values (spec A7.3, A7.4): the fidelity the state gave up for bytes.
+        Under tracking (the default, without ``reuse_angle``) these are all the tokens stored
+        above tau (statement A7.4.1); 0 without a ceiling. Saved with the state; copies and
+        ``select_sequences`` keep the total. 0 for static and rotating states."""
+        return int(getattr(self.sketches, "tokens_over_tau", 0)) if self.kind == "adaptive" else 0
+
+    @property
     def allocated_nbytes(self) -> int:
         """Bytes of every array the state holds, spare capacity included (>= :attr:`nbytes`)."""
         return allocated_nbytes(self)
@@ -445,33 +479,21 @@ def _online_args(heads, d, d_v, rank_k, rank_v, ell_k, ell_v, warmup):
 
 
 def _empty_layout(
-    n: int, H: int, r: int, d: int, r_v: int, d_v: int, dtype, coefficients: str, bases: str = "native", group_size: int | None = DEFAULT_GROUP
+    n: int, H: int, r: int, d: int, r_v: int, d_v: int, dtype, coefficients: Any, bases: str = "native", group_size: int | None = DEFAULT_GROUP
 ) -> PackedLayout:
-    if coefficients not in ("float", "int8", *LOW_BITS):
-        raise ValueError(f'coefficients must be "float", "int8", "int4" or "int2", got {coefficients!r}')
-    bits = LOW_BITS.get(coefficients, 0)
-    group = _checks.positive_int("group_size", DEFAULT_GROUP if group_size is None else group_size) if bits else 0
+    """An empty layout whose sides store coefficients as ``coefficients`` says: one format name
+    for both, or a (key, value) pair of names (spec/quantization.md Q0)."""
+    key_format, value_format = side_formats(coefficients)
+    group = _checks.positive_int("group_size", DEFAULT_GROUP if group_size is None else group_size) if key_format.low_bits else 0
     bases = check_format("bases", bases)
     basis_dtype = stored_dtype(bases, dtype)
-    quantized = coefficients == "int8"
-    coef_dtype = np.int8 if quantized else np.uint8 if bits else dtype
-    low_bit = {}
-    if bits:  # spec/quantization.md Q2
-        low_bit = dict(
-            key_group_scale=np.zeros((n, H, 0, r), dtype=np.float16),
-            key_group_zero=np.zeros((n, H, 0, r), dtype=np.float16),
-            key_tail=np.zeros((n, H, group, r), dtype=dtype),
-            value_token_scale=np.zeros((n, H, 0), dtype=np.float16),
-            value_token_zero=np.zeros((n, H, 0), dtype=np.float16),
-            low_bits=bits,
-            group=group,
-        )
+    side_arrays = {}
+    for which, fmt, rank in (("key", key_format, r), ("value", value_format, r_v)):
+        side_arrays[f"{which}_coef"] = np.zeros((n, H, 0, packed_width(rank, fmt.low_bits) if fmt.low_bits else rank), dtype=_coefficient_dtype(fmt, dtype))
+        for name in fmt.arrays(which):
+            side_arrays[name] = _side_array(name, n, H, rank, group, dtype)
     return PackedLayout(
-        **low_bit,
-        key_coef=np.zeros((n, H, 0, packed_width(r, bits) if bits else r), dtype=coef_dtype),
-        value_coef=np.zeros((n, H, 0, packed_width(r_v, bits) if bits else r_v), dtype=coef_dtype),
-        key_scale=np.zeros((n, H, 0), dtype=np.float32) if quantized else None,
-        value_scale=np.zeros((n, H, 0), dtype=np.float32) if quantized else None,
+        **side_arrays,
         key_bases=np.zeros((n, H, 1, r, d), dtype=basis_dtype),
         value_bases=np.zeros((n, H, 1, r_v, d_v), dtype=basis_dtype),
         chunk_starts=np.zeros((n, H, 1), dtype=np.int64),
@@ -481,4 +503,23 @@ def _empty_layout(
         key_basis_scale=np.zeros((n, H, 1, r), dtype=np.float32) if bases == "int8" else None,
         value_basis_scale=np.zeros((n, H, 1, r_v), dtype=np.float32) if bases == "int8" else None,
         basis_format=bases,
+        key_format=key_format.name,
+        value_format=value_format.name,
+        group=group,
     )
+
+
+def _coefficient_dtype(fmt, dtype) -> Any:
+    """Spec A10: int8 codes; spec/quantization.md Q1: packed uint8 codes; float: the state's dtype."""
+    return dtype if fmt.code_dtype is None else np.dtype(fmt.code_dtype)
+
+
+def _side_array(name: str, n: int, H: int, rank: int, group: int, dtype) -> Any:
+    """An empty array a side's format adds (spec A10, spec/quantization.md Q2)."""
+    if name in ("key_scale", "value_scale"):
+        return np.zeros((n, H, 0), dtype=np.float32)
+    if name == "key_tail":
+        return np.zeros((n, H, group, rank), dtype=dtype)
+    if name in ("key_group_scale", "key_group_zero"):
+        return np.zeros((n, H, 0, rank), dtype=np.float16)
+    return np.zeros((n, H, 0), dtype=np.float16)  # value_token_scale, value_token_zero

@@ -9,10 +9,16 @@ threadpoolctl only libraries that load later follow the environment.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def requested_threads(args: argparse.Namespace) -> int:
+    """The thread count of a parsed command: the global ``--threads``, else the subcommand's, else 1."""
+    return getattr(args, "global_threads", None) or getattr(args, "threads", None) or 1
 
 
 def limit_threads(n: int) -> str:

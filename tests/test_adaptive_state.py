@@ -82,9 +82,10 @@ def test_residuals_equal_direct_projection_residuals(rng):
 @pytest.mark.parametrize("trigger", ["paper", "reproject"])
 def test_causality_prefix_stability(rng, trigger):
     """No token's coefficients depend on later tokens: a prefix's state is unchanged by what follows.
-    (With reproject a chunk starting at t has a basis built from tokens <= t.)"""
+    (With reproject a chunk starting at t has a basis built from tokens <= t.) Without tracking;
+    tracking's growth: test_tracking_causality_the_prefix_state_is_a_prefix."""
     K, V = rng.standard_normal((2, 120, 8)), rng.standard_normal((2, 120, 8))
-    kwargs = dict(rank_k=3, rank_v=3, tau_k=0.4, tau_v=0.4, max_chunk=17, trigger=trigger)
+    kwargs = dict(rank_k=3, rank_v=3, tau_k=0.4, tau_v=0.4, max_chunk=17, trigger=trigger, track=False)
     full = sr.SubspaceState.adaptive(2, 8, **kwargs).append(K, V)
     for t in (1, 5, 40, 119):
         other_K, other_V = K.copy(), V.copy()
@@ -102,9 +103,55 @@ def test_causality_prefix_stability(rng, trigger):
                     np.testing.assert_array_equal(full.layout.key_bases[0, h, j, rows], changed.layout.key_bases[0, h, j, rows])
 
 
+@pytest.mark.parametrize("cuts", [(), (1, 5, 33, 70)])
+def test_tracking_causality_the_prefix_state_is_a_prefix(rng, cuts):
+    """Spec A7.4: growth writes only rows that were free, so the state after t tokens is a prefix
+    of the state after T: the same coefficients, chunk starts and sketch-independent bases, every
+    row in use at t unchanged, and each chunk's rows in use at t a subset of its rows at T."""
+    H, T = 2, 120
+    K = np.stack([drifting_stream(rng, T, 8, 3, 40) for _ in range(H)])
+    V = np.stack([drifting_stream(rng, T, 8, 2, 50) for _ in range(H)])
+    kwargs = dict(rank_k=3, rank_v=3, tau_k=0.3, tau_v=0.3, max_chunk=30, byte_ceiling=math.inf)
+    full = sr.SubspaceState.adaptive(H, 8, **kwargs)
+    for a, b in zip((0, *cuts), (*cuts, T)):
+        full.append(K[:, a:b], V[:, a:b])
+    grown = 0
+    for t in (1, 9, 40, 77, 119):
+        prefix = sr.SubspaceState.adaptive(H, 8, **kwargs).append(K[:, :t], V[:, :t])
+        np.testing.assert_array_equal(full.layout.key_coef[:, :, :t], prefix.layout.key_coef[:, :, :t])
+        np.testing.assert_array_equal(full.layout.value_coef[:, :, :t], prefix.layout.value_coef[:, :, :t])
+        for h in range(H):
+            J = len(prefix.chunk_bounds(h))
+            assert [a for a, _ in full.chunk_bounds(h)][:J] == [a for a, _ in prefix.chunk_bounds(h)]
+            for which in ("key_bases", "value_bases"):
+                then, now = getattr(prefix.layout, which)[0, h, :J], getattr(full.layout, which)[0, h, :J]
+                used = np.linalg.norm(then, axis=-1) > 0
+                np.testing.assert_array_equal(now[used], then[used])
+                grown += int((np.linalg.norm(now, axis=-1)[~used] > 0).sum())
+        np.testing.assert_allclose(full.reconstruct()[0][:, :t], prefix.reconstruct()[0], atol=1e-12)
+    assert grown > 0  # rows did grow after earlier tokens were stored
+
+
+def test_tracking_defaults_and_bad_options():
+    """Spec A7.4: track defaults to True under reproject (warm-up 0) and False under the paper
+    order; True with the paper order, or a non-bool, is refused naming ``track``."""
+    state = sr.SubspaceState.adaptive(2, 8, rank_k=2, rank_v=3)
+    assert state.policy.track and state.policy.warmup == 0
+    paper = sr.SubspaceState.adaptive(2, 8, rank_k=2, rank_v=3, trigger="paper")
+    assert not paper.policy.track and paper.policy.warmup == 3
+    assert sr.SubspaceState.adaptive(2, 8, rank_k=2, rank_v=3, track=False).policy.warmup == 3
+    assert sr.SubspaceState.adaptive(2, 8, rank_k=2, rank_v=3, warmup=2).policy.warmup == 2
+    with pytest.raises(ValueError, match="track=True needs trigger"):
+        sr.SubspaceState.adaptive(2, 8, rank_k=2, rank_v=2, trigger="paper", track=True)
+    with pytest.raises(TypeError, match="track must be"):
+        sr.SubspaceState.adaptive(2, 8, rank_k=2, rank_v=2, track="yes")
+    with pytest.raises(ValueError, match="track=True needs trigger"):
+        AdaptivePolicy((2,), (2,), 4, 4, 0.2, 0.2, 8, 0, track=True)  # as a file with both would load
+
+
 def test_warmup_stores_first_tokens_exactly(rng):
     K, V = rng.standard_normal((2, 10, 16)), rng.standard_normal((2, 10, 16))
-    state = sr.SubspaceState.adaptive(2, 16, rank_k=6, rank_v=4, tau_k=0.5, tau_v=0.5, trigger="reproject").append(K, V)
+    state = sr.SubspaceState.adaptive(2, 16, rank_k=6, rank_v=4, tau_k=0.5, tau_v=0.5, trigger="reproject", track=False).append(K, V)
     assert state.policy.warmup == 6  # issue 19: per side, keys warm up to rank_k (was min(rank_k, rank_v) = 4)
     K_hat, V_hat = state.reconstruct()
     np.testing.assert_allclose(K_hat[:, :6], K[:, :6], atol=1e-12)
@@ -137,6 +184,11 @@ def test_rank_deficient_stream_stays_exact(rng):
     "kwargs, message",
     [
         (dict(rank_k=9, rank_v=2), r"rank_k must lie in \[1, 8\]"),
+        (dict(rank_k=2, rank_v=9), r"rank_v must lie in \[1, 8\]"),
+        (dict(rank_k=2, rank_v=2, tau_k=-0.1), r"tau_k must lie in the open interval \(0, 1\)"),
+        (dict(rank_k=2, rank_v=2, tau_v=1.5), r"tau_v must lie in the open interval \(0, 1\)"),
+        (dict(rank_k=2, rank_v=2, byte_ceiling=0.0), "byte_ceiling must be > 0"),
+        (dict(rank_k=2, rank_v=2, byte_ceiling=-2), "byte_ceiling must be > 0"),
         (dict(rank_k=2, rank_v=2, ell_k=2), "ell_k = 2 must be > rank_k = 2"),
         (dict(rank_k=2, rank_v=2, tau_k=1.0), r"tau_k must lie in the open interval \(0, 1\)"),
         (dict(rank_k=2, rank_v=2, tau_v=0.0), r"tau_v must lie in the open interval \(0, 1\)"),

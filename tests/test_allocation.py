@@ -1,5 +1,5 @@
 """The byte-budget allocator (subspace_ref/allocation.py): hull greedy against brute force,
-bytes as budget.py counts them, serialisation, and a run on the shipped model's calibration data."""
+bytes as subspace_ref/byte_convention.py counts them, serialisation, and a run on the shipped model's calibration data."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import json
 import numpy as np
 import pytest
 
-from subspace_ref.allocation import (Allocation, Candidate, HeadAllocation, allocate, allocation_bases, greedy, layer_pre_rope, lower_hull,
-                                     plane_rows, side_losses, side_parts)
-from subspace_ref.baselines.budget import Geometry
+from subspace_ref.allocation import (Allocation, Candidate, HeadAllocation, allocate, allocation_bases, greedy, lower_hull,
+                                     plane_rows, side_losses)
 from subspace_ref.baselines.combined import Subspace
+from subspace_ref.byte_convention import Geometry, side_parts
 
 
 def test_lower_hull_drops_dominated_and_concave_points():
@@ -50,8 +50,8 @@ def test_greedy_matches_brute_force_on_convex_tables(seed, unit_cost):
 def test_two_heads_known_optimum():
     """Head 0's loss falls 10x faster per byte than head 1's: every byte goes to head 0 first."""
     geom = Geometry(1, 2, 8, 8, 64)
-    losses = [[{("key", "post_rope"): {(r, 16): 100.0 * 0.1**r for r in range(9)}, ("value", None): {(r, 16): 1.0 * 0.5**r for r in range(9)}},
-               {("key", "post_rope"): {(r, 16): 1.0 * 0.5**r for r in range(9)}, ("value", None): {(r, 16): 1.0 * 0.5**r for r in range(9)}}]]
+    losses = [[{("key", "post_rope"): {(r, 16): 100.0 * 0.1**r for r in range(9)}, ("value", "subspace"): {(r, 16): 1.0 * 0.5**r for r in range(9)}},
+               {("key", "post_rope"): {(r, 16): 1.0 * 0.5**r for r in range(9)}, ("value", "subspace"): {(r, 16): 1.0 * 0.5**r for r in range(9)}}]]
     a = allocate(losses, geom, bytes_per_token=a_bytes(geom, [(3, 0), (1, 0)]))
     assert [(h.rank_k, h.rank_v) for h in a.heads[0]] == [(3, 0), (1, 0)]
 
@@ -109,7 +109,8 @@ def test_allocation_on_the_shipped_model():
     budget, and its measured loss is at most that of the best uniform configuration (same bits
     on both sides, post- or pre-RoPE keys) at no more bytes, which is one of its candidates."""
     from subspace_ref.experiments import _common as C
-    from subspace_ref.experiments.baselines import calibration_losses, uniform
+    from subspace_ref.experiments.baselines import uniform
+    from subspace_ref.hf.calibration_losses import calibration_losses
 
     model, _ = C.load_model("default")
     ids = C.windows("train", 1, 128, C.SEED_BASES)
@@ -117,14 +118,14 @@ def test_allocation_on_the_shipped_model():
     data = calibration_losses(model, ids, ranks=ranks)
     geom = Geometry.of_model(model, 128)
     for fraction in (0.25, 0.125):
-        a = allocate(data["losses"], geom, compression_ratio=fraction)
+        a = allocate(data.losses, geom, compression_ratio=fraction)
         assert a.bytes(geom).fraction <= fraction + 1e-9
         assert a.bytes(geom).per_token == pytest.approx(a.meta["bytes_per_token"])
         for bits in (4, 2):
             for kind in ("post_rope", "pre_rope"):
                 u = uniform(geom, fraction, bits, kind)
                 r = max(x for x in ranks if x <= u.heads[0][0].rank_v)  # on the measured grid
-                loss = sum(t[("key", kind)][(r, bits)] + t[("value", None)][(r, bits)] for layer in data["losses"] for t in layer)
+                loss = sum(t[("key", kind)][(r, bits)] + t[("value", "subspace")][(r, bits)] for layer in data.losses for t in layer)
                 assert a.calibration_loss <= loss * (1 + 1e-12)
 
 
@@ -226,7 +227,7 @@ def test_allocator_picks_planes_when_they_are_cheapest_for_the_loss():
     assert set(k for k, _ in table if k == "key") and ("key", "plane") in table
     assert all(r % 2 == 0 for r, _ in table[("key", "plane")])
     assert table[("key", "plane")][(2, 16)] < 0.01 * min(table[("key", "post_rope")][(2, 16)], table[("key", "pre_rope")][(2, 16)])
-    table[("value", None)] = {(0, 16): table[("value", None)][(0, 16)]}  # every byte goes to the keys
+    table[("value", "subspace")] = {(0, 16): table[("value", "subspace")][(0, 16)]}  # every byte goes to the keys
     geom = Geometry(1, 1, d, d, 64)
     budget = a_bytes(geom, [(2, 0)])
     a = allocate([[table]], geom, bytes_per_token=budget)
@@ -260,7 +261,6 @@ def test_plane_allocation_builds_plain_static_states_and_persists(tmp_path):
     with pytest.raises(ValueError, match="planes"):
         allocation_bases(alloc, svd)
     (basis,) = allocation_bases(alloc, svd, planes=planes)
-    assert not layer_pre_rope(alloc, 0)
     st = SubspaceState.static(basis)
     st.append(K, V)
     q = rng.standard_normal((H, d))
@@ -273,9 +273,8 @@ def test_plane_allocation_builds_plain_static_states_and_persists(tmp_path):
     back = CalibratedBases.from_pretrained(cb.save_pretrained(tmp_path / "b"))
     assert back.allocation.heads == alloc.heads and back.allocation.heads[0][0].key_basis == "plane"
     np.testing.assert_array_equal(back.layers[0].B, basis.B)
-    mixed = Allocation(((HeadAllocation(4, 3, key_basis="pre_rope"), HeadAllocation(4, 2, key_basis="plane")),))
-    with pytest.raises(ValueError, match="mixes pre-RoPE"):
-        allocation_bases(mixed, svd, svd_pre=svd, planes=planes)
+    with pytest.raises(ValueError, match="svd_pre"):  # a pre-RoPE head needs the pre-RoPE bases
+        allocation_bases(Allocation(((HeadAllocation(4, 3, key_basis="pre_rope"), HeadAllocation(4, 2, key_basis="plane")),)), svd, planes=planes)
 
 
 def test_plane_rows_bad_input():

@@ -21,7 +21,12 @@ from conftest import low_rank_stream, random_orthonormal, state_from_chunks
     seed=st.integers(0, 2**31 - 1),
 )
 def test_full_rank_is_exact(H, group, T, d, cuts, logit_size, seed):
-    """r = d, r_v = d_v, any orthonormal bases, any chunk boundaries, gamma = 1: exact to 1e-12."""
+    """r = d, r_v = d_v, any orthonormal bases, any chunk boundaries, gamma = 1: exact up to rounding.
+
+    Each logit passes through a change of basis (a sum of d <= 9 products, and the basis products
+    themselves), so it carries an error of a few eps x max|logit|; the softmax turns a logit error
+    delta into a relative weight error delta, so the output's relative error is O(eps (1 + max|logit|)):
+    bound 64 eps (1 + logit_size) (hypothesis found 1.2e-12 at logits 1e4, above a flat 1e-12)."""
     rng = np.random.default_rng(seed)
     starts = sorted({0, *[c for c in cuts if c < T]})
     K, V = rng.standard_normal((H, T, d)), rng.standard_normal((H, T, d + 1))
@@ -33,7 +38,7 @@ def test_full_rank_is_exact(H, group, T, d, cuts, logit_size, seed):
     expected = sr.exact_attention(q, K, V)
     assert np.isfinite(out).all()
     rel = np.linalg.norm(out - expected, axis=-1) / np.maximum(np.linalg.norm(expected, axis=-1), 1e-300)
-    assert rel.max() <= 1e-12
+    assert rel.max() <= 64 * np.finfo(np.float64).eps * (1 + logit_size)
 
 
 def test_attend_equals_exact_attention_over_reconstruction(rng):

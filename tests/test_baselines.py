@@ -14,22 +14,20 @@ pytest.importorskip("transformers")
 
 from subspace_ref.baselines import (  # noqa: E402
     H2O,
-    Geometry,
     QuantizedKV,
     SlidingWindow,
     StreamingLLM,
     Subspace,
     SubspaceWindow,
     applied,
-    capacity_for,
     fake_quant,
-    full_bytes,
     methods_at,
     quantize_keys,
     token_logprobs,
     window_keep,
 )
 from subspace_ref.baselines.h2o import H2ORuntime  # noqa: E402
+from subspace_ref.byte_convention import Geometry, capacity_for, full_bytes  # noqa: E402
 
 GEOM = Geometry(layers=1, kv_heads=1, head_dim=64, value_dim=64, context=1024)
 
@@ -263,3 +261,87 @@ def test_frontier_runtime_is_the_state(window, sinks):
         state.append(k[:, p], v[:, p])
         want = attend(q[:, p], state)
         np.testing.assert_allclose(got[:, p], want, rtol=2e-4, atol=2e-5, err_msg=f"position {p}")
+
+
+# ----------------------------------------------------------------------------- simulation vs cache
+@pytest.fixture(scope="module")
+def tiny64():
+    """The tiny Llama in float64 (states float64, bases stored natively) and its allocator inputs."""
+    torch.set_num_threads(1)
+    from subspace_ref.experiments._common import tiny_random_llama
+    from subspace_ref.hf.calibration_losses import calibration_losses
+
+    model, _ = tiny_random_llama()
+    model = model.double()
+    g = torch.Generator().manual_seed(0)
+    calib = torch.randint(0, 256, (2, 64), generator=g).numpy()
+    ids = torch.randint(0, 256, (2, 64), generator=g)
+    cal = calibration_losses(model, calib, ranks=range(0, 17, 4), group=8)
+    return model, ids, cal
+
+
+def _rows(model, cal):
+    """One allocation of each kind docs/baselines.md decodes through allocated_states."""
+    from subspace_ref.allocation import Allocation
+    from subspace_ref.allocation import HeadAllocation as HA
+    from subspace_ref.experiments.baselines import uniform
+
+    geom = cal.geometry(model)
+    mixed = Allocation(  # every basis kind and format, int4 keys beside int2 / float / int8 values
+        ((HA(6, 5, 4, 2, "pre_rope"), HA(16, 16, 4, 8, "identity", "identity")),
+         (HA(8, 7, 16, 4, "plane"), HA(5, 16, 2, 16, "post_rope", "identity"))),
+        8, window=6, sinks=3,
+    )
+    return {
+        "pre-RoPE uniform int4": uniform(geom, 0.25, 4, "pre_rope", 8),
+        "pre-RoPE uniform int2 + sinks + window": uniform(geom, 0.5, 2, "pre_rope", 8, window=8, sinks=2),
+        "allocator + sinks + window": cal.allocate(model, compression_ratio=0.25, window=8, sinks=2),
+        "mixed kinds": mixed,
+    }
+
+
+def test_simulation_agrees_with_the_cache(tiny64):
+    """docs/baselines.md decodes its allocation rows through SubspaceCache (allocated_states,
+    teacher-forced); baselines/frontier.py simulates them as exact attention over the state's
+    reconstruction, from bases built independently (frontier_bases). In float64 the two compute
+    the same numbers in another summation order: each per-token NLL passes through L layers of
+    sums of at most d + T + hidden terms, so rounding moves it by at most about
+    L (d + T + hidden) eps |NLL|; one quantisation code read differently, a key group read
+    before it is complete or a wrong basis moves it by many orders more (the two prefill bugs this
+    test found moved it by 1.8e-4 and 1.2e-9)."""
+    from subspace_ref.baselines.frontier import Frontier
+    from subspace_ref.experiments.baselines import frontier_bases
+    from subspace_ref.hf import allocated_states, teacher_forced
+
+    model, ids, cal = tiny64
+    c = model.config
+    stock = teacher_forced(model, ids).token_logprobs
+    for name, alloc in _rows(model, cal).items():
+        assert alloc is not None, name
+        with torch.no_grad():
+            sim = token_logprobs(model, ids, Frontier(alloc, name).with_bases(*frontier_bases(alloc, cal))).numpy()
+        cache = teacher_forced(model, ids, allocated_states(cal.bases(alloc), alloc, rope=cal.rope)).token_logprobs
+        tol = c.num_hidden_layers * (c.head_dim + ids.shape[1] + c.hidden_size) * np.finfo(np.float64).eps * np.abs(cache).max()
+        assert np.abs(sim - cache).max() <= tol, (name, np.abs(sim - cache).max(), tol)
+        assert np.abs(cache - stock).max() > 1e3 * tol, name  # the row compresses: agreement is not both being exact
+
+
+def test_window_mask_through_the_cache_agrees_with_projection(tiny64):
+    """The subspace + window row: SubspaceCache (static states) under a window mask equals exact
+    attention over the projected keys and values under the same mask (spec A2). The projection's
+    simulation (baselines/combined.py) holds its d x d projectors in float32, so the bound of the
+    test above has float32's eps: each projected entry moves by at most d eps32 relative."""
+    from subspace_ref.experiments.baselines import bases_for, windowed_logprobs
+    from subspace_ref.hf import static_states
+
+    model, ids, cal = tiny64
+    c = model.config
+    m = SubspaceWindow(rank_k=5, rank_v=5, window=16)
+    bases = bases_for(cal.svd, m.rank_k, m.rank_v)
+    with torch.no_grad():
+        sim = token_logprobs(model, ids, m.with_bases(bases)).numpy()
+    cache = windowed_logprobs(model, ids, static_states(bases), m.window)
+    tol = c.num_hidden_layers * c.head_dim * np.finfo(np.float32).eps * np.abs(cache).max()
+    assert np.abs(sim - cache).max() <= tol
+    full = windowed_logprobs(model, ids, static_states(bases), ids.shape[1])
+    assert np.abs(full - cache).max() > 1e3 * tol  # the window drops tokens: agreement is not the mask doing nothing

@@ -34,15 +34,15 @@ def test_the_kernels_build_where_a_c_compiler_is():
     assert ok, why
 
 
-def _state(coefficients: str, T: int, window: int, ranks: tuple[int, int], rng) -> sr.SubspaceState:
-    """Two sequences, 3 KV heads, d = 96, groups of 16 keys with an unfinished one."""
+def _state(coefficients: str, T: int, window: int, ranks: tuple[int, int], rng, d_v: int = 96, sinks: int = 0) -> sr.SubspaceState:
+    """Two sequences, 3 KV heads, d = 96 (values of d_v), groups of 16 keys with an unfinished one."""
     H, d = 3, 96
     r, r_v = ranks
     B = np.linalg.qr(rng.standard_normal((H, d, r)))[0].transpose(0, 2, 1)
-    E = np.linalg.qr(rng.standard_normal((H, d, r_v)))[0].transpose(0, 2, 1)
-    state = sr.SubspaceState.static(sr.StaticBasis.from_bases(B, E), coefficients=coefficients, group_size=16, window=window, batch=2)
+    E = np.linalg.qr(rng.standard_normal((H, d_v, r_v)))[0].transpose(0, 2, 1)
+    state = sr.SubspaceState.static(sr.StaticBasis.from_bases(B, E), coefficients=coefficients, group_size=16, window=window, sinks=sinks, batch=2)
     keys = rng.standard_normal((2, H, T, d)) * 3
-    state.append(keys, rng.standard_normal((2, H, T, d)))
+    state.append(keys, rng.standard_normal((2, H, T, d_v)))
     return state
 
 
@@ -117,6 +117,65 @@ def test_attend_within_the_derived_tolerance(coefficients, window, group, ranks,
     err = float(np.abs(got - out64).max())
     assert err <= tolerance(reference_error(state, q, None, out64, "float32"), out64, "float32")
     assert len(calls) == (1 if kernels else 0)
+
+
+#: ranks whose int4 / int2 rows take spec/quantization.md Q6's centred form (spec/roofline.md R14
+#: steps 2 and 4: ``centred_rows``, rows of whole vectors of bytes, with one query head per KV
+#: head) in the kernels' 16-lane (AVX-512) and 8-lane (AVX2) builds alike, so that every build
+#: with vector registers runs that form natively, not only the x86-64-v3 build on an AVX-512 host:
+#: int4 keys of r = 32 (16-byte rows, <= 4 vectors in both builds), int4 values of r_v = 32 and 64
+#: and int2 values of r_v = 64 (16 or 32-byte rows); int2 keys take it at r = 64 with 16 lanes
+#: and r = 32 with 8 (rows of 16 / 8 bytes, at most 4 vectors), int2 values of r_v = 32 with 8.
+CENTRED_RANKS = {"r32-64": (32, 64), "r64-32": (64, 32)}
+
+
+@pytest.mark.parametrize("coefficients", ["int4", "int2"])
+@pytest.mark.parametrize("ranks", list(CENTRED_RANKS.values()), ids=list(CENTRED_RANKS))
+@pytest.mark.parametrize("exact", [(0, 0), (2, 5)], ids=["compressed-only", "sinks-and-window"])
+@pytest.mark.usefixtures("either_library")
+def test_centred_rows_within_the_derived_tolerance(coefficients, ranks, exact, monkeypatch):
+    """Q6's centred form in every build that has it: the codes minus the middle code as signed
+    bytes (``centred_planes``; in the logits a group's ``q*s / F``, in the value sums ``(w s) / F``
+    with ``centred_unscale``) and the constant terms (the logits' ``q . (z + M s)``, the value
+    blocks' ``sum_t w_t (z_t + M s_t)`` offset), over T = 2100 tokens: three value tiles, each
+    ending on a block whose codes the block before put in order, and a partial key group. One
+    query head per KV head (the centred form's condition). The build without vector registers
+    ("scalar-kernels", -march=x86-64) has no centred form at all: there the same cases check its
+    portable loops. Within the derived tolerance of the float64 oracle, in one kernel call."""
+    sinks, window = exact
+    rng = np.random.default_rng(zlib.crc32(repr(("centred", coefficients, ranks, exact)).encode()) + SEED_OFFSET)
+    state = _state(coefficients, 2100, window, ranks, rng, sinks=sinks)
+    q = rng.standard_normal((2, 3, 96)) * 2
+    out64 = sr.attend(q, state)
+    _assert_one_kernel_call_within_tolerance(state, q, out64, monkeypatch)
+
+
+def _assert_one_kernel_call_within_tolerance(state, q, out64, monkeypatch) -> None:
+    """The torch float32 attend of ``q`` over ``state`` is one call of the CPU kernels and lies within
+    the derived tolerance (tests/differential/tolerance.py) of the float64 oracle's ``out64``."""
+    calls = []
+    real = cpu_kernels.KernelCall.__call__
+    monkeypatch.setattr(cpu_kernels.KernelCall, "__call__", lambda self, *a, **k: calls.append(a) or real(self, *a, **k))
+    got = sr.attend(torch.from_numpy(q).float(), state.to("torch", dtype=torch.float32), backend="torch").double().numpy()
+    assert len(calls) == 1
+    err = float(np.abs(got - out64).max())
+    assert err <= tolerance(reference_error(state, q, None, out64, "float32"), out64, "float32")
+
+
+@pytest.mark.parametrize("coefficients", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.usefixtures("either_library")
+def test_exact_tokens_with_values_of_another_size(coefficients, group, monkeypatch):
+    """Sinks and a recent window (spec/window.md W3, W8) in the kernels' call with d = 96 and
+    d_v = 40: the exact tokens' logits are scaled by 1/sqrt(d), never 1/sqrt(d_v), their keys
+    read in rows of d and their values in rows of d_v, the output has d_v columns. Within the
+    derived tolerance of the float64 oracle, in one kernel call."""
+    rng = np.random.default_rng(zlib.crc32(repr(("d_v", coefficients, group)).encode()) + SEED_OFFSET)
+    state = _state(coefficients, 300, 7, (11, 9), rng, d_v=40, sinks=3)
+    q = rng.standard_normal((2, 3 * group, 96)) * 2
+    out64 = sr.attend(q, state)
+    assert out64.shape == (2, 3 * group, 40)
+    _assert_one_kernel_call_within_tolerance(state, q, out64, monkeypatch)
 
 
 def test_beyond_the_kernel_limits_is_a_clear_error():

@@ -35,7 +35,7 @@ torch.set_num_threads(1)
 
 def stock(model, ids, **kw):
     with torch.no_grad():
-        return model(ids, past_key_values=DynamicCache(config=model.config), **kw).logits
+        return model(ids, cache=DynamicCache(config=model.config), **kw).logits
 
 
 def dynamic_cache_bytes(cache: DynamicCache) -> int:
@@ -49,11 +49,11 @@ def test_states_are_stored_in_the_model_dtype_and_ratios_are_against_the_stock_c
     ids = prompt_ids(length=20)
     ref = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids, past_key_values=ref)
+        model(ids, cache=ref)
     basis = [sr_basis(model, rank) for rank in (8, 8)]
     with compress(model, static_states(basis)) as kv, torch.no_grad():
         cache = kv.cache()
-        model(ids, past_key_values=cache)
+        model(ids, cache=cache)
     torch_dtype = getattr(torch, dtype)
     for st in cache.states:
         assert st.layout.key_coef.dtype == torch_dtype and st.layout.value_coef.dtype == torch_dtype
@@ -88,13 +88,13 @@ def test_a_failed_call_leaves_nothing_behind_and_affects_no_other_cache_or_model
     with compress(model, lambda spec: factory_mixed[spec.layer_idx](spec)) as kv:
         failed = kv.cache()
         with pytest.raises(NotImplementedError, match="padding"):
-            model(ids, attention_mask=mask, past_key_values=failed)
+            model(ids, attention_mask=mask, cache=failed)
         assert all(layer.pending_keys is None for layer in failed.layers)
         assert failed.get_seq_length() == 0 and failed.layers[0].state.num_tokens == 0
         assert torch.equal(stock(other, ids), other_before)
         with torch.no_grad():
-            fresh = model(ids, past_key_values=kv.cache(), use_cache=True).logits
-            again = model(ids, past_key_values=failed).logits  # the failed cache, unpadded now
+            fresh = model(ids, cache=kv.cache(), use_cache=True).logits
+            again = model(ids, cache=failed).logits  # the failed cache, unpadded now
         assert torch.equal(stock(model, ids), stock(model, ids))
         assert torch.equal(again, fresh)
     assert float((fresh - stock(model, ids)).abs().max()) <= tolerance("llama", "float32")
@@ -113,12 +113,12 @@ def test_a_failed_long_forward_rolls_online_and_windowed_states_back(first):
     layers = {0: EDITED_STATES[first](), 1: rotating_states(rank_k=6, rank_v=6, refresh_every=3, warmup=2)}
     with compress(model, lambda spec: layers[spec.layer_idx](spec)) as kv, torch.no_grad():
         failed, fresh = kv.cache(), kv.cache()
-        model(ids[:, :8], past_key_values=failed)
-        model(ids[:, :8], past_key_values=fresh)
+        model(ids[:, :8], cache=failed)
+        model(ids[:, :8], cache=fresh)
         with pytest.raises(NotImplementedError, match="padding"):
-            model(ids, attention_mask=mask, past_key_values=failed)
+            model(ids, attention_mask=mask, cache=failed)
         assert failed.get_seq_length() == 8
-        np.testing.assert_array_equal(model(ids[:, 8:], past_key_values=failed).logits.numpy(), model(ids[:, 8:], past_key_values=fresh).logits.numpy())
+        np.testing.assert_array_equal(model(ids[:, 8:], cache=failed).logits.numpy(), model(ids[:, 8:], cache=fresh).logits.numpy())
 
 
 def test_deep_copies_are_independent():
@@ -126,12 +126,12 @@ def test_deep_copies_are_independent():
     ids = prompt_ids(batch=1, length=12)
     with compress(model, full_rank_states()) as kv, torch.no_grad():
         cache = kv.cache()
-        model(ids[:, :8], past_key_values=cache)
+        model(ids[:, :8], cache=cache)
         twin = copy.deepcopy(cache)
         assert all(a.cache is cache for a in cache.layers) and all(b.cache is twin for b in twin.layers)
-        a = model(ids[:, 8:10], past_key_values=cache).logits
+        a = model(ids[:, 8:10], cache=cache).logits
         del cache
-        b = model(ids[:, 8:12], past_key_values=twin).logits
+        b = model(ids[:, 8:12], cache=twin).logits
     assert torch.equal(a, b[:, :2]) or float((a - b[:, :2]).abs().max()) <= tolerance("llama", "float32")
     assert twin.get_seq_length() == 12
 
@@ -144,18 +144,18 @@ def test_compress_is_scoped_to_one_model_and_block():
         assert model.config._attn_implementation.startswith("subspace_ref")
         assert other.config._attn_implementation == other_impl
         with torch.no_grad():  # a DynamicCache inside the block: the model's own attention
-            inside = model(ids, past_key_values=DynamicCache(config=model.config)).logits
+            inside = model(ids, cache=DynamicCache(config=model.config)).logits
     assert model.config._attn_implementation == before
     assert torch.equal(inside, stock(model, ids))
     with pytest.raises(RuntimeError, match="compress"):  # outside the block a SubspaceCache is refused
-        model(ids, past_key_values=SubspaceCache(model.config, full_rank_states()))
+        model(ids, cache=SubspaceCache(model.config, full_rank_states()))
 
 
 def test_hybrid_model_keeps_sliding_layers_stock_and_compresses_full_layers():
     model = model_for("gemma2")
     with compress(model, full_rank_states()) as kv, torch.no_grad():
         cache = kv.cache()
-        model(prompt_ids(length=12), past_key_values=cache)
+        model(prompt_ids(length=12), cache=cache)
     kinds = [type(layer).__name__ for layer in cache.layers]
     assert kinds == ["DynamicSlidingWindowLayer", "SubspaceLayer"], kinds
     assert cache.layers[0].keys.shape[2] <= model.config.sliding_window  # transformers' own window
@@ -176,7 +176,7 @@ EDITED_STATES = {
 
 def next_logits(model, cache, token: int = 5) -> torch.Tensor:
     with torch.no_grad():
-        return model(torch.tensor([[token]] * cache.layers[0].state.batch), past_key_values=cache).logits
+        return model(torch.tensor([[token]] * cache.layers[0].state.batch), cache=cache).logits
 
 
 @pytest.mark.parametrize("backend", ["torch", "numpy"])
@@ -191,13 +191,13 @@ def test_crop_takes_back_the_last_forward_exactly_and_refuses_further(name, back
     ids = prompt_ids(length=17)
     with compress(model, EDITED_STATES[name](), backend=backend) as kv, torch.no_grad():
         cache, ref = kv.cache(), kv.cache()
-        model(ids[:, :10], past_key_values=cache)
-        model(ids[:, 10:], past_key_values=cache)
+        model(ids[:, :10], cache=cache)
+        model(ids[:, 10:], cache=cache)
         assert cache.is_croppable
         cache.crop(-3)
         assert cache.get_seq_length() == 14
-        model(ids[:, :10], past_key_values=ref)
-        model(ids[:, 10:14], past_key_values=ref)
+        model(ids[:, :10], cache=ref)
+        model(ids[:, 10:14], cache=ref)
         # the kept keys come out of a 7-token forward here and a 4-token one there: rounding apart
         assert float((next_logits(model, cache) - next_logits(model, ref)).abs().max()) <= tolerance("llama", "float32")
         with pytest.raises(NotSupportedError, match="start of its last forward"):
@@ -213,9 +213,9 @@ def test_a_restore_point_refuses_a_state_written_in_place():
     ids = prompt_ids(length=17)
     with compress(model, EDITED_STATES["static+window"](), backend="torch") as kv, torch.no_grad():
         cache = kv.cache()
-        model(ids[:, :10], past_key_values=cache)
+        model(ids[:, :10], cache=cache)
         window = cache.layers[0].state.window
-        model(ids[:, 10:], past_key_values=cache)
+        model(ids[:, 10:], cache=cache)
         window.keys.add_(1.0)  # the restore point's exact window, which the forward replaced
         with pytest.raises(RuntimeError, match="window_keys changed in place"):
             cache.crop(-3)
@@ -255,7 +255,7 @@ def test_reordering_sequences_gathers_every_state_array(name):
     ids = torch.cat([prompt_ids(batch=1, length=12, seed=s) for s in (1, 2, 3)])
     with compress(model, EDITED_STATES[name]()) as kv, torch.no_grad():
         cache = kv.cache()
-        model(ids, past_key_values=cache)
+        model(ids, cache=cache)
         before = next_logits(model, copy.deepcopy(cache))
         cache.reorder_cache(torch.tensor([2, 0, 0]))
         np.testing.assert_array_equal(next_logits(model, copy.deepcopy(cache)).numpy(), before[[2, 0, 0]].numpy())
@@ -269,7 +269,7 @@ def test_rotating_states_refuse_soft_capping_before_appending():
     with compress(model, rotating_states(rank_k=16, rank_v=16, refresh_every=4)) as kv:
         cache = kv.cache()
         with pytest.raises(NotImplementedError, match="soft-capping"):
-            model(prompt_ids(), past_key_values=cache)
+            model(prompt_ids(), cache=cache)
     layer = cache.layers[1]
     assert isinstance(layer, SubspaceLayer) and layer.state.num_tokens == 0 and layer.pending_keys is None
 
@@ -281,8 +281,8 @@ def test_torch_compile_runs_with_graph_breaks_around_the_cache():
     compiled = torch.compile(model)
     with compress(model, full_rank_states()) as kv, torch.no_grad():
         cache = kv.cache()
-        out = compiled(ids, past_key_values=cache).logits
-        nxt = compiled(torch.tensor([[3], [4]]), past_key_values=cache).logits
+        out = compiled(ids, cache=cache).logits
+        nxt = compiled(torch.tensor([[3], [4]]), cache=cache).logits
     full = stock(model, torch.cat([ids, torch.tensor([[3], [4]])], 1))
     assert float((torch.cat([out, nxt], 1) - full).abs().max()) <= tolerance("llama", "float32")
 
@@ -290,7 +290,7 @@ def test_torch_compile_runs_with_graph_breaks_around_the_cache():
 # --------------------------------------------------------------------------- artifact
 def test_bases_round_trip_on_a_saved_checkpoint(tmp_path):
     """A checkpoint written with save_pretrained; `subspace-kv calibrate --model DIR
-    --compression-ratio 0.5` saves bases; from_pretrained gives the same arrays and metadata,
+    --compression-ratio 0.5 --rule energy` saves bases; from_pretrained gives the same arrays and metadata,
     generates as the in-memory bases do, and refuses another architecture's config."""
     from subspace_ref.cli import main
 
@@ -319,8 +319,9 @@ def test_bases_round_trip_on_a_saved_checkpoint(tmp_path):
                 "64",
                 "--calibration-tokens",
                 "640",
-                "--out",
-                str(tmp_path),
+                "--rule",
+                "energy",
+                "--no-progress",
                 "--bases-out",
                 str(tmp_path / "bases"),
             ]
@@ -376,7 +377,7 @@ def test_assisted_decoding_with_a_draft_model_crops_and_matches_greedy():
     expected = model.generate(ids, do_sample=False, max_new_tokens=10, pad_token_id=0)
     with compress(model, full_rank_states()) as kv:
         cache = kv.cache()
-        got = model.generate(ids, do_sample=False, max_new_tokens=10, pad_token_id=0, assistant_model=draft, past_key_values=cache)
+        got = model.generate(ids, do_sample=False, max_new_tokens=10, pad_token_id=0, assistant_model=draft, cache=cache)
     assert torch.equal(got, expected)
     assert cache.get_seq_length() == got.shape[1] - 1
 
@@ -395,6 +396,6 @@ def test_prompt_lookup_with_an_int4_state_equals_its_greedy_decoding():
     ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]])
     kw = dict(max_new_tokens=10, do_sample=False, return_dict_in_generate=True, output_logits=True, pad_token_id=0)
     with compress(model, factory) as kv:
-        greedy = model.generate(ids, past_key_values=kv.cache(), **kw)
-        lookup = model.generate(ids, prompt_lookup_num_tokens=3, past_key_values=kv.cache(), **kw)
+        greedy = model.generate(ids, cache=kv.cache(), **kw)
+        lookup = model.generate(ids, prompt_lookup_num_tokens=3, cache=kv.cache(), **kw)
     assert check_call("llama/int4/lookup", model, greedy, lookup, True, False, tolerance("llama", "float32"))

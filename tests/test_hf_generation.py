@@ -117,7 +117,7 @@ def prompt_ids(batch: int = 2, length: int = 12, seed: int = 1) -> torch.Tensor:
 
 def stock_logits(model, ids) -> torch.Tensor:
     with torch.no_grad():
-        return model(ids, past_key_values=DynamicCache(config=model.config)).logits.double()
+        return model(ids, cache=DynamicCache(config=model.config)).logits.double()
 
 
 _TOL: dict = {}
@@ -141,26 +141,26 @@ def generate(model, mode: str, cache_factory) -> list:
     kw = dict(max_new_tokens=NEW, return_dict_in_generate=True, output_logits=True, pad_token_id=0)
     ids = prompt_ids()
     if mode == "greedy":
-        return [model.generate(ids, do_sample=False, past_key_values=cache_factory(), **kw)]
+        return [model.generate(ids, do_sample=False, cache=cache_factory(), **kw)]
     if mode == "sample":
         torch.manual_seed(7)
-        return [model.generate(ids, do_sample=True, top_k=0, past_key_values=cache_factory(), **kw)]
+        return [model.generate(ids, do_sample=True, top_k=0, cache=cache_factory(), **kw)]
     if mode == "beam2":
-        return [model.generate(ids, do_sample=False, num_beams=2, output_scores=True, past_key_values=cache_factory(), **kw)]
+        return [model.generate(ids, do_sample=False, num_beams=2, output_scores=True, cache=cache_factory(), **kw)]
     if mode == "padded3":
         ids = prompt_ids(batch=3, length=11, seed=3)
         mask = torch.ones_like(ids)
         for row, pad in enumerate((5, 0, 2)):
             ids[row, :pad], mask[row, :pad] = 0, 0
-        return [model.generate(ids, attention_mask=mask, do_sample=False, past_key_values=cache_factory(), **kw)]
+        return [model.generate(ids, attention_mask=mask, do_sample=False, cache=cache_factory(), **kw)]
     if mode == "twice":
         cache = cache_factory()
-        first = model.generate(ids, do_sample=False, past_key_values=cache, **kw)
+        first = model.generate(ids, do_sample=False, cache=cache, **kw)
         more = torch.cat([first.sequences, prompt_ids(length=3, seed=9)], dim=1)
-        return [first, model.generate(more, do_sample=False, past_key_values=cache, **kw)]
+        return [first, model.generate(more, do_sample=False, cache=cache, **kw)]
     assert mode == "lookup"
     ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]])
-    return [model.generate(ids, do_sample=False, prompt_lookup_num_tokens=3, past_key_values=cache_factory(), **kw)]
+    return [model.generate(ids, do_sample=False, prompt_lookup_num_tokens=3, cache=cache_factory(), **kw)]
 
 
 def mean_logprob(model, sequences: torch.Tensor, new: int) -> torch.Tensor:
@@ -226,8 +226,8 @@ def test_full_rank_logits_within_derived_tolerance(family, dtype):
     oracle = stock_logits(copy.deepcopy(model_for(family)).to(torch.float64), ids)
     with compress(model, full_rank_states(), **cache_options(family)) as kv, torch.no_grad():
         cache = kv.cache()
-        parts = [model(ids[:, :8], past_key_values=cache).logits]
-        parts += [model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(8, 20)]
+        parts = [model(ids[:, :8], cache=cache).logits]
+        parts += [model(ids[:, t : t + 1], cache=cache).logits for t in range(8, 20)]
     ours = torch.cat(parts, 1).double()
     gap = float((ours - oracle).abs().max())
     assert gap <= tolerance(family, dtype), f"{family}/{dtype}: {gap:.3g} > {tolerance(family, dtype):.3g}"
@@ -275,8 +275,8 @@ def test_prompt_lookup_with_a_compressing_adaptive_state_equals_its_greedy_decod
     ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]])
     kw = dict(max_new_tokens=10, do_sample=False, return_dict_in_generate=True, output_logits=True, pad_token_id=0)
     with compress(model, factory) as kv:
-        greedy = model.generate(ids, past_key_values=kv.cache(), **kw)
+        greedy = model.generate(ids, cache=kv.cache(), **kw)
         cache = kv.cache()
-        lookup = model.generate(ids, prompt_lookup_num_tokens=3, past_key_values=cache, **kw)
+        lookup = model.generate(ids, prompt_lookup_num_tokens=3, cache=cache, **kw)
     assert int(cache.states[0].num_chunks.min()) >= 3
     assert check_call("llama/adaptive/lookup", model, greedy, lookup, True, False, tolerance("llama", "float32"))

@@ -1,6 +1,14 @@
-"""The core import graph of subspace_ref (docs/architecture.md): every import a core module makes,
-function-level ones included, forms no cycle, and the modules of the operations/data layers
-import nothing inside functions from subspace_ref (no imports placed to dodge a cycle)."""
+"""The import graph of subspace_ref (docs/architecture.md), read from the source: every import,
+function-level and ``TYPE_CHECKING`` ones included.
+
+* No module of subspace_ref, core or not, is on an import cycle.
+* The core (the library: everything outside :data:`OUTSIDE_CORE`) imports nothing from hf/,
+  vllm/, the experiments, baselines, tasks, bounds, models or the command line.
+* Above the core, packages import only downwards in :data:`LAYERS_ABOVE_CORE`, with the one
+  documented exception of :data:`UPWARD`.
+* The modules of the operations/data layers import at module level only (no import placed
+  inside a function to dodge a cycle).
+"""
 
 from __future__ import annotations
 
@@ -8,8 +16,13 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "subspace_ref"
-#: Packages above the core (models, experiments, adapters) may import anything from it.
-OUTSIDE_CORE = ("hf", "experiments", "tasks", "baselines", "bounds", "models", "cli", "roofline_report")
+#: Packages and modules above the core (adapters, the research harness, the command line); the
+#: core never imports them. ``cli`` also covers ``cli_*`` modules.
+OUTSIDE_CORE = ("hf", "vllm", "experiments", "tasks", "baselines", "bounds", "models", "cli", "roofline_report", "demo")
+#: The layers above the core, top first: a package may import its own layer, lower ones and the core.
+LAYERS_ABOVE_CORE = (("cli",), ("experiments", "demo", "roofline_report"), ("baselines", "bounds", "tasks", "vllm"), ("hf", "models"))
+#: The upward imports kept, each with why (docs/architecture.md).
+UPWARD = {("subspace_ref.experiments.__main__", "subspace_ref.cli"): "`python -m subspace_ref.experiments` is the command line"}
 #: Modules of the layers docs/architecture.md draws that must import at module level only.
 MODULE_LEVEL_ONLY = ("attention", "operations", "capabilities", "registry", "backend", "state", "layout", "persistence", "arrays", "_checks", "window")
 
@@ -23,16 +36,20 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _imports(name: str, path: Path, modules) -> dict[str, bool]:
-    """Imported subspace_ref modules -> whether some import of it is inside a function."""
+def _imports(name: str, path: Path, modules) -> dict[str, set[str]]:
+    """Imported subspace_ref modules -> how ("module", "function", "type_checking")."""
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-    found: dict[str, bool] = {}
+    found: dict[str, set[str]] = {}
 
-    def visit(node, in_function: bool) -> None:
+    def visit(node, where: str) -> None:
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            return  # annotations only: never executed
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-            in_function = True
+            for child in node.body:
+                visit(child, "type_checking")
+            for child in node.orelse:
+                visit(child, where)
+            return
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) and where == "module":
+            where = "function"
         targets = []
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
@@ -43,22 +60,23 @@ def _imports(name: str, path: Path, modules) -> dict[str, bool]:
             targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
         for t in targets:
             if t in modules and t != name:
-                found[t] = found.get(t, False) or in_function
+                found.setdefault(t, set()).add(where)
         for child in ast.iter_child_nodes(node):
-            visit(child, in_function)
+            visit(child, where)
 
-    visit(ast.parse(path.read_text()), False)
+    visit(ast.parse(path.read_text()), "module")
     return found
 
 
-def _core_graph():
+def _graph() -> dict[str, dict[str, set[str]]]:
     modules = _modules()
-    core = {
-        n
-        for n in modules
-        if not any(n == f"subspace_ref.{o}" or n.startswith(f"subspace_ref.{o}.") or n.startswith(f"subspace_ref.{o}_") for o in OUTSIDE_CORE)
-    }
-    return {n: {m: f for m, f in _imports(n, modules[n], modules).items() if m in core} for n in core}
+    return {n: _imports(n, modules[n], modules) for n in modules}
+
+
+def _group(name: str) -> str | None:
+    """The entry of OUTSIDE_CORE a module belongs to; None for the core."""
+    top = name.split(".")[1] if "." in name else ""
+    return next((o for o in OUTSIDE_CORE if top == o or top.startswith(f"{o}_")), None)
 
 
 def _cycles(graph) -> list[str]:
@@ -68,7 +86,7 @@ def _cycles(graph) -> list[str]:
     def walk(n, stack):
         state[n] = 1
         stack.append(n)
-        for m in graph[n]:
+        for m in sorted(graph[n]):
             if state.get(m) == 1:
                 cycles.append(" -> ".join(stack[stack.index(m) :] + [m]))
             elif m not in state:
@@ -82,29 +100,75 @@ def _cycles(graph) -> list[str]:
     return cycles
 
 
-def test_core_import_graph_is_acyclic():
-    graph = _core_graph()
-    assert "subspace_ref.state" in graph and "subspace_ref.operations" in graph["subspace_ref.state"]
+def _core_to_outside(graph) -> list[str]:
+    return [f"{n} -> {m} ({', '.join(sorted(how))})" for n in sorted(graph) if _group(n) is None for m, how in sorted(graph[n].items()) if _group(m)]
+
+
+def _upward(graph) -> list[str]:
+    level = {g: i for i, layer in enumerate(LAYERS_ABOVE_CORE) for g in layer}
+    return [f"{n} -> {m}" for n in sorted(graph) if _group(n) for m in sorted(graph[n])
+            if _group(m) and level[_group(m)] < level[_group(n)] and (n, m) not in UPWARD]
+
+
+def test_import_graph_has_no_cycle():
+    graph = _graph()
+    assert "subspace_ref.operations" in graph["subspace_ref.state"] and "subspace_ref.registry" in graph["subspace_ref.operations"]
     assert _cycles(graph) == []
 
 
+def test_core_imports_nothing_above_it():
+    assert _core_to_outside(_graph()) == []
+
+
+def test_packages_above_the_core_import_downwards():
+    assert {g for layer in LAYERS_ABOVE_CORE for g in layer} == set(OUTSIDE_CORE)
+    graph = _graph()
+    assert all(m in graph[n] for n, m in UPWARD), "an allowed upward import is gone: drop it from UPWARD and docs/architecture.md"
+    assert _upward(graph) == []
+
+
 def test_layers_import_at_module_level():
-    graph = _core_graph()
-    late = {n: sorted(m for m, f in graph[n].items() if f) for n in graph if n.removeprefix("subspace_ref.") in MODULE_LEVEL_ONLY}
+    graph = _graph()
+    late = {n: sorted(m for m, how in graph[n].items() if "function" in how) for n in graph if n.removeprefix("subspace_ref.") in MODULE_LEVEL_ONLY}
     assert {n: ms for n, ms in late.items() if ms} == {}
 
 
-def test_the_cycle_detector_sees_a_cycle(tmp_path, monkeypatch):
-    """The walk above reports a cycle when there is one (a graph check that cannot fail proves nothing)."""
+def test_backends_read_states_through_the_view():
+    """The backend protocol is typed against :class:`~subspace_ref.backend.StateView`, which a
+    state satisfies, so backend.py and registry.py need no import of state.py."""
+    import numpy as np
+
+    import subspace_ref as sr
+    from subspace_ref.backend import StateView
+
+    basis = sr.StaticBasis.from_bases(np.eye(4)[None, :2], np.eye(4)[None, :2])
+    assert isinstance(sr.SubspaceState.static(basis), StateView)
+
+
+def test_the_checks_fail_on_a_bad_graph(tmp_path, monkeypatch):
+    """A cycle through a function-level or a TYPE_CHECKING import, a core module importing the lab
+    (even for annotations only), and an upward import are all reported (a graph check that cannot
+    fail proves nothing)."""
     import sys
 
     pkg = tmp_path / "subspace_ref"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
+    (pkg / "baselines").mkdir(parents=True)
+    (pkg / "tasks").mkdir()
+    for init in (pkg / "__init__.py", pkg / "baselines" / "__init__.py", pkg / "tasks" / "__init__.py"):
+        init.write_text("")
     (pkg / "state.py").write_text("from subspace_ref import operations\n")
     (pkg / "operations.py").write_text("def f():\n    from subspace_ref.state import x\n")
+    (pkg / "backend.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from subspace_ref.baselines.budget import Geometry\n")
+    (pkg / "baselines" / "budget.py").write_text("from subspace_ref import backend\n")
+    (pkg / "tasks" / "bootstrap.py").write_text("from subspace_ref.baselines import budget\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", pkg)
-    graph = _core_graph()
-    assert graph["subspace_ref.operations"] == {"subspace_ref.state": True}
-    assert graph["subspace_ref.state"] == {"subspace_ref.operations": False}
-    assert _cycles(graph) == ["subspace_ref.operations -> subspace_ref.state -> subspace_ref.operations"]
+    graph = _graph()
+    assert graph["subspace_ref.operations"] == {"subspace_ref.state": {"function"}}
+    assert graph["subspace_ref.backend"] == {"subspace_ref.baselines.budget": {"type_checking"}}
+    assert _cycles(graph) == ["subspace_ref.backend -> subspace_ref.baselines.budget -> subspace_ref.backend",
+                              "subspace_ref.operations -> subspace_ref.state -> subspace_ref.operations"]
+    assert _core_to_outside(graph) == ["subspace_ref.backend -> subspace_ref.baselines.budget (type_checking)"]
+    assert _upward(graph) == []  # baselines and tasks share a layer
+    (pkg / "baselines" / "budget.py").write_text("from subspace_ref import backend, cli\n")
+    (pkg / "cli.py").write_text("")
+    assert _upward(_graph()) == ["subspace_ref.baselines.budget -> subspace_ref.cli"]

@@ -51,5 +51,5 @@ def test_int8_nbytes(rng):
 
 
 def test_bad_coefficient_format():
-    with pytest.raises(ValueError, match='coefficients must be "float", "int8", "int4" or "int2"'):
+    with pytest.raises(ValueError, match="coefficients must be one of 'float', 'int8', 'int4', 'int2'"):
         sr.SubspaceState.adaptive(1, 4, rank_k=2, rank_v=2, coefficients="int3")

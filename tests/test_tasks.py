@@ -11,7 +11,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from subspace_ref.experiments import _common as C  # noqa: E402
-from subspace_ref.tasks import bootstrap_ci, lambada_targets, make_needles, score_answer  # noqa: E402
+from subspace_ref.experiments.statistics import bootstrap_ci  # noqa: E402
+from subspace_ref.tasks import lambada_targets, make_needles, score_answer  # noqa: E402
 from subspace_ref.tasks.next_token import lambada_correct, next_token_correct  # noqa: E402
 
 
@@ -105,7 +106,8 @@ def test_full_attention_solves_recall_where_the_model_reaches(shipped, heldout, 
 
 
 def test_budgets_match_baselines_accounting(shipped):
-    from subspace_ref.baselines import Geometry, capacity_for, methods_at
+    from subspace_ref.baselines import methods_at
+    from subspace_ref.byte_convention import Geometry, capacity_for
     from subspace_ref.experiments.tasks import method_plan
 
     plan = method_plan(shipped, (256, 1024), budgets=(0.5, 0.25, 0.125), own=False)
@@ -169,10 +171,11 @@ def test_frontier_rows_are_the_baselines_allocations(shipped):
     """The frontier rows of ``tasks`` are `subspace-kv baselines`' allocator rows at each
     length's geometry: within the budget, or at the quantisation row's bytes, and identical
     allocations to :func:`~subspace_ref.experiments.baselines.frontier_methods`."""
-    from subspace_ref.baselines import Geometry
     from subspace_ref.baselines.quantized import QuantizedKV
+    from subspace_ref.byte_convention import Geometry
     from subspace_ref.experiments import _common as C
-    from subspace_ref.experiments.baselines import calibration_losses, frontier_methods
+    from subspace_ref.experiments.baselines import frontier_methods
+    from subspace_ref.hf.calibration_losses import calibration_losses
     from subspace_ref.experiments.tasks import FRONTIER_KEYS, method_plan
 
     cal = calibration_losses(shipped, C.windows("train", 1, 128, C.SEED_BASES), ranks=tuple(range(0, 65, 16)))

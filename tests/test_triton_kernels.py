@@ -113,7 +113,7 @@ def random_layout(rng, N, H, T, d, d_v, r, r_v, starts, dtype, gamma=None, zero_
             coefs.append(np.concatenate([q, np.full((N, H, Tc - T, x.shape[-1]), 127, np.int8)], axis=2))
             scales[len(scales)] = np.concatenate([s, np.full((N, H, Tc - T), np.nan, np.float32)], axis=2)
         key_coef, value_coef = coefs
-        scales = dict(key_scale=_t(scales[0], torch.float32), value_scale=_t(scales[1], torch.float32))
+        scales = dict(key_scale=_t(scales[0], torch.float32), value_scale=_t(scales[1], torch.float32), key_format="int8", value_format="int8")
         cdt = torch.int8
     else:
         key_coef[:, :, T:] = np.nan

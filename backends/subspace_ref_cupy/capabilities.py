@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from subspace_ref.capabilities import SKETCH_VARIANTS, Capabilities
+from subspace_ref.formats import UNIFORM_FORMATS
 
 
 def declared(dtypes: tuple[str, ...]) -> Capabilities:
@@ -14,7 +15,7 @@ def declared(dtypes: tuple[str, ...]) -> Capabilities:
     by both decode kernels, plain and pre-RoPE; appends to them are refused before any change). Adaptive and rotating appends run the oracle's token loop
     on CuPy arrays, so every sketch variant but lookahead (a window option) runs."""
     return Capabilities(
-        array_families=("cupy", "torch"), devices=("cuda",), dtypes=dtypes, coefficient_formats=("float", "int8", "int4", "int2"), basis_formats=("native",),
+        array_families=("cupy", "torch"), devices=("cuda",), dtypes=dtypes, coefficient_formats=UNIFORM_FORMATS, basis_formats=("native",),
         window=True, sinks=True, rope=True,
         sketch_variants=tuple(v for v in SKETCH_VARIANTS if v != "lookahead"),
     )

@@ -45,6 +45,14 @@ def _has_ml_dtypes() -> bool:
     return int(cupy.__version__.split(".")[0]) >= 14
 
 
+def _nvidia_driver_present() -> bool:
+    """Whether an NVIDIA kernel driver or its user-space library is installed."""
+    import ctypes.util
+    import os
+
+    return os.path.exists("/proc/driver/nvidia/version") or ctypes.util.find_library("cuda") is not None
+
+
 class CupyBackend:
     """Decode attention (spec A2, A3, A3.2) and static appends (spec A6) on the CUDA kernels of
     ``kernels/*.cu``; adaptive and rotating appends (spec A7, A8) run the oracle's array-generic
@@ -78,11 +86,13 @@ class CupyBackend:
         try:
             import cupy
         except Exception as err:  # ImportError, or a broken CUDA install failing at import
-            return Availability(False, f"cupy is not importable ({type(err).__name__}: {err}); install the 'cupy' extra")
+            return Availability(False, f"cupy is not importable ({type(err).__name__}: {err}); install the 'gpu' extra")
         try:
             count = cupy.cuda.runtime.getDeviceCount()
         except Exception as err:
-            return Availability(False, f"no CUDA device (GPU) usable: cupy.cuda.runtime.getDeviceCount() failed with {type(err).__name__}: {err}")
+            if not _nvidia_driver_present():  # CuPy then reports a driver "too old" for its runtime, which reads like a broken one
+                return Availability(False, "no CUDA device (GPU): this machine has no NVIDIA driver")
+            return Availability(False, f"no CUDA device usable: cupy.cuda.runtime.getDeviceCount() failed with {type(err).__name__}: {err}")
         if count == 0:
             return Availability(False, "no CUDA device (GPU) found: cupy.cuda.runtime.getDeviceCount() returned 0")
         try:

@@ -16,7 +16,11 @@ resulting state equals the oracle's to rounding, with the same chunk boundaries:
   the result is exactly the per-token algorithm; the window size only changes speed. Fired
   heads are found with ``nonzero`` (a second sync, only when something fired). A one-token
   append (decoding) is one window: one sync per token, the acceptable cost of a trigger that
-  depends on the token;
+  depends on the token. Drift tracking (spec A7.4, :mod:`subspace_ref.policies.tracking`) adds
+  growth as an event of the same kind: the window stops at the first token where a head fires
+  or grows a free row, handled as the oracle does (grown rows, snapshots that hold the firing
+  token, sketches restarted), and the count of refused triggers (``tokens_over_tau``) rides on
+  the same sync;
 * rotating (A8): blocks between refresh tokens are projected with one matmul and inserted at
   once; at each refresh token the bases are rebuilt and every stored coefficient rotated.
 
@@ -40,10 +44,10 @@ import numpy as np
 import torch
 
 from subspace_ref.basis_storage import row_error_bound
-from subspace_ref.policies import byte_ceiling
+from subspace_ref.policies import byte_ceiling, tracking
 from subspace_ref.policies._online import warmup_rows
 from subspace_ref.policies.online_run import relative_residual, warmup_row
-from subspace_ref.quantization import read_low_bit, side_arrays, store_low_bit
+from subspace_ref.quantization import read_low_bit, store_low_bit
 from subspace_ref.rope import rotate
 from subspace_ref.window import first_compressed_position
 from subspace_ref_torch import cpu_kernels, fd
@@ -107,7 +111,7 @@ def store(lay, which: str, rows, coef: torch.Tensor) -> None:
     block = coef[:, :, None] if isinstance(rows, int) else coef
     if cpu_kernels.store_quantized(lay, which, a, b, block):
         return
-    if lay.low_bits:
+    if lay.side_format(which).low_bits:
         store_low_bit(lay, which, a, b, block)
     elif scales is None:
         target[:, :, rows] = coef
@@ -123,10 +127,10 @@ def _rotated(lay, which: str, upto: int, R: torch.Tensor, own: bool):
     reused after. int8 coefficients are dequantised, rotated and quantised again."""
     coef = getattr(lay, f"{which}_coef")
     scales = getattr(lay, f"{which}_scale", None)
-    if lay.low_bits:  # dequantised, rotated and quantised again (spec/quantization.md Q2)
+    if lay.side_format(which).low_bits:  # dequantised, rotated and quantised again (spec/quantization.md Q2)
         current = read_low_bit(lay, which, 0, upto, R.dtype, upto)
         if not own:
-            lay = replace(lay, **{name: getattr(lay, name).clone() for name in side_arrays(which)})
+            lay = replace(lay, **{name: getattr(lay, name).clone() for name in lay.side_arrays(which)})
         store(lay, which, slice(0, upto), torch.matmul(current, R))
         return lay
     if scales is None:
@@ -178,11 +182,16 @@ def append_online(state, keys: torch.Tensor, values: torch.Tensor, project=proje
     W = policy.warmup
     warm_k, warm_v = (torch.as_tensor(w, device=device) for w in warmup_rows(policy))  # (H,) per side, spec A7 step 0
     reproject = adaptive and policy.trigger == "reproject"  # spec A7.2; "paper": A7 step 3 verbatim
-    if policy.kind == "rotating" or T < W or T == 0:
+    track = adaptive and getattr(policy, "track", False)  # spec A7.4
+    may_open = byte_ceiling.opener(state) if adaptive else None  # spec A7.3
+    private = policy.kind == "rotating" or T < W or T == 0
+    if private:
         # the only bases rewritten in place: the single rotating basis, or chunk 0 during
-        # warm-up or while empty; they are rewritten in private copies. Bases are stored encoded at once and the
+        # warm-up or while empty (and, under A7.4, chunks that grow); they are rewritten in private copies. Bases are stored encoded at once and the
         # open ones hold their decoding, as attend will read them (spec/storage.md S3)
         lay = lay.with_private_bases()
+    first_new = num_chunks.clone()  # chunk slots >= this are spare: written in place
+    over_tau = 0  # spec A7.4.1's counter
     k_all, v_all = keys.to(work), values.to(work)
     window = FIRST_WINDOW
     no_head = torch.zeros((N, H), dtype=torch.bool, device=device)
@@ -216,52 +225,89 @@ def append_online(state, keys: torch.Tensor, values: torch.Tensor, project=proje
             # still warming does not fire; the length cap waits for both sides)
             c, dv, rho_k, rho_v = project(kk, vv, open_B, open_E)
             ends = torch.arange(t + 1, t + 1 + s, device=device)  # t + 1 per token
-            capped = ends - int(reproject) - open_start[..., None] >= policy.max_chunk  # tokens held when t is decided (spec A7.2)
-            fire = (
-                ((~warming_k[..., None]) & (rho_k > policy.tau_k))
-                | ((~warming_v[..., None]) & (rho_v > policy.tau_v))
-                | ((~warming_k & ~warming_v)[..., None] & capped)
-            )
-            # spec A7.3 (num_chunks is constant up to the first firing token, where the window stops)
-            fire &= byte_ceiling.may_open(state, num_chunks[..., None].double(), ends.double()) | (reproject & (open_start[..., None] == ends - 1))
-            any_head = fire.flatten(0, 1).any(0)
-            first = int(torch.where(any_head, torch.arange(s, device=device), s).min())  # host sync
+            # tokens held when t is decided (spec A7.2)
+            capped = (~warming_k & ~warming_v)[..., None] & (ends - int(reproject) - open_start[..., None] >= policy.max_chunk)
+            over_k = (~warming_k[..., None]) & (rho_k > policy.tau_k)
+            over_v = (~warming_v[..., None]) & (rho_v > policy.tau_v)
+            if track:  # spec A7.4 step 1: a side with a free row grows (over tau / 2) instead of firing
+                free_k, free_v = ~tracking.full(open_B, mask_k)[..., None], ~tracking.full(open_E, mask_v)[..., None]
+                grow_k = tracking.growing(rho_k, warming_k[..., None], policy.tau_k) & free_k
+                grow_v = tracking.growing(rho_v, warming_v[..., None], policy.tau_v) & free_v
+                fire = (over_k & ~free_k) | (over_v & ~free_v) | capped
+            else:
+                fire = over_k | over_v | capped
+            # spec A7.3 (num_chunks is constant up to the first event, where the window stops)
+            want = fire
+            fire = want & (may_open(num_chunks[..., None].double(), ends.double()) | (reproject & (open_start[..., None] == ends - 1)))
+            event = fire | grow_k | grow_v if track else fire  # what changes the open bases
+            any_head = event.flatten(0, 1).any(0)
+            # one host sync: the first event, and per token the running count of (token, head) pairs
+            # over tau, which before the event are refused triggers stored over tau (A7.4's count)
+            first_event = torch.where(any_head, torch.arange(s, device=device), s).min()
+            synced = torch.cat([first_event[None], (over_k | over_v).flatten(0, 1).sum(0).cumsum(0)]).tolist()
+            first = int(synced[0])
             take = min(first + 1, s)
+            over_tau += int(synced[first]) if first > 0 else 0
             if first < s:
                 # paper: step 4 for the tokens before the firing one, then step 3 at it, then its
                 # step 4; reproject (A7.2): step 4 through the firing token, then step 3
                 upto = first + 1 if reproject else first
                 buf_k, filled_k = fd.insert_(buf_k, filled_k, kk[:, :, :upto], policy.ell_k)
                 buf_v, filled_v = fd.insert_(buf_v, filled_v, vv[:, :, :upto], policy.ell_v)
+                if track:  # A7.4 step 1 at the event token
+                    for which, grows, x, coef, basis, mask in (
+                        ("key", grow_k[:, :, first] & ~fire[:, :, first], kk[:, :, first], c, open_B, mask_k),
+                        ("value", grow_v[:, :, first] & ~fire[:, :, first], vv[:, :, first], dv, open_E, mask_v),
+                    ):
+                        gn, gh = grows.nonzero(as_tuple=True)
+                        if len(gn):
+                            gj = num_chunks[gn, gh] - 1
+                            if not private and bool((gj < first_new[gn, gh]).any()):  # a visible chunk grows in a private copy
+                                lay, private = lay.with_private_bases(), True
+                            tracking.grow(lay, which, basis, mask, gn, gh, gj, x)
+                            coef[gn, gh, first] = torch.matmul(basis[gn, gh], x[gn, gh][..., None])[..., 0]
                 fn, fh = fire[:, :, first].nonzero(as_tuple=True)
-                start = t + first + 1 - reproject
-                # chunk slot j >= num_chunks: spare until the commit (with reproject, an empty
-                # open chunk -- chunk 0 at t = 0 without warm-up -- takes the snapshot itself)
-                j = num_chunks[fn, fh] - (reproject & (open_start[fn, fh] == start)).long()
-                new_B = lay.store_basis("key", (fn, fh, j), fd.top_directions(buf_k[fn, fh, :filled_k], r) * mask_k[fh])
-                new_E = lay.store_basis("value", (fn, fh, j), fd.top_directions(buf_v[fn, fh, :filled_v], r_v) * mask_v[fh])
-                chunk_starts[fn, fh, j] = start
-                num_chunks[fn, fh] = j + 1
-                if reproject:  # A7.2: the firing token is stored with the new chunk's bases
-                    c[fn, fh, first] = torch.matmul(new_B, kk[fn, fh, first][..., None])[..., 0]
-                    dv[fn, fh, first] = torch.matmul(new_E, vv[fn, fh, first][..., None])[..., 0]
-                if getattr(policy, "sketch_reset", False):
-                    # step 3b: after the snapshot, forget what a long enough closing chunk taught
-                    # (with reproject the closing chunk ends before the firing token, which the
-                    # new chunk's sketch keeps)
-                    long = (start - open_start[fn, fh]) >= max(policy.ell_k, policy.ell_v)
-                    ln, lh = fn[long], fh[long]
-                    buf_k[ln, lh] = 0.0
-                    buf_v[ln, lh] = 0.0
-                    if reproject:
-                        buf_k[ln, lh, filled_k - 1] = kk[ln, lh, first]
-                        buf_v[ln, lh, filled_v - 1] = vv[ln, lh, first]
-                open_start[fn, fh] = start
-                open_B[fn, fh] = new_B
-                open_E[fn, fh] = new_E
+                if len(fn):
+                    start = t + first + 1 - reproject
+                    # chunk slot j >= num_chunks: spare until the commit (with reproject, an empty
+                    # open chunk -- chunk 0 at t = 0 without warm-up -- takes the snapshot itself)
+                    j = num_chunks[fn, fh] - (reproject & (open_start[fn, fh] == start)).long()
+                    new_B = fd.top_directions(buf_k[fn, fh, :filled_k], r) * mask_k[fh]
+                    new_E = fd.top_directions(buf_v[fn, fh, :filled_v], r_v) * mask_v[fh]
+                    if track:  # A7.4 step 2: each side's bases hold the firing token within tau
+                        new_B = tracking.spanning(new_B, kk[fn, fh, first], policy.tau_k)
+                        new_E = tracking.spanning(new_E, vv[fn, fh, first], policy.tau_v)
+                    new_B = lay.store_basis("key", (fn, fh, j), new_B)
+                    new_E = lay.store_basis("value", (fn, fh, j), new_E)
+                    chunk_starts[fn, fh, j] = start
+                    num_chunks[fn, fh] = j + 1
+                    if reproject:  # A7.2: the firing token is stored with the new chunk's bases
+                        c[fn, fh, first] = torch.matmul(new_B, kk[fn, fh, first][..., None])[..., 0]
+                        dv[fn, fh, first] = torch.matmul(new_E, vv[fn, fh, first][..., None])[..., 0]
+                    if track:  # A7.4 step 3: the sketches summarise the new chunk's tokens only
+                        tracking.restart(buf_k, filled_k, fn, fh, kk[:, :, first])
+                        tracking.restart(buf_v, filled_v, fn, fh, vv[:, :, first])
+                    elif getattr(policy, "sketch_reset", False):
+                        # step 3b: after the snapshot, forget what a long enough closing chunk taught
+                        # (with reproject the closing chunk ends before the firing token, which the
+                        # new chunk's sketch keeps)
+                        long = (start - open_start[fn, fh]) >= max(policy.ell_k, policy.ell_v)
+                        ln, lh = fn[long], fh[long]
+                        buf_k[ln, lh] = 0.0
+                        buf_v[ln, lh] = 0.0
+                        if reproject:
+                            buf_k[ln, lh, filled_k - 1] = kk[ln, lh, first]
+                            buf_v[ln, lh, filled_v - 1] = vv[ln, lh, first]
+                    open_start[fn, fh] = start
+                    open_B[fn, fh] = new_B
+                    open_E[fn, fh] = new_E
                 if not reproject:
                     buf_k, filled_k = fd.insert_(buf_k, filled_k, kk[:, :, first : first + 1], policy.ell_k)
                     buf_v, filled_v = fd.insert_(buf_v, filled_v, vv[:, :, first : first + 1], policy.ell_v)
+                refused = want[:, :, first] & ~fire[:, :, first]
+                if bool(refused.any()):  # A7.4's count: a refused trigger that leaves the event token over tau as stored
+                    rk, rv = relative_residual(kk[:, :, first], c[:, :, first]), relative_residual(vv[:, :, first], dv[:, :, first])
+                    over_tau += int((refused & (((~warming_k) & (rk > policy.tau_k)) | ((~warming_v) & (rv > policy.tau_v)))).sum())
             else:
                 buf_k, filled_k = fd.insert_(buf_k, filled_k, kk, policy.ell_k)
                 buf_v, filled_v = fd.insert_(buf_v, filled_v, vv, policy.ell_v)
@@ -293,7 +339,13 @@ def append_online(state, keys: torch.Tensor, values: torch.Tensor, project=proje
 
     state.layout = replace(lay, num_chunks=num_chunks, chunk_starts=chunk_starts, num_tokens=T + n_new)
     state.sketches = replace(
-        sk, keys=buf_k.to(sk.keys.dtype), values=buf_v.to(sk.values.dtype), filled_k=filled_k, filled_v=filled_v, rows_seen=sk.rows_seen + n_new
+        sk,
+        keys=buf_k.to(sk.keys.dtype),
+        values=buf_v.to(sk.values.dtype),
+        filled_k=filled_k,
+        filled_v=filled_v,
+        rows_seen=sk.rows_seen + n_new,
+        tokens_over_tau=sk.tokens_over_tau + over_tau,
     )
 
 

@@ -119,7 +119,7 @@ def coefficient_rows(state, which: str, a: int, b: int, dtype: torch.dtype) -> t
     "value", dequantised as the oracle does (float32 q * s, then ``dtype``) for int8 layouts
     (spec A10)."""
     lay = state.layout
-    if lay.low_bits:  # int4/int2: dequantised first (spec/quantization.md Q2), on a CPU by the kernels
+    if lay.side_format(which).low_bits:  # int4/int2: dequantised first (spec/quantization.md Q2), on a CPU by the kernels
         if cpu_kernels.reads_low_bit(lay, dtype):
             return cpu_kernels.low_bit_rows(lay, which, a, b)
         from subspace_ref.quantization import read_low_bit
@@ -142,7 +142,8 @@ def scales_after(state, dtype: torch.dtype) -> bool:
     """Whether int8 scales are applied to logits and weights (one multiply per token) instead
     of to the coefficients. Below float64 this is a change of rounding order within the
     oracle's float32 error; in float64 the oracle's dequantised value fl32(q s) differs from
-    q s by 2^-24 relative, far above float64 rounding, so float64 dequantises as the oracle."""
+    q s by 2^-24 relative, far above float64 rounding, so float64 dequantises as the oracle.
+    Only for int8 on both sides: a side of a mixed layout is read dequantised (:func:`raw_tiles`)."""
     return state.layout.quantized and dtype != torch.float64
 
 
@@ -154,11 +155,12 @@ def raw_tiles(state, which: str, T: int, dtype: torch.dtype, starts: range | Non
     buffer (exact: |q| <= 127), so no full-size float copy is ever made. In float64 int8 rows
     come dequantised (:func:`scales_after`)."""
     coef = getattr(state.layout, f"{which}_coef")
+    fmt = state.layout.side_format(which)
     starts = token_tiles(T) if starts is None else starts
     buffer = None
     for a in starts:
         b = min(T, a + starts.step)
-        if state.layout.low_bits or (state.layout.quantized and not scales_after(state, dtype)):
+        if fmt.low_bits or (fmt.per_token_scale and not scales_after(state, dtype)):
             # int4/int2 (spec/quantization.md Q2) and float64 int8: dequantised per tile
             yield a, b, coefficient_rows(state, which, a, b, dtype)
             continue
@@ -415,9 +417,7 @@ def one_chunk_float(state, dtype: torch.dtype) -> bool:
         and lay.key_coef.dtype == dtype
         and lay.value_coef.dtype == dtype
         # beyond one value tile the general path's tiles bound the rounding of the long sum over
-        # tokens; torch's fused SDPA over the coefficients did not: in float64 ~2.5x the oracle's
-        # error at logits ~1e4 (T = 8k), in float32 2.5x at T = 16k (the slow harness case
-        # static-d128-T16k), at the same speed on a CPU core (2.6-3.0 ms both, T = 16k, r = 32)
+        # tokens, which one fused SDPA over the coefficients did not (docs/benchmarks.md)
         and lay.num_tokens <= VALUE_TILE
     )
 

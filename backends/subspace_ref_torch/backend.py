@@ -26,7 +26,7 @@ class TorchBackend:
     # spec/window.md W3, W7-W9 in subspace_ref_torch.window; pre-RoPE states (spec/rope.md P2-P3) in append/attend;
     # of the sketch variants in its append (spec/sketch_variants.md S4) only both trigger orders (spec A7.2)
     capabilities = Capabilities(array_families=("torch",), devices=("cpu", "cuda"), dtypes=("float16", "bfloat16", "float32", "float64"), window=True,
-                                sinks=True, rope=True, sketch_variants=("trigger", "byte_ceiling"))
+                                sinks=True, rope=True, sketch_variants=("trigger", "byte_ceiling", "track"))
     devices = capabilities.devices
     dtypes = capabilities.dtypes
 

@@ -10,7 +10,7 @@ import math
 import torch
 
 
-def exact_tokens(state, side: str) -> torch.Tensor:
+def exact_rows(state, side: str) -> torch.Tensor:
     """The exact keys (side "keys") or values ("values"), (N, H, s + e, dim): sinks first."""
     win = state.window
     recent = getattr(win, side)
@@ -25,9 +25,9 @@ def exact_logits(q: torch.Tensor, state, scale: float | None, dtype: torch.dtype
     H = state.heads
     s = 1.0 / math.sqrt(d) if scale is None else float(scale)
     qg = q.reshape(N, H, Hq // H, d).to(dtype)
-    return torch.matmul(qg, exact_tokens(state, "keys").to(dtype).mT) * s
+    return torch.matmul(qg, exact_rows(state, "keys").to(dtype).mT) * s
 
 
 def exact_values(weights: torch.Tensor, state) -> torch.Tensor:
     """sum_t w_t v_t over the exact tokens: weights (N, H, g, s + e) -> (N, H, g, d_v)."""
-    return torch.matmul(weights, exact_tokens(state, "values").to(weights.dtype))
+    return torch.matmul(weights, exact_rows(state, "values").to(weights.dtype))

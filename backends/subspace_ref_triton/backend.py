@@ -108,6 +108,8 @@ class TritonBackend:
         if dtype_name(q.dtype) == "float64" or dtype_name(state.layout.dtype) == "float64":
             reasons.append("the triton kernels have no float64 path: use the torch backend for float64")
         lay = state.layout
+        if not lay.uniform:  # a format per side: refused by the declaration, whose reason says so
+            return reasons
         quantized = lay.quantized  # int8 coefficients, spec A10
         coef_fields = ("key_coef", "value_coef", "key_scale", "value_scale")
         own_dtype = set(coef_fields) if quantized else set()

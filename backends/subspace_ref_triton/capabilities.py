@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from subspace_ref.capabilities import Capabilities
+from subspace_ref.formats import UNIFORM_FORMATS
 from subspace_ref_triton._common import (
     MAX_GROUP,
     MAX_HEAD_SIZE,
@@ -20,6 +21,6 @@ def declared(devices: tuple[str, ...]) -> Capabilities:
     in the kernel; their appends are the torch backend's); tiles bound the head sizes, ranks and
     group."""
     return Capabilities(
-        array_families=("torch",), devices=devices, dtypes=SUPPORTED_DTYPES, coefficient_formats=("float", "int8", "int4", "int2"),
-        max_head_size=MAX_HEAD_SIZE, max_rank=MAX_RANK, max_query_group=MAX_GROUP, rope=True, window=True, sinks=True, sketch_variants=("trigger", "byte_ceiling"),
+        array_families=("torch",), devices=devices, dtypes=SUPPORTED_DTYPES, coefficient_formats=UNIFORM_FORMATS,
+        max_head_size=MAX_HEAD_SIZE, max_rank=MAX_RANK, max_query_group=MAX_GROUP, rope=True, window=True, sinks=True, sketch_variants=("trigger", "byte_ceiling", "track"),
     )

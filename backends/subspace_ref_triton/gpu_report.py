@@ -63,18 +63,19 @@ def _layout(torch, T, d, r, dtype, coef, J=1):
     """A zero layout of the benchmark's shape; ``coef``: "float", "int8" (spec A10) or
     "int4"/"int2" (spec/quantization.md Q2, default group of 32)."""
     from subspace_ref.layout import PackedLayout
-    from subspace_ref.quantization import DEFAULT_GROUP, LOW_BITS, packed_width
+    from subspace_ref.formats import coefficient_format
+    from subspace_ref.quantization import DEFAULT_GROUP, packed_width
 
     cdt, width, scales = dtype, r, {}
     if coef == "int8":
         cdt = torch.int8
-        scales = dict(key_scale=torch.zeros(1, H_KV, T), value_scale=torch.zeros(1, H_KV, T))
-    elif coef in LOW_BITS:
-        G, f16 = DEFAULT_GROUP, torch.float16
-        cdt, width = torch.uint8, packed_width(r, LOW_BITS[coef])
+        scales = dict(key_scale=torch.zeros(1, H_KV, T), value_scale=torch.zeros(1, H_KV, T), key_format=coef, value_format=coef)
+    elif coefficient_format(coef).low_bits:
+        G, f16, bits = DEFAULT_GROUP, torch.float16, coefficient_format(coef).low_bits
+        cdt, width = torch.uint8, packed_width(r, bits)
         scales = dict(key_group_scale=torch.zeros(1, H_KV, T // G, r, dtype=f16), key_group_zero=torch.zeros(1, H_KV, T // G, r, dtype=f16),
                       key_tail=torch.zeros(1, H_KV, G, r, dtype=dtype), value_token_scale=torch.zeros(1, H_KV, T, dtype=f16),
-                      value_token_zero=torch.zeros(1, H_KV, T, dtype=f16), low_bits=LOW_BITS[coef], group=G)
+                      value_token_zero=torch.zeros(1, H_KV, T, dtype=f16), key_format=coef, value_format=coef, group=G)
     return PackedLayout(torch.zeros(1, H_KV, T, width, dtype=cdt), torch.zeros(1, H_KV, T, width, dtype=cdt),
                         torch.zeros(1, H_KV, J, r, d, dtype=dtype), torch.zeros(1, H_KV, J, r, d, dtype=dtype),
                         torch.zeros(1, H_KV, J, dtype=torch.int64), torch.ones(1, H_KV, dtype=torch.int64),

@@ -40,11 +40,8 @@ from subspace_ref_triton._tl import SUM_COMBINE as _SUM
 from subspace_ref_triton._tl import low_bit_tile
 from subspace_ref_triton.decode import default_split_len, merge_partials, scale_operands
 
-# Tokens per tile and warps, chosen by timing on an H100 (docs/gpu.md, 2026-11-26; d = 128,
-# r = 32, g = 4, bf16): 32-token tiles on 4 warps took 12.4 ms at N = 8, T = 128k, 16-token
-# tiles on 8 warps 24.8 ms, although ptxas spills ~1.3 KB per thread of the first and none of the
-# second (172 registers); int8 12.5 against 26.8 ms, int4 23.5 against 43.5 ms. The compile
-# report lists this default as spilling by choice (SPILLS_MEASURED).
+# Tokens per tile and warps, chosen by H100 timing although ptxas spills with them: the compile
+# report lists this default as spilling by choice (SPILLS_MEASURED); the timings are in docs/gpu.md.
 BLOCK_T = 32
 NUM_WARPS = 4
 SPILLS_MEASURED = "spills; on an H100 (bf16 float, int8, int4; fp32 and int2 not timed) 1.9-2.1x faster than the largest configuration that does not (16-token tiles, 8 warps): docs/gpu.md"

@@ -1,9 +1,9 @@
 """KV-cache compression baselines at matched KV bytes (issue 10; seed 001 §11 baselines).
 
 One small dataclass per method, kvpress style; each knows its bytes per token
-(:mod:`.budget`) and, except :class:`Subspace` (scored by the project's own
-``SubspaceCache``), gives a per-layer runtime for the shared attention function
-(:mod:`._attention`): ``with applied(model, method): model(...)``.
+(:mod:`subspace_ref.byte_convention`; :mod:`.budget` configures each for a budget) and, except
+:class:`Subspace` (scored by the project's own ``SubspaceCache``), gives a per-layer runtime for
+the shared attention function (:mod:`._attention`): ``with applied(model, method): model(...)``.
 
 ================  =============================================================
 ``QuantizedKV``   2/4/8-bit KV, keys per channel over token groups, values per token
@@ -18,7 +18,7 @@ The experiment is ``subspace_ref.experiments.baselines`` (``subspace-kv baseline
 """
 
 from subspace_ref.baselines._attention import ATTN_NAME, applied, token_logprobs
-from subspace_ref.baselines.budget import BUDGETS, Bytes, Geometry, capacity_for, full_bytes, methods_at, subspace_ranks_for
+from subspace_ref.baselines.budget import BUDGETS, methods_at, subspace_ranks_for
 from subspace_ref.baselines.combined import Subspace, SubspaceWindow
 from subspace_ref.baselines.h2o import H2O
 from subspace_ref.baselines.quantized import QuantizedKV, fake_quant, quantize_keys
@@ -26,7 +26,6 @@ from subspace_ref.baselines.sliding_window import SlidingWindow, window_keep
 from subspace_ref.baselines.streaming_llm import StreamingLLM
 
 __all__ = [
-    "ATTN_NAME", "BUDGETS", "Bytes", "Geometry", "H2O", "QuantizedKV", "SlidingWindow", "StreamingLLM", "Subspace",
-    "SubspaceWindow", "applied", "capacity_for", "fake_quant", "full_bytes", "methods_at", "quantize_keys",
-    "subspace_ranks_for", "token_logprobs", "window_keep",
+    "ATTN_NAME", "BUDGETS", "H2O", "QuantizedKV", "SlidingWindow", "StreamingLLM", "Subspace", "SubspaceWindow", "applied",
+    "fake_quant", "methods_at", "quantize_keys", "subspace_ranks_for", "token_logprobs", "window_keep",
 ]

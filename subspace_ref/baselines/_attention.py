@@ -3,10 +3,11 @@ query and *all* keys/values seen so far (a ``DynamicCache``) to the method's per
 
 Eviction is a permanent per-(sequence, KV head) mask over the ``DynamicCache``: a token masked
 out at step ``p`` is never attended again, which is numerically the same as deleting it from the
-cache (attention over a subset of the tokens); the bytes counted (:mod:`.budget`) are those an
-evicting cache would hold. Every method sees query positions ``Tk-n .. Tk-1`` and computes each
-position exactly as token-by-token decoding would, so one teacher-forced forward over a window
-equals decoding it (tests/test_baselines.py checks it against ``n = 1`` steps).
+cache (attention over a subset of the tokens); the bytes counted
+(:mod:`subspace_ref.byte_convention`) are those an evicting cache would hold. Every method sees
+query positions ``Tk-n .. Tk-1`` and computes each position exactly as token-by-token decoding
+would, so one teacher-forced forward over a window equals decoding it (tests/test_baselines.py
+checks it against ``n = 1`` steps).
 """
 
 from __future__ import annotations
@@ -104,8 +105,8 @@ def token_logprobs(model, ids: torch.Tensor, method=None, block_size: int | None
     with ctx:
         cache = DynamicCache(config=model.config)
         for a in range(0, T, size):
-            res = model(input_ids=ids[:, a : a + size], past_key_values=cache, use_cache=True)
-            cache = res.past_key_values
+            res = model(input_ids=ids[:, a : a + size], cache=cache, use_cache=True)
+            cache = res.cache
             out.append(res.logits)
     logits = torch.cat(out, dim=1)
     logp = torch.log_softmax(logits[:, :-1].to(torch.float64), dim=-1)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from subspace_ref.baselines._attention import masked_attention
-from subspace_ref.baselines.budget import Bytes, Geometry, make_bytes
+from subspace_ref.byte_convention import Bytes, Geometry, make_bytes
 from subspace_ref.baselines.sliding_window import window_keep
 
 

@@ -1,18 +1,21 @@
-"""Subspace configurations of issue 16 as baseline entries: per-head ranks and coefficient bits
-(an :class:`~subspace_ref.allocation.Allocation`), post- or pre-RoPE key bases, an exact recent
-window and attention sinks.
+"""A reconstruction simulation of the allocator's configurations (issue 16): per-head ranks and
+coefficient bits (an :class:`~subspace_ref.allocation.Allocation`), post-RoPE, pre-RoPE, plane or
+identity key bases, subspace or identity value bases, an exact recent window and attention sinks.
 
-Evaluated as exact attention over what the state stores (spec/quantization.md Q2.1: the state's
-attention is exact attention over its reconstruction): per (query position p, key t),
+docs/baselines.md decodes these rows through ``SubspaceCache`` (``allocated_states``); this
+module remains as an independent statement of what that cache computes, and
+``tests/test_baselines.py`` checks that the two agree. It is exact attention over what the state
+stores (spec/quantization.md Q2.1): per (query position p, key t),
 
 * t exact (a sink, t < S, or in the window, t > p − W): the cached k_t, v_t;
-* otherwise k̂_t = Bᵀ ĉ_t (pre-RoPE bases: R_t Bᵀ ĉ_t, with c_t = B R_t⁻¹ k_t, spec/rope.md P2),
-  ĉ_t the int8/int4/int2 reading of spec/quantization.md Q1 when key t's group of G tokens is
-  complete at p, else the exact coefficients (KIVI's tail); v̂_t = Eᵀ d̂_t, values quantised per
-  token. Bits 16 are fp16 coefficients (rounding not simulated, as budget.py says).
+* otherwise k̂_t = Bᵀ ĉ_t (pre-RoPE bases: R_t Bᵀ ĉ_t, with c_t = B R_t⁻¹ k_t, spec/rope.md P2;
+  identity bases: B = I), ĉ_t the int8/int4/int2 reading of spec/quantization.md Q1 when key t's
+  group of G tokens is complete at p, else the exact coefficients (KIVI's tail); v̂_t = Eᵀ d̂_t,
+  values quantised per token (both read back by
+  :meth:`subspace_ref.formats.CoefficientFormat.reconstruct`). Bits 16 are float coefficients
+  (fp16 rounding not simulated, as :mod:`subspace_ref.byte_convention` says).
 
-``tests/test_baselines.py`` checks one layer against :class:`subspace_ref.SubspaceState` (numpy
-oracle, int4, pre-RoPE, window), so this evaluation is the state's attention, batched.
+Computed in float64 when the model is float64 (the test's setting), else float32.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 
 from subspace_ref.allocation import Allocation
 from subspace_ref.baselines._attention import causal_keep
+from subspace_ref.formats import of_bits
 
 
 @dataclass(frozen=True)
@@ -31,7 +35,7 @@ class Frontier:
     allocation: Allocation
     label: str
     family: str = "subspace (issue 16)"
-    source: str = "this project (allocation.py; evaluated over the state's reconstruction, spec/quantization.md Q2.1)"
+    source: str = "this project (allocation.py; SubspaceCache of allocated_states, teacher_forced)"
 
     @property
     def name(self) -> str:
@@ -53,42 +57,12 @@ class _BoundFrontier:
         bases = []
         for h, c in enumerate(heads):
             src = self.svd_pre if c.key_basis == "pre_rope" else self.svd
-            bases.append((torch.from_numpy(src[layer_idx]["Wk"][h, : c.rank_k].copy()).float(),
-                          torch.from_numpy(self.svd[layer_idx]["Wv"][h, : c.rank_v].copy()).float()))
+            Wk, Wv = src[layer_idx]["Wk"][h], self.svd[layer_idx]["Wv"][h]
+            # an identity side stores the raw channels (KIVI), not the full-rank SVD rotation of them
+            Bk = np.eye(Wk.shape[-1]) if c.key_basis == "identity" else Wk[: c.rank_k]
+            Ev = np.eye(Wv.shape[-1]) if c.value_basis == "identity" else Wv[: c.rank_v]
+            bases.append((torch.from_numpy(np.array(Bk, dtype=np.float64)), torch.from_numpy(np.array(Ev, dtype=np.float64))))
         return _FrontierRuntime(heads, bases, self.alloc.group, self.alloc.window, self.alloc.sinks, self.rope)
-
-
-def _quantized_keys(c: torch.Tensor, bits: int, group: int, first: int = 0) -> torch.Tensor:
-    """Coefficients (B, T, r) as read once their group is complete (the tail's rows are only
-    read before that, so they are left as they are). The groups are those of the compressed
-    stream, which starts at token ``first`` (after the sinks: spec/window.md W10); the rows
-    before it are exact tokens, never read from here."""
-    from subspace_ref.quantization import dequantize_groups, dequantize_rows, quantize_groups, quantize_rows
-
-    if bits == 16 or c.shape[-1] == 0:
-        return c
-    if bits == 8:  # spec A10: per token, at once (no groups)
-        q, s = quantize_rows(c)
-        return dequantize_rows(q, s, c.dtype)
-    B, T, r = c.shape
-    done = max(0, T - first) // group * group
-    out = c.clone()
-    if done:
-        q, s, z = quantize_groups(c[:, first : first + done].reshape(B, done // group, group, r), bits, -2)
-        out[:, first : first + done] = dequantize_groups(q, s, z, -2, c.dtype).reshape(B, done, r)
-    return out
-
-
-def _quantized_values(d: torch.Tensor, bits: int) -> torch.Tensor:
-    from subspace_ref.quantization import dequantize_groups, dequantize_rows, quantize_groups, quantize_rows
-
-    if bits == 16 or d.shape[-1] == 0:
-        return d
-    if bits == 8:
-        q, s = quantize_rows(d)
-        return dequantize_rows(q, s, d.dtype)
-    q, s, z = quantize_groups(d, bits, -1)
-    return dequantize_groups(q, s, z, -1, d.dtype)
 
 
 class _FrontierRuntime:
@@ -109,21 +83,24 @@ class _FrontierRuntime:
         # query p when its last index is at most the last compressed index p - W - S
         u = t - self.sinks
         done = ((u // self.group) + 1) * self.group - 1 <= pos - self.window - self.sinks
+        work = torch.float64 if q.dtype == torch.float64 else torch.float32
         outs = []
         for h, (c, (Bk, Ev)) in enumerate(zip(self.heads, self.bases)):
-            kk, vv = k[:, h].float(), v[:, h].float()
-            qh = q[:, h * g : (h + 1) * g].float()  # (B, g, n, d)
+            Bk, Ev = Bk.to(work), Ev.to(work)
+            kk, vv = k[:, h].to(work), v[:, h].to(work)
+            qh = q[:, h * g : (h + 1) * g].to(work)  # (B, g, n, d)
             x = rotate(kk, positions, self.rope, inverse=True) if c.key_basis == "pre_rope" else kk
             coef = x @ Bk.T
             k_tail = coef @ Bk
-            k_done = _quantized_keys(coef, c.bits_k, self.group, self.sinks) @ Bk
+            # groups of the compressed stream, which starts after the sinks (spec/window.md W10)
+            k_done = of_bits(c.bits_k).reconstruct(coef, "key", self.group, self.sinks) @ Bk
             if c.key_basis == "pre_rope":
                 k_tail, k_done = rotate(k_tail, positions, self.rope), rotate(k_done, positions, self.rope)
-            v_hat = _quantized_values(vv @ Ev.T, c.bits_v) @ Ev
+            v_hat = of_bits(c.bits_v).reconstruct(vv @ Ev.T, "value", self.group) @ Ev
             lq = qh @ k_done.transpose(-1, -2)[:, None]
             lf = qh @ k_tail.transpose(-1, -2)[:, None]
             le = qh @ kk.transpose(-1, -2)[:, None]
-            quantized = done if c.bits_k in (2, 4) else torch.ones_like(done)  # int8 (A10) and fp16: no tail
+            quantized = done if of_bits(c.bits_k).low_bits else torch.ones_like(done)  # int8 (A10) and fp16: no tail
             logits = torch.where(exact, le, torch.where(quantized, lq, lf)) * scaling
             w = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
             we = torch.where(exact, w, torch.zeros_like(w))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from subspace_ref.baselines._attention import repeat_kv
-from subspace_ref.baselines.budget import Bytes, Geometry, make_bytes
+from subspace_ref.byte_convention import Bytes, Geometry, make_bytes
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from subspace_ref.baselines._attention import causal_keep, repeat_kv
-from subspace_ref.baselines.budget import Bytes, Geometry, make_bytes
+from subspace_ref.byte_convention import Bytes, Geometry, make_bytes
 
 
 def quantize_asym(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from subspace_ref.baselines._attention import masked_attention
-from subspace_ref.baselines.budget import Bytes, Geometry, make_bytes
+from subspace_ref.byte_convention import Bytes, Geometry, make_bytes
 
 
 def window_keep(n: int, T: int, window: int, sinks: int = 0, device=None) -> torch.Tensor:

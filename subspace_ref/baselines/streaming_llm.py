@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from subspace_ref.baselines.budget import Bytes, Geometry, make_bytes
+from subspace_ref.byte_convention import Bytes, Geometry, make_bytes
 from subspace_ref.baselines.sliding_window import _WindowRuntime
 
 

@@ -154,6 +154,10 @@ class _Head:
     energy_kept: float  # 1 - ||V - V_hat||_F^2 / ||V||_F^2
     key_orth_error: float  # max_j max |B_j B_j^T - I| over the non-zero rows
     value_orth_error: float
+    # max_i |k_hat_i - P_{B_j} k_i|: not rounding only when a chunk's bases grew after token i was
+    # stored (spec A7.4 step 1), so k_hat_i projects on the rows in use then
+    key_growth_gap: float = 0.0
+    value_growth_gap: float = 0.0
 
 
 def _op(x: np.ndarray) -> float:
@@ -170,11 +174,13 @@ def _head(state, h: int, K: np.ndarray, V: np.ndarray, K_hat: np.ndarray, V_hat:
     kb = host.basis("key", (0, h), np.float64)  # decoded as stored (spec/storage.md S2)
     vb = host.basis("value", (0, h), np.float64)
     chunks = [(a, b, j) for j, (a, b) in enumerate(state.chunk_bounds(h)) if b > a]
-    key_res, val_res, val_rec, proj_energy = [], [], [], 0.0
+    key_res, val_res, val_rec, proj_energy, gap_k, gap_v = [], [], [], 0.0, 0.0, 0.0
     for a, b, j in chunks:
         B, E = kb[j], vb[j]  # zero padding rows add nothing to P = B^T B
         key_res.append(_op(K[a:b] - (K[a:b] @ B.T) @ B))
         val_res.append(_op(V[a:b] - (V[a:b] @ E.T) @ E))
+        gap_k = max(gap_k, float(_rows(K_hat[a:b] - (K[a:b] @ B.T) @ B).max(initial=0.0)))
+        gap_v = max(gap_v, float(_rows(V_hat[a:b] - (V[a:b] @ E.T) @ E).max(initial=0.0)))
         val_rec.append(_op(V[a:b] - V_hat[a:b]))
         proj_energy += float(np.sum((V[a:b] @ E.T) ** 2))
     gamma = float(to_numpy(lay.gamma)[h])
@@ -195,6 +201,8 @@ def _head(state, h: int, K: np.ndarray, V: np.ndarray, K_hat: np.ndarray, V_hat:
         energy_kept=1.0 - float(np.sum((V - V_hat) ** 2)) / v_frob2 if v_frob2 > 0 else 1.0,
         key_orth_error=_orth_error(kb, chunks),
         value_orth_error=_orth_error(vb, chunks),
+        key_growth_gap=gap_k,
+        value_growth_gap=gap_v,
     )
 
 
@@ -265,8 +273,8 @@ def check(q: Any, K: Any, V: Any, state, scale: float | None = None) -> BoundsRe
     heads = [_head(state, h, K64[h], V64[h], K_hat[h], V_hat[h]) for h in range(H)]
     Hq = q.shape[0]
     group = Hq // H
-    premise_k = [_premise(state, hd.key_orth_error, d, u) for hd in heads]
-    premise_v = [_premise(state, hd.value_orth_error, d_v, u) for hd in heads]
+    premise_k = [_premise(state, hd.key_orth_error, d, u, hd.key_growth_gap, hd.key_row_max) for hd in heads]
+    premise_v = [_premise(state, hd.value_orth_error, d_v, u, hd.value_growth_gap, hd.value_row_max) for hd in heads]
     n = T + d + d_v + state.layout.key_coef.shape[-1]  # the longest sum any quantity accumulates
 
     per_claim: dict[str, list[tuple[_Eval, str]]] = {cid: [] for cid in st.CLAIMS}
@@ -366,7 +374,7 @@ def check(q: Any, K: Any, V: Any, state, scale: float | None = None) -> BoundsRe
     return BoundsReport(rows=rows, predictors=predictors, info=info)
 
 
-def _premise(state, orth_error: float, dim: int, u: float) -> str:
+def _premise(state, orth_error: float, dim: int, u: float, growth_gap: float = 0.0, row_max: float = 0.0) -> str:
     """Why k_hat_i = P_{B_j} k_i with P_{B_j} an orthogonal projector fails for this state, or ""
     when it holds (the hypothesis of the paper forms B1, B2, B4.2-B4.4, B8)."""
     if state.kind not in PROJECTION_KINDS:
@@ -376,6 +384,8 @@ def _premise(state, orth_error: float, dim: int, u: float) -> str:
     # bases from an SVD are orthonormal to a few dim*u; beyond that P = B^T B is no projector
     if orth_error > ROUNDING_FACTOR * dim * u:
         return "bases not orthonormal"
+    if growth_gap > ROUNDING_FACTOR * dim * u * max(row_max, UNDERFLOW):
+        return "bases grown after earlier tokens were stored (spec A7.4)"
     return ""
 
 
@@ -461,11 +471,14 @@ def _energy_allowance(e: float, frob: float, nu: float) -> float:
 
 
 def _sketched_from(state, h: int) -> int:
-    """First token the current sketches of head h summarise: 0, or with ``sketch_reset`` (spec A7
+    """First token the current sketches of head h summarise: with ``track`` (spec A7.4) the open
+    chunk's first; else 0, or with ``sketch_reset`` (spec A7
     step 3b) the token that closed the last chunk of length >= max(ell_k, ell_v), since the
     reset comes after that chunk's snapshot and before the FD update with its last token; with
     the reproject trigger (spec A7.2) the firing token opens the next chunk and the sketch keeps it."""
     pol = state.policy
+    if getattr(pol, "track", False):  # spec A7.4 step 3: the sketches restart at every opening, keeping its token
+        return state.chunk_bounds(h)[-1][0]
     if not getattr(pol, "sketch_reset", False):
         return 0
     reproject = getattr(pol, "trigger", "paper") == "reproject"

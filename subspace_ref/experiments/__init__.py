@@ -3,7 +3,7 @@
 One module per subcommand, each exposing ``add_arguments(parser)`` and ``run(args) -> int``:
 
 ========================  ==============================================================
-``calibrate``             static bases, energy ranks, gamma (MSE, held out), tau (95th pct.)
+``calibration``           static bases, energy ranks, gamma (MSE, held out), tau (95th pct.)
 ``ppl``                   perplexity vs rank: static / adaptive / rotating, gamma, sides,
                           INT8, energy vs uniform ranks, by position, KV bytes per token
 ``spectra``               singular values and energy vs r, pre/post RoPE, per window;
@@ -33,7 +33,7 @@ SUBCOMMANDS = {
         "subspace_ref.experiments.main_job",
         "the experiments: --quick table (default, about 1 min) or --full run and docs/experiments.md (about 25 min)",
     ),
-    "calibrate": ("subspace_ref.experiments.calibrate", "static bases, energy ranks, gamma and tau from calibration text"),
+    "calibration": ("subspace_ref.experiments.calibrate", "the calibration study: static bases, energy ranks, gamma and tau from calibration text"),
     "ppl": ("subspace_ref.experiments.ppl", "perplexity vs rank for static, adaptive, rotating states"),
     "spectra": ("subspace_ref.experiments.spectra", "K/V singular values, energy vs rank, pre/post RoPE, residual traces"),
     "falsify": ("subspace_ref.experiments.falsify", "the seeds' falsifiers with verdicts"),

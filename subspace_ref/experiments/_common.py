@@ -23,7 +23,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from subspace_ref.jsonable import jsonable as _jsonable
-from subspace_ref.threads import limit_threads as _limit_threads
+from subspace_ref.threads import limit_threads as _limit_threads, requested_threads
 from subspace_ref.linalg import svd  # noqa: F401  (the runner's modules call C.svd)
 
 #: Default output folder of every subcommand.
@@ -328,9 +328,7 @@ _CONTEXTS: dict[tuple, Context] = {}
 
 def make_context(args: argparse.Namespace) -> Context:
     """The run's :class:`Context`; the model is loaded once per process and model name."""
-    from subspace_ref.cli import threads
-
-    limit_threads(threads(args))
+    limit_threads(requested_threads(args))
     require_pyplot()
     profile = PROFILES[getattr(args, "profile", "full")]
     key = (args.model,)
@@ -450,13 +448,16 @@ def meta(ctx: Context, command: str, **extra) -> dict:
 
 
 # ----------------------------------------------------------------------------- figures
+class MissingDependency(ImportError):
+    """An optional package a subcommand needs, named with the extra that installs it (the command
+    line prints it instead of a traceback)."""
+
+
 def require_pyplot() -> None:
     """Fail before any work when matplotlib (every runner subcommand draws figures) is missing."""
     try:
         import matplotlib  # noqa: F401
     except ImportError as err:
-        from subspace_ref.cli import MissingDependency
-
         raise MissingDependency("needs matplotlib for its figures: pip install 'subspace_ref[models]' (or pip install matplotlib)") from err
 
 

@@ -3,7 +3,7 @@
 On the shipped model, held-out windows (seed 0) are scored under every method of
 :mod:`subspace_ref.baselines` configured for 50%, 25% and 12.5% of the full fp16 cache
 (:func:`subspace_ref.baselines.methods_at`; bytes per token counted by
-:mod:`subspace_ref.baselines.budget`, scales, sinks, scores and bases included). Static bases come
+:mod:`subspace_ref.byte_convention`, scales, sinks, scores and bases included). Static bases come
 from the calibration windows (training split, seed 1) by the ``calibrate`` helpers. Writes
 ``OUT/baselines.json``, ``OUT/baselines.csv``, ``OUT/baselines_tokens.npz`` (per-token NLL),
 ``OUT/figures/baselines_pareto.png`` and ``baselines_position.png``, and regenerates
@@ -46,28 +46,57 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # ----------------------------------------------------------------------------- scoring
-def score(model, ids: np.ndarray, method, bases: list | None, batch: int) -> tuple[np.ndarray, float]:
-    """Per-token NLL (n, T-1) of ``ids`` under ``method`` (None: stock) and the seconds taken."""
+#: where a row's numbers come from, for rows whose method class describes another evaluation
+CACHE_SOURCE = dict(
+    SubspaceWindow="this project (SubspaceCache of static states; the window as a mask over its logits, as the eviction rows)",
+)
+
+
+def score(model, ids: np.ndarray, method, bases: list | None, batch: int, rope=None) -> tuple[np.ndarray, float]:
+    """Per-token NLL (n, T-1) of ``ids`` under ``method`` (None: stock) and the seconds taken.
+    Every subspace row runs teacher-forced through a ``SubspaceCache``: uniform rows of
+    ``static_states``, allocations (``method.allocation``) of ``allocated_states`` (``rope``: the
+    model's, for pre-RoPE heads), the windowed row of ``static_states`` under a window mask."""
     import torch
 
     from subspace_ref.baselines import Subspace, SubspaceWindow, token_logprobs
-    from subspace_ref.hf import teacher_forced
+    from subspace_ref.hf import allocated_states, static_states, teacher_forced
 
     start = time.perf_counter()
     out = []
     with torch.no_grad():
         for i in range(0, len(ids), batch):
             x = torch.as_tensor(ids[i : i + batch], dtype=torch.long)
-            if hasattr(method, "allocation"):  # issue 16's configurations (baselines/frontier.py)
-                lp = token_logprobs(model, x, method.with_bases(*bases)).numpy()
+            if hasattr(method, "allocation"):  # uniform pre-RoPE and allocator rows: one LayerState per layer
+                lp = teacher_forced(model, x, allocated_states(bases, method.allocation, rope=rope), backend="torch").token_logprobs
             elif isinstance(method, Subspace):
                 lp = teacher_forced(model, x, method.factory(bases), backend=method.backend).token_logprobs
             elif isinstance(method, SubspaceWindow):
-                lp = token_logprobs(model, x, method.with_bases(bases)).numpy()
+                lp = windowed_logprobs(model, x, static_states(bases), method.window)
             else:
                 lp = token_logprobs(model, x, method).numpy()
             out.append(-np.asarray(lp, dtype=np.float64))
     return np.concatenate(out, axis=0), time.perf_counter() - start
+
+
+def windowed_logprobs(model, x, factory, window: int) -> np.ndarray:
+    """Token log-probabilities (B, T-1) of ``x`` through a ``SubspaceCache`` of ``factory`` when
+    each position attends only its last ``window`` tokens: the subspace attention applies the
+    4-d mask to its coefficient logits, which equals a cache that evicts older coefficients (as
+    the eviction rows, baselines/_attention.py)."""
+    import torch
+
+    from subspace_ref.baselines import window_keep
+    from subspace_ref.hf import SubspaceCache
+    from subspace_ref.hf.attention import subspace_attention_enabled
+
+    T = x.shape[1]
+    mask = window_keep(T, T, window, 0, x.device)[None, None].expand(x.shape[0], 1, T, T)
+    with torch.no_grad(), subspace_attention_enabled(model):
+        cache = SubspaceCache(model.config, factory, backend="torch")
+        logits = model(input_ids=x, attention_mask=mask, cache=cache, use_cache=True).logits
+    logp = torch.log_softmax(logits[:, :-1].to(torch.float64), dim=-1)
+    return logp.gather(-1, x[:, 1:, None])[..., 0].numpy()
 
 
 def bases_for(svd: list[dict], r: int, rv: int) -> list:
@@ -102,68 +131,27 @@ def compare(a: np.ndarray, b: np.ndarray) -> dict:
 # ----------------------------------------------------------------------------- issue 16's configurations
 #: budgets at which the allocator and the uniform low-bit configurations are run
 FRONTIER_BUDGETS = (0.5, 0.25, 0.125)
-#: calibration tokens the allocator measures its losses on (the first windows of the calibration split)
-LOSS_TOKENS = 2048
-LOSS_QUERIES = 512
+#: the ranks the allocator measures (every 4th of the shipped model's 64)
 RANK_GRID = tuple(range(0, 65, 4))
 
 
-def calibration_losses(model, ids: np.ndarray, ranks=RANK_GRID, group: int = 32, batch: int = 4, svd=None) -> dict:
-    """Everything the allocator needs from calibration windows ``ids``: post- and pre-RoPE key
-    SVDs (``svd``: the post-RoPE one when already computed), the RoPE, and per layer and KV head the
-    measured losses of :func:`subspace_ref.allocation.side_losses` on the first LOSS_TOKENS tokens."""
-    from subspace_ref.allocation import plane_rows, side_losses
-    from subspace_ref.experiments.calibrate import capture_windows, layer_svd
-    from subspace_ref.rope import RopeParams
-
-    rope = RopeParams.from_config(model.config)
-    post = capture_windows(model, ids, queries=True, batch=batch)
-    pre = capture_windows(model, ids, rope=False, queries=False, batch=batch)
-    svd = layer_svd(post) if svd is None else svd
-    svd_pre = layer_svd(pre)
-    n = min(LOSS_TOKENS, post.num_tokens)
-    positions = np.arange(n) % ids.shape[1]
-    pick = np.linspace(0, n - 1, min(LOSS_QUERIES, n)).astype(int)
-    losses, planes = [], []
-    for li, (lp, lq) in enumerate(zip(post.layers, pre.layers)):
-        H = lp.keys.shape[0]
-        g = lp.queries.shape[0] // H
-        row = []
-        planes.append(np.zeros_like(svd[li]["Wk"]))
-        for h in range(H):
-            queries = lp.queries[h * g : (h + 1) * g][:, pick].reshape(-1, lp.queries.shape[-1]).astype(np.float64)
-            # spec/rope.md P4: planes chosen by the allocator's own key loss, on the same tokens
-            planes[li][h] = plane_rows(lp.keys[h, :n].astype(np.float64), rope.planes(lp.keys.shape[-1]), queries)
-            layer = dict(
-                keys=lp.keys[h, :n].astype(np.float64),
-                keys_pre=lq.keys[h, :n].astype(np.float64),
-                values=lp.values[h, :n].astype(np.float64),
-                positions=positions,
-                Wk=svd[li]["Wk"][h],
-                Wk_pre=svd_pre[li]["Wk"][h],
-                Wv=svd[li]["Wv"][h],
-                Wk_plane=planes[li][h],
-            )
-            row.append(side_losses(layer, h, queries, ranks, group=group, rope=rope))
-        losses.append(row)
-    return dict(losses=losses, svd=svd, svd_pre=svd_pre, planes=planes, rope=rope, tokens=int(post.num_tokens), loss_tokens=int(n))
-
-
-def frontier_bases(alloc, cal: dict) -> tuple:
-    """The (svd, svd_pre, rope) that :meth:`~subspace_ref.baselines.frontier.Frontier.with_bases`
-    takes, with each plane head's key rows (``cal["planes"]``) in place of its post-RoPE SVD rows:
-    a plane basis is a post-RoPE static basis (spec/rope.md R1), so it is evaluated as one."""
-    svd = cal["svd"]
+def frontier_bases(alloc, cal) -> tuple:
+    """The (svd, svd_pre, rope) that the simulation
+    :meth:`~subspace_ref.baselines.frontier.Frontier.with_bases` takes (tests/test_baselines.py,
+    experiments/tasks.py), with each plane head's key rows (``cal.planes``) in place of its
+    post-RoPE SVD rows: a plane basis is a post-RoPE static basis (spec/rope.md R1), so it is
+    evaluated as one."""
+    svd = cal.svd
     if not any(h.key_basis == "plane" for layer in alloc.heads for h in layer):
-        return svd, cal["svd_pre"], cal["rope"]
+        return svd, cal.svd_pre, cal.rope
     out = []
     for li, layer in enumerate(alloc.heads):
         Wk = svd[li]["Wk"].copy()
         for h, c in enumerate(layer):
             if c.key_basis == "plane":
-                Wk[h] = cal["planes"][li][h]
+                Wk[h] = cal.planes[li][h]
         out.append({**svd[li], "Wk": Wk})
-    return out, cal["svd_pre"], cal["rope"]
+    return out, cal.svd_pre, cal.rope
 
 
 def uniform(geom, fraction: float, bits: int, key_basis: str, group: int = 32, window: int = 0, sinks: int = 0):
@@ -185,11 +173,11 @@ def uniform(geom, fraction: float, bits: int, key_basis: str, group: int = 32, w
     return best
 
 
-def frontier_methods(geom, fraction: float, cal: dict, group: int = 32) -> list:
-    """Issue 16's configurations at ``fraction``: uniform pre-RoPE int4 and int2, uniform pre-RoPE
-    int4 with an exact window of context/32 tokens and 4 sinks (one ``SubspaceState`` per layer:
-    it decodes as it is evaluated), the allocator's choice, and the allocator with the same window
-    and sinks."""
+def frontier_methods(geom, fraction: float, cal, group: int = 32) -> list:
+    """Issue 16's configurations at ``fraction`` as allocations (each decoded by a
+    ``SubspaceCache`` of ``allocated_states``): uniform pre-RoPE int4 and int2, uniform pre-RoPE
+    int4 with an exact window of context/32 tokens and 4 sinks, the allocator's choice, and the
+    allocator with the same window and sinks."""
     from subspace_ref.allocation import allocate
     from subspace_ref.baselines.frontier import Frontier
 
@@ -201,16 +189,16 @@ def frontier_methods(geom, fraction: float, cal: dict, group: int = 32) -> list:
             h = a.heads[0][0]
             exact = f" + sinks {sinks} + window {window}" if window else ""
             out.append(Frontier(a, f"pre-RoPE r={h.rank_k}/{h.rank_v} int{bits}{exact}"))
-    a = allocate(cal["losses"], geom, compression_ratio=fraction, group=group)
+    a = allocate(cal.losses, geom, compression_ratio=fraction, group=group)
     out.append(Frontier(a, f"allocator {100 * fraction:g}%"))
-    a = allocate(cal["losses"], geom, compression_ratio=fraction, group=group, window=w, sinks=4)
+    a = allocate(cal.losses, geom, compression_ratio=fraction, group=group, window=w, sinks=4)
     out.append(Frontier(a, f"allocator {100 * fraction:g}% + sinks 4 + window {w}"))
     bits = int(round(16 * fraction))
     if bits in (2, 4, 8):  # at the bytes of the quantisation row of this budget (above the budget)
         from subspace_ref.baselines.quantized import QuantizedKV
 
         target = QuantizedKV(bits=bits, group=64).bytes(geom).per_token
-        a = allocate(cal["losses"], geom, bytes_per_token=target, group=group, window=w, sinks=4)
+        a = allocate(cal.losses, geom, bytes_per_token=target, group=group, window=w, sinks=4)
         out.append(Frontier(a, f"allocator @ {target:.0f} bytes + sinks 4 + window {w}"))
     return out
 
@@ -220,8 +208,9 @@ frontier_allocations = frontier_methods
 
 # ----------------------------------------------------------------------------- the run
 def run_comparison(ctx: C.Context, n_windows: int, batch: int, budgets=EXTRA_BUDGETS) -> dict:
-    from subspace_ref.baselines import H2O, Geometry, SlidingWindow, StreamingLLM, Subspace, full_bytes, methods_at
-    from subspace_ref.experiments.calibrate import capture_windows, layer_svd
+    from subspace_ref.baselines import H2O, SlidingWindow, StreamingLLM, Subspace, methods_at
+    from subspace_ref.byte_convention import Geometry, full_bytes
+    from subspace_ref.hf.calibration_losses import calibration_losses, capture_windows, layer_svd
 
     model = ctx.model
     geom = Geometry.of_model(model, ctx.context)
@@ -231,7 +220,7 @@ def run_comparison(ctx: C.Context, n_windows: int, batch: int, budgets=EXTRA_BUD
     calib_tokens = cal.num_tokens
     del cal
     edges = C.position_edges(ctx.context)
-    frontier = calibration_losses(model, ctx.calib_windows(), batch=batch, svd=svd)
+    frontier = calibration_losses(model, ctx.calib_windows(), batch=batch, svd=svd, ranks=RANK_GRID)
 
     plan = [(None, None)] + [(f, m) for f in budgets for m in methods_at(geom, f) + (frontier_methods(geom, f, frontier) if f in FRONTIER_BUDGETS else [])]
     C_ = geom.context
@@ -246,17 +235,17 @@ def run_comparison(ctx: C.Context, n_windows: int, batch: int, budgets=EXTRA_BUD
     bar = ctx.bar(total=len(plan) + len(checks), desc="baselines")
     for budget, m in plan:
         if m is not None and hasattr(m, "allocation"):
-            bases = frontier_bases(m.allocation, frontier)
+            bases = frontier.bases(m.allocation)
         else:
             bases = bases_for(svd, m.rank_k, m.rank_v) if m is not None and hasattr(m, "rank_k") else None
-        nll, secs = score(model, ids, m, bases, batch)
+        nll, secs = score(model, ids, m, bases, batch, rope=frontier.rope)
         b = full_bytes(geom) if m is None else m.bytes(geom)
         name = "full cache (stock)" if m is None else m.name
         row = dict(
             budget=budget,
             family="stock" if m is None else m.family,
             method=name,
-            source="transformers DynamicCache + sdpa" if m is None else m.source,
+            source="transformers DynamicCache + sdpa" if m is None else CACHE_SOURCE.get(type(m).__name__, m.source),
             bytes_per_token=b.per_token,
             fraction_of_full=b.fraction,
             within_budget=True if budget is None else b.fraction <= budget + 1e-9,
@@ -406,7 +395,7 @@ def markdown(record: dict, command: str) -> str:
     L = []
     L.append("# Baselines at matched KV bytes\n")
     L.append(
-        f"_Generated by `{command}` in {meta['runtime_s']:.0f} s ({meta['environment'].get('cpu_count')} CPUs, "
+        f"_Generated by `{command}`{' on ' + meta['date'] if meta.get('date') else ''} in {meta['runtime_s']:.0f} s ({meta['environment'].get('cpu_count')} CPUs, "
         f"{meta['settings'].get('backend')} backend); do not edit by hand: rerun the command._\n"
     )
     L.append(
@@ -418,7 +407,7 @@ def markdown(record: dict, command: str) -> str:
     L.append("## Byte accounting\n")
     L.append(
         "Bytes per token are what each cache holds at the end of a window of the evaluation length, divided by it, "
-        "over all layers and KV heads, with every float stored in fp16 (`subspace_ref/baselines/budget.py`):\n"
+        "over all layers and KV heads, with every float stored in fp16 (`subspace_ref/byte_convention.py`):\n"
     )
     L.append(
         "* **quantised KV**: packed codes + fp16 scale and zero point per channel per 64-token group (keys) and per token "
@@ -491,16 +480,9 @@ WORD = {"better": "wins", "worse": "loses", "tie": "ties"}
 ISSUE16 = "subspace (issue 16)"
 
 
-def one_state(row: dict) -> bool:
-    """Whether one ``SubspaceState`` per layer holds subspace row ``row`` (uniform ranks and bits;
-    the allocator's rows mix bits per head and side)."""
-    return row["family"].startswith("subspace") and not row["method"].startswith("allocator")
-
-
-def goal_check(record: dict, single_state: bool = False) -> list[dict]:
+def goal_check(record: dict) -> list[dict]:
     """Issue 16's goal per budget of FRONTIER_BUDGETS: every quantisation, window, StreamingLLM
-    and H2O row against the best subspace row with no more bytes (``single_state``: the best row
-    that one state holds, :func:`one_state`)."""
+    and H2O row against the best subspace row with no more bytes."""
     out = []
     for f in record["budgets"]:
         if f not in FRONTIER_BUDGETS:
@@ -510,7 +492,7 @@ def goal_check(record: dict, single_state: bool = False) -> list[dict]:
             fit = [
                 s
                 for s in at
-                if s["family"].startswith("subspace") and s["bytes_per_token"] <= r["bytes_per_token"] + 1e-9 and (one_state(s) or not single_state)
+                if s["family"].startswith("subspace") and s["bytes_per_token"] <= r["bytes_per_token"] + 1e-9
             ]
             if r["family"].startswith("subspace") or not fit:
                 continue
@@ -533,11 +515,12 @@ def goal_check(record: dict, single_state: bool = False) -> list[dict]:
 
 
 def allocation_table(alloc: dict) -> list[str]:
-    """One line per layer: each KV head's key basis, r_k x bits_k, r_v x bits_v."""
-    short = {"post_rope": "post", "pre_rope": "pre", "plane": "planes"}
+    """One line per layer: each KV head's key basis, r_k x bits_k, value basis (identity: "id"), r_v x bits_v."""
+    short = {"post_rope": "post", "pre_rope": "pre", "plane": "planes", "identity": "id", "subspace": ""}
     lines = []
     for li, layer in enumerate(alloc["heads"]):
-        cells = [f"h{h}: K {short[c['key_basis']]} {c['rank_k']}x{c['bits_k']}b, V {c['rank_v']}x{c['bits_v']}b" for h, c in enumerate(layer)]
+        cells = [f"h{h}: K {short[c['key_basis']]} {c['rank_k']}x{c['bits_k']}b, V {short[c.get('value_basis', 'subspace')]} {c['rank_v']}x{c['bits_v']}b".replace("V  ", "V ")
+                 for h, c in enumerate(layer)]
         lines.append(f"  * layer {li}: " + "; ".join(cells))
     return lines
 
@@ -553,46 +536,44 @@ def frontier_sections(record: dict) -> list[str]:
     )
     L.append("| budget | best subspace row (bytes) | against (bytes) | Δ% ppl | 95% CI | lower ppl? |")
     L.append("|---|---|---|---:|---|---|")
-    for single_state in (False, True):
-        if single_state:
-            L.append(
-                "\nThe same pairing restricted to the rows that one `SubspaceState` per layer holds (uniform ranks and bits: "
-                "what `attend` and the transformers cache decode today; the allocator's rows mix bits per head and side):\n"
-            )
-            L.append("| budget | best one-state row (bytes) | against (bytes) | Δ% ppl | 95% CI | lower ppl? |")
-            L.append("|---|---|---|---:|---|---|")
-        for g in goal_check(record, single_state):
-            L.append(
-                f"| {100 * g['budget']:g}% | {g['subspace']} ({g['subspace_bytes']:.0f}) | {g['baseline']} ({g['baseline_bytes']:.0f}) | "
-                f"{g['pct']:+.2f}% | [{g['ci'][0]:+.2f}, {g['ci'][1]:+.2f}] | {'yes' if g['holds'] else '**no**'} ({WORD[g['verdict']]}) |"
-            )
-    L.append("\nThe configurations (`subspace_ref/baselines/frontier.py`, `subspace_ref/allocation.py`, spec/quantization.md):\n")
+    for g in goal_check(record):
+        L.append(
+            f"| {100 * g['budget']:g}% | {g['subspace']} ({g['subspace_bytes']:.0f}) | {g['baseline']} ({g['baseline_bytes']:.0f}) | "
+            f"{g['pct']:+.2f}% | [{g['ci'][0]:+.2f}, {g['ci'][1]:+.2f}] | {'yes' if g['holds'] else '**no**'} ({WORD[g['verdict']]}) |"
+        )
+    L.append("\nThe configurations (`subspace_ref/allocation.py`, spec/layer_state.md, spec/quantization.md):\n")
     L.append(
         "* **pre-RoPE r=a/b intB**: static key bases calibrated on un-rotated keys (spec/rope.md P2: c_t = B R_t⁻¹ k_t, "
         "the key rebuilt and rotated to its position), value bases as before, both sides' coefficients int4/int2 with "
         "KIVI's groups (keys per channel over 32 tokens, the unfinished group exact and counted in fp16; values per token; "
         "fp16 scale and zero point each), uniform ranks. **+ sinks 4 + window W**: the same with the first 4 and the "
-        "last W tokens exact (their fp16 K/V counted), ranks shrunk to fit. One `SubspaceState` per layer "
-        "(`SubspaceState.static(basis, coefficients=\"int4\", rope=..., window=W, sinks=4)`) holds each of these rows "
-        "and decodes them as evaluated here; the allocator's rows mix bits per head and side, which one state does not hold."
+        "last W tokens exact (their fp16 K/V counted), ranks shrunk to fit."
     )
     L.append(
-        "* **allocator p%**: `allocation.allocate(compression_ratio=p)`: per layer and KV head the key basis kind (post-RoPE, "
-        "pre-RoPE, or whole RoPE planes chosen by the same measured loss: spec/rope.md P4, a plain post-RoPE basis), "
-        "r_k, r_v and the bits of each side (16/8/4/2), greedy on the lower convex hulls of the measured "
-        "calibration losses (logit error x value spread for keys, value reconstruction error; "
-        "`allocation.side_losses`) per byte. **+ sinks 4 + window W**: the same with the first 4 and the last W tokens "
-        "exact (their fp16 K/V counted), the allocator spending what is left."
+        "* **allocator p%**: `CalibrationLosses.allocate(compression_ratio=p)` (`subspace_ref.hf.calibration_losses`, "
+        "what `subspace-kv calibrate` runs): per layer and KV head the key basis kind (post-RoPE, pre-RoPE, whole RoPE "
+        "planes chosen by the same measured loss: spec/rope.md P4, or the identity: plain quantised keys), the value "
+        "basis kind (subspace or identity), r_k, r_v and the bits of each side (16/8/4/2), greedy on the lower convex "
+        "hulls of the measured calibration losses (logit error x value spread for keys, value reconstruction error; "
+        "`allocation.side_losses`) per byte, or the best uniform allocation when its loss is lower (spec/layer_state.md "
+        "L6). **+ sinks 4 + window W**: the same with the first 4 and the last W tokens exact (their fp16 K/V counted), "
+        "the allocator spending what is left."
     )
     L.append(
-        "* Evaluated as exact attention over the state's reconstruction (spec/quantization.md Q2.1), checked against "
-        "`SubspaceState` (numpy oracle) in `tests/test_baselines.py`.\n"
+        "* Every subspace row is decoded by the project's cache: teacher-forced through a `SubspaceCache` "
+        "(`subspace_ref.hf.teacher_forced`, torch backend; equal to token-by-token decoding, spec/models.md), the "
+        "uniform rows with `static_states`, the rows above with `allocated_states(cal.bases(allocation), allocation, "
+        "rope=cal.rope)`: one `LayerState` per layer, heads of one configuration in one group (spec/layer_state.md L2); "
+        "`subspace + window` with `static_states` under a window mask over its logits (the eviction rows' device). "
+        "`subspace_ref/baselines/frontier.py` simulates the allocation rows as exact attention over the state's "
+        "reconstruction (spec/quantization.md Q2.1); `tests/test_baselines.py` checks that it and the cache agree.\n"
     )
     heads = [h for r in record["rows"] if "allocation" in r for layer in r["allocation"]["heads"] for h in layer]
-    kinds = {k: sum(h["key_basis"] == k for h in heads) for k in ("pre_rope", "post_rope", "plane")}
+    kinds = {k: sum(h["key_basis"] == k for h in heads) for k in ("pre_rope", "post_rope", "plane", "identity")}
+    vid = sum(h.get("value_basis") == "identity" for h in heads)
     L.append(
-        f"* Key basis kinds over the heads of every issue 16 row: {kinds['pre_rope']} pre-RoPE, {kinds['post_rope']} "
-        f"post-RoPE, {kinds['plane']} RoPE-plane (spec/rope.md P4)"
+        f"* Key basis kinds over the {len(heads)} heads of every allocation row: {kinds['pre_rope']} pre-RoPE, {kinds['post_rope']} "
+        f"post-RoPE, {kinds['plane']} RoPE-plane (spec/rope.md P4), {kinds['identity']} identity; {vid} identity value sides"
         + (": the plane kind was a candidate of every head and never the cheapest for its measured loss, so it changes "
            "no configuration here.\n" if kinds["plane"] == 0 and heads else ".\n")
     )
@@ -617,10 +598,13 @@ def frontier_sections(record: dict) -> list[str]:
     L.append(
         "* The allocator's loss is a proxy measured on the first calibration tokens (per-head output-error terms summed "
         "over layers, without each layer's effect on the NLL); where it ranks configurations differently from the "
-        "measured perplexity, the table says so. Per-head and per-side bits are evaluated here; a `SubspaceState` holds "
-        "one coefficient format for both sides of all its heads, so such mixed allocations need one state per format."
+        "measured perplexity, the table says so."
     )
-    L.append("* fp16 rounding of stored floats is not simulated (budget.py); bases are counted per sequence, although shared.")
+    L.append(
+        "* Storage against the count: the cache stores bases, scales and zero points in fp16 as counted; float "
+        "coefficients and exact tokens are held in float32 and counted at 2 bytes (byte_convention.py); bases are "
+        "counted per sequence, although shared."
+    )
     return L
 
 
@@ -685,6 +669,7 @@ def run(args: argparse.Namespace) -> int:
     n = args.windows or (2 if args.quick else DEFAULT_WINDOWS)
     record, tokens = run_comparison(ctx, n, args.batch, args.budgets)
     record["meta"]["runtime_s"] = round(time.perf_counter() - ctx.started, 2)
+    record["meta"]["date"] = time.strftime("%Y-%m-%d")
     C.write_json(ctx.out / "baselines.json", record)
     C.write_csv(ctx.out / "baselines.csv", record["rows"])
     np.savez_compressed(ctx.out / "baselines_tokens.npz", **{k.replace("/", "_"): v for k, v in tokens.items()})

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from subspace_ref.experiments import _common as C
+from subspace_ref.hf.calibration_losses import capture_windows, layer_svd
 
 if TYPE_CHECKING:
     from subspace_ref.calibration import StaticBasis
@@ -40,36 +41,6 @@ PERCENTILES = (50, 90, 95, 99)
 
 
 # ----------------------------------------------------------------------------- capture / SVD
-def capture_windows(model, ids: np.ndarray, *, rope: bool = True, queries: bool = True, batch: int = 4):
-    """Post-RoPE (or, ``rope=False``, un-rotated) keys, values, queries of every layer over the
-    windows ``ids`` (n, T); tokens of all windows concatenated in order."""
-    import torch
-
-    from subspace_ref.hf import capture
-
-    seqs = [torch.as_tensor(ids[i : i + batch]) for i in range(0, len(ids), batch)]
-    return capture(model, seqs, rope=rope, queries=queries)
-
-
-def layer_svd(cap) -> list[dict]:
-    """Per layer: ``Wk`` (H, d, d) right-singular vectors (rows), ``Sk`` (H, d) singular values
-    (zero-padded when fewer tokens than d), and the same for values (spec A5 step 1)."""
-    out = []
-    for layer in cap.layers:
-        entry = {}
-        for side, X in (("k", layer.keys), ("v", layer.values)):
-            H, N, dim = X.shape
-            W = np.zeros((H, dim, dim))
-            S = np.zeros((H, dim))
-            for h in range(H):
-                _, s, wt = C.svd(X[h].astype(np.float64), full_matrices=N < dim)
-                W[h] = wt[:dim]
-                S[h, : s.size] = s
-            entry["W" + side], entry["S" + side] = W, S
-        out.append(entry)
-    return out
-
-
 def energy_ranks(S: np.ndarray, energy: float) -> list[int]:
     """Per head, the least r keeping ``energy`` of the squared singular values (spec A5 step 2)."""
     from subspace_ref.calibration import energy_rank
@@ -167,8 +138,8 @@ def residual_trace(
     from subspace_ref.arrays import to_numpy
 
     H, T, d = K.shape
-    st = SubspaceState.adaptive(
-        H, d, V.shape[2], rank_k=rank, rank_v=rank, tau_k=tau_k, tau_v=tau_v, max_chunk=max_chunk, sketch_reset=sketch_reset, dtype=np.float64
+    st = SubspaceState.adaptive(  # track=False: A7's residuals with the length trigger only (A7.4 grows no row at tau ~ 1)
+        H, d, V.shape[2], rank_k=rank, rank_v=rank, tau_k=tau_k, tau_v=tau_v, max_chunk=max_chunk, sketch_reset=sketch_reset, dtype=np.float64, track=False
     )
     if engine != "numpy":
         import torch
@@ -336,23 +307,9 @@ def static_basis(record: dict, svd: list[dict], layer: int, *, rank=None, energy
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     C.add_common_arguments(parser)
-    # checkpoint mode (subspace_ref/hf/calibrate_checkpoint.py): saved bases for any local checkpoint
-    parser.add_argument(
-        "--compression-ratio",
-        type=float,
-        default=None,
-        help="save static bases for --model (any local checkpoint) keeping coefficient bytes within this fraction of the stock cache's",
-    )
-    parser.add_argument("--bases-out", type=Path, default=None, help="where --compression-ratio saves the bases (default OUT/bases)")
-    parser.add_argument("--text", type=Path, default=None, help="--compression-ratio calibration text (default: Python standard-library sources)")
-    parser.add_argument("--calibration-tokens", type=int, default=8192, help="--compression-ratio calibration tokens (default 8192)")
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.compression_ratio is not None:
-        from subspace_ref.hf.calibrate_checkpoint import run as run_checkpoint
-
-        return run_checkpoint(args)
     ctx = C.make_context(args)
     rec = calibrate_run(ctx)
     print(

@@ -584,7 +584,8 @@ def bounds_records(ctx: C.Context, record: dict, svd: list[dict]) -> dict:
     correlations of the predictors with the observed errors."""
     from subspace_ref import SubspaceState
     from subspace_ref.bounds import check
-    from subspace_ref.experiments.calibrate import capture_windows, static_basis
+    from subspace_ref.experiments.calibrate import static_basis
+    from subspace_ref.hf.calibration_losses import capture_windows
 
     p, d = ctx.profile, ctx.d
     ids = ctx.eval_windows(p.bounds_windows)

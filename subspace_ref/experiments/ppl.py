@@ -54,7 +54,7 @@ def score(model, ids: np.ndarray, factory=None, *, backend: str = "torch", batch
             # teacher_forced's own path (spec/models.md M6), keeping the cache to read its states
             with subspace_attention_enabled(model):
                 cache = SubspaceCache(model.config, factory, backend=backend)
-                logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits
+                logits = model(input_ids=x, cache=cache, use_cache=True).logits
             logp = torch.log_softmax(logits[:, :-1].to(torch.float64), dim=-1)
             nll.append(-logp.gather(-1, x[:, 1:, None])[..., 0].cpu().numpy())
             nbytes += cache.nbytes

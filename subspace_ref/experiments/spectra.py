@@ -25,7 +25,8 @@ import argparse
 import numpy as np
 
 from subspace_ref.experiments import _common as C
-from subspace_ref.experiments.calibrate import capture_windows, ensure_calibration, energy_at, energy_ranks, layer_svd, residual_trace, _state_backend
+from subspace_ref.experiments.calibrate import ensure_calibration, energy_at, energy_ranks, residual_trace, _state_backend
+from subspace_ref.hf.calibration_losses import capture_windows, layer_svd
 
 LEVELS = (0.90, 0.95, 0.99)
 

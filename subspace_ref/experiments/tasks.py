@@ -8,7 +8,7 @@
 Methods: the full cache; this project's static (calibrated bases), adaptive (calibrated τ) and rotating
 states at r = d/4 and d/2; and every entry of :func:`subspace_ref.baselines.methods_at` at 50%,
 25% and 12.5% of the full fp16 cache **of each instance's length** (byte accounting of
-:mod:`subspace_ref.baselines.budget`; static bases from the ``calibrate`` helpers as in
+:mod:`subspace_ref.byte_convention`; static bases from the ``calibrate`` helpers as in
 ``subspace-kv baselines``). Every score comes from one teacher-forced pass, which equals greedy
 token-by-token decoding for each cache. Task instances are saved in ``OUT/tasks_instances.json``;
 results in ``OUT/tasks.json``; figures ``OUT/figures/tasks_*.png``; ``DOCS/tasks.md`` is
@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from subspace_ref.experiments import _common as C
-from subspace_ref.experiments.baselines import bases_for
+from subspace_ref.experiments.baselines import RANK_GRID, bases_for
 from subspace_ref.experiments.page import Page, model_scope, table
 
 DEFAULT_OUT = Path("results/tasks")
@@ -71,14 +71,15 @@ def frontier_at(geom, fraction: float, cal: dict) -> list:
     return plain + window + at
 
 
-def method_plan(model, lengths, budgets=BUDGETS, own=True, frontier: dict | None = None) -> list[dict]:
+def method_plan(model, lengths, budgets=BUDGETS, own=True, frontier=None) -> list[dict]:
     """One entry per method: ``key``, ``family``, ``budget`` and ``at`` (length -> method object, or
     a tuple for own states). Baselines come from :func:`subspace_ref.baselines.methods_at` at the
     geometry of each length (the same byte accounting as ``subspace-kv baselines``). ``frontier``:
-    :func:`~subspace_ref.experiments.baselines.calibration_losses` output; then the frontier
+    :func:`~subspace_ref.hf.calibration_losses` output; then the frontier
     configurations of issue 16 (:func:`frontier_at`) are added at the budgets of
     :data:`FRONTIER_BUDGETS`, allocated for each length's geometry."""
-    from subspace_ref.baselines import Geometry, methods_at
+    from subspace_ref.baselines import methods_at
+    from subspace_ref.byte_convention import Geometry
 
     plan = [dict(key="full cache", family="full", budget=None, at={L: None for L in lengths})]
     if own:
@@ -133,7 +134,7 @@ def logits_of(model, ids: np.ndarray, m, svd, own_options: dict):
 
 
 def method_bytes(m, L: int, model) -> dict | None:
-    from subspace_ref.baselines import Geometry
+    from subspace_ref.byte_convention import Geometry
 
     if m is None or isinstance(m, tuple):
         return None
@@ -159,8 +160,9 @@ def instances_hash(inst: dict) -> str:
     return hashlib.sha256(json.dumps(inst, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def evaluate(ctx, inst: dict, plan: list[dict], svd, batch: int, tau: dict, frontier: dict | None = None) -> list[dict]:
-    from subspace_ref.tasks import bootstrap_ci, score_answer
+def evaluate(ctx, inst: dict, plan: list[dict], svd, batch: int, tau: dict, frontier=None) -> list[dict]:
+    from subspace_ref.experiments.statistics import bootstrap_ci
+    from subspace_ref.tasks import score_answer
     from subspace_ref.tasks.next_token import lambada_correct, next_token_correct
 
     model, p = ctx.model, ctx.profile
@@ -228,7 +230,8 @@ def evaluate(ctx, inst: dict, plan: list[dict], svd, batch: int, tau: dict, fron
 
 
 def run_suite(ctx, n_needles, n_windows, seed, batch, lengths=LENGTHS, depths=DEPTHS, budgets=BUDGETS) -> tuple[dict, dict]:
-    from subspace_ref.experiments.calibrate import capture_windows, layer_svd, measure_tau
+    from subspace_ref.experiments.calibrate import measure_tau
+    from subspace_ref.hf.calibration_losses import capture_windows, layer_svd
 
     lengths = tuple(min(L, ctx.context) for L in lengths)
     inst = build_instances(ctx, lengths, depths, n_needles, n_windows, seed)
@@ -243,11 +246,11 @@ def run_suite(ctx, n_needles, n_windows, seed, batch, lengths=LENGTHS, depths=DE
     lens = tuple(sorted(set(lengths) | {ctx.context}))
     frontier = None
     if any(f in FRONTIER_BUDGETS for f in budgets):
-        from subspace_ref.experiments.baselines import calibration_losses
+        from subspace_ref.hf.calibration_losses import calibration_losses
 
         # the calibration of `subspace-kv baselines` (its default profile's windows), so the
         # frontier rows use the bases and allocations of docs/baselines.md
-        frontier = calibration_losses(ctx.model, C.windows("train", C.PROFILES["full"].calib_windows, ctx.context, C.SEED_BASES), batch=batch)
+        frontier = calibration_losses(ctx.model, C.windows("train", C.PROFILES["full"].calib_windows, ctx.context, C.SEED_BASES), batch=batch, ranks=RANK_GRID)
     plan = method_plan(ctx.model, lens, budgets, frontier=frontier)
     rows = evaluate(ctx, inst, plan, svd, batch, tau["by_rank"], frontier)
     record = dict(meta=C.meta(ctx, "tasks", task_seed=seed, instances_sha256=instances_hash(inst), needles_per_cell=n_needles,
@@ -304,7 +307,7 @@ def recall_validity(full_row: dict, lengths) -> dict:
     """Per length: the full cache's recall with and without the needle and the paired bootstrap
     interval of their difference (same haystacks and queries); the task is *valid* at a length
     when that interval lies above 0, i.e. the needle measurably helps."""
-    from subspace_ref.tasks import bootstrap_ci
+    from subspace_ref.experiments.statistics import bootstrap_ci
 
     out = {}
     for L in lengths:
@@ -320,7 +323,7 @@ def recall_validity(full_row: dict, lengths) -> dict:
 def recall_at(row: dict, lengths) -> dict:
     """Recall of ``row`` pooled over the needle instances of ``lengths`` only (the valid ones: a
     length where the needle does not help measures no retrieval), instances resampled."""
-    from subspace_ref.tasks import bootstrap_ci
+    from subspace_ref.experiments.statistics import bootstrap_ci
 
     ok = [np.asarray(c["correct"], dtype=float) for c in row["needle"] if c["needle"] and c["length"] in lengths]
     if not ok:
@@ -335,7 +338,7 @@ def paired_difference(a: dict, b: dict, valid_lengths) -> dict | None:
     window (next-token: per-window accuracy, windows of one length), a window's LAMBADA targets
     (resampled whole). None when the rows carry no per-unit results (a record from before they
     were saved)."""
-    from subspace_ref.tasks import bootstrap_ci
+    from subspace_ref.experiments.statistics import bootstrap_ci
 
     if "correct_per_window" not in a["next_token"] or "correct_per_window" not in b["next_token"]:
         return None
@@ -446,7 +449,7 @@ def write_page(record: dict, command: str, docs: Path, figures_from: Path) -> Pa
              "calibration residuals, seed 001 §10; sketches reset at chunk boundaries) and "
              f"rotating states at r = {', '.join(map(str, meta['own_ranks']))} (no byte budget: ranks shown); every baseline of "
              "`subspace_ref.baselines.methods_at` at 50/25/12.5% of the full fp16 cache, configured for the length of each "
-             "instance (a sliding window of capacity f·L for an L-byte instance), bytes counted by `subspace_ref/baselines/budget.py`; "
+             "instance (a sliding window of capacity f·L for an L-byte instance), bytes counted by `subspace_ref/byte_convention.py`; "
              "and at 25% and 12.5% the frontier configurations of issue 16 (the byte-budget allocator, section below).", "",
              "## Validity of the recall task", "")
     validity = recall_validity(full, record["lengths"])

@@ -8,7 +8,9 @@ the subspace attention for one model inside a block (:func:`use_subspace_attenti
 :class:`CalibratedBases` (``save_pretrained`` / ``from_pretrained``).
 """
 
+from subspace_ref.hf.allocated_states import allocated_states
 from subspace_ref.hf.artifact import CalibratedBases, config_hash
+from subspace_ref.hf.calibration_losses import CalibrationLosses, calibration_losses
 from subspace_ref.hf.attention import (
     ATTN_IMPLEMENTATION,
     causal_attention,
@@ -19,16 +21,10 @@ from subspace_ref.hf.attention import (
     subspace_attention_enabled,
     use_subspace_attention,
 )
-from subspace_ref.hf.cache import (
-    StateSpec,
-    SubspaceCache,
-    SubspaceLayer,
-    adaptive_states,
-    full_rank_states,
-    identity_bases,
-    rotating_states,
-    static_states,
-)
+from subspace_ref.hf.cache import SubspaceCache
+from subspace_ref.hf.cache_layer import SubspaceLayer
+from subspace_ref.hf.grouped_layer import GroupedLayer
+from subspace_ref.hf.state_factories import StateSpec, adaptive_states, full_rank_states, identity_bases, rotating_states, static_states
 from subspace_ref.hf.compress import Compressed, compress
 from subspace_ref.hf.capture import LayerCapture, ModelCapture, capture
 from subspace_ref.hf.teacher_forced import LogLikelihood, decode_token_by_token, perplexity, teacher_forced
@@ -36,7 +32,10 @@ from subspace_ref.hf.teacher_forced import LogLikelihood, decode_token_by_token,
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "CalibratedBases",
+    "CalibrationLosses",
+    "calibration_losses",
     "Compressed",
+    "GroupedLayer",
     "compress",
     "config_hash",
     "LayerCapture",
@@ -46,6 +45,7 @@ __all__ = [
     "SubspaceCache",
     "SubspaceLayer",
     "adaptive_states",
+    "allocated_states",
     "capture",
     "causal_attention",
     "decode_token_by_token",

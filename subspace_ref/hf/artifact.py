@@ -67,10 +67,14 @@ class CalibratedBases:
 
     ``layers``: one :class:`StaticBasis` per layer (None for a layer left uncompressed, e.g. a
     sliding-window layer kept stock). ``coefficient_bits``: 16 (float coefficients in the
-    model's dtype) or 8 (spec A10 INT8). ``basis_format``: how states store the bases
-    (spec/storage.md S1). ``config_hash``: :func:`config_hash` of the model calibrated.
-    ``allocation``: the per-head :class:`~subspace_ref.allocation.Allocation` the ranks and bits
-    came from (saved with its ``to_dict()``, read back with ``from_dict``), or None. ``calibration``: free-form facts (tokens, energy, compression ratio asked)."""
+    model's dtype) or 8 (spec A10 INT8), for every head of bases without an allocation.
+    ``basis_format``: how states store the bases (spec/storage.md S1). ``config_hash``:
+    :func:`config_hash` of the model calibrated. ``allocation``: the per-head
+    :class:`~subspace_ref.allocation.Allocation` (ranks, bits and basis kinds of each head, the
+    exact window and sinks, the key group) the bases were made for (saved with its
+    ``to_dict()``, read back with ``from_dict``), or None; with one, :meth:`states` builds
+    exactly what it says (:class:`~subspace_ref.hf.allocated_states`) and ``coefficient_bits``
+    must be left at 16. ``calibration``: free-form facts (tokens, energy, compression ratio asked)."""
 
     layers: tuple[StaticBasis | None, ...]
     config_hash: str
@@ -85,6 +89,15 @@ class CalibratedBases:
             raise ValueError(f"coefficient_bits must be 8 or 16, got {self.coefficient_bits!r}")
         if self.kind != "static":
             raise ValueError(f'kind: only "static" bases are artifacts, got {self.kind!r}')
+        if self.allocation is not None:
+            from subspace_ref.allocation import Allocation
+
+            if not isinstance(self.allocation, Allocation):
+                raise TypeError(f"allocation must be an Allocation or None, got {type(self.allocation).__name__}")
+            if self.coefficient_bits != 16:
+                raise ValueError(f"coefficient_bits: an allocation sets each head's bits; leave coefficient_bits at 16, got {self.coefficient_bits}")
+            if len(self.layers) != self.allocation.layers or any(b is None for b in self.layers):
+                raise ValueError(f"layers: an allocation of {self.allocation.layers} layers needs a StaticBasis for each, got {len(self.layers)} entries")
 
     @classmethod
     def for_model(cls, model_or_config, layers, **kwargs: Any) -> "CalibratedBases":
@@ -96,9 +109,21 @@ class CalibratedBases:
         """The ``coefficients`` argument of :class:`~subspace_ref.hf.static_states`."""
         return "int8" if self.coefficient_bits == 8 else "float"
 
-    def states(self, **kwargs: Any):
-        """A :class:`~subspace_ref.hf.static_states` factory of these bases (keywords override)."""
-        from subspace_ref.hf.cache import static_states
+    def states(self, config=None, **kwargs: Any):
+        """The state factory of these bases (keywords override its options): with an allocation,
+        :class:`~subspace_ref.hf.allocated_states` (its pre-RoPE heads take the RoPE of
+        ``config``, the model's config, required then); else
+        :class:`~subspace_ref.hf.static_states` with ``coefficient_bits``."""
+        if self.allocation is not None:
+            from subspace_ref.hf.allocated_states import allocated_states
+            from subspace_ref.rope import RopeParams
+
+            pre_rope = any(h.key_basis == "pre_rope" for layer in self.allocation.heads for h in layer)
+            if pre_rope and config is None and "rope" not in kwargs:
+                raise ValueError("config: these bases have pre-RoPE heads; give the model's config (compress(model, bases) does) to rotate them")
+            rope = RopeParams.from_config(getattr(config, "config", config)) if pre_rope and config is not None else None
+            return allocated_states(list(self.layers), self.allocation, **(dict(rope=rope, basis_format=self.basis_format) | kwargs))
+        from subspace_ref.hf.state_factories import static_states
 
         options = dict(coefficients=self.coefficients, basis_format=self.basis_format) | kwargs
         return static_states(list(self.layers), **options)

@@ -10,7 +10,7 @@ Routing (spec/models.md "Routing"). transformers 5.x attention modules do, per l
 (and the sdpa mask builder under the same name); :func:`use_subspace_attention` selects it for
 one model (``model.set_attn_implementation``). Nothing in transformers is patched.
 
-A :class:`~subspace_ref.hf.cache.SubspaceLayer`'s ``update`` keeps the new post-RoPE keys and
+A :class:`~subspace_ref.hf.SubspaceLayer`'s ``update`` keeps the new post-RoPE keys and
 values as *pending* and returns them tagged with the layer. :func:`subspace_attention` sees the
 tag, appends the pending tokens to the layer's :class:`~subspace_ref.SubspaceState` and computes
 attention in coefficient space:
@@ -50,6 +50,12 @@ ATTN_IMPLEMENTATION = "subspace_ref"
 #: Attribute set on the key tensor returned by ``SubspaceLayer.update``: the call itself
 #: carries its layer to the attention function (no registry of pending layers).
 TAG = "_subspace_ref_layer"
+def untag(keys) -> None:
+    """Take :data:`TAG` off a key tensor a layer's ``update`` returned (nothing if it has none)."""
+    if keys is not None and hasattr(keys, TAG):
+        delattr(keys, TAG)
+
+
 #: Attribute of an attention module holding the observers of :func:`observe` (per model).
 OBSERVERS = "_subspace_ref_observers"
 #: Query tiles of the causal evaluator hold about this many logits.
@@ -221,12 +227,13 @@ def _torch(x, device) -> torch.Tensor:
 def _coefficients(lay, which: str, T: int, dtype: torch.dtype, device) -> torch.Tensor:
     """Rows [0, T) of one side's coefficients (N, H, T, r) as torch ``dtype``, dequantised by
     spec A10's definition when the layout is int8 (the same function the backends use)."""
-    if lay.low_bits:  # int4/int2 (spec/quantization.md Q2)
+    fmt = lay.side_format(which)
+    if fmt.low_bits:  # int4/int2 (spec/quantization.md Q2)
         from subspace_ref.quantization import read_low_bit
 
-        return _torch(read_low_bit(lay, which, 0, T, np.float32 if array_family(lay.key_coef) != "torch" else torch.float32, lay.num_tokens), device).to(dtype)
+        return _torch(read_low_bit(lay, which, 0, T, lay.dtype, lay.num_tokens), device).to(dtype)  # Q1: read once into the state's dtype
     coef = getattr(lay, f"{which}_coef")[:, :, :T]
-    if lay.quantized:
+    if fmt.per_token_scale:
         from subspace_ref.quantization import dequantize_rows
 
         coef = dequantize_rows(coef, getattr(lay, f"{which}_scale")[:, :, :T], np.float32 if array_family(coef) != "torch" else torch.float32)

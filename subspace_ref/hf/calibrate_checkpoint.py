@@ -1,28 +1,38 @@
-"""Static bases for any local transformers checkpoint at a requested compression ratio
-(``subspace-kv calibrate --model PATH --compression-ratio R --bases-out DIR``; spec/models.md M10).
+"""Bases for any local transformers checkpoint at a requested compression ratio: the front door
+(``subspace-kv calibrate --model PATH --compression-ratio R [--sinks S] [--window W] [--text FILE]``;
+spec/models.md M10, spec/layer_state.md L6).
 
 Calibration text: ``--text FILE``, else Python standard-library sources (present wherever
 Python is). Tokens: the checkpoint's own tokenizer when it has one, else UTF-8 bytes for a
-byte-level model (vocabulary of at least 256, as the shipped model). Ranks: energy ranks
-(spec A5 step 2) at the largest energy whose per-head ranks keep the coefficients within the
-ratio: ``sum (r_k + r_v) <= R * sum (d + d_v)`` over layers and heads, i.e. coefficient bytes
-at most R times the stock cache's in the same dtype (bases are a fixed cost on top, stated in
-the saved record). A per-head allocator can replace the energy rule: the artifact's
-``allocation`` field stores its record.
+byte-level model (vocabulary of at least 256, as the shipped model).
+
+Rules:
+
+* ``allocator`` (the default): the measured-loss allocator (:mod:`subspace_ref.allocation`) over
+  every candidate of each KV head (post-RoPE, pre-RoPE, plane and identity key bases; subspace
+  and identity value bases; float/int8/int4/int2 coefficients), ``R`` of the fp16 cache's bytes
+  with ``S`` sinks and a ``W``-token exact window counted; the artifact carries the allocation,
+  and ``compress(model, bases)`` decodes exactly it;
+* ``energy``: energy ranks (spec A5 step 2) at the largest energy whose per-head ranks keep the
+  coefficients within the ratio, ``sum (r_k + r_v) <= R * sum (d + d_v)``, float coefficients of
+  post-RoPE bases, no window. On RoPE models its keys lose badly (docs/baselines.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from subspace_ref.calibration import energy_rank
 from subspace_ref.hf.artifact import CalibratedBases
-from subspace_ref.hf.capture import ModelCapture, capture
+from subspace_ref.hf.capture import ModelCapture
+
+RULES = ("allocator", "energy")
 
 
 def stdlib_text(limit_chars: int) -> str:
@@ -75,13 +85,9 @@ def energy_for_ratio(cap: ModelCapture, ratio: float) -> tuple[float, float]:
     return lo, fraction(lo)
 
 
-def calibrate_checkpoint(path: str, ratio: float, *, text: str | None = None, tokens: int = 8192, context: int | None = None) -> CalibratedBases:
-    """Calibrate static bases (γ fitted by MSE on the recorded queries) for the checkpoint at
-    ``path`` on ``tokens`` calibration tokens in windows of ``context`` (default: the model's
-    limit, at most 1024)."""
-    from subspace_ref.models.default_model import load_model
-
-    model, config = load_model(path)
+def calibration_windows(path, config, text: str | None, tokens: int, context: int | None) -> np.ndarray:
+    """(n, T) token-id windows of the calibration text, T = ``context`` (default: the model's
+    limit, at most 1024), n T <= ``tokens``."""
     text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     limit = int(getattr(text_config, "max_position_embeddings", 1024) or 1024)
     context = min(context or 1024, limit)
@@ -89,37 +95,80 @@ def calibrate_checkpoint(path: str, ratio: float, *, text: str | None = None, to
     usable = min(len(ids), tokens) // context * context
     if usable == 0:
         raise ValueError(f"the calibration text gives {len(ids)} tokens, fewer than one window of {context}")
-    windows = [torch.as_tensor(w)[None] for w in ids[:usable].reshape(-1, context)]
-    cap = capture(model, windows, queries=True)
-    energy, achieved = energy_for_ratio(cap, ratio)
-    bases = cap.calibrate(energy=energy, gamma="mse")
-    facts = dict(
-        source=str(path),
-        tokens=usable,
-        context=context,
-        compression_ratio_asked=ratio,
-        energy=energy,
-        coefficient_fraction=achieved,
-        rule="energy ranks",
-        gamma="mse",
-    )
-    return CalibratedBases.for_model(config, bases, calibration=facts)
+    return ids[:usable].reshape(-1, context)
+
+
+def calibrate_checkpoint(path, ratio: float, *, rule: str = "allocator", sinks: int = 0, window: int = 0, text: str | None = None,
+                         tokens: int = 8192, context: int | None = None, group: int = 32, progress: bool = False) -> CalibratedBases:
+    """Calibrated bases for the checkpoint at ``path`` at ``ratio`` of the stock cache (module
+    docstring: ``rule``; ``sinks`` and ``window`` for the allocator), from ``tokens`` calibration
+    tokens in windows of ``context``. Bad input raises ValueError naming the argument, before any
+    model runs."""
+    from subspace_ref.models.default_model import load_model
+
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+    if not (isinstance(ratio, (int, float)) and 0.0 < ratio <= 1.0):
+        raise ValueError(f"compression_ratio must lie in (0, 1], got {ratio!r}")
+    for name, value in (("sinks", sinks), ("window", window)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    if rule == "energy" and (sinks or window):
+        raise ValueError("sinks, window: the energy rule keeps no exact tokens; use rule='allocator'")
+    model, config = load_model(path)
+    windows = calibration_windows(path, config, text, tokens, context)
+    facts = dict(source=str(path), tokens=int(windows.size), context=int(windows.shape[1]), compression_ratio_asked=ratio, rule=rule)
+    if rule == "energy":
+        from subspace_ref.hf.calibration_losses import capture_windows
+
+        cap = capture_windows(model, windows, queries=True, batch=1)
+        energy, achieved = energy_for_ratio(cap, ratio)
+        facts |= dict(energy=energy, coefficient_fraction=achieved, gamma="mse")
+        return CalibratedBases.for_model(config, cap.calibrate(energy=energy, gamma="mse"), calibration=facts)
+    from subspace_ref.hf.calibration_losses import calibration_losses
+
+    cal = calibration_losses(model, windows, group=group, batch=1, progress=progress)
+    allocation = cal.allocate(model, compression_ratio=ratio, window=window, sinks=sinks)
+    geom = cal.geometry(model)
+    facts |= dict(sinks=sinks, window=window, loss_tokens=cal.loss_tokens, bytes_per_token=allocation.bytes(geom).per_token,
+                  fraction_of_fp16=allocation.bytes(geom).fraction)
+    return CalibratedBases.for_model(config, cal.bases(allocation), allocation=allocation, calibration=facts)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="a local checkpoint directory (or 'default', the shipped model)")
+    parser.add_argument("--compression-ratio", type=float, required=True, help="bytes of the compressed cache as a fraction of the fp16 cache, in (0, 1]")
+    parser.add_argument("--bases-out", type=Path, required=True, help="directory the bases and their allocation are saved to")
+    parser.add_argument("--sinks", type=int, default=0, help="first tokens kept exact (allocator; default 0)")
+    parser.add_argument("--window", type=int, default=0, help="last tokens kept exact (allocator; default 0)")
+    parser.add_argument("--text", type=Path, default=None, help="calibration text (default: Python standard-library sources)")
+    parser.add_argument("--calibration-tokens", type=int, default=8192, help="calibration tokens (default 8192)")
+    parser.add_argument("--context", type=int, default=None, help="calibration window length (default: the model's limit, at most 1024)")
+    parser.add_argument("--group", type=int, default=32, help="tokens per key group of int4/int2 keys (default 32)")
+    parser.add_argument("--rule", choices=RULES, default="allocator", help="allocator (default): measured losses per head; energy: energy ranks, float, no window")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 def run(args: argparse.Namespace) -> int:
-    """``subspace-kv calibrate --model PATH --compression-ratio R`` (options defined in
-    subspace_ref/experiments/calibrate.py, which hands the run here)."""
+    """``subspace-kv calibrate``: calibrate, save, and print what was chosen."""
+    start = time.perf_counter()
     text = args.text.read_text(encoding="utf-8", errors="replace") if args.text else None
-    bases = calibrate_checkpoint(args.model, args.compression_ratio, text=text, tokens=args.calibration_tokens, context=args.context)
-    out = bases.save_pretrained(args.bases_out or Path(args.out) / "bases")
+    bases = calibrate_checkpoint(args.model, args.compression_ratio, rule=args.rule, sinks=args.sinks, window=args.window, text=text,
+                                 tokens=args.calibration_tokens, context=args.context, group=args.group, progress=not args.no_progress)
+    out = bases.save_pretrained(args.bases_out)
     c = bases.calibration
-    print(
-        f"calibrate: {len(bases.layers)} layers, energy {c['energy']:.4f} -> coefficients {c['coefficient_fraction']:.3f} of the stock cache "
-        f"(asked {c['compression_ratio_asked']}), {c['tokens']} tokens in windows of {c['context']} -> {out}"
-    )
-    for i, b in enumerate(bases.layers):
-        print(f"  layer {i}: key ranks {list(b.rank_k)}, value ranks {list(b.rank_v)}")
+    if bases.allocation is None:
+        print(f"calibrate: energy {c['energy']:.4f} -> coefficients {c['coefficient_fraction']:.3f} of the stock cache (asked {c['compression_ratio_asked']})")
+        for i, b in enumerate(bases.layers):
+            print(f"  layer {i}: key ranks {list(b.rank_k)}, value ranks {list(b.rank_v)}")
+    else:
+        print(f"calibrate: allocator, {c['bytes_per_token']:.1f} bytes/token = {c['fraction_of_fp16']:.3f} of the fp16 cache "
+              f"(asked {c['compression_ratio_asked']}, sinks {c['sinks']}, window {c['window']}, rule {bases.allocation.meta.get('rule')})")
+        for i, layer in enumerate(bases.allocation.heads):
+            shown = "; ".join(f"K {h.key_basis} r={h.rank_k} {h.bits_k}b, V {h.value_basis} r={h.rank_v} {h.bits_v}b" for h in layer)
+            print(f"  layer {i}: {shown}")
+    print(f"  {c['tokens']} tokens in windows of {c['context']}, {time.perf_counter() - start:.1f} s -> {out}", file=sys.stderr)
     return 0
 
 
-__all__ = ["calibrate_checkpoint", "energy_for_ratio", "run", "stdlib_text", "token_ids"]
+__all__ = ["RULES", "add_arguments", "calibrate_checkpoint", "calibration_windows", "energy_for_ratio", "run", "stdlib_text", "token_ids"]

@@ -15,12 +15,13 @@ from typing import Any
 
 from subspace_ref.hf.artifact import CalibratedBases
 from subspace_ref.hf.attention import subspace_attention_enabled
-from subspace_ref.hf.cache import StateFactory, SubspaceCache, static_states
+from subspace_ref.hf.cache import SubspaceCache
+from subspace_ref.hf.state_factories import StateFactory, static_states
 
 
 class Compressed:
     """What :func:`compress` yields: ``cache()`` makes a fresh :class:`SubspaceCache` for the
-    model (pass it as ``past_key_values``), one per generation."""
+    model (pass it as ``cache``), one per generation."""
 
     def __init__(self, model, factory: StateFactory, cache_options: dict):
         self.model = model
@@ -31,8 +32,8 @@ class Compressed:
         return SubspaceCache(self.model.config, self.factory, **(self.cache_options | overrides))
 
     def generate(self, *args: Any, **kwargs: Any):
-        """``model.generate`` with a fresh cache (unless ``past_key_values`` is given)."""
-        kwargs.setdefault("past_key_values", self.cache())
+        """``model.generate`` with a fresh cache (unless ``cache`` is given)."""
+        kwargs.setdefault("cache", self.cache())
         return self.model.generate(*args, **kwargs)
 
 
@@ -45,7 +46,7 @@ def as_factory(bases: Any, model=None) -> StateFactory:
 
             if config_hash(model.config) != bases.config_hash:
                 raise ValueError("bases: calibrated for another model configuration (config hash differs)")
-        return bases.states()
+        return bases.states(None if model is None else model.config)
     if callable(bases):
         return bases
     if isinstance(bases, Sequence):

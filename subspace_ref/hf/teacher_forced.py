@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from subspace_ref.hf.attention import subspace_attention_enabled
-from subspace_ref.hf.cache import StateFactory, SubspaceCache
+from subspace_ref.hf.cache import SubspaceCache
+from subspace_ref.hf.state_factories import StateFactory
 
 
 @dataclass
@@ -77,8 +78,8 @@ def _forward_logits(model, ids: torch.Tensor, cache, block_size: int | None) -> 
     """Logits (B, T, V) of one pass over ``ids`` with ``cache``, fed in blocks."""
     out = []
     for a, b in _blocks(ids.shape[1], block_size):
-        res = model(input_ids=ids[:, a:b], past_key_values=cache, use_cache=True)
-        cache = res.past_key_values
+        res = model(input_ids=ids[:, a:b], cache=cache, use_cache=True)
+        cache = res.cache
         out.append(res.logits)
     return torch.cat(out, dim=1)
 

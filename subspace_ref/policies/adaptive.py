@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class AdaptivePolicy:
@@ -24,7 +26,15 @@ class AdaptivePolicy:
     ``ring_warm_start`` W > 0 takes each new chunk's bases from FD of the last W sketch rows kept
     in ring buffers (S1); ``fd_stride`` m feeds only tokens t with t mod m = 0 to the sketches
     (S2); ``reuse_angle`` keeps the open chunk when a trigger's snapshot lies within that largest
-    principal angle of the open bases, on keys and values (S3)."""
+    principal angle of the open bases, on keys and values (S3).
+
+    ``track`` (spec A7.4; neutral False in files, True by default in the constructor under
+    "reproject"): a side over tau / 2 with a free basis row takes the token's residual as that row
+    instead of opening a chunk, and a chunk that opens takes, per side, the sketch's snapshot only
+    where it holds the firing token within tau, else the token's direction with free rows after it
+    and a sketch restarted from the token. Every stored token is then within tau (statement
+    A7.4.1) except those a refused trigger leaves over it, which the state counts
+    (``tokens_over_tau``)."""
 
     rank_k: tuple[int, ...]
     rank_v: tuple[int, ...]
@@ -43,8 +53,15 @@ class AdaptivePolicy:
     # spec A7.3: a multiple of the full cache's bytes; neutral in files: math.inf (no ceiling, seed
     # 001's policy, what files written before the option hold); SubspaceState.adaptive's default is 1.0
     byte_ceiling: float = field(default=float("inf"), metadata={"optional": True})
+    # spec A7.4 (drift tracking, needs trigger="reproject"); neutral in files: False, the policy
+    # files written before the option were appended with; SubspaceState.adaptive's default is True
+    track: bool = field(default=False, metadata={"optional": True})
 
     kind = "adaptive"
+
+    def __post_init__(self):
+        if self.track and self.trigger != "reproject":  # A7.4 stores the firing token in the new chunk
+            raise ValueError(f'track=True needs trigger="reproject" (spec A7.4), got trigger={self.trigger!r}')
 
 
 def sketch_options(ring_warm_start, fd_stride, reuse_angle, sketch_reset: bool) -> tuple[int, int, float | None]:
@@ -78,3 +95,15 @@ def trigger_order(trigger) -> str:
     if trigger not in TRIGGER_ORDERS:
         raise ValueError(f"trigger must be one of {TRIGGER_ORDERS}, got {trigger!r}")
     return trigger
+
+
+def track_option(track, trigger: str) -> bool:
+    """``track`` checked (spec A7.4): None means True under the reproject trigger and False under
+    "paper" (whose firing token stays in the old chunk); True needs "reproject"."""
+    if track is None:
+        return trigger == "reproject"
+    if not isinstance(track, (bool, np.bool_)):
+        raise TypeError(f"track must be True, False or None (None: True under trigger='reproject'), got {track!r}")
+    if track and trigger != "reproject":
+        raise ValueError(f'track=True needs trigger="reproject" (spec A7.4: the firing token is stored in the new chunk), got trigger={trigger!r}')
+    return bool(track)

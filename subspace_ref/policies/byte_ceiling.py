@@ -1,7 +1,7 @@
-"""Spec A7.3, the byte ceiling of an adaptive state: a trigger opens a chunk only when the chunk
-pays for itself, so the state never holds more bytes than ``byte_ceiling`` times the full cache
-(past the fixed cost of its first chunk). Shared by the oracle and the torch append through the
-array namespace."""
+"""Spec A7.3, the byte ceiling of an adaptive state: a trigger opens a chunk only when the state
+with it stays within ``byte_ceiling`` times the full cache, its fixed bytes (sketches) included,
+so ``nbytes`` never exceeds max(byte_ceiling x full cache, a one-chunk state's bytes) (statement
+A7.3.1). Shared by the oracle and the torch append through the array namespace."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import math
 from typing import Any
 
 from subspace_ref.arrays import itemsize
-from subspace_ref.layout import growth_rates
+from subspace_ref.layout import FIXED, STATE_ARRAYS, counted_nbytes, growth_rates
 
 
 def ceiling_option(byte_ceiling: Any) -> float:
@@ -31,6 +31,15 @@ def rates(state) -> tuple[int, float, float]:
     return per_chunk, per_token, beta
 
 
+def fixed_bytes(state) -> float:
+    """F of spec A7.3 for one (sequence, head): the counted bytes that do not grow with tokens or
+    chunks (sketches, rings, gamma, an int4/int2 key tail), shared out evenly over the N H
+    (sequence, head) pairs. The exact window and sinks are not in F: their tokens cost exactly
+    their share of the full cache (spec A7.3.1's remark)."""
+    names = [a.name for a in STATE_ARRAYS if a.axis == FIXED and a.part != "window"]
+    return counted_nbytes(state, names) / (state.batch * state.heads)
+
+
 def check_ceiling(state) -> None:
     """ValueError when the ceiling is below the bytes a token's coefficients cost (spec A7.3
     needs T_c <= beta, else no chunk layout could stay under it)."""
@@ -42,11 +51,18 @@ def check_ceiling(state) -> None:
         )
 
 
-def may_open(state, num_chunks: Any, ends: Any) -> Any:
-    """Spec A7.3 step 1: whether a head holding ``num_chunks`` chunks may open one more at the
-    token that makes ``ends`` tokens, (J + 1) B_c + ends T_c <= ends beta, elementwise (integer
-    or float64 arrays that broadcast: float64 arithmetic, the same in every backend)."""
+def opener(state):
+    """Spec A7.3 step 1 for the appends to ``state``: a function (num_chunks, ends) -> whether a
+    head holding ``num_chunks`` chunks may open one more at the token that makes ``ends`` tokens,
+    F + (J + 1) B_c + ends T_c <= ends beta, elementwise (integer or float64 arrays that
+    broadcast: float64 arithmetic, the same in every backend). The rates are taken once."""
     if math.isinf(state.policy.byte_ceiling):
-        return ends >= 0
+        return lambda num_chunks, ends: ends >= 0
     per_chunk, per_token, beta = rates(state)
-    return (num_chunks + 1) * float(per_chunk) + ends * per_token <= ends * beta
+    fixed = fixed_bytes(state)
+    return lambda num_chunks, ends: fixed + (num_chunks + 1) * float(per_chunk) + ends * per_token <= ends * beta
+
+
+def may_open(state, num_chunks: Any, ends: Any) -> Any:
+    """:func:`opener` of ``state`` applied once."""
+    return opener(state)(num_chunks, ends)

@@ -87,16 +87,20 @@ class OnlineRun:
         self.mask_k = rank_mask(policy.rank_k, self.open_B.shape[2], self.open_B)
         self.mask_v = rank_mask(policy.rank_v, self.open_E.shape[2], self.open_E)
         self.warm_k, self.warm_v = (xp.asarray(w) for w in warmup_rows(policy))  # (H,) rows per side, spec A7 step 0
-        if policy.kind == "rotating" or T < policy.warmup or T == 0:
+        self.private = policy.kind == "rotating" or T < policy.warmup or T == 0
+        if self.private:
             # the only bases rewritten in place: the single rotating basis, or chunk 0 during
-            # warm-up or while still empty; they are rewritten in private copies
+            # warm-up or while still empty; they are rewritten in private copies (and the
+            # chunks open at the start when spec A7.4 grows them: tracking.grow)
             self.lay = self.lay.with_private_bases()
+        self.first_new = self.num_chunks.copy()  # chunk slots >= this are spare: written in place
         # online-sketch variants (spec/sketch_variants.md S1-S2); neutral values keep A7/A8 verbatim
         self.stride = getattr(policy, "fd_stride", 1)
         self.ring = getattr(policy, "ring_warm_start", 0)
         self.ring_k = sk.ring_keys.copy() if self.ring else None
         self.ring_v = sk.ring_values.copy() if self.ring else None
         self.rows_inserted, self.svds = sk.rows_inserted, sk.svds
+        self.over_tau = getattr(sk, "tokens_over_tau", 0)  # spec A7.4.1's counter
         self.stack = lay.key_coef.shape[0] * lay.key_coef.shape[1]  # sketches per array: one per head
 
     def warm(self, t: int, k: Any, v: Any) -> tuple[Any, Any]:
@@ -154,4 +158,5 @@ class OnlineRun:
             ring_values=self.ring_v,
             rows_inserted=self.rows_inserted,
             svds=self.svds,
+            tokens_over_tau=self.over_tau,
         )

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from subspace_ref.arrays import namespace
-from subspace_ref.quantization import dequantize_rows, quantize_rows, read_low_bit, side_arrays, store_low_bit
+from subspace_ref.quantization import dequantize_rows, quantize_rows, read_low_bit, store_low_bit
 
 
 def store(lay, which: str, index: Any, coef: Any) -> None:
@@ -18,10 +18,11 @@ def store(lay, which: str, index: Any, coef: Any) -> None:
     with per-token scales when the layout is (spec A10), to int4/int2 when it is low-bit
     (spec/quantization.md Q2)."""
     target = getattr(lay, f"{which}_coef")
-    if lay.low_bits:
+    fmt = lay.side_format(which)
+    if fmt.low_bits:
         a, b = (index, index + 1) if isinstance(index, (int, np.integer)) else (index.start, index.stop)
         store_low_bit(lay, which, a, b, coef[:, :, None] if isinstance(index, (int, np.integer)) else coef)
-    elif lay.quantized:
+    elif fmt.per_token_scale:
         q, scale = quantize_rows(coef)
         target[:, :, index] = q
         getattr(lay, f"{which}_scale")[:, :, index] = scale
@@ -35,18 +36,19 @@ def rotated(lay, which: str, upto: int, R: Any):
     coef = getattr(lay, f"{which}_coef")
     xp = namespace(coef)
     dtype = R.dtype
-    if lay.low_bits:  # dequantised, rotated and quantised again (spec/quantization.md Q2)
+    fmt = lay.side_format(which)
+    if fmt.low_bits:  # dequantised, rotated and quantised again (spec/quantization.md Q2)
         current = read_low_bit(lay, which, 0, upto, dtype, upto)
-        new = replace(lay, **{name: getattr(lay, name).copy() for name in side_arrays(which)})
+        new = replace(lay, **{name: getattr(lay, name).copy() for name in lay.side_arrays(which)})
         store(new, which, slice(0, upto), xp.einsum("nhtr,nhrs->nhts", current, R))
         return new
-    if lay.quantized:
+    if fmt.per_token_scale:
         current = dequantize_rows(coef[:, :, :upto], getattr(lay, f"{which}_scale")[:, :, :upto], dtype)
     else:
         current = coef[:, :, :upto]
     out = xp.einsum("nhtr,nhrs->nhts", current, R)
     new = replace(lay, **{f"{which}_coef": coef.copy()})
-    if lay.quantized:
+    if fmt.per_token_scale:
         new = replace(new, **{f"{which}_scale": getattr(lay, f"{which}_scale").copy()})
     store(new, which, slice(0, upto), out)
     return new

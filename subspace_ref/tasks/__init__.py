@@ -1,8 +1,9 @@
 """Offline accuracy tasks on the shipped model (issue 12).
 
 * :mod:`.needle`: long-range recall ("needle in a haystack") built from held-out stdlib code;
-* :mod:`.next_token`: next-token top-1 accuracy and a LAMBADA-style last-identifier task;
-* :mod:`.bootstrap`: percentile bootstrap 95% intervals of accuracies.
+* :mod:`.next_token`: next-token top-1 accuracy and a LAMBADA-style last-identifier task.
+
+Their intervals (``bootstrap_ci``) are in :mod:`subspace_ref.experiments.statistics`.
 
 Instances are deterministic given their seed and are saved as JSON by
 ``subspace_ref.experiments.tasks`` so two runs compare exactly. Every task is scored from the
@@ -11,8 +12,7 @@ argmax given the previous bytes", and every cache here reproduces token-by-token
 pass (``subspace_ref.hf.teacher_forced``, ``subspace_ref.baselines._attention``).
 """
 
-from subspace_ref.tasks.bootstrap import bootstrap_ci
 from subspace_ref.tasks.needle import NeedleInstance, make_needles, score_answer
 from subspace_ref.tasks.next_token import lambada_targets, next_token_correct
 
-__all__ = ["NeedleInstance", "bootstrap_ci", "lambada_targets", "make_needles", "next_token_correct", "score_answer"]
+__all__ = ["NeedleInstance", "lambada_targets", "make_needles", "next_token_correct", "score_answer"]

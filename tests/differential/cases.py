@@ -53,7 +53,7 @@ class Case:
     data: str = "random"
     logit: float | None = None
     scale: float | None = None
-    coefficients: str = "float"  # or "int8" (spec A10), "int4", "int2" (spec/quantization.md)
+    coefficients: str = "float"  # or "int8" (spec A10), "int4", "int2" (spec/quantization.md), or "key/value" formats (Q0, e.g. "int4/int8")
     group_size: int = 32  # tokens per key group of int4/int2 coefficients (spec/quantization.md Q2)
     bases: str = "native"  # or "float16", "int8" (spec/storage.md S1)
     window: int = 0  # spec/window.md W1: exact recent window ...
@@ -84,6 +84,7 @@ class Case:
             "int8": self.coefficients == "int8",
             "int4": self.coefficients == "int4",
             "int2": self.coefficients == "int2",
+            "mixed_formats": "/" in self.coefficients,
             "encoded_bases": self.bases != "native",
         }
         return frozenset(name for name, value in on.items() if value)
@@ -182,6 +183,13 @@ CASES = [
     Case("static-rope-sinks-int4", "static", group=2, d=16, d_v=12, T=50, rope=True, sinks=4, coefficients="int4", group_size=8),
     Case("static-sinks-window-int2", "static", N=2, group=2, d=16, d_v=8, T=60, sinks=3, window=5, coefficients="int2", group_size=8),
     Case("adaptive-sinks-int4", "adaptive", group=2, d=16, d_v=12, T=70, max_chunk=16, tau=0.7, sinks=4, coefficients="int4", group_size=8),
+    # a format per side (spec/quantization.md Q0; the head groups of spec/layer_state.md L2)
+    Case("static-int4keys-int8values-N2-gqa4", "static", N=2, group=4, d=16, d_v=12, T=45, coefficients="int4/int8", group_size=8),
+    Case("static-rope-sinks-window-int4keys-floatvalues", "static", group=2, d=16, d_v=12, T=50, rope=True, sinks=3, window=5, coefficients="int4/float", group_size=8),
+    Case("static-int8keys-int2values-sinks", "static", N=2, group=2, d=12, d_v=16, T=40, sinks=2, window=4, coefficients="int8/int2", group_size=8),
+    Case("static-floatkeys-int4values-logits1e4", "static", group=4, d=16, d_v=16, T=40, logit=1e4, coefficients="float/int4"),
+    Case("adaptive-int2keys-int4values", "adaptive", group=2, d=16, d_v=12, T=60, max_chunk=16, tau=0.7, coefficients="int2/int4", group_size=8),
+    Case("rotating-floatkeys-int8values", "rotating", group=2, T=60, refresh_every=16, coefficients="float/int8"),
 ]
 
 # Bigger sweeps, run on purpose: pytest -m slow tests/differential
@@ -239,12 +247,22 @@ def rope_params(d: int):
     return RopeParams(1.0 / 10000.0 ** (np.arange(m) / m), attention_scaling=1.1)
 
 
+def side_formats(case: Case) -> str | tuple[str, str]:
+    """The ``coefficients=`` argument of the case: one format, or a (key, value) pair (spec/quantization.md Q0)."""
+    return tuple(case.coefficients.split("/")) if "/" in case.coefficients else case.coefficients
+
+
+def low_bit(case: Case) -> bool:
+    """Whether a side of the case stores int4/int2 codes (spec/quantization.md Q2)."""
+    return any(name in ("int4", "int2") for name in case.coefficients.split("/"))
+
+
 def empty_state(case: Case, rng) -> sr.SubspaceState:
     """The case's state before any token, float64 NumPy, batched (N, H, ...)."""
     heads = case.H * case.group if case.share else case.H  # query_group: one basis per query head
     gamma = rng.uniform(0.5, 1.5, heads)
     exact = dict(window=case.window, min_tokens=case.min_tokens, sinks=case.sinks)
-    if case.coefficients in ("int4", "int2"):
+    if low_bit(case):
         exact["group_size"] = case.group_size
     if case.kind == "static":
         B = _orthonormal(rng, heads, _ranks(case.rank_k, heads), case.d)
@@ -252,14 +270,14 @@ def empty_state(case: Case, rng) -> sr.SubspaceState:
         return sr.SubspaceState.static(
             sr.StaticBasis.from_bases(B, E, gamma),
             batch=case.N,
-            coefficients=case.coefficients,
+            coefficients=side_formats(case),
             bases=case.bases,
             rope=rope_params(case.d) if case.rope else None,
             query_group=case.group if case.share else 1,
             **exact,
         )
     common = dict(
-        rank_k=case.rank_k, rank_v=case.rank_v, warmup=case.warmup, gamma=gamma, batch=case.N, coefficients=case.coefficients, bases=case.bases, **exact
+        rank_k=case.rank_k, rank_v=case.rank_v, warmup=case.warmup, gamma=gamma, batch=case.N, coefficients=side_formats(case), bases=case.bases, **exact
     )
     if case.kind == "adaptive":
         return sr.SubspaceState.adaptive(

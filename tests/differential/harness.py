@@ -94,6 +94,7 @@ def declared_gaps(backend: str, operation: str, features: frozenset[str], case) 
         "int8": case.coefficients in caps.coefficient_formats,
         "int4": case.coefficients in caps.coefficient_formats,
         "int2": case.coefficients in caps.coefficient_formats,
+        "mixed_formats": case.coefficients in caps.coefficient_formats,
         "encoded_bases": case.bases in caps.basis_formats,
     }
     if operation == "append":
@@ -112,6 +113,7 @@ REASON_WORDS = {
     "int8": ("int8",),
     "int4": ("int4",),
     "int2": ("int2",),
+    "mixed_formats": ("coefficients",),
     "ring_warm_start": ("ring_warm_start",),
     "fd_stride": ("fd_stride",),
     "reuse_angle": ("reuse_angle",),
@@ -178,23 +180,23 @@ def backend_state(state64, target: Target, poison: bool = True):
         lay = state.layout
         T, J = lay.num_tokens, lay.key_bases.shape[2]
         lay = lay.with_capacity(T + 7, J + 3)  # spare capacity past the live ranges ...
-        if lay.low_bits:  # int4/int2 (spec/quantization.md Q2): codes, scales, zero points, tail
-            G = lay.group
-            lay.key_coef[:, :, T:] = 0xFF
-            lay.value_coef[:, :, T:] = 0xFF
-            for name in ("key_group_scale", "key_group_zero"):  # the unfinished group's keys are in key_tail
-                getattr(lay, name)[:, :, T // G :] = float("nan")
-            for name in ("value_token_scale", "value_token_zero"):
-                getattr(lay, name)[:, :, T:] = float("nan")
-            lay.key_tail[:, :, T - T // G * G :] = float("nan")
-        elif "int" in dtype_name(lay.key_coef):  # int8 coefficients (spec A10): poison their scales
-            lay.key_coef[:, :, T:] = 127
-            lay.value_coef[:, :, T:] = 127
-            lay.key_scale[:, :, T:] = float("nan")
-            lay.value_scale[:, :, T:] = float("nan")
-        else:
-            lay.key_coef[:, :, T:] = float("nan")  # ... filled with poison
-            lay.value_coef[:, :, T:] = float("nan")
+        for which in ("key", "value"):  # each side as its format stores it (spec/quantization.md Q0)
+            fmt = lay.side_format(which)
+            if fmt.low_bits:  # int4/int2 (spec/quantization.md Q2): codes, scales, zero points, tail
+                getattr(lay, f"{which}_coef")[:, :, T:] = 0xFF
+                if which == "key":
+                    G = lay.group
+                    for name in ("key_group_scale", "key_group_zero"):  # the unfinished group's keys are in key_tail
+                        getattr(lay, name)[:, :, T // G :] = float("nan")
+                    lay.key_tail[:, :, T - T // G * G :] = float("nan")
+                else:
+                    for name in ("value_token_scale", "value_token_zero"):
+                        getattr(lay, name)[:, :, T:] = float("nan")
+            elif fmt.per_token_scale:  # int8 coefficients (spec A10): poison their scales
+                getattr(lay, f"{which}_coef")[:, :, T:] = 127
+                getattr(lay, f"{which}_scale")[:, :, T:] = float("nan")
+            else:
+                getattr(lay, f"{which}_coef")[:, :, T:] = float("nan")  # ... filled with poison
         if lay.key_basis_scale is not None:  # int8 bases: poison their scales
             lay.key_bases[:, :, J:], lay.value_bases[:, :, J:] = 127, 127
             lay.key_basis_scale[:, :, J:] = float("nan")

@@ -14,7 +14,7 @@ import pytest
 
 from subspace_ref.arrays import to_numpy
 
-from .cases import CASES, Case, empty_state, tokens
+from .cases import CASES, Case, empty_state, low_bit, tokens
 from .harness import Target, backend_state, declared_refusal, to_backend
 
 APPEND_CASES = [
@@ -53,6 +53,9 @@ APPEND_CASES = [
         "adaptive-int2-G8",
         "rotating-int4-logits1e4",
         "static-sinks-window-int2",
+        "static-int8keys-int2values-sinks",
+        "adaptive-int2keys-int4values",
+        "rotating-floatkeys-int8values",
     }
 ]
 # Cases whose chunk boundaries do not depend on rounding (no residual trigger can fire), so a
@@ -60,7 +63,7 @@ APPEND_CASES = [
 # int4/int2 are left out: one float32 rounding across a quantiser boundary moves a code by a step
 # of up to 2 max|c| / (2^b - 1) (2/3 of the largest entry for int2), a bound too loose to test
 # anything; their float64 appends must match the oracle exactly (test_append_matches_oracle).
-FLOAT32_CASES = [c for c in APPEND_CASES if (c.kind != "adaptive" or c.data == "lowrank" or c.rank_k == c.d) and c.coefficients not in ("int4", "int2")]
+FLOAT32_CASES = [c for c in APPEND_CASES if (c.kind != "adaptive" or c.data == "lowrank" or c.rank_k == c.d) and not low_bit(c)]
 
 
 def _inputs(case: Case, salt: int):

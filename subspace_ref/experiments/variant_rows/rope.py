@@ -52,7 +52,7 @@ def residual_traces(ctx, bases: dict[str, list], rope, windows: int = 2) -> dict
     KV heads and ``windows`` held-out windows. ``bases``: name -> (per-layer key bases (H, r, d),
     pre_rope flag)."""
     from subspace_ref.experiments import _common as C
-    from subspace_ref.experiments.calibrate import capture_windows
+    from subspace_ref.hf.calibration_losses import capture_windows
     from subspace_ref.rope import rotate
 
     ids = ctx.eval_windows()[:windows]

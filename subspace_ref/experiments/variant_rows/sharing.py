@@ -46,7 +46,8 @@ def heldout_errors(moments: list, key_bases: list[np.ndarray]) -> float:
 
 
 def variants(ctx, record: dict, svd: list[dict]) -> list[Variant]:
-    from subspace_ref.experiments.calibrate import basis_from_svd, capture_windows
+    from subspace_ref.experiments.calibrate import basis_from_svd
+    from subspace_ref.hf.calibration_losses import capture_windows
     from subspace_ref.hf import static_states
     from subspace_ref.sharing import calibrate_query_heads
 

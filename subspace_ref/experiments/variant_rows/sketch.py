@@ -53,7 +53,7 @@ def sketch_counters(model, ids: np.ndarray, factory) -> dict:
     chunks = []
     with torch.no_grad(), subspace_attention_enabled(model):
         cache = SubspaceCache(model.config, factory, backend="numpy")
-        model(input_ids=torch.as_tensor(ids, dtype=torch.long), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.as_tensor(ids, dtype=torch.long), cache=cache, use_cache=True)
     states = [s for s in cache.states if s is not None]
     for s in states:
         n_heads = s.batch * s.heads

@@ -1,0 +1,180 @@
+"""The cache layer of a :class:`~subspace_ref.LayerState` (heads of different configurations,
+spec/layer_state.md): one :class:`~subspace_ref.hf.SubspaceLayer` per head group, each
+given its KV heads' keys and values and its query heads, the outputs put back in head order.
+
+Every feature of a uniform layer (prefill, masks, beams, crop, restore points, the model's
+dtype) is the groups' own: this layer only splits and joins along the head axis.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from subspace_ref.hf import attention as _attn
+from subspace_ref.hf.cache_layer import SubspaceLayer
+from subspace_ref.layer_state import HeadGroup, LayerState
+
+
+class GroupedLayer(CacheLayerMixin):
+    """One layer of a :class:`~subspace_ref.hf.SubspaceCache` holding a :class:`LayerState`:
+    ``children[i]`` is the :class:`SubspaceLayer` of head group i (its KV heads ``heads[i]``)."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, cache, layer_idx: int, layer: LayerState, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.cache = cache
+        self.layer_idx = layer_idx
+        self.kv_heads = layer.kv_heads
+        self.heads = [g.heads for g in layer.groups]
+        self.flags = [g.flags for g in layer.groups]
+        self.children = []
+        for g in layer.groups:
+            child = SubspaceLayer(cache, layer_idx)
+            child.state, child.dtype, child.device, child.is_initialized = g.state, dtype, device, True
+            child.keep_restore_point()  # built during a forward: its restore point is the empty state
+            self.children.append(child)
+        self._index = [torch.as_tensor(h, dtype=torch.long, device=device) for h in self.heads]
+        self.dtype, self.device, self.is_initialized = dtype, device, True
+        self.pending_keys: torch.Tensor | None = None
+
+    def __repr__(self) -> str:
+        return f"GroupedLayer({self.layer_idx}, {self.state!r})"
+
+    @property
+    def state(self) -> LayerState:
+        return LayerState(self.kv_heads, [HeadGroup(h, c.state, **f) for h, c, f in zip(self.heads, self.children, self.flags)])
+
+    # -- CacheLayerMixin
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        raise RuntimeError(f"layer {self.layer_idx}: a grouped layer is built initialised")
+
+    @torch.compiler.disable(reason="a SubspaceCache appends and attends in Python outside any graph")
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hand each group its heads' new keys and values as pending and return the keys tagged
+        with this layer (see :meth:`SubspaceLayer.update`)."""
+        self.cache.check_model_attention()
+        if self.pending_keys is not None:
+            self._clear_pending()
+            raise RuntimeError(f"layer {self.layer_idx}: the previous update was never consumed by the attention function")
+        first = self.children[0].state
+        if key_states.ndim != 4 or key_states.shape[0] != first.batch or key_states.shape[1] != self.kv_heads or key_states.shape[3] != first.d:
+            raise ValueError(f"layer {self.layer_idx}: keys of shape {tuple(key_states.shape)} do not fit the layer {self.state!r} (batch {first.batch})")
+        self.cache.begin_forward(self.layer_idx)
+        for child, index in zip(self.children, self._index):
+            child.pending_keys, child.pending_values = key_states.index_select(1, index), value_states.index_select(1, index)
+        self.pending_keys = key_states
+        setattr(key_states, _attn.TAG, self)
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return self.children[0].get_seq_length()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        """Back to an uninitialised layer of the cache's factory (built again on the next update)."""
+        self._clear_pending()
+        self.cache.layers[self.layer_idx] = SubspaceLayer(self.cache, self.layer_idx)
+
+    def offload(self):
+        pass
+
+    def prefetch(self):
+        pass
+
+    # -- the forward's bookkeeping, per group (SubspaceCache.begin_forward / rollback_forward)
+    @property
+    def _forward_start(self) -> int:
+        return self.children[0]._forward_start
+
+    @_forward_start.setter
+    def _forward_start(self, value: int) -> None:
+        for child in self.children:
+            child._forward_start = value
+
+    @property
+    def _restore_point(self):
+        points = [c._restore_point for c in self.children]
+        return points if any(p is not None for p in points) else None
+
+    def keep_restore_point(self) -> None:
+        for child in self.children:
+            child.keep_restore_point()
+
+    def truncate_reason(self) -> str | None:
+        reasons = [r for r in (c.truncate_reason() for c in self.children) if r]
+        return "; ".join(dict.fromkeys(reasons)) or None
+
+    def truncate(self, num_tokens: int) -> None:
+        for child in self.children:
+            child.truncate(num_tokens)
+
+    def restore(self) -> None:
+        """Each group back to the start of the forward: truncated where it can be, else through its restore point."""
+        for child in self.children:
+            if child.truncate_reason() is None:
+                child.truncate(child._forward_start)
+            elif child._restore_point is not None:
+                child.restore()
+
+    @property
+    def is_croppable(self) -> bool:
+        return True
+
+    def crop(self, tokens_to_remove: int) -> None:
+        for child in self.children:
+            child.crop(tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        for child in self.children:
+            child.reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        for child in self.children:
+            child.batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        for child in self.children:
+            child.batch_select_indices(indices)
+
+    # -- attention
+    def _clear_pending(self) -> None:
+        _attn.untag(self.pending_keys)
+        self.pending_keys = None
+        for child in self.children:
+            child._clear_pending()
+
+    def abandon(self) -> None:
+        """The forward failed: drop what is pending and give back every layer's tokens of this forward."""
+        self._clear_pending()
+        self.cache.rollback_forward()
+
+    def attend_pending(self, query: torch.Tensor, scale: float, *, mask: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+        """Each group appends its pending tokens and attends its query heads (those of its KV
+        heads: query head i reads KV head i // g) by :meth:`SubspaceLayer.attend_pending`; the
+        outputs (B, H_q, n, d_v) come back in query-head order."""
+        g = query.shape[1] // self.kv_heads
+        _attn.untag(self.pending_keys)
+        self.pending_keys = None
+        outs, order = [], []
+        for child, heads in zip(self.children, self.heads):
+            rows = [h * g + i for h in heads for i in range(g)]
+            index = torch.as_tensor(rows, dtype=torch.long, device=query.device)
+            outs.append(child.attend_pending(query.index_select(1, index), scale, mask=mask, softcap=softcap))
+            order += rows
+        if len(outs) == 1:
+            return outs[0]
+        inverse = torch.as_tensor(sorted(range(len(order)), key=order.__getitem__), dtype=torch.long, device=query.device)
+        return torch.cat(outs, dim=1).index_select(1, inverse)
+
+
+__all__ = ["GroupedLayer"]

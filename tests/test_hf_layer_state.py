@@ -1,0 +1,163 @@
+"""Layer states in the transformers cache (spec/layer_state.md, subspace_ref/hf/grouped_layer.py):
+a layer whose heads differ decodes through one child layer per head group, with every feature of
+a uniform layer (beams, left padding, crop, the model's dtype), and an artifact with an allocation
+decodes exactly what it saved."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from subspace_ref import SubspaceState  # noqa: E402
+from subspace_ref.allocation import Allocation, HeadAllocation  # noqa: E402
+from subspace_ref.calibration import StaticBasis  # noqa: E402
+from subspace_ref.hf import CalibratedBases, SubspaceCache, allocated_states, compress, static_states  # noqa: E402
+from subspace_ref.hf.grouped_layer import GroupedLayer  # noqa: E402
+from subspace_ref.hf.teacher_forced import decode_token_by_token  # noqa: E402
+from subspace_ref.layer_state import HeadGroup, LayerState  # noqa: E402
+from subspace_ref.rope import RopeParams  # noqa: E402
+from tests.test_hf_features import sr_basis  # noqa: E402
+from tests.test_hf_generation import check_call, model_for, prompt_ids, tolerance  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def split_states(basis: StaticBasis, coefficients: str):
+    """A factory of layer states holding each KV head in a group of its own, every head the
+    configuration ``static_states([basis], coefficients=...)`` gives all of them at once."""
+
+    def factory(spec):
+        groups = []
+        for h in range(spec.heads):
+            one = StaticBasis(B=basis.B[h : h + 1], E=basis.E[h : h + 1], gamma=basis.gamma[h : h + 1], rank_k=basis.rank_k[h : h + 1], rank_v=basis.rank_v[h : h + 1])
+            groups.append(HeadGroup((h,), SubspaceState.static(one, batch=spec.batch, dtype=spec.state_dtype, coefficients=coefficients, bases="float16")))
+        return LayerState(spec.heads, groups)
+
+    return factory
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_split_groups_decode_as_the_uniform_layer_with_beams_and_left_padding(dtype):
+    """Heads split into groups give the uniform cache's beams and logits under a left-padding mask."""
+    model = model_for("llama", dtype)
+    basis = sr_basis(model, 6)
+    ids = prompt_ids(batch=2, length=10)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding of the first sequence
+    kw = dict(max_new_tokens=6, num_beams=2, do_sample=False, return_dict_in_generate=True, output_logits=True, pad_token_id=0, attention_mask=mask)
+    with compress(model, static_states([basis] * 2, coefficients="int8")) as kv:
+        uniform = model.generate(ids, cache=kv.cache(), **kw)
+    with compress(model, split_states(basis, "int8")) as kv:
+        cache = kv.cache()
+        split = model.generate(ids, cache=cache, **kw)
+    assert all(isinstance(layer, GroupedLayer) for layer in cache.layers)
+    assert all(layer.children[0].state.dtype == (torch.bfloat16 if dtype == "bfloat16" else torch.float32) for layer in cache.layers)
+    assert check_call(f"llama/{dtype}/split", model, uniform, split, True, False, tolerance("llama", dtype))
+
+
+def mixed_allocation(d: int, sinks: int, window: int) -> Allocation:
+    """Per layer: a low-rank pre-RoPE int4 head and an identity int8 / float head (spec/layer_state.md L1)."""
+    layer = (HeadAllocation(5, 4, 4, 4, "pre_rope"), HeadAllocation(d, d, 8, 16, "identity", "identity"))
+    return Allocation((layer, layer), group=4, window=window, sinks=sinks)
+
+
+def mixed_bases(model, alloc: Allocation) -> list[StaticBasis]:
+    basis = sr_basis(model, 5)
+    layer = StaticBasis(B=basis.B * np.array([1.0, 0.0])[:, None, None], E=basis.E[:, :4] * np.array([1.0, 0.0])[:, None, None],
+                        gamma=np.ones(2), rank_k=(5, 0), rank_v=(4, 0))
+    return [layer] * alloc.layers
+
+
+@pytest.mark.parametrize("sinks, window", [(2, 3), (0, 0), (3, 0)])
+def test_prefill_equals_decoding_for_pre_rope_heads_with_sinks_and_a_window(sinks, window):
+    """spec/window.md W10 through the cache: one forward over the prompt (the causal evaluation,
+    compressed tokens at positions offset by the sinks) gives the logits of decoding token by
+    token (subspace_ref.attend each step), for low-rank pre-RoPE int4 heads beside identity ones."""
+    model = copy.deepcopy(model_for("llama")).to(torch.float64)
+    d = model.config.hidden_size // model.config.num_attention_heads
+    alloc = mixed_allocation(d, sinks, window)
+    factory = allocated_states(mixed_bases(model, alloc), alloc, rope=RopeParams.from_config(model.config))
+    ids = prompt_ids(batch=2, length=17)
+    with compress(model, factory) as kv, torch.no_grad():
+        prefill = model(ids, cache=kv.cache()).logits
+    stepwise = decode_token_by_token(model, ids, factory)
+    scale = float(prefill.abs().max())
+    torch.testing.assert_close(prefill, stepwise, rtol=0, atol=1e-5 * scale)  # Llama's float32 RMSNorm in a float64 model (test_hf_cache.py)
+    with compress(model, full_and_pre_rope_exact(model)) as kv, torch.no_grad():
+        exact = model(ids, cache=kv.cache()).logits
+    assert float((prefill - exact).abs().max()) > 1e-6 * scale  # the compression is lossy here: the comparison above is not vacuous
+
+
+def full_and_pre_rope_exact(model):
+    d = model.config.hidden_size // model.config.num_attention_heads
+    layer = (HeadAllocation(d, d, 16, 16, "identity", "identity"),) * 2
+    alloc = Allocation((layer, layer))
+    zero = StaticBasis(B=np.zeros((2, 1, d)), E=np.zeros((2, 1, d)), gamma=np.ones(2), rank_k=(0, 0), rank_v=(0, 0))
+    return allocated_states([zero, zero], alloc)
+
+
+def test_identity_heads_in_float_reproduce_the_stock_cache():
+    model = copy.deepcopy(model_for("llama")).to(torch.float64)
+    ids = prompt_ids(batch=2, length=12)
+    with torch.no_grad():
+        stock = model(ids).logits
+    with compress(model, full_and_pre_rope_exact(model)) as kv, torch.no_grad():
+        cache = kv.cache()
+        got = model(ids, cache=cache).logits
+    torch.testing.assert_close(got, stock, rtol=0, atol=1e-5 * float(stock.abs().max()))  # Llama's float32 RMSNorm (test_hf_cache.py)
+    assert cache.nbytes == cache.full_cache_nbytes + 2 * 2 * 8  # identity bases uncounted: coefficients (as K, V) and gamma
+
+
+def test_an_artifact_with_an_allocation_decodes_what_it_saved(tmp_path):
+    """compress(model, bases) builds the saved allocation's layer states (formats, kinds, sinks,
+    window, group), with no other argument; the reloaded artifact gives the same logits."""
+    model = copy.deepcopy(model_for("llama")).to(torch.float64)
+    d = model.config.hidden_size // model.config.num_attention_heads
+    alloc = mixed_allocation(d, 2, 3)
+    saved = CalibratedBases.for_model(model, mixed_bases(model, alloc), allocation=alloc).save_pretrained(tmp_path / "bases")
+    bases = CalibratedBases.from_pretrained(saved, model.config)
+    ids = prompt_ids(batch=1, length=15)
+    with compress(model, bases) as kv, torch.no_grad():
+        cache = kv.cache()
+        got = model(ids, cache=cache).logits
+    layer = cache.layers[0]
+    assert isinstance(layer, GroupedLayer)
+    st = layer.state
+    assert [g.state.layout.coefficients for g in st.groups] == ["int4", "int8/float"]
+    assert st.window.size == 3 and st.window.sinks == 2 and st.groups[0].state.layout.group == 4
+    assert st.groups[0].state.policy.rope is not None and st.groups[1].key_identity and st.groups[1].value_identity
+    factory = allocated_states(mixed_bases(model, alloc), alloc, rope=RopeParams.from_config(model.config), basis_format=bases.basis_format)
+    with compress(model, factory) as kv, torch.no_grad():
+        want = model(ids, cache=kv.cache()).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="config"):
+        bases.states()  # pre-RoPE heads need the model's RoPE
+
+
+def test_crop_through_grouped_layers_equals_greedy_decoding():
+    """Prompt lookup crops rejected candidates from every group (restore points of int4 groups)."""
+    model = copy.deepcopy(model_for("llama")).to(torch.float64)
+    d = model.config.hidden_size // model.config.num_attention_heads
+    alloc = mixed_allocation(d, 0, 0)
+    factory = allocated_states(mixed_bases(model, alloc), alloc, rope=RopeParams.from_config(model.config))
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]])
+    kw = dict(max_new_tokens=10, do_sample=False, return_dict_in_generate=True, output_logits=True, pad_token_id=0)
+    with compress(model, factory) as kv:
+        greedy = model.generate(ids, cache=kv.cache(), **kw)
+        lookup = model.generate(ids, prompt_lookup_num_tokens=3, cache=kv.cache(), **kw)
+    assert check_call("llama/grouped/lookup", model, greedy, lookup, True, False, tolerance("llama", "float32"))
+
+
+def test_a_layer_state_for_another_model_is_refused():
+    model = model_for("llama")
+    d = model.config.hidden_size // model.config.num_attention_heads
+    alloc = Allocation(((HeadAllocation(d, d, 16, 16, "identity", "identity"),) * 3,) * 2)
+    zero = StaticBasis(B=np.zeros((3, 1, d)), E=np.zeros((3, 1, d)), gamma=np.ones(3), rank_k=(0,) * 3, rank_v=(0,) * 3)
+    cache = SubspaceCache(model.config, allocated_states([zero, zero], alloc))
+    with compress(model, allocated_states([zero, zero], alloc)), pytest.raises(ValueError, match="3 KV heads, the model 2"):
+        model(prompt_ids(batch=1, length=4), cache=cache)

@@ -124,10 +124,10 @@ def test_every_rank_costs_what_a_state_of_that_rank_holds(bits, group, exact):
 # ------------------------------------------------------------------------ 2. the ceiling at equality
 def ceiling_terms(state) -> tuple[Fraction, Fraction, Fraction, Fraction]:
     """(F, B_c, T_c, beta) of spec/algorithms.md A7.3 for one (sequence, head), as exact numbers:
-    the bytes that do not grow (``byte_ceiling.fixed_bytes``, issue 40; 0 where the ceiling does
-    not count them), one more chunk, one more token, and the ceiling per token."""
+    the bytes that do not grow (``byte_ceiling.fixed_bytes``), one more chunk, one more token, and
+    the ceiling per token."""
     per_chunk, per_token, beta = byte_ceiling.rates(state)
-    fixed = getattr(byte_ceiling, "fixed_bytes", lambda state: 0)(state)
+    fixed = byte_ceiling.fixed_bytes(state)
     return Fraction(fixed), Fraction(per_chunk), Fraction(per_token), Fraction(beta)
 
 

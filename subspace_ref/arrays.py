@@ -87,3 +87,22 @@ def itemsize(x: Any) -> int:
 
 def clone(x: Any) -> Any:
     return x.clone() if array_family(x) == "torch" else x.copy()
+
+
+def concat(parts: list, axis: int) -> Any:
+    """``parts`` (arrays of one family) joined along ``axis``."""
+    if array_family(parts[0]) == "torch":
+        import torch  # the arrays are torch tensors already, so torch is loaded
+
+        return torch.cat(parts, dim=axis)
+    return namespace(parts[0]).concatenate(parts, axis=axis)
+
+
+def take(x: Any, rows: list, axis: int) -> Any:
+    """The entries ``rows`` (a list of ints) of ``x`` along ``axis``, in that order (a new array)."""
+    if array_family(x) == "torch":
+        import torch
+
+        return x.index_select(axis, torch.as_tensor(rows, dtype=torch.long, device=x.device))
+    xp = namespace(x)
+    return xp.take(x, xp.asarray(rows), axis=axis)

@@ -129,8 +129,13 @@ def of_bits(bits: Any, argument: str = "bits") -> CoefficientFormat:
 
 
 def side_formats(coefficients: Any) -> tuple[CoefficientFormat, CoefficientFormat]:
-    """The (key, value) records of a ``coefficients=`` argument: one name for both sides, or a
-    (key, value) pair of names."""
+    """The (key, value) records of a ``coefficients=`` argument: one name for both sides, a
+    (key, value) pair of names, or the name a layout reports (:func:`pair_name`, "key/value")."""
+    if isinstance(coefficients, str) and "/" in coefficients:
+        names = coefficients.split("/")
+        if len(names) != 2 or names[0] == names[1]:
+            raise ValueError(f"coefficients must be a format name or 'key/value' of two different names, got {coefficients!r}")
+        coefficients = tuple(names)
     if isinstance(coefficients, (tuple, list)):
         if len(coefficients) != 2:
             raise ValueError(f"coefficients must be a format name or a (key, value) pair of names, got {coefficients!r}")

@@ -19,7 +19,7 @@ import numpy as np
 
 from subspace_ref import _checks, persistence
 from subspace_ref.operations import attend
-from subspace_ref.arrays import array_family, itemsize, namespace
+from subspace_ref.arrays import concat, itemsize, take
 from subspace_ref.calibration import StaticBasis
 from subspace_ref.formats import of_bits
 from subspace_ref.layout import counted_nbytes
@@ -212,8 +212,7 @@ class LayerState:
         saved = [_snapshot(g.state) for g in self.groups]
         try:
             for g in self.groups:
-                index = _take_index(g.heads, keys)
-                g.state.append(_take(keys, axis, index), _take(values, axis, index))
+                g.state.append(take(keys, list(g.heads), axis), take(values, list(g.heads), axis))
         except BaseException:
             for g, snap in zip(self.groups, saved):
                 _restore(g.state, snap)
@@ -231,13 +230,9 @@ class LayerState:
         g = shape[axis] // self.kv_heads
         if len(self.groups) == 1:
             return attend(q, self.groups[0].state, backend=backend, scale=scale)
-        outs, order = [], []
-        for group in self.groups:
-            rows = [h * g + i for h in group.heads for i in range(g)]
-            outs.append(attend(_take(q, axis, _take_index(rows, q)), group.state, backend=backend, scale=scale))
-            order += rows
-        inverse = np.argsort(order)
-        return _take(_concat(outs, axis), axis, _take_index(inverse.tolist(), q))
+        rows, inverse = query_rows(self.groups, g)
+        outs = [attend(take(q, r, axis), group.state, backend=backend, scale=scale) for r, group in zip(rows, self.groups)]
+        return take(concat(outs, axis), inverse, axis)
 
     def reconstruct(self) -> tuple[np.ndarray, np.ndarray]:
         """(K_hat, V_hat) the layer stands for, heads in order (:meth:`SubspaceState.reconstruct`)."""
@@ -313,26 +308,13 @@ def _restore(state: SubspaceState, snap: tuple) -> None:
     state.layout, state.window, state.admitted = snap[0], snap[1], snap[2]
 
 
-def _take_index(rows: Sequence[int], like: Any) -> Any:
-    if array_family(like) == "torch":
-        import torch
-
-        return torch.as_tensor(list(rows), dtype=torch.long, device=like.device)
-    return namespace(like).asarray(list(rows))
-
-
-def _take(x: Any, axis: int, index: Any) -> Any:
-    if array_family(x) == "torch":
-        return x.index_select(axis, index)
-    return namespace(x).take(x, index, axis=axis)
+def query_rows(groups: Sequence[HeadGroup], g: int) -> tuple[list[list[int]], list[int]]:
+    """Per group, the query heads of its KV heads (query head i reads KV head i // g, GQA), and the
+    permutation that puts the groups' outputs, concatenated in group order, back in head order
+    (spec/layer_state.md L5.1)."""
+    rows = [[h * g + i for h in group.heads for i in range(g)] for group in groups]
+    order = [r for group_rows in rows for r in group_rows]
+    return rows, sorted(range(len(order)), key=order.__getitem__)
 
 
-def _concat(parts: list, axis: int) -> Any:
-    if array_family(parts[0]) == "torch":
-        import torch
-
-        return torch.cat(parts, dim=axis)
-    return namespace(parts[0]).concatenate(parts, axis=axis)
-
-
-__all__ = ["KEY_KINDS", "VALUE_KINDS", "HeadConfig", "HeadGroup", "LayerState"]
+__all__ = ["KEY_KINDS", "VALUE_KINDS", "HeadConfig", "HeadGroup", "LayerState", "query_rows"]

@@ -30,7 +30,7 @@ from subspace_ref.layout import STATE_ARRAYS, PackedLayout, SketchBuffers, live_
 from subspace_ref.policies import AdaptivePolicy, RotatingPolicy, StaticPolicy
 from subspace_ref.policies._online import sketch_size, warmup_length
 from subspace_ref.policies.adaptive import sketch_options, trigger_order
-from subspace_ref.formats import CoefficientFormat, coefficient_format
+from subspace_ref.formats import CoefficientFormat, side_formats
 from subspace_ref.quantization import packed_width
 from subspace_ref.rope import RopeParams
 from subspace_ref.window import ExactWindow, after_sinks_threshold, compressed_count, options, sink_option
@@ -250,15 +250,6 @@ def _coefficients(state) -> str:
     return state.layout.coefficients
 
 
-def _side_formats(coefficients: str) -> tuple[CoefficientFormat, CoefficientFormat]:
-    """The (key, value) format records of a header's ``coefficients``: one name for both sides,
-    or "key/value" (version 2; spec/persistence.md). ValueError for anything else."""
-    names = coefficients.split("/") if isinstance(coefficients, str) else [coefficients]
-    if len(names) > 2 or (len(names) == 2 and names[0] == names[1]):
-        raise ValueError(f"coefficients must be a format name or 'key/value' of two different names, got {coefficients!r}")
-    return coefficient_format(names[0]), coefficient_format(names[-1])
-
-
 def _sketch_header(sk) -> dict[str, int]:
     """The header's "sketch" object: fill counts, rows seen, and spec A7.4.1's tokens_over_tau,
     written only when not 0 (version 2), so files without it are byte for byte as before."""
@@ -283,7 +274,7 @@ def _version_2_features(header: dict) -> list[str]:
 def _extended_coefficients(coefficients: Any) -> bool:
     """Whether a header's ``coefficients`` need version 2: low-bit codes on a side, or two formats."""
     try:
-        key_format, value_format = _side_formats(coefficients)
+        key_format, value_format = side_formats(coefficients)
     except (ValueError, TypeError):
         return False  # refused with its reason when the state is built
     return bool(key_format.low_bits or value_format.low_bits) or key_format != value_format
@@ -307,7 +298,7 @@ def _expected_dtypes(dtype_name: str, coefficients: str, stored: bool, bases: st
     out.update(chunk_starts="int64", num_chunks="int64", key_scale="float32", value_scale="float32")
     out.update(key_basis_scale="float32", value_basis_scale="float32")
     out.update({name: "float16" for name in LOW_BIT_TENSORS if name != "key_tail"})
-    for side, fmt in zip(("key", "value"), _side_formats(coefficients)):
+    for side, fmt in zip(("key", "value"), side_formats(coefficients)):
         if fmt.code_dtype is not None:
             out[f"{side}_coef"] = fmt.code_dtype
     if bases != "native":
@@ -356,7 +347,7 @@ def _state_header(state, dtype_name: str) -> dict[str, Any]:
     lay = state.layout
     sk = state.sketches
     extra = {} if _bases(state) == "native" else {"bases": _bases(state)}  # version 2 only
-    if _side_formats(_coefficients(state))[0].low_bits:  # version 2 only: low-bit keys have groups
+    if side_formats(_coefficients(state))[0].low_bits:  # version 2 only: low-bit keys have groups
         extra["group"] = int(lay.group)
     rope = _rope(state)
     if rope is not None:  # version 2 only: every number JSON writes as float64 repr reads back exactly
@@ -615,7 +606,7 @@ def _build_state(header: Any, tensors: dict[str, np.ndarray], path):
         _fail(path, f"dtype is {dtype_name!r}; expected one of {list(_FLOAT_DTYPES)}")
     coefficients = header.get("coefficients")
     try:
-        key_format, value_format = _side_formats(coefficients)
+        key_format, value_format = side_formats(coefficients)
     except ValueError as err:
         _fail(path, f"coefficients is {coefficients!r}: {err}")
     basis_format = header.get("bases", "native")

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from subspace_ref.arrays import array_family, namespace
+from subspace_ref.arrays import array_family, concat, namespace
 
 
 def quantize_rows(x: Any) -> tuple[Any, Any]:
@@ -159,14 +159,6 @@ def _numpy_viewable(*arrays: Any) -> bool:
     return all(x.device.type == "cpu" and x.dtype != torch.bfloat16 and not x.requires_grad for x in arrays)
 
 
-def _concat(parts: list, axis: int) -> Any:
-    if array_family(parts[0]) == "torch":
-        import torch
-
-        return torch.cat(parts, dim=axis)
-    return namespace(parts[0]).concatenate(parts, axis=axis)
-
-
 def store_low_bit(lay, which: str, a: int, b: int, coef: Any) -> None:
     """Spec Q2: write coefficients (N, H, b - a, r) of tokens [a, b) into low-bit layout ``lay``.
 
@@ -197,7 +189,7 @@ def store_low_bit(lay, which: str, a: int, b: int, coef: Any) -> None:
     G = lay.group
     g0 = a // G
     head = lay.key_tail[:, :, : a - g0 * G]
-    full = _concat([head.to(coef.dtype) if array_family(coef) == "torch" else head.astype(coef.dtype), coef], axis=2)
+    full = concat([head.to(coef.dtype) if array_family(coef) == "torch" else head.astype(coef.dtype), coef], axis=2)
     done = (full.shape[2] // G) * G
     if done:
         N, H, _, r = full.shape
@@ -234,4 +226,4 @@ def read_low_bit(lay, which: str, a: int, b: int, dtype: Any, upto: int, index: 
     if not parts:  # a == b
         empty = lay.key_tail[index + (slice(0, 0),)]
         return empty.to(dtype) if array_family(empty) == "torch" else empty.astype(dtype)
-    return parts[0] if len(parts) == 1 else _concat(parts, axis=-2)
+    return parts[0] if len(parts) == 1 else concat(parts, axis=-2)

@@ -25,7 +25,7 @@ import numpy as np
 
 from subspace_ref import _checks
 from subspace_ref import frequent_directions as fd
-from subspace_ref.arrays import array_family, clone, namespace
+from subspace_ref.arrays import clone, concat
 
 
 @dataclass
@@ -117,14 +117,6 @@ def after_sinks_threshold(min_tokens: int, sinks: int) -> int:
     return max(min_tokens - sinks, 0)
 
 
-def _concat(a: Any, b: Any) -> Any:
-    if array_family(a) == "torch":
-        import torch  # the arrays are torch tensors already, so torch is loaded
-
-        return torch.cat([a, b], dim=2)
-    return namespace(a).concatenate([a, b], axis=2)
-
-
 def append(state, keys: Any, values: Any, compress) -> None:
     """Spec/window.md W2 for validated keys (N, H, n, d), values (N, H, n, d_v) in the state's
     family and dtype. ``compress(state, keys, values, ahead)`` is the backend's append of the
@@ -137,7 +129,7 @@ def append(state, keys: Any, values: Any, compress) -> None:
     if win.sink_count < win.sinks:
         # spec/window.md W7: the first S tokens of the stream fill the sinks, the rest follow W2
         take = min(win.sinks - win.sink_count, keys.shape[2])
-        sink_keys, sink_values = _concat(win.sink_keys, keys[:, :, :take]), _concat(win.sink_values, values[:, :, :take])
+        sink_keys, sink_values = concat([win.sink_keys, keys[:, :, :take]], 2), concat([win.sink_values, values[:, :, :take]], 2)
         keys, values = keys[:, :, take:], values[:, :, take:]
         if keys.shape[2] == 0:  # nothing else to do, nothing else can fail
             state.window = replace(win, sink_keys=clone(sink_keys), sink_values=clone(sink_values))
@@ -148,7 +140,7 @@ def append(state, keys: Any, values: Any, compress) -> None:
     T_new = T_c + win.recent + keys.shape[2]
     moved = compressed_count(T_new, win.size, after_sinks_threshold(win.min_tokens, win.sinks)) - T_c
     # step 2: the exact tokens followed by the new ones cover [T_c, T_new), in order
-    all_k, all_v = _concat(win.keys, keys), _concat(win.values, values)
+    all_k, all_v = concat([win.keys, keys], 2), concat([win.values, values], 2)
     if moved > 0:
         # step 3: the oldest `moved` leave the exact part through the policy's ordinary append
         # step 3 (W4): with lookahead, the L_h tokens after them, which have arrived, anchor new chunks
@@ -177,7 +169,7 @@ def lookahead_stream(keys: Any, values: Any, ahead: tuple | None) -> tuple | Non
     or None without lookahead: the argument :func:`anchor_buffers` reads."""
     if ahead is None or ahead[0].shape[2] == 0:
         return None
-    return _concat(keys, ahead[0]), _concat(values, ahead[1]), ahead[0].shape[2]
+    return concat([keys, ahead[0]], 2), concat([values, ahead[1]], 2), ahead[0].shape[2]
 
 
 def anchor_buffers(buf_k: Any, filled_k: int, buf_v: Any, filled_v: int, policy, following: tuple | None, i: int, insert=fd.insert):

@@ -122,10 +122,16 @@ class SubspaceCache(Cache):
         """The compressed layers: :class:`SubspaceLayer` s and grouped layers of :class:`LayerState` s."""
         return [layer for layer in self.layers if isinstance(layer, (SubspaceLayer, GroupedLayer))]
 
+    @property
+    def state_layers(self) -> list[SubspaceLayer]:
+        """The layers that hold one state each: the :class:`SubspaceLayer` s, a grouped layer's
+        children in its place; what a forward's restore points and rollback act on."""
+        return [c for layer in self.subspace_layers for c in (layer.children if isinstance(layer, GroupedLayer) else [layer])]
+
     def begin_forward(self, layer_idx: int) -> None:
         """Called by each layer's update: the first compressed layer's update starts a forward,
         whose tokens :meth:`rollback_forward` can give back."""
-        layers = self.subspace_layers
+        layers = self.state_layers
         if layers and layers[0].layer_idx == layer_idx:
             for layer in layers:
                 layer._forward_start = layer.get_seq_length()
@@ -136,6 +142,7 @@ class SubspaceCache(Cache):
         others through their restore point when the forward kept one)."""
         for layer in self.subspace_layers:
             layer._clear_pending()
+        for layer in self.state_layers:
             if layer.state is None:
                 continue
             if layer.truncate_reason() is None:

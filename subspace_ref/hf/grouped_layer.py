@@ -15,7 +15,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from subspace_ref.hf import attention as _attn
 from subspace_ref.hf.cache_layer import SubspaceLayer
-from subspace_ref.layer_state import HeadGroup, LayerState
+from subspace_ref.layer_state import HeadGroup, LayerState, query_rows
 
 
 class GroupedLayer(CacheLayerMixin):
@@ -39,6 +39,7 @@ class GroupedLayer(CacheLayerMixin):
             child.keep_restore_point()  # built during a forward: its restore point is the empty state
             self.children.append(child)
         self._index = [torch.as_tensor(h, dtype=torch.long, device=device) for h in self.heads]
+        self._query_rows: dict[int, tuple] = {}  # per query heads per KV head g: (rows per group, inverse), as index tensors
         self.dtype, self.device, self.is_initialized = dtype, device, True
         self.pending_keys: torch.Tensor | None = None
 
@@ -91,41 +92,7 @@ class GroupedLayer(CacheLayerMixin):
     def prefetch(self):
         pass
 
-    # -- the forward's bookkeeping, per group (SubspaceCache.begin_forward / rollback_forward)
-    @property
-    def _forward_start(self) -> int:
-        return self.children[0]._forward_start
-
-    @_forward_start.setter
-    def _forward_start(self, value: int) -> None:
-        for child in self.children:
-            child._forward_start = value
-
-    @property
-    def _restore_point(self):
-        points = [c._restore_point for c in self.children]
-        return points if any(p is not None for p in points) else None
-
-    def keep_restore_point(self) -> None:
-        for child in self.children:
-            child.keep_restore_point()
-
-    def truncate_reason(self) -> str | None:
-        reasons = [r for r in (c.truncate_reason() for c in self.children) if r]
-        return "; ".join(dict.fromkeys(reasons)) or None
-
-    def truncate(self, num_tokens: int) -> None:
-        for child in self.children:
-            child.truncate(num_tokens)
-
-    def restore(self) -> None:
-        """Each group back to the start of the forward: truncated where it can be, else through its restore point."""
-        for child in self.children:
-            if child.truncate_reason() is None:
-                child.truncate(child._forward_start)
-            elif child._restore_point is not None:
-                child.restore()
-
+    # restore points and rollback act on the children directly (SubspaceCache.state_layers)
     @property
     def is_croppable(self) -> bool:
         return True
@@ -165,16 +132,13 @@ class GroupedLayer(CacheLayerMixin):
         g = query.shape[1] // self.kv_heads
         _attn.untag(self.pending_keys)
         self.pending_keys = None
-        outs, order = [], []
-        for child, heads in zip(self.children, self.heads):
-            rows = [h * g + i for h in heads for i in range(g)]
-            index = torch.as_tensor(rows, dtype=torch.long, device=query.device)
-            outs.append(child.attend_pending(query.index_select(1, index), scale, mask=mask, softcap=softcap))
-            order += rows
-        if len(outs) == 1:
-            return outs[0]
-        inverse = torch.as_tensor(sorted(range(len(order)), key=order.__getitem__), dtype=torch.long, device=query.device)
-        return torch.cat(outs, dim=1).index_select(1, inverse)
+        if g not in self._query_rows:
+            rows, inverse = query_rows(self.state.groups, g)
+            as_index = lambda r: torch.as_tensor(r, dtype=torch.long, device=query.device)  # noqa: E731
+            self._query_rows[g] = ([as_index(r) for r in rows], as_index(inverse))
+        rows, inverse = self._query_rows[g]
+        outs = [child.attend_pending(query.index_select(1, r), scale, mask=mask, softcap=softcap) for child, r in zip(self.children, rows)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1).index_select(1, inverse)
 
 
 __all__ = ["GroupedLayer"]

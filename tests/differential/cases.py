@@ -247,11 +247,6 @@ def rope_params(d: int):
     return RopeParams(1.0 / 10000.0 ** (np.arange(m) / m), attention_scaling=1.1)
 
 
-def side_formats(case: Case) -> str | tuple[str, str]:
-    """The ``coefficients=`` argument of the case: one format, or a (key, value) pair (spec/quantization.md Q0)."""
-    return tuple(case.coefficients.split("/")) if "/" in case.coefficients else case.coefficients
-
-
 def low_bit(case: Case) -> bool:
     """Whether a side of the case stores int4/int2 codes (spec/quantization.md Q2)."""
     return any(name in ("int4", "int2") for name in case.coefficients.split("/"))
@@ -270,14 +265,14 @@ def empty_state(case: Case, rng) -> sr.SubspaceState:
         return sr.SubspaceState.static(
             sr.StaticBasis.from_bases(B, E, gamma),
             batch=case.N,
-            coefficients=side_formats(case),
+            coefficients=case.coefficients,
             bases=case.bases,
             rope=rope_params(case.d) if case.rope else None,
             query_group=case.group if case.share else 1,
             **exact,
         )
     common = dict(
-        rank_k=case.rank_k, rank_v=case.rank_v, warmup=case.warmup, gamma=gamma, batch=case.N, coefficients=side_formats(case), bases=case.bases, **exact
+        rank_k=case.rank_k, rank_v=case.rank_v, warmup=case.warmup, gamma=gamma, batch=case.N, coefficients=case.coefficients, bases=case.bases, **exact
     )
     if case.kind == "adaptive":
         return sr.SubspaceState.adaptive(

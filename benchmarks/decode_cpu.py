@@ -12,10 +12,9 @@ from the caches by the one before, as a decode step finds a layer's cache):
 
 * time of the coefficient-space attend (public API, with its argument checks; it follows SDPA)
   and of the backend call alone (``TorchBackend.attend``; it follows the read of 256 MiB), and
-  of SDPA; ratio = attend / SDPA. The two columns can differ by more than the public layer: in
-  experiments on this machine a call after SDPA took up to ~0.4 ms longer than the same call
-  after the read (docs/benchmarks.md, 2026-11-27). Until 2026-11-27 the backend call followed the
-  public call over the same arrays, and found them in cache;
+  of SDPA; ratio = attend / SDPA. The two columns can differ by more than the public layer,
+  because a call after SDPA can be slower than the same call after a read (docs/benchmarks.md,
+  "A call after SDPA is slower than after a read");
 * bytes each reads -- SDPA: K and V (2 H T d 4 bytes); attend: key and value coefficients
   (H T (r + r_v) 4 bytes) plus the bases -- and the bandwidth that achieves;
 * the machine's copy bandwidth measured in the same run, per row, timed in turn with the

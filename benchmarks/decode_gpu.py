@@ -77,7 +77,8 @@ H_Q, H_KV, D, RANK = 32, 8, 128, 32
 DTYPE = "bfloat16"
 # (tokens per tile, warps, register cap) of the triton split kernel timed besides its default
 # (launch_config; None: the default's, 0: no cap)
-SWEEP = ((32, 4, None), (64, 4, None), (128, 4, None), (32, 8, None), (64, 8, None), (None, None, 0), (None, None, 168), (None, None, 128), (None, None, 96))
+SWEEP = ((32, 4, None), (64, 4, None), (128, 4, None), (32, 8, None), (64, 8, None), (None, None, 0), (None, None, 168), (None, None, 128), (None, None, 96),
+         (32, 1, 0), (32, 2, 0))  # 1-2 warps: fewer instructions per token in the compiled loop (docs/gpu.md, "Static budgets")
 # (tokens per tile, warps, tensor-core rebuild) of the pre-RoPE kernel timed besides its default
 ROPE_SWEEP = ((16, 8, False), (16, 8, True), (16, 4, True), (32, 8, True), (64, 8, True))
 

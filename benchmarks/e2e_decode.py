@@ -6,14 +6,17 @@ Two settings:
 
 * ``shipped``: the shipped byte-level Llama (4 layers, 2 KV heads of 64, float32) at contexts
   up to its 1024 limit. The prompt is prefilled through the model with each cache (real keys
-  and values; static bases calibrated on other text at r = r_v = 16 of 64), then ``--steps``
-  greedy decode steps are timed.
+  and values; static bases calibrated on other text at r = r_v = 16 of 64; the uniform pre-RoPE
+  row of docs/baselines.md; the allocator's states at 25% and 12.5%, calibrated as
+  ``subspace-kv calibrate --compression-ratio R`` does), then ``--steps`` greedy decode steps
+  are timed.
 * ``llama128``: a random-init Llama with head size 128 (hidden 1024, 8 query / 8 KV heads,
   ``--layers`` layers) at 8k-16k tokens, subspace caches with float, int8 and int4 coefficients. Prefilling 16k tokens through the model on one CPU
   thread would take minutes per cache, so every cache is filled with the same random keys and
   values of the context length (what decode reads is then the same amount of data); the decode
   steps run the whole model. Bases: random orthonormal, r = r_v = 32 of 128 (speed and bytes do
-  not depend on which subspace).
+  not depend on which subspace). Rows with pre-RoPE bases: uniform int4 with 4 sinks and 32
+  exact tokens, and the allocator's states at 25% (:func:`random_model_allocation`).
 
 * ``prefill``: seconds to prefill a 1000-token prompt through the shipped model (static,
   static + window, adaptive, adaptive + window states), alternating rounds, median.
@@ -21,8 +24,7 @@ Two settings:
 Usage: ``python benchmarks/e2e_decode.py [--setting shipped|llama128|both|prefill] [--steps N] [--rounds N] [--json PATH]``.
 Prints one table per setting; ratios are against DynamicCache in the model's dtype, same run.
 Decode steps of the caches of one context are timed in turn, one step of each (median per
-cache): since 2026-11-27; before, each cache's steps ran back to back, and a shared machine's
-load moved a ratio by up to 2x between runs.
+cache), so that a shared machine's load falls on all of them alike.
 """
 
 from __future__ import annotations
@@ -101,12 +103,18 @@ def decode_seconds(model, caches: dict, first_tokens: dict, steps: int) -> dict:
 
 def fill(cache, keys: list, values: list) -> None:
     """Put the same keys/values (per layer (1, H, T, d)) into any cache, as prefill would."""
-    for i, layer in enumerate(cache.layers):
-        if hasattr(layer, "attend_pending"):
-            layer.lazy_initialization(keys[i], values[i])
-            layer._append(keys[i], values[i])
-        else:
+    for i in range(len(cache.layers)):
+        layer = cache.layers[i]
+        if not hasattr(layer, "attend_pending"):
             layer.update(keys[i], values[i])
+            continue
+        if not layer.is_initialized:
+            layer.lazy_initialization(keys[i], values[i])
+            layer = cache.layers[i]  # a layer state with head groups makes it a GroupedLayer
+        groups = [(layer, None)] if not hasattr(layer, "children") else list(zip(layer.children, layer._index))
+        for child, index in groups:
+            k, v = (keys[i], values[i]) if index is None else (keys[i].index_select(1, index), values[i].index_select(1, index))
+            child._append(k, v)
 
 
 def rows_for(model, contexts, steps, make_caches, prefill) -> list[dict]:
@@ -133,6 +141,7 @@ def shipped(steps: int, contexts=(256, 512, 1008)) -> list[dict]:
     from transformers import DynamicCache
 
     from subspace_ref.hf import capture
+    from subspace_ref.hf.calibrate_checkpoint import calibrate_checkpoint
     from subspace_ref.models import default_model as dm
 
     model, _ = dm.load_model("default")
@@ -149,12 +158,14 @@ def shipped(steps: int, contexts=(256, 512, 1008)) -> list[dict]:
         with torch.no_grad():
             return model(ids[:, :T], cache=cache).logits[:, -1:].argmax(-1)
 
-    # docs/baselines.md's one-state configuration at 25% of the fp16 bytes: pre-RoPE key bases
+    # docs/baselines.md's uniform pre-RoPE row at 25% of the fp16 bytes: pre-RoPE key bases
     # (spec/rope.md P2), int4 coefficients, 4 sinks and 32 exact recent tokens
     from subspace_ref.rope import RopeParams
 
     pre = capture(model, calib, queries=True, rope=False).calibrate(rank_k=37, rank_v=36, gamma="mse")
     pre_states = static_states(pre, coefficients="int4", rope=RopeParams.from_config(model.config), sinks=4, window=32)
+    # the front door's allocations (`subspace-kv calibrate --compression-ratio R`: sinks and window chosen by its loss)
+    calibrated = {ratio: calibrate_checkpoint("default", ratio) for ratio in (0.25, 0.125)}
 
     print(f"shipped model, float32, r = r_v = 16 of 64, {steps} decode steps after a real prefill")
     with compress(model, static_states(bases)) as kv:
@@ -162,6 +173,8 @@ def shipped(steps: int, contexts=(256, 512, 1008)) -> list[dict]:
             "DynamicCache": lambda: DynamicCache(config=model.config),
             "SubspaceCache r=16": kv.cache,
             "pre-RoPE r=37/36 int4 + sinks 4 + window 32": lambda: SubspaceCache(model.config, pre_states),
+            **{f"allocator {ratio:.1%} (sinks {c.allocation.sinks}, window {c.allocation.window})": lambda c=c: SubspaceCache(model.config, c.states(model.config))
+               for ratio, c in calibrated.items()},
             **quantized_caches(model.config),
         }
         return rows_for(model, contexts, steps, caches, prefill)
@@ -209,6 +222,8 @@ def prefill_rows(rounds: int, length: int = 1000) -> list[dict]:
 def llama128(steps: int, layers: int, contexts=(8192, 16384), dtype=torch.float32) -> list[dict]:
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
+    from subspace_ref.rope import RopeParams
+
     config = LlamaConfig(
         vocab_size=256,
         hidden_size=1024,
@@ -222,6 +237,8 @@ def llama128(steps: int, layers: int, contexts=(8192, 16384), dtype=torch.float3
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval().to(dtype)
     bases = random_bases(layers, 8, 128, 32)
+    rope = RopeParams.from_config(config)
+    allocated = random_model_allocation(model, 0.25)
     gen = torch.Generator().manual_seed(1)
 
     def prefill(cache, T):
@@ -241,9 +258,24 @@ def llama128(steps: int, layers: int, contexts=(8192, 16384), dtype=torch.float3
                 f"SubspaceCache r=32 {fmt}": lambda fmt=fmt: SubspaceCache(model.config, static_states(bases, coefficients=fmt))
                 for fmt in ("int8", "int4")
             },
+            "pre-RoPE r=32 int4 + sinks 4 + window 32": lambda: SubspaceCache(model.config, static_states(bases, coefficients="int4", rope=rope, sinks=4, window=32)),
+            f"allocator 25% (sinks {allocated.allocation.sinks}, window {allocated.allocation.window})": lambda: SubspaceCache(model.config, allocated.states(model.config)),
             **quantized_caches(model.config),
         }
         return rows_for(model, contexts, steps, caches, prefill)
+
+
+def random_model_allocation(model, ratio: float, tokens: int = 1024, window_tokens: int = 512):
+    """The allocator's states for a random-init model (public API, as ``subspace-kv calibrate``:
+    :func:`~subspace_ref.hf.calibration_losses` on random token windows, then ``allocate_best``
+    at ``ratio``); speed depends on the ranks, formats, basis kinds and exact tokens chosen, not
+    on what they are fitted to."""
+    from subspace_ref.hf import CalibratedBases, calibration_losses
+
+    ids = np.random.default_rng(2).integers(0, model.config.vocab_size, size=(tokens // window_tokens, window_tokens))
+    cal = calibration_losses(model, ids, ranks=range(0, model.config.head_dim + 1, 16), batch=1)
+    allocation = cal.allocate_best(model, compression_ratio=ratio)
+    return CalibratedBases.for_model(model.config, cal.bases(allocation), allocation=allocation)
 
 
 def main() -> None:

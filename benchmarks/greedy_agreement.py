@@ -4,8 +4,10 @@ greedily through ``compress(model, bases)`` equal those it generates with transf
 
 For each compression ratio (and exact window), bases are calibrated as ``subspace-kv calibrate``
 does (:func:`subspace_ref.hf.calibrate_checkpoint.calibrate_checkpoint`: the allocator, the
-default standard-library calibration text). Prompts: ``--prompts`` windows of ``--prompt-bytes``
-bytes from held-out files of the corpus split (:mod:`subspace_ref.models.corpus`; none of them is
+default standard-library calibration text). Window ``auto`` (the default) is the command's
+default: sinks and window chosen by the allocator's loss; an integer W: ``--sinks`` sinks and a
+W-token window. ``--loss proxy`` runs the older per-head loss for comparison. Prompts: ``--prompts`` windows of ``--prompt-bytes``
+bytes from held-out files of the corpus split (:mod:`subspace_ref.lab.corpus`; none of them is
 in the calibration text), each starting at the first line at or after a third of its file. Each
 prompt is continued by ``--new-tokens`` greedy tokens with the stock cache and with the
 compressed one. Reported per configuration, as means over the prompts:
@@ -16,15 +18,17 @@ compressed one. Reported per configuration, as means over the prompts:
   positions where the compressed cache's most likely token is the stock one; this measures
   each step alone, without a first difference changing every later prefix;
 * the stock model's top-2 logit margin at the first differing position (median over the prompts
-  that differ) against its median over all positions: small margins mean near-ties.
+  that differ) against its median over all positions: small margins mean near-ties;
+* perplexity on ``--ppl-windows`` held-out windows of 1024 tokens (seed 0: the evaluation windows
+  of docs/baselines.md, whose full-cache perplexity is 2.2968), teacher-forced through the cache.
 
 Reference rows: the page's quantised-KV rows (docs/baselines.md: 4-bit at 25%, 2-bit at 12.5%,
 groups of 64) and 8-bit KV (how often a near-lossless cache changes greedy decoding), each
 greedy-decoded by a full forward per step through their attention function (equal to decoding:
 tests/test_baselines.py). A window that alone costs more than a ratio allows is skipped.
 
-Usage: ``python benchmarks/greedy_agreement.py [--ratios 0.25,0.125] [--windows 32] [--json PATH]``
-(one thread; about 5 minutes for the defaults on a shared 2-core CPU).
+Usage: ``python benchmarks/greedy_agreement.py [--ratios 0.25,0.125] [--windows auto,32] [--loss fisher] [--json PATH]``
+(one thread; about 3 minutes for the defaults on a shared 2-core CPU).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from subspace_ref.models import corpus
+from subspace_ref.lab import corpus
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "subspace_ref" / "data" / "stdlib_llama"
 
@@ -56,20 +60,20 @@ def calibration_files(tokens: int) -> set[str]:
     return used
 
 
-def held_out_prompts(n: int, length: int, exclude: set[str]) -> list[tuple[str, np.ndarray]]:
+def held_out_prompts(n: int, length: int, exclude: set[str], start: float = 1 / 3) -> list[tuple[str, np.ndarray]]:
     """``n`` (file, bytes) prompts of ``length`` bytes from held-out files not in ``exclude``,
     files spread evenly over the sorted held-out list, each from the first line start at or after
-    a third of its file."""
+    ``start`` (default a third) of its file."""
     files = []
     for rel in corpus.heldout_files():
         if rel in exclude:
             continue
         data = corpus.load_file(rel)
-        start = len(data) // 3
-        while start < len(data) and start > 0 and data[start - 1] != ord("\n"):
-            start += 1
-        if len(data) - start >= length:
-            files.append((rel, data[start : start + length]))
+        at = int(len(data) * start)
+        while at < len(data) and at > 0 and data[at - 1] != ord("\n"):
+            at += 1
+        if len(data) - at >= length:
+            files.append((rel, data[at : at + length]))
     if len(files) < n:
         raise ValueError(f"only {len(files)} held-out files have {length} bytes after their first third")
     pick = np.linspace(0, len(files) - 1, n).round().astype(int)
@@ -86,7 +90,7 @@ def leading(a: np.ndarray, b: np.ndarray) -> int:
 def greedy_quantized(model, ids: torch.Tensor, method, new_tokens: int) -> torch.Tensor:
     """Greedy continuation under a baselines method by one full forward per step (teacher-forced
     under the method equals decoding with it)."""
-    from subspace_ref.baselines import applied
+    from subspace_ref.lab.baselines import applied
 
     seq = ids
     with applied(model, method):
@@ -94,6 +98,23 @@ def greedy_quantized(model, ids: torch.Tensor, method, new_tokens: int) -> torch
             nxt = model(input_ids=seq).logits[:, -1].argmax(-1, keepdim=True)
             seq = torch.cat([seq, nxt], dim=1)
     return seq[:, ids.shape[1] :]
+
+
+def perplexity(model, windows: np.ndarray, states=None, method=None, batch: int = 4) -> float | None:
+    """Perplexity of ``windows`` (n, T) teacher-forced through a subspace cache of ``states``, or
+    under a baselines ``method`` (both None: the stock cache); None without windows."""
+    from subspace_ref.hf import teacher_forced
+    from subspace_ref.lab.baselines import token_logprobs
+
+    if windows is None or not len(windows):
+        return None
+    nll = []
+    with torch.no_grad():
+        for i in range(0, len(windows), batch):
+            x = torch.as_tensor(windows[i : i + batch], dtype=torch.long)
+            lp = token_logprobs(model, x, method).numpy() if states is None else teacher_forced(model, x, states).token_logprobs
+            nll.append(-np.asarray(lp, dtype=np.float64))
+    return float(np.exp(np.concatenate(nll).mean()))
 
 
 def summarize(name: str, gen: np.ndarray, stock: np.ndarray, tf_top1: np.ndarray | None, margins: np.ndarray, second: np.ndarray,
@@ -120,7 +141,7 @@ def summarize(name: str, gen: np.ndarray, stock: np.ndarray, tf_top1: np.ndarray
 
 
 def run(args: argparse.Namespace) -> dict:
-    from subspace_ref.baselines import QuantizedKV, applied
+    from subspace_ref.lab.baselines import QuantizedKV, applied
     from subspace_ref.byte_convention import Geometry
     from subspace_ref.hf import compress, teacher_forced
     from subspace_ref.hf.calibrate_checkpoint import calibrate_checkpoint
@@ -129,7 +150,7 @@ def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)
     started = time.perf_counter()
     model, config = load_model(str(args.model))
-    prompts = held_out_prompts(args.prompts, args.prompt_bytes, calibration_files(args.calibration_tokens))
+    prompts = held_out_prompts(args.prompts, args.prompt_bytes, calibration_files(args.calibration_tokens), args.prompt_start)
     ids = torch.as_tensor(np.stack([p for _, p in prompts]).astype(np.int64))
     N, L = args.new_tokens, ids.shape[1]
     stock = model.generate(ids, max_new_tokens=N, do_sample=False)[:, L:]
@@ -140,6 +161,8 @@ def run(args: argparse.Namespace) -> dict:
     second = top2.indices[..., 1].numpy()
     stock_np = stock.numpy()
     geom = Geometry.of_model(model, config.max_position_embeddings)
+    ppl_ids = corpus.eval_windows(n=args.ppl_windows, length=1024, seed=0, stream=corpus.load_stream("heldout")) if args.ppl_windows else None
+    stock_ppl = perplexity(model, ppl_ids)
     rows, skipped = [], []
 
     def reference(bits: int, ratio: float | None) -> None:
@@ -151,14 +174,17 @@ def run(args: argparse.Namespace) -> dict:
         tf_top1 = (logits.argmax(-1) == stock_logits.argmax(-1)).numpy()
         b = m.bytes(geom)
         rows.append(summarize(m.name, gen, stock_np, tf_top1, margins, second, dict(ratio=ratio, window=None, bytes_per_token=b.per_token,
-                                                                            fraction=b.fraction, seconds=round(time.perf_counter() - t0, 1))))
+                                                                            fraction=b.fraction, ppl=perplexity(model, ppl_ids, method=m),
+                                                                            seconds=round(time.perf_counter() - t0, 1))))
         print(f"  {m.name}: prefix {rows[-1]['mean_prefix']:.1f}/{N}", file=sys.stderr)
 
     for ratio in args.ratios:
         for window in args.windows:
             t0 = time.perf_counter()
+            auto = window == "auto"
             try:
-                bases = calibrate_checkpoint(args.model, ratio, sinks=args.sinks, window=window, tokens=args.calibration_tokens)
+                bases = calibrate_checkpoint(args.model, ratio, sinks=None if auto else args.sinks, window=None if auto else window,
+                                             tokens=args.calibration_tokens, loss=args.loss)
             except ValueError as exc:  # the window alone costs more than the ratio allows
                 skipped.append(dict(ratio=ratio, window=window, reason=str(exc)))
                 print(f"  ratio {ratio}, window {window}: skipped ({exc})", file=sys.stderr)
@@ -168,9 +194,12 @@ def run(args: argparse.Namespace) -> dict:
             logits = teacher_forced(model, seq, bases.states(model.config), keep_logits=True).logits[:, L - 1 : L - 1 + N]
             tf_top1 = (logits.argmax(-1) == stock_logits.argmax(-1)).numpy()
             b = bases.allocation.bytes(geom)
-            name = f"allocator {100 * ratio:g}% + sinks {args.sinks} + window {window}"
-            rows.append(summarize(name, gen, stock_np, tf_top1, margins, second, dict(ratio=ratio, window=window, bytes_per_token=b.per_token,
-                                                                               fraction=b.fraction, seconds=round(time.perf_counter() - t0, 1))))
+            a = bases.allocation
+            name = f"allocator {100 * ratio:g}% ({args.loss} loss) + sinks {a.sinks} + window {a.window}" + (" (chosen; the command's default)" if auto else "")
+            rows.append(summarize(name, gen, stock_np, tf_top1, margins, second, dict(ratio=ratio, window=a.window, sinks=a.sinks, auto=auto, loss=args.loss,
+                                                                               bytes_per_token=b.per_token, fraction=b.fraction,
+                                                                               ppl=perplexity(model, ppl_ids, bases.states(model.config)),
+                                                                               seconds=round(time.perf_counter() - t0, 1))))
             rows[-1]["allocation"] = bases.allocation.to_dict()
             print(f"  {name}: prefix {rows[-1]['mean_prefix']:.1f}/{N}", file=sys.stderr)
         bits = int(round(16 * ratio))
@@ -183,9 +212,13 @@ def run(args: argparse.Namespace) -> dict:
         model=str(args.model),
         prompts=[dict(file=f, bytes=int(len(p))) for f, p in prompts],
         prompt_bytes=L,
+        prompt_start=args.prompt_start,
         new_tokens=N,
         sinks=args.sinks,
+        loss=args.loss,
         calibration_tokens=args.calibration_tokens,
+        ppl_windows=args.ppl_windows,
+        stock_ppl=stock_ppl,
         stock_margin_median=float(np.median(margins)),
         stock_margin_below={str(t): float((margins < t).mean()) for t in (0.1, 0.25, 0.5, 1.0)},
         stock_teacher_forced_equals_generate=float(stock_tf.mean()),
@@ -200,9 +233,11 @@ def table(record: dict) -> str:
     N = record["new_tokens"]
     out = [
         f"| configuration | bytes/token (of fp16) | prefix agreement (mean of {N}) | median | all {N} equal | position-wise | teacher-forced top-1 | "
-        "stock top-2 margin at first difference (median) | first difference = stock's 2nd choice |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "stock top-2 margin at first difference (median) | first difference = stock's 2nd choice | ppl |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    if record.get("stock_ppl") is not None:
+        out.append(f"| stock DynamicCache | 2048 (100%) | {N} | {N} | all | 100% | 100% | — | — | {record['stock_ppl']:.4f} |")
     for r in record["rows"]:
         tf = "—" if r["teacher_forced_top1"] is None else f"{100 * r['teacher_forced_top1']:.1f}%"
         mg = "—" if r["margin_at_first_difference"] is None else f"{r['margin_at_first_difference']:.2f}"
@@ -210,6 +245,7 @@ def table(record: dict) -> str:
             f"| {r['name']} | {r['bytes_per_token']:.0f} ({100 * r['fraction']:.1f}%) | {r['mean_prefix']:.1f} | {r['median_prefix']:g} | "
             f"{r['all_equal']}/{len(r['prefix'])} | {100 * r['mean_positionwise']:.1f}% | {tf} | {mg} | "
             + (f"{r['second_choice_at_first_difference']}/{r['differing']} |" if r["differing"] else "— |")
+            + (f" {r['ppl']:.4f} |" if r.get("ppl") is not None else " — |")
         )
     return "\n".join(out)
 
@@ -218,10 +254,14 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="checkpoint directory (default: the shipped model)")
     p.add_argument("--ratios", type=lambda s: [float(x) for x in s.split(",")], default=[0.25, 0.125])
-    p.add_argument("--windows", type=lambda s: [int(x) for x in s.split(",")], default=[32], help="exact windows to allocate with (default 32)")
+    p.add_argument("--windows", type=lambda s: [x if x == "auto" else int(x) for x in s.split(",")], default=["auto"],
+                   help="'auto' (the calibrate command's default: sinks and window chosen by the loss) or exact windows with --sinks sinks (default auto)")
+    p.add_argument("--loss", choices=("fisher", "proxy"), default="fisher", help="the allocator's loss (default fisher, the command's default)")
+    p.add_argument("--ppl-windows", type=int, default=16, help="held-out 1024-token windows for the perplexity column (default 16; 0: none)")
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--prompt-bytes", type=int, default=512)
+    p.add_argument("--prompt-start", type=float, default=1 / 3, help="where in each held-out file a prompt starts (default 1/3; 2/3: a second prompt set)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--calibration-tokens", type=int, default=8192)
     p.add_argument("--no-reference", dest="reference", action="store_false", help="skip the quantised-KV reference rows")

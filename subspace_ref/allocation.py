@@ -11,7 +11,19 @@ optimum of the budget less one step (tests compare with brute force). Bytes are 
 :mod:`subspace_ref.byte_convention` (fp16 floats, KIVI scales, the unfinished key group in fp16,
 bases amortised over the window; spec/quantization.md Q3).
 
-The measured loss of a side at (kind, rank, bits), per (layer, KV head), on calibration tokens:
+The measured loss of a side at (kind, rank, bits), per (layer, KV head), on calibration tokens.
+By default (``loss="fisher"``, :func:`subspace_ref.hf.calibration_losses.output_gradients`) it is
+the second-order estimate of what the reconstruction error does to the model's output:
+
+* ``E_t [(g_t · (k_t − k̂_t))²]`` for keys and ``E_t [(h_t · (v_t − v̂_t))²]`` for values, with
+  ``g_t``, ``h_t`` the gradients of the calibration text's next-token loss (summed NLL) with
+  respect to the post-RoPE key and the value of token t at that head (an empirical-Fisher,
+  first-order Taylor term: the change of the loss a reconstruction error causes, squared).
+  Keys and values, and heads of every layer, are then in the same unit (the final loss), so
+  errors in heads the output is sensitive to cost more than equal errors elsewhere
+  (spec/layer_state.md L6.2).
+
+Without gradients (``loss="proxy"``), the per-head output-error proxy:
 
 * keys: ``s² E_{q,t} [(q · (k_t − k̂_t))²] · Var(v)`` — the logit error's second moment (queries
   of the head's query group, keys post-RoPE: a pre-RoPE reconstruction is rotated back to each
@@ -20,7 +32,7 @@ The measured loss of a side at (kind, rank, bits), per (layer, KV head), on cali
   (:func:`plane_rows`, spec/rope.md P4: even ranks only, rank = 2 x planes kept);
 * values: ``E_t ‖v_t − v̂_t‖²``.
 
-Both are output errors squared, so one budget trades them. ``k̂``, ``v̂`` are the stored
+Both are output errors squared, so one budget trades them. In either loss ``k̂``, ``v̂`` are the stored
 reconstructions: projection on the calibrated basis, then what the coefficient format reads
 back (:meth:`subspace_ref.formats.CoefficientFormat.reconstruct`: spec A10's int8, the int4/int2
 quantiser of spec/quantization.md Q1, keys per channel over groups of ``group`` tokens, values
@@ -247,18 +259,35 @@ def plane_rows(keys: np.ndarray, pairs: np.ndarray, queries: np.ndarray | None =
     return W
 
 
-def side_losses(layer: dict, h: int, group_queries: np.ndarray, ranks, bits=BITS, group: int = 32, rope=None, identity: bool = True) -> dict:
+def side_losses(layer: dict, h: int, group_queries: np.ndarray, ranks, bits=BITS, group: int = 32, rope=None, identity: bool = True,
+                key_grads: np.ndarray | None = None, value_grads: np.ndarray | None = None) -> dict:
     """Measured losses of one KV head (module docstring). ``layer``: ``keys`` (N, d) post-RoPE,
     ``keys_pre`` (N, d) or None, ``values`` (N, d_v), ``positions`` (N,), SVD rows ``Wk``,
     ``Wk_pre``, ``Wv`` ((dim, dim), rows by decreasing singular value), and ``Wk_plane`` or None
     (:func:`plane_rows`; its kind is measured at the even ranks only). ``identity``: also the
     identity bases of each side (rank d / d_v, plain quantised keys and values: KIVI,
     spec/layer_state.md L1). Returns {("key", kind): {(rank, bits): loss}, ("value", kind):
-    {(rank, bits): loss}} with value kinds "subspace" and "identity"."""
+    {(rank, bits): loss}} with value kinds "subspace" and "identity".
+
+    ``key_grads`` (N, d) and ``value_grads`` (N, d_v): gradients of the output loss with respect
+    to each token's post-RoPE key and value (module docstring); when given, each side's loss is
+    ``mean_t (g_t · error_t)²`` instead of the proxy (both or neither). Stacked (S, N, d) and
+    (S, N, d_v), S gradient sets (one per exact window: spec/layer_state.md L6.2): a list of S
+    such results, the reconstructions computed once."""
+    if (key_grads is None) != (value_grads is None):
+        raise ValueError("give both key_grads and value_grads, or neither")
     from subspace_ref.rope import rotate
 
     K, V = layer["keys"], layer["values"]
     d, d_v = K.shape[1], V.shape[1]
+    if key_grads is not None:
+        key_grads, value_grads = np.asarray(key_grads, dtype=np.float64), np.asarray(value_grads, dtype=np.float64)
+        if key_grads.ndim == 3 and value_grads.ndim == 3 and len(key_grads) == len(value_grads):
+            stacked = True
+        else:
+            stacked, key_grads, value_grads = False, key_grads[None], value_grads[None]
+        if key_grads.shape[1:] != K.shape or value_grads.shape[1:] != V.shape:
+            raise ValueError(f"key_grads, value_grads must have the keys' {K.shape} and values' {V.shape} shapes, got {key_grads.shape}, {value_grads.shape}")
     s2 = 1.0 / d
     Sq = group_queries.T @ group_queries / len(group_queries)  # E[q q^T]
     spread = float(np.sum(V.var(axis=0)))
@@ -276,7 +305,10 @@ def side_losses(layer: dict, h: int, group_queries: np.ndarray, ranks, bits=BITS
                 dk = X - of_bits(b).reconstruct(C, "key", group) @ W[:r]
                 if kind == "pre_rope":
                     dk = rotate(dk, layer["positions"], rope)
-                table[(r, b)] = s2 * float(np.sum((dk @ Sq) * dk)) / len(dk) * spread
+                if key_grads is not None:
+                    table[(r, b)] = np.mean(np.einsum("nd,snd->sn", dk, key_grads) ** 2, axis=1)
+                else:
+                    table[(r, b)] = s2 * float(np.sum((dk @ Sq) * dk)) / len(dk) * spread
         out[("key", kind)] = table
     for kind, W, kind_ranks in [("subspace", layer["Wv"], ranks)] + ([("identity", np.eye(d_v), [d_v])] if identity else []):
         table = {}
@@ -284,9 +316,15 @@ def side_losses(layer: dict, h: int, group_queries: np.ndarray, ranks, bits=BITS
             D = V @ W[:r].T
             for b in bits:
                 dv = V - of_bits(b).reconstruct(D, "value", group) @ W[:r]
-                table[(r, b)] = float(np.sum(dv * dv)) / len(dv)
+                if value_grads is not None:
+                    table[(r, b)] = np.mean(np.einsum("nd,snd->sn", dv, value_grads) ** 2, axis=1)
+                else:
+                    table[(r, b)] = float(np.sum(dv * dv)) / len(dv)
         out[("value", kind)] = table
-    return out
+    if key_grads is None:
+        return out
+    split = [{side: {c: float(loss[i]) for c, loss in table.items()} for side, table in out.items()} for i in range(len(key_grads))]
+    return split if stacked else split[0]
 
 
 def allocate(losses: list, geom, *, compression_ratio: float | None = None, bytes_per_token: float | None = None,

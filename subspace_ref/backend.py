@@ -20,7 +20,21 @@ from subspace_ref.capabilities import Capabilities
 
 @dataclass(frozen=True)
 class Availability:
-    """Whether a backend can run on this machine, and if not, why."""
+    """Whether a backend can run on this machine, and if not, why; true when it can.
+
+    Parameters
+    ----------
+    available : bool
+        Whether it can run.
+    reason : str
+        Why not (empty when available).
+
+    Examples
+    --------
+    >>> import subspace_ref as sr
+    >>> bool(sr.get_backend("numpy").availability())
+    True
+    """
 
     available: bool
     reason: str = ""
@@ -72,6 +86,29 @@ class StateView(Protocol):
 
 
 @runtime_checkable
+class GroupView(Protocol):
+    """What a backend reads of one head group of a layer (spec/layer_state.md L1):
+    its KV heads ``heads`` (ascending, the layer's indices) and the uniform state holding them."""
+
+    heads: tuple[int, ...]
+    state: StateView
+
+
+@runtime_checkable
+class LayerView(Protocol):
+    """What a backend reads of a layer whose KV heads differ (spec/layer_state.md;
+    :class:`~subspace_ref.layer_state.LayerState` is one): its KV heads and head groups."""
+
+    kv_heads: int
+    groups: tuple[GroupView, ...]
+
+
+#: A layer's decode route (``Backend.attend_layer_route``): ``route(q, layer, scale)`` gives the
+#: layer's attention output, or None where it does not serve the call.
+LayerRoute = Callable[[Any, LayerView, "float | None"], Any]
+
+
+@runtime_checkable
 class Backend(Protocol):
     """Operations of one decode step over a packed state (spec A9).
 
@@ -87,9 +124,22 @@ class Backend(Protocol):
     ((H_q, d) for an unbatched state) and the final result to return, or None where it does not
     serve the call (the state changed), and then ``attend`` runs. It must take the state as an
     argument, not hold it (states are copied with what they admitted), and re-read from it
-    whatever an append can change. A decode loop's calls then skip what is decided once: after
-    the layers before it evicted the caches, every Python step and tensor operation costs tens
-    of microseconds (docs/benchmarks.md).
+    whatever an append can change. A decode loop's calls then skip what is decided once, which
+    matters because each Python step around a kernel costs time comparable to the kernel's
+    (docs/benchmarks.md, "The hot path of the dispatch layer").
+
+    Optional too, ``attend_layer_route(q, layer) -> LayerRoute | None`` (``layer`` a
+    :class:`LayerView`): asked by :meth:`subspace_ref.LayerState.attend` once per query kind
+    after a call group by group has admitted every group (spec/layer_state.md L5.2); a route
+    ``route(q, layer, scale)`` then computes every group's attention in one step (q and the
+    result in the layer's query-head order), or gives None, and the layer attends group by
+    group. The same rules as for ``attend_route`` hold: take the layer as an argument, re-read it.
+
+    Examples
+    --------
+    >>> import subspace_ref as sr
+    >>> isinstance(sr.get_backend("numpy"), sr.Backend)
+    True
     """
 
     name: str

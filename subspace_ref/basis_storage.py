@@ -17,8 +17,38 @@ import numpy as np
 from subspace_ref.arrays import array_family
 from subspace_ref.quantization import quantize_rows
 
-#: Spec S1: "native" keeps the state's dtype; the others are what the bytes hold.
+#: Spec S1: "native" keeps the state's dtype; the others are what the bytes hold. These are basis
+#: formats, a vocabulary apart from the coefficient formats of :mod:`subspace_ref.formats`.
 FORMATS = ("native", "float16", "float8_e4m3", "int8")
+#: The basis format that stores the state's own dtype (the default).
+NATIVE = FORMATS[0]
+#: Basis formats whose rows carry one float32 scale each (spec S2; tensors ``*_basis_scale``).
+ROW_SCALED = ("int8",)
+#: Basis formats a file holds as raw bits (uint8) because NumPy has no such dtype.
+RAW_BITS = ("float8_e4m3",)
+
+
+def is_native(fmt: str) -> bool:
+    """Whether bases in ``fmt`` are stored in the state's own dtype."""
+    return fmt == NATIVE
+
+
+def has_row_scales(fmt: str) -> bool:
+    """Whether bases in ``fmt`` carry one float32 scale per row (spec S2)."""
+    return fmt in ROW_SCALED
+
+
+def is_float8_format(fmt: str) -> bool:
+    """Whether bases in ``fmt`` are float8, stored in a file as their bits (uint8)."""
+    return fmt in RAW_BITS
+
+
+def file_dtype_name(fmt: str, stored: bool) -> str:
+    """The dtype name of non-native stored bases: in memory, or (``stored``) in a file, where
+    float8 bases are their bits as uint8 (spec/persistence.md)."""
+    if is_float8_format(fmt):
+        return "uint8" if stored else "float8_e4m3fn"
+    return str(np.dtype({"float16": np.float16, "int8": np.int8}[fmt]))
 
 
 def check_format(name: str, value: Any) -> str:

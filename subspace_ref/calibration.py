@@ -16,7 +16,27 @@ class StaticBasis:
 
     ``B`` (H, r, d) and ``E`` (H, r_v, d_v) have orthonormal rows up to each head's rank
     (``rank_k[h]``, ``rank_v[h]``); heads of lower rank are padded with zero rows so every head
-    has the same array shape. ``gamma`` (H,) is the logit scale per head.
+    has the same array shape. ``gamma`` (H,) is the logit scale per head. Built by
+    :func:`~subspace_ref.calibrate` or :meth:`from_bases`.
+
+    Parameters
+    ----------
+    B : numpy.ndarray
+        Key bases (H, r, d).
+    E : numpy.ndarray
+        Value bases (H, r_v, d_v).
+    gamma : numpy.ndarray
+        Logit scale per head (H,).
+    rank_k, rank_v : tuple of int
+        Each head's ranks.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from subspace_ref import StaticBasis
+    >>> basis = StaticBasis.from_bases(np.eye(4)[None, :2], np.eye(4)[None, :3])
+    >>> basis.rank_k, basis.rank_v
+    ((2,), (3,))
     """
 
     B: np.ndarray
@@ -132,13 +152,36 @@ def calibrate(
     queries: Any = None,
     gamma: Any = "unit",
 ) -> StaticBasis:
-    """Per-head bases from calibration keys (H, N, d) and values (H, N, d_v) (spec A5).
+    """Per-head key and value bases from calibration keys and values (spec A5).
 
-    Ranks are fixed (``rank_k``, ``rank_v``) or chosen per head as the least rank retaining
-    ``energy`` of the squared singular values; a rank left out falls back to ``energy``. Heads of
-    lower rank are padded with zero rows, so ``B`` is (H, max rank, d). ``gamma``: "unit"
-    (default, 1), "paper" (sqrt(r/d)), "mse" (needs ``queries`` (H_q, N_q, d) with H_q a
-    multiple of H; spec A5 step 4), a number, or one number per head.
+    Heads of lower rank are padded with zero rows, so ``B`` is (H, max rank, d).
+
+    Parameters
+    ----------
+    keys, values : array_like
+        Calibration keys (H, N, d) and values (H, N, d_v), floating and finite.
+    rank_k, rank_v : int, optional
+        Fixed ranks; a rank left out is chosen per head from ``energy``.
+    energy : float, optional
+        In (0, 1]: the least rank retaining this fraction of the squared singular values.
+    queries : array_like, optional
+        Calibration queries (H_q, N_q, d), H_q a multiple of H; needed by ``gamma="mse"``.
+    gamma : str, float or sequence of float
+        The logit correction: "unit" (1, the default), "paper" (sqrt(r/d)), "mse" (spec A5
+        step 4), a number, or one number per head.
+
+    Returns
+    -------
+    StaticBasis
+        The bases ``B`` (H, r, d) and ``E`` (H, r_v, d_v), the per-head ranks and ``gamma``.
+
+    Examples
+    --------
+    >>> import numpy as np, subspace_ref as sr
+    >>> K, V = np.random.default_rng(0).standard_normal((2, 2, 64, 16))
+    >>> basis = sr.calibrate(K, V, rank_k=4, energy=0.9)
+    >>> basis.B.shape[:2], basis.rank_k
+    ((2, 4), (4, 4))
     """
     K, V = np.asarray(_checks.as_array("keys", keys)), np.asarray(_checks.as_array("values", values))
     _checks.shape("keys", K, (None, None, None))

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from subspace_ref.arrays import array_family
+from subspace_ref.basis_storage import FORMATS as BASIS_FORMATS
 from subspace_ref.formats import MIXED_FORMATS, UNIFORM_FORMATS
 
 POLICIES = ("static", "adaptive", "rotating")
 #: Every coefficient format a layout can report (spec/quantization.md Q0): uniform, then per-side pairs.
 COEFFICIENT_FORMATS = UNIFORM_FORMATS + MIXED_FORMATS
-BASIS_FORMATS = ("native", "float16", "float8_e4m3", "int8")
 #: Online-sketch and window options set away from their neutral values (spec/sketch_variants.md,
 #: spec/window.md W4): the policy fields marked optional, and the window's lookahead.
 SKETCH_VARIANTS = ("ring_warm_start", "fd_stride", "reuse_angle", "trigger", "byte_ceiling", "track", "lookahead")

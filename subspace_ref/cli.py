@@ -1,6 +1,8 @@
 """``subspace-kv``: the project's command line. Each subcommand lives in its own module, imported
 exposing ``add_arguments(parser)`` and ``run(args) -> int``; a module whose optional
-dependencies are missing leaves its subcommand in place with the reason."""
+dependencies are missing leaves its subcommand in place with the reason. The command line sits
+above both the library and the lab (:mod:`subspace_ref.lab`): outside the lab itself, it is the one
+place that imports the lab (tests/test_import_graph.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from subspace_ref.experiments import SUBCOMMANDS as EXPERIMENTS
+from subspace_ref.lab.experiments import SUBCOMMANDS as EXPERIMENTS
 
 DESCRIPTION = (
     "Compress a transformer's KV cache onto per-head low-rank subspaces and measure what it costs: "
@@ -28,11 +30,11 @@ first steps (times on 2 idle CPU cores, one thread; many times longer when other
 SUBCOMMANDS = {
     "calibrate": ("subspace_ref.hf.calibrate_checkpoint", "bases for a local checkpoint at a compression ratio (the allocator; --rule energy for energy ranks)"),
     **EXPERIMENTS,
-    "baselines": ("subspace_ref.experiments.baselines", "quantization and eviction baselines at matched KV bytes"),
-    "tasks": ("subspace_ref.experiments.tasks", "accuracy tasks (needle recall, next-token, last identifier) under every cache; docs/tasks.md"),
-    "demo": ("subspace_ref.demo", "compress a synthetic low-rank stream; print memory ratio and error (seconds)"),
-    "bounds": ("subspace_ref.bounds.sweep", "sweep the error bounds of spec/bounds.md; table, plot, theory page"),
-    "roofline": ("subspace_ref.roofline_report", "measure decode time against the roofline model; plot"),
+    "baselines": ("subspace_ref.lab.experiments.baselines", "quantization and eviction baselines at matched KV bytes"),
+    "tasks": ("subspace_ref.lab.experiments.tasks", "accuracy tasks (needle recall, next-token, last identifier) under every cache; docs/tasks.md"),
+    "demo": ("subspace_ref.lab.demo", "compress a synthetic low-rank stream; print memory ratio and error (seconds)"),
+    "bounds": ("subspace_ref.lab.bounds.sweep", "sweep the error bounds of spec/bounds.md; table, plot, theory page"),
+    "roofline": ("subspace_ref.lab.roofline_report", "measure decode time against the roofline model; plot"),
     "backends": ("subspace_ref.cli_backends", "list registered backends and why any is unavailable"),
     "gpu-report": ("subspace_ref_triton.gpu_report", "compile every GPU kernel for sm_80/sm_90: registers, spills, occupancy, waves, roofline"),
 }
@@ -58,7 +60,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from subspace_ref.experiments._common import MissingDependency
+    from subspace_ref.lab.experiments._common import MissingDependency
     from subspace_ref.threads import limit_threads, requested_threads
 
     parser, modules = build_parser()

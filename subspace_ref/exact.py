@@ -10,12 +10,33 @@ from subspace_ref import _checks
 
 
 def exact_attention(q: Any, K: Any, V: Any, scale: float | None = None) -> np.ndarray:
-    """Softmax attention of queries q (H_q, d) over K (H, T, d), V (H, T, d_v) (spec A1).
+    """Softmax attention over a full KV cache (spec A1), the reference the methods are scored against.
 
-    Grouped-query: H_q must be a multiple of H, and query head h_q reads KV head h_q // (H_q/H).
-    ``scale`` defaults to 1/sqrt(d). A leading batch axis on all three is also accepted.
-    The softmax subtracts the row maximum, so logits of any finite size neither overflow nor NaN.
-    Returns (H_q, d_v) in the result dtype of the inputs.
+    Grouped-query: query head h_q reads KV head h_q // (H_q/H). The softmax subtracts the row
+    maximum, so logits of any finite size neither overflow nor give NaN.
+
+    Parameters
+    ----------
+    q : array_like
+        Queries (H_q, d), H_q a multiple of H; or (N, H_q, d) with a batch axis on all three.
+    K, V : array_like
+        Keys (H, T, d) and values (H, T, d_v), T >= 1.
+    scale : float, optional
+        Logit scale; defaults to 1/sqrt(d).
+
+    Returns
+    -------
+    numpy.ndarray
+        (H_q, d_v), or (N, H_q, d_v), in the result dtype of the inputs.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from subspace_ref import exact_attention
+    >>> K, V = np.zeros((1, 3, 2)), np.arange(6.0).reshape(1, 3, 2)
+    >>> exact_attention(np.ones((2, 2)), K, V)  # equal logits: the mean value, for both query heads
+    array([[2., 3.],
+           [2., 3.]])
     """
     q, K, V = np.asarray(q), np.asarray(K), np.asarray(V)
     batched = q.ndim == 3

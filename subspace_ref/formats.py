@@ -17,6 +17,8 @@ from typing import Any
 from subspace_ref.quantization import dequantize_groups, dequantize_rows, quantize_groups, quantize_rows
 
 SIDES = ("key", "value")
+#: The name of float coefficients (stored in the state's dtype): every state's default format.
+FLOAT = "float"
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,7 @@ _LOW_BIT_VALUE = ("value_token_scale", "value_token_zero")
 FORMATS: dict[str, CoefficientFormat] = {
     f.name: f
     for f in (
-        CoefficientFormat("float", 16),
+        CoefficientFormat(FLOAT, 16),
         CoefficientFormat("int8", 8, per_token_scale=True, code_dtype="int8", key_arrays=("key_scale",), value_arrays=("value_scale",)),
         CoefficientFormat("int4", 4, low_bits=4, code_dtype="uint8", key_arrays=_LOW_BIT_KEY, value_arrays=_LOW_BIT_VALUE),
         CoefficientFormat("int2", 2, low_bits=2, code_dtype="uint8", key_arrays=_LOW_BIT_KEY, value_arrays=_LOW_BIT_VALUE),
@@ -150,4 +152,4 @@ def pair_name(key: CoefficientFormat, value: CoefficientFormat) -> str:
     return key.name if key == value else f"{key.name}/{value.name}"
 
 
-__all__ = ["BY_BITS", "FORMATS", "MIXED_FORMATS", "SIDES", "UNIFORM_FORMATS", "CoefficientFormat", "coefficient_format", "of_bits", "pair_name", "side_formats"]
+__all__ = ["BY_BITS", "FLOAT", "FORMATS", "MIXED_FORMATS", "SIDES", "UNIFORM_FORMATS", "CoefficientFormat", "coefficient_format", "of_bits", "pair_name", "side_formats"]

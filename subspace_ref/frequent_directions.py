@@ -107,6 +107,23 @@ class FrequentDirections:
     Guarantee (spec A4.1, B5): for the sketch S of every prefix and every k < ell,
     ``0 <= ||A^T A - S^T S||_2 <= ||A - A_k||_F^2 / (ell - k)``. Rows are buffered in a
     2*ell x d matrix, so one SVD serves ell + 1 rows (amortised), not one per row.
+
+    Parameters
+    ----------
+    d : int
+        Row width.
+    ell : int
+        Sketch size: the sketch keeps at most ell non-zero rows.
+    dtype : numpy dtype
+        float32 or float64 (the default).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from subspace_ref import FrequentDirections
+    >>> fd = FrequentDirections(16, 4).update(np.random.default_rng(0).standard_normal((64, 16)))
+    >>> fd
+    FrequentDirections(d=16, ell=4, rows_seen=64)
     """
 
     def __init__(self, d: int, ell: int, dtype: Any = np.float64):

@@ -18,10 +18,12 @@ from typing import Any
 import numpy as np
 
 from subspace_ref import _checks, persistence
-from subspace_ref.operations import attend
+from subspace_ref.operations import _scans, attend
+from subspace_ref.registry import get_backend
 from subspace_ref.arrays import concat, itemsize, take
 from subspace_ref.calibration import StaticBasis
-from subspace_ref.formats import of_bits
+from subspace_ref.basis_storage import NATIVE
+from subspace_ref.formats import FLOAT, of_bits
 from subspace_ref.layout import counted_nbytes
 from subspace_ref.quantization import DEFAULT_GROUP
 from subspace_ref.rope import RopeParams
@@ -34,12 +36,30 @@ class HeadConfig:
     coefficient format (a :data:`subspace_ref.formats.FORMATS` name), and each side's basis kind:
     keys "post_rope" (a static basis over post-RoPE keys, plane bases included), "pre_rope"
     (spec/rope.md P2) or "identity" (rank d, keys stored as they are, quantised); values
-    "subspace" or "identity"."""
+    "subspace" or "identity".
+
+    Parameters
+    ----------
+    rank_k, rank_v : int
+        Key and value ranks (d and d_v for identity sides).
+    key_format, value_format : str
+        Coefficient formats, names of :data:`subspace_ref.formats.FORMATS` (default float).
+    key_basis : str
+        "post_rope", "pre_rope" or "identity".
+    value_basis : str
+        "subspace" or "identity".
+
+    Examples
+    --------
+    >>> from subspace_ref import HeadConfig
+    >>> HeadConfig(8, 8).key_format
+    'float'
+    """
 
     rank_k: int
     rank_v: int
-    key_format: str = "float"
-    value_format: str = "float"
+    key_format: str = FLOAT
+    value_format: str = FLOAT
     key_basis: str = "post_rope"
     value_basis: str = "subspace"
 
@@ -77,11 +97,24 @@ class LayerState:
     backend (one call per head group), ``append`` takes (H, d) or (H, n, d) keys and values of
     all the layer's KV heads (a leading batch axis when built with ``batch=N``).
 
-    Example::
+    Parameters
+    ----------
+    kv_heads : int
+        The layer's KV heads.
+    groups : sequence of HeadGroup
+        Head groups covering each KV head exactly once (:meth:`from_heads` builds them).
 
-        layer = LayerState.from_heads(basis, [HeadConfig(8, 8, "int4", "int4"), HeadConfig(64, 16, "int4", "float", key_basis="identity")])
-        layer.append(keys, values)                 # (2, n, d) each
-        out = subspace_ref.attend(q, layer)       # (H_q, d_v)
+    Examples
+    --------
+    >>> import numpy as np, subspace_ref as sr
+    >>> rng = np.random.default_rng(0)
+    >>> K, V = rng.standard_normal((2, 2, 64, 16))
+    >>> basis = sr.calibrate(K, V, rank_k=8, rank_v=8)
+    >>> layer = sr.LayerState.from_heads(basis, [sr.HeadConfig(8, 8, "int8", "int8"), sr.HeadConfig(16, 4, key_basis="identity")])
+    >>> layer.append(K, V)
+    LayerState(kv_heads=2, tokens=64, groups={[0]: int8, [1]: float})
+    >>> sr.attend(rng.standard_normal((4, 16)), layer).shape
+    (4, 16)
     """
 
     def __init__(self, kv_heads: int, groups: Sequence[HeadGroup]):
@@ -114,7 +147,7 @@ class LayerState:
         group_size: int = DEFAULT_GROUP,
         batch: int | None = None,
         dtype: Any = None,
-        bases: str = "native",
+        bases: str = NATIVE,
     ) -> "LayerState":
         """A static layer state (spec/layer_state.md L2) whose KV head h stores what ``heads[h]``
         says, with the first ``heads[h].rank_k`` rows of ``basis.B[h]`` as its key basis and the
@@ -222,7 +255,12 @@ class LayerState:
     def attend(self, q: Any, backend: str = "numpy", scale: float | None = None) -> Any:
         """Attention of q (H_q, d) -- or (N, H_q, d) -- over the layer: each group's query heads
         (those of its KV heads, GQA) attend over its state on ``backend``, and the outputs go back
-        in query-head order (spec/layer_state.md L5). Also reached as ``subspace_ref.attend(q, layer)``."""
+        in query-head order (spec/layer_state.md L5). Also reached as ``subspace_ref.attend(q, layer)``.
+
+        Once every group has admitted such queries (same type, dtype, device and shape) by that
+        path and holds compressed tokens, a backend with ``attend_layer_route`` (spec L5.2; the
+        torch backend on CPU: one call of the C kernels for every group) computes the layer in
+        one step; it gives the same numbers."""
         axis = 1 if self.batched else 0
         shape = getattr(q, "shape", None)
         if shape is None or len(shape) != axis + 2 or shape[axis] % self.kv_heads:
@@ -230,9 +268,28 @@ class LayerState:
         g = shape[axis] // self.kv_heads
         if len(self.groups) == 1:
             return attend(q, self.groups[0].state, backend=backend, scale=scale)
+        key = _layer_admission(backend, q)
+        if key is not None:  # L5.2: the backend's layer route, once every group admitted such queries
+            route = self.groups[0].state.admitted.get(key, _NOT_ADMITTED)
+            if route is not None and route is not _NOT_ADMITTED and all(grp.state.admitted.get(key) is route for grp in self.groups) and not _scans(backend):
+                if scale is not None and not 0 < _checks.real("scale", scale) < float("inf"):
+                    raise ValueError(f"scale must be positive and finite, got {scale}")
+                if self.num_tokens == 0:
+                    raise ValueError("the state holds no tokens; append keys and values before attending")
+                out = route(q, self, scale)
+                if out is not None:
+                    return out
         rows, inverse = query_rows(self.groups, g)
         outs = [attend(take(q, r, axis), group.state, backend=backend, scale=scale) for r, group in zip(rows, self.groups)]
-        return take(concat(outs, axis), inverse, axis)
+        out = take(concat(outs, axis), inverse, axis)
+        # every group admitted such queries: ask the backend, once each holds compressed tokens
+        # (a decision over arrays not yet allocated would not be the decode loop's)
+        if key is not None and any(key not in grp.state.admitted for grp in self.groups) and all(grp.state.layout.num_tokens for grp in self.groups):
+            ask = getattr(get_backend(backend), "attend_layer_route", None)
+            route = ask(q, self) if ask is not None else None
+            for grp in self.groups:
+                grp.state.admitted[key] = route
+        return out
 
     def reconstruct(self) -> tuple[np.ndarray, np.ndarray]:
         """(K_hat, V_hat) the layer stands for, heads in order (:meth:`SubspaceState.reconstruct`)."""
@@ -288,8 +345,8 @@ def _checked(i: int, c: Any, basis: StaticBasis) -> HeadConfig:
             raise ValueError(f"heads[{i}].{side} is {rank}; an identity basis has rank {dim} (the head size)")
         if not identity and rank > have:
             raise ValueError(f"heads[{i}].{side} is {rank}, above the basis's {have} rows for head {i} (head size {dim})")
-    if c.rank_v == 0 and c.value_format != "float":  # no coefficients to quantise: the format stores nothing either way (Q0 step 2)
-        c = HeadConfig(c.rank_k, 0, c.key_format, "float", c.key_basis, c.value_basis)
+    if c.rank_v == 0 and c.value_format != FLOAT:  # no coefficients to quantise: the format stores nothing either way (Q0 step 2)
+        c = HeadConfig(c.rank_k, 0, c.key_format, FLOAT, c.key_basis, c.value_basis)
     return c
 
 
@@ -306,6 +363,25 @@ def _snapshot(state: SubspaceState) -> tuple:
 
 def _restore(state: SubspaceState, snap: tuple) -> None:
     state.layout, state.window, state.admitted = snap[0], snap[1], snap[2]
+
+
+_NOT_ADMITTED = object()
+
+
+def _layer_admission(backend: str, q: Any) -> tuple | None:
+    """The key under which a group state remembers the layer route for queries like ``q``
+    (spec/layer_state.md L5.2): as :func:`subspace_ref.operations.attend`'s admissions, the
+    backend and q's type, dtype, device and shape, marked as the layer's; None when q has no
+    shape or the key does not hash."""
+    shape = getattr(q, "shape", None)
+    if shape is None:
+        return None
+    key = ("layer", backend, type(q), getattr(q, "dtype", None), getattr(q, "device", None), tuple(shape))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def query_rows(groups: Sequence[HeadGroup], g: int) -> tuple[list[list[int]], list[int]]:

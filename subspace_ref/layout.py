@@ -14,8 +14,8 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from subspace_ref.arrays import array_family, clone, grown, itemsize, numel, to_numpy
-from subspace_ref.basis_storage import decode, encode
-from subspace_ref.formats import FORMATS, CoefficientFormat, pair_name
+from subspace_ref.basis_storage import NATIVE, decode, encode, is_native
+from subspace_ref.formats import FLOAT, FORMATS, CoefficientFormat, pair_name
 from subspace_ref.quantization import dequantize_rows, read_low_bit
 
 #: Axis kinds of axis 2 (after N, H): TOKEN rows past ``layout.num_tokens`` and CHUNK rows past
@@ -106,7 +106,7 @@ class PackedLayout:
     value_scale: Any = None
     key_basis_scale: Any = None  # (N, H, J_cap, r) float32 when bases are int8 (spec/storage.md S1)
     value_basis_scale: Any = None  # (N, H, J_cap, r_v)
-    basis_format: str = "native"  # how key_bases/value_bases are stored (spec/storage.md S1)
+    basis_format: str = NATIVE  # how key_bases/value_bases are stored (spec/storage.md S1)
     # int4/int2 coefficients (spec/quantization.md Q2): key_coef/value_coef hold packed uint8 codes
     key_group_scale: Any = None  # (N, H, ceil(T_cap / group), r) float16, per channel per token group
     key_group_zero: Any = None
@@ -115,8 +115,8 @@ class PackedLayout:
     value_token_zero: Any = None
     # the formats.FORMATS name of each side's coefficients (spec/quantization.md Q0); the arrays
     # above that a side's format adds are present, the others None
-    key_format: str = "float"
-    value_format: str = "float"
+    key_format: str = FLOAT
+    value_format: str = FLOAT
     group: int = 0  # tokens per key group of low-bit key coefficients
     # arrays derived from torch arrays (decoded bases, scaled query maps): see derived. An init
     # field, so dataclasses.replace hands it on: an append's new layout keeps what is still valid
@@ -263,9 +263,9 @@ class PackedLayout:
         """Whether array ``name`` of dtype rule ``rule`` (:data:`DTYPE_RULES`) takes a new dtype on
         conversion: "coefficients" arrays ("key_coef", "value_coef") when their side is float."""
         if rule == "coefficients":
-            return self.side_format(name.split("_")[0]).name == "float"
+            return self.side_format(name.split("_")[0]).name == FLOAT
         if rule == "bases":
-            return self.basis_format == "native"
+            return is_native(self.basis_format)
         return rule == "state"
 
     def arrays(self) -> dict[str, Any]:

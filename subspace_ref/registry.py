@@ -36,7 +36,27 @@ class BackendInfo:
 
 
 def register_backend(name: str, factory: Callable[[], Backend]) -> None:
-    """Register a backend at run time (entry points do the same for installed packages)."""
+    """Register a backend at run time (entry points do the same for installed packages).
+
+    Parameters
+    ----------
+    name : str
+        The name ``backend=`` arguments use; registering a name again replaces its backend.
+    factory : callable
+        Called with no arguments on first use; returns the backend (a :class:`Backend`).
+
+    Returns
+    -------
+    None
+
+    Examples
+    --------
+    >>> import subspace_ref as sr
+    >>> from subspace_ref.numpy_backend import NumpyBackend
+    >>> sr.register_backend("my-numpy", NumpyBackend)
+    >>> sr.get_backend("my-numpy").array_family
+    'numpy'
+    """
     _added[name] = factory
     _instances.pop(name, None)
 
@@ -64,12 +84,34 @@ def _load(name: str) -> Backend:
 
 
 def get_backend(name: str) -> Backend:
-    """The backend registered as ``name``; ValueError listing the registered names otherwise.
+    """The backend registered as ``name``, imported and built on first use.
 
-    A backend whose module cannot be imported raises RuntimeError carrying the import error.
+    Parameters
+    ----------
+    name : str
+        A registered name: "numpy", "torch", "triton", "cupy", an entry point's or one given to
+        :func:`register_backend`.
+
+    Returns
+    -------
+    Backend
+        The one instance of that backend.
+
+    Raises
+    ------
+    ValueError
+        For an unregistered name, listing the registered ones.
+    RuntimeError
+        When the backend's module cannot be imported (carrying the import error).
+
+    Examples
+    --------
+    >>> import subspace_ref as sr
+    >>> sr.get_backend("numpy").name
+    'numpy'
     """
     if isinstance(name, str) and name in _instances:
-        # fast path: scanning entry points costs ~10 ms, and every append and attend asks
+        # fast path: every append and attend asks, and scanning entry points is slow (docs/benchmarks.md)
         return _instances[name]
     if not isinstance(name, str) or name not in _sources():
         raise ValueError(f"unknown backend {name!r}; registered backends: {', '.join(registered())}")
@@ -102,7 +144,19 @@ def declared_capabilities() -> dict[str, Capabilities | None]:
 
 
 def backends() -> list[BackendInfo]:
-    """Every registered backend with whether it runs on this machine and, if not, why."""
+    """Every registered backend with whether it runs on this machine and, if not, why.
+
+    Returns
+    -------
+    list of BackendInfo
+        One per registered name, sorted: ``name``, ``available`` and ``reason`` (empty when available).
+
+    Examples
+    --------
+    >>> import subspace_ref as sr
+    >>> [str(b) for b in sr.backends() if b.name == "numpy"]
+    ['numpy: available']
+    """
     out = []
     for name in registered():
         a = backend_availability(name)

@@ -19,11 +19,14 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
+from subspace_ref.formats import FLOAT, FORMATS, CoefficientFormat, coefficient_format
+
 #: spec R1.4: FLOPs charged per logit for the softmax (scale, running max, subtract, exp, sum).
 SOFTMAX_FLOPS_PER_LOGIT = 5
-#: spec R4.3: bytes of one INT8 coefficient and of the float32 scale stored per token per head.
-INT8_BYTES = 1
-INT8_SCALE_BYTES = 4
+#: spec R4.1, R4.3: the coefficient formats the model counts, those stored as whole rows per token
+#: (float, and int8 with one float32 scale per token); the low-bit formats' per-group key scales
+#: and float tail are not in spec/roofline.md.
+ROOFLINE_FORMATS = tuple(name for name, f in FORMATS.items() if not f.low_bits)
 #: spec R13.2-R13.3: FLOPs per key dimension and token to generate cos/sin by angle addition
 #: (3 per dimension: two products and a sum for each of cos, sin of a plane) and to rotate
 #: (3 per dimension: four products and two sums per plane).
@@ -141,8 +144,10 @@ class Subspace:
 
     ``chunks`` fixes J; otherwise ``max_chunk`` = L gives J = ceil(T / L) (spec R3.1); with
     neither J = 1. ``ell_k``/``ell_v`` are the FD sketch sizes of an online state (None: static,
-    no sketches). ``refresh_every`` marks the rotating state of spec A8. ``coef`` is "float"
-    (coefficients stored like the cache, ``elem_bytes`` each) or "int8" (spec R4.3). ``rope``
+    no sketches). ``refresh_every`` marks the rotating state of spec A8. ``coef`` names a format of
+    :data:`ROOFLINE_FORMATS` (or is its :class:`~subspace_ref.formats.CoefficientFormat`): float
+    coefficients are stored like the cache, ``elem_bytes`` each (spec R4.1), the others as their
+    record's byte rule says (int8: spec R4.3). ``rope``
     marks a pre-RoPE static state, whose attend rebuilds and rotates every key (spec R13).
     """
 
@@ -153,12 +158,14 @@ class Subspace:
     ell_k: int | None = None
     ell_v: int | None = None
     refresh_every: int | None = None
-    coef: str = "float"
+    coef: str = FLOAT
     rope: bool = False  # a pre-RoPE static state (spec/rope.md P3): the attend of spec R13
 
     def __post_init__(self):
-        if self.coef not in ("float", "int8"):
-            raise ValueError(f"coef must be 'float' or 'int8', got {self.coef!r}")
+        fmt = coefficient_format(self.coef, "coef")
+        if fmt.name not in ROOFLINE_FORMATS:
+            raise ValueError(f"coef must be one of {', '.join(map(repr, ROOFLINE_FORMATS))} (spec R4), got {fmt.name!r}")
+        object.__setattr__(self, "coef", fmt.name)
         if (self.ell_k is None) != (self.ell_v is None):
             raise ValueError("give both ell_k and ell_v (an online state) or neither (static)")
         if self.chunks is not None and self.max_chunk is not None:
@@ -167,13 +174,13 @@ class Subspace:
             raise ValueError("rope=True describes a static state (one chunk, no sketches): spec/rope.md P2")
 
     @classmethod
-    def static(cls, r: int, r_v: int | None = None, coef: str = "float", rope: bool = False) -> "Subspace":
+    def static(cls, r: int, r_v: int | None = None, coef: str = FLOAT, rope: bool = False) -> "Subspace":
         """Spec A6: one basis, no sketches (``rope``: pre-RoPE, spec/rope.md P2-P3)."""
         return cls(r, r if r_v is None else r_v, chunks=1, coef=coef, rope=rope)
 
     @classmethod
     def adaptive(cls, r: int, r_v: int | None = None, *, max_chunk: int = 256, chunks: int | None = None,
-                 ell_k: int | None = None, ell_v: int | None = None, coef: str = "float") -> "Subspace":
+                 ell_k: int | None = None, ell_v: int | None = None, coef: str = FLOAT) -> "Subspace":
         """Spec A7 with chunks closing every ``max_chunk`` tokens (or a fixed ``chunks``);
         sketch sizes default to twice the ranks, as :meth:`SubspaceState.adaptive` does."""
         r_v = r if r_v is None else r_v
@@ -183,6 +190,17 @@ class Subspace:
     @property
     def online(self) -> bool:
         return self.ell_k is not None
+
+    @property
+    def coefficient_format(self) -> CoefficientFormat:
+        """The record of :attr:`coef` (:mod:`subspace_ref.formats`)."""
+        return FORMATS[self.coef]
+
+    def token_bytes(self, e: float) -> tuple[float, float]:
+        """Spec R4.1, R4.3: bytes of one token's key and value coefficients (codes and scales),
+        from the format record's byte rule with float coefficients of ``e`` bytes."""
+        fmt = self.coefficient_format
+        return tuple(float(sum(fmt.stored_bytes(side, rank, 1, 1, e).values())) for side, rank in (("key", self.r), ("value", self.r_v)))
 
     def num_chunks(self, T: Any) -> Any:
         """Spec R3.1: J for context length T."""
@@ -225,12 +243,8 @@ def subspace_cost(T: Any, shape: Shape, sub: Subspace) -> Cost:
     d, dv, g, e = shape.d, shape.d_v, shape.group, shape.elem_bytes
     r, rv = sub.r, sub.r_v
     J = sub.num_chunks(T)
-    if sub.coef == "int8":  # R4.3
-        ck, cv = r * INT8_BYTES + INT8_SCALE_BYTES, rv * INT8_BYTES + INT8_SCALE_BYTES
-        quant = 2.0 * (r + rv)
-    else:
-        ck, cv = r * e, rv * e
-        quant = 0.0
+    ck, cv = sub.token_bytes(e)  # R4.1, R4.3
+    quant = 2.0 * (r + rv) if sub.coefficient_format.per_token_scale else 0.0  # R5.2
     if sub.rope:
         key_terms = [
             Term("rebuild", "attend", 2.0 * T * r * d, r * d * e),  # R13.1 (B read once, R4.2)
@@ -279,8 +293,7 @@ def _online_terms(T, J, shape: Shape, sub: Subspace) -> list[Term]:
         terms.append(Term("snapshot", "fd", snap_f * per_token, snap_b * per_token))
     else:
         m = sub.refresh_every  # R9.3: rotating state, a snapshot and a rotation of all T rows every m tokens
-        ck = r * e if sub.coef == "float" else r * INT8_BYTES + INT8_SCALE_BYTES
-        cv = rv * e if sub.coef == "float" else rv * INT8_BYTES + INT8_SCALE_BYTES
+        ck, cv = sub.token_bytes(e)
         terms.append(Term("snapshot", "fd", snap_f / m + 0.0 * T, snap_b / m + 0.0 * T))
         terms.append(Term("rotate", "fd", (2.0 * T * (r * r + rv * rv) + 2.0 * (r * r * d + rv * rv * dv)) / m,
                           2.0 * T * (ck + cv) / m))
@@ -304,10 +317,11 @@ def _as_T(T: Any) -> Any:
 # --------------------------------------------------------------------------- states
 def subspace_for_state(state, head: int = 0, seq: int = 0) -> Subspace:
     """The :class:`Subspace` of one head of a :class:`~subspace_ref.SubspaceState`, with J fixed
-    to that head's current chunk count (spec R3.1) and INT8 coefficients when the state stores
-    them (spec R4.3, A10)."""
+    to that head's current chunk count (spec R3.1) and the state's coefficient format when the
+    model counts it (:data:`ROOFLINE_FORMATS`, spec R4.3); other formats count as float."""
     p = state.policy
-    coef = "int8" if getattr(state.layout, "quantized", False) else "float"
+    coef = getattr(state.layout, "coefficients", FLOAT)
+    coef = coef if coef in ROOFLINE_FORMATS else FLOAT
     J = int(np.asarray(state.num_chunks).reshape(-1, state.heads)[seq, head])
     rope = getattr(p, "rope", None) is not None
     online = getattr(p, "ell_k", None)
@@ -489,6 +503,7 @@ def summary(T: int, shape: Shape, sub: Subspace, machine: Machine) -> str:
 
 __all__ = [
     "PHASES",
+    "ROOFLINE_FORMATS",
     "ROPE_FLOPS_PER_DIM",
     "Cost",
     "Machine",

@@ -125,8 +125,8 @@ def rotate(x: Any, positions: Any, rope: RopeParams, *, inverse: bool = False) -
     if family == "torch" and x.device.type == "cpu" and not x.requires_grad and str(x.dtype) in ("torch.float32", "torch.float64"):
         import torch
 
-        # the same operations in NumPy on a view of x, bit for bit, at ~1 us an operation against
-        # torch's ~3-5: a decode step's append rotates one token (53 against 116 us)
+        # the same operations in NumPy on a view of x, bit for bit: cheaper per operation on the
+        # one token a decode step's append rotates (docs/benchmarks.md)
         return torch.from_numpy(rotate(x.numpy(), positions, rope, inverse=inverse))
     a, b = _rotating_dims(rope, x.shape[-1])
     cos, sin = rope.cos_sin(positions)

@@ -9,7 +9,7 @@ import numpy as np
 from subspace_ref import _checks, operations, persistence
 from subspace_ref import window as _window
 from subspace_ref.arrays import itemsize, to_numpy
-from subspace_ref.basis_storage import check_format, stored_dtype
+from subspace_ref.basis_storage import NATIVE, check_format, has_row_scales, stored_dtype
 from subspace_ref.calibration import StaticBasis, resolve_gamma
 from subspace_ref.layout import (
     PackedLayout,
@@ -21,7 +21,7 @@ from subspace_ref.policies import AdaptivePolicy, RotatingPolicy, StaticPolicy
 from subspace_ref.policies._online import per_head_ranks, sketch_size, warmup_length
 from subspace_ref.policies.adaptive import sketch_options, track_option, trigger_order
 from subspace_ref.policies.byte_ceiling import ceiling_option, check_ceiling
-from subspace_ref.formats import side_formats
+from subspace_ref.formats import FLOAT, side_formats
 from subspace_ref.quantization import DEFAULT_GROUP, packed_width
 from subspace_ref.rope import RopeParams
 
@@ -35,6 +35,20 @@ class SubspaceState:
     Unbatched (the default): ``append`` takes (H, d) or (H, n, d). Built with ``batch=N``:
     (N, H, d) or (N, H, n, d). The arrays live in one family (numpy, torch or cupy; see
     :meth:`to`), and appends run on the backend of that family, in place on its device.
+
+    Parameters
+    ----------
+    policy, layout, sketches, batched, engine, window
+        The parts :meth:`static`, :meth:`adaptive`, :meth:`rotating` and :meth:`load` assemble;
+        build states with those, not by hand.
+
+    Examples
+    --------
+    >>> import numpy as np, subspace_ref as sr
+    >>> K, V = np.random.default_rng(0).standard_normal((2, 2, 64, 16))
+    >>> state = sr.SubspaceState.static(sr.calibrate(K, V, rank_k=8, rank_v=8), coefficients="int8")
+    >>> state.append(K, V)
+    SubspaceState(static, heads=2, d=16, d_v=16, tokens=64, chunks=[1, 1], engine=numpy)
     """
 
     def __init__(
@@ -60,9 +74,9 @@ class SubspaceState:
         *,
         batch: int | None = None,
         dtype: Any = None,
-        coefficients: str = "float",
+        coefficients: str = FLOAT,
         rope: Any = None,
-        bases: str = "native",
+        bases: str = NATIVE,
         window: int = 0,
         min_tokens: int = 0,
         query_group: int = 1,
@@ -146,8 +160,8 @@ class SubspaceState:
         gamma: Any = "unit",
         batch: int | None = None,
         dtype: Any = np.float64,
-        coefficients: str = "float",
-        bases: str = "native",
+        coefficients: str = FLOAT,
+        bases: str = NATIVE,
         group_size: int = DEFAULT_GROUP,
         window: int = 0,
         min_tokens: int = 0,
@@ -271,8 +285,8 @@ class SubspaceState:
         gamma: Any = "unit",
         batch: int | None = None,
         dtype: Any = np.float64,
-        coefficients: str = "float",
-        bases: str = "native",
+        coefficients: str = FLOAT,
+        bases: str = NATIVE,
         group_size: int = DEFAULT_GROUP,
         window: int = 0,
         min_tokens: int = 0,
@@ -291,7 +305,7 @@ class SubspaceState:
         return cls._online(policy, heads, d, d_v, gamma, batch, dtype, coefficients, bases, (window, min_tokens, 0, sinks), group_size)
 
     @classmethod
-    def _online(cls, policy, heads, d, d_v, gamma, batch, dtype, coefficients, bases="native", exact=(0, 0, 0, 0), group_size=None) -> "SubspaceState":
+    def _online(cls, policy, heads, d, d_v, gamma, batch, dtype, coefficients, bases=NATIVE, exact=(0, 0, 0, 0), group_size=None) -> "SubspaceState":
         if np.dtype(dtype) not in (np.float32, np.float64):
             raise TypeError(
                 f"dtype must be float32 or float64 for an online NumPy state (its SVDs need them), got {dtype!r}; convert with state.to(...) for half precision"
@@ -479,7 +493,7 @@ def _online_args(heads, d, d_v, rank_k, rank_v, ell_k, ell_v, warmup):
 
 
 def _empty_layout(
-    n: int, H: int, r: int, d: int, r_v: int, d_v: int, dtype, coefficients: Any, bases: str = "native", group_size: int | None = DEFAULT_GROUP
+    n: int, H: int, r: int, d: int, r_v: int, d_v: int, dtype, coefficients: Any, bases: str = NATIVE, group_size: int | None = DEFAULT_GROUP
 ) -> PackedLayout:
     """An empty layout whose sides store coefficients as ``coefficients`` says: one format name
     for both, or a (key, value) pair of names (spec/quantization.md Q0)."""
@@ -500,8 +514,8 @@ def _empty_layout(
         num_chunks=np.zeros((n, H), dtype=np.int64),
         gamma=np.zeros(H, dtype=dtype),
         num_tokens=0,
-        key_basis_scale=np.zeros((n, H, 1, r), dtype=np.float32) if bases == "int8" else None,
-        value_basis_scale=np.zeros((n, H, 1, r_v), dtype=np.float32) if bases == "int8" else None,
+        key_basis_scale=np.zeros((n, H, 1, r), dtype=np.float32) if has_row_scales(bases) else None,
+        value_basis_scale=np.zeros((n, H, 1, r_v), dtype=np.float32) if has_row_scales(bases) else None,
         basis_format=bases,
         key_format=key_format.name,
         value_format=value_format.name,

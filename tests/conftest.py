@@ -98,7 +98,7 @@ def tiny_calibration(tmp_path_factory):
     profile), computed once per session for every test of the variant rows."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from subspace_ref.experiments import _common as C, calibrate
+    from subspace_ref.lab.experiments import _common as C, calibrate
 
     p = argparse.ArgumentParser()
     calibrate.add_arguments(p)

@@ -317,7 +317,7 @@ def test_check_knows_grown_bases_are_no_projection(rng):
     """Spec B0/B12: a row grown after a token was stored leaves that token's k_hat on the rows in
     use then, not P_{B_j} k; ``check`` detects it and reports the paper forms (which assume the
     projection) as no guarantee, while the corrected forms stay guarantees and hold."""
-    from subspace_ref.bounds import check
+    from subspace_ref.lab.bounds import check
 
     H, d = 1, 16
     K = rng.standard_normal((H, 200, d)) @ np.diag(0.5 ** np.arange(d))  # a graded spectrum: tokens within tau / 2 come before rows grow

@@ -11,7 +11,7 @@ import pytest
 
 from subspace_ref.allocation import (Allocation, Candidate, HeadAllocation, allocate, allocation_bases, greedy, lower_hull,
                                      plane_rows, side_losses)
-from subspace_ref.baselines.combined import Subspace
+from subspace_ref.lab.baselines.combined import Subspace
 from subspace_ref.byte_convention import Geometry, side_parts
 
 
@@ -108,8 +108,8 @@ def test_allocation_on_the_shipped_model():
     """The allocator on the shipped model's calibration data (one 128-token window): it fits its
     budget, and its measured loss is at most that of the best uniform configuration (same bits
     on both sides, post- or pre-RoPE keys) at no more bytes, which is one of its candidates."""
-    from subspace_ref.experiments import _common as C
-    from subspace_ref.experiments.baselines import uniform
+    from subspace_ref.lab.experiments import _common as C
+    from subspace_ref.lab.experiments.baselines import uniform
     from subspace_ref.hf.calibration_losses import calibration_losses
 
     model, _ = C.load_model("default")

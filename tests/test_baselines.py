@@ -1,4 +1,4 @@
-"""KV-cache baselines (subspace_ref.baselines): byte accounting by hand, eviction sets, H2O
+"""KV-cache baselines (subspace_ref.lab.baselines): byte accounting by hand, eviction sets, H2O
 selection, quantisation error, decode equivalence, full budget = stock; and the command's quick run."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from subspace_ref.baselines import (  # noqa: E402
+from subspace_ref.lab.baselines import (  # noqa: E402
     H2O,
     QuantizedKV,
     SlidingWindow,
@@ -26,7 +26,7 @@ from subspace_ref.baselines import (  # noqa: E402
     token_logprobs,
     window_keep,
 )
-from subspace_ref.baselines.h2o import H2ORuntime  # noqa: E402
+from subspace_ref.lab.baselines.h2o import H2ORuntime  # noqa: E402
 from subspace_ref.byte_convention import Geometry, capacity_for, full_bytes  # noqa: E402
 
 GEOM = Geometry(layers=1, kv_heads=1, head_dim=64, value_dim=64, context=1024)
@@ -35,7 +35,7 @@ GEOM = Geometry(layers=1, kv_heads=1, head_dim=64, value_dim=64, context=1024)
 @pytest.fixture(scope="module")
 def tiny():
     torch.set_num_threads(1)
-    from subspace_ref.experiments._common import tiny_random_llama
+    from subspace_ref.lab.experiments._common import tiny_random_llama
 
     model, _ = tiny_random_llama()
     g = torch.Generator().manual_seed(0)
@@ -207,7 +207,7 @@ def test_attention_restored(tiny):
 
 
 def test_command_quick(tmp_path):
-    from subspace_ref.experiments import baselines
+    from subspace_ref.lab.experiments import baselines
 
     p = argparse.ArgumentParser()
     baselines.add_arguments(p)
@@ -233,13 +233,13 @@ def test_command_quick(tmp_path):
 
 @pytest.mark.parametrize("window, sinks", [(0, 0), (5, 0), (5, 3)])
 def test_frontier_runtime_is_the_state(window, sinks):
-    """baselines/frontier.py's batched evaluation equals SubspaceState (numpy oracle) with int4
+    """lab/baselines/frontier.py's batched evaluation equals SubspaceState (numpy oracle) with int4
     coefficients, pre-RoPE key bases, an exact window and sinks, at every query position: the
     one-state rows of docs/baselines.md decode as they are evaluated."""
     torch = pytest.importorskip("torch")
     from subspace_ref import StaticBasis, SubspaceState, attend
     from subspace_ref.allocation import Allocation, HeadAllocation
-    from subspace_ref.baselines.frontier import Frontier
+    from subspace_ref.lab.baselines.frontier import Frontier
     from subspace_ref.rope import RopeParams, rotate
 
     rng = np.random.default_rng(0)
@@ -268,7 +268,7 @@ def test_frontier_runtime_is_the_state(window, sinks):
 def tiny64():
     """The tiny Llama in float64 (states float64, bases stored natively) and its allocator inputs."""
     torch.set_num_threads(1)
-    from subspace_ref.experiments._common import tiny_random_llama
+    from subspace_ref.lab.experiments._common import tiny_random_llama
     from subspace_ref.hf.calibration_losses import calibration_losses
 
     model, _ = tiny_random_llama()
@@ -284,7 +284,7 @@ def _rows(model, cal):
     """One allocation of each kind docs/baselines.md decodes through allocated_states."""
     from subspace_ref.allocation import Allocation
     from subspace_ref.allocation import HeadAllocation as HA
-    from subspace_ref.experiments.baselines import uniform
+    from subspace_ref.lab.experiments.baselines import uniform
 
     geom = cal.geometry(model)
     mixed = Allocation(  # every basis kind and format, int4 keys beside int2 / float / int8 values
@@ -302,15 +302,15 @@ def _rows(model, cal):
 
 def test_simulation_agrees_with_the_cache(tiny64):
     """docs/baselines.md decodes its allocation rows through SubspaceCache (allocated_states,
-    teacher-forced); baselines/frontier.py simulates them as exact attention over the state's
+    teacher-forced); lab/baselines/frontier.py simulates them as exact attention over the state's
     reconstruction, from bases built independently (frontier_bases). In float64 the two compute
     the same numbers in another summation order: each per-token NLL passes through L layers of
     sums of at most d + T + hidden terms, so rounding moves it by at most about
     L (d + T + hidden) eps |NLL|; one quantisation code read differently, a key group read
     before it is complete or a wrong basis moves it by many orders more (the two prefill bugs this
     test found moved it by 1.8e-4 and 1.2e-9)."""
-    from subspace_ref.baselines.frontier import Frontier
-    from subspace_ref.experiments.baselines import frontier_bases
+    from subspace_ref.lab.baselines.frontier import Frontier
+    from subspace_ref.lab.experiments.baselines import frontier_bases
     from subspace_ref.hf import allocated_states, teacher_forced
 
     model, ids, cal = tiny64
@@ -329,9 +329,9 @@ def test_simulation_agrees_with_the_cache(tiny64):
 def test_window_mask_through_the_cache_agrees_with_projection(tiny64):
     """The subspace + window row: SubspaceCache (static states) under a window mask equals exact
     attention over the projected keys and values under the same mask (spec A2). The projection's
-    simulation (baselines/combined.py) holds its d x d projectors in float32, so the bound of the
+    simulation (lab/baselines/combined.py) holds its d x d projectors in float32, so the bound of the
     test above has float32's eps: each projected entry moves by at most d eps32 relative."""
-    from subspace_ref.experiments.baselines import bases_for, windowed_logprobs
+    from subspace_ref.lab.experiments.baselines import bases_for, windowed_logprobs
     from subspace_ref.hf import static_states
 
     model, ids, cal = tiny64

@@ -1,4 +1,4 @@
-"""``subspace_ref.bounds.check``: the report (spec B0) — rows, worst head, GQA, premises,
+"""``subspace_ref.lab.bounds.check``: the report (spec B0) — rows, worst head, GQA, premises,
 allowances, printing and ``to_dict``."""
 
 import json
@@ -9,7 +9,7 @@ import pytest
 from conftest import state_from_chunks
 
 from subspace_ref import StaticBasis, SubspaceState, attend, calibrate
-from subspace_ref.bounds import CLAIMS, BoundsReport, check
+from subspace_ref.lab.bounds import CLAIMS, BoundsReport, check
 
 
 def stream(rng, H, T, d, rank, noise=0.05):

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from subspace_ref import FrequentDirections, SubspaceState, calibrate
-from subspace_ref.bounds import check
-from subspace_ref.bounds import statements as bs
+from subspace_ref.lab.bounds import check
+from subspace_ref.lab.bounds import statements as bs
 
 U64 = np.finfo(np.float64).eps / 2
 SPECTRA = ("flat", "decay", "gap", "lowrank", "single", "sparse")

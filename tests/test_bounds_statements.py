@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from subspace_ref import FrequentDirections
-from subspace_ref.bounds import CLAIMS, COUNTEREXAMPLES, check
-from subspace_ref.bounds import statements as st
+from subspace_ref.lab.bounds import CLAIMS, COUNTEREXAMPLES, check
+from subspace_ref.lab.bounds import statements as st
 
 
 def test_every_claim_has_a_function_and_paper_forms_are_complete():

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from subspace_ref.bounds import CLAIMS, COUNTEREXAMPLES
-from subspace_ref.bounds import sweep
+from subspace_ref.lab.bounds import CLAIMS, COUNTEREXAMPLES
+from subspace_ref.lab.bounds import sweep
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def test_theory_page_is_generated_from_the_sweep(quick_run):
 
 
 def test_module_entry_point_and_missing_caches(tmp_path, capsys):
-    from subspace_ref.bounds.__main__ import main
+    from subspace_ref.lab.bounds.__main__ import main
 
     # --caches pointing nowhere is skipped, not an error
     rc = main(["--quick", "--out", str(tmp_path / "o"), "--theory", str(tmp_path / "t.md"), "--no-plot",
@@ -131,7 +131,7 @@ def test_synthetic_streams_have_the_stated_structure():
 def test_theory_page_states_its_scope_and_sweeps_the_model_by_default(quick_run):
     import argparse
 
-    from subspace_ref.bounds.sweep import add_arguments, capture_model
+    from subspace_ref.lab.bounds.sweep import add_arguments, capture_model
 
     _, _, theory = quick_run
     assert "## Scope and limits" in theory.read_text()

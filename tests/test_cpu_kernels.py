@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import subspace_ref as sr
+from subspace_ref.formats import MIXED_FORMATS
 from subspace_ref.rope import RopeParams
 from tests.differential.tolerance import reference_error, tolerance
 
@@ -21,16 +22,19 @@ SEED_OFFSET = int(os.environ.get("SUBSPACE_REF_TEST_SEED", "0"))
 
 torch = pytest.importorskip("torch")
 cpu_kernels = pytest.importorskip("subspace_ref_torch.cpu_kernels")
-torch_attend = pytest.importorskip("subspace_ref_torch.attend")
+kernel_library = pytest.importorskip("subspace_ref_torch.kernel_library")
+kernel_stores = pytest.importorskip("subspace_ref_torch.kernel_stores")
+torch_maps = pytest.importorskip("subspace_ref_torch.maps")
+torch_plan = pytest.importorskip("subspace_ref_torch.plan")
 
 
 def test_the_kernels_build_where_a_c_compiler_is():
     """A build failure must fail here, not quietly send every call down the slower path."""
     if os.environ.get("SUBSPACE_REF_CPU_KERNELS") == "0":
         pytest.skip("disabled by SUBSPACE_REF_CPU_KERNELS=0")
-    if cpu_kernels.compiler() is None:
+    if kernel_library.compiler() is None:
         pytest.skip("no C compiler on this machine: attend dequantises with torch operations")
-    ok, why = cpu_kernels.availability()
+    ok, why = kernel_library.library_status()
     assert ok, why
 
 
@@ -58,12 +62,12 @@ def _library_for(kind: str):
     impossible (another architecture, no compiler)."""
     import platform
 
-    if platform.machine() not in ("x86_64", "AMD64") or cpu_kernels.compiler() is None:
+    if platform.machine() not in ("x86_64", "AMD64") or kernel_library.compiler() is None:
         return None, f"not an x86-64 machine with a C compiler ({platform.machine()})"
     march = MARCH[kind]
-    flags = [f for f in cpu_kernels.FLAGS if not f.startswith("-march")] + [f"-march={march}"]
+    flags = [f for f in kernel_library.FLAGS if not f.startswith("-march")] + [f"-march={march}"]
     try:
-        return cpu_kernels.build(flags, f"coefficient_products_{march.replace('-', '_')}"), ""
+        return kernel_library.build(flags, f"coefficient_products_{march.replace('-', '_')}"), ""
     except (OSError, RuntimeError) as e:
         return None, f"the {march} build failed: {e}"
 
@@ -96,13 +100,13 @@ def test_attend_within_the_derived_tolerance(coefficients, window, group, ranks,
     one); "portable": built for AVX2 without AVX-512, their 8-lane register paths; "scalar":
     built without either, their portable loops (a sequential sum of a tile's softmax weights
     there reached 1.8x the tolerance before 2026-11-25)."""
-    if kernels and not cpu_kernels.availability()[0]:
-        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.availability()[1]}")
+    if kernels and not kernel_library.library_status()[0]:
+        pytest.skip(f"CPU kernels unavailable: {kernel_library.library_status()[1]}")
     if kernels in MARCH:
         library, why = request.getfixturevalue(f"{kernels}_library")
         if library is None:
             pytest.skip(why)
-        monkeypatch.setattr(cpu_kernels, "_library", library)
+        monkeypatch.setattr(kernel_library, "_library", library)
     rng = np.random.default_rng(zlib.crc32(repr((coefficients, window, group, ranks)).encode()) + SEED_OFFSET)
     state = _state(coefficients, 2100, window, ranks, rng)
     q = rng.standard_normal((2, 3 * group, 96)) * 2
@@ -112,7 +116,8 @@ def test_attend_within_the_derived_tolerance(coefficients, window, group, ranks,
         real = cpu_kernels.KernelCall.__call__
         monkeypatch.setattr(cpu_kernels.KernelCall, "__call__", lambda self, *a, **k: calls.append(a) or real(self, *a, **k))
     else:
-        monkeypatch.setattr(cpu_kernels, "serves", lambda q, state, dtype: False)
+        monkeypatch.setattr(kernel_library, "_library", None)
+        monkeypatch.setattr(kernel_library, "_failure", "disabled by the test")
     got = sr.attend(torch.from_numpy(q).float(), state.to("torch", dtype=torch.float32), backend="torch").double().numpy()
     err = float(np.abs(got - out64).max())
     assert err <= tolerance(reference_error(state, q, None, out64, "float32"), out64, "float32")
@@ -162,6 +167,42 @@ def _assert_one_kernel_call_within_tolerance(state, q, out64, monkeypatch) -> No
     assert err <= tolerance(reference_error(state, q, None, out64, "float32"), out64, "float32")
 
 
+@pytest.mark.parametrize("coefficients", MIXED_FORMATS)
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("ranks", [(11, 9), (32, 16)], ids=["r11-9", "r32-16"])
+@pytest.mark.usefixtures("either_library")
+def test_mixed_formats_take_the_kernel_within_the_derived_tolerance(coefficients, window, ranks, monkeypatch):
+    """Keys and values in different formats (spec/quantization.md Q0: float32, int8, int4, int2
+    per side): the plan routes the call to the C kernel, for the state's life (the decode route),
+    and its one call lies within the derived tolerance of the float64 oracle. T = 1100: two value
+    tiles and an unfinished key group of 12."""
+    rng = np.random.default_rng(zlib.crc32(repr(("mixed", coefficients, window, ranks)).encode()) + SEED_OFFSET)
+    state = _state(coefficients, 1100, window, ranks, rng, sinks=2 if window else 0)
+    q = rng.standard_normal((2, 3 * 2, 96)) * 2
+    torch_state = state.to("torch", dtype=torch.float32)
+    route = torch_plan.plan_attend(torch.from_numpy(q).float(), torch_state)
+    assert route.way is torch_plan.Way.KERNEL and route.lasting, route
+    out64 = sr.attend(q, state)
+    _assert_one_kernel_call_within_tolerance(state, q, out64, monkeypatch)
+    assert sr.get_backend("torch").attend_route(torch.from_numpy(q).float(), torch_state) is cpu_kernels.kernel_attend
+
+
+def test_the_plan_names_the_route_and_why():
+    """``plan_attend`` is the one decision: float64 work and float sides stored in a half dtype
+    take the general path (int4 / int2 sides still read by the kernels where the work is
+    float32), a float32 mixed state the kernel, for the state's life."""
+    if not kernel_library.library_status()[0]:
+        pytest.skip(f"CPU kernels unavailable: {kernel_library.library_status()[1]}")
+    rng = np.random.default_rng(5 + SEED_OFFSET)
+    state = _state("float/int4", 40, 0, (11, 9), rng)
+    q = torch.from_numpy(rng.standard_normal((2, 6, 96)))
+    cases = {torch.float32: (torch_plan.Way.KERNEL, False), torch.float64: (torch_plan.Way.GENERAL, False), torch.float16: (torch_plan.Way.GENERAL, True)}
+    for dtype, (way, rows) in cases.items():
+        route = torch_plan.plan_attend(q.to(dtype), state.to("torch", dtype=dtype))
+        assert (route.way, route.kernel_rows) == (way, rows), (dtype, route)
+        assert route.reason
+
+
 @pytest.mark.parametrize("coefficients", ["int8", "int4", "int2"])
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.usefixtures("either_library")
@@ -179,10 +220,10 @@ def test_exact_tokens_with_values_of_another_size(coefficients, group, monkeypat
 
 
 def test_beyond_the_kernel_limits_is_a_clear_error():
-    if not cpu_kernels.availability()[0]:
-        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.availability()[1]}")
+    if not kernel_library.library_status()[0]:
+        pytest.skip(f"CPU kernels unavailable: {kernel_library.library_status()[1]}")
     state = _state("int8", 8, 0, (4, 4), np.random.default_rng(0)).to("torch", dtype=torch.float32)
-    maps = torch_attend.one_chunk_maps(state, 96, None, torch.float32)
+    maps = torch_maps.one_chunk_maps(state, 96, None, torch.float32)
     with pytest.raises(ValueError, match="query heads per KV head <= 64"):
         cpu_kernels.KernelCall.of(state.layout, maps[0], maps[1])(torch.zeros((2, 3 * 65, 96)), state.layout, 1024)
 
@@ -190,21 +231,21 @@ def test_beyond_the_kernel_limits_is_a_clear_error():
 @pytest.fixture(params=["native", "portable", "scalar"], ids=["kernels", "portable-kernels", "scalar-kernels"])
 def either_library(request, monkeypatch):
     """Runs a test on the kernels as built here and on their builds for AVX2 and for neither."""
-    if not cpu_kernels.availability()[0]:
-        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.availability()[1]}")
+    if not kernel_library.library_status()[0]:
+        pytest.skip(f"CPU kernels unavailable: {kernel_library.library_status()[1]}")
     if request.param in MARCH:
         library, why = request.getfixturevalue(f"{request.param}_library")
         if library is None:
             pytest.skip(why)
-        monkeypatch.setattr(cpu_kernels, "_library", library)
+        monkeypatch.setattr(kernel_library, "_library", library)
 
 
 @pytest.mark.usefixtures("either_library")
 def test_the_softmax_exponential_is_within_one_ulp():
     """The kernels' own e^x (x <= 0: logit minus the maximum) against float64, over the whole
     range where float32 results are normal, and 0 below it; NaN stays NaN."""
-    if not cpu_kernels.availability()[0]:
-        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.availability()[1]}")
+    if not kernel_library.library_status()[0]:
+        pytest.skip(f"CPU kernels unavailable: {kernel_library.library_status()[1]}")
     x = torch.cat([torch.linspace(-87.3, 0.0, 400_003), torch.tensor([-1e4, -float("inf"), float("nan")])])
     got = cpu_kernels.softmax_exp(x).double().numpy()
     exact = np.exp(x.double().numpy())
@@ -222,8 +263,8 @@ def test_low_bit_rows_read_bit_for_bit_as_the_oracle(coefficients, ranks):
     product on a CPU reads it) against spec Q2's own reading, ``quantization.read_low_bit``: the
     same float32 numbers, for ranges inside groups, across them and into the unfinished group's
     float tail, for keys and values, ranks that end inside a byte and ranks past 64 columns."""
-    if not cpu_kernels.availability()[0]:
-        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.availability()[1]}")
+    if not kernel_library.library_status()[0]:
+        pytest.skip(f"CPU kernels unavailable: {kernel_library.library_status()[1]}")
     from subspace_ref.quantization import read_low_bit
 
     rng = np.random.default_rng(zlib.crc32(repr((coefficients, ranks)).encode()) + SEED_OFFSET)
@@ -243,8 +284,8 @@ def test_a_decode_loop_reads_every_append_and_keeps_one_binding(coefficients):
     tokens appended so far (within the derived tolerance of the oracle over the same stored
     state), and the layout must keep one binding of each, not one per token count. (The oracle's own appends would store other codes where float32
     projections round across a quantisation step: the appends are compared elsewhere.)"""
-    if not cpu_kernels.availability()[0]:
-        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.availability()[1]}")
+    if not kernel_library.library_status()[0]:
+        pytest.skip(f"CPU kernels unavailable: {kernel_library.library_status()[1]}")
     rng = np.random.default_rng(zlib.crc32(coefficients.encode()) + SEED_OFFSET)
     state = _state(coefficients, 40, 0, (11, 9), rng).to("torch", dtype=torch.float32)  # arrays of exactly 40 rows: the first append grows them
     sr.attend(torch.zeros(2, 3, 96), state, backend="torch")
@@ -268,8 +309,8 @@ def test_the_prepared_call_rereads_bases_gamma_and_scale_after_writes(coefficien
     an in-place write to the bases or gamma, an append and another logit scale must each show
     in the next result (a stale call fails here), within the derived tolerance of the oracle
     over the same stored state."""
-    if not cpu_kernels.availability()[0]:
-        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.availability()[1]}")
+    if not kernel_library.library_status()[0]:
+        pytest.skip(f"CPU kernels unavailable: {kernel_library.library_status()[1]}")
     rng = np.random.default_rng(zlib.crc32(coefficients.encode()) + 3 + SEED_OFFSET)
     state = _state(coefficients, 70, 0, (11, 9), rng).to("torch", dtype=torch.float32)
     q = rng.standard_normal((2, 3, 96)) * 2
@@ -297,8 +338,8 @@ def test_a_deep_copy_attends_over_its_own_arrays():
     """A copy of a state the kernels have served (beam search deep-copies caches) must not
     inherit the original's kernel addresses: it attends over its own arrays, and appends to
     either leave the other alone."""
-    if not cpu_kernels.availability()[0]:
-        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.availability()[1]}")
+    if not kernel_library.library_status()[0]:
+        pytest.skip(f"CPU kernels unavailable: {kernel_library.library_status()[1]}")
     import copy
 
     rng = np.random.default_rng(7 + SEED_OFFSET)
@@ -324,8 +365,8 @@ def test_arrays_the_kernels_cannot_read_in_place_take_the_torch_path(coefficient
     """Coefficient rows that are not back to back (a strided view standing for the stored
     array) are refused by the kernels, not copied behind the appends' back: attend takes the
     torch-operations path, within the same tolerance."""
-    if not cpu_kernels.availability()[0]:
-        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.availability()[1]}")
+    if not kernel_library.library_status()[0]:
+        pytest.skip(f"CPU kernels unavailable: {kernel_library.library_status()[1]}")
     from dataclasses import replace
 
     rng = np.random.default_rng(zlib.crc32(coefficients.encode()) + 1 + SEED_OFFSET)
@@ -334,8 +375,8 @@ def test_arrays_the_kernels_cannot_read_in_place_take_the_torch_path(coefficient
     state.layout = replace(state.layout, key_coef=_strided(state.layout.key_coef), _derived={})
     q = rng.standard_normal((2, 3, 96)) * 2
     out64 = sr.attend(q, oracle)
-    assert cpu_kernels.kernel_sides(state.layout) is None
-    assert not cpu_kernels.serves(torch.from_numpy(q).float(), state, torch.float32)
+    assert kernel_library.kernel_sides(state.layout) is None
+    assert torch_plan.plan_attend(torch.from_numpy(q).float(), state).way is torch_plan.Way.GENERAL
     got = sr.attend(torch.from_numpy(q).float(), state, backend="torch").double().numpy()
     assert np.abs(got - out64).max() <= tolerance(reference_error(oracle, q, None, out64, "float32"), out64, "float32")
 
@@ -347,8 +388,8 @@ def test_attend_routes_decode_calls_straight_to_the_kernels():
     state they do not serve; routed calls give what the
     general path gives, and a route that no longer serves (arrays replaced by ones the kernels
     cannot read in place) hands the call back to it."""
-    if not cpu_kernels.availability()[0]:
-        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.availability()[1]}")
+    if not kernel_library.library_status()[0]:
+        pytest.skip(f"CPU kernels unavailable: {kernel_library.library_status()[1]}")
     from dataclasses import replace
 
     rng = np.random.default_rng(11 + SEED_OFFSET)
@@ -363,16 +404,16 @@ def test_attend_routes_decode_calls_straight_to_the_kernels():
         oracle.append(keys, values)
         state = oracle.to("torch", dtype=torch.float32)
         first = sr.attend(q, state, backend="torch")
-        assert list(state.admitted.values()) == [torch_attend.kernel_attend if routed else None], coefficients
+        assert list(state.admitted.values()) == [cpu_kernels.kernel_attend if routed else None], coefficients
         general = sr.get_backend("torch").attend(q[None], state, None)[0]
         assert torch.equal(first, general) and torch.equal(sr.attend(q, state, backend="torch"), general)
         out64 = sr.attend(q.double().numpy(), oracle)
         assert np.abs(first.double().numpy() - out64).max() <= tolerance(reference_error(oracle, q.double().numpy()[None], None, out64[None], "float32"), out64, "float32")
     state = oracles["int4", 0].to("torch", dtype=torch.float32)
     sr.attend(q, state, backend="torch")
-    assert list(state.admitted.values()) == [torch_attend.kernel_attend]
+    assert list(state.admitted.values()) == [cpu_kernels.kernel_attend]
     state.layout = replace(state.layout, key_coef=_strided(state.layout.key_coef))
-    assert torch_attend.kernel_attend(q, state, None) is None
+    assert cpu_kernels.kernel_attend(q, state, None) is None
     torch.testing.assert_close(sr.attend(q, state, backend="torch"), sr.get_backend("torch").attend(q[None], state, None)[0])
 
 
@@ -382,8 +423,8 @@ def test_each_call_returns_its_own_output():
     steps) must keep its values, no two calls may share memory, and an output of a call
     outside inference mode must take in-place updates there although earlier calls ran in
     inference mode."""
-    if not cpu_kernels.availability()[0]:
-        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.availability()[1]}")
+    if not kernel_library.library_status()[0]:
+        pytest.skip(f"CPU kernels unavailable: {kernel_library.library_status()[1]}")
     rng = np.random.default_rng(29 + SEED_OFFSET)
     state = _state("int4", 40, 0, (11, 9), rng).to("torch", dtype=torch.float32)
     queries = [torch.from_numpy(rng.standard_normal((2, 3, 96))).float() for _ in range(2 * cpu_kernels.OUTPUTS_PER_BLOCK + 1)]
@@ -515,9 +556,9 @@ def _stored(state) -> dict:
 @pytest.mark.parametrize("rank", [11, 32], ids=["r11", "r32"])
 @pytest.mark.usefixtures("either_library")
 def test_low_bit_stores_write_the_oracles_bits(coefficients, rank, monkeypatch):
-    """Spec A10's and Q2's stores by the kernels (``cpu_kernels.store_quantized`` after a block's
-    matmul, ``cpu_kernels.static_append`` for a decode step's few tokens: what a CPU state's
-    appends use) against the array operations (``fd.quantize_rows``, the oracle's
+    """Spec A10's and Q2's stores by the kernels (``kernel_stores.store_quantized`` after a block's
+    matmul, ``kernel_stores.static_append`` for a decode step's few tokens: what a CPU state's
+    appends use) against the array operations (``subspace_ref.quantization.quantize_rows``, the oracle's
     ``quantization.store_low_bit``) on the same tokens:
     every code, scale, zero point and tail row the same bits, appended one token at a time across
     a key group's end, as a block completing two groups, and after it, at a rank ending inside a
@@ -529,8 +570,8 @@ def test_low_bit_stores_write_the_oracles_bits(coefficients, rank, monkeypatch):
     runs = {}
     for kernels in (True, False):
         if not kernels:
-            monkeypatch.setattr(cpu_kernels, "store_quantized", lambda *args: False)
-            monkeypatch.setattr(cpu_kernels, "static_append", lambda *args: False)
+            monkeypatch.setattr(kernel_stores, "store_quantized", lambda *args: False)
+            monkeypatch.setattr(kernel_stores, "static_append", lambda *args: False)
         state = _coordinate_state(coefficients, rank, 16)
         for a, b in [(t, t + 1) for t in range(20)] + [(20, 57)] + [(t, t + 1) for t in range(57, 62)]:
             state.append(tokens[:, a:b], values[:, a:b])
@@ -546,8 +587,8 @@ def test_a_store_beyond_float16s_range_raises_and_changes_nothing(which):
     """Coefficients over 65504 have no float16 scale: the kernels' store raises the oracle's
     ValueError before writing anything (keys: when their group completes, as the oracle's), and
     the state keeps every array and its token count."""
-    if not cpu_kernels.availability()[0]:
-        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.availability()[1]}")
+    if not kernel_library.library_status()[0]:
+        pytest.skip(f"CPU kernels unavailable: {kernel_library.library_status()[1]}")
     state = _coordinate_state("int4", 8, 16)
     small = torch.ones(2, 15, 40)
     big = small.clone()
@@ -567,7 +608,7 @@ def test_a_store_beyond_float16s_range_raises_and_changes_nothing(which):
 @pytest.mark.parametrize("exact", [(0, 0), (4, 16)], ids=["compressed-only", "sinks-and-window"])
 @pytest.mark.usefixtures("either_library")
 def test_decode_appends_in_the_kernels(coefficients, rotation, exact, monkeypatch):
-    """Spec A6 by ``cpu_kernels.static_append`` (a decode step's tokens: projection, for
+    """Spec A6 by ``kernel_stores.static_append`` (a decode step's tokens: projection, for
     pre-RoPE keys the un-rotation from position S + t (spec/rope.md P2 step 1, spec/window.md
     W10), the stores), two sequences, one token at a time and in blocks of 3 and 16 after a
     prefill the torch path appends: against the same appends by the torch operations, every
@@ -587,13 +628,13 @@ def test_decode_appends_in_the_kernels(coefficients, rotation, exact, monkeypatc
     keys, values = rng.standard_normal((2, H, 130, d)) * 3, rng.standard_normal((2, H, 130, d))
     blocks = [(0, 60)] + [(t, t + 1) for t in range(60, 100)] + [(100, 103), (103, 119)] + [(t, t + 1) for t in range(119, 130)]
     served = []
-    real = cpu_kernels.static_append
+    real = kernel_stores.static_append
     runs = {}
     for kernels in (True, False):
         if kernels:
-            monkeypatch.setattr(cpu_kernels, "static_append", lambda *a: served.append(real(*a)) or served[-1])
+            monkeypatch.setattr(kernel_stores, "static_append", lambda *a: served.append(real(*a)) or served[-1])
         else:
-            monkeypatch.setattr(cpu_kernels, "static_append", lambda *a: False)
+            monkeypatch.setattr(kernel_stores, "static_append", lambda *a: False)
         state = oracle.to("torch", dtype=torch.float32)
         for a, b in blocks:
             state.append(torch.from_numpy(keys[:, :, a:b]).float(), torch.from_numpy(values[:, :, a:b]).float())

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from subspace_ref.models import corpus
+from subspace_ref.lab import corpus
 
 DATA = Path(__file__).resolve().parent.parent / "subspace_ref" / "data" / "stdlib_llama"
 FILES = ("model.safetensors", "config.json", "training_report.json")
@@ -89,7 +89,7 @@ def test_loads_float32_in_eval_mode(loaded):
 
 def test_heldout_loss_beats_recorded_ngram(loaded, report):
     """A real check: the model must predict unseen stdlib code better than the byte n-gram."""
-    from subspace_ref.models.train_default_model import model_loss
+    from subspace_ref.lab.train_default_model import model_loss
 
     model, _ = loaded
     windows = corpus.eval_windows(n=8, length=512, seed=20240611, split="heldout")
@@ -100,7 +100,7 @@ def test_heldout_loss_beats_recorded_ngram(loaded, report):
 
 
 def test_ngram_on_same_windows_is_worse():
-    from subspace_ref.models.train_default_model import ByteNGram
+    from subspace_ref.lab.train_default_model import ByteNGram
 
     held = corpus.load_stream("heldout")
     windows = corpus.eval_windows(n=4, length=256, seed=7, stream=held)
@@ -204,7 +204,7 @@ def test_load_model_local_dir_and_default_alias(loaded, tmp_path):
 
 
 def test_corpus_module_does_not_import_torch():
-    code = "import sys, subspace_ref.models, subspace_ref.models.corpus; assert 'torch' not in sys.modules"
+    code = "import sys, subspace_ref.lab, subspace_ref.lab.corpus; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parent.parent)
 
 
@@ -212,7 +212,7 @@ def test_insert_copies_repeats_earlier_spans_within_rows():
     """The copy objective the shipped model was fine-tuned with: every changed stretch of a row
     repeats bytes that occur earlier in that row, rows not drawn stay untouched."""
     torch = pytest.importorskip("torch")
-    from subspace_ref.models.train_default_model import insert_copies
+    from subspace_ref.lab.train_default_model import insert_copies
 
     rng = np.random.default_rng(3)
     x = torch.as_tensor(rng.integers(0, 256, size=(64, 512)))

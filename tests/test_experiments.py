@@ -1,4 +1,4 @@
-"""The experiment runner (subspace_ref/experiments) on a tiny random Llama and a tiny random BERT:
+"""The experiment runner (subspace_ref/lab/experiments) on a tiny random Llama and a tiny random BERT:
 every subcommand runs end to end and writes its outputs, the report carries the verdict table,
 and each falsifier's verdict follows from made-up numbers as its rule says."""
 
@@ -15,9 +15,9 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
-from subspace_ref.experiments import SUBCOMMANDS  # noqa: E402
-from subspace_ref.experiments import _common as C  # noqa: E402
-from subspace_ref.experiments import falsify as F  # noqa: E402
+from subspace_ref.lab.experiments import SUBCOMMANDS  # noqa: E402
+from subspace_ref.lab.experiments import _common as C  # noqa: E402
+from subspace_ref.lab.experiments import falsify as F  # noqa: E402
 
 TINY = ["--model", "tiny-random", "--profile", "tiny", "--no-progress"]
 
@@ -48,7 +48,7 @@ def tiny_bert(folder: Path) -> Path:
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
     """`experiments --full` with the tiny profile on the tiny Llama, MiniLM's code on a tiny BERT."""
-    from subspace_ref.experiments import main_job
+    from subspace_ref.lab.experiments import main_job
 
     root = tmp_path_factory.mktemp("experiments")
     bert = tiny_bert(root / "bert")
@@ -111,7 +111,7 @@ def test_report_has_the_verdict_table_and_its_figures(full_run):
 
 
 def test_quick_main_job_prints_the_table(tmp_path, capsys):
-    from subspace_ref.experiments import main_job
+    from subspace_ref.lab.experiments import main_job
 
     assert main_job.run(parse(main_job, [*TINY, "--out", str(tmp_path)])) == 0
     text = capsys.readouterr().out
@@ -207,7 +207,7 @@ def test_predictor_verdict():
 # ----------------------------------------------------------------------------- helpers
 def test_position_buckets_match_the_training_report():
     assert C.position_edges(1024) == [1, 64, 256, 512, 1024]
-    from subspace_ref.experiments.ppl import by_position
+    from subspace_ref.lab.experiments.ppl import by_position
 
     nll = np.arange(1023, dtype=float)[None]  # column t predicts with context length t + 1
     b = by_position(nll, C.position_edges(1024))

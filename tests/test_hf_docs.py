@@ -40,6 +40,7 @@ def test_the_opening_example_runs_as_written(tmp_path, monkeypatch):
     their text."""
     from subspace_ref import LayerState
     from subspace_ref.cli import main
+    from subspace_ref.hf.calibration_losses import EXACT
 
     shell, code = example()
     argv = shlex.split(shell)
@@ -49,7 +50,9 @@ def test_the_opening_example_runs_as_written(tmp_path, monkeypatch):
     with contextlib.redirect_stdout(io.StringIO()):
         assert main([a.replace(REL, str(MODEL)) for a in argv[1:]] + ["--calibration-tokens", "1024", "--no-progress"]) == 0
     saved = json.loads((tmp_path / "bases" / "subspace_bases.json").read_text())
-    assert saved["allocation"]["sinks"] == 4 and saved["allocation"]["window"] == 32
+    chosen = (saved["allocation"]["sinks"], saved["allocation"]["window"])
+    tried = saved["allocation"]["meta"]["exact_losses"]  # the command chose sinks and window by its loss (spec L6.2)
+    assert chosen in EXACT and tried[f"{chosen[0]},{chosen[1]}"] == min(v for v in tried.values() if v is not None)
 
     assert code.count(REL) == 1
     scope: dict = {}
@@ -61,7 +64,7 @@ def test_the_opening_example_runs_as_written(tmp_path, monkeypatch):
     new = out[0, ids.shape[1] :]
     assert new.numel() == 64
     assert printed.getvalue() == bytes(new.tolist()).decode("utf-8", errors="replace") + "\n"
-    assert bases.allocation.window == 32 and bases.allocation.sinks == 4
+    assert (bases.allocation.sinks, bases.allocation.window) == chosen
 
     from subspace_ref.hf import compress
 

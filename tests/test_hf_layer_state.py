@@ -161,3 +161,68 @@ def test_a_layer_state_for_another_model_is_refused():
     cache = SubspaceCache(model.config, allocated_states([zero, zero], alloc))
     with compress(model, allocated_states([zero, zero], alloc)), pytest.raises(ValueError, match="3 KV heads, the model 2"):
         model(prompt_ids(batch=1, length=4), cache=cache)
+
+
+@pytest.mark.parametrize(
+    "backend, dtype, sinks, window", [("torch", "float32", 2, 3), ("torch", "float32", 0, 0), ("torch", "bfloat16", 1, 4), ("numpy", "float32", 2, 3)]
+)
+def test_one_attend_per_decode_step_generates_what_the_children_do(monkeypatch, backend, dtype, sinks, window):
+    """spec/layer_state.md L5.2 in the cache: a decode step appends every group's token, then one
+    ``subspace_ref.attend`` over the layer state (on the torch backend, one call of the C kernels
+    for the layer's groups) gives the tokens and logits of one attend per child, bit for bit."""
+    from subspace_ref_torch import kernel_library as lib
+    from tests.test_layer_kernel import CountingLibrary
+
+    model = model_for("llama", dtype)
+    d = model.config.hidden_size // model.config.num_attention_heads
+    alloc = mixed_allocation(d, sinks, window)
+    factory = allocated_states(mixed_bases(model, alloc), alloc, rope=RopeParams.from_config(model.config))
+    ids = prompt_ids(batch=2, length=9)
+    kw = dict(max_new_tokens=8, do_sample=False, return_dict_in_generate=True, output_logits=True, pad_token_id=0)
+    runs = {}
+    for one in (False, True):
+        monkeypatch.setattr(GroupedLayer, "one_attend", one)
+        counting = CountingLibrary(lib.library()) if lib.library_status()[0] else None
+        if counting is not None:
+            monkeypatch.setattr(lib, "_library", counting)
+        with compress(model, factory, backend=backend) as kv:
+            cache = kv.cache()
+            runs[one] = model.generate(ids, cache=cache, **kw), None if counting is None else dict(counting.calls)
+        assert all(isinstance(layer, GroupedLayer) for layer in cache.layers)
+    (children, child_calls), (layer, layer_calls) = runs[False], runs[True]
+    assert torch.equal(children.sequences, layer.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(children.logits, layer.logits))
+    if backend == "torch" and dtype == "float32" and layer_calls is not None:
+        # each decode step of each layer: one layer_attention, but for the step that admits the queries
+        # (in bfloat16 the float value side is stored in bfloat16, which the kernel does not read: group by group)
+        layers, steps = len(cache.layers), len(layer.logits) - 1
+        assert layer_calls.get("layer_attention", 0) >= layers * (steps - 1) and "layer_attention" not in child_calls
+
+
+def test_a_failing_layer_attend_gives_back_every_groups_token(monkeypatch):
+    """A decode step whose one attend fails after every group appended: the attention function's
+    ``abandon`` gives back the tokens of the forward, every group at its old length and outputs."""
+    import subspace_ref
+
+    model = model_for("llama", "float32")
+    d = model.config.hidden_size // model.config.num_attention_heads
+    alloc = mixed_allocation(d, 2, 3)
+    factory = allocated_states(mixed_bases(model, alloc), alloc, rope=RopeParams.from_config(model.config))
+    ids = prompt_ids(batch=1, length=9)
+    with compress(model, factory) as kv, torch.no_grad():
+        cache = kv.cache()
+        model(ids, cache=cache)
+        step = ids[:, -1:]
+        want = model(step, cache=cache).logits
+        cache.crop(-1)
+        lengths = [[c.state.num_tokens for c in layer.children] for layer in cache.layers]
+
+        def boom(*args, **kwargs):
+            raise RuntimeError("attend failed")
+
+        with monkeypatch.context() as m:
+            m.setattr(subspace_ref, "attend", boom)
+            with pytest.raises(RuntimeError, match="attend failed"):
+                model(step, cache=cache)
+        assert [[c.state.num_tokens for c in layer.children] for layer in cache.layers] == lengths
+        assert torch.equal(model(step, cache=cache).logits, want)

@@ -1,5 +1,5 @@
 """Pre-RoPE bases with sinks and a window through the transformers cache (issue 42 item 3):
-spec/window.md W10 in :func:`subspace_ref.hf.attention.causal_attention` (the prefill) and in
+spec/window.md W10 in :func:`subspace_ref.hf.causal_attention.causal_attention` (the prefill) and in
 ``subspace_ref.attend`` (a decode step), on a tiny random Llama (tests/test_hf_cache.py) whose
 pre-RoPE keys and values lie in low-rank subspaces.
 

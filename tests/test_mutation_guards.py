@@ -20,8 +20,8 @@ import pytest
 
 import subspace_ref as sr
 from subspace_ref.allocation import Allocation, HeadAllocation
-from subspace_ref.baselines.combined import Subspace
-from subspace_ref.baselines.quantized import QuantizedKV
+from subspace_ref.lab.baselines.combined import Subspace
+from subspace_ref.lab.baselines.quantized import QuantizedKV
 from subspace_ref.byte_convention import Geometry, head_parts, side_parts
 from subspace_ref.layout import BY_NAME, FIXED, counted_nbytes, growth_rates
 from subspace_ref.policies import byte_ceiling
@@ -40,7 +40,7 @@ D, D_V = 16, 8  # d != d_v: a value side charged at the key size shows
 @pytest.mark.parametrize("context, group", [(96, 32), (100, 32), (77, 8), (64, 64)])
 def test_full_rank_low_bit_sides_cost_what_budget_py_charges_quantized_kv(bits, context, group):
     """At full rank (r = d, r_v = d_v) int4/int2 coefficients are budget.py's quantised KV
-    (baselines/quantized.py ``QuantizedKV.bytes``) part by part: key codes of the complete groups,
+    (lab/baselines/quantized.py ``QuantizedKV.bytes``) part by part: key codes of the complete groups,
     an fp16 scale and zero per group and channel, the unfinished group's keys in fp16, value codes
     and an fp16 scale and zero per token. Contexts with and without an unfinished group."""
     geom = Geometry(1, 1, D, D_V, context)
@@ -56,7 +56,7 @@ def test_full_rank_low_bit_sides_cost_what_budget_py_charges_quantized_kv(bits, 
 @pytest.mark.parametrize("bits", [16, 8])
 def test_fp16_and_int8_sides_cost_what_budget_py_charges_subspace(bits):
     """Every (r, r_v) and compressed fraction: fp16 / int8 coefficients of both sides, their
-    bases and gamma are budget.py's ``Subspace`` row (baselines/combined.py)."""
+    bases and gamma are budget.py's ``Subspace`` row (lab/baselines/combined.py)."""
     geom = Geometry(1, 1, D, D_V, 100)
     coefficients = {16: "fp16", 8: "int8"}[bits]
     for kept in (1.0, 0.63, 0.2):
@@ -192,7 +192,7 @@ def test_the_length_threshold_counts_the_sinks(rng, kind, appends):
         want = expected_compressed(b, W, M, S)
         assert (state.layout.num_tokens, state.window.sink_count, state.window.recent) == (want, min(b, S), b - min(b, S) - want), b
     assert [expected_compressed(t, W, M, S) for t in (6, 7, 8)] == [1, 2, 3]
-    attention = pytest.importorskip("subspace_ref.hf.attention")  # the transformers prefill's count
+    attention = pytest.importorskip("subspace_ref.hf.causal_attention")  # the transformers prefill's count
     lengths = np.arange(1, T + 1)
     compressed, sinks = attention.compressed_visible(state, lengths)
     assert list(compressed) == [expected_compressed(int(t), W, M, S) for t in lengths] and list(sinks) == list(np.minimum(lengths, S))

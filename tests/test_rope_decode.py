@@ -101,6 +101,11 @@ TRITON_CASES = [c for c in CASES if not c[0].endswith("tiles")] + [
     ("int2-interleaved-partial", "interleaved", 8, 1.2, 2, 3, 12, 5, 70, "int2", "native", 0),
     # a GQA group of 16 (the benchmark's is 4)
     ("gqa16-int8", "half", None, 1.0, 1, 16, 16, 4, 70, "int8", "native", 0),
+    # a format per side (spec/quantization.md Q0): each side read in its own format by one kernel
+    ("int4keys-int8values", "half", None, 1.0, 2, 2, 16, 6, 50, "int4/int8", "native", 0),
+    ("int8keys-int2values-partial", "interleaved", 8, 1.2, 2, 3, 12, 5, 70, "int8/int2", "native", 0),
+    ("floatkeys-int4values-splits", "half", None, 1.0, 1, 2, 16, 4, 300, "float/int4", "native", 0),
+    ("int2keys-floatvalues", "half", None, 1.0, 2, 2, 16, 6, 50, "int2/float", "native", 0),
 ]
 
 
@@ -135,7 +140,7 @@ def test_triton_pre_rope_kernel_matches_oracle(case, rng):
     assert np.abs(split - want).max() <= tolerance(ref, want, "float32")
 
 
-@pytest.mark.parametrize("coefficients", ["float", "int8"])
+@pytest.mark.parametrize("coefficients", ["float", "int8", "int8/float", "float/int4"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_triton_pre_rope_16bit_state(dtype, coefficients, rng):
     """A 16-bit state whose rebuild products are all at least 16 wide (d = 64: 32 planes, r = 16,

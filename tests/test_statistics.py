@@ -1,9 +1,9 @@
-"""Unit-level resampling (subspace_ref/experiments/statistics.py)."""
+"""Unit-level resampling (subspace_ref/lab/experiments/statistics.py)."""
 
 import numpy as np
 import pytest
 
-from subspace_ref.experiments.statistics import mean_interval, paired_difference_interval, relative_perplexity_interval
+from subspace_ref.lab.experiments.statistics import mean_interval, paired_difference_interval, relative_perplexity_interval
 
 
 def test_identical_units_give_a_point_interval():
@@ -38,7 +38,7 @@ def test_paired_inputs_must_match():
 
 
 def test_resampled_interval_of_a_rank_correlation_by_window():
-    from subspace_ref.experiments.statistics import resampled_interval
+    from subspace_ref.lab.experiments.statistics import resampled_interval
 
     rng = np.random.default_rng(4)
     windows = [[(x, 2 * x + rng.normal(0, 0.1)) for x in rng.normal(size=20)] for _ in range(5)]

@@ -10,10 +10,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from subspace_ref.experiments import _common as C  # noqa: E402
-from subspace_ref.experiments.statistics import bootstrap_ci  # noqa: E402
-from subspace_ref.tasks import lambada_targets, make_needles, score_answer  # noqa: E402
-from subspace_ref.tasks.next_token import lambada_correct, next_token_correct  # noqa: E402
+from subspace_ref.lab.experiments import _common as C  # noqa: E402
+from subspace_ref.lab.experiments.statistics import bootstrap_ci  # noqa: E402
+from subspace_ref.lab.tasks import lambada_targets, make_needles, score_answer  # noqa: E402
+from subspace_ref.lab.tasks.next_token import lambada_correct, next_token_correct  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -106,9 +106,9 @@ def test_full_attention_solves_recall_where_the_model_reaches(shipped, heldout, 
 
 
 def test_budgets_match_baselines_accounting(shipped):
-    from subspace_ref.baselines import methods_at
+    from subspace_ref.lab.baselines import methods_at
     from subspace_ref.byte_convention import Geometry, capacity_for
-    from subspace_ref.experiments.tasks import method_plan
+    from subspace_ref.lab.experiments.tasks import method_plan
 
     plan = method_plan(shipped, (256, 1024), budgets=(0.5, 0.25, 0.125), own=False)
     for f in (0.5, 0.25, 0.125):
@@ -135,7 +135,7 @@ def test_quick_suite_writes_results_page_and_instances(tmp_path):
     instances are saved and the page is generated from them."""
     import argparse
 
-    from subspace_ref.experiments import tasks as T
+    from subspace_ref.lab.experiments import tasks as T
 
     p = argparse.ArgumentParser()
     T.add_arguments(p)
@@ -155,7 +155,7 @@ def test_quick_suite_writes_results_page_and_instances(tmp_path):
 
 def test_summary_recall_pools_only_the_valid_lengths():
     """A length where the needle does not help is no retrieval test: it must not enter the recall column."""
-    from subspace_ref.experiments import tasks as T
+    from subspace_ref.lab.experiments import tasks as T
 
     def cell(length, needle, correct):
         return dict(length=length, depth=0.5, needle=needle, correct=correct, n=len(correct), accuracy=float(np.mean(correct)))
@@ -170,13 +170,13 @@ def test_summary_recall_pools_only_the_valid_lengths():
 def test_frontier_rows_are_the_baselines_allocations(shipped):
     """The frontier rows of ``tasks`` are `subspace-kv baselines`' allocator rows at each
     length's geometry: within the budget, or at the quantisation row's bytes, and identical
-    allocations to :func:`~subspace_ref.experiments.baselines.frontier_methods`."""
-    from subspace_ref.baselines.quantized import QuantizedKV
+    allocations to :func:`~subspace_ref.lab.experiments.baselines.frontier_methods`."""
+    from subspace_ref.lab.baselines.quantized import QuantizedKV
     from subspace_ref.byte_convention import Geometry
-    from subspace_ref.experiments import _common as C
-    from subspace_ref.experiments.baselines import frontier_methods
+    from subspace_ref.lab.experiments import _common as C
+    from subspace_ref.lab.experiments.baselines import frontier_methods
     from subspace_ref.hf.calibration_losses import calibration_losses
-    from subspace_ref.experiments.tasks import FRONTIER_KEYS, method_plan
+    from subspace_ref.lab.experiments.tasks import FRONTIER_KEYS, method_plan
 
     cal = calibration_losses(shipped, C.windows("train", 1, 128, C.SEED_BASES), ranks=tuple(range(0, 65, 16)))
     plan = method_plan(shipped, (256, 1024), budgets=(0.5, 0.25), own=False, frontier=cal)
@@ -196,7 +196,7 @@ def test_frontier_rows_are_the_baselines_allocations(shipped):
 def test_paired_difference_and_frontier_section():
     """Frontier minus quantisation on the same units: a frontier row that answers every unit the
     quantisation row misses is measurably higher; equal rows tie at exactly 0."""
-    from subspace_ref.experiments import tasks as T
+    from subspace_ref.lab.experiments import tasks as T
 
     def row(key, family, correct, per_window, lam, name, nbytes):
         cells = [dict(length=256, depth=0.5, needle=True, correct=correct, n=len(correct), accuracy=float(np.mean(correct)))]

@@ -18,6 +18,8 @@ torch = pytest.importorskip("torch")
 from subspace_ref_torch import append as tappend  # noqa: E402
 from subspace_ref_torch import attend as tattend  # noqa: E402
 from subspace_ref_torch import fd as tfd  # noqa: E402
+from subspace_ref_torch import maps as tmaps  # noqa: E402
+from subspace_ref_torch import plan as tplan  # noqa: E402
 from subspace_ref_torch.convert import as_torch_dtype  # noqa: E402
 
 from conftest import low_rank_stream, random_orthonormal  # noqa: E402
@@ -231,7 +233,7 @@ def test_tiling_does_not_change_the_result(rng, monkeypatch, make):
     q = torch.randn(4, 16, dtype=torch.float64)
     whole = sr.attend(q, ts, backend="torch")
     monkeypatch.setattr(tattend, "TILE_ELEMENTS", 64)
-    monkeypatch.setattr(tattend, "VALUE_TILE", 7)
+    monkeypatch.setattr(tmaps, "VALUE_TILE", 7)
     tiled = sr.attend(q, ts, backend="torch")
     torch.testing.assert_close(tiled, whole, rtol=1e-12, atol=1e-14)
 
@@ -390,7 +392,7 @@ def test_one_chunk_path_rereads_bases_gamma_and_tokens_after_writes(rng):
     cache fails here)."""
     state = _static(rng).to("torch", dtype=torch.float64)
     q = torch.from_numpy(rng.standard_normal((2, 16)))
-    assert tattend.one_chunk_float(state, torch.float64)
+    assert tplan.plan_attend(q, state).way is tplan.Way.ONE_CHUNK
 
     def oracle():
         return torch.from_numpy(sr.attend(to_numpy(q), state.to("numpy"), backend="numpy"))

@@ -35,6 +35,7 @@ if _SET_HERE:
     os.environ["TRITON_INTERPRET"] = "1"
 
 import subspace_ref as sr  # noqa: E402
+from subspace_ref.formats import MIXED_FORMATS  # noqa: E402
 from subspace_ref.layout import PackedLayout  # noqa: E402
 from subspace_ref.numpy_backend import attend_reference  # noqa: E402
 from subspace_ref.policies.online_run import relative_residual  # noqa: E402
@@ -375,6 +376,10 @@ LOW_BIT_CASES = [
     ("static-tail_only", "static", 1, 2, 2, 32, 32, 6, 6, 5, 8, 16),
     ("static-G24-splits", "static", 1, 2, 2, 32, 32, 5, 4, 100, 24, 32),
     ("adaptive-chunks", "adaptive", 1, 2, 3, 32, 24, 4, 5, 70, 16, 32),
+    # Q6's centred form (decode.centred_group), int4 read as 32-bit words (power-of-two ranks >= 8):
+    # group-aligned tiles, splits that start inside a group, the tail after the coded groups (chunks: adaptive-chunks)
+    ("static-G32-words-tail", "static", 1, 2, 4, 64, 48, 32, 16, 150, 32, 48),
+    ("static-G16-words", "static", 1, 2, 2, 64, 64, 16, 16, 100, 16, 40),
 ]
 
 
@@ -417,6 +422,142 @@ class TestLowBitDecode:
         ref = reference_error(state64, q64, None, want, dtype)
         err = np.abs(got - want).max()
         assert err <= tolerance(ref, want, dtype), (err, ref)
+
+
+def poison_sides(lay, spare: int = 5):
+    """``lay`` (a torch layout whose sides may store different formats, spec/quantization.md Q0)
+    with ``spare`` rows of capacity past T poisoned per side as its format stores it: float
+    coefficients NaN; int8 codes 127 with NaN scales; int4/int2 as :func:`poison_low_bit`."""
+    T = int(lay.num_tokens)
+    lay = lay.with_capacity(T + spare, lay.key_bases.shape[2])
+    for which in ("key", "value"):
+        fmt = lay.side_format(which)
+        coef = getattr(lay, f"{which}_coef")
+        if fmt.low_bits:
+            coef[:, :, T:] = 0xFF
+            if which == "key":
+                G = int(lay.group)
+                lay.key_group_scale[:, :, T // G :] = float("nan")
+                lay.key_group_zero[:, :, T // G :] = float("nan")
+                tail = lay.key_tail.clone()
+                tail[:, :, T - T // G * G :] = float("nan")
+                lay.key_tail = tail
+            else:
+                lay.value_token_scale[:, :, T:] = float("nan")
+                lay.value_token_zero[:, :, T:] = float("nan")
+        elif fmt.per_token_scale:
+            coef[:, :, T:] = 127
+            getattr(lay, f"{which}_scale")[:, :, T:] = float("nan")
+        else:
+            coef[:, :, T:] = float("nan")
+    return lay
+
+
+# (name, kind, N, H, g, d, d_v, r, r_v, T, G, split_len): key groups and a float tail, several
+# splits; many chunks (adaptive, chunks of 16); power-of-two ranks of 16 (the int4 words' shape)
+MIXED_CASES = [
+    ("static-gqa4-tail", "static", 2, 2, 4, 32, 24, 7, 5, 45, 8, 16),
+    ("adaptive-chunks", "adaptive", 1, 2, 3, 32, 24, 4, 5, 70, 16, 32),
+    ("static-G16-r16", "static", 1, 1, 2, 32, 32, 16, 16, 70, 16, 32),
+]
+
+
+class TestMixedDecode:
+    """A format per side (spec/quantization.md Q0: every pair of float, int8, int4 and int2) read
+    by the one split kernel, each side in its own format (``K_INT8``/``K_BITS`` and
+    ``V_INT8``/``V_BITS``), against the float64 oracle on the same state within the harness's
+    derived tolerance; the kernel as launched here, as on a GPU, and its torch reference."""
+
+    @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+    @pytest.mark.parametrize("coefficients", MIXED_FORMATS)
+    @pytest.mark.parametrize("case", MIXED_CASES, ids=[c[0] for c in MIXED_CASES])
+    def test_matches_oracle(self, impl, rng, case, coefficients, dtype):
+        from tests.differential.tolerance import tolerance
+
+        name, kind, N, H, g, d, d_v, r, r_v, T, G, split_len = case
+        if kind == "static":
+            B = np.stack([np.linalg.qr(rng.standard_normal((d, r)))[0].T for _ in range(H)])
+            E = np.stack([np.linalg.qr(rng.standard_normal((d_v, r_v)))[0].T for _ in range(H)])
+            state = sr.SubspaceState.static(sr.StaticBasis.from_bases(B, E, rng.uniform(0.5, 1.5, H)), batch=N, coefficients=coefficients, group_size=G)
+        else:
+            state = sr.SubspaceState.adaptive(
+                H, d, d_v, rank_k=r, rank_v=r_v, tau_k=0.6, tau_v=0.6, max_chunk=16, batch=N, coefficients=coefficients, group_size=G, gamma=rng.uniform(0.5, 1.5, H)
+            )
+        state.append(rng.standard_normal((N, H, T, d)) * 10.0 ** rng.uniform(-1, 1, d), rng.standard_normal((N, H, T, d_v)))
+        if kind == "adaptive":
+            assert state.layout.num_chunks.min() > 2
+        lay = poison_sides(state.to("triton", device=DEVICE, dtype=dtype).layout)
+        assert lay.coefficients == coefficients and not lay.uniform
+        q = _t(rng.standard_normal((N, H * g, d)), torch.float32)
+        state64 = state.to("numpy", dtype=np.float64)
+        q64 = _f64(q)
+        want = attend_reference(q64, state64, None)
+        got = _f64(impl["attend"](q, lay, None, split_len=split_len))
+        assert np.isfinite(got).all()
+        ref = reference_error(state64, q64, None, want, dtype)
+        err = np.abs(got - want).max()
+        assert err <= tolerance(ref, want, dtype), (err, ref)
+
+    def test_one_split_launch_with_each_sides_format(self, rng):
+        """The launch takes the key side's and the value side's formats apart (no uniform-only
+        flag), and one split kernel serves the pair."""
+        B = np.stack([np.linalg.qr(rng.standard_normal((16, 4)))[0].T])
+        state = sr.SubspaceState.static(sr.StaticBasis.from_bases(B, B, [1.0]), coefficients="int2/int8", group_size=8)
+        state.append(rng.standard_normal((1, 20, 16)), rng.standard_normal((1, 20, 16)))
+        lay = state.to("triton", device=DEVICE, dtype="float32").layout
+        launch, _ = decode.split_launch(_t(rng.standard_normal((1, 2, 16)), torch.float32), lay, 0.25, 64)
+        c = launch.constexprs
+        assert (c["K_INT8"], c["K_BITS"], c["V_INT8"], c["V_BITS"], c["CENTRED"]) == (False, 2, True, 0, False)
+
+
+def _layer_groups_tolerance(layer, q64, dtype):
+    """Per head group of a LayerState, the oracle's output rows and the harness's tolerance
+    (tests/differential/tolerance.py) for them, in the layer's query-head order."""
+    from subspace_ref.layer_state import query_rows
+    from tests.differential.tolerance import tolerance
+
+    g = q64.shape[-2] // layer.kv_heads
+    rows, _ = query_rows(layer.groups, g)
+    out = []
+    for group, idx in zip(layer.groups, rows):
+        qg = q64[:, idx]
+        want = attend_reference(qg, group.state, None)
+        out.append((idx, want, tolerance(reference_error(group.state, qg, None, want, dtype), want, dtype)))
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_layer_state_with_mixed_groups_attends_on_triton(rng, dtype):
+    """A LayerState (spec/layer_state.md) whose head groups store a format per side (int4 keys /
+    int8 values pre-RoPE, int2 / int4 identity bases, float / int2) attends on the triton
+    backend, one split launch per group, each group within the harness tolerance of the oracle
+    over the same (converted) state."""
+    from subspace_ref.calibration import StaticBasis
+    from subspace_ref.layer_state import HeadConfig, LayerState
+    from subspace_ref.rope import RopeParams
+
+    D, DV, G, H, T, g = 16, 12, 8, 4, 45, 2
+    configs = [
+        HeadConfig(5, 4, "int4", "int8", "pre_rope"),
+        HeadConfig(D, DV, "int2", "int4", "identity", "identity"),
+        HeadConfig(5, 4, "int4", "int8", "pre_rope"),
+        HeadConfig(7, DV, "float", "int2", "post_rope", "identity"),
+    ]
+    B = np.stack([np.linalg.qr(rng.standard_normal((D, D)))[0].T for _ in range(H)])
+    E = np.stack([np.linalg.qr(rng.standard_normal((DV, DV)))[0].T for _ in range(H)])
+    rope = RopeParams(1.0 / 50.0 ** (np.arange(0, D, 2) / D), "half", 1.0)
+    layer = LayerState.from_heads(StaticBasis.from_bases(B, E, 1.0), configs, rope=rope, window=4, sinks=2, group_size=G)
+    layer.append(rng.standard_normal((H, T, D)), rng.standard_normal((H, T, DV)))
+    assert {grp.state.layout.coefficients for grp in layer.groups} == {"int4/int8", "int2/int4", "float/int2"}
+    on_triton = layer.to("triton", device=DEVICE, dtype=dtype)
+    assert all(not TritonBackend().not_supported_reasons(_t(np.zeros((1, 2 * len(grp.heads), D)), DTYPES[dtype]), grp.state) for grp in on_triton.groups)
+    q = _t(rng.standard_normal((H * g, D)), torch.float32)
+    got = _f64(sr.attend(q, on_triton, backend="triton"))
+    assert got.shape == (H * g, DV) and np.isfinite(got).all()
+    oracle = on_triton.to("numpy", dtype=np.float64)  # the layer's own values: its dtype's floats, float16 scales
+    for idx, want, tol in _layer_groups_tolerance(oracle, _f64(q)[None], dtype):
+        err = np.abs(got[idx] - want[0]).max()
+        assert err <= tol, (idx, err, tol)
 
 
 # (name, kind, N, H, g, d, d_v, T, sinks, window, min_tokens, coefficients, logit)

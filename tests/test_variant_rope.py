@@ -180,7 +180,7 @@ def test_R2_rank_r_pre_rope_state_attends_rotated_projection(rng):
     E = random_orthonormal(rng, H, r=2, d=D)
     st = SubspaceState.static(StaticBasis.from_bases(B, E, 0.7), rope=rope)
     st.append(K, V)
-    # hand computation: k_hat_t = R_t P_B R_t^T k_t (experiments/_project.py), v_hat = P_E v
+    # hand computation: k_hat_t = R_t P_B R_t^T k_t (lab/experiments/_project.py), v_hat = P_E v
     Rs = [rotation_matrix(rope, t, D) for t in range(T)]
     K_hat = np.stack([[Rs[t] @ B[h].T @ B[h] @ Rs[t].T @ K[h, t] for t in range(T)] for h in range(H)])
     V_hat = np.einsum("htd,hrd,hre->hte", V, E, E)
@@ -290,7 +290,7 @@ def tiny(tiny_calibration):
 def test_cache_pre_rope_full_rank_equals_stock_model(tiny):
     """Through SubspaceCache (prefill evaluator and decode): a full-rank pre-RoPE state gives the
     stock model's log-probabilities (R2), on the numpy and the torch backend."""
-    from subspace_ref.experiments.ppl import score
+    from subspace_ref.lab.experiments.ppl import score
     from subspace_ref.hf import static_states
 
     ctx, record, svd = tiny
@@ -306,10 +306,10 @@ def test_cache_pre_rope_full_rank_equals_stock_model(tiny):
 
 
 def test_rows_run_and_pre_rope_row_equals_projection_ablation(tiny):
-    from subspace_ref.experiments.ppl import score, score_projected
-    from subspace_ref.experiments.calibrate import load_svd, static_basis
-    from subspace_ref.experiments.variant_rows import plain_rows
-    from subspace_ref.experiments.variant_rows.rope import variants
+    from subspace_ref.lab.experiments.ppl import score, score_projected
+    from subspace_ref.lab.experiments.calibrate import load_svd, static_basis
+    from subspace_ref.lab.experiments.variant_rows import plain_rows
+    from subspace_ref.lab.experiments.variant_rows.rope import variants
 
     ctx, record, svd = tiny
     rows = variants(ctx, record, svd)
@@ -324,7 +324,7 @@ def test_rows_run_and_pre_rope_row_equals_projection_ablation(tiny):
         traces = v.extra["residual_by_position"]
         assert set(traces) == {"post_svd", "planes", "pre_svd"}
         assert all(0 <= x <= 1 for t in traces.values() for x in t.values())
-    # the pre-RoPE row equals experiments/_project.py's ablation (R2), up to the float32 model
+    # the pre-RoPE row equals lab/experiments/_project.py's ablation (R2), up to the float32 model
     pre = [static_basis(record, load_svd(ctx.out, pre_rope=True), li, rank=r) for li in range(len(svd))]
     proj = score_projected(ctx.model, ids, pre, pre_rope=True)
     np.testing.assert_allclose(res[rows[1].name]["nll"], proj["nll"], atol=1e-3)

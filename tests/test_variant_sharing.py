@@ -219,7 +219,7 @@ def tiny(tiny_calibration):
 def test_cache_per_query_full_rank_equals_stock_model(tiny):
     """share="query_head" with distinct full-rank key bases per query head: the stock model's
     log-probabilities (A3 exactness through the cache), on the torch backend."""
-    from subspace_ref.experiments.ppl import score
+    from subspace_ref.lab.experiments.ppl import score
     from subspace_ref.hf import static_states
 
     ctx, record, svd = tiny
@@ -237,9 +237,9 @@ def test_cache_per_query_full_rank_equals_stock_model(tiny):
 
 
 def test_rows_run_and_report_heldout_logit_errors(tiny):
-    from subspace_ref.experiments.ppl import score
-    from subspace_ref.experiments.variant_rows import plain_rows
-    from subspace_ref.experiments.variant_rows.sharing import variants
+    from subspace_ref.lab.experiments.ppl import score
+    from subspace_ref.lab.experiments.variant_rows import plain_rows
+    from subspace_ref.lab.experiments.variant_rows.sharing import variants
 
     ctx, record, svd = tiny
     rows = variants(ctx, record, svd)

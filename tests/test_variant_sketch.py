@@ -293,8 +293,8 @@ def test_factory_forwards_the_options():
 
 # ----------------------------------------------------------------------------- rows (tiny profile)
 def test_sketch_rows_build_and_score(tiny_calibration):
-    from subspace_ref.experiments.ppl import score
-    from subspace_ref.experiments.variant_rows import plain_rows, sketch
+    from subspace_ref.lab.experiments.ppl import score
+    from subspace_ref.lab.experiments.variant_rows import plain_rows, sketch
 
     ctx, record, svd = tiny_calibration
     rows = sketch.variants(ctx, record, svd)
@@ -319,8 +319,8 @@ def test_sketch_rows_build_and_score(tiny_calibration):
 
 
 def test_rank_rows_build_and_score(tiny_calibration):
-    from subspace_ref.experiments.ppl import score
-    from subspace_ref.experiments.variant_rows import ranks
+    from subspace_ref.lab.experiments.ppl import score
+    from subspace_ref.lab.experiments.variant_rows import ranks
 
     ctx, record, svd = tiny_calibration
     rows = ranks.variants(ctx, record, svd)

@@ -236,8 +236,8 @@ def test_hf_factories_default_to_float16_bases_below_float64(rng):
 
 def test_storage_rows_run_on_the_tiny_profile(tiny_calibration):
     """The variant rows build and one scores (tiny profile)."""
-    from subspace_ref.experiments.ppl import score
-    from subspace_ref.experiments.variant_rows import storage
+    from subspace_ref.lab.experiments.ppl import score
+    from subspace_ref.lab.experiments.variant_rows import storage
 
     ctx, record, svd = tiny_calibration
     rows = storage.variants(ctx, record, svd)

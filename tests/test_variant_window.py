@@ -428,8 +428,8 @@ def test_torch_plain_state_unchanged_and_refusals(rng):
 def test_rows_run_on_the_tiny_profile(tiny_calibration):
     """Deliverable 5: the rows build and score; a window covering the whole context (64 >= 48
     tokens of the tiny profile) reproduces the stock model through the HF cache (W3.2)."""
-    from subspace_ref.experiments import ppl
-    from subspace_ref.experiments.variant_rows import window as rows_module
+    from subspace_ref.lab.experiments import ppl
+    from subspace_ref.lab.experiments.variant_rows import window as rows_module
 
     ctx, record, svd = tiny_calibration
     rows = {v.name: v for v in rows_module.variants(ctx, record, svd)}

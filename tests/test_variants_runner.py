@@ -10,8 +10,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from subspace_ref.experiments import variants as V  # noqa: E402
-from subspace_ref.experiments.variant_rows import Variant, plain_rank, static_bases  # noqa: E402
+from subspace_ref.lab.experiments import variants as V  # noqa: E402
+from subspace_ref.lab.experiments.variant_rows import Variant, plain_rank, static_bases  # noqa: E402
 
 TINY = ["--model", "tiny-random", "--profile", "tiny", "--no-progress"]
 
@@ -56,7 +56,7 @@ def test_tiny_run_scores_rows_against_their_plain_method(tmp_path, monkeypatch):
     assert row["vs_plain_pct_ci"][0] <= row["vs_plain_pct"] <= row["vs_plain_pct_ci"][1]
     assert out["groups_missing"] == ["storage"]
 
-    from subspace_ref.experiments.report import write_report
+    from subspace_ref.lab.experiments.report import write_report
 
     page = write_report(tmp_path, tmp_path / "docs").read_text()
     assert "## 8. Variants and ablations" in page and row["name"] in page and "Groups with no rows in this run: storage" in page

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from subspace_ref.experiments import falsify as F
-from subspace_ref.experiments import rules as R
+from subspace_ref.lab.experiments import falsify as F
+from subspace_ref.lab.experiments import rules as R
 
 BUCKETS = ["1-63", "64-255", "256-511", "512-1023"]
 

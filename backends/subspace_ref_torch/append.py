@@ -47,10 +47,10 @@ from subspace_ref.basis_storage import row_error_bound
 from subspace_ref.policies import byte_ceiling, tracking
 from subspace_ref.policies._online import warmup_rows
 from subspace_ref.policies.online_run import relative_residual, warmup_row
-from subspace_ref.quantization import read_low_bit, store_low_bit
+from subspace_ref.quantization import dequantize_rows, quantize_rows, read_low_bit, store_low_bit
 from subspace_ref.rope import rotate
 from subspace_ref.window import first_compressed_position
-from subspace_ref_torch import cpu_kernels, fd
+from subspace_ref_torch import fd, kernel_stores
 from subspace_ref_torch.convert import compute_dtype
 
 # First window of the adaptive trigger search, and its bounds (see _next_window).
@@ -62,7 +62,20 @@ MAX_WINDOW = 1024
 def project_window(kk: torch.Tensor, vv: torch.Tensor, open_B: torch.Tensor, open_E: torch.Tensor):
     """Spec A7 steps 1-2 for a window of tokens (N, H, s, d) against the open bases (N, H, r, d):
     coefficients and relative residuals (c, d, rho_k, rho_v). Backends with a projection kernel
-    pass their own function of this signature as ``append(..., project=...)``."""
+    pass their own function of this signature as ``append(..., project=...)``.
+
+    Parameters
+    ----------
+    kk, vv : torch.Tensor
+        (N, H, s, d) keys and (N, H, s, d_v) values.
+    open_B, open_E : torch.Tensor
+        The open key and value bases.
+
+    Returns
+    -------
+    tuple of torch.Tensor
+        (c, d, rho_k, rho_v).
+    """
     c = torch.matmul(kk, open_B.mT)
     dv = torch.matmul(vv, open_E.mT)
     return c, dv, relative_residual(kk, c), relative_residual(vv, dv)
@@ -70,7 +83,17 @@ def project_window(kk: torch.Tensor, vv: torch.Tensor, open_B: torch.Tensor, ope
 
 def append(state, keys: torch.Tensor, values: torch.Tensor, project=project_window) -> None:
     """Append keys (N, H, n, d), values (N, H, n, d_v) (validated, in the state's dtype and on its
-    device) following spec A6/A7/A8 for the state's policy; ``project`` computes steps 1-2."""
+    device) following spec A6/A7/A8 for the state's policy; ``project`` computes steps 1-2.
+
+    Parameters
+    ----------
+    state : SubspaceState
+        A state holding torch tensors.
+    keys, values : torch.Tensor
+        (N, H, n, d) and (N, H, n, d_v).
+    project : callable
+        Spec A7 steps 1-2 (:func:`project_window`'s signature).
+    """
     if state.policy.kind == "static":
         append_static(state, keys, values)
     else:
@@ -80,13 +103,21 @@ def append(state, keys: torch.Tensor, values: torch.Tensor, project=project_wind
 def append_static(state, keys: torch.Tensor, values: torch.Tensor) -> None:
     """Spec A6: c_t = B k_t, d_t = E v_t for every token of the block in one matmul -- or, for a
     decode step's few tokens into quantised coefficients on a CPU core, in one call of the
-    kernels (``cpu_kernels.static_append``: projection, un-rotation of pre-RoPE keys, stores)."""
+    kernels (``kernel_stores.static_append``: projection, un-rotation of pre-RoPE keys, stores).
+
+    Parameters
+    ----------
+    state : SubspaceState
+        A state holding torch tensors.
+    keys, values : torch.Tensor
+        (N, H, n, d) and (N, H, n, d_v).
+    """
     lay = state.layout
     T, n_new = lay.num_tokens, keys.shape[2]
     lay = lay.with_capacity(T + n_new, lay.key_bases.shape[2])
     rope = getattr(state.policy, "rope", None)
     first = first_compressed_position(state)
-    if cpu_kernels.static_append(lay, keys, values, rope, first):  # a decode step's tokens, in one call
+    if kernel_stores.static_append(lay, keys, values, rope, first):  # a decode step's tokens, in one call
         state.layout = replace(lay, num_tokens=T + n_new)
         return
     work = compute_dtype(lay.dtype)
@@ -104,19 +135,29 @@ def store(lay, which: str, rows, coef: torch.Tensor) -> None:
     """Write coefficients (N, H, ..., r) at token ``rows`` of ``lay`` (in place), quantised to
     int8 with per-token scales (spec A10) or to int4 / int2 (spec/quantization.md Q2) when the
     layout is, by the same definitions as the oracle (on a CPU core, by the store kernels), else
-    cast to the stored dtype."""
+    cast to the stored dtype.
+
+    Parameters
+    ----------
+    lay : PackedLayout
+    which : {"key", "value"}
+    rows : int or slice
+        Token rows written.
+    coef : torch.Tensor
+        (N, H, ..., r) coefficients.
+    """
     target = getattr(lay, f"{which}_coef")
     scales = getattr(lay, f"{which}_scale", None)
     a, b = (rows, rows + 1) if isinstance(rows, int) else (rows.start, rows.stop)
     block = coef[:, :, None] if isinstance(rows, int) else coef
-    if cpu_kernels.store_quantized(lay, which, a, b, block):
+    if kernel_stores.store_quantized(lay, which, a, b, block):
         return
     if lay.side_format(which).low_bits:
         store_low_bit(lay, which, a, b, block)
     elif scales is None:
         target[:, :, rows] = coef
     else:
-        q, scale = fd.quantize_rows(coef)
+        q, scale = quantize_rows(coef)
         target[:, :, rows] = q
         scales[:, :, rows] = scale
 
@@ -136,7 +177,7 @@ def _rotated(lay, which: str, upto: int, R: torch.Tensor, own: bool):
     if scales is None:
         current = coef[:, :, :upto].to(R.dtype)
     else:
-        current = fd.dequantize_rows(coef[:, :, :upto], scales[:, :, :upto], R.dtype)
+        current = dequantize_rows(coef[:, :, :upto], scales[:, :, :upto], R.dtype)
     rotated = torch.matmul(current, R)
     if not own:
         lay = replace(lay, **{f"{which}_coef": coef.clone()})
@@ -147,7 +188,17 @@ def _rotated(lay, which: str, upto: int, R: torch.Tensor, own: bool):
 
 
 def append_online(state, keys: torch.Tensor, values: torch.Tensor, project=project_window) -> None:
-    """Spec A7 (adaptive) or A8 (rotating); see the module docstring for the batching."""
+    """Spec A7 (adaptive) or A8 (rotating); see the module docstring for the batching.
+
+    Parameters
+    ----------
+    state : SubspaceState
+        A state holding torch tensors.
+    keys, values : torch.Tensor
+        (N, H, n, d) and (N, H, n, d_v).
+    project : callable
+        Spec A7 steps 1-2 (:func:`project_window`'s signature).
+    """
     policy = state.policy
     variants = sketch_variant_reasons(policy)
     if variants:  # refused before anything changes (spec/sketch_variants.md S4)
@@ -360,7 +411,17 @@ def _warm(lay, which: str, t: int, open_basis: torch.Tensor, x: torch.Tensor, wa
 
 def sketch_variant_reasons(policy) -> list[str]:
     """The online-sketch options of spec/sketch_variants.md set away from their neutral values:
-    the oracle implements them, this backend refuses them."""
+    the oracle implements them, this backend refuses them.
+
+    Parameters
+    ----------
+    policy : Policy
+
+    Returns
+    -------
+    list of str
+        One reason per option set, empty when none is.
+    """
     out = []
     if getattr(policy, "ring_warm_start", 0):
         out.append(f"ring_warm_start={policy.ring_warm_start}")

@@ -18,11 +18,31 @@ DTYPES = {
 
 
 def dtype_name(dtype: torch.dtype) -> str:
+    """The name of a torch dtype without its ``torch.`` prefix.
+
+    Parameters
+    ----------
+    dtype : torch.dtype
+
+    Returns
+    -------
+    str
+    """
     return str(dtype).removeprefix("torch.")
 
 
 def as_torch_dtype(dtype: Any) -> torch.dtype:
-    """torch.float32, np.float32, np.dtype('float32'), 'float32' or 'torch.float32' -> torch.float32."""
+    """torch.float32, np.float32, np.dtype('float32'), 'float32' or 'torch.float32' -> torch.float32.
+
+    Parameters
+    ----------
+    dtype : any
+
+    Returns
+    -------
+    torch.dtype
+        TypeError for a dtype the backend does not take.
+    """
     if isinstance(dtype, torch.dtype):
         return dtype
     name = str(dtype).removeprefix("torch.") if isinstance(dtype, str) else None
@@ -37,7 +57,16 @@ def as_torch_dtype(dtype: Any) -> torch.dtype:
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype arithmetic runs in: float32 for the half types, else the dtype itself."""
+    """The dtype arithmetic runs in: float32 for the half types, else the dtype itself.
+
+    Parameters
+    ----------
+    dtype : torch.dtype
+
+    Returns
+    -------
+    torch.dtype
+    """
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
@@ -46,7 +75,18 @@ def to_tensor(x: Any, device: Any = None, dtype: torch.dtype | None = None) -> t
     (default: CPU for host arrays, the array's own device for cupy/torch). Floating arrays are
     cast to ``dtype`` when given; integer arrays keep their dtype (int64 chunk offsets, int8
     coefficients of spec A10). Host arrays are always copied; a torch tensor already on the
-    device with the dtype is returned as is."""
+    device with the dtype is returned as is.
+
+    Parameters
+    ----------
+    x : array_like
+    device : any, optional
+    dtype : torch.dtype, optional
+
+    Returns
+    -------
+    torch.Tensor
+    """
     family = "numpy" if isinstance(x, (int, float, list, tuple, np.generic)) else array_family(x)
     if family == "numpy" and "float8_e4m3fn" in str(getattr(x, "dtype", "")):
         # float8 bases (spec/storage.md S1): torch cannot read ml_dtypes arrays, but the bits agree
@@ -63,7 +103,18 @@ def to_tensor(x: Any, device: Any = None, dtype: torch.dtype | None = None) -> t
 
 def converter(device: Any = None, dtype: Any = None) -> Callable[[Any], torch.Tensor]:
     """The ``Backend.converter`` of the torch backend; ValueError for a device torch cannot
-    use here, TypeError for an unsupported dtype (both raised now, not on first use)."""
+    use here, TypeError for an unsupported dtype (both raised now, not on first use).
+
+    Parameters
+    ----------
+    device : any, optional
+    dtype : any, optional
+
+    Returns
+    -------
+    callable
+        An array to a torch tensor on ``device`` in ``dtype``.
+    """
     dev = torch.device(device) if device is not None else None
     if dev is not None and dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} requested but torch sees no CUDA device")
@@ -72,6 +123,16 @@ def converter(device: Any = None, dtype: Any = None) -> Callable[[Any], torch.Te
     tdtype = as_torch_dtype(dtype) if dtype is not None else None
 
     def convert(x: Any) -> torch.Tensor:
+        """``x`` as a torch tensor on the converter's device, in its dtype.
+
+        Parameters
+        ----------
+        x : array_like
+
+        Returns
+        -------
+        torch.Tensor
+        """
         return to_tensor(x, dev, tdtype)
 
     return convert

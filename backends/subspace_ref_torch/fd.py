@@ -24,11 +24,33 @@ from subspace_ref.frequent_directions import insert_rows
 
 
 def eps(dtype: torch.dtype) -> float:
+    """Machine epsilon of ``dtype``.
+
+    Parameters
+    ----------
+    dtype : torch.dtype
+
+    Returns
+    -------
+    float
+    """
     return torch.finfo(dtype).eps
 
 
 def compact(buffer: torch.Tensor, ell: int) -> torch.Tensor:
-    """Spec A4 step 3: shrink every singular value by the ell-th one (a new tensor)."""
+    """Spec A4 step 3: shrink every singular value by the ell-th one (a new tensor).
+
+    Parameters
+    ----------
+    buffer : torch.Tensor
+        (..., 2 ell, d) sketch buffers.
+    ell : int
+        Sketch rows kept.
+
+    Returns
+    -------
+    torch.Tensor
+    """
     _, sigma, wt = torch.linalg.svd(buffer, full_matrices=False)
     if sigma.shape[-1] < ell:  # ell > d: the buffer already has rank < ell, nothing to shrink
         delta = torch.zeros_like(sigma[..., :1])
@@ -42,12 +64,38 @@ def compact(buffer: torch.Tensor, ell: int) -> torch.Tensor:
 
 def insert_(buffer: torch.Tensor, filled: int, rows: torch.Tensor, ell: int) -> tuple[torch.Tensor, int]:
     """Spec A4 steps 1-2 for rows (..., n, d), in order, writing into ``buffer`` in place (the
-    caller passes a private copy): the oracle's loop with torch's compaction."""
+    caller passes a private copy): the oracle's loop with torch's compaction.
+
+    Parameters
+    ----------
+    buffer : torch.Tensor
+        (..., 2 ell, d), written in place.
+    filled : int
+        Rows in use.
+    rows : torch.Tensor
+        (..., n, d) rows inserted.
+    ell : int
+
+    Returns
+    -------
+    tuple of (torch.Tensor, int)
+        The buffer and its rows in use.
+    """
     return insert_rows(buffer, filled, rows, ell, compact)
 
 
 def fix_signs(rows: torch.Tensor) -> torch.Tensor:
-    """Each row's entry of largest magnitude made positive (first such entry on ties)."""
+    """Each row's entry of largest magnitude made positive (first such entry on ties).
+
+    Parameters
+    ----------
+    rows : torch.Tensor
+        (..., k, d).
+
+    Returns
+    -------
+    torch.Tensor
+    """
     pivot = torch.argmax(rows.abs(), dim=-1, keepdim=True)
     sign = torch.sign(torch.gather(rows, -1, pivot))
     return rows * torch.where(sign == 0, torch.ones_like(sign), sign)
@@ -55,7 +103,19 @@ def fix_signs(rows: torch.Tensor) -> torch.Tensor:
 
 def top_directions(buffer: torch.Tensor, r: int) -> torch.Tensor:
     """Top-r right singular vectors of a stack of matrices, sign-fixed, zero rows for singular
-    values that are zero to rounding (``frequent_directions.top_directions``)."""
+    values that are zero to rounding (``frequent_directions.top_directions``).
+
+    Parameters
+    ----------
+    buffer : torch.Tensor
+        (..., m, d).
+    r : int
+
+    Returns
+    -------
+    torch.Tensor
+        (..., r, d).
+    """
     _, sigma, wt = torch.linalg.svd(buffer, full_matrices=False)
     if wt.shape[-2] < r:
         pad = torch.zeros(wt.shape[:-2] + (r - wt.shape[-2], wt.shape[-1]), dtype=wt.dtype, device=wt.device)
@@ -67,22 +127,23 @@ def top_directions(buffer: torch.Tensor, r: int) -> torch.Tensor:
 
 
 def rank_mask(ranks: Sequence[int], width: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """(H, width, 1) mask keeping each head's first rank rows (the zero-row padding of spec A9)."""
+    """(H, width, 1) mask keeping each head's first rank rows (the zero-row padding of spec A9).
+
+    Parameters
+    ----------
+    ranks : sequence of int
+        Per head.
+    width : int
+    dtype : torch.dtype
+    device : torch.device
+
+    Returns
+    -------
+    torch.Tensor
+        (H, width, 1).
+    """
     rows = torch.arange(width, device=device)[None, :]
     limit = torch.tensor(list(ranks), device=device)[:, None]
     return (rows < limit).to(dtype)[:, :, None]
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Spec A10 exactly as the NumPy branch of ``subspace_ref.quantization.quantize_rows``
-    computes it: s = float32(max|x| / 127) with the maximum divided in x's dtype, and
-    q = round_half_even(x / s) in x's dtype, clipped to [-127, 127]; a zero row gets s = 0, q = 0."""
-    scale = (x.abs().amax(dim=-1) / 127.0).to(torch.float32)
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(x / safe[..., None].to(x.dtype)).clamp_(-127, 127).to(torch.int8)
-    return q, scale
-
-
-def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Spec A10 reading, as the oracle: (q in float32 * s), then cast to ``dtype``."""
-    return (q.to(torch.float32) * scale[..., None]).to(dtype)

@@ -11,7 +11,18 @@ import torch
 
 
 def exact_rows(state, side: str) -> torch.Tensor:
-    """The exact keys (side "keys") or values ("values"), (N, H, s + e, dim): sinks first."""
+    """The exact keys (side "keys") or values ("values"), (N, H, s + e, dim): sinks first.
+
+    Parameters
+    ----------
+    state : SubspaceState
+        A windowed state.
+    side : {"keys", "values"}
+
+    Returns
+    -------
+    torch.Tensor
+    """
     win = state.window
     recent = getattr(win, side)
     if win.sink_keys is None:
@@ -20,7 +31,24 @@ def exact_rows(state, side: str) -> torch.Tensor:
 
 
 def exact_logits(q: torch.Tensor, state, scale: float | None, dtype: torch.dtype) -> torch.Tensor:
-    """scale * q . k_t for the exact tokens (gamma = 1: they are not projected), (N, H, g, s + e)."""
+    """scale * q . k_t for the exact tokens (gamma = 1: they are not projected), (N, H, g, s + e).
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        (N, H_q, d) queries.
+    state : SubspaceState
+        A windowed state.
+    scale : float or None
+        Logit scale (None: 1/sqrt(d)).
+    dtype : torch.dtype
+        The work dtype.
+
+    Returns
+    -------
+    torch.Tensor
+        (N, H, g, s + e).
+    """
     N, Hq, d = q.shape
     H = state.heads
     s = 1.0 / math.sqrt(d) if scale is None else float(scale)
@@ -29,5 +57,18 @@ def exact_logits(q: torch.Tensor, state, scale: float | None, dtype: torch.dtype
 
 
 def exact_values(weights: torch.Tensor, state) -> torch.Tensor:
-    """sum_t w_t v_t over the exact tokens: weights (N, H, g, s + e) -> (N, H, g, d_v)."""
+    """sum_t w_t v_t over the exact tokens: weights (N, H, g, s + e) -> (N, H, g, d_v).
+
+    Parameters
+    ----------
+    weights : torch.Tensor
+        (N, H, g, s + e) softmax weights of the exact tokens.
+    state : SubspaceState
+        A windowed state.
+
+    Returns
+    -------
+    torch.Tensor
+        (N, H, g, d_v).
+    """
     return torch.matmul(weights, exact_rows(state, "values").to(weights.dtype))

@@ -56,34 +56,79 @@ def tile_codes(base, tok, rows, offs, n, stride, BITS: tl.constexpr, ROWS: tl.co
     row in bits [(i % P) BITS, (i % P + 1) BITS) of byte i // P, P = 8 / BITS); 0 elsewhere.
 
     ``ROWS``: each token's row is loaded whole (contiguous, vectorised bytes) and every code takes
-    its byte from registers (``tl.gather``). Otherwise each code loads its own byte. On an H100
-    (2026-11-27, docs/gpu.md) the row reads took 0.58x the time with 16-bit bases (int4, N = 8,
-    T = 128k); with float32 bases they were not timed, and Triton 3.9's ptxas spills them (8 warps
-    on sm_80), so float32 bases keep the byte loads. ``tl.interleave`` of the nibble planes was
-    faster than the gather and gave wrong attention on the H100 (Triton 3.6) when the tile fed a
-    16-bit tensor-core product at 16 channels, although the interpreter agreed with the oracle."""
+    its byte from registers (``tl.gather``). Otherwise each code loads its own byte. With 16-bit
+    bases the row reads timed faster on an H100 (docs/gpu.md, "int4/int2 tiles read as whole
+    rows"); with float32 bases they were not timed, and Triton 3.9's ptxas spills them (8 warps on
+    sm_80), so float32 bases keep the byte loads. ``tl.interleave`` of the nibble planes gave wrong
+    attention on the H100 (Triton 3.6) when the tile fed a 16-bit tensor-core product at 16
+    channels, although the interpreter agreed with the oracle (same section)."""
     P: tl.constexpr = 8 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     WIDTH: tl.constexpr = offs.shape[0]
     if ROWS:
         offs_b = tl.arange(0, WIDTH // P)
-        packed = tl.load(base + tok[:, None] * stride + offs_b[None, :], mask=rows[:, None] & (offs_b * P < n)[None, :], other=0).to(tl.int32)
+        packed = tl.load(base + tok[:, None] * stride + offs_b[None, :], mask=rows[:, None] & (offs_b * P < n)[None, :], other=0).to(tl.int32)  # sass: codes
         byte = tl.gather(packed, tl.broadcast_to((offs // P)[None, :], (packed.shape[0], WIDTH)), 1)
     else:
-        byte = tl.load(base + tok[:, None] * stride + (offs // P)[None, :], mask=rows[:, None] & (offs < n)[None, :], other=0).to(tl.int32)
+        byte = tl.load(base + tok[:, None] * stride + (offs // P)[None, :], mask=rows[:, None] & (offs < n)[None, :], other=0).to(tl.int32)  # sass: codes
     return (byte >> ((offs % P) * BITS)[None, :]) & MASK
 
 
 @triton.jit
-def low_bit_tile(kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, tail_base, tok, t_mask, offs_r, r_mask, offs_rv, rv_mask,
-                 complete, kgroup, skc_t, svc_t, sks_t, svs_t, stl_t, r, r_v, BITS: tl.constexpr, ROWS: tl.constexpr):
-    """Spec/quantization.md Q1-Q2 for the tokens ``tok`` of one tile: the key and value
-    coefficients (float32) of an int4/int2 layout, x = code * s + z. code * s is exact in float32
-    (a BITS-bit integer times a float16), so the one rounding of the sum (FMA or not) is the
-    oracle's float64 sum rounded to float32. Keys of complete groups from their codes with their
-    group's per-channel scale and zero; keys of the unfinished group from ``key_tail`` (state
-    dtype; its rows past T are never read); values per token. Zero points share the strides of
-    their scales. Codes: :func:`tile_codes` (``ROWS``: whole-row reads)."""
+def _code_pair(words, SHIFT: tl.constexpr, BITS: tl.constexpr, COEF: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Codes ``SHIFT`` and ``SHIFT + 16 / BITS`` of each 32-bit word (``32 / BITS`` codes, code i
+    in bits [i BITS, (i + 1) BITS)) minus M = 2^(BITS-1), as two bfloat16 tensors (``COEF``): a
+    code c ORed into the mantissa of 2^7 is 128 + c, exactly, and one subtraction removes both
+    (docs/gpu.md, "Static budgets")."""
+    tl.static_assert(COEF == tl.bfloat16)
+    BASE: tl.constexpr = 128.0
+    MAGIC: tl.constexpr = 0x43004300
+    OFFSET: tl.constexpr = BASE + (1 << (BITS - 1))
+    PAIR: tl.constexpr = ((1 << BITS) - 1) * 0x00010001
+    h = ((words >> (BITS * SHIFT)) & PAIR) | MAGIC
+    lo = (h & 0xFFFF).to(tl.uint16).to(COEF, bitcast=True)
+    hi = (h >> 16).to(tl.uint16).to(COEF, bitcast=True)
+    if INTERPRETED:  # the interpreter's bfloat16 arithmetic works on the bits: subtract in float32
+        return (lo.to(tl.float32) - OFFSET).to(COEF), (hi.to(tl.float32) - OFFSET).to(COEF)
+    else:
+        return lo - OFFSET, hi - OFFSET
+
+
+@triton.jit
+def centred_int4_words(base, tok, rows, stride_words, WIDTH: tl.constexpr, COEF: tl.constexpr, INTERPRETED: tl.constexpr):
+    """``c - 8`` (spec/quantization.md Q6) of the WIDTH int4 channels of the tokens ``tok`` whose
+    ``rows`` are set, in ``COEF`` (exact), read as 32-bit words (``base`` a uint32 pointer,
+    ``stride_words`` between rows), channels in the order :func:`int4_word_order`. (int2 the same
+    way, 8 pairs a word, measured more instructions than the gather: its joins go through shared
+    memory.)"""
+    BITS: tl.constexpr = 4
+    offs_w = tl.arange(0, WIDTH // 8)
+    words = tl.load(base + tok[:, None] * stride_words + offs_w[None, :], mask=rows[:, None], other=0)  # sass: codes
+    l0, h0 = _code_pair(words, 0, BITS, COEF, INTERPRETED)
+    l1, h1 = _code_pair(words, 1, BITS, COEF, INTERPRETED)
+    l2, h2 = _code_pair(words, 2, BITS, COEF, INTERPRETED)
+    l3, h3 = _code_pair(words, 3, BITS, COEF, INTERPRETED)
+    # (t, k, h, s0, s1) -> channel 8k + 4h + s0 + 2 s1 at position 8k + 4h + 2 s0 + s1
+    y = tl.join(tl.join(tl.join(l0, h0), tl.join(l1, h1)), tl.join(tl.join(l2, h2), tl.join(l3, h3)))
+    return tl.reshape(y, (tok.shape[0], WIDTH))
+
+
+@triton.jit
+def int4_word_order(offs):
+    """The channel at each position of :func:`centred_int4_words`' rows: bits 0 and 1 swapped."""
+    return (offs & ~3) | ((offs & 1) << 1) | ((offs >> 1) & 1)
+
+
+@triton.jit
+def low_bit_keys(kc_base, ks_base, kz_base, tail_base, tok, t_mask, offs_r, r_mask, complete, kgroup, skc_t, sks_t, stl_t, r,
+                 BITS: tl.constexpr, ROWS: tl.constexpr):
+    """Spec/quantization.md Q1-Q2 for the keys of the tokens ``tok`` of one tile (float32), an
+    int4/int2 key side, x = code * s + z. code * s is exact in float32 (a BITS-bit integer times a
+    float16), so the one rounding of the sum (FMA or not) is the oracle's float64 sum rounded to
+    float32. Keys of complete groups from their codes with their group's per-channel scale and
+    zero; keys of the unfinished group from ``key_tail`` (state dtype; its rows past T are never
+    read). Zero points share the strides of their scales. Codes: :func:`tile_codes` (``ROWS``:
+    whole-row reads)."""
     coded = tok < complete
     k_m = (t_mask & coded)[:, None] & r_mask[None, :]
     kcode = tile_codes(kc_base, tok, t_mask & coded, offs_r, r, skc_t, BITS, ROWS).to(tl.float32)
@@ -92,8 +137,15 @@ def low_bit_tile(kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, tail_base
     k_ze = tl.load(kz_base + grp[:, None] * sks_t + offs_r[None, :], mask=k_m, other=0.0).to(tl.float32)
     tail_m = (t_mask & (tok >= complete))[:, None] & r_mask[None, :]
     k_tl = tl.load(tail_base + (tok - complete)[:, None] * stl_t + offs_r[None, :], mask=tail_m, other=0.0).to(tl.float32)
-    keys = tl.where(coded[:, None], kcode * k_sc + k_ze, k_tl)
+    return tl.where(coded[:, None], kcode * k_sc + k_ze, k_tl)
+
+
+@triton.jit
+def low_bit_values(vc_base, vs_base, vz_base, tok, t_mask, offs_rv, r_v, svc_t, svs_t, BITS: tl.constexpr, ROWS: tl.constexpr):
+    """Spec/quantization.md Q1-Q2 for the values of the tokens ``tok`` of one tile (float32), an
+    int4/int2 value side: per token, x = code * s + z (rounded once, as :func:`low_bit_keys`)."""
     vcode = tile_codes(vc_base, tok, t_mask, offs_rv, r_v, svc_t, BITS, ROWS).to(tl.float32)
     v_sc = tl.load(vs_base + tok * svs_t, mask=t_mask, other=0.0).to(tl.float32)
     v_ze = tl.load(vz_base + tok * svs_t, mask=t_mask, other=0.0).to(tl.float32)
-    return keys, vcode * v_sc[:, None] + v_ze[:, None]
+    return vcode * v_sc[:, None] + v_ze[:, None]
+

@@ -108,29 +108,29 @@ class TritonBackend:
         if dtype_name(q.dtype) == "float64" or dtype_name(state.layout.dtype) == "float64":
             reasons.append("the triton kernels have no float64 path: use the torch backend for float64")
         lay = state.layout
-        if not lay.uniform:  # a format per side: refused by the declaration, whose reason says so
-            return reasons
-        quantized = lay.quantized  # int8 coefficients, spec A10
-        coef_fields = ("key_coef", "value_coef", "key_scale", "value_scale")
-        own_dtype = set(coef_fields) if quantized else set()
-        low_bit = ("key_coef", "value_coef", "key_group_scale", "key_group_zero", "value_token_scale", "value_token_zero")
-        if lay.low_bits:  # int4/int2 (spec/quantization.md Q2): uint8 codes, float16 scales and zero points by definition
-            own_dtype |= set(low_bit)
+        # each side in its own format (spec/quantization.md Q0): int8 codes with float32 scales
+        # (spec A10); int4/int2 uint8 codes with float16 scales and zero points (Q2) by definition
+        own_dtype = set()
+        for which in ("key", "value"):
+            fmt = lay.side_format(which)
+            if fmt.per_token_scale:
+                own_dtype |= {f"{which}_coef", f"{which}_scale"}
+                got = {name: dtype_name(getattr(lay, name).dtype) for name in (f"{which}_coef", f"{which}_scale")}
+                want = {f"{which}_coef": "int8", f"{which}_scale": "float32"}
+                if got != want:
+                    reasons.append(f"int8 {which} coefficients (spec A10) need int8 codes and float32 scales, got {got}")
+            elif fmt.low_bits:
+                coded = (f"{which}_coef",) + tuple(name for name in fmt.arrays(which) if name != "key_tail")
+                own_dtype |= set(coded)
+                got = {name: dtype_name(getattr(lay, name).dtype) for name in coded}
+                want = {name: "uint8" if name.endswith("coef") else "float16" for name in coded}
+                if got != want:
+                    reasons.append(f"int{fmt.low_bits} {which} coefficients (spec/quantization.md Q2) need uint8 codes and float16 scales and zero points, got {got}")
         if lay.basis_format != "native":  # decoded before the launch (spec/storage.md S2)
             own_dtype |= {"key_bases", "value_bases", "key_basis_scale", "value_basis_scale"}
         floats = {name: dtype_name(x.dtype) for name, x in lay.arrays().items() if x.is_floating_point() and name not in own_dtype}
         if len(set(floats.values())) > 1:
             reasons.append(f"the state's floating arrays have mixed dtypes {floats}; convert it with one dtype")
-        if quantized:
-            got = {name: dtype_name(getattr(lay, name).dtype) for name in coef_fields}
-            want = {"key_coef": "int8", "value_coef": "int8", "key_scale": "float32", "value_scale": "float32"}
-            if got != want:
-                reasons.append(f"an int8 state (spec A10) needs int8 coefficients and float32 scales, got {got}")
-        if lay.low_bits:
-            got = {name: dtype_name(getattr(lay, name).dtype) for name in low_bit}
-            want = {name: "uint8" if name.endswith("coef") else "float16" for name in low_bit}
-            if got != want:
-                reasons.append(f"an int{lay.low_bits} state (spec/quantization.md Q2) needs uint8 codes and float16 scales and zero points, got {got}")
         if lay.key_coef.device.type == "cpu" and "cpu" not in self.devices:
             reasons.append("the state is on the CPU; move it to a CUDA device (state.to('triton', device='cuda')) or set TRITON_INTERPRET=1")
         for name, x in lay.arrays().items():
@@ -157,9 +157,10 @@ class TritonBackend:
         backend's append for the others (see the module docstring)."""
         from subspace_ref_torch import append as torch_append
 
-        if getattr(state.layout, "basis_format", "native") != "native" or getattr(state.layout, "low_bits", 0):
-            # encoded bases (spec/storage.md S1) or int4/int2 coefficients (spec/quantization.md
-            # Q2): the torch backend's append decodes / quantises them
+        lay = state.layout
+        if getattr(lay, "basis_format", "native") != "native" or not lay.uniform or lay.low_bits:
+            # encoded bases (spec/storage.md S1), int4/int2 coefficients (spec/quantization.md
+            # Q2) or a format per side (Q0): the torch backend's append decodes / quantises them
             torch_append.append(state, keys, values)
             return
         if state.policy.kind == "static" and getattr(state.policy, "rope", None) is None and dtype_name(state.layout.key_bases.dtype) in self.dtypes:

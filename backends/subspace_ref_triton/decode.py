@@ -5,8 +5,8 @@ Flash-decoding in two launches:
 
 1. :func:`decode_partials` — grid ``(N * H, S)``: one program per (sequence, KV head) and split
    of the token axis. A program owns the ``g = H_q / H`` query heads of one GQA group, so every
-   coefficient it loads serves all of them (the group is padded to 16 rows, the ``tl.dot``
-   minimum, inside the kernel). It walks the chunks that intersect its split (a split may
+   coefficient it loads serves all of them (the group is padded to a power of two, at least
+   DOT_ROWS rows, inside the kernel). It walks the chunks that intersect its split (a split may
    straddle many chunks; a chunk may straddle many splits), and per chunk
 
    * projects the queries in-kernel, ``q~_j = B_j q`` (spec A3 step 2.1) — one
@@ -38,6 +38,11 @@ the key scales multiply the logits column by column, and the value scales are fo
 softmax weights before the weighted sum. The cache then streams ``r + r_v`` bytes plus 8 bytes
 of scales per token and head.
 
+int4 coefficients with 16-bit bases take spec/quantization.md Q6's centred form
+(:func:`centred_int4`; docs/gpu.md, "Static budgets"): the key scales of a tile's one group are
+folded into the query and a bias, the value scales into the weights, and the codes enter the
+bfloat16 tensor-core products as exact integers ``c - 8``.
+
 Under ``TRITON_INTERPRET=1`` the 16-bit MMAs are replaced by float32 products of the same 16-bit
 parts (the interpreter's bfloat16 ``tl.dot`` is wrong; products of 16-bit numbers are exact in
 float32, so the two agree up to summation order).
@@ -46,6 +51,7 @@ float32, so the two agree up to summation order).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -55,10 +61,24 @@ from subspace_ref_triton._common import Launch, cdiv, interpreting, pow2_at_leas
 from subspace_ref_triton.occupancy import GPU, full_wave_splits, resident_blocks
 from subspace_ref_triton._tl import MAX_COMBINE as _MAX
 from subspace_ref_triton._tl import SUM_COMBINE as _SUM
-from subspace_ref_triton._tl import low_bit_tile, to_storage
+from subspace_ref_triton._tl import centred_int4_words, int4_word_order, low_bit_keys, low_bit_values, to_storage
+
+
+def _small_dots() -> bool:
+    """Whether this Triton takes ``tl.dot`` operands with fewer than 16 rows (padding them itself)."""
+    try:
+        from triton.backends.nvidia.compiler import min_dot_size  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
 
 BLOCK_T = 64  # tokens per split-length unit (splits stay tile-aligned); the tile itself is launch_config's
 BLOCK_D = 32  # columns of q and B_j per step of the query projection (the interpreter takes all d)
+# Rows of the query-head tile: the GQA group padded to a power of two, at least DOT_ROWS. Triton
+# pads an MMA's M and N itself where its NVIDIA backend says so (min_dot_size): the softmax then
+# runs on the group's rows, not 16 (docs/gpu.md, "Static budgets").
+DOT_ROWS = 4 if _small_dots() else 16
 MERGE_BLOCK_S = 16  # splits per merge step: a (16 x d_v) float32 tile stays in registers
 # No split shorter than this: below, the per-split cost (query projection, partial write, merge)
 # starts to dominate.
@@ -67,16 +87,15 @@ MIN_SPLIT_TOKENS = 256
 # 16-bit defaults fit at the benchmark's shape (179-255 registers x 4 warps: 2 per SM on sm_90).
 FALLBACK_RESIDENT = 2
 # Register caps of the split kernel with 16-bit bases (launch_config, Triton's maxnreg), chosen
-# by timing on an H200 (docs/gpu.md, 2026-11-27, "Register caps"): more resident programs per SM
-# hide the loads' latency better than the registers ptxas would keep. At N = 8, T = 128k, bf16,
-# r = 32, d = 128: int4 1770 -> 1164 us (cap 128, 4 programs per SM instead of 2), int8 1080 ->
-# 753 us (128), float 671 -> 555 us (96, 5 instead of 3). The capped kernels spill a few dozen
-# bytes per thread; the compile report lists them as spilling by choice.
+# by GPU timing: more resident programs per SM hide the loads' latency better than the registers
+# ptxas would keep (docs/gpu.md, "Register caps", has the figures). The capped kernels spill a few
+# dozen bytes per thread; the compile report lists them as spilling by choice.
 QUANTISED_MAX_REGISTERS = 128
+CENTRED_WARPS = 2  # warps of the int4 split kernel in the centred form (centred_int4), from its compiled code, not timed
 FLOAT16_MAX_REGISTERS = 96
 REGISTER_CAPS_MEASURED = (
-    "register cap (QUANTISED_MAX_REGISTERS, FLOAT16_MAX_REGISTERS): on an H200 with Triton 3.6 (18-66 B spilled there) 1.2-1.5x faster "
-    "at N = 8, T = 32k-128k than the uncapped kernel (146-255 registers, no spill): docs/gpu.md"
+    "register cap (QUANTISED_MAX_REGISTERS, FLOAT16_MAX_REGISTERS): timed faster on a GPU than the uncapped kernel "
+    "(no spill there), the figures in docs/gpu.md, \"Register caps\""
 )
 # 16-bit pieces a float32 operand is cut into for a tensor-core product with exact 16-bit
 # coefficients: 2 x 11 bits for float16, 3 x 8 bits for bfloat16 (float32 has 24).
@@ -155,15 +174,19 @@ def _decode_split_kernel(
     PARTS: tl.constexpr,
     NATIVE16: tl.constexpr,
     Q_NATIVE: tl.constexpr,
-    INT8: tl.constexpr,
-    BITS: tl.constexpr,
+    K_INT8: tl.constexpr,
+    V_INT8: tl.constexpr,
+    K_BITS: tl.constexpr,
+    V_BITS: tl.constexpr,
     MANUAL_BF16: tl.constexpr,
     DEVICE_T: tl.constexpr,
     MIN_SPLIT: tl.constexpr,
+    CENTRED: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
-    # No nested @triton.jit calls in the loops (tl.max, tl.sum, tl.zeros are; see _tl.py):
-    # under the interpreter each one re-patches triton.language, so the 16-bit split products
-    # are written out inline.
+    # Few nested @triton.jit calls in the loops (tl.max, tl.sum, tl.zeros are; see _tl.py): under
+    # the interpreter each one re-patches triton.language, so the 16-bit split products are
+    # written out inline (the int4 path's _centred_values serves its two loops: one per tile).
     nh = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     n = nh // H
@@ -181,6 +204,12 @@ def _decode_split_kernel(
     g_mask = offs_g < group
     r_mask = offs_r < r
     rv_mask = offs_rv < r_v
+    if CENTRED:  # int4 rows read as 32-bit words put the channels in this order (_tl.centred_int4_words)
+        key_r = int4_word_order(offs_r)
+        val_rv = int4_word_order(offs_rv)
+    else:
+        key_r = offs_r
+        val_rv = offs_rv
 
     # The g query heads of KV head h are rows h*g .. h*g+g-1 (spec notation); padded rows are 0,
     # so their logits are 0 and finite, and their outputs are never stored.
@@ -247,7 +276,7 @@ def _decode_split_kernel(
         for d0 in tl.static_range(0, D, BLOCK_D):
             offs_dd = d0 + tl.arange(0, BLOCK_D)
             qb = tl.load(q_rows + offs_dd[None, :], mask=g_mask[:, None] & (offs_dd < d)[None, :], other=0.0)
-            Bb = tl.load(kb_base + j * skb_j + offs_r[:, None] * skb_r + offs_dd[None, :], mask=r_mask[:, None] & (offs_dd < d)[None, :], other=0.0)
+            Bb = tl.load(kb_base + j * skb_j + key_r[:, None] * skb_r + offs_dd[None, :], mask=r_mask[:, None] & (offs_dd < d)[None, :], other=0.0)
             if Q_NATIVE:
                 q_proj = tl.dot(qb, tl.trans(Bb), acc=q_proj)
             else:
@@ -272,97 +301,153 @@ def _decode_split_kernel(
             row_scale = tl.full([G], 0.0, tl.float32) + logit_scale
 
         acc = tl.full([G, RV], 0.0, tl.float32)  # value-coefficient accumulator, at scale m_i
-        for t0 in range(c_lo, c_hi, BLOCK_T):
-            t_mask = t0 + offs_t < c_hi
-            if BITS == 0:  # packed rows are narrower than r: read below
-                c = tl.load(kc_base + (t0 + offs_t)[:, None] * skc_t + offs_r[None, :], mask=t_mask[:, None] & r_mask[None, :], other=0)  # (BLOCK_T, R)
-                dvals = tl.load(vc_base + (t0 + offs_t)[:, None] * svc_t + offs_rv[None, :], mask=t_mask[:, None] & rv_mask[None, :], other=0)  # (BLOCK_T, RV)
-            if INT8:
-                # through float32: the interpreter turns int8 -> bfloat16 into a bit copy
-                c = c.to(tl.float32).to(COEF)
-                dvals = dvals.to(tl.float32).to(COEF)
-            if BITS > 0:
-                # spec/quantization.md Q1-Q2 in float32 (_tl.low_bit_tile); for 16-bit bases rounded
-                # once more, to nearest even, to the bases' dtype, where the tensor-core products
-                # below take it exactly (the oracle's reading in that dtype, up to a double-rounding tie)
-                cf, df = low_bit_tile(kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, tail_base, t0 + offs_t, t_mask, offs_r, r_mask, offs_rv, rv_mask,
-                                      complete, kgroup, skc_t, svc_t, sks_t, svs_t, stl_t, r, r_v, BITS, ROWS)
+        if CENTRED:
+            # int4 in spec/quantization.md Q6's centred form (centred_int4; docs/gpu.md, "Static budgets"):
+            # tiles of one key group each (BLOCK_T = group, tiles group-aligned), so a tile's key
+            # scales are one row, folded into the query (a_j = q~_j s_j) and a bias per query head;
+            # the value scales go into the weights. The codes enter the products as small integers.
+            MID: tl.constexpr = 8
+            zacc = tl.full([G], 0.0, tl.float32)  # sum_t w_t (zeta_t + M tau_t), at scale m_i
+            t_first = c_lo // BLOCK_T * BLOCK_T
+            coded_hi = tl.minimum(c_hi, complete)
+            for t0 in range(t_first, coded_hi, BLOCK_T):  # sass: main loop
+                tok = t0 + offs_t
+                t_mask = (tok >= c_lo) & (tok < coded_hi)
+                grp = t0 // BLOCK_T
+                s_k = tl.load(ks_base + grp * sks_t + key_r, mask=r_mask, other=0.0).to(tl.float32)
+                z_k = tl.load(kz_base + grp * sks_t + key_r, mask=r_mask, other=0.0).to(tl.float32)
+                bias = tl.reduce(q_proj * (z_k + MID * s_k)[None, :], 1, _SUM)
+                u = q_proj * s_k[None, :]
+                # codes and a_j in bfloat16 whatever the bases' 16-bit type: float32's range, so no
+                # power-of-two rescaling per tile; a_j in 3 parts (float32 accuracy)
+                y = centred_int4_words(kc_base.to(tl.pointer_type(tl.uint32)), tok, t_mask, skc_t // 4, R, tl.bfloat16, INTERPRETED)  # (BLOCK_T, R), exact
+                u_hi = u.to(tl.bfloat16)
+                u_rest = u - u_hi.to(tl.float32)
+                u_mid = u_rest.to(tl.bfloat16)
+                u_lo = (u_rest - u_mid.to(tl.float32)).to(tl.bfloat16)
+                if NATIVE16:
+                    yt = tl.trans(y)
+                    logits = tl.dot(u_mid, yt)
+                    logits = tl.dot(u_lo, yt, acc=logits)
+                    logits = tl.dot(u_hi, yt, acc=logits)
+                else:
+                    yt = tl.trans(y.to(tl.float32))
+                    logits = tl.dot(u_mid.to(tl.float32), yt, input_precision="ieee")
+                    logits = tl.dot(u_lo.to(tl.float32), yt, acc=logits, input_precision="ieee")
+                    logits = tl.dot(u_hi.to(tl.float32), yt, acc=logits, input_precision="ieee")
+                logits = (logits + bias[:, None]) * row_scale[:, None]
+                m_i, z_i, acc, zacc = _centred_values(logits, tok, t_mask, m_i, z_i, acc, zacc, vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t,
+                                                      NATIVE16, INTERPRETED)
+            # the unfinished group (spec/quantization.md Q2.2): float keys from key_tail, outside the hot loop
+            for t0 in range(tl.maximum(t_first, complete), c_hi, BLOCK_T):
+                tok = t0 + offs_t
+                t_mask = (tok >= c_lo) & (tok < c_hi)
+                k_tl = tl.load(tail_base + (tok - complete)[:, None] * stl_t + key_r[None, :], mask=t_mask[:, None] & r_mask[None, :], other=0.0)
+                logits = tl.dot(q_proj, tl.trans(k_tl.to(tl.float32)), input_precision="ieee") * row_scale[:, None]
+                m_i, z_i, acc, zacc = _centred_values(logits, tok, t_mask, m_i, z_i, acc, zacc, vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t,
+                                                      NATIVE16, INTERPRETED)
+            acc += zacc[:, None]
+        else:
+            for t0 in range(c_lo, c_hi, BLOCK_T):  # sass: main loop
+                t_mask = t0 + offs_t < c_hi
+                # Each side in its own format (spec/quantization.md Q0): float, int8 (A10) or int4/int2 (Q2).
+                if K_BITS == 0:  # packed rows are narrower than r: read below
+                    c = tl.load(kc_base + (t0 + offs_t)[:, None] * skc_t + offs_r[None, :], mask=t_mask[:, None] & r_mask[None, :], other=0)  # (BLOCK_T, R); sass: codes
+                if V_BITS == 0:
+                    dvals = tl.load(vc_base + (t0 + offs_t)[:, None] * svc_t + offs_rv[None, :], mask=t_mask[:, None] & rv_mask[None, :], other=0)  # (BLOCK_T, RV); sass: codes
+                # int8 through float32: the interpreter turns int8 -> bfloat16 into a bit copy
+                if K_INT8:
+                    c = c.to(tl.float32).to(COEF)
+                if V_INT8:
+                    dvals = dvals.to(tl.float32).to(COEF)
+                # spec/quantization.md Q1-Q2 in float32 (_tl.low_bit_keys, low_bit_values); for 16-bit
+                # bases rounded once more, to nearest even, to the bases' dtype, where the tensor-core
+                # products below take it exactly (the oracle's reading in that dtype, up to a double-rounding tie)
+                if K_BITS > 0:
+                    cf = low_bit_keys(kc_base, ks_base, kz_base, tail_base, t0 + offs_t, t_mask, offs_r, r_mask, complete, kgroup, skc_t, sks_t, stl_t, r, K_BITS, ROWS)
+                if V_BITS > 0:
+                    df = low_bit_values(vc_base, vs_base, vz_base, t0 + offs_t, t_mask, offs_rv, r_v, svc_t, svs_t, V_BITS, ROWS)
+                if K_BITS > 0:
+                    if PARTS == 1:
+                        c = cf
+                    elif MANUAL_BF16:
+                        # the interpreter truncates float32 -> bfloat16; round to nearest even by the
+                        # bits (written out: a nested jit call per tile is slow in the interpreter)
+                        cb = cf.to(tl.uint32, bitcast=True)
+                        c = ((cb + 0x7FFF + ((cb >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+                    else:
+                        c = cf.to(COEF)
+                if V_BITS > 0:
+                    if PARTS == 1:
+                        dvals = df
+                    elif MANUAL_BF16:
+                        db = df.to(tl.uint32, bitcast=True)
+                        dvals = ((db + 0x7FFF + ((db >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+                    else:
+                        dvals = df.to(COEF)
+                # Logits gamma * scale * q~ . c_t in float32 (see the module docstring).
                 if PARTS == 1:
-                    c = cf
-                    dvals = df
-                elif MANUAL_BF16:
-                    # the interpreter truncates float32 -> bfloat16; round to nearest even by the
-                    # bits (written out: a nested jit call per tile is slow in the interpreter)
-                    cb = cf.to(tl.uint32, bitcast=True)
-                    c = ((cb + 0x7FFF + ((cb >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-                    db = df.to(tl.uint32, bitcast=True)
-                    dvals = ((db + 0x7FFF + ((db >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+                    logits = tl.dot(q_proj, tl.trans(c), input_precision="ieee")
                 else:
-                    c = cf.to(COEF)
-                    dvals = df.to(COEF)
-            # Logits gamma * scale * q~ . c_t in float32 (see the module docstring).
-            if PARTS == 1:
-                logits = tl.dot(q_proj, tl.trans(c), input_precision="ieee")
-            else:
-                if NATIVE16:
-                    ct = tl.trans(c)
-                    logits = tl.dot(q_mid, ct)  # smallest parts first
-                    if PARTS == 3:
-                        logits = tl.dot(q_lo, ct, acc=logits)
-                    logits = tl.dot(q_hi, ct, acc=logits)
+                    if NATIVE16:
+                        ct = tl.trans(c)
+                        logits = tl.dot(q_mid, ct)  # smallest parts first
+                        if PARTS == 3:
+                            logits = tl.dot(q_lo, ct, acc=logits)
+                        logits = tl.dot(q_hi, ct, acc=logits)
+                    else:
+                        ct = tl.trans(c.to(tl.float32))
+                        logits = tl.dot(q_mid, ct, input_precision="ieee")
+                        if PARTS == 3:
+                            logits = tl.dot(q_lo, ct, acc=logits, input_precision="ieee")
+                        logits = tl.dot(q_hi, ct, acc=logits, input_precision="ieee")
+                logits = logits * row_scale[:, None]
+                if K_INT8:
+                    # spec A10: c_t = s_t q_t, so q~ . c_t = s_t (q~ . q_t): one scale per token column
+                    k_s = tl.load(ks_base + (t0 + offs_t) * sks_t, mask=t_mask, other=0.0)
+                    logits = logits * k_s[None, :]
+                logits = tl.where(t_mask[None, :], logits, float("-inf"))
+                # Spec A3 steps 2.2-2.3 per tile (A3.1: any partition of the tokens gives the same
+                # result). Every tile has a valid token, so m_new is finite and alpha never NaN.
+                m_new = tl.maximum(m_i, tl.reduce(logits, 1, _MAX))
+                alpha = tl.exp(m_i - m_new)
+                w = tl.exp(logits - m_new[:, None])
+                z_i = z_i * alpha + tl.reduce(w, 1, _SUM)
+                # The weighted sum stays in coefficient space: r_v numbers per head (spec A2 step 4).
+                acc = acc * alpha[:, None]
+                wv = w
+                if V_INT8:
+                    # sum_t w_t s_t q_t: the value scales go into the weights; a power-of-two unit
+                    # keeps the scaled weights <= 1 for the 16-bit parts below (exact, undone after).
+                    v_s = tl.load(vs_base + (t0 + offs_t) * svs_t, mask=t_mask, other=0.0)
+                    v_max = tl.reduce(v_s, 0, _MAX)
+                    v_unit = tl.exp2(tl.ceil(tl.log2(tl.where(v_max > 0, v_max, 1.0))))
+                    wv = w * (v_s / v_unit)[None, :]
+                if PARTS == 1:
+                    pv = tl.dot(wv, dvals, input_precision="ieee")
                 else:
-                    ct = tl.trans(c.to(tl.float32))
-                    logits = tl.dot(q_mid, ct, input_precision="ieee")
-                    if PARTS == 3:
-                        logits = tl.dot(q_lo, ct, acc=logits, input_precision="ieee")
-                    logits = tl.dot(q_hi, ct, acc=logits, input_precision="ieee")
-            logits = logits * row_scale[:, None]
-            if INT8:
-                # spec A10: c_t = s_t q_t, so q~ . c_t = s_t (q~ . q_t): one scale per token column
-                k_s = tl.load(ks_base + (t0 + offs_t) * sks_t, mask=t_mask, other=0.0)
-                logits = logits * k_s[None, :]
-            logits = tl.where(t_mask[None, :], logits, float("-inf"))
-            # Spec A3 steps 2.2-2.3 per tile (A3.1: any partition of the tokens gives the same
-            # result). Every tile has a valid token, so m_new is finite and alpha never NaN.
-            m_new = tl.maximum(m_i, tl.reduce(logits, 1, _MAX))
-            alpha = tl.exp(m_i - m_new)
-            w = tl.exp(logits - m_new[:, None])
-            z_i = z_i * alpha + tl.reduce(w, 1, _SUM)
-            # The weighted sum stays in coefficient space: r_v numbers per head (spec A2 step 4).
-            acc = acc * alpha[:, None]
-            wv = w
-            if INT8:
-                # sum_t w_t s_t q_t: the value scales go into the weights; a power-of-two unit
-                # keeps the scaled weights <= 1 for the 16-bit parts below (exact, undone after).
-                v_s = tl.load(vs_base + (t0 + offs_t) * svs_t, mask=t_mask, other=0.0)
-                v_max = tl.reduce(v_s, 0, _MAX)
-                v_unit = tl.exp2(tl.ceil(tl.log2(tl.where(v_max > 0, v_max, 1.0))))
-                wv = w * (v_s / v_unit)[None, :]
-            if PARTS == 1:
-                pv = tl.dot(wv, dvals, input_precision="ieee")
-            else:
-                w_hi = wv.to(COEF)
-                w_rest = wv - w_hi.to(tl.float32)
-                w_mid = w_rest.to(COEF)
-                if NATIVE16:
-                    pv = tl.dot(w_mid, dvals)
-                    if PARTS == 3:
-                        pv = tl.dot((w_rest - w_mid.to(tl.float32)).to(COEF), dvals, acc=pv)
-                    pv = tl.dot(w_hi, dvals, acc=pv)
-                else:
-                    df = dvals.to(tl.float32)
-                    pv = tl.dot(w_mid.to(tl.float32), df, input_precision="ieee")
-                    if PARTS == 3:
-                        pv = tl.dot((w_rest - w_mid.to(tl.float32)).to(COEF).to(tl.float32), df, acc=pv, input_precision="ieee")
-                    pv = tl.dot(w_hi.to(tl.float32), df, acc=pv, input_precision="ieee")
-            if INT8:
-                pv = pv * v_unit
-            acc += pv
-            m_i = m_new
+                    w_hi = wv.to(COEF)
+                    w_rest = wv - w_hi.to(tl.float32)
+                    w_mid = w_rest.to(COEF)
+                    if NATIVE16:
+                        pv = tl.dot(w_mid, dvals)
+                        if PARTS == 3:
+                            pv = tl.dot((w_rest - w_mid.to(tl.float32)).to(COEF), dvals, acc=pv)
+                        pv = tl.dot(w_hi, dvals, acc=pv)
+                    else:
+                        df = dvals.to(tl.float32)
+                        pv = tl.dot(w_mid.to(tl.float32), df, input_precision="ieee")
+                        if PARTS == 3:
+                            pv = tl.dot((w_rest - w_mid.to(tl.float32)).to(COEF).to(tl.float32), df, acc=pv, input_precision="ieee")
+                        pv = tl.dot(w_hi.to(tl.float32), df, acc=pv, input_precision="ieee")
+                if V_INT8:
+                    pv = pv * v_unit
+                acc += pv
+                m_i = m_new
 
         # Once per chunk, not per token: N <- N exp(m_o - m) + acc E_j. N is rescaled here
         # rather than per tile; m_o = -inf means N is still 0 (and avoids -inf - -inf).
-        E = tl.load(vb_base + j * svb_j + offs_rv[:, None] * svb_r + offs_dv[None, :], mask=rv_mask[:, None] & (offs_dv < d_v)[None, :], other=0.0)
+        E = tl.load(vb_base + j * svb_j + val_rv[:, None] * svb_r + offs_dv[None, :], mask=rv_mask[:, None] & (offs_dv < d_v)[None, :], other=0.0)
         o_scale = tl.where(m_o == float("-inf"), 0.0, tl.exp(m_o - m_i))
         o_i = o_i * o_scale[:, None]
         if PARTS > 1:
@@ -398,6 +483,40 @@ def _decode_split_kernel(
     tl.store(pm_ptr + row * num_splits + s, m_i, mask=g_mask)
     tl.store(pz_ptr + row * num_splits + s, z_i, mask=g_mask)
     tl.store(po_ptr + (row * num_splits + s)[:, None] * d_v + offs_dv[None, :], o_i, mask=g_mask[:, None] & (offs_dv < d_v)[None, :])
+
+
+@triton.jit
+def _centred_values(logits, tok, t_mask, m_i, z_i, acc, zacc, vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t,
+                    NATIVE16: tl.constexpr, INTERPRETED: tl.constexpr):
+    """One tile of the one-pass softmax (spec A3) with int4 values in Q6's centred form:
+    sum_t w_t x_t = sum_t (w_t tau_t)(c_t - M) + sum_t w_t (zeta_t + M tau_t), the first a product
+    of the scaled weights with the small-integer codes (bfloat16, the weights in 3 parts), the
+    second ``zacc``."""
+    MID: tl.constexpr = 8
+    logits = tl.where(t_mask[None, :], logits, float("-inf"))
+    m_new = tl.maximum(m_i, tl.reduce(logits, 1, _MAX))
+    alpha = tl.exp(m_i - m_new)
+    w = tl.exp(logits - m_new[:, None])
+    z_i = z_i * alpha + tl.reduce(w, 1, _SUM)
+    tau = tl.load(vs_base + tok * svs_t, mask=t_mask, other=0.0).to(tl.float32)
+    zeta = tl.load(vz_base + tok * svs_t, mask=t_mask, other=0.0).to(tl.float32)
+    zacc = zacc * alpha + tl.reduce(w * (zeta + MID * tau)[None, :], 1, _SUM)
+    wv = w * tau[None, :]
+    y = centred_int4_words(vc_base.to(tl.pointer_type(tl.uint32)), tok, t_mask, svc_t // 4, offs_rv.shape[0], tl.bfloat16, INTERPRETED)  # (BLOCK_T, RV), exact
+    w_hi = wv.to(tl.bfloat16)
+    w_rest = wv - w_hi.to(tl.float32)
+    w_mid = w_rest.to(tl.bfloat16)
+    w_lo = (w_rest - w_mid.to(tl.float32)).to(tl.bfloat16)
+    if NATIVE16:
+        pv = tl.dot(w_mid, y)
+        pv = tl.dot(w_lo, y, acc=pv)
+        pv = tl.dot(w_hi, y, acc=pv)
+    else:
+        yf = y.to(tl.float32)
+        pv = tl.dot(w_mid.to(tl.float32), yf, input_precision="ieee")
+        pv = tl.dot(w_lo.to(tl.float32), yf, acc=pv, input_precision="ieee")
+        pv = tl.dot(w_hi.to(tl.float32), yf, acc=pv, input_precision="ieee")
+    return m_new, z_i, acc * alpha[:, None] + pv, zacc
 
 
 @triton.jit
@@ -499,9 +618,12 @@ def launch_config(d: int, d_v: int, dtype=None, int8: bool = False, bits: int = 
       registers uncapped, 2 per SM; 32-token tiles spill 44 bytes on sm_80), capped at
       QUANTISED_MAX_REGISTERS (4 per SM);
     * int4/int2 coefficients (spec/quantization.md Q2) with 16-bit bases: 64-token tiles, 4 warps
-      (179-240 registers uncapped, 2 per SM; the H100's sweep, docs/gpu.md 2026-11-27: 32-token
-      tiles 1.4x, 128-token 1.1x, 8 warps 1.6-2.8x the time), capped at QUANTISED_MAX_REGISTERS;
-    * the caps trade spills for resident programs because an H200 timed them 1.2-1.5x faster
+      (179-240 registers uncapped, 2 per SM; the fastest of an H100's tile and warp sweep,
+      docs/gpu.md), capped at QUANTISED_MAX_REGISTERS; int4 in the centred form
+      (:func:`centred_int4`) takes tiles of one key group instead (the default group: 32 tokens)
+      on CENTRED_WARPS warps, a choice from the compiled code alone, not yet timed (docs/gpu.md,
+      "Static budgets");
+    * the caps trade spills for resident programs because a GPU timed them faster
       (REGISTER_CAPS_MEASURED); no other configuration is capped;
     * float32 bases: 64-token tiles, 8 warps (114 registers: 2 programs of 8 warps; 4 warps take
       194; with int8 coefficients 180, where 4 warps spill 28 bytes on sm_90; int4/int2: 180-182);
@@ -517,6 +639,21 @@ def launch_config(d: int, d_v: int, dtype=None, int8: bool = False, bits: int = 
     return dict(block_t=32, num_warps=4, max_registers=FLOAT16_MAX_REGISTERS)
 
 
+def centred_int4(layout, parts: int) -> bool:
+    """Whether the split kernel reads an int4 layout in spec/quantization.md Q6's centred form
+    (``CENTRED``; docs/gpu.md, "Static budgets"): 16-bit bases (``parts`` > 1), power-of-two ranks
+    of at least 16 (whole rows of 32-bit words of codes, no channel mask), rows and pointers
+    4-byte aligned, and key groups a power of two from 16 to 128 tokens (one group per tile).
+    Everything else reads each code as ``c s + z`` (_tl.low_bit_tile): int2 (its words measured
+    more instructions), float32 bases, other ranks and groups."""
+    if int(getattr(layout, "low_bits", 0) or 0) != 4 or parts == 1:
+        return False
+    r, r_v, G = layout.key_bases.shape[3], layout.value_bases.shape[3], int(layout.group)
+    kc, vc = layout.key_coef, layout.value_coef
+    return (all(x >= 16 and x & (x - 1) == 0 for x in (r, r_v)) and 16 <= G <= 128 and G & (G - 1) == 0
+            and all(x % 4 == 0 for x in (kc.stride(2), vc.stride(2), kc.data_ptr(), vc.data_ptr())))
+
+
 def decode_partials(q, layout, scale: float, split_len: int, num_splits: int | None = None, *, block_t: int | None = None, num_warps: int | None = None,
                     max_registers: int | None = None):
     launch, outputs = split_launch(q, layout, scale, split_len, num_splits, block_t=block_t, num_warps=num_warps, max_registers=max_registers)
@@ -524,21 +661,60 @@ def decode_partials(q, layout, scale: float, split_len: int, num_splits: int | N
     return outputs
 
 
-def scale_operands(layout) -> tuple[bool, int, tuple]:
-    """(int8, bits, (key scale, value scale, key zero, value zero, key tail)) of a layout: int8
-    per-token scales (spec A10), or int4/int2 groups (spec/quantization.md Q2). Operands a
-    format does not read are stand-ins (any tensor will do: the kernel never loads them)."""
+@dataclass(frozen=True)
+class SideFormats:
+    """How the split kernels read each side of a layout (spec/quantization.md Q0): int8 per-token
+    scales (spec A10) and int4/int2 code widths (Q2), key side and value side apart, and the
+    operands (key scale, value scale, key zero, value zero, key tail). Operands a side's format
+    does not read are stand-ins (any tensor will do: the kernels never load them)."""
+
+    k_int8: bool
+    v_int8: bool
+    k_bits: int
+    v_bits: int
+    operands: tuple
+
+    @property
+    def int8(self) -> bool:
+        """Whether a side is int8 (the launch configuration of quantised coefficients)."""
+        return self.k_int8 or self.v_int8
+
+    @property
+    def bits(self) -> int:
+        """The widest low-bit side's code width, 0 when neither side is int4/int2."""
+        return max(self.k_bits, self.v_bits)
+
+    def constexprs(self) -> dict:
+        return dict(K_INT8=self.k_int8, V_INT8=self.v_int8, K_BITS=self.k_bits, V_BITS=self.v_bits)
+
+    def strides(self, layout) -> tuple:
+        """(sks_n, sks_h, sks_t, svs_n, svs_h, svs_t, key group, stl_n, stl_h, stl_t) of the launch."""
+        ks, vs, _, _, tail = self.operands
+        return (ks.stride(0), ks.stride(1), ks.stride(2) if self.k_int8 or self.k_bits else 0,
+                vs.stride(0), vs.stride(1), vs.stride(2) if self.v_int8 or self.v_bits else 0,
+                int(layout.group) if self.k_bits else 1, tail.stride(0), tail.stride(1), tail.stride(2) if self.k_bits else 0)
+
+
+def side_formats(layout) -> SideFormats:
+    """The :class:`SideFormats` of ``layout``: each side read in its own format, so a layout whose
+    sides differ ("int4/int8", spec/quantization.md Q0) takes the same one launch per split."""
+    kf, vf = layout.side_format("key"), layout.side_format("value")
     kc, vc = layout.key_coef, layout.value_coef
-    int8 = getattr(layout, "key_scale", None) is not None
-    bits = int(getattr(layout, "low_bits", 0) or 0)
-    if int8:
-        return int8, bits, (layout.key_scale, layout.value_scale, kc, vc, kc)
-    if not bits:
-        return int8, bits, (kc, vc, kc, vc, kc)
-    ks, vs, kz, vz = layout.key_group_scale, layout.value_token_scale, layout.key_group_zero, layout.value_token_zero
-    if kz.stride() != ks.stride() or vz.stride() != vs.stride():
+    ks = layout.key_scale if kf.per_token_scale else layout.key_group_scale if kf.low_bits else kc
+    kz = layout.key_group_zero if kf.low_bits else kc
+    tail = layout.key_tail if kf.low_bits else kc
+    vs = layout.value_scale if vf.per_token_scale else layout.value_token_scale if vf.low_bits else vc
+    vz = layout.value_token_zero if vf.low_bits else vc
+    if (kf.low_bits and kz.stride() != ks.stride()) or (vf.low_bits and vz.stride() != vs.stride()):
         raise ValueError("the zero points of a low-bit layout must have the strides of its scales")
-    return int8, bits, (ks, vs, kz, vz, layout.key_tail)
+    return SideFormats(kf.per_token_scale, vf.per_token_scale, kf.low_bits, vf.low_bits, (ks, vs, kz, vz, tail))
+
+
+def scale_operands(layout) -> tuple[bool, int, tuple]:
+    """(int8, bits, (key scale, value scale, key zero, value zero, key tail)) of a layout whose
+    sides agree (:func:`side_formats` reads each side apart)."""
+    sides = side_formats(layout)
+    return sides.int8, sides.bits, sides.operands
 
 
 def split_launch(
@@ -589,7 +765,8 @@ def split_launch(
     pm, pz, po = outputs
     kc, vc, kb, vb = layout.key_coef, layout.value_coef, layout.key_bases, layout.value_bases
     st, nc = layout.chunk_starts, layout.num_chunks
-    int8, bits, (ks, vs, kz, vz, tail) = scale_operands(layout)
+    sides = side_formats(layout)
+    int8, bits, (ks, vs, kz, vz, tail) = sides.int8, sides.bits, sides.operands
     for name, x in (
         ("q", q),
         ("key_coef", kc),
@@ -605,6 +782,12 @@ def split_launch(
             raise ValueError(f"{name} must have a unit stride in its last dimension")
     parts = _PARTS[kb.dtype]
     cfg = launch_config(d, d_v, kb.dtype, int8, bits)
+    kgroup = int(layout.group) if sides.k_bits else 0
+    centred = centred_int4(layout, parts)
+    if centred and block_t is None:
+        # one key group per tile (Q6's centred form, CENTRED below) on 2 warps: fewer instructions per
+        # token, 8-byte code loads and more bytes in flight than 4 warps in the compiled loop (docs/gpu.md, "Static budgets")
+        cfg.update(block_t=kgroup, num_warps=CENTRED_WARPS)
     cfg.update({k: v for k, v in (("block_t", block_t), ("num_warps", num_warps), ("max_registers", max_registers)) if v is not None})
     args = (
         q,
@@ -654,19 +837,12 @@ def split_launch(
         st.stride(1),
         nc.stride(0),
         nc.stride(1),
-        ks.stride(0),
-        ks.stride(1),
-        ks.stride(2) if int8 or bits else 0,
-        vs.stride(0),
-        vs.stride(1),
-        vs.stride(2) if int8 or bits else 0,
-        int(layout.group) if bits else 1,
-        tail.stride(0),
-        tail.stride(1),
-        tail.stride(2) if bits else 0,
+        *sides.strides(layout),
     )
+    cfg_centred = centred and cfg["block_t"] == kgroup
     constexprs = dict(
-        G=pow2_at_least(group),
+        # 16 rows where fewer measured worse: float32 bases (spill on sm_80), int2 and the other per-code reads (more instructions)
+        G=pow2_at_least(group, DOT_ROWS if parts > 1 and (not bits or cfg_centred) else 16),
         D=pow2_at_least(d),
         DV=pow2_at_least(d_v),
         R=pow2_at_least(r),
@@ -676,11 +852,12 @@ def split_launch(
         PARTS=parts,
         NATIVE16=parts > 1 and not interpreting(),
         Q_NATIVE=parts > 1 and q.dtype == kb.dtype and not interpreting(),
-        INT8=int8,
-        BITS=bits,
+        **sides.constexprs(),
         MANUAL_BF16=bits > 0 and kb.dtype == torch.bfloat16 and interpreting(),
         DEVICE_T=device_t,
         MIN_SPLIT=MIN_SPLIT_TOKENS if device_t else 1,
+        CENTRED=cfg_centred,
+        INTERPRETED=interpreting(),
     )
     return Launch(_decode_split_kernel, (N * H, S), args, constexprs, cfg["num_warps"], cfg["max_registers"] or None), outputs
 
@@ -739,7 +916,7 @@ def _token_chunks(starts, nj: int, T: int):
 def _coefficients(layout, which: str, n: int, h: int, T: int):
     """Rows 0..T-1 of one head's coefficients in float32, dequantised (spec A10) when int8, read
     by the oracle's own reader (spec/quantization.md Q2) when int4/int2."""
-    if getattr(layout, "low_bits", 0):
+    if layout.side_format(which).low_bits:  # each side in its own format (spec/quantization.md Q0)
         from subspace_ref.quantization import read_low_bit
 
         return read_low_bit(layout, which, 0, T, torch.float32, T, index=(n, h))

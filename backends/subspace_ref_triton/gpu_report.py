@@ -11,6 +11,11 @@ heads, d = 128, r = 32, N = 1 and 8, T = 32k) with the split count the launcher 
 the one it picked before (4 programs per SM assumed); then the roofline-predicted time of the
 benchmark's decode step (``subspace_ref.roofline``, spec R10) on both GPUs.
 
+For the default decode kernels it also measures the main loop from the sm_90 SASS
+(:mod:`subspace_ref_triton.sass`): warp-instructions per token and KV head, local memory,
+float64 and CALLs in the loop, load widths and a model of the bytes in flight per SM, against
+issue 38's budgets (``tests/test_sass_budget.py``).
+
 A configuration is *default* when the backend launches it for the benchmark's setting (d = 128,
 r = 32, any dtype and coefficient storage); ``tests/test_triton_compile.py`` and
 ``tests/test_cuda_sources.py`` fail when one of them spills. ``--exhaustive`` adds head sizes
@@ -139,6 +144,24 @@ def triton_launches(exhaustive: bool = False):
         scales = dict(out_key_scale=torch.zeros(1, H_KV, 16), out_value_scale=torch.zeros(1, H_KV, 16)) if int8 else {}
         launch, _ = project.project_launch(keys, keys, bases, bases, torch.zeros(1, H_KV, dtype=torch.int64), coef, coef.clone(), True, **scales)
         out.append(("project", f"{name}{' int8' if int8 else ''} d={D} r={RANK} residuals", True, launch))
+    return out
+
+
+def sass_rows() -> list[dict]:
+    """The main loop of every default decode configuration (split, graph-capturable split,
+    pre-RoPE) compiled for sm_90, measured from its SASS (:mod:`subspace_ref_triton.sass`), with
+    the budget it is held to (None: float32 bases, reported only)."""
+    from subspace_ref_triton import sass
+    from subspace_ref_triton.compile_report import launch_resources
+
+    out = []
+    for kernel, label, default, launch in triton_launches():
+        if not default or not (kernel.startswith("decode split") or kernel == "decode rope"):
+            continue
+        res = launch_resources(launch, 90)
+        resident = resident_blocks(H100, res.registers, res.num_warps, res.shared).blocks_per_sm
+        stats = sass.launch_stats(launch, 90, resident)
+        out.append(dict(kernel=kernel, config=label, budget=sass.budget_kind(kernel, label), sass=stats.as_dict()))
     return out
 
 
@@ -303,7 +326,7 @@ def build(exhaustive: bool = False, cuda: bool = True) -> dict:
         cuda_rows_, failures = cuda_rows()
         rows += cuda_rows_
     add_occupancy(rows)
-    return dict(rows=[asdict(r) for r in rows], roofline=roofline_rows(), nvcc_failures=failures, skipped=skipped)
+    return dict(rows=[asdict(r) for r in rows], roofline=roofline_rows(), nvcc_failures=failures, skipped=skipped, sass=sass_rows())
 
 
 def default_spills(report: dict, measured: bool = False) -> list[str]:
@@ -335,6 +358,11 @@ def markdown(report: dict) -> str:
     for x in report["roofline"]:
         ratio = x["sdpa_us"] / x["subspace_us"]
         lines.append(f"| {x['gpu']} | {x['coef']} | {x['N']} | {x['T']} | {x['subspace_us']:.1f} | {x['sdpa_us']:.1f} | {ratio:.2f} |")
+    if report.get("sass"):
+        from subspace_ref_triton import sass
+
+        lines += ["", "Main loops of the default decode kernels on sm_90, from their SASS (issue 38 item 6; docs/gpu.md, \"Static budgets\"):", "",
+                  sass.table(report["sass"])]
     for s in report["skipped"]:
         lines.append(f"\nSkipped: {s}")
     for f in report["nvcc_failures"]:

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from subspace_ref.quantization import quantize_rows
 from subspace_ref_triton._common import Launch, cdiv, interpreting, pow2_at_least
 from subspace_ref_triton._tl import MAX_COMBINE, SUM_COMBINE, to_storage
 
@@ -196,13 +197,6 @@ def _relative_residual(x, coef):
     return torch.where(norm2 > 0, torch.sqrt(res2 / torch.where(norm2 > 0, norm2, torch.ones_like(norm2))), torch.zeros_like(norm2))
 
 
-def quantize_rows_reference(x):
-    """Spec A10 on float32 rows: (int8 q, float32 s) with s = max|x| / 127, q = round(x / s)."""
-    s = x.abs().amax(dim=-1) / 127.0
-    q = torch.round(x / torch.where(s > 0, s, torch.ones_like(s))[..., None]).clamp_(-127, 127).to(torch.int8)
-    return q, s
-
-
 def project_append_reference(keys, values, key_bases, value_bases, chunk, out_key, out_value, residuals: bool = False,
                              out_key_scale=None, out_value_scale=None):
     """:func:`project_append` in plain torch (float32 products, gathered bases)."""
@@ -215,7 +209,7 @@ def project_append_reference(keys, values, key_bases, value_bases, chunk, out_ke
     dv = torch.matmul(values.to(torch.float32), E.mT)
     if out_key_scale is not None:
         for coef, out, out_scale in ((c, out_key, out_key_scale), (dv, out_value, out_value_scale)):
-            q, s = quantize_rows_reference(coef)
+            q, s = quantize_rows(coef)  # spec A10, the oracle's own quantiser
             out.copy_(q)
             out_scale.copy_(s)
     else:

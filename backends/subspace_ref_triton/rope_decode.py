@@ -9,8 +9,8 @@ A program owns one (sequence, KV head) and one split, and per tile of ``BLOCK_T`
    the basis columns of the planes' first dims, second dims and the fixed dims (the layout's
    planes, ``RopeParams.planes``, become contiguous halves: no gather of the rebuilt key);
 2. rotates them to their positions, ``R_t u_t``: cos/sin of ``t theta_i`` by angle addition of
-   the tile's base angle (float64, m numbers per tile) and the offsets ``k theta_i`` (float64,
-   once per program), so no table of positions is read from memory;
+   the tile's base angle (a float32 row of :func:`base_angles`, computed on the host in float64,
+   2m numbers per tile) and the offsets ``k theta_i`` (float64, once per program);
 3. takes the logits with the g query heads of the GQA group (``gamma_h * scale`` applied to the
    float32 logits), and runs the one-pass softmax of spec A3 with the values kept in coefficient
    space (``g x r_v`` accumulator), mapped through ``E`` once per split.
@@ -22,8 +22,8 @@ cores with the operands as stored: a product of two 16-bit numbers is exact in f
 codes are exact in either 16-bit type), and the sums accumulate in float32, so it computes what
 the float32 ``ieee`` product computes up to the order of the sums. Everything else is float32
 (``ieee`` products), and so is the rebuild of float32 and int4/int2 states and the interpreter's
-(whose 16-bit ``tl.dot`` multiplies bit patterns). Measured on an H100 (docs/gpu.md, 2026-11-26),
-the float32 rebuild of a bf16 state took 5.1 ms at T = 128k, N = 1: 26x SDPA's time.
+(whose 16-bit ``tl.dot`` multiplies bit patterns). The float32 rebuild of a bf16 state is many
+times SDPA's time on an H100 (docs/gpu.md, "Measured on an H100").
 """
 
 from __future__ import annotations
@@ -37,21 +37,22 @@ import triton.language as tl
 from subspace_ref_triton._common import Launch, cdiv, interpreting, pow2_at_least
 from subspace_ref_triton._tl import MAX_COMBINE as _MAX
 from subspace_ref_triton._tl import SUM_COMBINE as _SUM
-from subspace_ref_triton._tl import low_bit_tile
-from subspace_ref_triton.decode import default_split_len, merge_partials, scale_operands
+from subspace_ref_triton._tl import low_bit_keys, low_bit_values
+from subspace_ref_triton.decode import DOT_ROWS, default_split_len, merge_partials, side_formats
 
 # Tokens per tile and warps, chosen by H100 timing although ptxas spills with them: the compile
 # report lists this default as spilling by choice (SPILLS_MEASURED); the timings are in docs/gpu.md.
 BLOCK_T = 32
 NUM_WARPS = 4
-SPILLS_MEASURED = "spills; on an H100 (bf16 float, int8, int4; fp32 and int2 not timed) 1.9-2.1x faster than the largest configuration that does not (16-token tiles, 8 warps): docs/gpu.md"
+SPILLS_MEASURED = ("spills; timed faster on an H100 (bf16 float, int8, int4; fp32 and int2 not timed) than the largest configuration that does not "
+                   "(16-token tiles, 8 warps): docs/gpu.md")
 
 
 @triton.jit
 def _rope_split_kernel(
-    q_ptr, kc_ptr, vc_ptr, kb_ptr, vb_ptr, gamma_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr, tail_ptr, order_ptr, freq_ptr,
+    q_ptr, kc_ptr, vc_ptr, kb_ptr, vb_ptr, gamma_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr, tail_ptr, order_ptr, freq_ptr, base_ptr,
     pm_ptr, pz_ptr, po_ptr,
-    H, group, num_tokens, split_len, num_splits, scale, rope_scale, first_position,
+    H, group, num_tokens, split_len, num_splits, scale, tiles_per_split,
     d, d_v, r, r_v, m, f,
     sq_n, sq_h,
     skc_n, skc_h, skc_t,
@@ -62,7 +63,7 @@ def _rope_split_kernel(
     svs_n, svs_h, svs_t,
     kgroup, stl_n, stl_h, stl_t,
     G: tl.constexpr, M: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, RV: tl.constexpr,
-    BLOCK_T: tl.constexpr, INT8: tl.constexpr, BITS: tl.constexpr, HAS_FIXED: tl.constexpr, NATIVE16: tl.constexpr,
+    BLOCK_T: tl.constexpr, K_INT8: tl.constexpr, V_INT8: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, HAS_FIXED: tl.constexpr, NATIVE16: tl.constexpr,
 ):
     nh = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
@@ -122,17 +123,19 @@ def _rope_split_kernel(
     m_i = tl.full([G], float("-inf"), tl.float32)
     z_i = tl.full([G], 0.0, tl.float32)
     acc = tl.full([G, RV], 0.0, tl.float32)
-    for t0 in range(lo, hi, BLOCK_T):
+    for t0 in range(lo, hi, BLOCK_T):  # sass: main loop
         t_mask = t0 + offs_t < hi
-        if BITS == 0:
-            # int8 codes through float32: exact in every type (the interpreter turns int8 ->
-            # bfloat16 into a bit copy)
-            c = tl.load(kc_base + (t0 + offs_t)[:, None] * skc_t + offs_r[None, :], mask=t_mask[:, None] & r_mask[None, :], other=0).to(tl.float32).to(COEF)
-            dvals = tl.load(vc_base + (t0 + offs_t)[:, None] * svc_t + offs_rv[None, :], mask=t_mask[:, None] & rv_mask[None, :], other=0).to(tl.float32)
+        # each side in its own format (spec/quantization.md Q0); int8 codes through float32: exact
+        # in every type (the interpreter turns int8 -> bfloat16 into a bit copy)
+        if K_BITS == 0:
+            c = tl.load(kc_base + (t0 + offs_t)[:, None] * skc_t + offs_r[None, :], mask=t_mask[:, None] & r_mask[None, :], other=0).to(tl.float32).to(COEF)  # sass: codes
         else:
             # spec/quantization.md Q1-Q2 in float32, kept in float32 like every other operand here
-            c, dvals = low_bit_tile(kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, tail_base, t0 + offs_t, t_mask, offs_r, r_mask, offs_rv, rv_mask,
-                                    complete, kgroup, skc_t, svc_t, sks_t, svs_t, stl_t, r, r_v, BITS, ROWS)
+            c = low_bit_keys(kc_base, ks_base, kz_base, tail_base, t0 + offs_t, t_mask, offs_r, r_mask, complete, kgroup, skc_t, sks_t, stl_t, r, K_BITS, ROWS)
+        if V_BITS == 0:
+            dvals = tl.load(vc_base + (t0 + offs_t)[:, None] * svc_t + offs_rv[None, :], mask=t_mask[:, None] & rv_mask[None, :], other=0).to(tl.float32)  # sass: codes
+        else:
+            dvals = low_bit_values(vc_base, vs_base, vz_base, t0 + offs_t, t_mask, offs_rv, r_v, svc_t, svs_t, V_BITS, ROWS)
         # step 1: rebuild; step 2: rotate to positions S + t0 + k (spec/window.md W10: S sinks
         # before the compressed tokens; angle addition, scale a folded in)
         if NATIVE16:  # tensor cores, float32 sums of exact products (module docstring)
@@ -141,9 +144,10 @@ def _rope_split_kernel(
         else:
             ua = tl.dot(c, Ba, input_precision="ieee")
             ub = tl.dot(c, Bb, input_precision="ieee")
-        base = theta * (first_position + t0)  # float64
-        ca = (tl.cos(base) * rope_scale).to(tl.float32)
-        sa = (tl.sin(base) * rope_scale).to(tl.float32)
+        # the tile's base angle: a cos and sin row of the table built on the host (base_angles)
+        row = base_ptr + (s * tiles_per_split + (t0 - lo) // BLOCK_T) * 2 * m
+        ca = tl.load(row + offs_m, mask=m_mask, other=0.0)
+        sa = tl.load(row + m + offs_m, mask=m_mask, other=0.0)
         cos_t = ck * ca[None, :] - sk * sa[None, :]
         sin_t = sk * ca[None, :] + ck * sa[None, :]
         ra = ua * cos_t - ub * sin_t
@@ -159,14 +163,14 @@ def _rope_split_kernel(
         if HAS_FIXED:
             logits = tl.dot(qf, tl.trans(uf), acc=logits, input_precision="ieee")
         logits = logits * logit_scale
-        if INT8:  # spec A10: k_t = s_t R_t B^T q_t
+        if K_INT8:  # spec A10: k_t = s_t R_t B^T q_t
             logits = logits * tl.load(ks_base + (t0 + offs_t) * sks_t, mask=t_mask, other=0.0)[None, :]
         logits = tl.where(t_mask[None, :], logits, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(logits, 1, _MAX))
         alpha = tl.exp(m_i - m_new)
         w = tl.exp(logits - m_new[:, None])
         z_i = z_i * alpha + tl.reduce(w, 1, _SUM)
-        if INT8:
+        if V_INT8:
             w = w * tl.load(vs_base + (t0 + offs_t) * svs_t, mask=t_mask, other=0.0)[None, :]
         acc = acc * alpha[:, None] + tl.dot(w, dvals, input_precision="ieee")
         m_i = m_new
@@ -202,32 +206,44 @@ def split_launch(q, layout, rope, scale: float, split_len: int, first_position: 
     po = torch.empty((N, Hq, S, d_v), dtype=torch.float32, device=dev)
     kc, vc = layout.key_coef, layout.value_coef
     kb, vb = layout.key_bases[:, :, 0], layout.value_bases[:, :, 0]
-    int8, bits, (ks, vs, kz, vz, tail) = scale_operands(layout)
+    sides = side_formats(layout)
+    ks, vs, kz, vz, tail = sides.operands
     m = rope.inv_freq.size
     pairs = rope.planes(d)
     order = torch.as_tensor([*pairs[:m, 0], *pairs[:m, 1], *pairs[m:].reshape(-1)], dtype=torch.int32, device=dev)
     freq = torch.tensor(rope.inv_freq, dtype=torch.float64, device=dev)
     f = d - 2 * m
+    bt = block_t or BLOCK_T
+    tiles = cdiv(int(split_len), bt)
     args = (
-        q, kc, vc, kb, vb, layout.gamma.contiguous(), ks, vs, kz, vz, tail, order, freq,
+        q, kc, vc, kb, vb, layout.gamma.contiguous(), ks, vs, kz, vz, tail, order, freq, base_angles(freq, S, int(split_len), bt, first_position, rope.attention_scaling),
         pm, pz, po,
-        H, group, T, int(split_len), S, float(scale), float(rope.attention_scaling), int(first_position),
+        H, group, T, int(split_len), S, float(scale), tiles,
         d, d_v, r, r_v, m, f,
         q.stride(0), q.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2),
         vc.stride(0), vc.stride(1), vc.stride(2),
         kb.stride(0), kb.stride(1), kb.stride(2),
         vb.stride(0), vb.stride(1), vb.stride(2),
-        ks.stride(0), ks.stride(1), ks.stride(2) if int8 or bits else 0,
-        vs.stride(0), vs.stride(1), vs.stride(2) if int8 or bits else 0,
-        int(layout.group) if bits else 1, tail.stride(0), tail.stride(1), tail.stride(2) if bits else 0,
+        *sides.strides(layout),
     )
     constexprs = {
-        "G": pow2_at_least(group), "M": pow2_at_least(m), "F": pow2_at_least(f), "DV": pow2_at_least(d_v),
-        "R": pow2_at_least(r), "RV": pow2_at_least(r_v), "BLOCK_T": block_t or BLOCK_T, "INT8": int8, "BITS": bits, "HAS_FIXED": f > 0,
+        "G": pow2_at_least(group, DOT_ROWS), "M": pow2_at_least(m), "F": pow2_at_least(f), "DV": pow2_at_least(d_v),
+        "R": pow2_at_least(r), "RV": pow2_at_least(r_v), "BLOCK_T": bt, **sides.constexprs(), "HAS_FIXED": f > 0,
     }
     constexprs["NATIVE16"] = native16(kc, kb, constexprs) and native is not False
     return Launch(_rope_split_kernel, (N * H, S), args, constexprs, num_warps or NUM_WARPS), (pm, pz, po)
+
+
+def base_angles(freq, num_splits: int, split_len: int, block_t: int, first_position: int, attention_scaling: float):
+    """float32 ``a cos(p theta_i)``, ``a sin(p theta_i)`` (float64 inside) at the first position
+    ``p`` of every tile of every split, ``(num_splits x tiles per split, 2, m)``: the kernel reads a
+    row per tile instead of taking float64 cos/sin in its loop (docs/gpu.md, "Static budgets")."""
+    tiles = cdiv(split_len, block_t)
+    k = torch.arange(num_splits * tiles, dtype=torch.float64, device=freq.device)
+    pos = first_position + torch.div(k, tiles, rounding_mode="floor") * split_len + torch.remainder(k, tiles) * block_t
+    angle = pos[:, None] * freq[None, :]
+    return (torch.stack([torch.cos(angle), torch.sin(angle)], 1) * attention_scaling).to(torch.float32).contiguous()
 
 
 def native16(key_coef, key_bases, constexprs: dict) -> bool:

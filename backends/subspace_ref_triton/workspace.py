@@ -37,7 +37,7 @@ class DecodeWorkspace:
     at its final capacity)."""
 
     def __init__(self, layout, query_heads: int, dtype, scale: float | None = None, num_splits: int | None = None):
-        if getattr(layout, "low_bits", 0):
+        if any(layout.side_format(which).low_bits for which in ("key", "value")):
             # an int4/int2 append writes the unfinished key group into a new key_tail tensor
             # (spec/quantization.md Q2.1), whose address a captured graph would not follow
             raise ValueError("DecodeWorkspace does not take int4/int2 layouts: every append replaces their key_tail tensor; use decode.decode_attention")

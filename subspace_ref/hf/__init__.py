@@ -13,14 +13,13 @@ from subspace_ref.hf.artifact import CalibratedBases, config_hash
 from subspace_ref.hf.calibration_losses import CalibrationLosses, calibration_losses
 from subspace_ref.hf.attention import (
     ATTN_IMPLEMENTATION,
-    causal_attention,
     observe,
-    prefix_view,
     register,
     subspace_attention,
     subspace_attention_enabled,
     use_subspace_attention,
 )
+from subspace_ref.hf.causal_attention import causal_attention, prefix_view
 from subspace_ref.hf.cache import SubspaceCache
 from subspace_ref.hf.cache_layer import SubspaceLayer
 from subspace_ref.hf.grouped_layer import GroupedLayer

@@ -21,10 +21,47 @@ class allocated_states:
     :class:`~subspace_ref.rope.RopeParams`, required when a head has pre-RoPE keys. ``dtype`` and
     ``basis_format`` as in :class:`~subspace_ref.hf.static_states`.
 
-    Example::
+    Parameters
+    ----------
+    bases : sequence of StaticBasis
+        One per layer, holding each head's allocated ranks.
+    allocation : Allocation
+        What each head stores.
+    rope : RopeParams, optional
+        Required when a head has pre-RoPE keys.
+    dtype : numpy dtype, optional
+        Of the states; default :attr:`StateSpec.state_dtype`.
+    basis_format : str, optional
+        Storage of the bases.
 
-        factory = allocated_states(bases, allocation, rope=RopeParams.from_config(model.config))
-        cache = SubspaceCache(model.config, factory)
+    Returns
+    -------
+    allocated_states
+        Called with a :class:`StateSpec`, returns an empty :class:`LayerState`.
+
+    Raises
+    ------
+    TypeError
+        If ``allocation`` is not an :class:`Allocation`.
+    ValueError
+        If the bases do not match the allocation's layers and heads, or pre-RoPE heads come
+        without ``rope``.
+
+    Examples
+    --------
+    ::
+
+        import torch
+        from subspace_ref.hf import allocated_states, calibration_losses, compress
+        from subspace_ref.models.default_model import load_model
+
+        model, config = load_model("default")
+        ids = torch.tensor([list(b"def read_config(path):\\n    with open(path) as f:\\n        return json.load(f)\\n" * 4)])
+        cal = calibration_losses(model, ids)                     # slow: every candidate of every head
+        allocation = cal.allocate(model, compression_ratio=0.25, window=32, sinks=4)
+        factory = allocated_states(cal.bases(allocation), allocation, rope=cal.rope)
+        with compress(model, factory) as kv:
+            out = kv.generate(ids, max_new_tokens=4, do_sample=False)
     """
 
     def __init__(self, bases: Sequence[StaticBasis | None], allocation: Allocation, *, rope: RopeParams | None = None, dtype: Any = None,

@@ -54,7 +54,33 @@ ARCHITECTURE_FIELDS = (
 
 
 def config_hash(config) -> str:
-    """SHA-256 of the config's architecture fields (:data:`ARCHITECTURE_FIELDS`, canonical JSON)."""
+    """SHA-256 of the config's architecture fields (:data:`ARCHITECTURE_FIELDS`, canonical JSON).
+
+    Bases are tied to this hash: :meth:`CalibratedBases.from_pretrained` and :func:`compress`
+    refuse bases of another architecture.
+
+    Parameters
+    ----------
+    config : transformers.PretrainedConfig
+        A model config (a multimodal one: its decoder text config is hashed).
+
+    Returns
+    -------
+    str
+        64 hex digits; unchanged by dtype, file names or the attention implementation.
+
+    Examples
+    --------
+    ::
+
+        from subspace_ref.hf import config_hash
+        from subspace_ref.models.default_model import load_model
+
+        model, config = load_model("default")
+        h = config_hash(config)                      # 64 hex digits
+        config._attn_implementation = "eager"
+        config_hash(config) == h                     # True
+    """
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     values = text.to_dict() if hasattr(text, "to_dict") else dict(vars(text))
     picked = {name: values[name] for name in ARCHITECTURE_FIELDS if values.get(name) is not None}
@@ -74,7 +100,49 @@ class CalibratedBases:
     exact window and sinks, the key group) the bases were made for (saved with its
     ``to_dict()``, read back with ``from_dict``), or None; with one, :meth:`states` builds
     exactly what it says (:class:`~subspace_ref.hf.allocated_states`) and ``coefficient_bits``
-    must be left at 16. ``calibration``: free-form facts (tokens, energy, compression ratio asked)."""
+    must be left at 16. ``calibration``: free-form facts (tokens, energy, compression ratio asked).
+
+    Parameters
+    ----------
+    layers : tuple of StaticBasis or None
+        One per model layer.
+    config_hash : str
+        :func:`config_hash` of the model the bases belong to (:meth:`for_model` computes it).
+    coefficient_bits : int
+        16 or 8.
+    basis_format : str
+        Storage of the bases in states ("float16", "native", ...).
+    kind : str
+        Only "static".
+    allocation : Allocation or None
+        The per-head allocation the bases were made for.
+    calibration : dict
+        Free-form facts, saved in the JSON.
+
+    Raises
+    ------
+    ValueError
+        On bits other than 8/16, a kind other than "static", or an allocation that does not
+        match ``layers`` or comes with ``coefficient_bits=8``.
+    TypeError
+        If ``allocation`` is not an :class:`~subspace_ref.allocation.Allocation`.
+
+    Examples
+    --------
+    ::
+
+        import torch
+        from subspace_ref.hf import CalibratedBases, capture, compress
+        from subspace_ref.models.default_model import load_model
+
+        model, config = load_model("default")
+        ids = torch.tensor([list(b"def read_config(path):\\n    return json.load(open(path))\\n")])
+        bases = CalibratedBases.for_model(model, capture(model, ids).calibrate(rank_k=16, rank_v=16))
+        bases.save_pretrained("bases/")
+        bases = CalibratedBases.from_pretrained("bases/", config)   # refuses another architecture
+        with compress(model, bases) as kv:
+            out = kv.generate(ids, max_new_tokens=8, do_sample=False)
+    """
 
     layers: tuple[StaticBasis | None, ...]
     config_hash: str
@@ -101,6 +169,23 @@ class CalibratedBases:
 
     @classmethod
     def for_model(cls, model_or_config, layers, **kwargs: Any) -> "CalibratedBases":
+        """Bases for ``model_or_config``, its :func:`config_hash` computed.
+
+        Parameters
+        ----------
+        model_or_config : transformers.PreTrainedModel or PretrainedConfig
+            The model the bases were calibrated on.
+        layers : iterable of StaticBasis or None
+            One per layer (e.g. :meth:`ModelCapture.calibrate`'s list).
+        **kwargs
+            The other fields (``coefficient_bits``, ``basis_format``, ``allocation``,
+            ``calibration``).
+
+        Returns
+        -------
+        CalibratedBases
+            See the class's example.
+        """
         config = getattr(model_or_config, "config", model_or_config)
         return cls(tuple(layers), config_hash(config), **kwargs)
 
@@ -110,10 +195,26 @@ class CalibratedBases:
         return "int8" if self.coefficient_bits == 8 else "float"
 
     def states(self, config=None, **kwargs: Any):
-        """The state factory of these bases (keywords override its options): with an allocation,
-        :class:`~subspace_ref.hf.allocated_states` (its pre-RoPE heads take the RoPE of
-        ``config``, the model's config, required then); else
-        :class:`~subspace_ref.hf.static_states` with ``coefficient_bits``."""
+        """The state factory of these bases (keywords override its options).
+
+        Parameters
+        ----------
+        config : transformers.PretrainedConfig or model, optional
+            The model's config; required when an allocation has pre-RoPE heads (their RoPE).
+        **kwargs
+            Options of the factory (e.g. ``window``, ``dtype``).
+
+        Returns
+        -------
+        allocated_states or static_states
+            With an allocation, :class:`~subspace_ref.hf.allocated_states`; else
+            :class:`~subspace_ref.hf.static_states` with ``coefficient_bits``.
+
+        Raises
+        ------
+        ValueError
+            If pre-RoPE heads come without ``config`` (or a ``rope`` keyword).
+        """
         if self.allocation is not None:
             from subspace_ref.hf.allocated_states import allocated_states
             from subspace_ref.rope import RopeParams
@@ -129,6 +230,7 @@ class CalibratedBases:
         return static_states(list(self.layers), **options)
 
     def metadata(self) -> dict:
+        """The JSON :meth:`save_pretrained` writes beside the tensors (ranks, γ, hash, facts)."""
         return dict(
             format_version=FORMAT_VERSION,
             kind=self.kind,
@@ -141,7 +243,18 @@ class CalibratedBases:
         )
 
     def save_pretrained(self, directory) -> Path:
-        """Write the two files into ``directory`` (created if needed); returns it."""
+        """Write the two files into ``directory`` (created if needed).
+
+        Parameters
+        ----------
+        directory : str or os.PathLike
+            Where ``subspace_bases.safetensors`` and ``subspace_bases.json`` go.
+
+        Returns
+        -------
+        pathlib.Path
+            ``directory``. Example: the class's.
+        """
         from safetensors.numpy import save_file
 
         out = Path(directory)
@@ -156,8 +269,27 @@ class CalibratedBases:
 
     @classmethod
     def from_pretrained(cls, directory, config=None) -> "CalibratedBases":
-        """Read what :meth:`save_pretrained` wrote. ``config`` (a model or its config): the
-        bases must have been calibrated for the same architecture (ValueError otherwise)."""
+        """Read what :meth:`save_pretrained` wrote.
+
+        Parameters
+        ----------
+        directory : str or os.PathLike
+            A directory :meth:`save_pretrained` wrote.
+        config : transformers.PretrainedConfig or model, optional
+            When given, the bases must have been calibrated for the same architecture.
+
+        Returns
+        -------
+        CalibratedBases
+            Example: the class's.
+
+        Raises
+        ------
+        FileNotFoundError
+            If a file is missing.
+        ValueError
+            On another format version, or a config hash other than ``config``'s (both named).
+        """
         from safetensors.numpy import load_file
 
         src = Path(directory)

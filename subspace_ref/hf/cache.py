@@ -56,6 +56,45 @@ class SubspaceCache(Cache):
     of each forward (a failed forward goes back to it) and, for forwards of at most this many
     tokens, the forward's keys and values, so ``crop`` (assisted and prompt-lookup decoding) can
     take back that forward's tokens exactly (:meth:`SubspaceLayer.crop`).
+
+    Parameters
+    ----------
+    config : transformers.PretrainedConfig
+        The model's config.
+    states : StateFactory or sequence of SubspaceState / LayerState
+        A factory (e.g. :class:`~subspace_ref.hf.static_states`) or one empty batched state
+        per layer.
+    backend : str
+        A registered backend name ("torch", "numpy", "triton", ...).
+    prefill : str
+        "coefficient" or "attend".
+    sliding : str
+        "stock" or "compress".
+    max_crop_block : int
+        Longest forward whose tokens ``crop`` can take back from non-static layers.
+
+    Raises
+    ------
+    ValueError
+        On a bad option, an unknown backend, or a state count other than the layer count.
+    RuntimeError
+        If the backend is not available on this machine; at the first ``update``, if the
+        model has not selected the subspace attention.
+
+    Examples
+    --------
+    ::
+
+        import torch
+        from subspace_ref.hf import SubspaceCache, capture, static_states
+        from subspace_ref.models.default_model import load_model
+
+        model, config = load_model("default")
+        ids = torch.tensor([list(b"def read_config(path):\\n    return json.load(open(path))\\n")])
+        bases = capture(model, ids).calibrate(rank_k=16, rank_v=16)
+        cache = SubspaceCache.for_model(model, static_states(bases), backend="torch")
+        out = model.generate(ids, cache=cache, max_new_tokens=8, do_sample=False)
+        cache.get_seq_length(), cache.nbytes, cache.full_cache_nbytes
     """
 
     def __init__(
@@ -105,11 +144,31 @@ class SubspaceCache(Cache):
 
     @classmethod
     def for_model(cls, model, states: StateFactory | Sequence[SubspaceState], **kwargs: Any) -> "SubspaceCache":
-        """Select the subspace attention implementation for ``model`` and return a cache for it."""
+        """Select the subspace attention implementation for ``model`` and return a cache for it.
+
+        The selection stays after the cache is gone; :func:`~subspace_ref.hf.compress` limits it
+        to a block.
+
+        Parameters
+        ----------
+        model : transformers.PreTrainedModel
+            The model (its config is the cache's).
+        states : StateFactory or sequence of states
+            As in the class.
+        **kwargs
+            The class's keywords.
+
+        Returns
+        -------
+        SubspaceCache
+            Example: the class's.
+        """
         _attn.use_subspace_attention(model)
         return cls(model.config, states, **kwargs)
 
     def check_model_attention(self) -> None:
+        """Raise RuntimeError unless the model selected the subspace attention: any other
+        implementation would attend only the new tokens (each layer's ``update`` calls this)."""
         impl = getattr(self.config, "_attn_implementation", _attn.ATTN_IMPLEMENTATION)
         if not _attn.is_subspace(impl):
             raise RuntimeError(
@@ -183,6 +242,7 @@ class SubspaceCache(Cache):
     # -- facts
     @property
     def states(self) -> list[SubspaceState | LayerState | None]:
+        """Per layer, the state it holds (None for a layer kept stock or not yet built)."""
         compressed = self.subspace_layers
         return [layer.state if any(layer is c for c in compressed) else None for layer in self.layers]
 

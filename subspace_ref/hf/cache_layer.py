@@ -18,6 +18,7 @@ import subspace_ref
 from subspace_ref.arrays import clone
 from subspace_ref.capabilities import require
 from subspace_ref.hf import attention as _attn
+from subspace_ref.hf import causal_attention as _causal
 from subspace_ref.hf.state_factories import StateSpec
 from subspace_ref.layer_state import LayerState
 from subspace_ref.layout import BY_NAME, FIXED, held_arrays, mapped_parts
@@ -30,6 +31,31 @@ class SubspaceLayer(CacheLayerMixin):
 
     ``keys`` and ``values`` stay ``None``: the full K/V is never kept. Between a layer's
     ``update`` and its attention call the new tokens are *pending* (held only for that call).
+    :class:`SubspaceCache` builds these; the methods are transformers' ``CacheLayerMixin``.
+
+    Parameters
+    ----------
+    cache : SubspaceCache
+        The cache holding the layer (its factory, backend and options).
+    layer_idx : int
+        The layer's index.
+    state : SubspaceState, optional
+        A ready empty state; default: the cache's factory builds it on the first ``update``.
+
+    Examples
+    --------
+    ::
+
+        import torch
+        from subspace_ref.hf import SubspaceLayer, compress, full_rank_states
+        from subspace_ref.models.default_model import load_model
+
+        model, config = load_model("default")
+        with compress(model, full_rank_states()) as kv:
+            cache = kv.cache()
+            model(input_ids=torch.tensor([list(b"import os")]), cache=cache)
+        layer = cache.layers[0]
+        isinstance(layer, SubspaceLayer), layer.state.num_tokens   # (True, 9)
     """
 
     is_sliding = False
@@ -87,7 +113,7 @@ class SubspaceLayer(CacheLayerMixin):
             raise ValueError(f"layer {self.layer_idx}: keys of shape {tuple(key_states.shape)} do not fit the state {st!r} (batch {st.batch})")
         self.cache.begin_forward(self.layer_idx)
         self.pending_keys, self.pending_values = key_states, value_states
-        setattr(key_states, _attn.TAG, self)
+        _attn.tag(key_states, self)
         return key_states, value_states
 
     def get_seq_length(self) -> int:
@@ -244,22 +270,22 @@ class SubspaceLayer(CacheLayerMixin):
         out = subspace_ref.attend(x, state, backend=self.cache.backend, scale=scale)
         return out if isinstance(out, torch.Tensor) else torch.from_numpy(np.asarray(out)).to(device=q.device, dtype=q.dtype)
 
-    def _attend_block(self, q: torch.Tensor, first_position: int, scale: float, exact: _attn.ExactPart | None, **masking: Any) -> torch.Tensor:
+    def _attend_block(self, q: torch.Tensor, first_position: int, scale: float, exact: _causal.ExactPart | None, **masking: Any) -> torch.Tensor:
         """Queries q (B, H_q, m, d) at positions first_position.. over the state holding exactly
         tokens 0..first_position+m-1, each query causally (static/adaptive, or a rotating state
         with no refresh after first_position's append); ``exact``: the windowed state's
-        :func:`~subspace_ref.hf.attention.exact_part` taken before the block was appended."""
+        :func:`~subspace_ref.hf.causal_attention.exact_part` taken before the block was appended."""
         st = self.state
         if q.shape[2] == 1 and not any(v is not None for v in masking.values()):
             return self._attend_one(q[:, :, 0], st, scale)[:, :, None]
         if self.cache.prefill == "attend":
-            views = [self._attend_one(q[:, :, i], _attn.prefix_view(st, first_position + i + 1), scale) for i in range(q.shape[2])]
+            views = [self._attend_one(q[:, :, i], _causal.prefix_view(st, first_position + i + 1), scale) for i in range(q.shape[2])]
             return torch.stack(views, dim=2)
-        return _attn.causal_attention(q, st, first_position, scale, exact=exact, **masking)
+        return _causal.causal_attention(q, st, first_position, scale, exact=exact, **masking)
 
     def masked_reason(self) -> str | None:
         """Why this layer's state cannot attend under a per-token mask or soft-capping (None: it
-        can, by :func:`~subspace_ref.hf.attention.causal_attention`)."""
+        can, by :func:`~subspace_ref.hf.causal_attention.causal_attention`)."""
         st = self.state
         if st.kind == "rotating":
             return "a rotating state rewrites past coefficients at each refresh"
@@ -277,12 +303,12 @@ class SubspaceLayer(CacheLayerMixin):
         ``prefill="attend"`` on a windowed state (whose prefix views would need the evicted
         exact tokens) goes token by token."""
         st = self.state
-        if st.window is not None and self.cache.prefill == "attend":
+        if n == 1 or (st.window is not None and self.cache.prefill == "attend"):
             return [(i, i + 1) for i in range(n)]
         if st.kind != "rotating" and not st.layout.side_format("key").low_bits:
             return [(0, n)]
         T0 = st.num_tokens
-        compressed, _ = _attn.compressed_visible(st, np.arange(T0, T0 + n + 1))  # before and after each query's append
+        compressed, _ = _causal.compressed_visible(st, np.arange(T0, T0 + n + 1))  # before and after each query's append
         cuts = {0, n}
         if st.layout.side_format("key").low_bits:  # key groups, whatever the value side stores
             G = st.layout.group
@@ -307,7 +333,7 @@ class SubspaceLayer(CacheLayerMixin):
         between them in one block each; int4/int2 states start a run at each query whose append
         finishes a key group (:meth:`_segments`). A windowed state's queries see its compressed part as
         it was at their step and every other token of theirs exactly (spec/window.md W2, W3;
-        :func:`~subspace_ref.hf.attention.exact_part`). A ``mask`` that is not the plain causal
+        :func:`~subspace_ref.hf.causal_attention.exact_part`). A ``mask`` that is not the plain causal
         one (left padding, a sliding window) or ``softcap`` is applied to the logits by
         :func:`causal_attention` (refused for rotating and pre-RoPE states).
         """
@@ -324,8 +350,9 @@ class SubspaceLayer(CacheLayerMixin):
         if self._restore_point is not None and n <= self.cache.max_crop_block:
             self._forward_tokens = (keys, values)
         outs = []
+        single = mask is None and softcap is None  # a lone query goes to one attend call, which needs no exact part
         for a, b in self._segments(n):
-            exact = _attn.exact_part(st, keys[:, :, a:b], values[:, :, a:b])
+            exact = None if single and b - a == 1 else _causal.exact_part(st, keys[:, :, a:b], values[:, :, a:b])
             self._append(keys[:, :, a:b], values[:, :, a:b])
             part_mask = None if mask is None else mask[:, :, a:b, : T0 + b]
             outs.append(self._attend_block(query[:, :, a:b], T0 + a, scale, exact, mask=part_mask, softcap=softcap))

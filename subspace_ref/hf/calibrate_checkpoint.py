@@ -1,5 +1,5 @@
 """Bases for any local transformers checkpoint at a requested compression ratio: the front door
-(``subspace-kv calibrate --model PATH --compression-ratio R [--sinks S] [--window W] [--text FILE]``;
+(``subspace-kv calibrate --model PATH --compression-ratio R [--sinks S] [--window W] [--text FILE] [--loss fisher|proxy]``;
 spec/models.md M10, spec/layer_state.md L6).
 
 Calibration text: ``--text FILE``, else Python standard-library sources (present wherever
@@ -11,8 +11,12 @@ Rules:
 * ``allocator`` (the default): the measured-loss allocator (:mod:`subspace_ref.allocation`) over
   every candidate of each KV head (post-RoPE, pre-RoPE, plane and identity key bases; subspace
   and identity value bases; float/int8/int4/int2 coefficients), ``R`` of the fp16 cache's bytes
-  with ``S`` sinks and a ``W``-token exact window counted; the artifact carries the allocation,
-  and ``compress(model, bases)`` decodes exactly it;
+  with ``S`` sinks and a ``W``-token exact window counted; the loss is ``fisher`` (the default:
+  errors weighted by the gradient of the model's next-token loss) or ``proxy``
+  (:data:`subspace_ref.hf.calibration_losses.LOSSES`). Without ``--sinks``/``--window`` the
+  allocator also chooses them, among :data:`subspace_ref.hf.calibration_losses.EXACT`, by the
+  same loss (spec/layer_state.md L6.2); the artifact carries the allocation, and
+  ``compress(model, bases)`` decodes exactly it;
 * ``energy``: energy ranks (spec A5 step 2) at the largest energy whose per-head ranks keep the
   coefficients within the ratio, ``sum (r_k + r_v) <= R * sum (d + d_v)``, float coefficients of
   post-RoPE bases, no window. On RoPE models its keys lose badly (docs/baselines.md).
@@ -98,16 +102,22 @@ def calibration_windows(path, config, text: str | None, tokens: int, context: in
     return ids[:usable].reshape(-1, context)
 
 
-def calibrate_checkpoint(path, ratio: float, *, rule: str = "allocator", sinks: int = 0, window: int = 0, text: str | None = None,
-                         tokens: int = 8192, context: int | None = None, group: int = 32, progress: bool = False) -> CalibratedBases:
+def calibrate_checkpoint(path, ratio: float, *, rule: str = "allocator", sinks: int | None = None, window: int | None = None, text: str | None = None,
+                         tokens: int = 8192, context: int | None = None, group: int = 32, progress: bool = False, loss: str = "fisher") -> CalibratedBases:
     """Calibrated bases for the checkpoint at ``path`` at ``ratio`` of the stock cache (module
-    docstring: ``rule``; ``sinks`` and ``window`` for the allocator), from ``tokens`` calibration
-    tokens in windows of ``context``. Bad input raises ValueError naming the argument, before any
-    model runs."""
+    docstring: ``rule``; ``sinks``, ``window`` and ``loss`` for the allocator), from ``tokens``
+    calibration tokens in windows of ``context``. ``sinks`` and ``window`` both None: the allocator
+    chooses them by its loss (module docstring); one None: 0. Bad input raises ValueError naming
+    the argument, before any model runs."""
+    from subspace_ref.hf.calibration_losses import LOSSES
     from subspace_ref.models.default_model import load_model
 
     if rule not in RULES:
         raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+    if loss not in LOSSES:
+        raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
+    defaults = sinks is None and window is None and rule == "allocator"
+    sinks, window = 0 if sinks is None else sinks, 0 if window is None else window
     if not (isinstance(ratio, (int, float)) and 0.0 < ratio <= 1.0):
         raise ValueError(f"compression_ratio must lie in (0, 1], got {ratio!r}")
     for name, value in (("sinks", sinks), ("window", window)):
@@ -125,12 +135,17 @@ def calibrate_checkpoint(path, ratio: float, *, rule: str = "allocator", sinks: 
         energy, achieved = energy_for_ratio(cap, ratio)
         facts |= dict(energy=energy, coefficient_fraction=achieved, gamma="mse")
         return CalibratedBases.for_model(config, cap.calibrate(energy=energy, gamma="mse"), calibration=facts)
-    from subspace_ref.hf.calibration_losses import calibration_losses
+    from subspace_ref.hf.calibration_losses import EXACT, calibration_losses
 
-    cal = calibration_losses(model, windows, group=group, batch=1, progress=progress)
-    allocation = cal.allocate(model, compression_ratio=ratio, window=window, sinks=sinks)
+    cal = calibration_losses(model, windows, group=group, batch=1, progress=progress, loss=loss,
+                             exact=EXACT if defaults or loss != "fisher" else ((sinks, window),))
     geom = cal.geometry(model)
-    facts |= dict(sinks=sinks, window=window, loss_tokens=cal.loss_tokens, bytes_per_token=allocation.bytes(geom).per_token,
+    if defaults:
+        allocation = cal.allocate_best(model, compression_ratio=ratio)  # the window chosen by the loss (L6.2)
+        sinks, window = allocation.sinks, allocation.window
+    else:
+        allocation = cal.allocate(model, compression_ratio=ratio, window=window, sinks=sinks)
+    facts |= dict(sinks=sinks, window=window, loss=loss, loss_tokens=cal.loss_tokens, bytes_per_token=allocation.bytes(geom).per_token,
                   fraction_of_fp16=allocation.bytes(geom).fraction)
     return CalibratedBases.for_model(config, cal.bases(allocation), allocation=allocation, calibration=facts)
 
@@ -139,8 +154,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="a local checkpoint directory (or 'default', the shipped model)")
     parser.add_argument("--compression-ratio", type=float, required=True, help="bytes of the compressed cache as a fraction of the fp16 cache, in (0, 1]")
     parser.add_argument("--bases-out", type=Path, required=True, help="directory the bases and their allocation are saved to")
-    parser.add_argument("--sinks", type=int, default=0, help="first tokens kept exact (allocator; default 0)")
-    parser.add_argument("--window", type=int, default=0, help="last tokens kept exact (allocator; default 0)")
+    parser.add_argument("--sinks", type=int, default=None, help="first tokens kept exact (allocator; default: chosen with --window by the loss; 0 if only --window is given)")
+    parser.add_argument("--window", type=int, default=None, help="last tokens kept exact (allocator; default: chosen with --sinks by the loss; 0 if only --sinks is given)")
+    parser.add_argument("--loss", choices=("fisher", "proxy"), default="fisher",
+                        help="allocator loss: fisher (default), errors weighted by the gradient of the next-token loss; proxy, per-head output errors")
     parser.add_argument("--text", type=Path, default=None, help="calibration text (default: Python standard-library sources)")
     parser.add_argument("--calibration-tokens", type=int, default=8192, help="calibration tokens (default 8192)")
     parser.add_argument("--context", type=int, default=None, help="calibration window length (default: the model's limit, at most 1024)")
@@ -154,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     text = args.text.read_text(encoding="utf-8", errors="replace") if args.text else None
     bases = calibrate_checkpoint(args.model, args.compression_ratio, rule=args.rule, sinks=args.sinks, window=args.window, text=text,
-                                 tokens=args.calibration_tokens, context=args.context, group=args.group, progress=not args.no_progress)
+                                 tokens=args.calibration_tokens, context=args.context, group=args.group, progress=not args.no_progress, loss=args.loss)
     out = bases.save_pretrained(args.bases_out)
     c = bases.calibration
     if bases.allocation is None:
@@ -163,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"  layer {i}: key ranks {list(b.rank_k)}, value ranks {list(b.rank_v)}")
     else:
         print(f"calibrate: allocator, {c['bytes_per_token']:.1f} bytes/token = {c['fraction_of_fp16']:.3f} of the fp16 cache "
-              f"(asked {c['compression_ratio_asked']}, sinks {c['sinks']}, window {c['window']}, rule {bases.allocation.meta.get('rule')})")
+              f"(asked {c['compression_ratio_asked']}, sinks {c['sinks']}, window {c['window']}, loss {c['loss']}, rule {bases.allocation.meta.get('rule')})")
         for i, layer in enumerate(bases.allocation.heads):
             shown = "; ".join(f"K {h.key_basis} r={h.rank_k} {h.bits_k}b, V {h.value_basis} r={h.rank_v} {h.bits_v}b" for h in layer)
             print(f"  layer {i}: {shown}")

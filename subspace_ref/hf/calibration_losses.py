@@ -13,7 +13,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -28,6 +28,14 @@ from subspace_ref.rope import RopeParams
 #: Tokens (the first of the calibration windows) and queries the losses are measured on.
 LOSS_TOKENS = 2048
 LOSS_QUERIES = 512
+#: What the allocator's loss measures (:mod:`subspace_ref.allocation`): ``fisher`` (the default),
+#: reconstruction errors weighted by the gradient of the model's next-token loss; ``proxy``, the
+#: per-head output-error proxy (logit error x value spread, value error).
+LOSSES = ("fisher", "proxy")
+#: The (sinks, window) pairs whose Fisher losses are measured by default, among which
+#: :meth:`CalibrationLosses.allocate_best` chooses: no exact tokens, and 4 sinks with windows of
+#: 0 to 128 tokens (spec/layer_state.md L6.2).
+EXACT = ((0, 0), (4, 0), (4, 16), (4, 32), (4, 64), (4, 128))
 
 
 @dataclass(frozen=True)
@@ -38,7 +46,10 @@ class CalibrationLosses:
     ``svd_pre``: per layer ``Wk`` (H, d, d), ``Wv`` (H, d_v, d_v) right-singular vectors of the
     post-RoPE (pre-RoPE) keys and values, rows by decreasing singular value, and their singular
     values ``Sk``, ``Sv``. ``planes``: per layer (H, d, d) plane bases (spec/rope.md P4).
-    ``context``: the calibration windows' length, over which bases are amortised."""
+    ``context``: the calibration windows' length, over which bases are amortised. ``loss``: what
+    the tables measure (:data:`LOSSES`). ``by_exact``: {(sinks, window): tables} measured with
+    the gradients of the queries that read each token compressed (``fisher``; ``losses`` are
+    the tables of (0, 0), every query)."""
 
     losses: list
     svd: list
@@ -49,14 +60,43 @@ class CalibrationLosses:
     tokens: int
     loss_tokens: int
     group: int
+    loss: str = "fisher"
+    by_exact: dict | None = None
+
+    def tables(self, sinks: int, window: int) -> list:
+        """The loss tables allocations with ``sinks`` and ``window`` exact tokens use: those
+        measured for them (``by_exact``), else ``losses`` (every query counted)."""
+        return (self.by_exact or {}).get((int(sinks), int(window)), self.losses)
 
     def geometry(self, model) -> Geometry:
-        return Geometry.of_model(model, self.context)
+        """The byte geometry allocations use: ``model``'s cache at the calibration context
+        (``model`` may be that :class:`~subspace_ref.byte_convention.Geometry` itself)."""
+        return model if isinstance(model, Geometry) else Geometry.of_model(model, self.context)
 
     def allocate(self, model, *, compression_ratio: float | None = None, bytes_per_token: float | None = None, window: int = 0, sinks: int = 0) -> Allocation:
         """:func:`~subspace_ref.allocation.allocate` over these losses for ``model``'s cache."""
-        return allocate(self.losses, self.geometry(model), compression_ratio=compression_ratio, bytes_per_token=bytes_per_token,
+        return allocate(self.tables(sinks, window), self.geometry(model), compression_ratio=compression_ratio, bytes_per_token=bytes_per_token,
                         group=self.group, window=window, sinks=sinks)
+
+    def allocate_best(self, model, *, compression_ratio: float | None = None, bytes_per_token: float | None = None) -> Allocation:
+        """The allocation of least calibration loss over the measured (sinks, window) pairs
+        (``by_exact``; spec/layer_state.md L6.2) whose exact tokens fit the budget: the window is
+        chosen by the same loss as the ranks and bits. ``meta["exact_losses"]`` lists each
+        pair's loss (None: does not fit). Without ``by_exact``: no exact tokens."""
+        pairs = list(self.by_exact) if self.by_exact else [(0, 0)]
+        best, tried = None, {}
+        for sinks, window in pairs:
+            try:
+                a = self.allocate(model, compression_ratio=compression_ratio, bytes_per_token=bytes_per_token, window=window, sinks=sinks)
+            except ValueError:
+                tried[f"{sinks},{window}"] = None
+                continue
+            tried[f"{sinks},{window}"] = a.calibration_loss
+            if best is None or a.calibration_loss < best.calibration_loss:
+                best = a
+        if best is None:
+            raise ValueError(f"no measured (sinks, window) pair fits the budget: {pairs}")
+        return replace(best, meta=dict(best.meta, exact_losses=tried))
 
     def bases(self, allocation: Allocation) -> list[StaticBasis]:
         """One :class:`StaticBasis` per layer holding ``allocation``'s ranks of each head's kind
@@ -83,6 +123,81 @@ def layer_svd(cap: ModelCapture) -> list[dict]:
     return out
 
 
+def _probe_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Causal attention (no padding, positions 0..T-1) whose output equals the stock one, but
+    through which the key and value of token t get gradient only from the queries i that read
+    them compressed: ``t >= sinks`` and ``i - t >= window`` (:data:`_PROBE`)."""
+    probe = _PROBE[-1]
+    if key.requires_grad:
+        key.retain_grad()
+        value.retain_grad()
+    probe["recorded"][module.layer_idx] = (key, value)
+    T, g = query.shape[2], query.shape[1] // key.shape[1]
+    k, v = key.repeat_interleave(g, 1), value.repeat_interleave(g, 1)
+    i, t = torch.arange(T, device=query.device)[:, None], torch.arange(T, device=query.device)[None, :]
+    far = (i - t >= probe["window"]) & (t >= probe["sinks"])
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    kd, vd = k.detach(), v.detach()
+    # equal to the stock scores and output; k and v get gradient from the far pairs only, the
+    # query (and through it the earlier layers) from every pair
+    p = (query @ kd.mT + (query.detach() @ (k - kd).mT) * far).mul_(scale).masked_fill_(t > i, float("-inf")).softmax(-1)
+    out = p @ vd + (p * far) @ (v - vd)
+    return out.transpose(1, 2).contiguous(), None
+
+
+_PROBE: list[dict] = []
+PROBE_ATTENTION = "subspace_ref_gradient_probe"
+
+
+def output_gradients(model, windows: np.ndarray, tokens: int | None = None, exact: Sequence[tuple[int, int]] = ((0, 0),)) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+    """For each ``(sinks, window)`` of ``exact``, per layer ``(G_k (H, N, d), G_v (H, N, d_v))``:
+    the gradient of the summed next-token NLL of each calibration window (teacher-forced, the
+    model's own outputs) with respect to every token's post-RoPE key and value of every KV head,
+    counting only the queries that would read the token compressed, i.e. not the first ``sinks``
+    tokens and not from the ``window`` queries that still hold it exactly ((0, 0): every query).
+    Tokens of the windows in order, the first ``tokens`` of them (only the windows needed are
+    run). The model's parameters get no gradient; its attention implementation is restored."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    windows = np.asarray(windows)
+    T = windows.shape[1]
+    need = len(windows) if tokens is None else min(len(windows), -(-int(tokens) // T))
+    device = next(model.parameters()).device
+    AttentionInterface.register(PROBE_ATTENTION, _probe_attention)
+    AttentionMaskInterface.register(PROBE_ATTENTION, sdpa_mask)
+    previous = model.config._attn_implementation
+    flags = [p.requires_grad for p in model.parameters()]
+    out = []
+    model.eval()
+    try:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        model.set_attn_implementation(PROBE_ATTENTION)
+        for sinks, window in exact:
+            grads: dict[int, tuple[list, list]] = {}
+            for i in range(need):
+                _PROBE.append(dict(sinks=int(sinks), window=int(window), recorded={}))
+                try:
+                    x = torch.as_tensor(windows[i : i + 1], dtype=torch.long, device=device)
+                    with torch.enable_grad():
+                        hidden = model.get_input_embeddings()(x).detach().requires_grad_(True)  # a leaf, so that the graph is built
+                        logits = model(inputs_embeds=hidden, use_cache=False).logits
+                        torch.nn.functional.cross_entropy(logits[0, :-1].float(), x[0, 1:], reduction="sum").backward()
+                    for li, (k, v) in _PROBE[-1]["recorded"].items():
+                        slot = grads.setdefault(li, ([], []))
+                        slot[0].append(k.grad[0].detach().to(torch.float64).cpu().numpy())
+                        slot[1].append(v.grad[0].detach().to(torch.float64).cpu().numpy())
+                finally:
+                    _PROBE.pop()
+            out.append([(np.concatenate(grads[li][0], axis=1)[:, :tokens], np.concatenate(grads[li][1], axis=1)[:, :tokens]) for li in sorted(grads)])
+    finally:
+        model.set_attn_implementation(previous)
+        for p, f in zip(model.parameters(), flags):
+            p.requires_grad_(f)
+    return out
+
+
 def capture_windows(model, ids: np.ndarray, *, rope: bool = True, queries: bool = True, batch: int = 4) -> ModelCapture:
     """Post-RoPE (or, ``rope=False``, un-rotated) keys, values and queries of every layer over the
     windows ``ids`` (n, T), ``batch`` windows a forward; tokens of all windows in order."""
@@ -91,7 +206,8 @@ def capture_windows(model, ids: np.ndarray, *, rope: bool = True, queries: bool 
 
 
 def calibration_losses(model, windows: np.ndarray, *, ranks: Sequence[int] | None = None, bits: Sequence[int] = BITS, group: int = 32,
-                       batch: int = 4, identity: bool = True, svd: list | None = None, progress: bool = False) -> CalibrationLosses:
+                       batch: int = 4, identity: bool = True, svd: list | None = None, progress: bool = False, loss: str = "fisher",
+                       exact: Sequence[tuple[int, int]] = EXACT) -> CalibrationLosses:
     """The allocator's losses for ``model`` from calibration ``windows`` (n, T) of token ids.
 
     Bases: SVDs of the post-RoPE and the un-rotated keys and of the values over every window's
@@ -99,7 +215,13 @@ def calibration_losses(model, windows: np.ndarray, *, ranks: Sequence[int] | Non
     (spec/rope.md P4). Losses: :func:`~subspace_ref.allocation.side_losses` of every KV head on the
     first :data:`LOSS_TOKENS` tokens, queries of its group at :data:`LOSS_QUERIES` of them, at
     ``ranks`` (default every 4th, 0..d) x ``bits`` and the identity bases (``identity``),
-    keys in groups of ``group`` tokens. ``progress``: a tqdm bar on stderr over the heads."""
+    keys in groups of ``group`` tokens. ``progress``: a tqdm bar on stderr over the heads.
+    ``loss``: ``fisher`` (default) weights each token's key and value error by the gradient of
+    the model's next-token loss on those tokens (:func:`output_gradients`; one forward and
+    backward per window measured), ``proxy`` is the per-head proxy (:data:`LOSSES`). ``exact``:
+    the (sinks, window) pairs measured for ``fisher`` (``by_exact``), (0, 0) always."""
+    if loss not in LOSSES:
+        raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
     windows = np.asarray(windows)
     if windows.ndim != 2 or windows.shape[0] < 1 or windows.shape[1] < 1:
         raise ValueError(f"windows must be (n, T) token ids with n, T >= 1, got shape {windows.shape}")
@@ -111,6 +233,8 @@ def calibration_losses(model, windows: np.ndarray, *, ranks: Sequence[int] | Non
     n = min(LOSS_TOKENS, post.num_tokens)
     positions = np.arange(n) % windows.shape[1]
     pick = np.linspace(0, n - 1, min(LOSS_QUERIES, n)).astype(int)
+    exact = [(0, 0)] + [(int(s), int(w)) for s, w in exact if (int(s), int(w)) != (0, 0)]
+    grads = output_gradients(model, windows, n, exact) if loss == "fisher" else None
     heads = [(li, h) for li, layer in enumerate(post.layers) for h in range(layer.keys.shape[0])]
     if progress:
         from tqdm.auto import tqdm
@@ -128,8 +252,16 @@ def calibration_losses(model, windows: np.ndarray, *, ranks: Sequence[int] | Non
         layer = dict(keys=keys, keys_pre=lq.keys[h, :n].astype(np.float64), values=lp.values[h, :n].astype(np.float64), positions=positions,
                      Wk=svd[li]["Wk"][h], Wk_pre=svd_pre[li]["Wk"][h], Wv=svd[li]["Wv"][h], Wk_plane=planes[li][h])
         grid = range(0, d + 1, 4) if ranks is None else ranks
-        losses[li][h] = side_losses(layer, h, queries, grid, bits=bits, group=group, rope=rope, identity=identity)
-    return CalibrationLosses(losses, svd, svd_pre, planes, rope, int(windows.shape[1]), int(post.num_tokens), int(n), int(group))
+        if grads is None:
+            losses[li][h] = side_losses(layer, h, queries, grid, bits=bits, group=group, rope=rope, identity=identity)
+        else:
+            gk, gv = np.stack([g[li][0][h] for g in grads]), np.stack([g[li][1][h] for g in grads])
+            losses[li][h] = side_losses(layer, h, queries, grid, bits=bits, group=group, rope=rope, identity=identity, key_grads=gk, value_grads=gv)
+    by_exact = None
+    if grads is not None:
+        by_exact = {pair: [[losses[li][h][e] for h in range(len(losses[li]))] for li in range(len(losses))] for e, pair in enumerate(exact)}
+        losses = by_exact[(0, 0)]
+    return CalibrationLosses(losses, svd, svd_pre, planes, rope, int(windows.shape[1]), int(post.num_tokens), int(n), int(group), loss, by_exact)
 
 
-__all__ = ["LOSS_QUERIES", "LOSS_TOKENS", "CalibrationLosses", "calibration_losses", "capture_windows", "layer_svd"]
+__all__ = ["EXACT", "LOSSES", "LOSS_QUERIES", "LOSS_TOKENS", "CalibrationLosses", "calibration_losses", "capture_windows", "layer_svd", "output_gradients"]

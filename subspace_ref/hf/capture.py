@@ -32,7 +32,19 @@ from subspace_ref.hf.teacher_forced import as_batch
 @dataclass
 class LayerCapture:
     """One layer's recorded vectors, tokens of all sequences concatenated in order:
-    ``keys`` (H, N, d), ``values`` (H, N, d_v), ``queries`` (H_q, N, d) or None."""
+    ``keys`` (H, N, d), ``values`` (H, N, d_v), ``queries`` (H_q, N, d) or None.
+
+    Parameters
+    ----------
+    keys, values : numpy.ndarray
+        (H, N, d) and (H, N, d_v).
+    queries : numpy.ndarray or None
+        (H_q, N, d), when recorded.
+
+    Examples
+    --------
+    See :func:`capture`.
+    """
 
     keys: np.ndarray
     values: np.ndarray
@@ -40,16 +52,34 @@ class LayerCapture:
 
     @property
     def heads(self) -> int:
+        """KV heads H."""
         return self.keys.shape[0]
 
     @property
     def query_heads(self) -> int:
+        """Query heads H_q (0 when queries were not recorded)."""
         return 0 if self.queries is None else self.queries.shape[0]
 
 
 @dataclass
 class ModelCapture:
-    """Per-layer captures of a model run; ``rope`` tells whether keys/queries are post-RoPE."""
+    """Per-layer captures of a model run; ``rope`` tells whether keys/queries are post-RoPE.
+
+    Parameters
+    ----------
+    layers : list of LayerCapture
+        One per layer, in layer order.
+    rope : bool
+        True: post-RoPE keys/queries; False: RoPE undone.
+    sequences : int
+        How many sequences were run.
+    meta : dict
+        Facts (``model_type``).
+
+    Examples
+    --------
+    See :func:`capture`.
+    """
 
     layers: list[LayerCapture]
     rope: bool = True
@@ -58,13 +88,29 @@ class ModelCapture:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens recorded per layer."""
         return self.layers[0].keys.shape[1] if self.layers else 0
 
     def calibrate(self, *, rank_k: Any = None, rank_v: Any = None, energy: Any = None, gamma: Any = "unit") -> list[StaticBasis]:
         """One :class:`StaticBasis` per layer (spec A5) via :func:`subspace_ref.calibrate`.
 
         ``rank_k``/``rank_v``/``energy``/``gamma`` are one value for all layers or a list with
-        one per layer. ``gamma="mse"`` fits the logits with the recorded queries."""
+        one per layer. ``gamma="mse"`` fits the logits with the recorded queries.
+
+        Parameters
+        ----------
+        rank_k, rank_v : int, tuple or list, optional
+            Key/value ranks (an int, a per-head tuple, or a list with one per layer).
+        energy : float or list, optional
+            Energy fraction picking the ranks when they are not given.
+        gamma : str, float or list
+            "unit", "mse" (needs recorded queries) or a value.
+
+        Returns
+        -------
+        list of StaticBasis
+            One per layer; :class:`~subspace_ref.hf.static_states` takes it.
+        """
 
         def at(value, i):
             return value[i] if isinstance(value, (list, tuple)) and not isinstance(value, str) and len(value) == len(self.layers) else value
@@ -78,7 +124,13 @@ class ModelCapture:
 
     def spectra(self) -> list[dict[str, np.ndarray]]:
         """Per layer: {"keys": (H, min(N, d)), "values": (H, min(N, d_v))} singular values,
-        uncentred (spec A5: attention uses raw keys), largest first."""
+        uncentred (spec A5: attention uses raw keys), largest first.
+
+        Returns
+        -------
+        list of dict of str to numpy.ndarray
+            One dict per layer.
+        """
         return [
             {
                 "keys": np.linalg.svd(layer.keys, compute_uv=False),
@@ -125,6 +177,46 @@ def capture(
 
     ``rope=False`` records them with RoPE undone (see the module docstring; GPT-2 has no RoPE,
     so both are the same). ``max_tokens`` stops recording once that many tokens are held.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        Run in eval mode, without a cache; its attention implementation is restored after.
+    sequences : tensor, array or iterable of them
+        Token ids.
+    dtype : numpy dtype
+        Of the recorded arrays.
+    queries : bool
+        Record queries too (needed for ``gamma="mse"``).
+    rope : bool
+        False: undo RoPE on keys and queries.
+    max_tokens : int, optional
+        Stop once this many tokens are recorded (the arrays are cut to it).
+
+    Returns
+    -------
+    ModelCapture
+        One :class:`LayerCapture` per layer.
+
+    Raises
+    ------
+    ValueError
+        With ``rope=False``, if the model has no single rotary embedding module (GPT-2 aside).
+
+    Examples
+    --------
+    ::
+
+        import torch
+        from subspace_ref.hf import capture
+        from subspace_ref.models.default_model import load_model
+
+        model, config = load_model("default")
+        ids = torch.tensor([list(b"def read_config(path):\\n    return json.load(open(path))\\n")])
+        cap = capture(model, ids)
+        cap.num_tokens, cap.layers[0].keys.shape     # 56, (2, 56, 64)
+        bases = cap.calibrate(rank_k=16, rank_v=16)  # one StaticBasis per layer
+        cap.spectra()[0]["keys"].shape               # (2, 56)
     """
     model.eval()
     if isinstance(sequences, torch.Tensor) and sequences.ndim == 2 or isinstance(sequences, np.ndarray) and sequences.ndim == 2:

@@ -21,7 +21,21 @@ from subspace_ref.hf.state_factories import StateFactory, static_states
 
 class Compressed:
     """What :func:`compress` yields: ``cache()`` makes a fresh :class:`SubspaceCache` for the
-    model (pass it as ``cache``), one per generation."""
+    model (pass it as ``cache``), one per generation.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        The model the block compresses.
+    factory : StateFactory
+        The state factory of its caches.
+    cache_options : dict
+        Keywords of :class:`SubspaceCache` (``backend``, ``prefill``, ``sliding``, ...).
+
+    Examples
+    --------
+    See :func:`compress`.
+    """
 
     def __init__(self, model, factory: StateFactory, cache_options: dict):
         self.model = model
@@ -29,10 +43,33 @@ class Compressed:
         self.cache_options = cache_options
 
     def cache(self, **overrides: Any) -> SubspaceCache:
+        """A fresh, empty :class:`SubspaceCache` for the model.
+
+        Parameters
+        ----------
+        **overrides
+            :class:`SubspaceCache` keywords replacing the block's ``cache_options``.
+
+        Returns
+        -------
+        SubspaceCache
+            Pass it as ``cache=`` to ``model.generate`` or ``model(...)``; one per generation.
+        """
         return SubspaceCache(self.model.config, self.factory, **(self.cache_options | overrides))
 
     def generate(self, *args: Any, **kwargs: Any):
-        """``model.generate`` with a fresh cache (unless ``cache`` is given)."""
+        """``model.generate`` with a fresh cache (unless ``cache`` is given).
+
+        Parameters
+        ----------
+        *args, **kwargs
+            Those of ``model.generate``.
+
+        Returns
+        -------
+        torch.Tensor or transformers.GenerateOutput
+            What ``model.generate`` returns.
+        """
         kwargs.setdefault("cache", self.cache())
         return self.model.generate(*args, **kwargs)
 
@@ -57,8 +94,47 @@ def as_factory(bases: Any, model=None) -> StateFactory:
 @contextlib.contextmanager
 def compress(model, bases: Any, **cache_options: Any) -> Iterator[Compressed]:
     """Select the subspace attention for ``model`` while the block runs and yield a
-    :class:`Compressed` whose ``cache()`` builds :class:`SubspaceCache` objects of ``bases``
-    (see :func:`as_factory`) with ``cache_options`` (backend, prefill, sliding)."""
+    :class:`Compressed` whose ``cache()`` builds :class:`SubspaceCache` objects of ``bases``.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        The model; only its attention implementation changes, and only inside the block.
+    bases : CalibratedBases, sequence of StaticBasis, or state factory
+        See :func:`as_factory`; :class:`CalibratedBases` are checked against ``model``'s config.
+    **cache_options
+        Keywords of :class:`SubspaceCache` (``backend``, ``prefill``, ``sliding``, ...),
+        checked before anything changes.
+
+    Returns
+    -------
+    contextlib.AbstractContextManager[Compressed]
+        Yields the :class:`Compressed`; on exit the previous implementation is back.
+
+    Raises
+    ------
+    ValueError
+        If :class:`CalibratedBases` were calibrated for another configuration, or an option is bad.
+    TypeError
+        If ``bases`` is none of the accepted kinds.
+
+    Examples
+    --------
+    ::
+
+        import torch
+        from subspace_ref.hf import capture, compress
+        from subspace_ref.models.default_model import load_model
+
+        model, config = load_model("default")
+        ids = torch.tensor([list(b"def read_config(path):\\n    return json.load(open(path))\\n")])
+        bases = capture(model, ids).calibrate(rank_k=16, rank_v=16)  # one StaticBasis per layer
+        with compress(model, bases) as kv:
+            out = kv.generate(ids, max_new_tokens=8, do_sample=False)
+            cache = kv.cache()                                   # or a cache to pass yourself
+            model(input_ids=ids, cache=cache)
+        cache.nbytes < cache.full_cache_nbytes                   # True
+    """
     factory = as_factory(bases, model)
     SubspaceCache(model.config, factory, **cache_options)  # bad options fail here, before anything changes
     with subspace_attention_enabled(model):

@@ -10,20 +10,61 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+import subspace_ref
 from subspace_ref.hf import attention as _attn
-from subspace_ref.hf.cache_layer import SubspaceLayer
+from subspace_ref.hf.cache_layer import SubspaceLayer, _to_numpy
 from subspace_ref.layer_state import HeadGroup, LayerState, query_rows
 
 
 class GroupedLayer(CacheLayerMixin):
     """One layer of a :class:`~subspace_ref.hf.SubspaceCache` holding a :class:`LayerState`:
-    ``children[i]`` is the :class:`SubspaceLayer` of head group i (its KV heads ``heads[i]``)."""
+    ``children[i]`` is the :class:`SubspaceLayer` of head group i (its KV heads ``heads[i]``).
+
+    A :class:`SubspaceLayer` whose factory returns a :class:`LayerState` replaces itself with
+    one (:meth:`SubspaceCache.grouped_layer`); the methods are transformers' ``CacheLayerMixin``.
+
+    Parameters
+    ----------
+    cache : SubspaceCache
+        The cache holding the layer.
+    layer_idx : int
+        The layer's index.
+    layer : LayerState
+        The adopted (empty) layer state.
+    dtype : torch.dtype
+        The model's dtype.
+    device : torch.device
+        The keys' device.
+
+    Examples
+    --------
+    ::
+
+        import torch
+        from subspace_ref import LayerState
+        from subspace_ref.hf import GroupedLayer, compress, full_rank_states
+        from subspace_ref.layer_state import HeadGroup
+        from subspace_ref.models.default_model import load_model
+
+        model, config = load_model("default")
+        full = full_rank_states()
+        one_group = lambda spec: LayerState(spec.heads, [HeadGroup(tuple(range(spec.heads)), full(spec))])
+        with compress(model, one_group) as kv:
+            cache = kv.cache()
+            model(input_ids=torch.tensor([list(b"import os")]), cache=cache)
+        isinstance(cache.layers[0], GroupedLayer), cache.layers[0].heads   # (True, [(0, 1)])
+    """
 
     is_sliding = False
     is_compileable = False
+    #: a decode step (one new token per sequence, no mask nor soft-capping) attends by one
+    #: ``subspace_ref.attend`` over the layer state (spec/layer_state.md L5.2: on the torch
+    #: backend, one call of the C kernels for every group) rather than one per child
+    one_attend = True
 
     def __init__(self, cache, layer_idx: int, layer: LayerState, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -42,13 +83,17 @@ class GroupedLayer(CacheLayerMixin):
         self._query_rows: dict[int, tuple] = {}  # per query heads per KV head g: (rows per group, inverse), as index tensors
         self.dtype, self.device, self.is_initialized = dtype, device, True
         self.pending_keys: torch.Tensor | None = None
+        self._layer_state: LayerState | None = None  # :attr:`state` while the children hold the same state objects
 
     def __repr__(self) -> str:
         return f"GroupedLayer({self.layer_idx}, {self.state!r})"
 
     @property
     def state(self) -> LayerState:
-        return LayerState(self.kv_heads, [HeadGroup(h, c.state, **f) for h, c, f in zip(self.heads, self.children, self.flags)])
+        held = self._layer_state
+        if held is None or any(g.state is not c.state for g, c in zip(held.groups, self.children)):
+            held = self._layer_state = LayerState(self.kv_heads, [HeadGroup(h, c.state, **f) for h, c, f in zip(self.heads, self.children, self.flags)])
+        return held
 
     # -- CacheLayerMixin
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -69,7 +114,7 @@ class GroupedLayer(CacheLayerMixin):
         for child, index in zip(self.children, self._index):
             child.pending_keys, child.pending_values = key_states.index_select(1, index), value_states.index_select(1, index)
         self.pending_keys = key_states
-        setattr(key_states, _attn.TAG, self)
+        _attn.tag(key_states, self)
         return key_states, value_states
 
     def get_seq_length(self) -> int:
@@ -137,8 +182,33 @@ class GroupedLayer(CacheLayerMixin):
             as_index = lambda r: torch.as_tensor(r, dtype=torch.long, device=query.device)  # noqa: E731
             self._query_rows[g] = ([as_index(r) for r in rows], as_index(inverse))
         rows, inverse = self._query_rows[g]
+        if self.one_attend and len(self.children) > 1 and query.shape[2] == 1 and mask is None and softcap is None:
+            return self._decode_step(query, scale)
         outs = [child.attend_pending(query.index_select(1, r), scale, mask=mask, softcap=softcap) for child, r in zip(self.children, rows)]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1).index_select(1, inverse)
+
+    def _decode_step(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """One new token per sequence: every child appends its pending token (as its own
+        :meth:`SubspaceLayer.attend_pending` would: on a failure the attention function's
+        :meth:`abandon` gives back every layer's tokens of the forward), then one
+        ``subspace_ref.attend`` over the layer state (spec/layer_state.md L5) for all the query
+        heads, (B, H_q, 1, d) -> (B, H_q, 1, d_v)."""
+        for child in self.children:
+            if query.shape[2] != child.pending_keys.shape[2]:
+                raise ValueError(f"layer {self.layer_idx}: {query.shape[2]} queries for {child.pending_keys.shape[2]} new tokens")
+        pending = [(child.pending_keys, child.pending_values) for child in self.children]
+        for child, (keys, values) in zip(self.children, pending):
+            child._clear_pending()
+            if child._restore_point is not None and keys.shape[2] <= self.cache.max_crop_block:
+                child._forward_tokens = (keys, values)
+            child._append(keys, values)
+        layer = self.state
+        q = query[:, :, 0]
+        numpy = isinstance(layer.groups[0].state.layout.key_coef, np.ndarray)
+        out = subspace_ref.attend(_to_numpy(q, layer.dtype) if numpy else q, layer, backend=self.cache.backend, scale=scale)
+        if not isinstance(out, torch.Tensor):
+            out = torch.from_numpy(np.asarray(out)).to(device=query.device, dtype=query.dtype)
+        return out[:, :, None]
 
 
 __all__ = ["GroupedLayer"]

@@ -22,7 +22,28 @@ from subspace_ref.state import SubspaceState
 class StateSpec:
     """What a state factory is asked to build: the state of layer ``layer_idx`` for ``batch``
     sequences of ``heads`` KV heads with keys of size ``head_dim`` and values of size
-    ``value_dim``, for a model computing in ``dtype`` on ``device``."""
+    ``value_dim``, for a model computing in ``dtype`` on ``device``.
+
+    Parameters
+    ----------
+    layer_idx, batch, heads, head_dim, value_dim : int
+        The layer and the shapes of its keys (B, H, n, d) and values (B, H, n, d_v).
+    dtype : torch.dtype
+        The model's dtype.
+    device : torch.device
+        Where the keys are.
+
+    Examples
+    --------
+    ::
+
+        import torch
+        from subspace_ref.hf import StateSpec, full_rank_states
+
+        spec = StateSpec(0, batch=1, heads=2, head_dim=64, value_dim=64, dtype=torch.bfloat16, device=torch.device("cpu"))
+        spec.state_dtype                             # dtype('float32')
+        full_rank_states()(spec)                     # an empty static SubspaceState
+    """
 
     layer_idx: int
     batch: int
@@ -59,7 +80,28 @@ def _side(compress: str) -> tuple[bool, bool]:
 
 
 def identity_bases(heads: int, dim: int, dtype: Any = np.float64) -> np.ndarray:
-    """(heads, dim, dim) identity bases: full rank, the side stored exactly."""
+    """(heads, dim, dim) identity bases: full rank, the side stored exactly.
+
+    Parameters
+    ----------
+    heads, dim : int
+        Number of heads and vector size.
+    dtype : numpy dtype
+        Of the result.
+
+    Returns
+    -------
+    numpy.ndarray
+        (heads, dim, dim), a writable copy.
+
+    Examples
+    --------
+    ::
+
+        from subspace_ref.hf import identity_bases
+
+        identity_bases(2, 4).shape                   # (2, 4, 4)
+    """
     return np.broadcast_to(np.eye(dim, dtype=dtype), (heads, dim, dim)).copy()
 
 
@@ -87,7 +129,52 @@ class static_states:
     heads of its group; "query_head" takes bases with one head per QUERY head (H_q = g H, e.g.
     :func:`subspace_ref.sharing.calibrate_query_heads`) and builds ``SubspaceState.static(...,
     query_group=g)`` states: g times the bytes of "kv_head" at the same ranks (values are stored
-    per query head too; spec/sharing.md A3, B1). Any backend."""
+    per query head too; spec/sharing.md A3, B1). Any backend.
+
+    Parameters
+    ----------
+    bases : sequence or mapping of StaticBasis
+        One per compressed layer, indexed by layer.
+    compress : str
+        "both", "keys" or "values".
+    coefficients : str
+        "float", "int8", "int4" or "int2".
+    dtype : numpy dtype, optional
+        Of the states; default :attr:`StateSpec.state_dtype`.
+    basis_format : str, optional
+        Storage of the bases (:func:`default_basis_format`).
+    rope : RopeParams, optional
+        For pre-RoPE bases (or per layer).
+    window, min_tokens, sinks, group_size : int, mapping or callable
+        Exact window, compression threshold, sink tokens, low-bit key group (per layer allowed).
+    share : str
+        "kv_head" or "query_head".
+
+    Returns
+    -------
+    static_states
+        Called with a :class:`StateSpec`, returns an empty :class:`SubspaceState`.
+
+    Raises
+    ------
+    ValueError
+        On a bad ``compress`` or ``share``; when called, on bases whose heads or sizes differ
+        from the model's.
+
+    Examples
+    --------
+    ::
+
+        import torch
+        from subspace_ref.hf import capture, compress, static_states
+        from subspace_ref.models.default_model import load_model
+
+        model, config = load_model("default")
+        ids = torch.tensor([list(b"def read_config(path):\\n    return json.load(open(path))\\n")])
+        bases = capture(model, ids).calibrate(rank_k=16, rank_v=16)
+        with compress(model, static_states(bases, coefficients="int8", window=16, sinks=4)) as kv:
+            out = kv.generate(ids, max_new_tokens=8, do_sample=False)
+    """
 
     def __init__(
         self,
@@ -227,7 +314,46 @@ class adaptive_states(_online_states):
 
     The states have :meth:`SubspaceState.adaptive`'s byte ceiling (spec A7.3, ``byte_ceiling=1.0``
     by default): a cache that replaces the stock one never holds more than it, whatever tau
-    (``byte_ceiling=math.inf`` for the uncapped policy)."""
+    (``byte_ceiling=math.inf`` for the uncapped policy).
+
+    Parameters
+    ----------
+    rank_k, rank_v : int, tuple, mapping or callable
+        Key and value ranks (required for a compressed side).
+    compress : str
+        "both", "keys" or "values".
+    coefficients : str
+        "float" or a quantised format.
+    dtype : numpy dtype, optional
+        Of the states; default :attr:`StateSpec.state_dtype`.
+    basis_format : str, optional
+        Storage of the bases.
+    **options
+        Keywords of :meth:`SubspaceState.adaptive` (per layer allowed).
+
+    Returns
+    -------
+    adaptive_states
+        Called with a :class:`StateSpec`, returns an empty adaptive :class:`SubspaceState`.
+
+    Raises
+    ------
+    ValueError
+        If a compressed side has no rank, or ``compress`` is bad.
+
+    Examples
+    --------
+    ::
+
+        import torch
+        from subspace_ref.hf import capture, compress, adaptive_states
+        from subspace_ref.models.default_model import load_model
+
+        model, config = load_model("default")
+        ids = torch.tensor([list(b"def read_config(path):\\n    return json.load(open(path))\\n")])
+        with compress(model, adaptive_states(rank_k=16, rank_v=16, tau_k=0.1, tau_v=0.1)) as kv:
+            out = kv.generate(ids, max_new_tokens=8, do_sample=False)
+    """
 
     kind = "adaptive"
 
@@ -235,7 +361,33 @@ class adaptive_states(_online_states):
 class rotating_states(_online_states):
     """Factory of rotating states (spec A8, seed 003 SubSpace-A); arguments as
     :class:`adaptive_states` with :meth:`SubspaceState.rotating`'s keywords (``refresh_every``,
-    ``window``, ``min_tokens``, ...)."""
+    ``window``, ``min_tokens``, ...).
+
+    Parameters
+    ----------
+    rank_k, rank_v, compress, coefficients, dtype, basis_format
+        As in :class:`adaptive_states`.
+    **options
+        Keywords of :meth:`SubspaceState.rotating` (per layer allowed).
+
+    Returns
+    -------
+    rotating_states
+        Called with a :class:`StateSpec`, returns an empty rotating :class:`SubspaceState`.
+
+    Examples
+    --------
+    ::
+
+        import torch
+        from subspace_ref.hf import capture, compress, rotating_states
+        from subspace_ref.models.default_model import load_model
+
+        model, config = load_model("default")
+        ids = torch.tensor([list(b"def read_config(path):\\n    return json.load(open(path))\\n")])
+        with compress(model, rotating_states(rank_k=16, rank_v=16, refresh_every=16)) as kv:
+            out = kv.generate(ids, max_new_tokens=8, do_sample=False)
+    """
 
     kind = "rotating"
 
@@ -252,7 +404,42 @@ def full_rank_states(kind: str = "static", *, coefficients: str = "float", dtype
     later token outside that deficient span loses its component (until a trigger or refresh
     brings a complete basis, and for good in its own coefficients). A repeated token in the
     first d positions repeats its layer-0 value (values carry no position), so full rank is not
-    exact then; tests/test_hf_cache.py uses distinct tokens."""
+    exact then; tests/test_hf_cache.py uses distinct tokens.
+
+    Parameters
+    ----------
+    kind : str
+        "static", "adaptive" or "rotating".
+    coefficients : str
+        Coefficient format.
+    dtype : numpy dtype, optional
+        Of the states; default :attr:`StateSpec.state_dtype`.
+    **options
+        Keywords of the adaptive/rotating constructor (per layer allowed).
+
+    Returns
+    -------
+    StateFactory
+        ``factory(spec) -> SubspaceState``.
+
+    Raises
+    ------
+    ValueError
+        On another ``kind``.
+
+    Examples
+    --------
+    ::
+
+        import torch
+        from subspace_ref.hf import capture, compress, full_rank_states
+        from subspace_ref.models.default_model import load_model
+
+        model, config = load_model("default")
+        ids = torch.tensor([list(b"def read_config(path):\\n    return json.load(open(path))\\n")])
+        with compress(model, full_rank_states()) as kv:     # the stock cache's logits, up to rounding
+            out = kv.generate(ids, max_new_tokens=8, do_sample=False)
+    """
     if kind not in ("static", "adaptive", "rotating"):
         raise ValueError(f'kind must be "static", "adaptive" or "rotating", got {kind!r}')
 

@@ -30,7 +30,21 @@ class LogLikelihood:
     """``token_logprobs[b, t] = log p(x_{t+1} | x_{<=t})`` for t = 0..T-2 (float64, (B, T-1)).
 
     ``logits`` (B, T, V) when asked for; ``cache_nbytes`` / ``full_cache_nbytes``: the states'
-    bytes and those of the uncompressed K/V of the same tokens (0 for the stock cache)."""
+    bytes and those of the uncompressed K/V of the same tokens (0 for the stock cache).
+
+    Parameters
+    ----------
+    token_logprobs : numpy.ndarray
+        (B, T-1) float64.
+    logits : torch.Tensor or None
+        (B, T, V), when kept.
+    cache_nbytes, full_cache_nbytes : int
+        The cache's bytes and the stock cache's for the same tokens.
+
+    Examples
+    --------
+    See :func:`teacher_forced`.
+    """
 
     token_logprobs: np.ndarray
     logits: torch.Tensor | None
@@ -107,6 +121,49 @@ def teacher_forced(
     token-by-token decoding with that cache. ``block_size`` feeds the sequence in blocks of that
     many tokens (bounding the logits' memory); the result does not depend on it, up to rounding.
     The model's attention implementation is switched to the subspace one for the call and restored.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        Run in eval mode.
+    input_ids : tensor or array
+        (T,) or (B, T) token ids, T >= 1.
+    states : StateFactory, optional
+        None: the stock cache.
+    backend : str
+        Backend of the :class:`SubspaceCache`.
+    block_size : int, optional
+        Tokens per forward; default all at once.
+    prefill : str
+        "coefficient" or "attend" (:class:`SubspaceCache`).
+    keep_logits : bool
+        Keep the logits in the result.
+
+    Returns
+    -------
+    LogLikelihood
+        Per-token log-probabilities, ``nll``, ``ppl`` and the cache's bytes.
+
+    Raises
+    ------
+    ValueError
+        If ``input_ids`` is not (T,) or (B, T), or ``block_size < 1``.
+
+    Examples
+    --------
+    ::
+
+        import torch
+        from subspace_ref.hf import capture, static_states, teacher_forced
+        from subspace_ref.models.default_model import load_model
+
+        model, config = load_model("default")
+        ids = torch.tensor([list(b"def read_config(path):\\n    return json.load(open(path))\\n")])
+        bases = capture(model, ids).calibrate(rank_k=16, rank_v=16)
+        stock = teacher_forced(model, ids)
+        ours = teacher_forced(model, ids, static_states(bases))
+        ours.token_logprobs.shape                    # (1, 55)
+        ours.nll - stock.nll, ours.compression       # the cost in nats, and full / compressed bytes
     """
     from transformers import DynamicCache
 
@@ -123,14 +180,75 @@ def teacher_forced(
 
 
 def perplexity(model, input_ids: Any, states: StateFactory | None = None, **kwargs: Any) -> float:
-    """exp(mean NLL) of ``input_ids`` under ``states`` (None: the stock model); see :func:`teacher_forced`."""
+    """exp(mean NLL) of ``input_ids`` under ``states`` (None: the stock model); see :func:`teacher_forced`.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        The model.
+    input_ids : tensor or array
+        (T,) or (B, T) token ids.
+    states : StateFactory, optional
+        None: the stock cache.
+    **kwargs
+        Keywords of :func:`teacher_forced`.
+
+    Returns
+    -------
+    float
+        The perplexity.
+
+    Examples
+    --------
+    ::
+
+        import torch
+        from subspace_ref.hf import perplexity
+        from subspace_ref.models.default_model import load_model
+
+        model, config = load_model("default")
+        ids = torch.tensor([list(b"def read_config(path):\\n    return json.load(open(path))\\n")])
+        perplexity(model, ids)                       # the stock cache's, a float > 1
+    """
     return teacher_forced(model, input_ids, states, **kwargs).ppl
 
 
 @torch.no_grad()
 def decode_token_by_token(model, input_ids: Any, states: StateFactory | None = None, *, backend: str = "torch") -> torch.Tensor:
     """Logits (B, T, V) from T forward calls of one token each: the decoding the teacher-forced
-    path reproduces (every attention goes through ``subspace_ref.attend``). For checks; slow."""
+    path reproduces (every attention goes through ``subspace_ref.attend``). For checks; slow.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        The model.
+    input_ids : tensor or array
+        (T,) or (B, T) token ids.
+    states : StateFactory, optional
+        None: the stock cache.
+    backend : str
+        Backend of the :class:`SubspaceCache`.
+
+    Returns
+    -------
+    torch.Tensor
+        Logits (B, T, V).
+
+    Examples
+    --------
+    ::
+
+        import torch
+        from subspace_ref.hf import capture, decode_token_by_token, static_states, teacher_forced
+        from subspace_ref.models.default_model import load_model
+
+        model, config = load_model("default")
+        ids = torch.tensor([list(b"def read_config(path):\\n    return json.load(open(path))\\n")])
+        factory = static_states(capture(model, ids).calibrate(rank_k=16, rank_v=16))
+        slow = decode_token_by_token(model, ids, factory)
+        fast = teacher_forced(model, ids, factory, keep_logits=True).logits
+        torch.allclose(slow, fast, atol=1e-4)        # True
+    """
     from transformers import DynamicCache
 
     model.eval()

@@ -2,7 +2,7 @@
 
 The default model is a 4-layer byte-level Llama (hidden 256, 4 query heads and 2 KV heads of
 size 64, RoPE, context 1024) trained from scratch on the Python standard library by
-:mod:`subspace_ref.models.train_default_model`. Its weights (float32 safetensors), config and
+:mod:`subspace_ref.lab.train_default_model`. Its weights (float32 safetensors), config and
 training report ship inside the package under ``subspace_ref/data/stdlib_llama`` and are read
 through :mod:`importlib.resources`, so loading never touches the network.
 

@@ -10,7 +10,30 @@ imports neither vLLM nor torch, and :mod:`subspace_ref` never imports it.
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: register the subspace attention backend and
-    the start-up checks (idempotent; vLLM calls it once per process)."""
+    the start-up checks (idempotent; vLLM calls it once per process).
+
+    Users do not call it: with the ``vllm`` extra installed vLLM does, and bases are chosen
+    through ``additional_config`` (docs/vllm.md).
+
+    Returns
+    -------
+    None
+
+    Raises
+    ------
+    ModuleNotFoundError
+        Without vLLM installed.
+
+    Examples
+    --------
+    In the vLLM venv (``.venv-vllm``, docs/vllm.md "Install")::
+
+        import subspace_ref.vllm
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+        subspace_ref.vllm.register()
+        "SUBSPACE_CPU_ATTN" in AttentionBackendEnum.__members__   # True
+    """
     from subspace_ref.vllm.plugin import install
 
     install()

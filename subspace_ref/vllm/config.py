@@ -67,7 +67,36 @@ class SubspaceConfigError(ValueError):
 
 def options(additional_config: Any) -> dict:
     """The plugin's keys of vLLM's ``additional_config``: unknown ``subspace_*`` keys and state
-    options the paged cache cannot hold are refused; returns ``{key: value}`` of the accepted ones."""
+    options the paged cache cannot hold are refused.
+
+    Parameters
+    ----------
+    additional_config : dict or None
+        vLLM's ``additional_config``; anything but a dict counts as empty.
+
+    Returns
+    -------
+    dict
+        ``{key: value}`` of the accepted ``subspace_*`` keys.
+
+    Raises
+    ------
+    SubspaceConfigError
+        On an unknown key, an option the paged cache cannot hold, or a non-boolean
+        ``subspace_pad``.
+
+    Examples
+    --------
+    ::
+
+        from subspace_ref.vllm.config import SubspaceConfigError, options
+
+        options({"subspace_bases": "bases/", "other": 1})   # {'subspace_bases': 'bases/'}
+        try:
+            options({"subspace_coefficients": "int8"})
+        except SubspaceConfigError as e:
+            print(e)                                        # why the paged cache cannot hold it
+    """
     if not isinstance(additional_config, dict):
         return {}
     mine = {k: v for k, v in additional_config.items() if isinstance(k, str) and k.startswith("subspace_")}
@@ -93,7 +122,29 @@ def bases_directory(additional_config: Any, model: str | None) -> Path | None:
     """The bases directory to serve with, or None for stock vLLM.
 
     ``additional_config["subspace_bases"]``: a directory (must exist), or null/false for none.
-    Without the key: ``<model>/subspace_bases`` when the model is a local directory holding one."""
+    Without the key: ``<model>/subspace_bases`` when the model is a local directory holding one.
+
+    Parameters
+    ----------
+    additional_config : dict or None
+        vLLM's ``additional_config``.
+    model : str or None
+        The served model (a path or a hub id).
+
+    Returns
+    -------
+    pathlib.Path or None
+        The directory, or None for stock vLLM.
+
+    Raises
+    ------
+    SubspaceConfigError
+        If the named directory does not exist or is not a path, or :func:`options` refuses.
+
+    Examples
+    --------
+    See :func:`make_plan`.
+    """
     opts = options(additional_config)
     if BASES_KEY in opts:
         value = opts[BASES_KEY]
@@ -112,7 +163,29 @@ def bases_directory(additional_config: Any, model: str | None) -> Path | None:
 
 def read_bases(directory: Path, hf_config: Any):
     """The :class:`~subspace_ref.hf.CalibratedBases` in ``directory``, refused with the reason
-    when it is missing, corrupt, of another kind, low-bit, pre-RoPE or for another model."""
+    when it is missing, corrupt, of another kind, low-bit, pre-RoPE or for another model.
+
+    Parameters
+    ----------
+    directory : pathlib.Path
+        A directory ``CalibratedBases.save_pretrained`` wrote.
+    hf_config : transformers.PretrainedConfig
+        The checkpoint's config as transformers reads it (its hash must match the bases').
+
+    Returns
+    -------
+    CalibratedBases
+        The bases.
+
+    Raises
+    ------
+    SubspaceConfigError
+        For each refusal above, naming it.
+
+    Examples
+    --------
+    See :func:`make_plan`.
+    """
     from subspace_ref.hf.artifact import FORMAT_VERSION, METADATA, TENSORS, CalibratedBases, config_hash
 
     for name in (METADATA, TENSORS):
@@ -195,7 +268,29 @@ class Plan:
     takes; the rest zero). Packing is exact: a query reads only its own head's slots (the others
     meet zeros in its projected query) and keeps only those slots of the output. It lets a rank
     below the kernel's smallest head size keep its full saving, e.g. two heads of r = 16 in one
-    head of 32."""
+    head of 32.
+
+    Parameters
+    ----------
+    directory : str
+        The bases directory.
+    rank : int
+        Coefficient slots per KV head (the largest rank; lower ones zero-padded).
+    width : int
+        Head size of vLLM's cache.
+    pack : int
+        KV heads per cache head.
+    layers : tuple of LayerBases
+        One per layer.
+    head_size, head_size_v : int
+        The model's key and value head sizes.
+    num_kv_heads : int
+        The model's KV heads.
+
+    Examples
+    --------
+    See :func:`make_plan`.
+    """
 
     directory: str
     rank: int
@@ -294,8 +389,53 @@ def make_plan(
     kv_cache_dtype: str = "auto",
 ) -> Plan:
     """Check ``bases`` (:class:`~subspace_ref.hf.CalibratedBases`) against the served model and
-    vLLM's settings and build the :class:`Plan`; :class:`SubspaceConfigError` for anything the
-    CPU paged cache cannot hold exactly."""
+    vLLM's settings and build the :class:`Plan`.
+
+    Parameters
+    ----------
+    bases : CalibratedBases
+        From :func:`read_bases`.
+    directory : str
+        Named in messages and the plan.
+    num_layers, num_heads, num_kv_heads, head_size, head_size_v : int
+        The served model's shapes.
+    supported_widths : iterable of int
+        Head sizes vLLM's CPU kernel takes.
+    pad : bool
+        ``subspace_pad``: zero-pad uneven ranks and stock layers (exact, less saving).
+    tp_size : int
+        Tensor-parallel degree.
+    kv_cache_dtype : str
+        Only "auto".
+
+    Returns
+    -------
+    Plan
+        The per-layer bases at one rank and the cache geometry.
+
+    Raises
+    ------
+    SubspaceConfigError
+        For anything the CPU paged cache cannot hold exactly, naming it and what to do.
+
+    Examples
+    --------
+    ::
+
+        import torch
+        from subspace_ref.hf import CalibratedBases, capture
+        from subspace_ref.models.default_model import load_model
+        from subspace_ref.vllm.config import bases_directory, make_plan, read_bases
+
+        model, config = load_model("default")
+        ids = torch.tensor([list(b"def read_config(path):\\n    return json.load(open(path))\\n")])
+        CalibratedBases.for_model(model, capture(model, ids).calibrate(rank_k=16, rank_v=16)).save_pretrained("bases/")
+        directory = bases_directory({"subspace_bases": "bases/"}, model=None)   # Path('bases')
+        bases = read_bases(directory, config)
+        plan = make_plan(bases, directory=str(directory), num_layers=4, num_heads=4, num_kv_heads=2, head_size=64,
+                         head_size_v=64, supported_widths=(32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512))
+        plan.pack, plan.width, plan.capacity_ratio                            # (2, 32, 4.0)
+    """
     if kv_cache_dtype not in ("auto", None):
         raise SubspaceConfigError(f"kv_cache_dtype={kv_cache_dtype!r}: {UNSUPPORTED_OPTIONS['subspace_coefficients'][1]}")
     check_tensor_parallel(num_heads, num_kv_heads, tp_size)

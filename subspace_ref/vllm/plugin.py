@@ -39,7 +39,14 @@ _current: Plan | None = None
 
 
 def install() -> None:
-    """Register the backend and wrap the platform's two hooks; idempotent."""
+    """Register the backend and wrap the platform's two hooks; idempotent.
+
+    :func:`subspace_ref.vllm.register` calls it (example there).
+
+    Returns
+    -------
+    None
+    """
     global _installed
     if _installed:
         return
@@ -92,7 +99,36 @@ def refuse_layer(sel) -> None:
 
 
 def plan_for(vllm_config) -> Plan | None:
-    """The :class:`Plan` this config serves with, None for stock vLLM; refusals raise."""
+    """The :class:`Plan` this config serves with, None for stock vLLM; refusals raise.
+
+    Built once per process for each (bases, model, additional_config, TP degree, cache dtype).
+
+    Parameters
+    ----------
+    vllm_config : vllm.config.VllmConfig
+        The engine's config.
+
+    Returns
+    -------
+    Plan or None
+        None when no bases are configured.
+
+    Raises
+    ------
+    SubspaceConfigError
+        For anything the plugin cannot serve (docs/vllm.md).
+
+    Examples
+    --------
+    In the vLLM venv, with ``bases/`` written by ``CalibratedBases.save_pretrained``::
+
+        from vllm.engine.arg_utils import EngineArgs
+        from subspace_ref.vllm.plugin import plan_for
+
+        config = EngineArgs(model="subspace_ref/data/stdlib_llama", skip_tokenizer_init=True, dtype="float32",
+                            additional_config={"subspace_bases": "bases/"}).create_engine_config()
+        plan_for(config).summary()       # 'subspace bases bases: key/value ranks per layer 16/16, ...'
+    """
     model_config = getattr(vllm_config, "model_config", None)
     if model_config is None:
         return None
@@ -177,7 +213,31 @@ def current_plan() -> Plan | None:
 
 def describe_attention(model) -> list[dict]:
     """Per attention layer of a loaded model: its name, backend, implementation class and KV
-    cache shape (for ``LLM.apply_model``: which attention a worker really runs)."""
+    cache shape (for ``LLM.apply_model``: which attention a worker really runs).
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        A worker's model (``LLM.apply_model`` passes it).
+
+    Returns
+    -------
+    list of dict
+        ``layer``, ``backend``, ``impl`` and ``cache_shape`` (None before the cache exists).
+
+    Examples
+    --------
+    In the vLLM venv (``LLM.apply_model`` needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``; a
+    small machine, ``VLLM_CPU_KVCACHE_SPACE=1``)::
+
+        from vllm import LLM
+        from subspace_ref.vllm.plugin import describe_attention
+
+        if __name__ == "__main__":
+            llm = LLM(model="subspace_ref/data/stdlib_llama", skip_tokenizer_init=True, dtype="float32",
+                      max_model_len=1024, enforce_eager=True, additional_config={"subspace_bases": "bases/"})
+            print(llm.apply_model(describe_attention)[0][0]["backend"])   # SUBSPACE_CPU_ATTN
+    """
     import torch
     from vllm.model_executor.layers.attention import Attention
 

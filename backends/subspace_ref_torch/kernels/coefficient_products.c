@@ -2,10 +2,8 @@
  * (spec A10 for int8, spec/quantization.md Q1-Q2 for int4/int2; the decode path spec R14).
  *
  * Why a kernel of our own: torch has no CPU operation that contracts a float vector with integer
- * codes. Dequantising a tile to float first writes it and reads it back (for int4, three more
- * passes to unpack the nibbles), which made int8 coefficients slower than float32 ones and int4
- * slower still, although they move 4x and 8x fewer bytes. Here every code is read once, widened
- * in registers and multiplied at once.
+ * codes, and dequantising a tile first writes and re-reads it (docs/benchmarks.md, "CPU
+ * kernels"). Here every code is read once, widened in registers and multiplied at once.
  *
  * Codes of a row are packed PER = 8 / bits to a byte, code i of a byte in bits [i bits, (i+1) bits)
  * (Q1), so row column c = k PER + p sits in byte k at plane p. Rather than interleave the codes
@@ -27,8 +25,8 @@
 #endif
 
 /* Scales and zero points of int4 / int2 layouts are float16 (Q1), read here as stored: the bits,
- * widened by the F16C instruction where there is one (a scalar _Float16 conversion is a library
- * call in GCC 12, slower than the whole dot product it feeds). */
+ * widened by the F16C instruction where there is one (a scalar _Float16 conversion may be a
+ * library call). */
 typedef uint16_t half;
 #if defined(__F16C__)
 static inline float widen_half(half h) { return _cvtsh_ss(h); }
@@ -46,9 +44,9 @@ static inline float widen_half(half h) {
 /* Tokens per block of the value sums, whatever the vector width: the sums' rounding is that of
  * 16-token blocks added per tile, on every path (see rows_value_sums). */
 #define VALUE_BLOCK 16
-/* `bits` of float32 coefficients (a pre-RoPE state without quantisation): rows of `rank` floats,
- * `head_stride` and `width` (= rank) counting floats, no scales. */
-#define FLOAT_ROWS 32
+/* `bits` of a side stored as float32 coefficients: rows of `rank` floats, `head_stride` and
+ * `width` (= rank) counting floats, no scales. */
+#define FLOAT_BITS 0
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
@@ -330,7 +328,7 @@ ALWAYS_INLINE vf chunk_codes(const uint8_t *row, int64_t width, int bits, int64_
  * every code flipped (a b-bit code with its top bit flipped, read as a signed b-bit number, is
  * code - M), then each plane's codes moved to the top bits of their byte by a 16-bit left shift
  * and a byte mask (what the shift brings in from the byte below stays under the mask): two
- * operations a plane and one for all, where a table lookup took three. The loops then read a
+ * operations a plane and one for all, fewer than a table lookup. The loops then read a
  * code as they read an int8 one, one widening load and one conversion, instead of a widening
  * load, a mask or shift, a conversion and the dequantising fma. `total` is a multiple of 32. */
 ALWAYS_INLINE void centred_planes(const uint8_t *bytes, int64_t total, int bits, int8_t *out) {
@@ -359,8 +357,8 @@ ALWAYS_INLINE int centred_rows(int64_t width, int bits) { return bits < 8 && wid
 #endif
 
 /* The bytes of the rows PREFETCH_ROWS ahead are requested while a block is computed: a decode
- * step finds its coefficients out of cache (the layers before it evicted them), and the
- * hardware prefetcher alone left a cold int4 pass ~25% slower than a warm one. */
+ * step finds its coefficients out of cache (the layers before it evicted them), which the
+ * hardware prefetcher alone does not hide (docs/benchmarks.md, "CPU kernels"). */
 #define PREFETCH_ROWS 128
 #define PREFETCH_GROUPS 4 /* key groups of int4 / int2 scales and zeros: G = 32 tokens each */
 ALWAYS_INLINE void prefetch_rows(const uint8_t *codes, int64_t first, int64_t rows, int64_t limit, int64_t width) {
@@ -488,7 +486,7 @@ ALWAYS_INLINE void rows_logits(const uint8_t *codes, int64_t tokens, int64_t rea
      * read back, one fma per element for the reading and one for the dot. One query head: chunk
      * after chunk over the block's rows, so that a chunk's query, scale and zero take three
      * registers and the rows' sums are LANES independent fma chains (AVX2 has 16 registers: row
-     * after row, the four chunks' twelve spilled; int8 and int2 logits ~20% slower). Several:
+     * after row, the four chunks' twelve would spill). Several:
      * row after row, each row serving every query head. The sums are added in the same order. */
     if (register_chunks(width, bits) && queries == 1) {
         const int64_t chunks = n / LANES;
@@ -608,9 +606,8 @@ ALWAYS_INLINE void block_value_sums(const uint8_t *codes, int64_t width, int bit
     for (int64_t i = 0; i < queries; ++i) {
         float *a = acc + i * n;
         const float *wi = w + i * w_row_stride;
-        /* the block's own sum, then added to the tile's: summed sequentially over the tile
-         * instead, float32 rounding grows with its 1024 tokens, and on values whose weighted
-         * sum cancels to a few percent of its terms that was 4x the oracle's error */
+        /* the block's own sum, then added to the tile's: a sequential sum over the tile's tokens
+         * rounds too much where the weighted sum cancels (docs/benchmarks.md, "value tiles") */
         /* `centred` (direct int4 / int2 rows of whole chunks: the block's codes minus M, from
          * centred_planes): spec Q6.1's form, w x = (w s)(code - M) + w (z + M s), the second
          * term the same in every column, summed once per block (in vectors: a scalar chain of
@@ -770,8 +767,7 @@ ALWAYS_INLINE vf group_terms(const vf *q, const vf *q_over_f, const half *scale,
  * load, one conversion and the dot's fma (centred_planes); the dequantising fma of the other
  * paths is folded into q∘s, once per group. The groups' q∘s (in plane order) and constant terms
  * (group_terms) are taken first, GROUP_TERMS groups at a time, in a loop of their own, which
- * keeps the row loop free of them (what is left of the groups' cost, T = 16k, H = 8, G = 32:
- * ~0.045 ms of the logits' ~0.365). The codes of block k + 1 are put in order while block k is
+ * keeps the row loop free of them. The codes of block k + 1 are put in order while block k is
  * summed: a 32-byte store forwards slowly to the 8-byte loads right after it. */
 #define GROUP_TERMS 32
 ALWAYS_INLINE void centred_logits(const uint8_t *codes, const half *scale, const half *zero, int64_t tokens, int64_t G, int64_t rank, int64_t width,
@@ -869,6 +865,29 @@ ALWAYS_INLINE void group_logits(const uint8_t *codes, const half *scale, const h
 static void head_logits(int bits, const struct coefficient_side *keys, int64_t h, int64_t queries, int64_t tokens, const float *q,
                         float *planes, float *out, int64_t out_row_stride) {
     const uint8_t *codes = keys->codes + h * keys->head_stride;
+    if (bits == FLOAT_BITS) {
+        const float *rows = (const float *)keys->codes + h * keys->head_stride; /* strides count floats */
+        const int64_t rank = keys->rank, width = keys->width;
+        for (int64_t i = 0; i < queries; ++i) {
+            const float *qi = q + i * rank;
+            float *o = out + i * out_row_stride;
+            int64_t t = 0;
+            for (; t + 4 <= tokens; t += 4) { /* four tokens' dots at once: four independent fma chains */
+                const float *r0 = rows + t * width, *r1 = r0 + width, *r2 = r1 + width, *r3 = r2 + width;
+                float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+                for (int64_t k = 0; k < rank; ++k) {
+                    s0 += qi[k] * r0[k];
+                    s1 += qi[k] * r1[k];
+                    s2 += qi[k] * r2[k];
+                    s3 += qi[k] * r3[k];
+                }
+                o[t] = s0, o[t + 1] = s1, o[t + 2] = s2, o[t + 3] = s3;
+            }
+            for (; t < tokens; ++t) o[t] = plane_dot(qi, rows + t * width, rank);
+        }
+        return;
+    }
     if (bits == 8) {
         const float *scale = (const float *)keys->scale + h * keys->scale_head_stride;
         WITH_WIDTH(keys->rank, rows_logits(codes, tokens, tokens, W, 8, queries, q, NULL, NULL, scale, out, out_row_stride));
@@ -923,8 +942,8 @@ static void row_weights(float *l, int64_t tokens, int64_t tile, float initial, c
         for (int j = 1; j < 16 / LANES; ++j) sum[0] = vf_add(sum[0], sum[j]);
         part = vf_reduce_add(sum[0]);
 #else
-        /* the vector path's order: 16 lanes, token u in lane (u - a) mod 16, then halving steps;
-         * one sequential sum over a tile's 1024 weights was up to 1.8x the derived tolerance */
+        /* the vector path's order: 16 lanes, token u in lane (u - a) mod 16, then halving steps,
+         * so every build holds the same tolerance (docs/benchmarks.md, "value tiles") */
         float lanes[16] = {0};
         for (int64_t u = a; u < end; ++u) {
             const float e = expf(l[u] - m);
@@ -1053,7 +1072,7 @@ struct rope_keys {
  * sin of the angles k inv_freq[i] for k < ROPE_BLOCK, offsets (2, ROPE_BLOCK, m) float32, and of
  * ROPE_BLOCK inv_freq[i], turns (2, m) double (the turn from one block's base to the next).
  * Returns 0. */
-int rope_tables(int64_t planes, const double *inv_freq, float *offsets, double *turns) {
+int rope_offset_tables(int64_t planes, const double *inv_freq, float *offsets, double *turns) {
     for (int64_t i = 0; i < planes; ++i) {
         for (int k = 0; k < ROPE_BLOCK; ++k) {
             offsets[k * planes + i] = (float)cos(k * inv_freq[i]);
@@ -1103,9 +1122,7 @@ ALWAYS_INLINE float key_dot(const float *a, const float *b, int64_t n) {
 }
 
 /* key[e] = sum_j c[j] B[j][e], e < d: the rebuilt key u = B^T c (B rank x d, row-major), eight
- * vectors of it at a time kept in registers over the rank, then one at a time, then scalars.
- * (Two tokens at a time, each basis vector loaded once for both, was no faster: ~310 cycles a
- * token at d = 128, r = 32 on AVX2 either way, against 256 for the fmas alone.) */
+ * vectors of it at a time kept in registers over the rank, then one at a time, then scalars. */
 ALWAYS_INLINE void rebuild_key(const float *c, int64_t rank, const float *B, int64_t d, float *key) {
     int64_t e = 0;
 #if defined(LANES)
@@ -1149,9 +1166,9 @@ static void head_rope_logits(int bits, const struct coefficient_side *keys, int6
     const int64_t rank = keys->rank, m = rope->planes, width = keys->width, G = keys->group;
     const float *off_cos = rope->offsets, *off_sin = rope->offsets + ROPE_BLOCK * m;
     const double *step_cos = rope->turns, *step_sin = rope->turns + m;
-    const int64_t n = bits == 8 || bits == FLOAT_ROWS ? rank : (8 / bits) * width;
+    const int64_t n = bits == 8 || bits == FLOAT_BITS ? rank : (8 / bits) * width;
     const uint8_t *codes = keys->codes + h * keys->head_stride;
-    const float *rows = (const float *)keys->codes + h * keys->head_stride; /* FLOAT_ROWS: strides count floats */
+    const float *rows = (const float *)keys->codes + h * keys->head_stride; /* FLOAT_BITS: strides count floats */
     int32_t order[8 * MAX_BYTES];
     if (bits == 4 || bits == 2) {
         plane_order(rank, width, bits, order);
@@ -1168,7 +1185,7 @@ static void head_rope_logits(int bits, const struct coefficient_side *keys, int6
         if (k == 0) rope_base(rope, t / ROPE_BLOCK, step_cos, step_sin, base_cos, base_sin, ca, sa);
         if (t >= complete) { /* the unfinished group's keys, in float */
             rebuild_key(key_tail + (t - complete) * rank, rank, B, d, key);
-        } else if (bits == FLOAT_ROWS) {
+        } else if (bits == FLOAT_BITS) {
             rebuild_key(rows + t * width, rank, B, d, key);
         } else if (bits == 8) {
             const int8_t *s8 = (const int8_t *)codes + t * width;
@@ -1200,7 +1217,7 @@ static void head_rope_logits(int bits, const struct coefficient_side *keys, int6
     }
 }
 
-/* acc[i][k] += w[i][t] x_k(t) over `tokens` float rows of `rank` (FLOAT_ROWS values), summed per
+/* acc[i][k] += w[i][t] x_k(t) over `tokens` float rows of `rank` (FLOAT_BITS values), summed per
  * block of VALUE_BLOCK tokens and then added, as rows_value_sums adds its blocks. */
 static void float_value_sums(const float *rows, int64_t tokens, int64_t rank, int64_t queries, const float *w, int64_t w_row_stride, float *acc,
                              float *blocks) {
@@ -1223,7 +1240,7 @@ static void float_value_sums(const float *rows, int64_t tokens, int64_t rank, in
  * recent window (part 1), each (heads, count[p], d) keys and (heads, count[p], d_v) values,
  * float32, rows back to back; `scale` is their logit scale (gamma = 1: they are not projected,
  * W3). A part of count 0 is not read. */
-struct exact_tokens {
+struct exact_part {
     const float *keys[2];
     const float *values[2];
     int64_t count[2];
@@ -1233,7 +1250,7 @@ struct exact_tokens {
 /* Logits scale q_i . k_j of head h's exact tokens, sinks then recent, into out[i][0 .. count0 +
  * count1) (`stride` apart per query head); returns nothing, sets start[i] to their maximum
  * (-inf without any). */
-static void exact_logits(const struct exact_tokens *exact, int64_t h, int64_t queries, const float *q, int64_t d, float *out,
+static void head_exact_logits(const struct exact_part *exact, int64_t h, int64_t queries, const float *q, int64_t d, float *out,
                          int64_t stride, float *start) {
     for (int64_t i = 0; i < queries; ++i) {
         float m = -INFINITY;
@@ -1250,7 +1267,7 @@ static void exact_logits(const struct exact_tokens *exact, int64_t h, int64_t qu
 
 /* W3's exact terms of one query head: w_j = e^(l_j - m) in place over its `count` exact logits,
  * o += sum_j w_j v_j (in blocks of VALUE_BLOCK tokens, as the value sums), returns sum_j w_j. */
-static float exact_terms(const struct exact_tokens *exact, int64_t h, float *l, int64_t count, float m, int64_t d_v, float *block, float *o) {
+static float head_exact_terms(const struct exact_part *exact, int64_t h, float *l, int64_t count, float m, int64_t d_v, float *block, float *o) {
     for (int64_t j = 0; j < count; ++j) l[j] -= m;
     softmax_exp(count, l, l);
     float Z = 0.0f;
@@ -1260,7 +1277,14 @@ static float exact_terms(const struct exact_tokens *exact, int64_t h, float *l, 
     return Z;
 }
 
-/* Spec A2/A3 for a one-chunk int8 (A10) or int4 / int2 (Q2) state on a CPU core, for every head
+/* Whether `bits` names a side's format: FLOAT_BITS (float32 rows), 8 (int8, A10), 4 or 2 (Q2). */
+static int known_bits(int bits) { return bits == FLOAT_BITS || bits == 8 || bits == 4 || bits == 2; }
+
+/* Codes per byte of a side's rows (one float or int8 per entry otherwise). */
+static int codes_per_entry(int bits) { return bits == 4 || bits == 2 ? 8 / bits : 1; }
+
+/* Spec A2/A3 for a one-chunk state on a CPU core, each side in its own format (`key_bits`,
+ * `value_bits`: FLOAT_BITS for float32 rows, 8 for int8 (A10), 4 or 2 for int4 / int2 (Q2)), for every head
  * h < heads (a (sequence, KV head) pair) and query head i < queries of its group:
  *
  * 1. the projected query q~ = q query_map[h] (query_map = gamma scale B^T, d x r: spec A3 step
@@ -1278,18 +1302,18 @@ static float exact_terms(const struct exact_tokens *exact, int64_t h, float *l, 
  *
  * q (heads, queries, d) float32; out (heads, queries, d_v). Returns 0, or -1 when a shape
  * exceeds the fixed buffers or memory runs out. */
-int coefficient_attention(int bits, int64_t heads, int64_t queries, int64_t tokens, int64_t tile, const float *q, int64_t d,
-                          const float *query_map, const struct coefficient_side *keys, const float *key_tail, int64_t tail_head_stride,
-                          const struct rope_keys *rope, const struct coefficient_side *values, const float *value_map, int64_t d_v,
-                          const struct exact_tokens *exact, float *out) {
-    if ((bits != 8 && bits != 4 && bits != 2 && bits != FLOAT_ROWS) || (bits == FLOAT_ROWS && !rope)) return -1;
-    const int per = bits == FLOAT_ROWS ? 1 : 8 / bits;
-    const int low_bit = bits == 4 || bits == 2;
-    if (queries > MAX_QUERIES || tile < 1 || keys->width > MAX_BYTES || values->width > MAX_BYTES || keys->width * per < keys->rank ||
-        values->width * per < values->rank || (low_bit && keys->group < 1) || (rope && (d > MAX_DIM || rope->planes < 1 || 2 * rope->planes > d)))
+static int head_rows_attention(int key_bits, int value_bits, int64_t heads, int64_t queries, int64_t tokens, int64_t tile, const float *q, int64_t d,
+                               const float *query_map, const struct coefficient_side *keys, const float *key_tail, int64_t tail_head_stride,
+                               const struct rope_keys *rope, const struct coefficient_side *values, const float *value_map, int64_t d_v,
+                               const struct exact_part *exact, const int64_t *rows, float *out) {
+    if (!known_bits(key_bits) || !known_bits(value_bits)) return -1;
+    const int key_per = codes_per_entry(key_bits), per = codes_per_entry(value_bits);
+    const int low_bit_keys = key_bits == 4 || key_bits == 2, low_bit = value_bits == 4 || value_bits == 2;
+    if (queries > MAX_QUERIES || tile < 1 || keys->width > MAX_BYTES || values->width > MAX_BYTES || keys->width * key_per < keys->rank ||
+        values->width * per < values->rank || (low_bit_keys && keys->group < 1) || (rope && (d > MAX_DIM || rope->planes < 1 || 2 * rope->planes > d)))
         return -1;
-    const int64_t r = keys->rank, r_v = values->rank, complete = low_bit ? tokens / keys->group * keys->group : tokens;
-    const int64_t key_n = per * keys->width, value_n = queries * per * values->width;
+    const int64_t r = keys->rank, r_v = values->rank, complete = low_bit_keys ? tokens / keys->group * keys->group : tokens;
+    const int64_t key_n = key_per * keys->width, value_n = queries * per * values->width;
     const int64_t widest = d > d_v ? d : d_v, exact_count = exact ? exact->count[0] + exact->count[1] : 0;
     float *planes = malloc(sizeof(float) * (queries + 4) * key_n), *logits = malloc(sizeof(float) * (queries * tokens + 1));
     float *part = malloc(sizeof(float) * value_n), *total = malloc(sizeof(float) * value_n), *blocks = malloc(sizeof(float) * value_n);
@@ -1308,41 +1332,43 @@ int coefficient_attention(int bits, int64_t heads, int64_t queries, int64_t toke
     }
     for (int64_t h = 0; h < heads; ++h) {
         float start[MAX_QUERIES];
+        const int64_t row = rows ? rows[h] : h * queries; /* the first query row of head h in q and out */
+        const float *qh = q + row * d;
         if (exact)
-            exact_logits(exact, h, queries, q + h * queries * d, d, exact_l, exact_count, start);
+            head_exact_logits(exact, h, queries, qh, d, exact_l, exact_count, start);
         else
             for (int64_t i = 0; i < queries; ++i) start[i] = -INFINITY;
         if (rope) {
             for (int64_t i = 0; i < queries; ++i)
-                for (int64_t e = 0; e < d; ++e) permuted[i * d + e] = q[(h * queries + i) * d + rope->order[e]];
-            head_rope_logits(bits, keys, h, queries, complete, tokens, key_tail ? key_tail + h * tail_head_stride : NULL, permuted,
+                for (int64_t e = 0; e < d; ++e) permuted[i * d + e] = qh[i * d + rope->order[e]];
+            head_rope_logits(key_bits, keys, h, queries, complete, tokens, key_tail ? key_tail + h * tail_head_stride : NULL, permuted,
                              query_map + h * r * d, d, rope, plane_basis, planes, logits, tokens);
         } else {
-            map_rows(q + h * queries * d, queries, d, query_map + h * d * r, r, odd, projected);
-            head_logits(bits, keys, h, queries, complete, projected, planes, logits, tokens);
+            map_rows(qh, queries, d, query_map + h * d * r, r, odd, projected);
+            head_logits(key_bits, keys, h, queries, complete, projected, planes, logits, tokens);
             for (int64_t i = 0; i < queries; ++i)
                 for (int64_t t = complete; t < tokens; ++t)
                     logits[i * tokens + t] = plane_dot(projected + i * r, key_tail + h * tail_head_stride + (t - complete) * r, r);
         }
 
-        const float *value_scale = bits == 8 ? (const float *)values->scale + h * values->scale_head_stride : NULL; /* int8: folded into w_t */
+        const float *value_scale = value_bits == 8 ? (const float *)values->scale + h * values->scale_head_stride : NULL; /* int8: folded into w_t */
         float m[MAX_QUERIES], Z[MAX_QUERIES];
         for (int64_t i = 0; i < queries; ++i)
             row_weights(logits + i * tokens, tokens, tile, start[i], value_scale, m + i, Z + i);
 
         const uint8_t *vc = values->codes + h * values->head_stride;
-        const float *vf = (const float *)values->codes + h * values->head_stride; /* FLOAT_ROWS: strides count floats */
+        const float *vf = (const float *)values->codes + h * values->head_stride; /* FLOAT_BITS: strides count floats */
         const half *ts = low_bit ? (const half *)values->scale + h * values->scale_head_stride : NULL;
         const half *tz = low_bit ? values->zero + h * values->scale_head_stride : NULL;
         memset(total, 0, sizeof(float) * value_n);
         for (int64_t a = 0; a < tokens; a += tile) {
             const int64_t len = tokens - a < tile ? tokens - a : tile;
             memset(part, 0, sizeof(float) * value_n);
-            if (bits == FLOAT_ROWS)
+            if (value_bits == FLOAT_BITS)
                 float_value_sums(vf + a * values->width, len, values->width, queries, logits + a, tokens, part, blocks);
-            else if (bits == 8)
+            else if (value_bits == 8)
                 WITH_WIDTH(values->width, rows_value_sums(vc + a * values->width, len, tokens - a, W, 8, queries, logits + a, tokens, NULL, NULL, part, blocks));
-            else if (bits == 4)
+            else if (value_bits == 4)
                 WITH_WIDTH(values->width, rows_value_sums(vc + a * values->width, len, tokens - a, W, 4, queries, logits + a, tokens, ts + a, tz + a, part, blocks));
             else
                 WITH_WIDTH(values->width, rows_value_sums(vc + a * values->width, len, tokens - a, W, 2, queries, logits + a, tokens, ts + a, tz + a, part, blocks));
@@ -1355,15 +1381,60 @@ int coefficient_attention(int bits, int64_t heads, int64_t queries, int64_t toke
                     const int64_t c = k * per + p;
                     if (c < r_v) sums[i * r_v + c] = total[(i * per + p) * values->width + k];
                 }
-        float *oh = out + h * queries * d_v;
+        float *oh = out + row * d_v;
         map_rows(sums, queries, r_v, value_map + h * r_v * d_v, d_v, odd, oh);
         for (int64_t i = 0; i < queries; ++i) {
             float total_weight = Z[i];
-            if (exact_count) total_weight += exact_terms(exact, h, exact_l + i * exact_count, exact_count, m[i], d_v, exact_block, oh + i * d_v);
+            if (exact_count) total_weight += head_exact_terms(exact, h, exact_l + i * exact_count, exact_count, m[i], d_v, exact_block, oh + i * d_v);
             for (int64_t e = 0; e < d_v; ++e) oh[i * d_v + e] /= total_weight;
         }
     }
     free(planes), free(logits), free(part), free(total), free(blocks), free(projected), free(sums), free(odd);
     free(exact_l), free(exact_block), free(permuted), free(plane_basis);
+    return 0;
+}
+
+/* Spec A2/A3 of a one-chunk state, as head_rows_attention with rows = NULL: head h's query heads
+ * are rows h queries .. (h + 1) queries - 1 of q (heads * queries, d) and of out (heads * queries, d_v). */
+int coefficient_attention(int key_bits, int value_bits, int64_t heads, int64_t queries, int64_t tokens, int64_t tile, const float *q, int64_t d,
+                          const float *query_map, const struct coefficient_side *keys, const float *key_tail, int64_t tail_head_stride,
+                          const struct rope_keys *rope, const struct coefficient_side *values, const float *value_map, int64_t d_v,
+                          const struct exact_part *exact, float *out) {
+    return head_rows_attention(key_bits, value_bits, heads, queries, tokens, tile, q, d, query_map, keys, key_tail, tail_head_stride, rope, values,
+                               value_map, d_v, exact, NULL, out);
+}
+
+/* The arguments of coefficient_attention for one head group of a layer (spec/layer_state.md L5),
+ * plus `rows`: head h's (a (sequence, KV head) pair of the group) first query row in the layer's
+ * q (sequences * H_q, d) and out (sequences * H_q, d_v), so that each group reads its query heads
+ * and writes its outputs where they lie in the layer's query-head order. */
+struct group_call {
+    int key_bits, value_bits;
+    int64_t heads, queries, tokens, tile;
+    const float *q;
+    int64_t d;
+    const float *query_map;
+    const struct coefficient_side *keys;
+    const float *key_tail;
+    int64_t tail_head_stride;
+    const struct rope_keys *rope;
+    const struct coefficient_side *values;
+    const float *value_map;
+    int64_t d_v;
+    const struct exact_part *exact;
+    const int64_t *rows;
+    float *out;
+};
+
+/* One decode step of a layer whose head groups are each served by coefficient_attention: every
+ * group's attention in one call (spec/layer_state.md L5.2), in order. Returns 0, or the first
+ * group's non-zero return (its outputs and the later groups' are then not written). */
+int layer_attention(int64_t groups, const struct group_call *calls) {
+    for (int64_t i = 0; i < groups; ++i) {
+        const struct group_call *c = calls + i;
+        const int rc = head_rows_attention(c->key_bits, c->value_bits, c->heads, c->queries, c->tokens, c->tile, c->q, c->d, c->query_map, c->keys,
+                                           c->key_tail, c->tail_head_stride, c->rope, c->values, c->value_map, c->d_v, c->exact, c->rows, c->out);
+        if (rc) return rc;
+    }
     return 0;
 }

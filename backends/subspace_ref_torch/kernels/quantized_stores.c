@@ -1,12 +1,10 @@
 /* Stores of quantised coefficients on a CPU core: int8 with per-token scales (spec A10), bit for
- * bit the torch backend's quantize_rows, and int4 / int2 (spec/quantization.md Q1-Q2), bit for bit
+ * bit subspace_ref.quantization.quantize_rows, and int4 / int2 (spec/quantization.md Q1-Q2), bit for bit
  * the oracle's quantize_groups, pack and store_low_bit (subspace_ref/quantization.py).
  *
  * Why a kernel of our own: a decode step quantises one token's coefficients per head, a few
- * dozen numbers, and the definition spelled in array operations is ~10 (int8) to ~50 (int4: min,
- * max, two float16 roundings with their corrections, a division, a rounding, a clip, a pack, the
- * writes) of them, each costing more to start than the arithmetic: ~280 us of an int4 append
- * that otherwise costs ~250 us, against a few us here.
+ * dozen numbers, and the definition spelled in array operations is tens of operations each
+ * costing more to start than the arithmetic (docs/benchmarks.md, "CPU kernels").
  *
  * Bit for bit: the oracle computes in float64 from the float32 coefficients, which is exact up
  * to its divisions, and C's double operations are the same IEEE operations; float16 roundings are
@@ -110,7 +108,7 @@ struct quantized_side {
 
 /* Spec A10: tokens [a, a + count) of every head from coef (heads, count, rank) float32, each
  * token as s = max |c| / 127 and codes round(c / s) (s = 0 and codes 0 for a zero token), in
- * float32 as the torch backend's quantize_rows computes them. Returns 0. */
+ * float32 as subspace_ref.quantization.quantize_rows computes them. Returns 0. */
 int int8_store(int64_t heads, int64_t a, int64_t count, const float *coef, const struct quantized_side *side) {
     const int64_t r = side->rank;
     for (int64_t h = 0; h < heads; ++h)

@@ -43,7 +43,7 @@ static void project_row(const float *basis, int64_t rank, int64_t d, const float
  * count, d_v) float32, bases (heads, rank, d) and (heads, rank_v, d_v) float32 as attention
  * reads them; with `rope`, key t sits at position first_position + a + t (spec/window.md W10).
  * `bits` 8: int8 stores (spec A10); 4 or 2: the int4 / int2 stores (spec Q2), the keys' rows of
- * the unfinished group from old_tail into new_tail (low_bit_store_keys); FLOAT_ROWS: float32
+ * the unfinished group from old_tail into new_tail (low_bit_store_keys); FLOAT_BITS: float32
  * coefficients, written as they are. Returns 0; -1 for a
  * shape beyond the buffers or memory; -2 with *magnitude set when a side's coefficients exceed
  * float16's range: then nothing the state reads has changed (rows past its tokens and a new
@@ -54,7 +54,7 @@ int static_append(int bits, int64_t heads, int64_t a, int64_t count, const float
                   double *magnitude) {
     const int64_t r = key_side->rank, r_v = value_side->rank;
     const int64_t planes = rope ? rope->planes : 0;
-    if (r > MAX_RANK || r_v > MAX_RANK || planes > MAX_DIM / 2 || (bits != 8 && bits != 4 && bits != 2 && bits != FLOAT_ROWS)) return -1;
+    if (r > MAX_RANK || r_v > MAX_RANK || planes > MAX_DIM / 2 || (bits != 8 && bits != 4 && bits != 2 && bits != FLOAT_BITS)) return -1;
     float *coef = malloc(sizeof(float) * (size_t)(heads * count * (r + r_v) + 1)), *turned = malloc(sizeof(float) * (size_t)(d + 1));
     if (!coef || !turned) {
         free(coef), free(turned);
@@ -85,7 +85,7 @@ int static_append(int bits, int64_t heads, int64_t a, int64_t count, const float
         }
     }
     int rc = 0;
-    if (bits == FLOAT_ROWS) { /* float32 rows (strides counting floats) take the coefficients as they are */
+    if (bits == FLOAT_BITS) { /* float32 rows (strides counting floats) take the coefficients as they are */
         for (int64_t h = 0; h < heads; ++h) {
             memcpy((float *)key_side->codes + h * key_side->head_stride + a * r, coef + h * count * r, sizeof(float) * (size_t)(count * r));
             memcpy((float *)value_side->codes + h * value_side->head_stride + a * r_v, coef_v + h * count * r_v, sizeof(float) * (size_t)(count * r_v));

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The prepared GPU session of issue 38 (docs/gpu.md, "Static budgets"): at most 8 minutes on one
+# H100/H200 (the steps' timeouts add up to 476 s), each writing under $OUT; a failing step does not
+# stop the next. Run from the repository root: OUT=gpu_results bash benchmarks/gpu_session.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_results}
+mkdir -p "$OUT"
+unset TRITON_INTERPRET
+export TRITON_DEFAULT_FP_FUSION=1
+PY=${PYTHON:-python}
+
+# device, date and commit, for docs/gpu.md
+{
+  date -u +%FT%TZ
+  git rev-parse HEAD 2>/dev/null; git status --short backends 2>/dev/null | head -20
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
+  $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+} > "$OUT/session.txt" 2>&1
+
+# 1. GPU differential tests of the changed kernels: the split kernel (int4 centred form, GQA rows
+#    without padding to 16) and the pre-RoPE kernel (base angles from the host table) (<= 110 s)
+XDIST=$($PY -c "import xdist" 2> /dev/null && echo "-n 8")
+timeout 110 $PY -m pytest -q $XDIST tests/test_triton_kernels.py tests/test_rope_decode.py tests/test_triton_launch.py \
+  -k "Decode or LowBit or rope or Rope or graph or Workspace" -p no:cacheprovider --junitxml="$OUT/tests.xml" > "$OUT/tests.log" 2>&1
+echo "tests: rc=$?" >> "$OUT/session.txt"
+
+# 2. decode_gpu.py at N = 8, T = 32k and 128k (float, int8, int4, pre-RoPE), with the graph step (<= 130 s)
+timeout 130 $PY benchmarks/decode_gpu.py --out "$OUT" --batch 8 --tokens 32768 131072 --coef float int8 int4 --rope --no-adaptive --no-sweep \
+  --backend triton > "$OUT/decode_n8.log" 2>&1
+echo "decode N=8: rc=$?" >> "$OUT/session.txt"
+#    the int4 sweep at 128k: the centred kernel at 1, 2 (default) and 4 warps, the per-code path at 64-token tiles (<= 90 s)
+timeout 90 $PY benchmarks/decode_gpu.py --out "$OUT" --batch 8 --tokens 131072 --coef int4 --no-adaptive --no-graph --backend triton \
+  > "$OUT/decode_n8_int4_sweep.log" 2>&1
+echo "decode N=8 int4 sweep: rc=$?" >> "$OUT/session.txt"
+# 3. ... and at N = 1, T = 32k, with the graph-captured step (<= 50 s)
+timeout 50 $PY benchmarks/decode_gpu.py --out "$OUT" --batch 1 --tokens 32768 --coef float int4 --no-adaptive --no-sweep --backend triton \
+  > "$OUT/decode_n1.log" 2>&1
+echo "decode N=1: rc=$?" >> "$OUT/session.txt"
+
+# 4. one profiler pass per changed kernel (ncu when installed: one launch each) (<= 3 x 32 s)
+if command -v ncu > /dev/null; then
+  for coef in int4 float; do
+    timeout 32 ncu --kernel-name regex:_decode_split_kernel --launch-skip 3 --launch-count 1 --section SpeedOfLight --section Occupancy \
+      --section WarpStateStats --section MemoryWorkloadAnalysis -o "$OUT/ncu_split_$coef" -f \
+      $PY benchmarks/decode_gpu.py --out "$OUT/ncu_run" --batch 8 --tokens 32768 --coef $coef --no-adaptive --no-sweep --no-graph --backend triton \
+      > "$OUT/ncu_split_$coef.log" 2>&1
+    echo "ncu split $coef: rc=$?" >> "$OUT/session.txt"
+  done
+  timeout 32 ncu --kernel-name regex:_rope_split_kernel --launch-skip 3 --launch-count 1 --section SpeedOfLight --section Occupancy \
+    --section WarpStateStats -o "$OUT/ncu_rope" -f \
+    $PY benchmarks/decode_gpu.py --out "$OUT/ncu_run" --batch 8 --tokens 32768 --coef float --rope --no-adaptive --no-sweep --no-graph --backend triton \
+    > "$OUT/ncu_rope.log" 2>&1
+  echo "ncu rope: rc=$?" >> "$OUT/session.txt"
+else
+  echo "ncu: not installed, no profiler pass" >> "$OUT/session.txt"
+fi
+cat "$OUT/session.txt"

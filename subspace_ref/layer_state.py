@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from subspace_ref import _checks, persistence
-from subspace_ref.operations import _scans, attend
+from subspace_ref.operations import _admission, _scans, attend, check_call
 from subspace_ref.registry import get_backend
 from subspace_ref.arrays import concat, itemsize, take
 from subspace_ref.calibration import StaticBasis
@@ -272,10 +272,7 @@ class LayerState:
         if key is not None:  # L5.2: the backend's layer route, once every group admitted such queries
             route = self.groups[0].state.admitted.get(key, _NOT_ADMITTED)
             if route is not None and route is not _NOT_ADMITTED and all(grp.state.admitted.get(key) is route for grp in self.groups) and not _scans(backend):
-                if scale is not None and not 0 < _checks.real("scale", scale) < float("inf"):
-                    raise ValueError(f"scale must be positive and finite, got {scale}")
-                if self.num_tokens == 0:
-                    raise ValueError("the state holds no tokens; append keys and values before attending")
+                check_call(self, scale)
                 out = route(q, self, scale)
                 if out is not None:
                     return out
@@ -370,18 +367,9 @@ _NOT_ADMITTED = object()
 
 def _layer_admission(backend: str, q: Any) -> tuple | None:
     """The key under which a group state remembers the layer route for queries like ``q``
-    (spec/layer_state.md L5.2): as :func:`subspace_ref.operations.attend`'s admissions, the
-    backend and q's type, dtype, device and shape, marked as the layer's; None when q has no
-    shape or the key does not hash."""
-    shape = getattr(q, "shape", None)
-    if shape is None:
-        return None
-    key = ("layer", backend, type(q), getattr(q, "dtype", None), getattr(q, "device", None), tuple(shape))
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
+    (spec/layer_state.md L5.2): :func:`subspace_ref.operations.attend`'s admission, marked as the layer's."""
+    key = _admission(backend, q)
+    return None if key is None else ("layer",) + key
 
 
 def query_rows(groups: Sequence[HeadGroup], g: int) -> tuple[list[list[int]], list[int]]:

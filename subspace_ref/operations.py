@@ -78,10 +78,7 @@ def attend(q: Any, state, backend: str = "numpy", scale: float | None = None) ->
         route = None
         if admission is not None:
             route = admitted[admission] = impl.attend_route(q, state) if hasattr(impl, "attend_route") else None
-    if scale is not None and not 0 < _checks.real("scale", scale) < float("inf"):
-        raise ValueError(f"scale must be positive and finite, got {scale}")
-    if state.num_tokens == 0:
-        raise ValueError("the state holds no tokens; append keys and values before attending")
+    check_call(state, scale)
     scans = _scans(backend)
     if route is not None and not scans:
         out = route(q, state, scale)
@@ -97,6 +94,14 @@ def attend(q: Any, state, backend: str = "numpy", scale: float | None = None) ->
         # inputs were finite, so the logits overflowed the dtype (|q| |k| too large)
         raise ValueError(f"attention output is not finite: the logits overflow {q.dtype} (rescale q or the keys)")
     return out if state.batched else out[0]
+
+
+def check_call(state, scale: float | None) -> None:
+    """The checks every attend call runs, admitted or not: the scale, and a state with tokens."""
+    if scale is not None and not 0 < _checks.real("scale", scale) < float("inf"):
+        raise ValueError(f"scale must be positive and finite, got {scale}")
+    if state.num_tokens == 0:
+        raise ValueError("the state holds no tokens; append keys and values before attending")
 
 
 def _admission(backend: str, q: Any) -> tuple | None:

@@ -322,6 +322,18 @@ class SubspaceLayer(CacheLayerMixin):
         cuts = sorted(cuts)
         return list(zip(cuts[:-1], cuts[1:]))
 
+    def take_pending(self, queries: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pending keys and values (B, H, n, d), no longer pending and kept for a crop of
+        this forward; ValueError unless ``queries`` == n."""
+        keys, values = self.pending_keys, self.pending_values
+        n = keys.shape[2]
+        if queries != n:
+            raise ValueError(f"layer {self.layer_idx}: {queries} queries for {n} new tokens")
+        self._clear_pending()
+        if self._restore_point is not None and n <= self.cache.max_crop_block:
+            self._forward_tokens = (keys, values)
+        return keys, values
+
     def attend_pending(self, query: torch.Tensor, scale: float, *, mask: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
         """Append the pending tokens and attend ``query`` (B, H_q, n, d) -> (B, H_q, n, d_v), each
         query position p seeing the state exactly as token-by-token decoding would at step p.
@@ -337,18 +349,13 @@ class SubspaceLayer(CacheLayerMixin):
         one (left padding, a sliding window) or ``softcap`` is applied to the logits by
         :func:`causal_attention` (refused for rotating and pre-RoPE states).
         """
-        keys, values = self.pending_keys, self.pending_values
         st = self.state
         T0 = st.num_tokens
-        n = keys.shape[2]
-        if query.shape[2] != n:
-            raise ValueError(f"layer {self.layer_idx}: {query.shape[2]} queries for {n} new tokens")
         if mask is not None or softcap is not None:
             what = "soft-capping" if mask is None else "a padding or sliding-window mask"
             require([self.masked_reason()] if self.masked_reason() else [], f"layer {self.layer_idx}: {what}")
-        self._clear_pending()
-        if self._restore_point is not None and n <= self.cache.max_crop_block:
-            self._forward_tokens = (keys, values)
+        keys, values = self.take_pending(query.shape[2])
+        n = keys.shape[2]
         outs = []
         single = mask is None and softcap is None  # a lone query goes to one attend call, which needs no exact part
         for a, b in self._segments(n):

@@ -194,14 +194,7 @@ class GroupedLayer(CacheLayerMixin):
         ``subspace_ref.attend`` over the layer state (spec/layer_state.md L5) for all the query
         heads, (B, H_q, 1, d) -> (B, H_q, 1, d_v)."""
         for child in self.children:
-            if query.shape[2] != child.pending_keys.shape[2]:
-                raise ValueError(f"layer {self.layer_idx}: {query.shape[2]} queries for {child.pending_keys.shape[2]} new tokens")
-        pending = [(child.pending_keys, child.pending_values) for child in self.children]
-        for child, (keys, values) in zip(self.children, pending):
-            child._clear_pending()
-            if child._restore_point is not None and keys.shape[2] <= self.cache.max_crop_block:
-                child._forward_tokens = (keys, values)
-            child._append(keys, values)
+            child._append(*child.take_pending(query.shape[2]))
         layer = self.state
         q = query[:, :, 0]
         numpy = isinstance(layer.groups[0].state.layout.key_coef, np.ndarray)

@@ -17,6 +17,9 @@ Per (N, T), all in the same process:
   state (spec A6) holding the same T tokens, projected by the Triton projection kernel
   (``TritonBackend.append``, one launch); **triton-static-api** is the same through the public
   ``subspace_ref.attend`` (argument checks included).
+* **vendor-sdpa-coef[-expanded]** -- the vendor path (issue 38): the float static state as exact
+  attention over (B q, C, D) with head size r through torch SDPA (GQA, or C, D expanded to 32
+  heads beforehand), the query projection and the value basis included in the time.
 * **triton-<kind> bt=<tile> w=<warps> [cap=<registers>]** -- the triton kernel with other
   tiles / warp counts and register caps (cap=none: uncapped; ``--no-sweep`` skips them), to
   check ``launch_config`` (tiles from the compile report, caps from GPU timing) by measurement.
@@ -290,6 +293,8 @@ def main() -> None:
                 states = [("static" + suffix, static)] + ([("adaptive" + suffix, adaptive)] if adaptive is not None else [])
                 for kind, state in states:
                     time_backends(here, names, usable, kind, state, q, scale, sweep=args.sweep)
+                if coef == "float":
+                    time_vendor(here, static, q, scale)
                 if coef == "float" and args.graph:
                     time_steps(here, static, q, K, V, scale)
                 del static, adaptive, states
@@ -392,6 +397,35 @@ def time_backends(rows: list[dict], names, usable, kind: str, state, q, scale: f
         except Exception as err:  # noqa: BLE001 - one failing backend must not end the run
             traceback.print_exc()
             rows.append(dict(row, skipped=f"error: {type(err).__name__}: {err}"))
+
+
+def time_vendor(rows: list[dict], state, q, scale: float) -> None:
+    """The vendor path (issue 38 item 4): a float post-RoPE static state is exact attention over
+    (B q, C, D) with head size r and scale 1/sqrt(d) (spec A2), so torch SDPA runs it; the value
+    basis maps its output back to d. Timed whole (both projections included), GQA and expanded."""
+    import torch
+    import torch.nn.functional as F
+
+    lay = state.layout
+    T = int(lay.num_tokens)
+    B, E = lay.key_bases[:, :, 0], lay.value_bases[:, :, 0]  # (N, H_KV, r, d)
+    C, Dv = lay.key_coef[:, :, :T], lay.value_coef[:, :, :T]  # (N, H_KV, T, r)
+    g = H_Q // H_KV
+    ref = get_torch_attend(state, lay, q, scale, T)
+
+    def vendor(keys, values, gqa):
+        qt = torch.einsum("nhgd,nhrd->nhgr", q.view(q.shape[0], H_KV, g, D), B).reshape(q.shape[0], H_Q, 1, RANK)
+        y = F.scaled_dot_product_attention(qt, keys, values, scale=scale, enable_gqa=gqa)  # (N, H_Q, 1, r_v)
+        return torch.einsum("nhgr,nhrd->nhgd", y.view(q.shape[0], H_KV, g, RANK), E).reshape(q.shape[0], H_Q, D)
+
+    Cx, Dx = C.repeat_interleave(g, dim=1), Dv.repeat_interleave(g, dim=1)
+    for label, fn in (("vendor-sdpa-coef", functools.partial(vendor, C, Dv, True)), ("vendor-sdpa-coef-expanded", functools.partial(vendor, Cx, Dx, False))):
+        try:
+            diff = float((fn().float() - ref).abs().max())
+            rows.append(dict(method=label, ms=bench(fn), bytes=state.nbytes, max_abs_diff_vs_torch=diff))
+        except Exception as err:  # noqa: BLE001 - one failing row must not end the run
+            traceback.print_exc()
+            rows.append(dict(method=label, skipped=f"error: {type(err).__name__}: {err}"))
 
 
 def sweep_label(block_t, num_warps, cap) -> str:

@@ -18,12 +18,22 @@ PY=${PYTHON:-python}
   $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
 } > "$OUT/session.txt" 2>&1
 
-# 1. GPU differential tests of the changed kernels: the split kernel (int4 centred form, GQA rows
-#    without padding to 16) and the pre-RoPE kernel (base angles from the host table) (<= 110 s)
+# 1. GPU differential tests of the changed kernels: the split kernel, the pre-RoPE kernel and the
+#    vendor path (<= 120 s)
 XDIST=$($PY -c "import xdist" 2> /dev/null && echo "-n 8")
-timeout 110 $PY -m pytest -q $XDIST tests/test_triton_kernels.py tests/test_rope_decode.py tests/test_triton_launch.py \
-  -k "Decode or LowBit or rope or Rope or graph or Workspace" -p no:cacheprovider --junitxml="$OUT/tests.xml" > "$OUT/tests.log" 2>&1
+timeout 120 $PY -m pytest -q $XDIST tests/test_triton_kernels.py tests/test_rope_decode.py tests/test_triton_launch.py tests/test_triton_vendor.py \
+  -k "Decode or LowBit or rope or Rope or graph or Workspace or vendor or refused or float32_states" -p no:cacheprovider --junitxml="$OUT/tests.xml" > "$OUT/tests.log" 2>&1
 echo "tests: rc=$?" >> "$OUT/session.txt"
+
+# 1b. the kernels of the last landing, when carried in .gpu_before/ (an ignored copy of
+#     backends/subspace_ref_triton, first on PYTHONPATH): the same N = 8 run, for a before/after
+#     on the same machine (<= 70 s)
+if [ -d .gpu_before/subspace_ref_triton ]; then
+  PYTHONPATH=$PWD/.gpu_before${PYTHONPATH:+:$PYTHONPATH} timeout 70 $PY -c "import subspace_ref_triton as m; print('timed tree:', m.__file__)" > "$OUT/decode_n8_before.log" 2>&1
+  PYTHONPATH=$PWD/.gpu_before${PYTHONPATH:+:$PYTHONPATH} timeout 70 $PY benchmarks/decode_gpu.py --out "$OUT/before" --batch 8 --tokens 32768 131072 --coef float int8 int4 --rope \
+    --no-adaptive --no-sweep --no-graph --backend triton >> "$OUT/decode_n8_before.log" 2>&1
+  echo "decode N=8 before: rc=$?" >> "$OUT/session.txt"
+fi
 
 # 2. decode_gpu.py at N = 8, T = 32k and 128k (float, int8, int4, pre-RoPE), with the graph step (<= 130 s)
 timeout 130 $PY benchmarks/decode_gpu.py --out "$OUT" --batch 8 --tokens 32768 131072 --coef float int8 int4 --rope --no-adaptive --no-sweep \
@@ -52,6 +62,7 @@ if command -v ncu > /dev/null; then
     $PY benchmarks/decode_gpu.py --out "$OUT/ncu_run" --batch 8 --tokens 32768 --coef float --rope --no-adaptive --no-sweep --no-graph --backend triton \
     > "$OUT/ncu_rope.log" 2>&1
   echo "ncu rope: rc=$?" >> "$OUT/session.txt"
+  for rep in "$OUT"/ncu_*.ncu-rep; do ncu --import "$rep" --page details > "${rep%.ncu-rep}.txt" 2>&1; done
 else
   echo "ncu: not installed, no profiler pass" >> "$OUT/session.txt"
 fi

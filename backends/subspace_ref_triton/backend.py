@@ -2,7 +2,9 @@
 hot paths, on the torch array family.
 
 * ``attend`` (spec A2, A3, A3.2): :func:`subspace_ref_triton.decode.decode_attention`, the
-  flash-decoding kernel over the chunked coefficient cache plus the split merge; exact tokens
+  flash-decoding kernel over the chunked coefficient cache plus the split merge, except for
+  static post-RoPE states with 16-bit float coefficients, which :mod:`subspace_ref_triton.vendor`
+  hands to torch SDPA (FlashAttention) over (γ B q, C, D); exact tokens
   (spec/window.md W3 window, W7-W8 sinks) add one partial per segment
   (:mod:`subspace_ref_triton.window_decode`) to the same merge.
 * ``append`` (spec A6-A8): static states project in one launch
@@ -193,7 +195,13 @@ class TritonBackend:
         layout = decoded_state(state).layout
         q = q.contiguous()
         rope = getattr(state.policy, "rope", None)
-        if rope is not None:  # spec/rope.md P3: the fused rebuild + RoPE kernel
+        from subspace_ref_triton import vendor
+
+        if not vendor.refusals(q, state):  # issue 38 item 4: torch SDPA beat the split kernel (docs/gpu.md)
+            if state.window is None:
+                return vendor.attention(q, layout, scale)
+            compressed = vendor.partials
+        elif rope is not None:  # spec/rope.md P3: the fused rebuild + RoPE kernel
             from subspace_ref_triton import rope_decode
 
             if state.window is None:

@@ -123,25 +123,56 @@ def layer_svd(cap: ModelCapture) -> list[dict]:
     return out
 
 
+class _FarPairs(torch.autograd.Function):
+    """Causal attention whose output is the stock one (the same operations in the same order)
+    and whose backward gives the key and value of token t gradient only from the queries i that
+    read them compressed (``far``), the query from every pair (spec L6.2). The backward
+    recomputes one query head's scores at a time, so no (H, T, T) tensor outlives the forward:
+    calibration's peak memory is the model's, not the probe's (docs/benchmarks.md)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, scale: float, sinks: int, window: int):
+        g = query.shape[1] // key.shape[1]
+        T = query.shape[2]
+        i, t = torch.arange(T, device=query.device)[:, None], torch.arange(T, device=query.device)[None, :]
+        p = (query @ key.repeat_interleave(g, 1).mT).mul_(scale).masked_fill_(t > i, float("-inf")).softmax(-1)
+        out = p @ value.repeat_interleave(g, 1)
+        ctx.save_for_backward(query, key, value, out)
+        ctx.params = (scale, sinks, window)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        query, key, value, out = ctx.saved_tensors
+        scale, sinks, window = ctx.params
+        g = query.shape[1] // key.shape[1]
+        T = query.shape[2]
+        i, t = torch.arange(T, device=query.device)[:, None], torch.arange(T, device=query.device)[None, :]
+        far = (i - t >= window) & (t >= sinks)
+        dq, dk, dv = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+        for b in range(query.shape[0]):
+            for hq in range(query.shape[1]):
+                h = hq // g
+                p = (query[b, hq] @ key[b, h].mT).mul_(scale).masked_fill_(t > i, float("-inf")).softmax(-1)
+                # softmax backward: ds = p (dp - sum_j p_j dp_j), and sum_j p_j dp_j = dO . O
+                ds = p * (d_out[b, hq] @ value[b, h].mT - (d_out[b, hq] * out[b, hq]).sum(-1, keepdim=True))
+                dq[b, hq] = (ds @ key[b, h]).mul_(scale)
+                dk[b, h] += (ds.masked_fill_(~far, 0.0).mT @ query[b, hq]).mul_(scale)
+                dv[b, h] += p.masked_fill_(~far, 0.0).mT @ d_out[b, hq]
+        return dq, dk, dv, None, None, None
+
+
 def _probe_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Causal attention (no padding, positions 0..T-1) whose output equals the stock one, but
     through which the key and value of token t get gradient only from the queries i that read
-    them compressed: ``t >= sinks`` and ``i - t >= window`` (:data:`_PROBE`)."""
+    them compressed: ``t >= sinks`` and ``i - t >= window`` (:data:`_PROBE`, :class:`_FarPairs`)."""
     probe = _PROBE[-1]
     if key.requires_grad:
         key.retain_grad()
         value.retain_grad()
     probe["recorded"][module.layer_idx] = (key, value)
-    T, g = query.shape[2], query.shape[1] // key.shape[1]
-    k, v = key.repeat_interleave(g, 1), value.repeat_interleave(g, 1)
-    i, t = torch.arange(T, device=query.device)[:, None], torch.arange(T, device=query.device)[None, :]
-    far = (i - t >= probe["window"]) & (t >= probe["sinks"])
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    kd, vd = k.detach(), v.detach()
-    # equal to the stock scores and output; k and v get gradient from the far pairs only, the
-    # query (and through it the earlier layers) from every pair
-    p = (query @ kd.mT + (query.detach() @ (k - kd).mT) * far).mul_(scale).masked_fill_(t > i, float("-inf")).softmax(-1)
-    out = p @ vd + (p * far) @ (v - vd)
+    out = _FarPairs.apply(query, key, value, float(scale), int(probe["sinks"]), int(probe["window"]))
     return out.transpose(1, 2).contiguous(), None
 
 

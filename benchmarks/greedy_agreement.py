@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> dict:
             auto = window == "auto"
             try:
                 bases = calibrate_checkpoint(args.model, ratio, sinks=None if auto else args.sinks, window=None if auto else window,
-                                             tokens=args.calibration_tokens, loss=args.loss)
+                                             tokens=args.calibration_tokens, loss=args.loss, key_bases=args.key_bases)
             except ValueError as exc:  # the window alone costs more than the ratio allows
                 skipped.append(dict(ratio=ratio, window=window, reason=str(exc)))
                 print(f"  ratio {ratio}, window {window}: skipped ({exc})", file=sys.stderr)
@@ -195,7 +195,8 @@ def run(args: argparse.Namespace) -> dict:
             tf_top1 = (logits.argmax(-1) == stock_logits.argmax(-1)).numpy()
             b = bases.allocation.bytes(geom)
             a = bases.allocation
-            name = f"allocator {100 * ratio:g}% ({args.loss} loss) + sinks {a.sinks} + window {a.window}" + (" (chosen; the command's default)" if auto else "")
+            kinds = "" if args.key_bases is None else f", keys {args.key_bases}"
+            name = f"allocator {100 * ratio:g}% ({args.loss} loss{kinds}) + sinks {a.sinks} + window {a.window}" + (" (chosen; the command's default)" if auto else "")
             rows.append(summarize(name, gen, stock_np, tf_top1, margins, second, dict(ratio=ratio, window=a.window, sinks=a.sinks, auto=auto, loss=args.loss,
                                                                                bytes_per_token=b.per_token, fraction=b.fraction,
                                                                                ppl=perplexity(model, ppl_ids, bases.states(model.config)),
@@ -257,6 +258,7 @@ def main() -> int:
     p.add_argument("--windows", type=lambda s: [x if x == "auto" else int(x) for x in s.split(",")], default=["auto"],
                    help="'auto' (the calibrate command's default: sinks and window chosen by the loss) or exact windows with --sinks sinks (default auto)")
     p.add_argument("--loss", choices=("fisher", "proxy"), default="fisher", help="the allocator's loss (default fisher, the command's default)")
+    p.add_argument("--key-bases", default=None, help="key kinds the allocator may choose (subspace-kv calibrate --key-bases; default all)")
     p.add_argument("--ppl-windows", type=int, default=16, help="held-out 1024-token windows for the perplexity column (default 16; 0: none)")
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--prompts", type=int, default=16)

@@ -328,10 +328,12 @@ def side_losses(layer: dict, h: int, group_queries: np.ndarray, ranks, bits=BITS
 
 
 def allocate(losses: list, geom, *, compression_ratio: float | None = None, bytes_per_token: float | None = None,
-             group: int = 32, window: int = 0, sinks: int = 0, min_rank_k: int = 1) -> Allocation:
+             group: int = 32, window: int = 0, sinks: int = 0, min_rank_k: int = 1, key_bases: tuple[str, ...] = KEY_BASES) -> Allocation:
     """The allocation of ``compression_ratio`` x the full fp16 cache (or ``bytes_per_token``)
     minimising the summed measured loss. ``losses[layer][head]``: :func:`side_losses` output.
     Keys keep at least ``min_rank_k`` dimensions (rank 0 would make attention uniform).
+    ``key_bases``: the key kinds the allocator may choose (default all of :data:`KEY_BASES`;
+    spec/layer_state.md L6.3: without "pre_rope" no key is rebuilt and rotated per token).
 
     The greedy hull walk, or the best uniform allocation (every head the same key and the same
     value configuration) within the budget where that has less loss: spec/layer_state.md L6.1,
@@ -340,6 +342,7 @@ def allocate(losses: list, geom, *, compression_ratio: float | None = None, byte
     below what sinks and window alone cost."""
     if (compression_ratio is None) == (bytes_per_token is None):
         raise ValueError("give exactly one of compression_ratio= and bytes_per_token=")
+    key_bases = check_key_bases(key_bases)
     budget = compression_ratio * geom.full_bytes_per_token if bytes_per_token is None else float(bytes_per_token)
     if not budget > 0:
         raise ValueError(f"the budget must be positive, got {budget}")
@@ -352,10 +355,15 @@ def allocate(losses: list, geom, *, compression_ratio: float | None = None, byte
     for li, layer in enumerate(losses):
         for h, table in enumerate(layer):
             for (side, kind), entries in table.items():
+                if side == "key" and kind not in key_bases:
+                    continue
                 cands = [Candidate(sum(side_parts(geom, side, r, b, group, kept, kind != "identity").values()), loss, (kind, r, b))
                          for (r, b), loss in entries.items() if side == "value" or r >= min_rank_k]
                 key = (li, h, side)
                 tables[key] = tables.get(key, []) + cands
+    missing = sorted({(li, h) for li, layer in enumerate(losses) for h in range(len(layer))} - {(li, h) for li, h, side in tables if side == "key"})
+    if missing:
+        raise ValueError(f"key_bases={key_bases}: no measured key candidate of these kinds for (layer, head) {missing[:4]}")
     chosen, spent, loss = greedy(tables, budget - fixed)
     rule = "greedy"
     uniform = best_uniform(tables, budget - fixed)
@@ -370,7 +378,19 @@ def allocate(losses: list, geom, *, compression_ratio: float | None = None, byte
             vkind, rv, bv = chosen[(li, h, "value")].config
             row.append(HeadAllocation(int(rk), int(rv), int(bk), int(bv), kind, vkind))
         heads.append(tuple(row))
-    return Allocation(tuple(heads), group, budget, window, sinks, loss, dict(bytes_per_token=spent + fixed, rule=rule))
+    meta = dict(bytes_per_token=spent + fixed, rule=rule) | ({} if key_bases == KEY_BASES else dict(key_bases=list(key_bases)))
+    return Allocation(tuple(heads), group, budget, window, sinks, loss, meta)
+
+
+def check_key_bases(key_bases) -> tuple[str, ...]:
+    """``key_bases`` as a tuple of :data:`KEY_BASES` kinds in their order; ValueError naming it otherwise."""
+    if isinstance(key_bases, str):
+        key_bases = tuple(k.strip() for k in key_bases.split(",") if k.strip())
+    kinds = tuple(key_bases)
+    unknown = [k for k in kinds if k not in KEY_BASES]
+    if unknown or not kinds:
+        raise ValueError(f"key_bases must be a non-empty subset of {KEY_BASES}, got {key_bases!r}")
+    return tuple(k for k in KEY_BASES if k in kinds)
 
 
 def best_uniform(tables: dict, budget: float) -> tuple[dict, float, float] | None:
@@ -399,5 +419,5 @@ def best_uniform(tables: dict, budget: float) -> tuple[dict, float, float] | Non
     return chosen, float(kb[i] + vb[j]), float(total[i, j])
 
 
-__all__ = ["BITS", "KEY_BASES", "VALUE_BASES", "Allocation", "Candidate", "HeadAllocation", "allocate", "allocation_bases", "best_uniform", "greedy",
+__all__ = ["BITS", "KEY_BASES", "VALUE_BASES", "Allocation", "Candidate", "HeadAllocation", "allocate", "allocation_bases", "best_uniform", "check_key_bases", "greedy",
            "lower_hull", "plane_rows", "side_losses"]

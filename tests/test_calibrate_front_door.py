@@ -153,3 +153,30 @@ def _candidates(geom, table, side, kind):
     from subspace_ref.allocation import Candidate
 
     return [Candidate(sum(side_parts(geom, side, r, b, 8).values()), loss, (kind, r, b)) for (r, b), loss in table.items()]
+
+
+def test_key_bases_restrict_the_kinds_and_bad_kinds_are_refused():
+    """spec/layer_state.md L6.3: with key_bases the allocator chooses keys of those kinds only, and
+    its loss is at least that of the unrestricted allocation (a subset of the candidates); the
+    restriction is recorded in meta. Unknown or no kinds: ValueError naming key_bases."""
+    rng = np.random.default_rng(7)
+    geom = Geometry(1, 3, 8, 8, 64)
+    tables = _tables(rng, 3)
+    free = allocate(tables, geom, compression_ratio=0.3, group=8)
+    only = allocate(tables, geom, compression_ratio=0.3, group=8, key_bases=("post_rope",))
+    assert {h.key_basis for h in only.heads[0]} == {"post_rope"} and only.meta["key_bases"] == ["post_rope"]
+    assert "identity" in {h.key_basis for h in free.heads[0]} and "key_bases" not in free.meta  # the tables make identity keys cheap
+    assert only.calibration_loss >= free.calibration_loss
+    assert allocate(tables, geom, compression_ratio=0.3, group=8, key_bases="identity,post_rope").heads == free.heads
+    for bad in (("pre-rope",), (), "post_rope,bogus"):
+        with pytest.raises(ValueError, match="key_bases"):
+            allocate(tables, geom, compression_ratio=0.3, group=8, key_bases=bad)
+    with pytest.raises(ValueError, match="key_bases.*no measured key candidate"):
+        allocate(tables, geom, compression_ratio=0.3, group=8, key_bases=("pre_rope",))
+
+
+def test_calibrate_refuses_unknown_key_bases_before_any_model_runs(tmp_path):
+    from subspace_ref.hf.calibrate_checkpoint import calibrate_checkpoint
+
+    with pytest.raises(ValueError, match="key_bases"):
+        calibrate_checkpoint(tmp_path / "no-such-checkpoint", 0.25, key_bases="post_rope,sideways")

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from subspace_ref.allocation import BITS, Allocation, allocate, allocation_bases, plane_rows, side_losses
+from subspace_ref.allocation import BITS, KEY_BASES, Allocation, allocate, allocation_bases, plane_rows, side_losses
 from subspace_ref.byte_convention import Geometry
 from subspace_ref.calibration import StaticBasis
 from subspace_ref.hf.capture import ModelCapture, capture
@@ -73,12 +73,14 @@ class CalibrationLosses:
         (``model`` may be that :class:`~subspace_ref.byte_convention.Geometry` itself)."""
         return model if isinstance(model, Geometry) else Geometry.of_model(model, self.context)
 
-    def allocate(self, model, *, compression_ratio: float | None = None, bytes_per_token: float | None = None, window: int = 0, sinks: int = 0) -> Allocation:
+    def allocate(self, model, *, compression_ratio: float | None = None, bytes_per_token: float | None = None, window: int = 0, sinks: int = 0,
+                 key_bases: tuple[str, ...] = KEY_BASES) -> Allocation:
         """:func:`~subspace_ref.allocation.allocate` over these losses for ``model``'s cache."""
         return allocate(self.tables(sinks, window), self.geometry(model), compression_ratio=compression_ratio, bytes_per_token=bytes_per_token,
-                        group=self.group, window=window, sinks=sinks)
+                        group=self.group, window=window, sinks=sinks, key_bases=key_bases)
 
-    def allocate_best(self, model, *, compression_ratio: float | None = None, bytes_per_token: float | None = None) -> Allocation:
+    def allocate_best(self, model, *, compression_ratio: float | None = None, bytes_per_token: float | None = None,
+                      key_bases: tuple[str, ...] = KEY_BASES) -> Allocation:
         """The allocation of least calibration loss over the measured (sinks, window) pairs
         (``by_exact``; spec/layer_state.md L6.2) whose exact tokens fit the budget: the window is
         chosen by the same loss as the ranks and bits. ``meta["exact_losses"]`` lists each
@@ -87,8 +89,10 @@ class CalibrationLosses:
         best, tried = None, {}
         for sinks, window in pairs:
             try:
-                a = self.allocate(model, compression_ratio=compression_ratio, bytes_per_token=bytes_per_token, window=window, sinks=sinks)
-            except ValueError:
+                a = self.allocate(model, compression_ratio=compression_ratio, bytes_per_token=bytes_per_token, window=window, sinks=sinks, key_bases=key_bases)
+            except ValueError as err:
+                if "key_bases" in str(err):
+                    raise
                 tried[f"{sinks},{window}"] = None
                 continue
             tried[f"{sinks},{window}"] = a.calibration_loss

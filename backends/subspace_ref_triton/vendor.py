@@ -43,6 +43,8 @@ def refusals(q, state) -> list[str]:
     r, r_v = lay.key_coef.shape[3], lay.value_coef.shape[3]
     if r != r_v or r % HEAD_MULTIPLE or r > MAX_HEAD:
         reasons.append(f"FlashAttention takes equal key and value head sizes, multiples of {HEAD_MULTIPLE} up to {MAX_HEAD}; got r = {r}, r_v = {r_v}")
+    if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) < (8, 0):
+        reasons.append("FlashAttention needs compute capability 8.0 or newer")
     if q.dtype not in DTYPES or lay.key_coef.dtype != q.dtype:
         reasons.append(f"FlashAttention takes float16/bfloat16 operands of one dtype; got q {q.dtype}, coefficients {lay.key_coef.dtype}")
     return reasons

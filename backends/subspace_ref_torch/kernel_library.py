@@ -94,9 +94,10 @@ _SIGNATURES = {
     "low_bit_store_values": [ctypes.c_int, _i64, _i64, _i64, _ptr, ctypes.POINTER(Side), ctypes.POINTER(ctypes.c_double)],
     "low_bit_store_keys": [ctypes.c_int, _i64, _i64, _i64, _ptr, _ptr, _ptr, ctypes.POINTER(Side), ctypes.POINTER(ctypes.c_double)],
     "static_append": [
-        ctypes.c_int, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr, ctypes.POINTER(UnrotationStruct), _i64, _ptr, _ptr,
+        ctypes.c_int, ctypes.c_int, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr, ctypes.POINTER(UnrotationStruct), _i64, _ptr, _ptr,
         ctypes.POINTER(Side), ctypes.POINTER(Side), ctypes.POINTER(ctypes.c_double),
     ],
+    "layer_window_append": [_i64, _ptr, ctypes.POINTER(ctypes.c_double)],
 }  # fmt: skip
 
 
@@ -242,13 +243,13 @@ def in_place(x: torch.Tensor | None) -> bool:
     Parameters
     ----------
     x : torch.Tensor or None
-        A layout array (None: nothing to read).
+        A layout array (None, or rows of width 0: nothing to read).
 
     Returns
     -------
     bool
     """
-    if x is None:
+    if x is None or x.dim() == 4 and x.shape[3] == 0:  # rows of no coefficients (rank 0): nothing to read
         return True
     N, H = x.shape[:2]
     return x.stride(-1) == 1 and (N == 1 or x.stride(0) == H * x.stride(1)) and (x.dim() == 3 or x.stride(2) == x.shape[3])

@@ -101,8 +101,8 @@ def static_append(layout, keys: torch.Tensor, values: torch.Tensor, rope, first:
     it are spare capacity), projected on its bases as attention reads them and stored as
     :func:`store_quantized` stores (float32 coefficients as they are); for a pre-RoPE state
     (``rope``) each key is first turned back to position 0 (spec/rope.md P2 step 1) from position
-    first + T + t (spec/window.md W10). Writes only rows past T and, for int4 / int2, sets
-    ``layout.key_tail`` to a new tail. Both sides in one format.
+    first + T + t (spec/window.md W10). Writes only rows past T and, for int4 / int2 keys, sets
+    ``layout.key_tail`` to a new tail. Each side in its own format.
 
     Parameters
     ----------
@@ -119,15 +119,15 @@ def static_append(layout, keys: torch.Tensor, values: torch.Tensor, rope, first:
     -------
     bool
         True when done; False, with nothing written, where the kernels do not serve it (a
-        float64 state, mixed formats, longer blocks, ...). Coefficients beyond float16's range
+        float64 state, a float side not stored as float32, longer blocks, ...). Coefficients beyond float16's range
         raise the oracle's ValueError with nothing the state reads changed.
     """
     T, n = layout.num_tokens, keys.shape[2]
     float32_work = layout.dtype in (torch.float32, torch.float16, torch.bfloat16)  # a float64 state computes in float64: the torch path
-    bits = lib.side_bits(layout, "key") if layout.uniform else None
-    if bits is None or not (float32_work and n <= APPEND_TOKENS and keys.is_cpu and values.is_cpu and layout.key_coef.is_cpu):
+    bits, value_bits = lib.side_bits(layout, "key"), lib.side_bits(layout, "value")
+    if bits is None or value_bits is None or not (float32_work and n <= APPEND_TOKENS and keys.is_cpu and values.is_cpu and layout.key_coef.is_cpu):
         return False
-    if layout.low_bits and (layout.key_tail.dtype != torch.float32 or not layout.key_tail.is_contiguous() or layout.group > MAX_STORE_GROUP):
+    if layout.side_format("key").low_bits and (layout.key_tail.dtype != torch.float32 or not layout.key_tail.is_contiguous() or layout.group > MAX_STORE_GROUP):
         return False
     kernels = lib.library()
     if kernels is None or max(layout.key_bases.shape[3], layout.value_bases.shape[3]) > MAX_STORE_RANK or (rope is not None and keys.shape[3] > lib.MAX_DIM):
@@ -141,10 +141,10 @@ def static_append(layout, keys: torch.Tensor, values: torch.Tensor, rope, first:
     key_basis = layout.decoded_bases("key", torch.float32)[:, :, 0].contiguous()  # (N, H, r, d), as attention reads them
     value_basis = layout.decoded_bases("value", torch.float32)[:, :, 0].contiguous()
     unrotation = None if rope is None else ctypes.byref(_unrotation(rope, d)[1])
-    tail = torch.zeros_like(layout.key_tail) if layout.low_bits else None  # the state's own tail is never written
+    tail = torch.zeros_like(layout.key_tail) if layout.side_format("key").low_bits else None  # the state's own tail is never written
     magnitude = ctypes.c_double()
     rc = kernels.static_append(
-        bits, N * H, T, n, keys.data_ptr(), values.data_ptr(), d, d_v, key_basis.data_ptr(), value_basis.data_ptr(), unrotation,
+        bits, value_bits, N * H, T, n, keys.data_ptr(), values.data_ptr(), d, d_v, key_basis.data_ptr(), value_basis.data_ptr(), unrotation,
         first, None if tail is None else layout.key_tail.data_ptr(), None if tail is None else tail.data_ptr(), ctypes.byref(sides[0]),
         ctypes.byref(sides[1]), ctypes.byref(magnitude),
     )  # fmt: skip

@@ -65,6 +65,9 @@ class GroupedLayer(CacheLayerMixin):
     #: ``subspace_ref.attend`` over the layer state (spec/layer_state.md L5.2: on the torch
     #: backend, one call of the C kernels for every group) rather than one per child
     one_attend = True
+    #: a decode step appends every child's token by one call of the backend's layer append
+    #: (spec/layer_state.md L3; torch/CPU: ``subspace_ref_torch.layer_append``) where it serves the step
+    one_append = True
 
     def __init__(self, cache, layer_idx: int, layer: LayerState, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -83,6 +86,8 @@ class GroupedLayer(CacheLayerMixin):
         self._query_rows: dict[int, tuple] = {}  # per query heads per KV head g: (rows per group, inverse), as index tensors
         self.dtype, self.device, self.is_initialized = dtype, device, True
         self.pending_keys: torch.Tensor | None = None
+        self._new_tokens: tuple | None = None  # the layer's keys and values of the pending update, (B, H, n, d)
+        self._appender: tuple | None = None  # (admission, the backend's one-call append of a decode step or None)
         self._layer_state: LayerState | None = None  # :attr:`state` while the children hold the same state objects
 
     def __repr__(self) -> str:
@@ -114,6 +119,7 @@ class GroupedLayer(CacheLayerMixin):
         for child, index in zip(self.children, self._index):
             child.pending_keys, child.pending_values = key_states.index_select(1, index), value_states.index_select(1, index)
         self.pending_keys = key_states
+        self._new_tokens = (key_states, value_states)
         _attn.tag(key_states, self)
         return key_states, value_states
 
@@ -161,7 +167,7 @@ class GroupedLayer(CacheLayerMixin):
     # -- attention
     def _clear_pending(self) -> None:
         _attn.untag(self.pending_keys)
-        self.pending_keys = None
+        self.pending_keys = self._new_tokens = None
         for child in self.children:
             child._clear_pending()
 
@@ -176,25 +182,28 @@ class GroupedLayer(CacheLayerMixin):
         outputs (B, H_q, n, d_v) come back in query-head order."""
         g = query.shape[1] // self.kv_heads
         _attn.untag(self.pending_keys)
-        self.pending_keys = None
+        tokens, self.pending_keys, self._new_tokens = self._new_tokens, None, None
         if g not in self._query_rows:
             rows, inverse = query_rows(self.state.groups, g)
             as_index = lambda r: torch.as_tensor(r, dtype=torch.long, device=query.device)  # noqa: E731
             self._query_rows[g] = ([as_index(r) for r in rows], as_index(inverse))
         rows, inverse = self._query_rows[g]
         if self.one_attend and len(self.children) > 1 and query.shape[2] == 1 and mask is None and softcap is None:
-            return self._decode_step(query, scale)
+            return self._decode_step(query, scale, tokens)
         outs = [child.attend_pending(query.index_select(1, r), scale, mask=mask, softcap=softcap) for child, r in zip(self.children, rows)]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1).index_select(1, inverse)
 
-    def _decode_step(self, query: torch.Tensor, scale: float) -> torch.Tensor:
-        """One new token per sequence: every child appends its pending token (as its own
+    def _decode_step(self, query: torch.Tensor, scale: float, tokens: tuple | None = None) -> torch.Tensor:
+        """One new token per sequence: every child appends its pending token (by one call of the
+        backend's layer append where it serves the step, :meth:`_append_step`; else as its own
         :meth:`SubspaceLayer.attend_pending` would: on a failure the attention function's
         :meth:`abandon` gives back every layer's tokens of the forward), then one
         ``subspace_ref.attend`` over the layer state (spec/layer_state.md L5) for all the query
         heads, (B, H_q, 1, d) -> (B, H_q, 1, d_v)."""
-        for child in self.children:
-            child._append(*child.take_pending(query.shape[2]))
+        taken = [child.take_pending(query.shape[2]) for child in self.children]
+        if tokens is None or not self._append_step(*tokens):
+            for child, (k, v) in zip(self.children, taken):
+                child._append(k, v)
         layer = self.state
         q = query[:, :, 0]
         numpy = isinstance(layer.groups[0].state.layout.key_coef, np.ndarray)
@@ -202,6 +211,28 @@ class GroupedLayer(CacheLayerMixin):
         if not isinstance(out, torch.Tensor):
             out = torch.from_numpy(np.asarray(out)).to(device=query.device, dtype=query.dtype)
         return out[:, :, None]
+
+    def _append_step(self, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        """Every child's one new token (the layer's ``keys`` (B, H, 1, d)) appended by the
+        backend's one-call layer append (spec/layer_state.md L3; on torch/CPU,
+        ``subspace_ref_torch.layer_append``: one call of the C kernels for every group), asked
+        once per admission (the tokens' dtype, device and shape); False, with nothing changed,
+        where it does not serve the step (then each child appends as before)."""
+        if not self.one_append:
+            return False
+        states = [child.state for child in self.children]
+        if any(st is None for st in states) or not all(st.engine == "torch" for st in states):
+            return False
+        admission = (tuple(keys.shape), tuple(values.shape), keys.dtype, values.dtype, keys.device)
+        held = self._appender
+        if held is None or held[0] != admission:
+            try:
+                from subspace_ref_torch.layer_append import layer_appender
+            except ImportError:  # the torch backend's package is not installed
+                layer_appender = None
+            appender = None if layer_appender is None else layer_appender(states, self.heads, keys, values)
+            held = self._appender = (admission, appender)
+        return held[1] is not None and held[1](states, keys, values)
 
 
 __all__ = ["GroupedLayer"]

@@ -284,7 +284,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of the prefill setting (default 3)")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--layers", type=int, default=4, help="layers of the random head-128 Llama (default 4)")
-    p.add_argument("--contexts", type=int, nargs="*", default=None, help="contexts of the llama128 setting (default 8192 16384)")
+    p.add_argument("--contexts", type=int, nargs="*", default=None,
+                   help="contexts (default: 256 512 1008 for the shipped setting, whose model holds 1024 positions; 8192 16384 for llama128)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="dtype of the llama128 setting (default float32)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -295,7 +296,7 @@ def main() -> None:
     if args.setting == "prefill":
         out["prefill"] = prefill_rows(args.rounds)
     if args.setting in ("shipped", "both"):
-        out["shipped"] = shipped(args.steps)
+        out["shipped"] = shipped(args.steps, tuple(args.contexts or (256, 512, 1008)))
     if args.setting in ("llama128", "both"):
         out["llama128"] = llama128(args.steps, args.layers, tuple(args.contexts or (8192, 16384)), getattr(torch, args.dtype))
     if args.json:

@@ -8,7 +8,8 @@ Two settings:
   up to its 1024 limit. The prompt is prefilled through the model with each cache (real keys
   and values; static bases calibrated on other text at r = r_v = 16 of 64; the uniform pre-RoPE
   row of docs/baselines.md; the allocator's states at 25% and 12.5%, calibrated as
-  ``subspace-kv calibrate --compression-ratio R`` does), then ``--steps`` greedy decode steps
+  ``subspace-kv calibrate --compression-ratio R`` does, and again with ``--key-bases
+  post_rope,plane,identity``), then ``--steps`` greedy decode steps
   are timed.
 * ``llama128``: a random-init Llama with head size 128 (hidden 1024, 8 query / 8 KV heads,
   ``--layers`` layers) at 8k-16k tokens, subspace caches with float, int8 and int4 coefficients. Prefilling 16k tokens through the model on one CPU
@@ -137,6 +138,9 @@ def rows_for(model, contexts, steps, make_caches, prefill) -> list[dict]:
     return rows
 
 
+FAST_KEY_BASES = ("post_rope", "plane", "identity")
+
+
 def shipped(steps: int, contexts=(256, 512, 1008)) -> list[dict]:
     from transformers import DynamicCache
 
@@ -166,6 +170,8 @@ def shipped(steps: int, contexts=(256, 512, 1008)) -> list[dict]:
     pre_states = static_states(pre, coefficients="int4", rope=RopeParams.from_config(model.config), sinks=4, window=32)
     # the front door's allocations (`subspace-kv calibrate --compression-ratio R`: sinks and window chosen by its loss)
     calibrated = {ratio: calibrate_checkpoint("default", ratio) for ratio in (0.25, 0.125)}
+    # the same without pre-RoPE keys (`--key-bases post_rope,plane,identity`, spec/layer_state.md L6.3)
+    fast = {ratio: calibrate_checkpoint("default", ratio, key_bases=FAST_KEY_BASES) for ratio in (0.25, 0.125)}
 
     print(f"shipped model, float32, r = r_v = 16 of 64, {steps} decode steps after a real prefill")
     with compress(model, static_states(bases)) as kv:
@@ -175,6 +181,8 @@ def shipped(steps: int, contexts=(256, 512, 1008)) -> list[dict]:
             "pre-RoPE r=37/36 int4 + sinks 4 + window 32": lambda: SubspaceCache(model.config, pre_states),
             **{f"allocator {ratio:.1%} (sinks {c.allocation.sinks}, window {c.allocation.window})": lambda c=c: SubspaceCache(model.config, c.states(model.config))
                for ratio, c in calibrated.items()},
+            **{f"allocator {ratio:.1%}, no pre-RoPE keys (sinks {c.allocation.sinks}, window {c.allocation.window})":
+               lambda c=c: SubspaceCache(model.config, c.states(model.config)) for ratio, c in fast.items()},
             **quantized_caches(model.config),
         }
         return rows_for(model, contexts, steps, caches, prefill)

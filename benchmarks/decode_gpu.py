@@ -26,9 +26,8 @@ Per (N, T), all in the same process:
 * **<backend>-rope[-int8|-int4]** (``--rope``) -- the same on a pre-RoPE static state
   (spec/rope.md P2-P3: keys stored as coefficients before the rotation, rebuilt and rotated to
   each token's position inside the kernel), full rotary (64 planes, base 10000).
-  **triton-rope[-...] bt=<tile> w=<warps> [fp32-rebuild]** (``--rope-sweep``): the pre-RoPE
-  kernel with other tiles and warps, and with the float32 rebuild where the tensor cores would
-  take it.
+  **triton-rope[-...] <keywords>** (``--rope-sweep``): the pre-RoPE kernel with other launch
+  keywords (``ROPE_SWEEP``: the previous kernel, ``legacy=True``; two 16-bit key parts; 8 warps).
 * **<backend>-adaptive[-int8]** -- the same on an adaptive-layout state (spec A7/A9) with
   J = T / 256 chunks per head (``--chunk-tokens``): chunk j covers tokens [256 j, 256 (j + 1))
   with its own random orthonormal bases, coefficients those of the static state. Synthetic --
@@ -82,8 +81,9 @@ DTYPE = "bfloat16"
 # (launch_config; None: the default's, 0: no cap)
 SWEEP = ((32, 4, None), (64, 4, None), (128, 4, None), (32, 8, None), (64, 8, None), (None, None, 0), (None, None, 168), (None, None, 128), (None, None, 96),
          (32, 1, 0), (32, 2, 0))  # 1-2 warps: fewer instructions per token in the compiled loop (docs/gpu.md, "Static budgets")
-# (tokens per tile, warps, tensor-core rebuild) of the pre-RoPE kernel timed besides its default
-ROPE_SWEEP = ((16, 8, False), (16, 8, True), (16, 4, True), (32, 8, True), (64, 8, True))
+# launch keywords of the pre-RoPE kernel timed besides its default: the kernel of the last landing
+# (legacy, 32-token tiles on 4 warps: its default then), both 16-bit parts of the rotated keys, 8 warps
+ROPE_SWEEP = (dict(legacy=True), dict(legacy=True, block_t=16, num_warps=8), dict(key_parts=2), dict(block_t=64, num_warps=8))
 
 
 def fail(msg: str) -> None:
@@ -383,9 +383,8 @@ def time_backends(rows: list[dict], names, usable, kind: str, state, q, scale: f
                 rows.append(dict(method="triton-static-api", chunks=J, ms=ms_api, bytes=nbytes))
             if name == "triton" and sweep and kind.startswith("rope"):
                 rope = st.policy.rope
-                configs = [(f"bt={bt} w={nw}" + ("" if native else " fp32-rebuild"),
-                            functools.partial(rope_decode.decode_attention, q, st.layout, rope, scale, block_t=bt, num_warps=nw, native=native))
-                           for bt, nw, native in ROPE_SWEEP]
+                configs = [(" ".join(f"{k}={v}" for k, v in kw.items()), functools.partial(rope_decode.decode_attention, q, st.layout, rope, scale, **kw))
+                           for kw in ROPE_SWEEP]
             elif name == "triton" and sweep:
                 configs = [(sweep_label(bt, nw, cap), functools.partial(decode.decode_attention, q, st.layout, scale, block_t=bt, num_warps=nw, max_registers=cap))
                            for bt, nw, cap in SWEEP]

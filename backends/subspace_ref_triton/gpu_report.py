@@ -125,7 +125,7 @@ def triton_launches(exhaustive: bool = False):
     for name, coef in (("bf16", "float"), ("bf16", "int8"), ("bf16", "int4"), ("bf16", "int2"), ("fp32", "float")):  # pre-RoPE (spec/rope.md P3)
         lay = _layout(torch, T, D, RANK, dtypes[name], coef)
         launch, _ = rope_decode.split_launch(torch.zeros(1, H_KV * GROUP, D, dtype=dtypes[name]), lay, rope, 0.1, 1024)
-        out.append(("decode rope", f"{name}{'' if coef == 'float' else ' ' + coef} d={D} r={RANK} g={GROUP} bt={rope_decode.BLOCK_T} w={launch.num_warps}", True, launch))
+        out.append(("decode rope", f"{name}{'' if coef == 'float' else ' ' + coef} d={D} r={RANK} g={GROUP} bt={launch.constexprs['BLOCK_T']} w={launch.num_warps}", True, launch))
 
     for name in ("bf16", "fp32"):  # exact tokens (spec/window.md W3, W8): one partial per segment
         k = torch.zeros(1, H_KV, 512, D, dtype=dtypes[name])

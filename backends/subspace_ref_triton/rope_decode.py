@@ -1,29 +1,39 @@
 """Decode attention over a pre-RoPE static state (spec/rope.md P3) as one fused Triton kernel per
 split of the token axis, merged by :func:`subspace_ref_triton.decode.merge_partials`.
 
-A program owns one (sequence, KV head) and one split, and per tile of ``BLOCK_T`` tokens
+Main loop (``_rope_mma_kernel``, the default; issue 38 item 2). A program owns one (sequence, KV
+head) and one split, and per tile of ``BLOCK_T`` tokens, tokens on the MMAs' M dimension:
 
-1. rebuilds the keys from their coefficients, ``u_t = B^T c_t`` (int8 coefficients, spec A10,
-   converted exactly in the kernel, their scales applied to the logits; int4/int2,
-   spec/quantization.md Q2, unpacked and dequantised to float32 in the kernel), as three products with
-   the basis columns of the planes' first dims, second dims and the fixed dims (the layout's
-   planes, ``RopeParams.planes``, become contiguous halves: no gather of the rebuilt key);
-2. rotates them to their positions, ``R_t u_t``: cos/sin of ``t theta_i`` by angle addition of
-   the tile's base angle (a float32 row of :func:`base_angles`, computed on the host in float64,
-   2m numbers per tile) and the offsets ``k theta_i`` (float64, once per program);
-3. takes the logits with the g query heads of the GQA group (``gamma_h * scale`` applied to the
-   float32 logits), and runs the one-pass softmax of spec A3 with the values kept in coefficient
-   space (``g x r_v`` accumulator), mapped through ``E`` once per split.
+1. rebuilds the keys from their coefficients, ``u_t = B^T c_t``, on the tensor cores: 16-bit
+   coefficients and int8 codes (spec A10, exact in the bases' 16-bit type) are one MMA operand as
+   stored, int4/int2 keys (spec/quantization.md Q1-Q2, float32 after ``c s + z``) two 16-bit
+   parts; float32 accumulation. Three products, with the basis columns of the planes' first dims,
+   second dims and the fixed dims (``RopeParams.planes``): the two halves of every plane land in
+   the same fragment element of two accumulators, so the rotation needs no data movement;
+2. rotates the keys by their in-tile offsets ``k theta_i`` only, from a small float32 table
+   (:func:`offset_angles`, float64 on the host), and the g queries once per tile back by the
+   tile's base angle (a float32 row of :func:`base_angles`, float64 on the host, ``a`` folded in):
+   ``q . a R_p R_k u = (a R_p^T q) . (R_k u)``. No float64 in the kernel;
+3. takes the logits ``(BLOCK_T, g)`` on the tensor cores, float32 operands in bfloat16 parts:
+   the rotated queries (once per tile) in two (hi: the top 16 bits, exact; lo: the rest,
+   rounded); the rotated keys in one (rounded to nearest, ~2^-9 relative per element: with
+   bfloat16 bases, whose own rounding the harness tolerance measures, 0.03-0.1 of that tolerance
+   on tests/test_rope_decode.py's states) or, with float16 bases (0.3-0.7 with one part), two:
+   hi.hi + hi.lo + lo.hi, ~2^-16 relative (``key_parts``); int8 key scales multiply the logits
+   per token;
+4. runs the one-pass softmax of spec A3 and the value sums on the tensor cores: 16-bit value
+   coefficients or int8 codes exact, int4/int2 codes exact (Q6: the scales ``tau_t`` folded into
+   the weights, ``sum_t w_t zeta_t`` beside), the float32 weights in 3 bfloat16 / 2 float16 parts
+   as ``decode._decode_split_kernel`` cuts them; ``E`` once per split.
 
-Rebuilding the key (not rotating the query per token) serves all g query heads with one
-``O(r d)`` product per token: spec/roofline.md R13. On a GPU, when the bases are 16-bit and the
-coefficients are of the bases' dtype or int8 (``NATIVE16``), the rebuild runs on the tensor
-cores with the operands as stored: a product of two 16-bit numbers is exact in float32 (int8
-codes are exact in either 16-bit type), and the sums accumulate in float32, so it computes what
-the float32 ``ieee`` product computes up to the order of the sums. Everything else is float32
-(``ieee`` products), and so is the rebuild of float32 and int4/int2 states and the interpreter's
-(whose 16-bit ``tl.dot`` multiplies bit patterns). The float32 rebuild of a bf16 state is many
-times SDPA's time on an H100 (docs/gpu.md, "Measured on an H100").
+Float32 bases (or ``native=False``) run the same loop with float32 (``ieee``) products. Under the
+interpreter the 16-bit products are float32 products of the same 16-bit parts (``NATIVE16``
+False); ``tests/test_rope_decode.py`` also runs the GPU's constexprs and 16-bit arithmetic there.
+
+``legacy=True`` launches the kernel before this form (``_rope_split_kernel``: float32 logits and
+value sums on CUDA cores, per-element low-bit dequantisation, 32-token tiles on 4 warps that spill),
+kept to time against it. Rebuilding the key (not rotating the query per token) serves all g
+query heads with one ``O(r d)`` product per token: spec/roofline.md R13.
 """
 
 from __future__ import annotations
@@ -37,15 +47,20 @@ import triton.language as tl
 from subspace_ref_triton._common import Launch, cdiv, interpreting, pow2_at_least
 from subspace_ref_triton._tl import MAX_COMBINE as _MAX
 from subspace_ref_triton._tl import SUM_COMBINE as _SUM
-from subspace_ref_triton._tl import low_bit_keys, low_bit_values
+from subspace_ref_triton._tl import low_bit_keys, low_bit_values, tile_codes
 from subspace_ref_triton.decode import DOT_ROWS, default_split_len, merge_partials, side_formats
 
-# Tokens per tile and warps, chosen by H100 timing although ptxas spills with them: the compile
-# report lists this default as spilling by choice (SPILLS_MEASURED); the timings are in docs/gpu.md.
-BLOCK_T = 32
+# Tokens per tile and warps of the tensor-core form with 16-bit bases, from the compiled code (not
+# timed): at 64 tokens on 4 warps every warp owns 16 rows of the MMAs (32 tokens on 4 warps
+# duplicate half of them), no spill on sm_90 (238-255 registers, 2 programs per SM); 2 warps and
+# 128-token tiles spill. Compile figures: the report of issue 38 item 2 (docs/gpu.md).
+BLOCK_T = 64
 NUM_WARPS = 4
-SPILLS_MEASURED = ("spills; timed faster on an H100 (bf16 float, int8, int4; fp32 and int2 not timed) than the largest configuration that does not "
-                   "(16-token tiles, 8 warps): docs/gpu.md")
+FP32_BLOCK_T = 32  # float32 bases: 155 registers, no spill on sm_90 (64-token tiles spill)
+LEGACY_BLOCK_T = 32  # the kernel before the tensor-core form (split_launch(legacy=True))
+LEGACY_NUM_WARPS = 4
+SPILLS_MEASURED = ("tensor-core form (64-token tiles, 4 warps): no spill on sm_90; 20-40 B on sm_80 with int8/int4/int2 coefficients "
+                   "under Triton 3.9, not timed; legacy kernel (legacy=True, not a default): spills, timings in docs/gpu.md")
 
 
 @triton.jit
@@ -184,15 +199,241 @@ def _rope_split_kernel(
     tl.store(po_ptr + (row * num_splits + s)[:, None] * d_v + offs_dv[None, :], o_i, mask=g_mask[:, None] & (offs_dv < d_v)[None, :])
 
 
+@triton.jit
+def _dot16(a, b, acc, NATIVE16: tl.constexpr):
+    """``acc + a @ b`` of 16-bit operands: on the tensor cores (float32 accumulation), or under the
+    interpreter / a float32 launch as float32 products of the same 16-bit numbers (exact products)."""
+    if NATIVE16:
+        out = tl.dot(a, b, acc=acc)
+    else:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc=acc, input_precision="ieee")
+    return out
+
+
+@triton.jit
+def _rope_mma_kernel(
+    q_ptr, kc_ptr, vc_ptr, kb_ptr, vb_ptr, gamma_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr, tail_ptr, order_ptr, off_ptr, base_ptr,
+    pm_ptr, pz_ptr, po_ptr,
+    H, group, num_tokens, split_len, num_splits, scale, tiles_per_split,
+    d, d_v, r, r_v, m, f,
+    sq_n, sq_h,
+    skc_n, skc_h, skc_t,
+    svc_n, svc_h, svc_t,
+    skb_n, skb_h, skb_r,
+    svb_n, svb_h, svb_r,
+    sks_n, sks_h, sks_t,
+    svs_n, svs_h, svs_t,
+    kgroup, stl_n, stl_h, stl_t,
+    G: tl.constexpr, M: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, RV: tl.constexpr,
+    BLOCK_T: tl.constexpr, K_INT8: tl.constexpr, V_INT8: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, HAS_FIXED: tl.constexpr,
+    NATIVE16: tl.constexpr, SPLIT: tl.constexpr, W_PARTS: tl.constexpr, KEY_PARTS: tl.constexpr,
+):
+    """The tensor-core form (module docstring, "Main loop"): tokens on the MMAs' M dimension."""
+    nh = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    n = nh // H
+    h = nh % H
+    CDT = kb_ptr.dtype.element_ty  # the bases' dtype: the rebuild's and the value sum's operands
+    PDT = tl.bfloat16  # parts of the float32 rotated keys and queries (float32's range)
+    ROWS: tl.constexpr = CDT != tl.float32
+
+    offs_g = tl.arange(0, G)
+    offs_m = tl.arange(0, M)
+    offs_dv = tl.arange(0, DV)
+    offs_r = tl.arange(0, R)
+    offs_rv = tl.arange(0, RV)
+    offs_t = tl.arange(0, BLOCK_T)
+    g_mask = offs_g < group
+    m_mask = offs_m < m
+    r_mask = offs_r < r
+    rv_mask = offs_rv < r_v
+
+    dim_a = tl.load(order_ptr + offs_m, mask=m_mask, other=0)
+    dim_b = tl.load(order_ptr + m + offs_m, mask=m_mask, other=0)
+    q_rows = q_ptr + n * sq_n + (h * group + offs_g)[:, None] * sq_h
+    qa = tl.load(q_rows + dim_a[None, :], mask=g_mask[:, None] & m_mask[None, :], other=0.0).to(tl.float32)  # (G, M)
+    qb = tl.load(q_rows + dim_b[None, :], mask=g_mask[:, None] & m_mask[None, :], other=0.0).to(tl.float32)
+    kb_rows = kb_ptr + n * skb_n + h * skb_h + offs_r[:, None] * skb_r
+    Ba = tl.load(kb_rows + dim_a[None, :], mask=r_mask[:, None] & m_mask[None, :], other=0.0)  # (R, M), as stored
+    Bb = tl.load(kb_rows + dim_b[None, :], mask=r_mask[:, None] & m_mask[None, :], other=0.0)
+    if HAS_FIXED:
+        offs_f = tl.arange(0, F)
+        f_mask = offs_f < f
+        dim_f = tl.load(order_ptr + 2 * m + offs_f, mask=f_mask, other=0)
+        qf = tl.load(q_rows + dim_f[None, :], mask=g_mask[:, None] & f_mask[None, :], other=0.0).to(tl.float32)
+        Bf = tl.load(kb_rows + dim_f[None, :], mask=r_mask[:, None] & f_mask[None, :], other=0.0)
+        if SPLIT:  # the fixed dims' query parts, once per program (not rotated)
+            qf_hi = qf.to(PDT)
+            qf_lo = (qf - qf_hi.to(tl.float32)).to(PDT)
+            qf_hit = tl.trans(qf_hi)
+            qf_lot = tl.trans(qf_lo)
+    # cos/sin of k theta_i for the in-tile offsets k < BLOCK_T: a float32 table built on the host in float64 (offset_angles)
+    ck = tl.load(off_ptr + offs_t[:, None] * m + offs_m[None, :], mask=m_mask[None, :], other=0.0)  # (BLOCK_T, M)
+    sk = tl.load(off_ptr + (BLOCK_T + offs_t)[:, None] * m + offs_m[None, :], mask=m_mask[None, :], other=0.0)
+
+    kc_base = kc_ptr + n * skc_n + h * skc_h
+    vc_base = vc_ptr + n * svc_n + h * svc_h
+    ks_base = ks_ptr + n * sks_n + h * sks_h
+    vs_base = vs_ptr + n * svs_n + h * svs_h
+    kz_base = kz_ptr + n * sks_n + h * sks_h
+    vz_base = vz_ptr + n * svs_n + h * svs_h
+    tail_base = tail_ptr + n * stl_n + h * stl_h
+    complete = num_tokens // kgroup * kgroup
+    logit_scale = tl.load(gamma_ptr + h).to(tl.float32) * scale
+
+    lo = s * split_len
+    hi = tl.minimum(lo + split_len, num_tokens)
+    m_i = tl.full([G], float("-inf"), tl.float32)
+    z_i = tl.full([G], 0.0, tl.float32)
+    zacc = tl.full([G], 0.0, tl.float32)  # int4/int2 values: sum_t w_t zeta_t (spec/quantization.md Q6)
+    acc_t = tl.full([RV, G], 0.0, tl.float32)  # value-coefficient accumulator, transposed (tokens were on M)
+    base_row = base_ptr + s * tiles_per_split * 2 * m
+    for t0 in range(lo, hi, BLOCK_T):  # sass: main loop
+        tok = t0 + offs_t
+        t_mask = tok < hi
+        # step 1: rebuild u_t = B^T c_t, tokens on M; coefficients exact in 16 bits (the bases' dtype,
+        # int8 codes) take one MMA, int4/int2 keys (float32 after Q1-Q2) two parts
+        if K_BITS == 0:
+            c = tl.load(kc_base + tok[:, None] * skc_t + offs_r[None, :], mask=t_mask[:, None] & r_mask[None, :], other=0)  # sass: codes
+            if K_INT8:
+                c = c.to(tl.float32).to(CDT)
+            ua = _dot16(c, Ba, None, NATIVE16)
+            ub = _dot16(c, Bb, None, NATIVE16)
+            if HAS_FIXED:
+                uf = _dot16(c, Bf, None, NATIVE16)
+        else:
+            x = low_bit_keys(kc_base, ks_base, kz_base, tail_base, tok, t_mask, offs_r, r_mask, complete, kgroup, skc_t, sks_t, stl_t, r, K_BITS, ROWS)
+            if SPLIT:
+                x_hi = x.to(CDT)
+                x_lo = (x - x_hi.to(tl.float32)).to(CDT)
+                ua = _dot16(x_hi, Ba, _dot16(x_lo, Ba, None, NATIVE16), NATIVE16)
+                ub = _dot16(x_hi, Bb, _dot16(x_lo, Bb, None, NATIVE16), NATIVE16)
+                if HAS_FIXED:
+                    uf = _dot16(x_hi, Bf, _dot16(x_lo, Bf, None, NATIVE16), NATIVE16)
+            else:
+                ua = tl.dot(x, Ba.to(tl.float32), input_precision="ieee")
+                ub = tl.dot(x, Bb.to(tl.float32), input_precision="ieee")
+                if HAS_FIXED:
+                    uf = tl.dot(x, Bf.to(tl.float32), input_precision="ieee")
+        # step 2: keys rotated by their in-tile offsets only (both halves of a plane in one fragment)
+        ra = ua * ck - ub * sk
+        rb = ua * sk + ub * ck
+        # the queries rotated back by the tile's base angle (a cos/sin of p theta, base_angles): q . R_p R_k u = (R_p^T q) . R_k u
+        row = base_row + ((t0 - lo) // BLOCK_T) * 2 * m
+        ca = tl.load(row + offs_m, mask=m_mask, other=0.0)
+        sa = tl.load(row + m + offs_m, mask=m_mask, other=0.0)
+        pa = qa * ca[None, :] + qb * sa[None, :]
+        pb = qb * ca[None, :] - qa * sa[None, :]
+        # step 3: logits (BLOCK_T, G) on the tensor cores, float32 operands in bfloat16 parts (module
+        # docstring): queries in two parts; keys in KEY_PARTS, k_hi q_hi + k_hi q_lo [+ k_lo q_hi]
+        if SPLIT:
+            # hi: the top 16 bits (truncation, exact in bfloat16), lo: the exact rest, rounded
+            if KEY_PARTS == 2:
+                ra_bits = ra.to(tl.uint32, bitcast=True) & 0xFFFF0000
+                ra_lo = (ra - ra_bits.to(tl.float32, bitcast=True)).to(PDT)
+                ra_hi = (ra_bits >> 16).to(tl.uint16).to(PDT, bitcast=True)
+                rb_bits = rb.to(tl.uint32, bitcast=True) & 0xFFFF0000
+                rb_lo = (rb - rb_bits.to(tl.float32, bitcast=True)).to(PDT)
+                rb_hi = (rb_bits >> 16).to(tl.uint16).to(PDT, bitcast=True)
+            else:  # one part, rounded to nearest: ~2^-9 relative per key element (the default with bfloat16 bases)
+                ra_hi = ra.to(PDT)
+                rb_hi = rb.to(PDT)
+            pa_hi = pa.to(PDT)
+            pa_lo = tl.trans((pa - pa_hi.to(tl.float32)).to(PDT))
+            pa_hi = tl.trans(pa_hi)
+            pb_hi = pb.to(PDT)
+            pb_lo = tl.trans((pb - pb_hi.to(tl.float32)).to(PDT))
+            pb_hi = tl.trans(pb_hi)
+            if KEY_PARTS == 2:  # smallest parts first
+                logits = _dot16(ra_lo, pa_hi, None, NATIVE16)
+                logits = _dot16(rb_lo, pb_hi, logits, NATIVE16)
+                logits = _dot16(ra_hi, pa_lo, logits, NATIVE16)
+            else:
+                logits = _dot16(ra_hi, pa_lo, None, NATIVE16)
+            logits = _dot16(rb_hi, pb_lo, logits, NATIVE16)
+            if HAS_FIXED:
+                uf_hi = uf.to(PDT)
+                if KEY_PARTS == 2:
+                    uf_lo = (uf - uf_hi.to(tl.float32)).to(PDT)
+                    logits = _dot16(uf_lo, qf_hit, logits, NATIVE16)
+                logits = _dot16(uf_hi, qf_lot, logits, NATIVE16)
+                logits = _dot16(uf_hi, qf_hit, logits, NATIVE16)
+            logits = _dot16(ra_hi, pa_hi, logits, NATIVE16)
+            logits = _dot16(rb_hi, pb_hi, logits, NATIVE16)
+        else:
+            logits = tl.dot(ra, tl.trans(pa), input_precision="ieee")
+            logits = tl.dot(rb, tl.trans(pb), acc=logits, input_precision="ieee")
+            if HAS_FIXED:
+                logits = tl.dot(uf, tl.trans(qf), acc=logits, input_precision="ieee")
+        if K_INT8:  # spec A10: k_t = s_t R_t B^T q_t
+            logits = logits * (tl.load(ks_base + tok * sks_t, mask=t_mask, other=0.0) * logit_scale)[:, None]
+        else:
+            logits = logits * logit_scale
+        logits = tl.where(t_mask[:, None], logits, float("-inf"))
+        m_new = tl.maximum(m_i, tl.reduce(logits, 0, _MAX))
+        alpha = tl.exp(m_i - m_new)
+        w = tl.exp(logits - m_new[None, :])  # (BLOCK_T, G)
+        z_i = z_i * alpha + tl.reduce(w, 0, _SUM)
+        # values in coefficient space: sum_t w_t d_t with 16-bit exact codes and the scales in the weights
+        if V_BITS == 0:
+            dv = tl.load(vc_base + tok[:, None] * svc_t + offs_rv[None, :], mask=t_mask[:, None] & rv_mask[None, :], other=0)  # sass: codes
+            if V_INT8:
+                dv = dv.to(tl.float32).to(CDT)
+                w = w * tl.load(vs_base + tok * svs_t, mask=t_mask, other=0.0)[:, None]
+        else:
+            # spec/quantization.md Q6: x = code tau_t + zeta_t; sum_t (w_t tau_t) code_t + sum_t w_t zeta_t
+            dv = tile_codes(vc_base, tok, t_mask, offs_rv, r_v, svc_t, V_BITS, ROWS).to(tl.float32)
+            tau = tl.load(vs_base + tok * svs_t, mask=t_mask, other=0.0).to(tl.float32)
+            zeta = tl.load(vz_base + tok * svs_t, mask=t_mask, other=0.0).to(tl.float32)
+            zacc = zacc * alpha + tl.reduce(w * zeta[:, None], 0, _SUM)
+            w = w * tau[:, None]
+            if SPLIT:
+                dv = dv.to(CDT)
+        acc_t = acc_t * alpha[None, :]
+        dvt = tl.trans(dv)  # (RV, BLOCK_T)
+        # float16 parts only (W_PARTS == 2): a power-of-two unit keeps the scaled weights <= 1 inside
+        # float16's range (exact, undone below); bfloat16 parts have float32's range
+        SCALED: tl.constexpr = (V_INT8 or V_BITS > 0) and W_PARTS == 2
+        if SPLIT:
+            if SCALED:
+                w_max = tl.reduce(tl.reduce(w, 0, _MAX), 0, _MAX)
+                w_unit = tl.exp2(tl.ceil(tl.log2(tl.where(w_max > 0, w_max, 1.0))))
+                w = w / w_unit
+            w_hi = w.to(CDT)
+            w_rest = w - w_hi.to(tl.float32)
+            w_mid = w_rest.to(CDT)
+            pv = _dot16(dvt, w_mid, None, NATIVE16)
+            if W_PARTS == 3:
+                pv = _dot16(dvt, (w_rest - w_mid.to(tl.float32)).to(CDT), pv, NATIVE16)
+            pv = _dot16(dvt, w_hi, pv, NATIVE16)
+            if SCALED:
+                pv = pv * w_unit
+        else:
+            pv = tl.dot(dvt.to(tl.float32), w, input_precision="ieee")
+        acc_t += pv
+        m_i = m_new
+
+    acc = tl.trans(acc_t) + zacc[:, None]  # (G, RV)
+    E = tl.load(vb_ptr + n * svb_n + h * svb_h + offs_rv[:, None] * svb_r + offs_dv[None, :],
+                mask=rv_mask[:, None] & (offs_dv < d_v)[None, :], other=0.0).to(tl.float32)
+    o_i = tl.dot(acc, E, input_precision="ieee")
+    row = (n * H + h) * group + offs_g
+    tl.store(pm_ptr + row * num_splits + s, m_i, mask=g_mask)
+    tl.store(pz_ptr + row * num_splits + s, z_i, mask=g_mask)
+    tl.store(po_ptr + (row * num_splits + s)[:, None] * d_v + offs_dv[None, :], o_i, mask=g_mask[:, None] & (offs_dv < d_v)[None, :])
+
+
 def split_launch(q, layout, rope, scale: float, split_len: int, first_position: int = 0, *, block_t: int | None = None, num_warps: int | None = None,
-                 native: bool | None = None):
+                 native: bool | None = None, legacy: bool = False, key_parts: int | None = None):
     """The split kernel's launch (not run) and the partials (m, Z, N) it fills, float32, in the
     format of :func:`subspace_ref_triton.decode.split_launch` (m includes gamma * scale).
     ``layout``: a one-chunk layout of torch tensors (a static state's, bases decoded);
     ``first_position``: the position of compressed token 0 (spec/window.md W10: the sinks).
-    ``block_t`` (a power of two >= 16), ``num_warps`` and ``native`` (False: the float32 rebuild
-    even where :func:`native16` allows the tensor cores) override the defaults, for the
-    benchmark's sweep."""
+    ``block_t`` (a power of two >= 16), ``num_warps`` and ``native`` (False: float32 products
+    throughout, even where :func:`native16` allows the tensor cores) override the defaults, for the
+    benchmark's sweep; ``key_parts`` (1 or 2): bfloat16 parts of the rotated keys in the logits
+    (default 1 with bfloat16 bases, 2 with float16: see the kernel's step 3); ``legacy``: the kernel before the tensor-core form (``_rope_split_kernel``,
+    float32 logits and value sums, BLOCK_T/NUM_WARPS of before), kept for timing against it."""
     N, Hq, d = q.shape
     H = layout.key_coef.shape[1]
     group = Hq // H
@@ -213,10 +454,11 @@ def split_launch(q, layout, rope, scale: float, split_len: int, first_position: 
     order = torch.as_tensor([*pairs[:m, 0], *pairs[:m, 1], *pairs[m:].reshape(-1)], dtype=torch.int32, device=dev)
     freq = torch.tensor(rope.inv_freq, dtype=torch.float64, device=dev)
     f = d - 2 * m
-    bt = block_t or BLOCK_T
+    bt = block_t or (LEGACY_BLOCK_T if legacy else FP32_BLOCK_T if kb.dtype == torch.float32 else BLOCK_T)
     tiles = cdiv(int(split_len), bt)
     args = (
-        q, kc, vc, kb, vb, layout.gamma.contiguous(), ks, vs, kz, vz, tail, order, freq, base_angles(freq, S, int(split_len), bt, first_position, rope.attention_scaling),
+        q, kc, vc, kb, vb, layout.gamma.contiguous(), ks, vs, kz, vz, tail, order, freq if legacy else offset_angles(freq, bt),
+        base_angles(freq, S, int(split_len), bt, first_position, rope.attention_scaling),
         pm, pz, po,
         H, group, T, int(split_len), S, float(scale), tiles,
         d, d_v, r, r_v, m, f,
@@ -232,7 +474,27 @@ def split_launch(q, layout, rope, scale: float, split_len: int, first_position: 
         "R": pow2_at_least(r), "RV": pow2_at_least(r_v), "BLOCK_T": bt, **sides.constexprs(), "HAS_FIXED": f > 0,
     }
     constexprs["NATIVE16"] = native16(kc, kb, constexprs) and native is not False
-    return Launch(_rope_split_kernel, (N * H, S), args, constexprs, num_warps or NUM_WARPS), (pm, pz, po)
+    if legacy:
+        return Launch(_rope_split_kernel, (N * H, S), args, constexprs, num_warps or LEGACY_NUM_WARPS), (pm, pz, po)
+    # 16-bit bases: float32 operands of the products cut into 16-bit parts (also under the
+    # interpreter, whose products of the parts are float32); float32 bases or native=False: float32
+    constexprs["SPLIT"] = kb.dtype in (torch.float16, torch.bfloat16) and native is not False
+    # low-bit keys enter the rebuild as 16-bit parts too: the coefficients' storage does not matter here
+    constexprs["NATIVE16"] = constexprs["SPLIT"] and native16(kb, kb, constexprs)
+    constexprs["W_PARTS"] = 2 if kb.dtype == torch.float16 else 3
+    if key_parts is None:  # bfloat16 bases: one key part (its error ~0.03-0.1 of the harness tolerance, float16: 0.3-0.7)
+        key_parts = 1 if kb.dtype == torch.bfloat16 else 2
+    if key_parts not in (1, 2):
+        raise ValueError(f"key_parts must be 1 or 2, not {key_parts!r}")
+    constexprs["KEY_PARTS"] = key_parts
+    return Launch(_rope_mma_kernel, (N * H, S), args, constexprs, num_warps or NUM_WARPS), (pm, pz, po)
+
+
+def offset_angles(freq, block_t: int):
+    """float32 ``cos(k theta_i)``, ``sin(k theta_i)`` (float64 inside) of the in-tile offsets
+    ``k < block_t``, ``(2, block_t, m)``: the keys' rotation inside a tile (no float64 in the kernel)."""
+    angle = torch.arange(block_t, dtype=torch.float64, device=freq.device)[:, None] * freq[None, :]
+    return torch.stack([torch.cos(angle), torch.sin(angle)]).to(torch.float32).contiguous()
 
 
 def base_angles(freq, num_splits: int, split_len: int, block_t: int, first_position: int, attention_scaling: float):
@@ -266,7 +528,7 @@ def attention_partials(q, layout, rope, scale: float, split_len: int | None = No
     T = int(layout.num_tokens)
     if split_len is None:
         split_len = default_split_len(T, q.shape[0] * layout.key_coef.shape[1], q.device)
-        block_t = launch.get("block_t") or BLOCK_T
+        block_t = launch.get("block_t") or BLOCK_T  # a multiple of every default tile
         split_len = cdiv(split_len, block_t) * block_t
     split, partials = split_launch(q, layout, rope, scale, split_len, first_position, **launch)
     split.run()

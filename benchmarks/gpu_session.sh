@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The prepared GPU session of issue 38 (docs/gpu.md, "Static budgets"): at most 8 minutes on one
-# H100/H200 (the steps' timeouts add up to 476 s), each writing under $OUT; a failing step does not
+# H100/H200 under `timeout 480` (the steps' own timeouts add up to 636 s; run 1 of 2026-11-28 took 192 s), each writing under $OUT; a failing step does not
 # stop the next. Run from the repository root: OUT=gpu_results bash benchmarks/gpu_session.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,6 +43,10 @@ echo "decode N=8: rc=$?" >> "$OUT/session.txt"
 timeout 90 $PY benchmarks/decode_gpu.py --out "$OUT" --batch 8 --tokens 131072 --coef int4 --no-adaptive --no-graph --backend triton \
   > "$OUT/decode_n8_int4_sweep.log" 2>&1
 echo "decode N=8 int4 sweep: rc=$?" >> "$OUT/session.txt"
+#    the pre-RoPE kernel's sweep at 128k: the tensor-core kernel, two key parts, 8 warps and the last landing's kernel (legacy) (<= 80 s)
+timeout 80 $PY benchmarks/decode_gpu.py --out "$OUT" --batch 8 --tokens 131072 --coef float int4 --rope --rope-sweep --no-sweep --no-adaptive --no-graph \
+  --backend triton > "$OUT/decode_n8_rope_sweep.log" 2>&1
+echo "decode N=8 rope sweep: rc=$?" >> "$OUT/session.txt"
 # 3. ... and at N = 1, T = 32k, with the graph-captured step (<= 50 s)
 timeout 50 $PY benchmarks/decode_gpu.py --out "$OUT" --batch 1 --tokens 32768 --coef float int4 --no-adaptive --no-sweep --backend triton \
   > "$OUT/decode_n1.log" 2>&1

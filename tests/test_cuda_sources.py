@@ -83,12 +83,14 @@ NVRTC, NVRTC_REASON = _nvrtc()
 
 
 def _runtime_sample(filename: str) -> list[str]:
-    """One instantiation of each kernel template per (dtype, coefficient storage), with run-time
-    head sizes: the exact name expressions the backend hands NVRTC, without compiling all of them
+    """One instantiation of each kernel template per (dtype, coefficient storage: both sides alike,
+    or a format per side), with run-time head sizes (and the pre-RoPE template's mixed pairs in float16): the exact name expressions the backend hands NVRTC, without compiling all of them
     twice (nvcc above compiles all)."""
     names = _kernels.name_expressions()[filename]
     keep = {c.decode_name for c in _kernels.configs() if c.d == _kernels.GENERIC and c.rank_tile == 64}
-    keep |= {c.project_name for c in _kernels.configs() if c.d == _kernels.GENERIC and c.rank_tile == 64}
+    keep |= {c.project_name for c in _kernels.configs() if c.d == _kernels.GENERIC and c.rank_tile == 64 and c.uniform}
+    # a format per side (issue 37): the pre-RoPE template with keys and values in different formats
+    keep |= {c.name for c in _kernels.rope_configs() if c.rank_tile == 64 and c.dtype == "float16" and not c.uniform}
     keep |= {_kernels.merge_name(t) for t in _kernels.CUDA_TYPES}
     return [n for n in names if n in keep]
 

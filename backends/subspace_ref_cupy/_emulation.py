@@ -235,32 +235,47 @@ def _store(x, dtype: str) -> np.ndarray:
 def host_arrays(layout: Any, dtype: str) -> L.CoefArrays:
     """A NumPy packed layout (spec A9) in the storage the kernels read: bases and floating
     coefficients in ``dtype`` (bfloat16 as bits); INT8 coefficients and their float32 scales
-    (spec A10) as they are."""
+    (spec A10) and int4/int2 codes with their float16 scales and zero points (spec/quantization.md
+    Q2) as they are; each side in its own format (a layout with a format per side, Q0)."""
 
     def store(x):
         x = np.ascontiguousarray(x, dtype=np.float32)
         return bf16_bits(x) if dtype == "bfloat16" else x.astype(dtype)
 
-    quantized = getattr(layout, "key_scale", None) is not None
-    low_bits = int(getattr(layout, "low_bits", 0) or 0)
-    coef = (lambda x: np.ascontiguousarray(x)) if quantized or low_bits else store
     half = lambda x: np.ascontiguousarray(x, dtype=np.float16)  # noqa: E731
+    fmt = {side: _side_format(layout, side) for side in ("key", "value")}
+    int8 = {side: f.per_token_scale for side, f in fmt.items()}
+    bits = {side: f.low_bits for side, f in fmt.items()}
+    coef = {side: (np.ascontiguousarray if int8[side] or bits[side] else store)(getattr(layout, f"{side}_coef")) for side in fmt}
+    kb, vb = bits["key"], bits["value"]
     return L.CoefArrays(
-        key_coef=coef(layout.key_coef),
-        value_coef=coef(layout.value_coef),
+        key_coef=coef["key"],
+        value_coef=coef["value"],
         key_bases=store(layout.key_bases),
         value_bases=store(layout.value_bases),
         chunk_starts=np.ascontiguousarray(layout.chunk_starts, dtype=np.int64),
         num_chunks=np.ascontiguousarray(layout.num_chunks, dtype=np.int64),
         gamma=np.ascontiguousarray(layout.gamma, dtype=np.float32),
         num_tokens=int(layout.num_tokens),
-        key_scale=np.ascontiguousarray(layout.key_scale, dtype=np.float32) if quantized else None,
-        value_scale=np.ascontiguousarray(layout.value_scale, dtype=np.float32) if quantized else None,
-        low_bits=low_bits,
-        key_group=int(layout.group) if low_bits else 0,
-        key_group_scale=half(layout.key_group_scale) if low_bits else None,
-        key_group_zero=half(layout.key_group_zero) if low_bits else None,
-        key_tail=store(layout.key_tail) if low_bits else None,
-        value_token_scale=half(layout.value_token_scale) if low_bits else None,
-        value_token_zero=half(layout.value_token_zero) if low_bits else None,
+        key_scale=np.ascontiguousarray(layout.key_scale, dtype=np.float32) if int8["key"] else None,
+        value_scale=np.ascontiguousarray(layout.value_scale, dtype=np.float32) if int8["value"] else None,
+        low_bits=kb if kb == vb else 0,
+        key_low_bits=None if kb == vb else kb,
+        value_low_bits=None if kb == vb else vb,
+        key_group=int(layout.group) if kb else 0,
+        key_group_scale=half(layout.key_group_scale) if kb else None,
+        key_group_zero=half(layout.key_group_zero) if kb else None,
+        key_tail=store(layout.key_tail) if kb else None,
+        value_token_scale=half(layout.value_token_scale) if vb else None,
+        value_token_zero=half(layout.value_token_zero) if vb else None,
     )
+
+
+def _side_format(layout: Any, side: str):
+    """The subspace_ref.formats record of a layout side (layouts from before per-side formats:
+    int8 scales, else float)."""
+    from subspace_ref.formats import FORMATS
+
+    if hasattr(layout, "side_format"):
+        return layout.side_format(side)
+    return FORMATS["int8" if getattr(layout, f"{side}_scale", None) is not None else "float"]

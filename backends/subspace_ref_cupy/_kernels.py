@@ -29,6 +29,14 @@ COEF_KINDS = ("same", "int8")
 LOW_BIT_TYPES = {"int4": f"{NAMESPACE}::Int4Codes", "int2": f"{NAMESPACE}::Int2Codes"}
 LOW_BIT_KINDS = tuple(LOW_BIT_TYPES)
 DECODE_COEF_KINDS = COEF_KINDS + LOW_BIT_KINDS
+# A layout with a format per side (spec/quantization.md Q0, "int4/int8"): the decode templates take
+# the key and the value coefficient types apart (KeyT, ValT), so every (key, value) pair of
+# different kinds has its own instantiations, one launch as for a uniform layout. Decode only: the
+# projection kernel writes float or int8 to both sides, and appends to such layouts run the oracle's
+# token loop (or are refused for int4/int2 sides, as for uniform ones).
+MIXED_PAIRS = tuple((k, v) for k in DECODE_COEF_KINDS for v in DECODE_COEF_KINDS if k != v)
+# The kind of each coefficient format name (subspace_ref.formats): "float" is stored in the bases' dtype.
+FORMAT_KINDS = {"float": "same", "int8": "int8", "int4": "int4", "int2": "int2"}
 # Head sizes (d, d_v) with their own instantiations (64: GPT-2, Pythia, TinyLlama; 128:
 # Llama-style 7B). Every other size runs the instantiation with d and d_v given at run time
 # (GENERIC): the per-token loops depend on the rank tile only, so it costs little.
@@ -65,13 +73,25 @@ def coef_cuda_type(dtype: str, coef: str) -> str:
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """One instantiation of the decode and projection templates (the merge depends on dtype only)."""
+    """One instantiation of the decode and projection templates (the merge depends on dtype only).
+
+    ``coef`` is the key coefficients' kind and ``value_coef`` the values' (None: the same as the
+    keys', a uniform layout); the projection template exists for uniform "same" and "int8" only."""
 
     dtype: str  # "float32", "float16" or "bfloat16": q, bases, new tokens, output
     coef: str  # "same" (coefficients stored in dtype), "int8" (with float32 scales), "int4" or "int2"
     d: int  # GENERIC (0): any head size, passed at run time
     d_v: int
     rank_tile: int
+    value_coef: str | None = None
+
+    def __post_init__(self):
+        if self.value_coef is None:
+            object.__setattr__(self, "value_coef", self.coef)
+
+    @property
+    def uniform(self) -> bool:
+        return self.coef == self.value_coef
 
     @property
     def cuda_type(self) -> str:
@@ -79,18 +99,23 @@ class KernelConfig:
 
     @property
     def coef_type(self) -> str:
+        """The key coefficients' CUDA type (KeyT; CoefT of the projection)."""
         return coef_cuda_type(self.dtype, self.coef)
 
-    def _args(self) -> str:
-        return f"{self.cuda_type}, {self.coef_type}, {self.d}, {self.d_v}, {self.rank_tile}"
+    @property
+    def value_coef_type(self) -> str:
+        """The value coefficients' CUDA type (ValT)."""
+        return coef_cuda_type(self.dtype, self.value_coef)
 
     @property
     def decode_name(self) -> str:
-        return f"{NAMESPACE}::decode_split_partial<{self._args()}>"
+        return f"{NAMESPACE}::decode_split_partial<{self.cuda_type}, {self.coef_type}, {self.value_coef_type}, {self.d}, {self.d_v}, {self.rank_tile}>"
 
     @property
     def project_name(self) -> str:
-        return f"{NAMESPACE}::project_append<{self._args()}>"
+        if not self.uniform:
+            raise ValueError(f"no projection kernel for a format per side ({self.coef}/{self.value_coef})")
+        return f"{NAMESPACE}::project_append<{self.cuda_type}, {self.coef_type}, {self.d}, {self.d_v}, {self.rank_tile}>"
 
     @property
     def merge_name(self) -> str:
@@ -103,41 +128,63 @@ def merge_name(dtype: str) -> str:
 
 def configs() -> list[KernelConfig]:
     """Every instantiation the backend may launch: fixed head sizes with the rank tiles up to d
-    (r <= d), and run-time head sizes (d = d_v = GENERIC in the template) with every rank tile."""
+    (r <= d), and run-time head sizes (d = d_v = GENERIC in the template) with every rank tile;
+    for each (key, value) pair of different kinds (MIXED_PAIRS), the run-time head sizes with
+    every rank tile (the per-token work depends on the rank tile only, so a fixed head size
+    gains little, and each would add 12 instantiations per dtype and shape to compile)."""
     shapes = [(d, d, rt) for d in HEAD_SIZES for rt in RANK_TILES if rt <= d]
     shapes += [(GENERIC, GENERIC, rt) for rt in RANK_TILES]
-    return [KernelConfig(dtype, coef, d, d_v, rt) for dtype in CUDA_TYPES for coef in DECODE_COEF_KINDS for d, d_v, rt in shapes]
+    out = [KernelConfig(dtype, coef, d, d_v, rt) for dtype in CUDA_TYPES for coef in DECODE_COEF_KINDS for d, d_v, rt in shapes]
+    out += [KernelConfig(dtype, k, GENERIC, GENERIC, rt, v) for dtype in CUDA_TYPES for k, v in MIXED_PAIRS for rt in RANK_TILES]
+    return out
 
 
 @dataclass(frozen=True)
 class RopeConfig:
     """One instantiation of ``decode_rope_partial`` (spec/rope.md P3): head sizes are run-time
-    arguments, since the per-token work (the O(r d) rebuild) loops over d at run time anyway."""
+    arguments, since the per-token work (the O(r d) rebuild) loops over d at run time anyway.
+    ``coef``/``value_coef`` as KernelConfig's (keys, values; None: the keys')."""
 
     dtype: str
     coef: str  # "same", "int8", "int4" or "int2", as KernelConfig's
     rank_tile: int
+    value_coef: str | None = None
+
+    def __post_init__(self):
+        if self.value_coef is None:
+            object.__setattr__(self, "value_coef", self.coef)
+
+    @property
+    def uniform(self) -> bool:
+        return self.coef == self.value_coef
 
     @property
     def coef_type(self) -> str:
         return coef_cuda_type(self.dtype, self.coef)
 
     @property
+    def value_coef_type(self) -> str:
+        return coef_cuda_type(self.dtype, self.value_coef)
+
+    @property
     def name(self) -> str:
-        return f"{NAMESPACE}::decode_rope_partial<{CUDA_TYPES[self.dtype]}, {self.coef_type}, {self.rank_tile}>"
+        return f"{NAMESPACE}::decode_rope_partial<{CUDA_TYPES[self.dtype]}, {self.coef_type}, {self.value_coef_type}, {self.rank_tile}>"
 
 
 def rope_configs() -> list[RopeConfig]:
     """Every pre-RoPE decode instantiation: every coefficient storage the plain decode reads
-    (float, int8, int4, int2), every rank tile."""
-    return [RopeConfig(dtype, coef, rt) for dtype in CUDA_TYPES for coef in DECODE_COEF_KINDS for rt in RANK_TILES]
+    (float, int8, int4, int2) for both sides and every (key, value) pair of different kinds,
+    every rank tile."""
+    pairs = [(c, c) for c in DECODE_COEF_KINDS] + list(MIXED_PAIRS)
+    return [RopeConfig(dtype, k, rt, v) for dtype in CUDA_TYPES for k, v in pairs for rt in RANK_TILES]
 
 
-def find_rope_config(dtype: str, coef: str, rank: int, rank_v: int) -> RopeConfig | None:
+def find_rope_config(dtype: str, coef: str, rank: int, rank_v: int, value_coef: str | None = None) -> RopeConfig | None:
     rt = rank_tile(rank, rank_v)
-    if rt is None or dtype not in CUDA_TYPES or coef not in DECODE_COEF_KINDS:
+    value_coef = coef if value_coef is None else value_coef
+    if rt is None or dtype not in CUDA_TYPES or coef not in DECODE_COEF_KINDS or value_coef not in DECODE_COEF_KINDS:
         return None
-    return RopeConfig(dtype, coef, rt)
+    return RopeConfig(dtype, coef, rt, value_coef)
 
 
 def exact_name(dtype: str) -> str:
@@ -151,7 +198,7 @@ def name_expressions() -> dict[str, list[str]]:
     return {
         DECODE_SOURCE: [c.decode_name for c in cfgs] + [merge_name(t) for t in CUDA_TYPES]
         + [c.name for c in rope_configs()] + [exact_name(t) for t in CUDA_TYPES],
-        PROJECT_SOURCE: [c.project_name for c in cfgs if c.coef in COEF_KINDS],
+        PROJECT_SOURCE: [c.project_name for c in cfgs if c.uniform and c.coef in COEF_KINDS],
     }
 
 
@@ -161,12 +208,14 @@ def rank_tile(rank: int, rank_v: int) -> int | None:
     return next((rt for rt in RANK_TILES if rt >= need), None)
 
 
-def find_config(dtype: str, coef: str, d: int, d_v: int, rank: int, rank_v: int) -> KernelConfig | None:
-    """The instantiation for these shapes: the fixed head size's if compiled, else the run-time one."""
+def find_config(dtype: str, coef: str, d: int, d_v: int, rank: int, rank_v: int, value_coef: str | None = None) -> KernelConfig | None:
+    """The instantiation for these shapes: the fixed head size's if compiled, else the run-time
+    one. ``coef`` the key coefficients' kind, ``value_coef`` the values' (None: the keys')."""
     rt = rank_tile(rank, rank_v)
-    if rt is None or dtype not in CUDA_TYPES or coef not in DECODE_COEF_KINDS:
+    value_coef = coef if value_coef is None else value_coef
+    if rt is None or dtype not in CUDA_TYPES or coef not in DECODE_COEF_KINDS or value_coef not in DECODE_COEF_KINDS:
         return None
-    for cfg in (KernelConfig(dtype, coef, d, d_v, rt), KernelConfig(dtype, coef, GENERIC, GENERIC, rt)):
+    for cfg in (KernelConfig(dtype, coef, d, d_v, rt, value_coef), KernelConfig(dtype, coef, GENERIC, GENERIC, rt, value_coef)):
         if cfg in _config_set():
             return cfg
     return None
@@ -186,51 +235,61 @@ COEF_BITS = {"float": 32, "__half": 16, "__nv_bfloat16": 16, INT8_TYPE: 8, LOW_B
 
 
 def _stages(tokens: int, row_bytes: int) -> int:
-    """TileGeometry<RT, CoefT, TT>::kStages: two if two stages of key and value tiles fit
-    STAGE_BUDGET_BYTES, else one."""
-    return 2 if 2 * 2 * tokens * row_bytes <= STAGE_BUDGET_BYTES else 1
+    """TileGeometry<RT, KeyT, ValT, TT>::kStages: two if two stages of key and value tiles fit
+    STAGE_BUDGET_BYTES, else one (``row_bytes``: a key row plus a value row)."""
+    return 2 if 2 * tokens * row_bytes <= STAGE_BUDGET_BYTES else 1
 
 
-def decode_tiles(rt: int, bits: int) -> tuple[int, int]:
+def _row_bytes(rt: int, bits: int) -> int:
+    return rt * bits // 8 + ROW_PAD_BYTES
+
+
+def decode_tiles(rt: int, bits: int, value_bits: int | None = None) -> tuple[int, int]:
     """(tokens per tile, stages) of ``decode_split_partial`` for rank tile ``rt`` and ``bits`` per
-    stored coefficient (DecodeTiles<RT, CoefT> there): two stages of 64-token tiles if their key
-    and value tiles fit STAGE_BUDGET_BYTES, else two of 32, else one of 32."""
-    row = rt * bits // 8 + ROW_PAD_BYTES
+    stored key coefficient, ``value_bits`` per value coefficient (None: ``bits``; DecodeTiles<RT,
+    KeyT, ValT> there): two stages of 64-token tiles if their key and value tiles fit
+    STAGE_BUDGET_BYTES, else two of 32, else one of 32."""
+    row = _row_bytes(rt, bits) + _row_bytes(rt, bits if value_bits is None else value_bits)
     tt = TOKEN_TILE if _stages(TOKEN_TILE, row) == 2 else TOKEN_TILE_SMALL
     return tt, _stages(tt, row)
 
 
-def rope_tiles(rt: int, bits: int) -> tuple[int, int]:
-    """(tokens per tile, stages) of ``decode_rope_partial`` (RopeTiles<RT, CoefT> there): 32-token
-    tiles, two stages when their key and value tiles fit STAGE_BUDGET_BYTES."""
-    return ROPE_TOKEN_TILE, _stages(ROPE_TOKEN_TILE, rt * bits // 8 + ROW_PAD_BYTES)
+def rope_tiles(rt: int, bits: int, value_bits: int | None = None) -> tuple[int, int]:
+    """(tokens per tile, stages) of ``decode_rope_partial`` (RopeTiles<RT, KeyT, ValT> there):
+    32-token tiles, two stages when their key and value tiles fit STAGE_BUDGET_BYTES."""
+    row = _row_bytes(rt, bits) + _row_bytes(rt, bits if value_bits is None else value_bits)
+    return ROPE_TOKEN_TILE, _stages(ROPE_TOKEN_TILE, row)
 
 
-def _tile_bytes(tt: int, stages: int, rt: int, coef_type: str) -> int:
-    """TileGeometry<RT, CoefT, TT>::kBytes: the coefficient tiles of every stage and the per-token
-    numbers beside them (int8 scales; low-bit value zero points and scales, key groups, and the
-    dequantised key tile)."""
-    bits = COEF_BITS[coef_type]
-    low_bit = coef_type in LOW_BIT_TYPES.values()
-    extra = 0
-    if coef_type == INT8_TYPE or low_bit:
-        extra += stages * 2 * tt  # int8 scales; low-bit value zero points and scales
-    if low_bit:
+def _tile_bytes(tt: int, stages: int, rt: int, coef_type: str, value_coef_type: str | None = None) -> int:
+    """TileGeometry<RT, KeyT, ValT, TT>::kBytes: the key and value tiles of every stage and the
+    per-token numbers beside them, each side's own (int8 key scales; low-bit value zero points;
+    int8 or low-bit value scales; low-bit key groups and the dequantised key tile)."""
+    value_coef_type = coef_type if value_coef_type is None else value_coef_type
+    low = set(LOW_BIT_TYPES.values())
+    key_low, value_low = coef_type in low, value_coef_type in low
+    per_stage = (coef_type == INT8_TYPE) + value_low + (value_coef_type == INT8_TYPE or value_low)  # scale slots
+    extra = stages * tt * per_stage
+    if key_low:
         extra += stages * tt + tt * (rt + 1)  # key group per token; dequantised key tile
-    return stages * 2 * tt * (rt * bits // 8 + ROW_PAD_BYTES) + 4 * extra
+    tiles = stages * tt * (_row_bytes(rt, COEF_BITS[coef_type]) + _row_bytes(rt, COEF_BITS[value_coef_type]))
+    return tiles + 4 * extra
 
 
-def decode_shared_bytes(group: int, d: int, d_v: int, rt: int, coef_type: str) -> int:
+def decode_shared_bytes(group: int, d: int, d_v: int, rt: int, coef_type: str, value_coef_type: str | None = None) -> int:
     """Dynamic shared memory of ``decode_split_partial`` (the carve-up at the top of the kernel);
-    ``coef_type`` is the CUDA coefficient type of the instantiation (its second template argument)."""
-    tt, stages = decode_tiles(rt, COEF_BITS[coef_type])
-    return _tile_bytes(tt, stages, rt, coef_type) + 4 * group * (d + 2 * rt + tt + d_v + 4)
+    ``coef_type``/``value_coef_type`` are the CUDA key/value coefficient types of the
+    instantiation (KeyT, ValT; None: the keys')."""
+    value_coef_type = coef_type if value_coef_type is None else value_coef_type
+    tt, stages = decode_tiles(rt, COEF_BITS[coef_type], COEF_BITS[value_coef_type])
+    return _tile_bytes(tt, stages, rt, coef_type, value_coef_type) + 4 * group * (d + 2 * rt + tt + d_v + 4)
 
 
-def rope_shared_bytes(group: int, d: int, rt: int, coef_type: str) -> int:
+def rope_shared_bytes(group: int, d: int, rt: int, coef_type: str, value_coef_type: str | None = None) -> int:
     """Dynamic shared memory of ``decode_rope_partial`` (the carve-up at the top of the kernel)."""
-    tt, stages = rope_tiles(rt, COEF_BITS[coef_type])
-    return _tile_bytes(tt, stages, rt, coef_type) + 4 * (tt * (d + 1) + 2 * ROPE_SUB * (d // 2) + group * (d + tt + rt + 3))
+    value_coef_type = coef_type if value_coef_type is None else value_coef_type
+    tt, stages = rope_tiles(rt, COEF_BITS[coef_type], COEF_BITS[value_coef_type])
+    return _tile_bytes(tt, stages, rt, coef_type, value_coef_type) + 4 * (tt * (d + 1) + 2 * ROPE_SUB * (d // 2) + group * (d + tt + rt + 3))
 
 
 def exact_shared_bytes(group: int, d: int, d_v: int) -> int:

@@ -43,8 +43,12 @@ class CoefArrays:
     key_scale: Any = None
     value_scale: Any = None
     # int4/int2 (spec/quantization.md Q2): packed uint8 codes in key_coef/value_coef, float16
-    # scales and zero points, the unfinished key group in the bases' dtype
+    # scales and zero points, the unfinished key group in the bases' dtype. ``low_bits``: both
+    # sides' code width (a uniform layout); ``key_low_bits``/``value_low_bits``: one side's, for a
+    # layout with a format per side (spec/quantization.md Q0; None: ``low_bits``)
     low_bits: int = 0
+    key_low_bits: int | None = None
+    value_low_bits: int | None = None
     key_group: int = 0
     key_group_scale: Any = None
     key_group_zero: Any = None
@@ -62,12 +66,27 @@ class CoefArrays:
     # each with n >= 1 tokens, in the bases' dtype
     exact: tuple = ()
 
+    def side_bits(self, side: str) -> int:
+        """The int4/int2 code width of the "key" or "value" side, 0 when it is float or int8."""
+        bits = getattr(self, f"{side}_low_bits")
+        return self.low_bits if bits is None else bits
+
+    def side_coef(self, side: str) -> str:
+        """The KernelConfig coefficient kind of the "key" or "value" side."""
+        bits = self.side_bits(side)
+        if bits:
+            return f"int{bits}"
+        return "int8" if getattr(self, f"{side}_scale") is not None else "same"
+
     @property
     def coef(self) -> str:
-        """The KernelConfig coefficient kind."""
-        if self.low_bits:
-            return f"int{self.low_bits}"
-        return "int8" if self.key_scale is not None else "same"
+        """The KernelConfig coefficient kind of the keys (KernelConfig.coef)."""
+        return self.side_coef("key")
+
+    @property
+    def value_kind(self) -> str:
+        """The KernelConfig coefficient kind of the values (KernelConfig.value_coef)."""
+        return self.side_coef("value")
 
 
 @dataclass(frozen=True)
@@ -185,20 +204,20 @@ def plan_decode(dtype: str, q_shape: tuple, arrays: CoefArrays, sm_count: int, s
     # ranks from the bases: a low-bit coefficient row is packed bytes
     r, r_v = arrays.key_bases.shape[3], arrays.value_bases.shape[3]
     d_v = arrays.value_bases.shape[4]
-    coef = arrays.coef
+    coef, value_coef = arrays.coef, arrays.value_kind
     rope = arrays.rope_inv_freq is not None
-    cfg = K.find_rope_config(dtype, coef, r, r_v) if rope else K.find_config(dtype, coef, d, d_v, r, r_v)
+    cfg = K.find_rope_config(dtype, coef, r, r_v, value_coef) if rope else K.find_config(dtype, coef, d, d_v, r, r_v, value_coef)
     if cfg is None:  # not_supported_reasons refuses these first; this is the backstop
-        raise ValueError(f"no compiled kernel for dtype={dtype}, coef={coef}, d={d}, d_v={d_v}, r={r}, r_v={r_v}, rope={rope}")
+        raise ValueError(f"no compiled kernel for dtype={dtype}, coef={coef}/{value_coef}, d={d}, d_v={d_v}, r={r}, r_v={r_v}, rope={rope}")
     T = arrays.num_tokens
     num_splits, split_len = splits if splits is not None else choose_splits(N * H, T, sm_count)
     if num_splits < 1 or split_len < 1 or num_splits * split_len < T:
         raise ValueError(f"{num_splits} splits of {split_len} tokens do not cover {T} tokens")
     group = Hq // H
     if rope:
-        shared = K.rope_shared_bytes(group, d, cfg.rank_tile, cfg.coef_type)
+        shared = K.rope_shared_bytes(group, d, cfg.rank_tile, cfg.coef_type, cfg.value_coef_type)
     else:
-        shared = K.decode_shared_bytes(group, d, d_v, cfg.rank_tile, cfg.coef_type)
+        shared = K.decode_shared_bytes(group, d, d_v, cfg.rank_tile, cfg.coef_type, cfg.value_coef_type)
     return DecodePlan(cfg, N, H, Hq, group, d_v, num_splits, split_len, shared)
 
 
@@ -224,8 +243,15 @@ def _coef_side_args(a: CoefArrays) -> tuple:
 
 
 def _key_group_arg(a: CoefArrays) -> np.int32:
-    """The key group size G of int4/int2 keys (spec/quantization.md Q2); 1 for other storage."""
-    return i32(a.key_group if a.low_bits else 1)
+    """The key group size G of int4/int2 keys (spec/quantization.md Q2); 1 for other key storage."""
+    return i32(a.key_group if a.side_bits("key") else 1)
+
+
+def _key_groups_arg(a: CoefArrays) -> np.int32:
+    """Rows per head of the int4/int2 key group scales and zero points (key_group_scale.shape[2]):
+    ceil(T_cap / G) as a layout allocates them, or fewer in a copy cut to its live groups
+    (``state.to``); 1 for other key storage."""
+    return i32(a.key_group_scale.shape[2] if a.side_bits("key") else 1)
 
 
 def decode_args(plan: DecodePlan, q: Any, arrays: CoefArrays, part_m: Any, part_z: Any, part_o: Any, scale: float) -> tuple:
@@ -238,7 +264,7 @@ def decode_args(plan: DecodePlan, q: Any, arrays: CoefArrays, part_m: Any, part_
         i32(plan.H), i32(plan.group), i32(a.key_coef.shape[2]), i32(a.key_bases.shape[2]),
         i32(a.key_bases.shape[3]), i32(a.value_bases.shape[3]),
         i32(a.key_bases.shape[4]), i32(a.value_bases.shape[4]),
-        i32(a.num_tokens), i32(plan.split_len), _key_group_arg(a), np.float32(scale),
+        i32(a.num_tokens), i32(plan.split_len), _key_group_arg(a), _key_groups_arg(a), np.float32(scale),
     )
 
 
@@ -250,7 +276,7 @@ def rope_args(plan: DecodePlan, q: Any, arrays: CoefArrays, part_m: Any, part_z:
         a.rope_inv_freq, a.rope_order, part_m, part_z, part_o,
         i32(plan.H), i32(plan.group), i32(a.key_coef.shape[2]), i32(a.key_bases.shape[2]),
         i32(a.key_bases.shape[3]), i32(a.value_bases.shape[3]), i32(a.key_bases.shape[4]), i32(a.value_bases.shape[4]),
-        i32(a.num_tokens), i32(plan.split_len), _key_group_arg(a), i32(a.rope_inv_freq.shape[0]), i32(a.rope_first_position),
+        i32(a.num_tokens), i32(plan.split_len), _key_group_arg(a), _key_groups_arg(a), i32(a.rope_inv_freq.shape[0]), i32(a.rope_first_position),
         np.float32(a.rope_scale), np.float32(scale),
     )
 

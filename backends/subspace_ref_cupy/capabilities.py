@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from subspace_ref.capabilities import SKETCH_VARIANTS, Capabilities
-from subspace_ref.formats import UNIFORM_FORMATS
+from subspace_ref.formats import MIXED_FORMATS, UNIFORM_FORMATS
 
 
 def declared(dtypes: tuple[str, ...]) -> Capabilities:
@@ -12,13 +12,13 @@ def declared(dtypes: tuple[str, ...]) -> Capabilities:
     attention sinks (spec/window.md W3, W7-W8: kernels/decode_attention.cu exact_partial, merged
     with the compressed splits); pre-RoPE static states (spec/rope.md P3, decode_rope_partial, positions
     from S per W10); float, int8, int4 or int2 coefficients (spec/quantization.md; int4/int2 are read
-    by both decode kernels, plain and pre-RoPE; appends to them are refused before any change), one
-    format for both sides only: the kernels' tiles take one coefficient type (``CoefT``), so a
-    layout with a format per side ("int4/int8", spec/quantization.md Q0) is refused by this
-    declaration (use the triton or torch backend for it). Adaptive and rotating appends run the oracle's token loop
+    by both decode kernels, plain and pre-RoPE; appends to them are refused before any change), for
+    both sides or a format per side ("int4/int8", spec/quantization.md Q0: the kernels take the key
+    and value coefficient types apart, KeyT and ValT, so every pair is one launch; appends to a
+    pair without an int4/int2 side run the oracle's token loop). Adaptive and rotating appends run the oracle's token loop
     on CuPy arrays, so every sketch variant but lookahead (a window option) runs."""
     return Capabilities(
-        array_families=("cupy", "torch"), devices=("cuda",), dtypes=dtypes, coefficient_formats=UNIFORM_FORMATS, basis_formats=("native",),
+        array_families=("cupy", "torch"), devices=("cuda",), dtypes=dtypes, coefficient_formats=UNIFORM_FORMATS + MIXED_FORMATS, basis_formats=("native",),
         window=True, sinks=True, rope=True,
         sketch_variants=tuple(v for v in SKETCH_VARIANTS if v != "lookahead"),
     )

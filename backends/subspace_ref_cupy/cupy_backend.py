@@ -27,6 +27,7 @@ _INDEX_FIELDS = ("chunk_starts", "num_chunks")
 _SCALE_FIELDS = ("key_scale", "value_scale")
 # int4/int2 (spec/quantization.md Q2): beside the packed uint8 codes in key_coef/value_coef
 _LOW_BIT_FIELDS = ("key_group_scale", "key_group_zero", "key_tail", "value_token_scale", "value_token_zero")
+_LOW_BIT_SIDE_FIELDS = {"key": _LOW_BIT_FIELDS[:3], "value": _LOW_BIT_FIELDS[3:]}
 _KERNEL_DTYPES = tuple(_kernels.CUDA_TYPES)
 _INT32_MAX = 2**31 - 1
 
@@ -119,9 +120,11 @@ class CupyBackend:
         scales = {f: getattr(lay, f, None) for f in _SCALE_FIELDS}
         arrays = {"q": q, **{f: getattr(lay, f) for f in (*_FLOAT_FIELDS, *_INDEX_FIELDS, "gamma")}}
         arrays.update({f: x for f, x in scales.items() if x is not None})
-        low_bits = int(getattr(lay, "low_bits", 0) or 0)
-        if low_bits:
-            arrays.update({f: getattr(lay, f) for f in _LOW_BIT_FIELDS})
+        # each side in its own format (a layout with a format per side, spec/quantization.md Q0)
+        side_bits = {side: _side_bits(lay, side) for side in ("key", "value")}
+        for side, bits in side_bits.items():
+            if bits:
+                arrays.update({f: getattr(lay, f) for f in _LOW_BIT_SIDE_FIELDS[side]})
         exact = _exact_arrays(state)
         arrays.update(exact)
 
@@ -152,33 +155,28 @@ class CupyBackend:
             reasons.append(f"q has dtype {q_dtype} but the state's bases have {dtype}; expected the same dtype")
         if _interop.dtype_name(lay.value_bases) != dtype:
             reasons.append(f"value_bases has dtype {_interop.dtype_name(lay.value_bases)} but key_bases has {dtype}; expected one dtype")
-        has_scales = any(x is not None for x in scales.values())
-        for field in ("key_coef", "value_coef") if low_bits else ():
-            if _interop.dtype_name(getattr(lay, field)) != "uint8":
-                reasons.append(f"{field} has dtype {_interop.dtype_name(getattr(lay, field))}; int{low_bits} codes are packed in uint8 (spec/quantization.md Q2)")
-        if low_bits and _interop.dtype_name(lay.key_tail) != dtype:
-            reasons.append(f"key_tail has dtype {_interop.dtype_name(lay.key_tail)} but the bases have {dtype}; expected the same dtype")
-        for field in ("key_coef", "value_coef") if not low_bits else ():
+        for side, bits in side_bits.items():
+            field, scale = f"{side}_coef", scales[f"{side}_scale"]
             got = _interop.dtype_name(getattr(lay, field))
-            if got == "int8" and not has_scales:
-                reasons.append(f"{field} is int8 but the layout has no key_scale/value_scale arrays; INT8 coefficients need their float32 scales")
-            elif got != "int8" and has_scales:
-                reasons.append(f"{field} has dtype {got} but the layout carries INT8 scales; expected int8")
+            if bits:
+                if got != "uint8":
+                    reasons.append(f"{field} has dtype {got}; int{bits} codes are packed in uint8 (spec/quantization.md Q2)")
+            elif got == "int8" and scale is None:
+                reasons.append(f"{field} is int8 but the layout has no {side}_scale array; INT8 coefficients need their float32 scales")
+            elif got != "int8" and scale is not None:
+                reasons.append(f"{field} has dtype {got} but the layout carries {side}_scale; expected int8")
             elif got not in ("int8", dtype):
                 reasons.append(f"{field} has dtype {got} but the bases have {dtype}; expected the same dtype (or int8 with scales)")
-        if has_scales:
-            for field, x in scales.items():
-                if x is None:
-                    reasons.append(f"{field} is missing; INT8 coefficients need key_scale and value_scale")
+        if side_bits["key"] and _interop.dtype_name(lay.key_tail) != dtype:
+            reasons.append(f"key_tail has dtype {_interop.dtype_name(lay.key_tail)} but the bases have {dtype}; expected the same dtype")
         for field in _INDEX_FIELDS:
             if _interop.dtype_name(getattr(lay, field)) != "int64":
                 reasons.append(f"{field} has dtype {_interop.dtype_name(getattr(lay, field))}; expected int64 (spec A9)")
 
         d, d_v = lay.key_bases.shape[-1], lay.value_bases.shape[-1]
-        # a low-bit coefficient row is packed bytes: its ranks are the bases'
-        r, r_v = (lay.key_bases.shape[-2], lay.value_bases.shape[-2]) if low_bits else (lay.key_coef.shape[-1], lay.value_coef.shape[-1])
-        coef = f"int{low_bits}" if low_bits else ("int8" if has_scales else "same")
-        if _kernels.find_config(dtype if dtype in _KERNEL_DTYPES else "float32", coef, d, d_v, r, r_v) is None:
+        r, r_v = _ranks(lay)
+        coef, value_coef = (_side_kind(lay, side) for side in ("key", "value"))
+        if _kernels.find_config(dtype if dtype in _KERNEL_DTYPES else "float32", coef, d, d_v, r, r_v, value_coef) is None:
             reasons.append(
                 f"no compiled kernel for head sizes (d, d_v) = ({d}, {d_v}) with ranks (r, r_v) = ({r}, {r_v}); "
                 f"rank tiles compiled: {', '.join(map(str, _kernels.RANK_TILES))}"
@@ -202,19 +200,13 @@ class CupyBackend:
         lay = state.layout
         group = q.shape[1] // lay.key_coef.shape[1]
         d, d_v = lay.key_bases.shape[-1], lay.value_bases.shape[-1]
-        low_bits = int(getattr(lay, "low_bits", 0) or 0)
-        ranks = (lay.key_bases.shape[-2], lay.value_bases.shape[-2]) if low_bits else (lay.key_coef.shape[-1], lay.value_coef.shape[-1])
-        rt = _kernels.rank_tile(*ranks)
-        if low_bits:
-            coef_type = _kernels.LOW_BIT_TYPES[f"int{low_bits}"]
-        elif getattr(lay, "key_scale", None) is not None:
-            coef_type = _kernels.INT8_TYPE
-        else:
-            coef_type = _kernels.CUDA_TYPES[_interop.dtype_name(lay.key_bases)]
+        rt = _kernels.rank_tile(*_ranks(lay))
+        dtype = _interop.dtype_name(lay.key_bases)
+        coef_type, value_coef_type = (_kernels.coef_cuda_type(dtype, _side_kind(lay, side)) for side in ("key", "value"))
         if getattr(state.policy, "rope", None) is not None:
-            need = _kernels.rope_shared_bytes(group, d, rt, coef_type)
+            need = _kernels.rope_shared_bytes(group, d, rt, coef_type, value_coef_type)
         else:
-            need = _kernels.decode_shared_bytes(group, d, d_v, rt, coef_type)
+            need = _kernels.decode_shared_bytes(group, d, d_v, rt, coef_type, value_coef_type)
         if _launch.exact_segments(state):
             need = max(need, _kernels.exact_shared_bytes(group, d, d_v))
         device = _interop.device_id(q)
@@ -256,7 +248,7 @@ class CupyBackend:
         """Spec A6 (static): one projection launch for every head, written past the live rows
         (INT8 layouts quantised in the kernel, spec A10). Spec A7/A8 (adaptive, rotating): the
         oracle's token loop (:func:`subspace_ref.numpy_backend.append_reference`) on CuPy arrays."""
-        if getattr(state.layout, "low_bits", 0):  # refused before anything changes
+        if any(_side_bits(state.layout, side) for side in ("key", "value")):  # refused before anything changes
             fmt = state.layout.coefficients
             raise NotImplementedError(f"the cupy backend cannot append to {fmt} coefficients (spec/quantization.md); append on the torch or numpy backend")
         import cupy
@@ -269,11 +261,14 @@ class CupyBackend:
             )
         dtype = _interop.dtype_name(lay.key_bases)
         quantized = getattr(lay, "key_scale", None) is not None
+        # the projection kernel writes one format to both sides: float/int8 and int8/float run the oracle's loop
+        uniform = quantized == (getattr(lay, "value_scale", None) is not None)
         d, d_v = keys.shape[3], values.shape[3]
         r, r_v = lay.key_coef.shape[3], lay.value_coef.shape[3]
         coef_arrays = [lay.key_coef, lay.value_coef] + ([lay.key_scale, lay.value_scale] if quantized else [])
         fast = (
             state.kind == "static"
+            and uniform
             and array_family(lay.key_coef) == "cupy"
             and _kernels.find_config(dtype, "int8" if quantized else "same", d, d_v, r, r_v) is not None
             and (not quantized or all(_interop.dtype_name(s) == "float32" for s in coef_arrays[2:]))
@@ -415,17 +410,52 @@ def _cupy_dtype(dtype: Any) -> np.dtype:
     return np.dtype(name)
 
 
+def _side_format(lay, side: str):
+    """The subspace_ref.formats record of the "key" or "value" side of a layout."""
+    if hasattr(lay, "side_format"):
+        return lay.side_format(side)
+    from subspace_ref.formats import FORMATS
+
+    return FORMATS["int8" if getattr(lay, f"{side}_scale", None) is not None else "float"]
+
+
+def _side_bits(lay, side: str) -> int:
+    """The int4/int2 code width of a layout side (spec/quantization.md Q2), 0 for float and int8."""
+    return int(_side_format(lay, side).low_bits)
+
+
+def _side_kind(lay, side: str) -> str:
+    """The kernels' coefficient kind of a layout side: "same" (float), "int8", "int4" or "int2"."""
+    return _kernels.FORMAT_KINDS[_side_format(lay, side).name]
+
+
+def _ranks(lay) -> tuple[int, int]:
+    """(r, r_v): a side's coefficient width, or its bases' rank for an int4/int2 side, whose
+    coefficient rows are packed bytes."""
+    return tuple(
+        getattr(lay, f"{side}_bases").shape[-2] if _side_bits(lay, side) else getattr(lay, f"{side}_coef").shape[-1] for side in ("key", "value")
+    )
+
+
 def _low_bit_arrays(lay) -> dict:
-    """The CoefArrays fields of an int4/int2 layout (spec/quantization.md Q2), empty otherwise."""
-    low_bits = int(getattr(lay, "low_bits", 0) or 0)
-    if not low_bits:
+    """The CoefArrays fields of the int4/int2 sides of a layout (spec/quantization.md Q2), each
+    side in its own format (Q0); empty when neither side is int4/int2."""
+    bits = {side: _side_bits(lay, side) for side in ("key", "value")}
+    if not any(bits.values()):
         return {}
     import cupy
 
-    out = {f: _interop.as_cupy(getattr(lay, f)) for f in _LOW_BIT_FIELDS}
+    out = {}
+    for side, b in bits.items():
+        if b:
+            out.update({f: _interop.as_cupy(getattr(lay, f)) for f in _LOW_BIT_SIDE_FIELDS[side]})
     # the kernel reads float16 scales and zero points (spec Q2); state.to(dtype=...) casts every
     # floating array, and float16 values survive a float32 round trip exactly
     for f in ("key_group_scale", "key_group_zero", "value_token_scale", "value_token_zero"):
-        out[f] = cupy.ascontiguousarray(out[f].astype(cupy.float16, copy=False))
-    out["key_tail"] = cupy.ascontiguousarray(out["key_tail"])
-    return {"low_bits": low_bits, "key_group": int(lay.group), **out}
+        if f in out:
+            out[f] = cupy.ascontiguousarray(out[f].astype(cupy.float16, copy=False))
+    if "key_tail" in out:
+        out["key_tail"] = cupy.ascontiguousarray(out["key_tail"])
+    kb, vb = bits["key"], bits["value"]
+    sides = {"low_bits": kb} if kb == vb else {"low_bits": 0, "key_low_bits": kb, "value_low_bits": vb}
+    return {**sides, "key_group": int(lay.group) if kb else 0, **out}

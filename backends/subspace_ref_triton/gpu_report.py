@@ -244,14 +244,14 @@ def _decode_shared(row: Row) -> int:
     if row.backend == "cuda" and row.kernel == "decode_split_partial":
         from subspace_ref_cupy import _kernels as K
 
-        args = [a.strip() for a in row.config.split("<", 1)[1].rstrip(">").split(",")]
-        d = int(args[2]) or D
-        return row.shared + K.decode_shared_bytes(GROUP, d, d, int(args[4]), args[1])
+        args = [a.strip() for a in row.config.split("<", 1)[1].rstrip(">").split(",")]  # <T, KeyT, ValT, D, DV, RT>
+        d = int(args[3]) or D
+        return row.shared + K.decode_shared_bytes(GROUP, d, d, int(args[5]), args[1], args[2])
     if row.backend == "cuda" and row.kernel == "decode_rope_partial":  # head sizes at run time: the benchmark's d
         from subspace_ref_cupy import _kernels as K
 
         args = [a.strip() for a in row.config.split("<", 1)[1].rstrip(">").split(",")]
-        return row.shared + K.rope_shared_bytes(GROUP, D, int(args[2]), args[1])
+        return row.shared + K.rope_shared_bytes(GROUP, D, int(args[3]), args[1], args[2])  # <T, KeyT, ValT, RT>
     if row.backend == "cuda" and row.kernel == "exact_partial":
         from subspace_ref_cupy import _kernels as K
 

@@ -35,33 +35,44 @@ constexpr int kTokenTileSmall = kWarpSize;
 // under 40 KB, the most a block may use for 4 blocks per SM on A100 (164 KB per SM, 1 KB of it
 // reserved per block); H100 (228 KB) fits 5 such blocks.
 constexpr int kStageBudgetBytes = 24 * 1024;
-// Padding after each tile row: rows are whole 16-byte vectors (RT * sizeof(CoefT) is a multiple
-// of 32 bytes), so one more vector makes the row stride an odd number of them and the 8 threads
+// Padding after each tile row: a float or int8 side's rows are whole 16-byte vectors (RT * sizeof
+// of its type is a multiple of 32 bytes), so one more vector makes the row stride an odd number of them and the 8 threads
 // of a quarter warp, reading one vector each from 8 consecutive rows, hit 8 distinct bank groups.
 constexpr int kRowPadBytes = 16;
 
-// Shared-memory geometry of a decode kernel's coefficient tiles: kStages stages, each a key and a
-// value tile of TT rows. Tiles hold the coefficients as stored (no dequantisation on the copy, so
-// the copy can be asynchronous); each row is RT * bits / 8 + kRowPadBytes bytes, the bytes past a
-// row's `rank` coefficients are never copied. Two stages (the next tile in flight while the block
-// computes on the current one) when they fit kStageBudgetBytes, else one (the copy of the next
-// tile then waits for the compute on the current one).
-template <int RT, typename CoefT, int TT>
+// Shared-memory geometry of a decode kernel's coefficient tiles: kStages stages, each a key tile
+// and a value tile of TT rows. The two sides may store their coefficients in different formats
+// (KeyT, ValT: spec/quantization.md Q0, "int4/int8"), so each tile has its own row size. Tiles
+// hold the coefficients as stored (no dequantisation on the copy, so the copy can be
+// asynchronous); a row is RT * bits / 8 + kRowPadBytes bytes of its side's format, the bytes past
+// a row's rank coefficients are never copied. Two stages (the next tile in flight while the block
+// computes on the current one) when they fit kStageBudgetBytes, else one (the copy of the next tile
+// then waits for the compute on the current one).
+template <int RT, typename KeyT, typename ValT, int TT>
 struct TileGeometry {
-    using Reader = CoefReader<CoefT>;
+    using KeyReader = CoefReader<KeyT>;
+    using ValReader = CoefReader<ValT>;
     static constexpr int kRankTile = RT;
-    static constexpr int kRowBytes = RT * Reader::kBits / 8 + kRowPadBytes;
+    static constexpr int kKeyRowBytes = RT * KeyReader::kBits / 8 + kRowPadBytes;
+    static constexpr int kValRowBytes = RT * ValReader::kBits / 8 + kRowPadBytes;
     static constexpr int kTokens = TT;
-    static constexpr int kStages = 2 * 2 * kTokens * kRowBytes <= kStageBudgetBytes ? 2 : 1;
-    static constexpr int kTileBytes = kTokens * kRowBytes;
-    // Per stage: int8, the float32 scales of the keys then of the values; low-bit, the value
-    // zero points then scales (float16 widened), and each token's key group (-1: the tail).
-    static constexpr int kScaleFloats = (Reader::kScaled || Reader::kLowBit) ? kStages * 2 * kTokens : 0;
-    static constexpr int kGroupInts = Reader::kLowBit ? kStages * kTokens : 0;
+    static constexpr int kKeyTileBytes = kTokens * kKeyRowBytes;
+    static constexpr int kValTileBytes = kTokens * kValRowBytes;
+    static constexpr int kStageBytes = kKeyTileBytes + kValTileBytes;  // a multiple of 16: rows are multiples of 8, TT even
+    static constexpr int kStages = 2 * kStageBytes <= kStageBudgetBytes ? 2 : 1;
+    // Per stage, each side's own slots: int8 keys, the key scales; low-bit values, their zero
+    // points; int8 or low-bit values, their scales (float16 widened) -- in that order.
+    static constexpr int kKeyScaleSlot = KeyReader::kScaled ? kTokens : 0;
+    static constexpr int kValZeroSlot = ValReader::kLowBit ? kTokens : 0;
+    static constexpr int kValScaleSlot = (ValReader::kScaled || ValReader::kLowBit) ? kTokens : 0;
+    static constexpr int kScaleStride = kKeyScaleSlot + kValZeroSlot + kValScaleSlot;
+    static constexpr int kScaleFloats = kStages * kScaleStride;
+    // low-bit keys: each token's key group (-1: the tail), per stage
+    static constexpr int kGroupInts = KeyReader::kLowBit ? kStages * kTokens : 0;
     // Low-bit keys are dequantised once per tile into floats (rows of RT + 1: lanes reading one
     // column of consecutive rows hit distinct banks), which every query head then reads.
-    static constexpr int kKeyFloats = Reader::kLowBit ? kTokens * (RT + 1) : 0;
-    static constexpr int kBytes = kStages * 2 * kTileBytes + 4 * (kScaleFloats + kGroupInts + kKeyFloats);
+    static constexpr int kKeyFloats = KeyReader::kLowBit ? kTokens * (RT + 1) : 0;
+    static constexpr int kBytes = kStages * kStageBytes + 4 * (kScaleFloats + kGroupInts + kKeyFloats);
 };
 
 // The tiles of decode_split_partial: the first of these that fits the budget is used:
@@ -71,16 +82,18 @@ struct TileGeometry {
 // At rank tile 64 two 64-row stages of 16-bit coefficients take 4 x 64 x 144 B = 36.9 KB, which
 // with the rest (7.2 KB) exceeds the 40 KB per block of 4 blocks on A100; 32-row stages take
 // 18.4 KB.
-template <int RT, typename CoefT>
-using DecodeTiles = TileGeometry<RT, CoefT, TileGeometry<RT, CoefT, kTokenTile>::kStages == 2 ? kTokenTile : kTokenTileSmall>;
+template <int RT, typename KeyT, typename ValT>
+using DecodeTiles = TileGeometry<RT, KeyT, ValT, TileGeometry<RT, KeyT, ValT, kTokenTile>::kStages == 2 ? kTokenTile : kTokenTileSmall>;
 
 // Dynamic shared memory of decode_split_partial, in bytes (the Python launcher uses the same
 // formula, subspace_ref_cupy._kernels.decode_shared_bytes):
-//   DecodeTiles<RT, CoefT>::kBytes + 4 * group * (d + 2 * RT + TT + d_v + 4),  TT = kTokens
+//   DecodeTiles<RT, KeyT, ValT>::kBytes + 4 * group * (d + 2 * RT + TT + d_v + 4),  TT = kTokens
 // (int4/int2 rows hold RT * bits / 8 bytes).
 //
-// Template parameters: T is the dtype of q and of the bases; CoefT the coefficient storage (T, or
-// signed char for INT8 with per-token scales, Int4Codes / Int2Codes for spec/quantization.md Q2); D and DV the key and value head sizes, or 0 for
+// Template parameters: T is the dtype of q and of the bases; KeyT and ValT the key and the value
+// coefficient storage, each one of T, signed char for INT8 with per-token scales, Int4Codes /
+// Int2Codes for spec/quantization.md Q2 (equal for a uniform layout; different for a layout with
+// a format per side, spec/quantization.md Q0, which then takes the same one launch); D and DV the key and value head sizes, or 0 for
 // "given at run time" (d_rt, d_v_rt; any size); RT the rank tile, an upper bound on both ranks r
 // and r_v (tile rows are zero past r, so the per-token loops have a compile-time trip count). The
 // per-token work depends on RT only; D and DV shape the once-per-chunk query projection and
@@ -182,18 +195,22 @@ __device__ __forceinline__ void issue_tile(unsigned char* s_tile, float* s_scale
     }
 }
 
-// The per-token numbers a low-bit tile needs beside its codes, for tokens t0 .. t0 + len - 1:
-// each token's key group (one division per token, not per coefficient; -1 for the tokens of the
-// unfinished group, read from key_tail) and the value zero point and scale. Plain loads: a
-// float16 pair per token is below cp.async's 4-byte piece.
-__device__ __forceinline__ void stage_low_bit_token_data(int* s_group, float* s_vzs, const __half* __restrict__ v_scale,
-                                                         const __half* __restrict__ v_zero, long long row0, int t0, int len,
-                                                         int complete, int key_group, int tt, int tid) {
+// The per-token numbers a low-bit side needs beside its codes, for tokens t0 .. t0 + len - 1 (rows
+// row0 ..): low-bit keys, each token's key group (one division per token, not per coefficient;
+// -1 for the tokens of the unfinished group, read from key_tail); low-bit values, the zero point
+// and scale. Plain loads: a float16 pair per token is below cp.async's 4-byte piece.
+__device__ __forceinline__ void stage_key_groups(int* s_group, int t0, int len, int complete, int key_group, int tid) {
     for (int t = tid; t < len; t += kDecodeThreads) {
         const int token = t0 + t;
         s_group[t] = token < complete ? token / key_group : -1;
-        s_vzs[t] = to_float(v_zero[row0 + t]);
-        s_vzs[tt + t] = to_float(v_scale[row0 + t]);
+    }
+}
+
+__device__ __forceinline__ void stage_value_zero_scale(float* s_zero, float* s_scale, const __half* __restrict__ v_scale,
+                                                       const __half* __restrict__ v_zero, long long row0, int len, int tid) {
+    for (int t = tid; t < len; t += kDecodeThreads) {
+        s_zero[t] = to_float(v_zero[row0 + t]);
+        s_scale[t] = to_float(v_scale[row0 + t]);
     }
 }
 
@@ -245,10 +262,10 @@ __device__ __forceinline__ void commit_tile_softmax(float* s_alpha, float* s_z, 
 // The coefficient arrays of one (sequence n, KV head h) as the decode kernels read them: the rows
 // as stored (spec A9), with int8's per-token scales (spec A10) or int4/int2's key group scales
 // and zero points, unfinished key group and value scales and zero points (spec/quantization.md Q2).
-template <typename T, typename CoefT>
+template <typename T, typename KeyT, typename ValT>
 struct HeadCoefs {
-    const CoefT* key_coef;            // (N, H, T_cap, r)
-    const CoefT* value_coef;          // (N, H, T_cap, r_v)
+    const KeyT* key_coef;             // (N, H, T_cap, r)
+    const ValT* value_coef;           // (N, H, T_cap, r_v)
     const float* key_scale;           // (N, H, T_cap), int8 only
     const float* value_scale;         // (N, H, T_cap), int8 only
     const __half* key_group_scale;    // (N, H, ceil(T_cap / G), r), int4/int2 only
@@ -258,82 +275,90 @@ struct HeadCoefs {
     const __half* value_token_zero;   // (N, H, T_cap), int4/int2 only
     long long nh;                     // n H + h
     long long row0;                   // the head's token 0 in the (N, H, T_cap) arrays
-    long long key_groups_cap;         // ceil(T_cap / G)
+    long long key_groups_cap;         // rows per head of key_group_scale/zero: ceil(T_cap / G), or fewer (a copy cut to its live groups)
     int rank, rank_v;
     int key_group;                    // G (1 for float and int8)
     int complete;                     // low-bit: tokens below are in complete key groups (spec Q2 step 2)
 
-    __device__ __forceinline__ HeadCoefs(const CoefT* key_coef, const CoefT* value_coef, const float* key_scale, const float* value_scale,
+    __device__ __forceinline__ HeadCoefs(const KeyT* key_coef, const ValT* value_coef, const float* key_scale, const float* value_scale,
                                          const __half* key_group_scale, const __half* key_group_zero, const T* key_tail,
                                          const __half* value_token_scale, const __half* value_token_zero, long long nh, int t_cap,
-                                         int rank, int rank_v, int num_tokens, int key_group)
+                                         int rank, int rank_v, int num_tokens, int key_group, int key_groups_cap)
         : key_coef(key_coef), value_coef(value_coef), key_scale(key_scale), value_scale(value_scale), key_group_scale(key_group_scale),
           key_group_zero(key_group_zero), key_tail(key_tail), value_token_scale(value_token_scale), value_token_zero(value_token_zero),
-          nh(nh), row0(nh * t_cap), key_groups_cap((t_cap + key_group - 1) / key_group), rank(rank), rank_v(rank_v),
-          key_group(key_group), complete(CoefReader<CoefT>::kLowBit ? (num_tokens / key_group) * key_group : 0) {}
+          nh(nh), row0(nh * t_cap), key_groups_cap(key_groups_cap), rank(rank), rank_v(rank_v),
+          key_group(key_group), complete(CoefReader<KeyT>::kLowBit ? (num_tokens / key_group) * key_group : 0) {}
 };
 
 // A block's coefficient tiles at the start of its dynamic shared memory (the tiles first: their
 // 16-byte alignment is the buffer's); the kernel's own arrays start at end().
 template <class Tiles>
 struct TileBuffers {
-    unsigned char* tiles;  // stage s: the key tile at 2 s kTileBytes, the value tile after it
-    float* scales;         // stage s at 2 s TT: int8, key then value scales; low-bit, value zero points then scales
-    int* groups;           // low-bit: stage s at s TT, each token's key group (-1: the tail)
-    float* keys;           // low-bit: the current tile's keys dequantised, TT rows of RT + 1 floats
+    unsigned char* tiles;  // stage s at s kStageBytes: the key tile, then the value tile
+    float* scales;         // stage s at s kScaleStride: key scales (int8 keys), value zero points (low-bit values), value scales
+    int* groups;           // low-bit keys: stage s at s TT, each token's key group (-1: the tail)
+    float* keys;           // low-bit keys: the current tile's keys dequantised, TT rows of RT + 1 floats
 
     __device__ __forceinline__ explicit TileBuffers(float* smem)
         : tiles(reinterpret_cast<unsigned char*>(smem)),
-          scales(reinterpret_cast<float*>(tiles + Tiles::kStages * 2 * Tiles::kTileBytes)),
+          scales(reinterpret_cast<float*>(tiles + Tiles::kStages * Tiles::kStageBytes)),
           groups(reinterpret_cast<int*>(scales + Tiles::kScaleFloats)),
           keys(reinterpret_cast<float*>(groups + Tiles::kGroupInts)) {}
     __device__ __forceinline__ float* end() const { return keys + Tiles::kKeyFloats; }
+    __device__ __forceinline__ unsigned char* key_tile(int stage) const { return tiles + stage * Tiles::kStageBytes; }
+    __device__ __forceinline__ unsigned char* value_tile(int stage) const { return key_tile(stage) + Tiles::kKeyTileBytes; }
+    __device__ __forceinline__ float* key_scale(int stage) const { return scales + stage * Tiles::kScaleStride; }
+    __device__ __forceinline__ float* value_zero(int stage) const { return key_scale(stage) + Tiles::kKeyScaleSlot; }
+    __device__ __forceinline__ float* value_scale(int stage) const { return value_zero(stage) + Tiles::kValZeroSlot; }
 };
 
 // The tile of tokens t0 .. t0 + len - 1 as a kernel's per-tile work reads it, its copies landed.
 template <class Tiles>
 struct Tile {
-    using Reader = typename Tiles::Reader;
-    const unsigned char* key_codes;    // rows of kRowBytes bytes, as stored
-    const unsigned char* value_codes;
-    const float* key_scale;            // int8: per token
-    const float* value_scale;          // int8 and int4/int2: per token
-    const float* value_zero;           // int4/int2: per token
-    const float* keys;                 // int4/int2: the keys dequantised, rows of RT + 1 floats
+    using KeyReader = typename Tiles::KeyReader;
+    const unsigned char* key_codes;    // rows of kKeyRowBytes bytes, as stored
+    const unsigned char* value_codes;  // rows of kValRowBytes bytes, as stored
+    const float* key_scale;            // int8 keys: per token
+    const float* value_scale;          // int8 and int4/int2 values: per token
+    const float* value_zero;           // int4/int2 values: per token
+    const float* keys;                 // int4/int2 keys: dequantised, rows of RT + 1 floats
     int t0, len;
 
     // Key coefficient i of token t: the stored number (int8: before the token's scale, which the
     // logit takes once), or the dequantised low-bit key.
     __device__ __forceinline__ float key(int t, int i) const {
-        if constexpr (Reader::kLowBit) {
+        if constexpr (KeyReader::kLowBit) {
             return keys[t * (Tiles::kRankTile + 1) + i];
         } else {
-            return Reader::at(key_codes + t * Tiles::kRowBytes, i);
+            return KeyReader::at(key_codes + t * Tiles::kKeyRowBytes, i);
         }
     }
 };
 
 // Issues the copies of tokens t0 .. t0 + len - 1 into stage `stage`: key and value rows and int8
-// scales asynchronously, the low-bit per-token numbers as plain loads.
-template <class Tiles, typename T, typename CoefT>
-__device__ __forceinline__ void issue_stage(const TileBuffers<Tiles>& buf, const HeadCoefs<T, CoefT>& src, int stage, int t0, int len, int tid) {
-    constexpr int TT = Tiles::kTokens;
-    unsigned char* s_tile = buf.tiles + stage * 2 * Tiles::kTileBytes;
-    float* s_scale = buf.scales + stage * 2 * TT;
-    issue_tile<Tiles::kRowBytes>(s_tile, s_scale, src.key_coef, src.key_scale, src.row0 + t0, len, src.rank, tid);
-    issue_tile<Tiles::kRowBytes>(s_tile + Tiles::kTileBytes, s_scale + TT, src.value_coef, src.value_scale, src.row0 + t0, len, src.rank_v, tid);
-    if constexpr (CoefReader<CoefT>::kLowBit) {
-        stage_low_bit_token_data(buf.groups + stage * TT, s_scale, src.value_token_scale, src.value_token_zero, src.row0 + t0, t0, len,
-                                 src.complete, src.key_group, TT, tid);
+// scales asynchronously, each side in its own format; the low-bit per-token numbers (key groups,
+// value zero points and scales) as plain loads.
+template <class Tiles, typename T, typename KeyT, typename ValT>
+__device__ __forceinline__ void issue_stage(const TileBuffers<Tiles>& buf, const HeadCoefs<T, KeyT, ValT>& src, int stage, int t0, int len,
+                                            int tid) {
+    issue_tile<Tiles::kKeyRowBytes>(buf.key_tile(stage), buf.key_scale(stage), src.key_coef, src.key_scale, src.row0 + t0, len, src.rank, tid);
+    issue_tile<Tiles::kValRowBytes>(buf.value_tile(stage), buf.value_scale(stage), src.value_coef, src.value_scale, src.row0 + t0, len,
+                                    src.rank_v, tid);
+    if constexpr (CoefReader<KeyT>::kLowBit) {
+        stage_key_groups(buf.groups + stage * Tiles::kTokens, t0, len, src.complete, src.key_group, tid);
+    }
+    if constexpr (CoefReader<ValT>::kLowBit) {
+        stage_value_zero_scale(buf.value_zero(stage), buf.value_scale(stage), src.value_token_scale, src.value_token_zero, src.row0 + t0, len, tid);
     }
 }
 
 // Low-bit keys of a landed tile (spec Q2 step 2): a complete group's codes with its per-channel
 // scale and zero point, the unfinished group's tokens from key_tail as they are; zero past the
 // rank. Ends at a barrier.
-template <class Tiles, typename T, typename CoefT>
-__device__ __forceinline__ void dequantize_keys(const Tile<Tiles>& tile, float* s_kf, const int* s_grp, const HeadCoefs<T, CoefT>& src, int tid) {
-    using Reader = CoefReader<CoefT>;
+template <class Tiles, typename T, typename KeyT, typename ValT>
+__device__ __forceinline__ void dequantize_keys(const Tile<Tiles>& tile, float* s_kf, const int* s_grp, const HeadCoefs<T, KeyT, ValT>& src,
+                                                int tid) {
+    using Reader = CoefReader<KeyT>;
     constexpr int RT = Tiles::kRankTile;
     const RowCol step = RowCol::of(kDecodeThreads, RT);
     RowCol at = RowCol::of(tid, RT);
@@ -343,7 +368,7 @@ __device__ __forceinline__ void dequantize_keys(const Tile<Tiles>& tile, float* 
             const int grp = s_grp[at.t];
             if (grp >= 0) {
                 const long long sz = (src.nh * src.key_groups_cap + grp) * src.rank + at.i;
-                x = low_bit_value<T>(Reader::at(tile.key_codes + at.t * Tiles::kRowBytes, at.i), to_float(src.key_group_scale[sz]),
+                x = low_bit_value<T>(Reader::at(tile.key_codes + at.t * Tiles::kKeyRowBytes, at.i), to_float(src.key_group_scale[sz]),
                                      to_float(src.key_group_zero[sz]));
             } else {
                 x = to_float(src.key_tail[(src.nh * src.key_group + (tile.t0 + at.t - src.complete)) * src.rank + at.i]);
@@ -357,8 +382,8 @@ __device__ __forceinline__ void dequantize_keys(const Tile<Tiles>& tile, float* 
 // The tile pipeline of both decode kernels over tokens lo .. hi - 1 of one head, in tiles of TT
 // tokens, tile k in stage k mod kStages. start_tiles issues the first tile (which lands while the
 // block computes something else) and commits its copy group, even when the range is empty.
-template <class Tiles, typename T, typename CoefT>
-__device__ __forceinline__ void start_tiles(const TileBuffers<Tiles>& buf, const HeadCoefs<T, CoefT>& src, int lo, int hi, int tid) {
+template <class Tiles, typename T, typename KeyT, typename ValT>
+__device__ __forceinline__ void start_tiles(const TileBuffers<Tiles>& buf, const HeadCoefs<T, KeyT, ValT>& src, int lo, int hi, int tid) {
     if (lo < hi) {
         issue_stage(buf, src, 0, lo, min(Tiles::kTokens, hi - lo), tid);
     }
@@ -370,8 +395,9 @@ __device__ __forceinline__ void start_tiles(const TileBuffers<Tiles>& buf, const
 // all. After a barrier the tile has landed for the whole block; low-bit keys are dequantised, and
 // body(tile) runs. A barrier ends the tile (so its stage may be overwritten), and with one stage the
 // next tile is issued into it. Returns with no copy pending.
-template <class Tiles, typename T, typename CoefT, class Body>
-__device__ __forceinline__ void stream_tiles(const TileBuffers<Tiles>& buf, const HeadCoefs<T, CoefT>& src, int lo, int hi, int tid, Body&& body) {
+template <class Tiles, typename T, typename KeyT, typename ValT, class Body>
+__device__ __forceinline__ void stream_tiles(const TileBuffers<Tiles>& buf, const HeadCoefs<T, KeyT, ValT>& src, int lo, int hi, int tid,
+                                             Body&& body) {
     constexpr int TT = Tiles::kTokens;
     constexpr int kStages = Tiles::kStages;
     int stage = 0;
@@ -389,10 +415,9 @@ __device__ __forceinline__ void stream_tiles(const TileBuffers<Tiles>& buf, cons
             cp_async_wait<0>();
         }
         __syncthreads();
-        const unsigned char* s_kc = buf.tiles + stage * 2 * Tiles::kTileBytes;
-        const float* s_scale = buf.scales + stage * 2 * TT;
-        const Tile<Tiles> tile{s_kc, s_kc + Tiles::kTileBytes, s_scale, s_scale + TT, s_scale, buf.keys, t0, min(TT, hi - t0)};
-        if constexpr (CoefReader<CoefT>::kLowBit) {
+        const Tile<Tiles> tile{buf.key_tile(stage), buf.value_tile(stage), buf.key_scale(stage), buf.value_scale(stage), buf.value_zero(stage),
+                               buf.keys, t0, min(TT, hi - t0)};
+        if constexpr (CoefReader<KeyT>::kLowBit) {
             dequantize_keys(tile, buf.keys, buf.groups + stage * TT, src, tid);
         }
         body(tile);
@@ -412,10 +437,11 @@ __device__ __forceinline__ void stream_tiles(const TileBuffers<Tiles>& buf, cons
 // thread owns (query head g, coefficient i) pairs, rescales its running sum by the tile's alpha
 // and adds the tile's weighted codes: r_v numbers per head per token instead of d_v. int8 codes
 // take their per-token scale; int4/int2 codes are read as x = code s + z (the value scales and
-// zero points). Shared by the plain and the pre-RoPE decode kernels.
+// zero points). The value side's own format (ValT), whatever the keys'. Shared by the plain and
+// the pre-RoPE decode kernels.
 template <typename T, class Tiles>
 __device__ __forceinline__ void accumulate_value_tile(float* s_acc, const float* s_alpha, const float* s_w, const Tile<Tiles>& tile, int group, int tid) {
-    using Reader = typename Tiles::Reader;
+    using Reader = typename Tiles::ValReader;
     constexpr int RT = Tiles::kRankTile;
     constexpr int TT = Tiles::kTokens;
     for (int idx = tid; idx < group * RT; idx += kDecodeThreads) {
@@ -424,7 +450,7 @@ __device__ __forceinline__ void accumulate_value_tile(float* s_acc, const float*
         float acc = s_acc[idx] * s_alpha[g];
         for (int t = 0; t < tile.len; ++t) {
             float w = s_w[g * TT + t];
-            const float code = Reader::at(tile.value_codes + t * Tiles::kRowBytes, i);
+            const float code = Reader::at(tile.value_codes + t * Tiles::kValRowBytes, i);
             if constexpr (Reader::kLowBit) {
                 acc += w * low_bit_value<T>(code, tile.value_scale[t], tile.value_zero[t]);
             } else {
@@ -438,11 +464,11 @@ __device__ __forceinline__ void accumulate_value_tile(float* s_acc, const float*
     }
 }
 
-template <typename T, typename CoefT, int D, int DV, int RT>
+template <typename T, typename KeyT, typename ValT, int D, int DV, int RT>
 __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinBlocks)
 decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
-                     const CoefT* __restrict__ key_coef,         // (N, H, T_cap, r)
-                     const CoefT* __restrict__ value_coef,       // (N, H, T_cap, r_v)
+                     const KeyT* __restrict__ key_coef,          // (N, H, T_cap, r)
+                     const ValT* __restrict__ value_coef,        // (N, H, T_cap, r_v)
                      const float* __restrict__ key_scale,        // (N, H, T_cap), INT8 only
                      const float* __restrict__ value_scale,      // (N, H, T_cap), INT8 only
                      const __half* __restrict__ key_group_scale, // (N, H, ceil(T_cap / G), r), int4/int2 only
@@ -459,12 +485,12 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
                      float* __restrict__ part_z,                 // (N, H_q, S)
                      float* __restrict__ part_o,                 // (N, H_q, S, d_v)
                      int num_kv_heads, int group, int t_cap, int j_cap, int rank, int rank_v,
-                     int d_rt, int d_v_rt, int num_tokens, int split_len, int key_group, float scale) {
+                     int d_rt, int d_v_rt, int num_tokens, int split_len, int key_group, int key_groups_cap, float scale) {
     static_assert(D >= 0 && D % kWarpSize == 0, "a fixed D gives each lane D / 32 columns");
     static_assert(DV >= 0, "DV is a head size, or 0 for a run-time one");
     static_assert(RT % kWarpSize == 0, "rank tiles are whole warps");
-    using Tiles = DecodeTiles<RT, CoefT>;
-    using Reader = CoefReader<CoefT>;
+    using Tiles = DecodeTiles<RT, KeyT, ValT>;
+    using Reader = CoefReader<KeyT>;  // the logits read the keys; accumulate_value_tile the values in theirs
     constexpr int TT = Tiles::kTokens;
     constexpr int kPerLane = TT / kWarpSize;
     const int d = D > 0 ? D : d_rt;
@@ -493,8 +519,8 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
 
     const long long nh = static_cast<long long>(n) * num_kv_heads + h;
     const long long q_row0 = static_cast<long long>(n) * num_q_heads + static_cast<long long>(h) * group;
-    const HeadCoefs<T, CoefT> src(key_coef, value_coef, key_scale, value_scale, key_group_scale, key_group_zero, key_tail, value_token_scale,
-                                  value_token_zero, nh, t_cap, rank, rank_v, num_tokens, key_group);
+    const HeadCoefs<T, KeyT, ValT> src(key_coef, value_coef, key_scale, value_scale, key_group_scale, key_group_zero, key_tail, value_token_scale,
+                                  value_token_zero, nh, t_cap, rank, rank_v, num_tokens, key_group, key_groups_cap);
 
     for (int i = tid; i < group * d; i += kDecodeThreads) {
         s_q[i] = to_float(q[q_row0 * d + i]);
@@ -507,7 +533,7 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
     }
     // Bytes past a row's rank coefficients are never copied; zero makes them inert in the RT-long
     // dots (and finite in the value sums, whose columns past r_v are never read).
-    for (int i = tid; i < Tiles::kStages * 2 * Tiles::kTileBytes / 16; i += kDecodeThreads) {
+    for (int i = tid; i < Tiles::kStages * Tiles::kStageBytes / 16; i += kDecodeThreads) {
         reinterpret_cast<uint4*>(buf.tiles)[i] = make_uint4(0u, 0u, 0u, 0u);
     }
     for (int i = tid; i < group; i += kDecodeThreads) {
@@ -577,7 +603,7 @@ decode_split_partial(const T* __restrict__ q,                    // (N, H_q, d)
                                 logit += s_qt[g * RT + i] * tile.key(t, i);
                             }
                         } else {
-                            logit = row_dot<RT, CoefT>(s_qt + g * RT, tile.key_codes + t * Tiles::kRowBytes);
+                            logit = row_dot<RT, KeyT>(s_qt + g * RT, tile.key_codes + t * Tiles::kKeyRowBytes);
                             if constexpr (Reader::kScaled) {
                                 logit *= tile.key_scale[t];
                             }
@@ -691,19 +717,19 @@ constexpr int kRopeSub = 8;
 
 // 32-token tiles, two stages where they fit the budget (at rank tile 32 every storage; at 64 all
 // but float32; at 128 int8 and int4/int2; at 256 int4/int2).
-template <int RT, typename CoefT>
-using RopeTiles = TileGeometry<RT, CoefT, kRopeTokens>;
+template <int RT, typename KeyT, typename ValT>
+using RopeTiles = TileGeometry<RT, KeyT, ValT, kRopeTokens>;
 
 // Dynamic shared memory of decode_rope_partial (subspace_ref_cupy._kernels.rope_shared_bytes):
-//   RopeTiles<RT, CoefT>::kBytes + 4 * (TT * (d + 1) + 2 * kRopeSub * (d / 2) + group * (d + TT + RT + 3))
+//   RopeTiles<RT, KeyT, ValT>::kBytes + 4 * (TT * (d + 1) + 2 * kRopeSub * (d / 2) + group * (d + TT + RT + 3))
 // Coefficient storage as decode_split_partial's: float, int8 with per-token scales (applied to the
 // logit and the weight), or int4/int2 codes (keys dequantised once per tile before the rebuild,
 // values in the weighted sum).
-template <typename T, typename CoefT, int RT>
+template <typename T, typename KeyT, typename ValT, int RT>
 __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinBlocks)
 decode_rope_partial(const T* __restrict__ q,                    // (N, H_q, d), post-RoPE
-                    const CoefT* __restrict__ key_coef,         // (N, H, T_cap, r)
-                    const CoefT* __restrict__ value_coef,       // (N, H, T_cap, r_v)
+                    const KeyT* __restrict__ key_coef,          // (N, H, T_cap, r)
+                    const ValT* __restrict__ value_coef,        // (N, H, T_cap, r_v)
                     const float* __restrict__ key_scale,        // (N, H, T_cap), INT8 only
                     const float* __restrict__ value_scale,      // (N, H, T_cap), INT8 only
                     const __half* __restrict__ key_group_scale, // (N, H, ceil(T_cap / G), r), int4/int2 only
@@ -720,10 +746,10 @@ decode_rope_partial(const T* __restrict__ q,                    // (N, H_q, d), 
                     float* __restrict__ part_z,                 // (N, H_q, S)
                     float* __restrict__ part_o,                 // (N, H_q, S, d_v)
                     int num_kv_heads, int group, int t_cap, int j_cap, int rank, int rank_v, int d, int dv,
-                    int num_tokens, int split_len, int key_group, int num_rotating, int first_position, float rope_scale, float scale) {
+                    int num_tokens, int split_len, int key_group, int key_groups_cap, int num_rotating, int first_position, float rope_scale, float scale) {
     static_assert(RT % kWarpSize == 0, "rank tiles are whole warps");
-    using Tiles = RopeTiles<RT, CoefT>;
-    using Reader = CoefReader<CoefT>;
+    using Tiles = RopeTiles<RT, KeyT, ValT>;
+    using Reader = CoefReader<KeyT>;  // the key rebuild and logits; accumulate_value_tile reads the values in theirs
     constexpr int TT = Tiles::kTokens;
     static_assert(TT % kRopeSub == 0, "a tile is whole rebuild items");
 
@@ -751,8 +777,8 @@ decode_rope_partial(const T* __restrict__ q,                    // (N, H_q, d), 
 
     const long long nh = static_cast<long long>(n) * num_kv_heads + h;
     const long long q_row0 = static_cast<long long>(n) * num_q_heads + static_cast<long long>(h) * group;
-    const HeadCoefs<T, CoefT> src(key_coef, value_coef, key_scale, value_scale, key_group_scale, key_group_zero, key_tail, value_token_scale,
-                                  value_token_zero, nh, t_cap, rank, rank_v, num_tokens, key_group);
+    const HeadCoefs<T, KeyT, ValT> src(key_coef, value_coef, key_scale, value_scale, key_group_scale, key_group_zero, key_tail, value_token_scale,
+                                  value_token_zero, nh, t_cap, rank, rank_v, num_tokens, key_group, key_groups_cap);
     const int lo = split * split_len;
     const int hi = min(num_tokens, lo + split_len);
 

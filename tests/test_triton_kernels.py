@@ -424,6 +424,35 @@ class TestLowBitDecode:
         assert err <= tolerance(ref, want, dtype), (err, ref)
 
 
+CENTRED_CASES = [c for c in LOW_BIT_CASES if "words" in c[0]]
+
+
+class TestCentredForms:
+    """int4's centred form (spec/quantization.md Q6) in both product orientations of the split
+    kernel: the tile's tokens on the MMA's M dimension (``TOKENS_M``, the default: interior tiles
+    unmasked, the partial first and last tiles of a split masked after them) and the query heads on
+    M (``split_launch(..., tokens_m=False)``, kept for timing). Same oracle and tolerance as
+    :class:`TestLowBitDecode`; the splits of the cases start and end inside key groups."""
+
+    @pytest.mark.parametrize("tokens_m", [True, False])
+    @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+    @pytest.mark.parametrize("case", CENTRED_CASES, ids=[c[0] for c in CENTRED_CASES])
+    def test_matches_oracle(self, impl, rng, case, dtype, tokens_m, monkeypatch):
+        monkeypatch.setattr(decode, "TOKENS_M_DEFAULT", tokens_m)
+        launches = []
+        real = decode.split_launch
+
+        def spy(*a, **kw):
+            launch, out = real(*a, **kw)
+            launches.append(launch.constexprs)
+            return launch, out
+
+        monkeypatch.setattr(decode, "split_launch", spy)
+        TestLowBitDecode().test_matches_oracle(impl, rng, case, dtype, "int4")
+        assert launches or impl["attend"] is decode.decode_attention_reference
+        assert all(c["CENTRED"] and c["TOKENS_M"] == tokens_m for c in launches)
+
+
 def poison_sides(lay, spare: int = 5):
     """``lay`` (a torch layout whose sides may store different formats, spec/quantization.md Q0)
     with ``spare`` rows of capacity past T poisoned per side as its format stores it: float

@@ -91,6 +91,10 @@ FALLBACK_RESIDENT = 2
 # ptxas would keep (docs/gpu.md, "Register caps", has the figures). The capped kernels spill a few
 # dozen bytes per thread; the compile report lists them as spilling by choice.
 QUANTISED_MAX_REGISTERS = 128
+# int4's centred form with the tile's tokens on the MMA's M dimension (TOKENS_M): 539 instead of
+# 647 instructions in the sm_90 main loop (bf16, r = 32, 2 warps), half the MMAs; not yet timed.
+# split_launch(..., tokens_m=False) keeps the query-heads-on-M form for timing against it.
+TOKENS_M_DEFAULT = True
 CENTRED_WARPS = 2  # warps of the int4 split kernel in the centred form (centred_int4), from its compiled code, not timed
 FLOAT16_MAX_REGISTERS = 96
 REGISTER_CAPS_MEASURED = (
@@ -183,6 +187,8 @@ def _decode_split_kernel(
     MIN_SPLIT: tl.constexpr,
     CENTRED: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    TOKENS_M: tl.constexpr = True,
+    RANKS_FULL: tl.constexpr = False,
 ):
     # Few nested @triton.jit calls in the loops (tl.max, tl.sum, tl.zeros are; see _tl.py): under
     # the interpreter each one re-patches triton.language, so the 16-bit split products are
@@ -202,8 +208,12 @@ def _decode_split_kernel(
     offs_rv = tl.arange(0, RV)
     offs_t = tl.arange(0, BLOCK_T)
     g_mask = offs_g < group
-    r_mask = offs_r < r
-    rv_mask = offs_rv < r_v
+    if RANKS_FULL:  # r = R and r_v = RV: no mask on the rank axis (wide loads, fewer predicates)
+        r_mask = tl.full([R], 1, tl.int1)
+        rv_mask = tl.full([RV], 1, tl.int1)
+    else:
+        r_mask = offs_r < r
+        rv_mask = offs_rv < r_v
     if CENTRED:  # int4 rows read as 32-bit words put the channels in this order (_tl.centred_int4_words)
         key_r = int4_word_order(offs_r)
         val_rv = int4_word_order(offs_rv)
@@ -299,6 +309,9 @@ def _decode_split_kernel(
                 q_lo = q_lo.to(tl.float32)
         else:
             row_scale = tl.full([G], 0.0, tl.float32) + logit_scale
+            q_hi = q_proj  # unused: float32 bases take q~ whole
+            q_mid = q_proj
+            q_lo = q_proj
 
         acc = tl.full([G, RV], 0.0, tl.float32)  # value-coefficient accumulator, at scale m_i
         if CENTRED:
@@ -308,142 +321,95 @@ def _decode_split_kernel(
             # the value scales go into the weights. The codes enter the products as small integers.
             MID: tl.constexpr = 8
             zacc = tl.full([G], 0.0, tl.float32)  # sum_t w_t (zeta_t + M tau_t), at scale m_i
+            # TOKENS_M: the tile's tokens on the MMA's M dimension (logits^T = codes @ a_j^T, and
+            # acc^T = codes^T @ w^T), so the GQA group is the small N of both products, not M
+            # padded to 16 rows; the accumulator is kept transposed (RV x G) until the chunk's end
+            acc_t = tl.full([RV, G], 0.0, tl.float32)
             t_first = c_lo // BLOCK_T * BLOCK_T
             coded_hi = tl.minimum(c_hi, complete)
-            for t0 in range(t_first, coded_hi, BLOCK_T):  # sass: main loop
-                tok = t0 + offs_t
-                t_mask = (tok >= c_lo) & (tok < coded_hi)
-                grp = t0 // BLOCK_T
-                s_k = tl.load(ks_base + grp * sks_t + key_r, mask=r_mask, other=0.0).to(tl.float32)
-                z_k = tl.load(kz_base + grp * sks_t + key_r, mask=r_mask, other=0.0).to(tl.float32)
-                bias = tl.reduce(q_proj * (z_k + MID * s_k)[None, :], 1, _SUM)
-                u = q_proj * s_k[None, :]
-                # codes and a_j in bfloat16 whatever the bases' 16-bit type: float32's range, so no
-                # power-of-two rescaling per tile; a_j in 3 parts (float32 accuracy)
-                y = centred_int4_words(kc_base.to(tl.pointer_type(tl.uint32)), tok, t_mask, skc_t // 4, R, tl.bfloat16, INTERPRETED)  # (BLOCK_T, R), exact
-                u_hi = u.to(tl.bfloat16)
-                u_rest = u - u_hi.to(tl.float32)
-                u_mid = u_rest.to(tl.bfloat16)
-                u_lo = (u_rest - u_mid.to(tl.float32)).to(tl.bfloat16)
-                if NATIVE16:
-                    yt = tl.trans(y)
-                    logits = tl.dot(u_mid, yt)
-                    logits = tl.dot(u_lo, yt, acc=logits)
-                    logits = tl.dot(u_hi, yt, acc=logits)
-                else:
-                    yt = tl.trans(y.to(tl.float32))
-                    logits = tl.dot(u_mid.to(tl.float32), yt, input_precision="ieee")
-                    logits = tl.dot(u_lo.to(tl.float32), yt, acc=logits, input_precision="ieee")
-                    logits = tl.dot(u_hi.to(tl.float32), yt, acc=logits, input_precision="ieee")
-                logits = (logits + bias[:, None]) * row_scale[:, None]
-                m_i, z_i, acc, zacc = _centred_values(logits, tok, t_mask, m_i, z_i, acc, zacc, vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t,
-                                                      NATIVE16, INTERPRETED)
+            if TOKENS_M:
+                # Tiles wholly inside [c_lo, coded_hi) without masks in the hot loop; the partial
+                # first and last tiles after it, masked (spec A3.1: any order of the tiles).
+                full_lo = (c_lo + BLOCK_T - 1) // BLOCK_T * BLOCK_T
+                full_hi = coded_hi // BLOCK_T * BLOCK_T
+                for t0 in range(full_lo, full_hi, BLOCK_T):  # sass: main loop
+                    m_i, z_i, acc_t, zacc = _centred_tile_t(t0, c_lo, coded_hi, q_proj, row_scale, key_r, ks_base, kz_base, kc_base, sks_t, skc_t,
+                                                            vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t, m_i, z_i, acc_t, zacc,
+                                                            BLOCK_T, NATIVE16, INTERPRETED, False)
+                last_t = (coded_hi - 1) // BLOCK_T * BLOCK_T
+                for e in range(0, 2):
+                    t0 = tl.where(e == 0, t_first, last_t)
+                    partial = (t0 < c_lo) | (t0 + BLOCK_T > coded_hi)
+                    if (c_lo < coded_hi) & partial & ((e == 0) | (last_t != t_first)):
+                        m_i, z_i, acc_t, zacc = _centred_tile_t(t0, c_lo, coded_hi, q_proj, row_scale, key_r, ks_base, kz_base, kc_base, sks_t, skc_t,
+                                                                vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t, m_i, z_i, acc_t, zacc,
+                                                                BLOCK_T, NATIVE16, INTERPRETED, True)
+            else:
+                for t0 in range(t_first, coded_hi, BLOCK_T):  # sass: main loop
+                    tok = t0 + offs_t
+                    t_mask = (tok >= c_lo) & (tok < coded_hi)
+                    grp = t0 // BLOCK_T
+                    s_k = tl.load(ks_base + grp * sks_t + key_r, mask=r_mask, other=0.0).to(tl.float32)
+                    z_k = tl.load(kz_base + grp * sks_t + key_r, mask=r_mask, other=0.0).to(tl.float32)
+                    bias = tl.reduce(q_proj * (z_k + MID * s_k)[None, :], 1, _SUM)
+                    u = q_proj * s_k[None, :]
+                    # codes and a_j in bfloat16 whatever the bases' 16-bit type: float32's range, so no
+                    # power-of-two rescaling per tile; a_j in 3 parts (float32 accuracy)
+                    y = centred_int4_words(kc_base.to(tl.pointer_type(tl.uint32)), tok, t_mask, skc_t // 4, R, tl.bfloat16, INTERPRETED)  # (BLOCK_T, R), exact
+                    u_hi = u.to(tl.bfloat16)
+                    u_rest = u - u_hi.to(tl.float32)
+                    u_mid = u_rest.to(tl.bfloat16)
+                    u_lo = (u_rest - u_mid.to(tl.float32)).to(tl.bfloat16)
+                    if NATIVE16:
+                        yt = tl.trans(y)
+                        logits = tl.dot(u_mid, yt)
+                        logits = tl.dot(u_lo, yt, acc=logits)
+                        logits = tl.dot(u_hi, yt, acc=logits)
+                    else:
+                        yt = tl.trans(y.to(tl.float32))
+                        logits = tl.dot(u_mid.to(tl.float32), yt, input_precision="ieee")
+                        logits = tl.dot(u_lo.to(tl.float32), yt, acc=logits, input_precision="ieee")
+                        logits = tl.dot(u_hi.to(tl.float32), yt, acc=logits, input_precision="ieee")
+                    logits = (logits + bias[:, None]) * row_scale[:, None]
+                    m_i, z_i, acc, zacc = _centred_values(logits, tok, t_mask, m_i, z_i, acc, zacc, vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t,
+                                                          NATIVE16, INTERPRETED)
             # the unfinished group (spec/quantization.md Q2.2): float keys from key_tail, outside the hot loop
             for t0 in range(tl.maximum(t_first, complete), c_hi, BLOCK_T):
                 tok = t0 + offs_t
                 t_mask = (tok >= c_lo) & (tok < c_hi)
                 k_tl = tl.load(tail_base + (tok - complete)[:, None] * stl_t + key_r[None, :], mask=t_mask[:, None] & r_mask[None, :], other=0.0)
-                logits = tl.dot(q_proj, tl.trans(k_tl.to(tl.float32)), input_precision="ieee") * row_scale[:, None]
-                m_i, z_i, acc, zacc = _centred_values(logits, tok, t_mask, m_i, z_i, acc, zacc, vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t,
-                                                      NATIVE16, INTERPRETED)
+                if TOKENS_M:
+                    lt = tl.dot(k_tl.to(tl.float32), tl.trans(q_proj), input_precision="ieee") * row_scale[None, :]
+                    m_i, z_i, acc_t, zacc = _centred_values_t(lt, tok, t_mask, m_i, z_i, acc_t, zacc, vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t,
+                                                              NATIVE16, INTERPRETED)
+                else:
+                    logits = tl.dot(q_proj, tl.trans(k_tl.to(tl.float32)), input_precision="ieee") * row_scale[:, None]
+                    m_i, z_i, acc, zacc = _centred_values(logits, tok, t_mask, m_i, z_i, acc, zacc, vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t,
+                                                          NATIVE16, INTERPRETED)
+            if TOKENS_M:
+                acc = tl.trans(acc_t)
             acc += zacc[:, None]
         else:
-            for t0 in range(c_lo, c_hi, BLOCK_T):  # sass: main loop
-                t_mask = t0 + offs_t < c_hi
-                # Each side in its own format (spec/quantization.md Q0): float, int8 (A10) or int4/int2 (Q2).
-                if K_BITS == 0:  # packed rows are narrower than r: read below
-                    c = tl.load(kc_base + (t0 + offs_t)[:, None] * skc_t + offs_r[None, :], mask=t_mask[:, None] & r_mask[None, :], other=0)  # (BLOCK_T, R); sass: codes
-                if V_BITS == 0:
-                    dvals = tl.load(vc_base + (t0 + offs_t)[:, None] * svc_t + offs_rv[None, :], mask=t_mask[:, None] & rv_mask[None, :], other=0)  # (BLOCK_T, RV); sass: codes
-                # int8 through float32: the interpreter turns int8 -> bfloat16 into a bit copy
-                if K_INT8:
-                    c = c.to(tl.float32).to(COEF)
-                if V_INT8:
-                    dvals = dvals.to(tl.float32).to(COEF)
-                # spec/quantization.md Q1-Q2 in float32 (_tl.low_bit_keys, low_bit_values); for 16-bit
-                # bases rounded once more, to nearest even, to the bases' dtype, where the tensor-core
-                # products below take it exactly (the oracle's reading in that dtype, up to a double-rounding tie)
-                if K_BITS > 0:
-                    cf = low_bit_keys(kc_base, ks_base, kz_base, tail_base, t0 + offs_t, t_mask, offs_r, r_mask, complete, kgroup, skc_t, sks_t, stl_t, r, K_BITS, ROWS)
-                if V_BITS > 0:
-                    df = low_bit_values(vc_base, vs_base, vz_base, t0 + offs_t, t_mask, offs_rv, r_v, svc_t, svs_t, V_BITS, ROWS)
-                if K_BITS > 0:
-                    if PARTS == 1:
-                        c = cf
-                    elif MANUAL_BF16:
-                        # the interpreter truncates float32 -> bfloat16; round to nearest even by the
-                        # bits (written out: a nested jit call per tile is slow in the interpreter)
-                        cb = cf.to(tl.uint32, bitcast=True)
-                        c = ((cb + 0x7FFF + ((cb >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-                    else:
-                        c = cf.to(COEF)
-                if V_BITS > 0:
-                    if PARTS == 1:
-                        dvals = df
-                    elif MANUAL_BF16:
-                        db = df.to(tl.uint32, bitcast=True)
-                        dvals = ((db + 0x7FFF + ((db >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-                    else:
-                        dvals = df.to(COEF)
-                # Logits gamma * scale * q~ . c_t in float32 (see the module docstring).
-                if PARTS == 1:
-                    logits = tl.dot(q_proj, tl.trans(c), input_precision="ieee")
-                else:
-                    if NATIVE16:
-                        ct = tl.trans(c)
-                        logits = tl.dot(q_mid, ct)  # smallest parts first
-                        if PARTS == 3:
-                            logits = tl.dot(q_lo, ct, acc=logits)
-                        logits = tl.dot(q_hi, ct, acc=logits)
-                    else:
-                        ct = tl.trans(c.to(tl.float32))
-                        logits = tl.dot(q_mid, ct, input_precision="ieee")
-                        if PARTS == 3:
-                            logits = tl.dot(q_lo, ct, acc=logits, input_precision="ieee")
-                        logits = tl.dot(q_hi, ct, acc=logits, input_precision="ieee")
-                logits = logits * row_scale[:, None]
-                if K_INT8:
-                    # spec A10: c_t = s_t q_t, so q~ . c_t = s_t (q~ . q_t): one scale per token column
-                    k_s = tl.load(ks_base + (t0 + offs_t) * sks_t, mask=t_mask, other=0.0)
-                    logits = logits * k_s[None, :]
-                logits = tl.where(t_mask[None, :], logits, float("-inf"))
-                # Spec A3 steps 2.2-2.3 per tile (A3.1: any partition of the tokens gives the same
-                # result). Every tile has a valid token, so m_new is finite and alpha never NaN.
-                m_new = tl.maximum(m_i, tl.reduce(logits, 1, _MAX))
-                alpha = tl.exp(m_i - m_new)
-                w = tl.exp(logits - m_new[:, None])
-                z_i = z_i * alpha + tl.reduce(w, 1, _SUM)
-                # The weighted sum stays in coefficient space: r_v numbers per head (spec A2 step 4).
-                acc = acc * alpha[:, None]
-                wv = w
-                if V_INT8:
-                    # sum_t w_t s_t q_t: the value scales go into the weights; a power-of-two unit
-                    # keeps the scaled weights <= 1 for the 16-bit parts below (exact, undone after).
-                    v_s = tl.load(vs_base + (t0 + offs_t) * svs_t, mask=t_mask, other=0.0)
-                    v_max = tl.reduce(v_s, 0, _MAX)
-                    v_unit = tl.exp2(tl.ceil(tl.log2(tl.where(v_max > 0, v_max, 1.0))))
-                    wv = w * (v_s / v_unit)[None, :]
-                if PARTS == 1:
-                    pv = tl.dot(wv, dvals, input_precision="ieee")
-                else:
-                    w_hi = wv.to(COEF)
-                    w_rest = wv - w_hi.to(tl.float32)
-                    w_mid = w_rest.to(COEF)
-                    if NATIVE16:
-                        pv = tl.dot(w_mid, dvals)
-                        if PARTS == 3:
-                            pv = tl.dot((w_rest - w_mid.to(tl.float32)).to(COEF), dvals, acc=pv)
-                        pv = tl.dot(w_hi, dvals, acc=pv)
-                    else:
-                        df = dvals.to(tl.float32)
-                        pv = tl.dot(w_mid.to(tl.float32), df, input_precision="ieee")
-                        if PARTS == 3:
-                            pv = tl.dot((w_rest - w_mid.to(tl.float32)).to(COEF).to(tl.float32), df, acc=pv, input_precision="ieee")
-                        pv = tl.dot(w_hi.to(tl.float32), df, acc=pv, input_precision="ieee")
-                if V_INT8:
-                    pv = pv * v_unit
-                acc += pv
-                m_i = m_new
+            # int8 with 16-bit bases: whole tiles unmasked on the token axis, then the split's partial
+            # last tile (if any). The others keep one masked loop: with the two copies of the tile,
+            # int2 spilled in the loop at the cap, float32 bases spilled, and 16-bit float
+            # coefficients took 128 registers and spilled uncapped (sm_90)
+            if (K_INT8 or V_INT8) and K_BITS == 0 and V_BITS == 0 and PARTS > 1:
+                full_hi = c_lo + (c_hi - c_lo) // BLOCK_T * BLOCK_T
+                for t0 in range(c_lo, full_hi, BLOCK_T):  # sass: main loop
+                    m_i, z_i, acc = _split_tile(t0, c_hi, kb_base, q_proj, q_hi, q_mid, q_lo, row_scale, m_i, z_i, acc, kc_base, vc_base, ks_base,
+                                                vs_base, kz_base, vz_base, tail_base, skc_t, svc_t, sks_t, svs_t, stl_t, complete, kgroup, r, r_v,
+                                                r_mask, rv_mask, BLOCK_T, PARTS, NATIVE16, K_INT8, V_INT8, K_BITS, V_BITS, MANUAL_BF16, ROWS, False)
+                if full_hi < c_hi:
+                    m_i, z_i, acc = _split_tile(full_hi, c_hi, kb_base, q_proj, q_hi, q_mid, q_lo, row_scale, m_i, z_i, acc, kc_base, vc_base,
+                                                ks_base, vs_base, kz_base, vz_base, tail_base, skc_t, svc_t, sks_t, svs_t, stl_t, complete, kgroup,
+                                                r, r_v, r_mask, rv_mask, BLOCK_T, PARTS, NATIVE16, K_INT8, V_INT8, K_BITS, V_BITS, MANUAL_BF16, ROWS,
+                                                True)
+            else:
+                for t0 in range(c_lo, c_hi, BLOCK_T):  # sass: main loop
+                    m_i, z_i, acc = _split_tile(t0, c_hi, kb_base, q_proj, q_hi, q_mid, q_lo, row_scale, m_i, z_i, acc, kc_base, vc_base, ks_base,
+                                                vs_base, kz_base, vz_base, tail_base, skc_t, svc_t, sks_t, svs_t, stl_t, complete, kgroup, r, r_v,
+                                                r_mask, rv_mask, BLOCK_T, PARTS, NATIVE16, K_INT8, V_INT8, K_BITS, V_BITS, MANUAL_BF16, ROWS, True)
 
         # Once per chunk, not per token: N <- N exp(m_o - m) + acc E_j. N is rescaled here
         # rather than per tile; m_o = -inf means N is still 0 (and avoids -inf - -inf).
@@ -517,6 +483,194 @@ def _centred_values(logits, tok, t_mask, m_i, z_i, acc, zacc, vc_base, vs_base, 
         pv = tl.dot(w_lo.to(tl.float32), yf, acc=pv, input_precision="ieee")
         pv = tl.dot(w_hi.to(tl.float32), yf, acc=pv, input_precision="ieee")
     return m_new, z_i, acc * alpha[:, None] + pv, zacc
+
+
+@triton.jit
+def _split_tile(t0, c_hi, kb_base, q_proj, q_hi, q_mid, q_lo, row_scale, m_i, z_i, acc, kc_base, vc_base, ks_base, vs_base, kz_base, vz_base, tail_base,
+                skc_t, svc_t, sks_t, svs_t, stl_t, complete, kgroup, r, r_v, r_mask, rv_mask,
+                BLOCK_T: tl.constexpr, PARTS: tl.constexpr, NATIVE16: tl.constexpr, K_INT8: tl.constexpr, V_INT8: tl.constexpr,
+                K_BITS: tl.constexpr, V_BITS: tl.constexpr, MANUAL_BF16: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr):
+    """One tile of ``BLOCK_T`` tokens from ``t0`` of the split kernel's main loop (float, int8 or
+    int4/int2 read as ``c s + z``; spec A3 steps 2.2-2.3): returns the updated ``(m, Z, acc)``.
+    ``MASKED``: the last, partial tile of a range (tokens >= ``c_hi`` masked); otherwise every token
+    counts and nothing is masked on the token axis."""
+    COEF = kb_base.dtype.element_ty
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_r = tl.arange(0, r_mask.shape[0])
+    offs_rv = tl.arange(0, rv_mask.shape[0])
+    if MASKED:
+        t_mask = t0 + offs_t < c_hi
+    else:
+        t_mask = tl.full([BLOCK_T], 1, tl.int1)
+    # Each side in its own format (spec/quantization.md Q0): float, int8 (A10) or int4/int2 (Q2).
+    if K_BITS == 0:  # packed rows are narrower than r: read below
+        c = tl.load(kc_base + (t0 + offs_t)[:, None] * skc_t + offs_r[None, :], mask=t_mask[:, None] & r_mask[None, :], other=0)  # (BLOCK_T, R); sass: codes
+    if V_BITS == 0:
+        dvals = tl.load(vc_base + (t0 + offs_t)[:, None] * svc_t + offs_rv[None, :], mask=t_mask[:, None] & rv_mask[None, :], other=0)  # (BLOCK_T, RV); sass: codes
+    # int8 through float32: the interpreter turns int8 -> bfloat16 into a bit copy
+    if K_INT8:
+        c = c.to(tl.float32).to(COEF)
+    if V_INT8:
+        dvals = dvals.to(tl.float32).to(COEF)
+    # spec/quantization.md Q1-Q2 in float32 (_tl.low_bit_keys, low_bit_values); for 16-bit
+    # bases rounded once more, to nearest even, to the bases' dtype, where the tensor-core
+    # products below take it exactly (the oracle's reading in that dtype, up to a double-rounding tie)
+    if K_BITS > 0:
+        cf = low_bit_keys(kc_base, ks_base, kz_base, tail_base, t0 + offs_t, t_mask, offs_r, r_mask, complete, kgroup, skc_t, sks_t, stl_t, r, K_BITS, ROWS)
+    if V_BITS > 0:
+        df = low_bit_values(vc_base, vs_base, vz_base, t0 + offs_t, t_mask, offs_rv, r_v, svc_t, svs_t, V_BITS, ROWS)
+    if K_BITS > 0:
+        if PARTS == 1:
+            c = cf
+        elif MANUAL_BF16:
+            # the interpreter truncates float32 -> bfloat16; round to nearest even by the
+            # bits (written out: a nested jit call per tile is slow in the interpreter)
+            cb = cf.to(tl.uint32, bitcast=True)
+            c = ((cb + 0x7FFF + ((cb >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            c = cf.to(COEF)
+    if V_BITS > 0:
+        if PARTS == 1:
+            dvals = df
+        elif MANUAL_BF16:
+            db = df.to(tl.uint32, bitcast=True)
+            dvals = ((db + 0x7FFF + ((db >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            dvals = df.to(COEF)
+    # Logits gamma * scale * q~ . c_t in float32 (see the module docstring).
+    if PARTS == 1:
+        logits = tl.dot(q_proj, tl.trans(c), input_precision="ieee")
+    else:
+        if NATIVE16:
+            ct = tl.trans(c)
+            logits = tl.dot(q_mid, ct)  # smallest parts first
+            if PARTS == 3:
+                logits = tl.dot(q_lo, ct, acc=logits)
+            logits = tl.dot(q_hi, ct, acc=logits)
+        else:
+            ct = tl.trans(c.to(tl.float32))
+            logits = tl.dot(q_mid, ct, input_precision="ieee")
+            if PARTS == 3:
+                logits = tl.dot(q_lo, ct, acc=logits, input_precision="ieee")
+            logits = tl.dot(q_hi, ct, acc=logits, input_precision="ieee")
+    logits = logits * row_scale[:, None]
+    if K_INT8:
+        # spec A10: c_t = s_t q_t, so q~ . c_t = s_t (q~ . q_t): one scale per token column
+        k_s = tl.load(ks_base + (t0 + offs_t) * sks_t, mask=t_mask, other=0.0)
+        logits = logits * k_s[None, :]
+    logits = tl.where(t_mask[None, :], logits, float("-inf"))
+    # Spec A3 steps 2.2-2.3 per tile (A3.1: any partition of the tokens gives the same
+    # result). Every tile has a valid token, so m_new is finite and alpha never NaN.
+    m_new = tl.maximum(m_i, tl.reduce(logits, 1, _MAX))
+    alpha = tl.exp(m_i - m_new)
+    w = tl.exp(logits - m_new[:, None])
+    z_i = z_i * alpha + tl.reduce(w, 1, _SUM)
+    # The weighted sum stays in coefficient space: r_v numbers per head (spec A2 step 4).
+    acc = acc * alpha[:, None]
+    wv = w
+    if V_INT8:
+        # sum_t w_t s_t q_t: the value scales go into the weights; a power-of-two unit
+        # keeps the scaled weights <= 1 for the 16-bit parts below (exact, undone after).
+        v_s = tl.load(vs_base + (t0 + offs_t) * svs_t, mask=t_mask, other=0.0)
+        if COEF != tl.float16:  # float32's range (bfloat16 parts, float32): no unit needed
+            wv = w * v_s[None, :]
+        else:
+            v_max = tl.reduce(v_s, 0, _MAX)
+            v_unit = tl.exp2(tl.ceil(tl.log2(tl.where(v_max > 0, v_max, 1.0))))
+            wv = w * (v_s / v_unit)[None, :]
+    if PARTS == 1:
+        pv = tl.dot(wv, dvals, input_precision="ieee")
+    else:
+        w_hi = wv.to(COEF)
+        w_rest = wv - w_hi.to(tl.float32)
+        w_mid = w_rest.to(COEF)
+        if NATIVE16:
+            pv = tl.dot(w_mid, dvals)
+            if PARTS == 3:
+                pv = tl.dot((w_rest - w_mid.to(tl.float32)).to(COEF), dvals, acc=pv)
+            pv = tl.dot(w_hi, dvals, acc=pv)
+        else:
+            df = dvals.to(tl.float32)
+            pv = tl.dot(w_mid.to(tl.float32), df, input_precision="ieee")
+            if PARTS == 3:
+                pv = tl.dot((w_rest - w_mid.to(tl.float32)).to(COEF).to(tl.float32), df, acc=pv, input_precision="ieee")
+            pv = tl.dot(w_hi.to(tl.float32), df, acc=pv, input_precision="ieee")
+    if V_INT8 and COEF == tl.float16:
+        pv = pv * v_unit
+    acc += pv
+    return m_new, z_i, acc
+
+@triton.jit
+def _centred_tile_t(t0, t_lo, t_hi, q_proj, row_scale, key_r, ks_base, kz_base, kc_base, sks_t, skc_t, vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t,
+                    m_i, z_i, acc_t, zacc, BLOCK_T: tl.constexpr, NATIVE16: tl.constexpr, INTERPRETED: tl.constexpr, MASKED: tl.constexpr):
+    """One tile (one key group, starting at ``t0``) of int4's centred form with the tokens on the
+    MMA's M dimension: the group's key scales folded into a_j = q~_j s_j and a bias per query head
+    (spec/quantization.md Q6), logits^T = codes @ a_j^T in 3 bfloat16 parts of a_j, then
+    :func:`_centred_values_t`. ``MASKED``: only tokens in [t_lo, t_hi) count (edge tiles);
+    otherwise every token of the tile does and nothing is masked (whole ranks: r = R here)."""
+    MID: tl.constexpr = 8
+    tok = t0 + tl.arange(0, BLOCK_T)
+    if MASKED:
+        t_mask = (tok >= t_lo) & (tok < t_hi)
+    else:
+        t_mask = tl.full([BLOCK_T], 1, tl.int1)
+    grp = t0 // BLOCK_T
+    s_k = tl.load(ks_base + grp * sks_t + key_r).to(tl.float32)
+    z_k = tl.load(kz_base + grp * sks_t + key_r).to(tl.float32)
+    bias = tl.reduce(q_proj * (z_k + MID * s_k)[None, :], 1, _SUM)
+    u = q_proj * s_k[None, :]
+    # codes and a_j in bfloat16 whatever the bases' 16-bit type: float32's range, so no
+    # power-of-two rescaling per tile; a_j in 3 parts (float32 accuracy)
+    y = centred_int4_words(kc_base.to(tl.pointer_type(tl.uint32)), tok, t_mask, skc_t // 4, key_r.shape[0], tl.bfloat16, INTERPRETED)  # (BLOCK_T, R), exact
+    u_hi = u.to(tl.bfloat16)
+    u_rest = u - u_hi.to(tl.float32)
+    u_mid = u_rest.to(tl.bfloat16)
+    u_lo = (u_rest - u_mid.to(tl.float32)).to(tl.bfloat16)
+    if NATIVE16:
+        lt = tl.dot(y, tl.trans(u_mid))
+        lt = tl.dot(y, tl.trans(u_lo), acc=lt)
+        lt = tl.dot(y, tl.trans(u_hi), acc=lt)
+    else:
+        yf = y.to(tl.float32)
+        lt = tl.dot(yf, tl.trans(u_mid.to(tl.float32)), input_precision="ieee")
+        lt = tl.dot(yf, tl.trans(u_lo.to(tl.float32)), acc=lt, input_precision="ieee")
+        lt = tl.dot(yf, tl.trans(u_hi.to(tl.float32)), acc=lt, input_precision="ieee")
+    lt = (lt + bias[None, :]) * row_scale[None, :]
+    return _centred_values_t(lt, tok, t_mask, m_i, z_i, acc_t, zacc, vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t, NATIVE16, INTERPRETED)
+
+
+@triton.jit
+def _centred_values_t(lt, tok, t_mask, m_i, z_i, acc_t, zacc, vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t,
+                      NATIVE16: tl.constexpr, INTERPRETED: tl.constexpr):
+    """:func:`_centred_values` with the tokens on the MMA's M dimension: ``lt`` the logits
+    transposed (tokens x heads), ``acc_t`` the accumulator transposed (RV x heads), updated by
+    acc^T += codes^T @ (w tau)^T (the codes' tile the A operand, the group the N dimension)."""
+    MID: tl.constexpr = 8
+    lt = tl.where(t_mask[:, None], lt, float("-inf"))
+    m_new = tl.maximum(m_i, tl.reduce(lt, 0, _MAX))
+    alpha = tl.exp(m_i - m_new)
+    w = tl.exp(lt - m_new[None, :])
+    z_i = z_i * alpha + tl.reduce(w, 0, _SUM)
+    tau = tl.load(vs_base + tok * svs_t, mask=t_mask, other=0.0).to(tl.float32)
+    zeta = tl.load(vz_base + tok * svs_t, mask=t_mask, other=0.0).to(tl.float32)
+    zacc = zacc * alpha + tl.reduce(w * (zeta + MID * tau)[:, None], 0, _SUM)
+    wv = w * tau[:, None]
+    y = centred_int4_words(vc_base.to(tl.pointer_type(tl.uint32)), tok, t_mask, svc_t // 4, offs_rv.shape[0], tl.bfloat16, INTERPRETED)  # (BLOCK_T, RV), exact
+    w_hi = wv.to(tl.bfloat16)
+    w_rest = wv - w_hi.to(tl.float32)
+    w_mid = w_rest.to(tl.bfloat16)
+    w_lo = (w_rest - w_mid.to(tl.float32)).to(tl.bfloat16)
+    if NATIVE16:
+        yt = tl.trans(y)
+        pv = tl.dot(yt, w_mid)
+        pv = tl.dot(yt, w_lo, acc=pv)
+        pv = tl.dot(yt, w_hi, acc=pv)
+    else:
+        yt = tl.trans(y.to(tl.float32))
+        pv = tl.dot(yt, w_mid.to(tl.float32), input_precision="ieee")
+        pv = tl.dot(yt, w_lo.to(tl.float32), acc=pv, input_precision="ieee")
+        pv = tl.dot(yt, w_hi.to(tl.float32), acc=pv, input_precision="ieee")
+    return m_new, z_i, acc_t * alpha[None, :] + pv, zacc
 
 
 @triton.jit
@@ -655,8 +809,9 @@ def centred_int4(layout, parts: int) -> bool:
 
 
 def decode_partials(q, layout, scale: float, split_len: int, num_splits: int | None = None, *, block_t: int | None = None, num_warps: int | None = None,
-                    max_registers: int | None = None):
-    launch, outputs = split_launch(q, layout, scale, split_len, num_splits, block_t=block_t, num_warps=num_warps, max_registers=max_registers)
+                    max_registers: int | None = None, tokens_m: bool | None = None):
+    launch, outputs = split_launch(q, layout, scale, split_len, num_splits, block_t=block_t, num_warps=num_warps, max_registers=max_registers,
+                                   tokens_m=tokens_m)
     launch.run()
     return outputs
 
@@ -729,6 +884,7 @@ def split_launch(
     max_registers: int | None = None,
     num_tokens=None,
     outputs=None,
+    tokens_m: bool | None = None,
 ):
     """Per-split partials ``(m, Z, N)`` (spec A3.2) of coefficient-space attention (spec A3).
 
@@ -745,6 +901,10 @@ def split_launch(
     and ``num_splits`` (required), so the launch can be captured in a CUDA graph and replayed as
     the cache grows (:class:`~subspace_ref_triton.workspace.DecodeWorkspace`). ``outputs``:
     preallocated ``(m, Z, N)`` to write instead of new tensors.
+
+    ``tokens_m``: in int4's centred form, the tile's tokens on the MMA's M dimension (default,
+    ``TOKENS_M``; fewer instructions in the compiled loop) or, ``False``, the query heads on M
+    padded to the MMA's 16 rows (the form timed before; kept to time both).
 
     :func:`split_launch` returns the launch (not run) and the outputs it would fill, for
     ahead-of-time compile checks (``subspace_ref_triton.gpu_report``).
@@ -857,6 +1017,8 @@ def split_launch(
         DEVICE_T=device_t,
         MIN_SPLIT=MIN_SPLIT_TOKENS if device_t else 1,
         CENTRED=cfg_centred,
+        TOKENS_M=TOKENS_M_DEFAULT if tokens_m is None else bool(tokens_m),
+        RANKS_FULL=r == pow2_at_least(r) and r_v == pow2_at_least(r_v),
         INTERPRETED=interpreting(),
     )
     return Launch(_decode_split_kernel, (N * H, S), args, constexprs, cfg["num_warps"], cfg["max_registers"] or None), outputs

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from conftest import random_orthonormal
 from differential.tolerance import reference_error, tolerance
+from triton_numerics import gpu_numerics
 
 import subspace_ref as sr
 from subspace_ref import StaticBasis, SubspaceState
@@ -200,46 +201,15 @@ def test_torch_one_chunk_low_bit_path_matches_oracle(coefficients, dtype, T, rng
     assert np.abs(got - want).max() <= tolerance(ref, want, dtype)
 
 
-@contextlib.contextmanager
-def _gpu_numerics(monkeypatch):
-    """The interpreter computing 16-bit arithmetic as an NVIDIA GPU does (as
-    ``test_triton_kernels.gpu_numerics``): ``tl.dot`` of float16/bfloat16 operands as exact products
-    summed in float32, float32 -> bfloat16 rounded to nearest even."""
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    builder = interpreter.InterpreterBuilder
-    dot, cast = builder.create_dot, builder.cast_impl
-
-    def as_float32(h):
-        if h.dtype.scalar == tl.bfloat16:
-            return (h.data.astype(np.uint32) << np.uint32(16)).view(np.float32)
-        return h.data.astype(np.float32) if h.dtype.scalar == tl.float16 else h.data
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if {a.dtype.scalar, b.dtype.scalar} & {tl.bfloat16, tl.float16}:
-            return interpreter.TensorHandle(np.matmul(as_float32(a), as_float32(b), dtype=np.float32) + d.data, d.dtype.scalar)
-        return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            bits = np.asarray(src.data, dtype=np.float32).view(np.uint32).astype(np.uint64)
-            return interpreter.TensorHandle(((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16), tl.bfloat16)
-        return cast(self, src, dst_type)
-
-    with monkeypatch.context() as m:
-        m.setattr(builder, "create_dot", create_dot)
-        m.setattr(builder, "cast_impl", cast_impl)
-        yield
 
 
 @pytest.mark.parametrize("legacy, key_parts", [(False, 2), (False, 1), (True, 2)], ids=["mma", "mma-key1", "legacy"])
 @pytest.mark.parametrize("coefficients", ["float", "int8", "int4", "int2", "float/int4", "int4/int8"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_triton_pre_rope_gpu_numerics(dtype, coefficients, legacy, key_parts, rng, monkeypatch):
+def test_triton_pre_ropegpu_numerics(dtype, coefficients, legacy, key_parts, rng, monkeypatch):
     """Both kernels (the tensor-core form, also with ``key_parts=1``, and ``legacy=True``) with the constexprs of a GPU launch
     (``NATIVE16``: 16-bit tensor-core products, float32 operands in 16-bit parts) and, under the
-    interpreter, the GPU's 16-bit arithmetic (:func:`_gpu_numerics`), against the float64 oracle of
+    interpreter, the GPU's 16-bit arithmetic (:func:`gpu_numerics`), against the float64 oracle of
     the stored state within the harness's tolerance in that dtype; several splits (tiles with base
     angles > 0), GQA 4, d = 64, r = 16, a key group tail for int4/int2."""
     _triton_or_skip()
@@ -260,7 +230,7 @@ def test_triton_pre_rope_gpu_numerics(dtype, coefficients, legacy, key_parts, rn
     assert (launch.kernel is rope_decode._rope_split_kernel) == legacy
     # the legacy kernel's tensor-core rebuild takes 16-bit or int8 key coefficients only (rope_decode.native16)
     launch.constexprs["NATIVE16"] = not legacy or coefficients.split("/")[0] in ("float", "int8")
-    with _gpu_numerics(monkeypatch) if interpreting() else contextlib.nullcontext():
+    with gpu_numerics(monkeypatch) if interpreting() else contextlib.nullcontext():
         launch.run()
     got = to_numpy(decode.merge_partials(pm, pz, po, qt.dtype))[0].astype(np.float64)
     assert np.abs(got - want).max() <= tolerance(ref, want, dtype), (np.abs(got - want).max(), ref)

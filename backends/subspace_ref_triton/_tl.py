@@ -149,3 +149,13 @@ def low_bit_values(vc_base, vs_base, vz_base, tok, t_mask, offs_rv, r_v, svc_t, 
     v_ze = tl.load(vz_base + tok * svs_t, mask=t_mask, other=0.0).to(tl.float32)
     return vcode * v_sc[:, None] + v_ze[:, None]
 
+
+@triton.jit
+def split3(x, DT: tl.constexpr):
+    """float32 ``x`` as hi + mid + lo in the 16-bit type ``DT``: their sum is x to float32's
+    precision, so three 16-bit tensor-core products give a float32 product (docs/gpu.md)."""
+    hi = x.to(DT)
+    rest = x - hi.to(tl.float32)
+    mid = rest.to(DT)
+    lo = (rest - mid.to(tl.float32)).to(DT)
+    return hi, mid, lo

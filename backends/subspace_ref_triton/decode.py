@@ -61,7 +61,7 @@ from subspace_ref_triton._common import Launch, cdiv, interpreting, pow2_at_leas
 from subspace_ref_triton.occupancy import GPU, full_wave_splits, resident_blocks
 from subspace_ref_triton._tl import MAX_COMBINE as _MAX
 from subspace_ref_triton._tl import SUM_COMBINE as _SUM
-from subspace_ref_triton._tl import centred_int4_words, int4_word_order, low_bit_keys, low_bit_values, to_storage
+from subspace_ref_triton._tl import centred_int4_words, int4_word_order, low_bit_keys, low_bit_values, split3, to_storage
 
 
 def _small_dots() -> bool:
@@ -356,10 +356,7 @@ def _decode_split_kernel(
                     # codes and a_j in bfloat16 whatever the bases' 16-bit type: float32's range, so no
                     # power-of-two rescaling per tile; a_j in 3 parts (float32 accuracy)
                     y = centred_int4_words(kc_base.to(tl.pointer_type(tl.uint32)), tok, t_mask, skc_t // 4, R, tl.bfloat16, INTERPRETED)  # (BLOCK_T, R), exact
-                    u_hi = u.to(tl.bfloat16)
-                    u_rest = u - u_hi.to(tl.float32)
-                    u_mid = u_rest.to(tl.bfloat16)
-                    u_lo = (u_rest - u_mid.to(tl.float32)).to(tl.bfloat16)
+                    u_hi, u_mid, u_lo = split3(u, tl.bfloat16)
                     if NATIVE16:
                         yt = tl.trans(y)
                         logits = tl.dot(u_mid, yt)
@@ -469,10 +466,7 @@ def _centred_values(logits, tok, t_mask, m_i, z_i, acc, zacc, vc_base, vs_base, 
     zacc = zacc * alpha + tl.reduce(w * (zeta + MID * tau)[None, :], 1, _SUM)
     wv = w * tau[None, :]
     y = centred_int4_words(vc_base.to(tl.pointer_type(tl.uint32)), tok, t_mask, svc_t // 4, offs_rv.shape[0], tl.bfloat16, INTERPRETED)  # (BLOCK_T, RV), exact
-    w_hi = wv.to(tl.bfloat16)
-    w_rest = wv - w_hi.to(tl.float32)
-    w_mid = w_rest.to(tl.bfloat16)
-    w_lo = (w_rest - w_mid.to(tl.float32)).to(tl.bfloat16)
+    w_hi, w_mid, w_lo = split3(wv, tl.bfloat16)
     if NATIVE16:
         pv = tl.dot(w_mid, y)
         pv = tl.dot(w_lo, y, acc=pv)
@@ -622,10 +616,7 @@ def _centred_tile_t(t0, t_lo, t_hi, q_proj, row_scale, key_r, ks_base, kz_base, 
     # codes and a_j in bfloat16 whatever the bases' 16-bit type: float32's range, so no
     # power-of-two rescaling per tile; a_j in 3 parts (float32 accuracy)
     y = centred_int4_words(kc_base.to(tl.pointer_type(tl.uint32)), tok, t_mask, skc_t // 4, key_r.shape[0], tl.bfloat16, INTERPRETED)  # (BLOCK_T, R), exact
-    u_hi = u.to(tl.bfloat16)
-    u_rest = u - u_hi.to(tl.float32)
-    u_mid = u_rest.to(tl.bfloat16)
-    u_lo = (u_rest - u_mid.to(tl.float32)).to(tl.bfloat16)
+    u_hi, u_mid, u_lo = split3(u, tl.bfloat16)
     if NATIVE16:
         lt = tl.dot(y, tl.trans(u_mid))
         lt = tl.dot(y, tl.trans(u_lo), acc=lt)
@@ -656,10 +647,7 @@ def _centred_values_t(lt, tok, t_mask, m_i, z_i, acc_t, zacc, vc_base, vs_base, 
     zacc = zacc * alpha + tl.reduce(w * (zeta + MID * tau)[:, None], 0, _SUM)
     wv = w * tau[:, None]
     y = centred_int4_words(vc_base.to(tl.pointer_type(tl.uint32)), tok, t_mask, svc_t // 4, offs_rv.shape[0], tl.bfloat16, INTERPRETED)  # (BLOCK_T, RV), exact
-    w_hi = wv.to(tl.bfloat16)
-    w_rest = wv - w_hi.to(tl.float32)
-    w_mid = w_rest.to(tl.bfloat16)
-    w_lo = (w_rest - w_mid.to(tl.float32)).to(tl.bfloat16)
+    w_hi, w_mid, w_lo = split3(wv, tl.bfloat16)
     if NATIVE16:
         yt = tl.trans(y)
         pv = tl.dot(yt, w_mid)

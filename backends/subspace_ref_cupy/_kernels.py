@@ -343,11 +343,11 @@ def split_name_expression(expr: str) -> tuple[str, list[str]]:
     return m.group(1), [a.strip() for a in m.group(2).split(",")]
 
 
-def explicit_instantiation_unit(filename: str) -> str:
-    """A translation unit that includes ``filename`` and instantiates every template-id the Python
-    side uses from it, for an offline nvcc compile. Taking each kernel's address forces its device
-    code to be generated without restating its parameter list."""
-    names = name_expressions()[filename]
+def explicit_instantiation_unit(filename: str, names: list[str] | None = None) -> str:
+    """A translation unit that includes ``filename`` and instantiates ``names`` (default: every
+    template-id the Python side uses from it), for an offline nvcc compile. Taking each kernel's
+    address forces its device code to be generated without restating its parameter list."""
+    names = name_expressions()[filename] if names is None else names
     lines = [f'#include "{KERNEL_DIR / filename}"', "", "extern void* const subspace_instances[];"]
     lines.append("void* const subspace_instances[] = {")
     lines += [f"    reinterpret_cast<void*>(&{n})," for n in names]

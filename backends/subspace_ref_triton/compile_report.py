@@ -141,13 +141,14 @@ def demangle(names: list[str]) -> list[str]:
 NVCC_FLAGS = ("-std=c++17", "--Werror", "all-warnings", "-Xcompiler", "-Wall,-Werror", "-Xptxas", "-v")
 
 
-def nvcc_compile(filename: str, archs: tuple[int, ...], workdir: Path) -> tuple[subprocess.CompletedProcess, list[str]]:
-    """nvcc of one kernel file's instantiation unit for ``archs`` with warnings as errors and
-    ptxas's resource log; returns the process and the command line."""
+def nvcc_compile(filename: str, archs: tuple[int, ...], workdir: Path, names: list[str] | None = None) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """nvcc of one kernel file's instantiation unit (``names``, default every one the Python side
+    uses) for ``archs`` with warnings as errors and ptxas's resource log; returns the process and
+    the command line."""
     from subspace_ref_cupy import _kernels
 
     unit = workdir / f"instantiate_{filename}"
-    unit.write_text(_kernels.explicit_instantiation_unit(filename))
+    unit.write_text(_kernels.explicit_instantiation_unit(filename, names))
     gencode = [x for a in archs for x in ("-gencode", f"arch=compute_{a},code=sm_{a}")]
     cmd = [nvcc(), *NVCC_FLAGS, *gencode, "--threads", str(len(archs)), "-c", str(unit), "-o", str(workdir / f"{filename}.o")]
     return subprocess.run(cmd, capture_output=True, text=True), cmd

@@ -87,6 +87,7 @@ class LayerAppender:
         self.magnitude = ctypes.c_double()
         self.held: list = [None] * len(states)  # per group: the arrays its call's pointers point into
         self.rows = []
+        self.unrotations = []
         for i, (st, hs) in enumerate(zip(states, heads)):
             lay, win = st.layout, st.window
             rows = torch.tensor([n * kv_heads + h for n in range(batch) for h in hs], dtype=torch.int64)
@@ -95,7 +96,9 @@ class LayerAppender:
             c.key_bits, c.value_bits = lib.side_bits(lay, "key"), lib.side_bits(lay, "value")
             c.heads, c.rows, c.d, c.d_v, c.window = batch * len(hs), rows.data_ptr(), st.d, st.d_v, win.size
             rope = getattr(st.policy, "rope", None)
-            c.rope = None if rope is None else ctypes.pointer(_unrotation(rope, st.d)[1])
+            if rope is not None:  # held here too: the cache may drop it, and the struct points into its arrays
+                self.unrotations.append(_unrotation(rope, st.d))
+                c.rope = ctypes.pointer(self.unrotations[-1][1])
             c.first_position = win.sinks
         self.batch, self.kv_heads = batch, kv_heads
 

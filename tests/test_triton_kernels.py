@@ -352,6 +352,25 @@ LOW_BIT_CASES = [
 ]
 
 
+def _coded_state(rng, case, coefficients: str):
+    """The NumPy state of a low-bit or mixed-format case (name, kind, N, H, g, d, d_v, r, r_v, T,
+    G, split_len): static bases or adaptive chunks (more than 2 per head), T tokens appended,
+    key channels of very different sizes (per-channel scales matter: KIVI's outliers)."""
+    name, kind, N, H, g, d, d_v, r, r_v, T, G, split_len = case
+    if kind == "static":
+        B = np.stack([np.linalg.qr(rng.standard_normal((d, r)))[0].T for _ in range(H)])
+        E = np.stack([np.linalg.qr(rng.standard_normal((d_v, r_v)))[0].T for _ in range(H)])
+        state = sr.SubspaceState.static(sr.StaticBasis.from_bases(B, E, rng.uniform(0.5, 1.5, H)), batch=N, coefficients=coefficients, group_size=G)
+    else:
+        state = sr.SubspaceState.adaptive(
+            H, d, d_v, rank_k=r, rank_v=r_v, tau_k=0.6, tau_v=0.6, max_chunk=16, batch=N, coefficients=coefficients, group_size=G, gamma=rng.uniform(0.5, 1.5, H)
+        )
+    state.append(rng.standard_normal((N, H, T, d)) * 10.0 ** rng.uniform(-1, 1, d), rng.standard_normal((N, H, T, d_v)))
+    if kind == "adaptive":
+        assert state.layout.num_chunks.min() > 2
+    return state
+
+
 class TestLowBitDecode:
     """int4/int2 coefficients (spec/quantization.md Q1-Q2) unpacked and dequantised in the split
     kernel: keys from their group's codes (per channel scale and zero point) or from the float
@@ -367,18 +386,7 @@ class TestLowBitDecode:
         from tests.differential.tolerance import tolerance
 
         name, kind, N, H, g, d, d_v, r, r_v, T, G, split_len = case
-        if kind == "static":
-            B = np.stack([np.linalg.qr(rng.standard_normal((d, r)))[0].T for _ in range(H)])
-            E = np.stack([np.linalg.qr(rng.standard_normal((d_v, r_v)))[0].T for _ in range(H)])
-            state = sr.SubspaceState.static(sr.StaticBasis.from_bases(B, E, rng.uniform(0.5, 1.5, H)), batch=N, coefficients=bits, group_size=G)
-        else:
-            state = sr.SubspaceState.adaptive(
-                H, d, d_v, rank_k=r, rank_v=r_v, tau_k=0.6, tau_v=0.6, max_chunk=16, batch=N, coefficients=bits, group_size=G, gamma=rng.uniform(0.5, 1.5, H)
-            )
-        # key channels of very different sizes: per-channel scales matter (KIVI's outliers)
-        state.append(rng.standard_normal((N, H, T, d)) * 10.0 ** rng.uniform(-1, 1, d), rng.standard_normal((N, H, T, d_v)))
-        if kind == "adaptive":
-            assert state.layout.num_chunks.min() > 2
+        state = _coded_state(rng, case, bits)
         lay = poison_low_bit(state.to("triton", device=DEVICE, dtype=dtype).layout)
         assert lay.low_bits == int(bits[3:]) and lay.key_coef.dtype == torch.uint8
         q = _t(rng.standard_normal((N, H * g, d)), torch.float32)
@@ -473,17 +481,7 @@ class TestMixedDecode:
         from tests.differential.tolerance import tolerance
 
         name, kind, N, H, g, d, d_v, r, r_v, T, G, split_len = case
-        if kind == "static":
-            B = np.stack([np.linalg.qr(rng.standard_normal((d, r)))[0].T for _ in range(H)])
-            E = np.stack([np.linalg.qr(rng.standard_normal((d_v, r_v)))[0].T for _ in range(H)])
-            state = sr.SubspaceState.static(sr.StaticBasis.from_bases(B, E, rng.uniform(0.5, 1.5, H)), batch=N, coefficients=coefficients, group_size=G)
-        else:
-            state = sr.SubspaceState.adaptive(
-                H, d, d_v, rank_k=r, rank_v=r_v, tau_k=0.6, tau_v=0.6, max_chunk=16, batch=N, coefficients=coefficients, group_size=G, gamma=rng.uniform(0.5, 1.5, H)
-            )
-        state.append(rng.standard_normal((N, H, T, d)) * 10.0 ** rng.uniform(-1, 1, d), rng.standard_normal((N, H, T, d_v)))
-        if kind == "adaptive":
-            assert state.layout.num_chunks.min() > 2
+        state = _coded_state(rng, case, coefficients)
         lay = poison_sides(state.to("triton", device=DEVICE, dtype=dtype).layout)
         assert lay.coefficients == coefficients and not lay.uniform
         q = _t(rng.standard_normal((N, H * g, d)), torch.float32)

@@ -327,6 +327,21 @@ def held_arrays(state) -> dict[str, Any]:
     return out
 
 
+#: The arrays of :data:`STATE_ARRAYS` whose shape does not grow with tokens or chunks.
+FIXED_ARRAYS = tuple(a for a in STATE_ARRAYS if a.axis == FIXED)
+
+
+def fixed_arrays(state) -> dict[str, Any]:
+    """The :data:`FIXED_ARRAYS` ``state`` holds, by name (what a restore point keeps versions of)."""
+    out = {}
+    for a in FIXED_ARRAYS:
+        part = getattr(state, a.part)
+        x = None if part is None else getattr(part, a.attr)
+        if x is not None:
+            out[a.name] = x
+    return out
+
+
 def live_arrays(state) -> dict[str, Any]:
     """Every array ``state`` holds cut to its live range (views): what a copy or a file keeps."""
     return {name: state.layout.live(BY_NAME[name].axis, x) for name, x in held_arrays(state).items()}

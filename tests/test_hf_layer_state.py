@@ -194,15 +194,22 @@ def test_one_attend_per_decode_step_generates_what_the_children_do(monkeypatch, 
     assert all(torch.equal(a, b) for a, b in zip(children.logits, layer.logits))
     if backend == "torch" and dtype == "float32" and layer_calls is not None:
         # each decode step of each layer: one layer_attention, but for the step that admits the queries
-        # (in bfloat16 the float value side is stored in bfloat16, which the kernel does not read: group by group)
+        # (in bfloat16 the float value side is stored in bfloat16, which the kernel does not read: group by group);
+        # with full exact windows, one layer_decode (the appends and the attention, subspace_ref_torch.layer_decode)
         layers, steps = len(cache.layers), len(layer.logits) - 1
-        assert layer_calls.get("layer_attention", 0) >= layers * (steps - 1) and "layer_attention" not in child_calls
+        one_call = "layer_decode" if window else "layer_attention"
+        assert layer_calls.get(one_call, 0) >= layers * (steps - 1)
+        assert not {"layer_attention", "layer_decode"} & set(child_calls)
 
 
-def test_a_failing_layer_attend_gives_back_every_groups_token(monkeypatch):
+@pytest.mark.parametrize("one_call", [False, True])
+def test_a_failing_layer_attend_gives_back_every_groups_token(monkeypatch, one_call):
     """A decode step whose one attend fails after every group appended: the attention function's
-    ``abandon`` gives back the tokens of the forward, every group at its old length and outputs."""
+    ``abandon`` gives back the tokens of the forward, every group at its old length and outputs.
+    With the one-call step (appends and attention in one C call, subspace_ref_torch.layer_decode),
+    the first layer's step succeeds and the second layer's fails: the first gives its token back."""
     import subspace_ref
+    from subspace_ref_torch.layer_decode import LayerDecoder
 
     model = model_for("llama", "float32")
     d = model.config.hidden_size // model.config.num_attention_heads
@@ -216,13 +223,24 @@ def test_a_failing_layer_attend_gives_back_every_groups_token(monkeypatch):
         want = model(step, cache=cache).logits
         cache.crop(-1)
         lengths = [[c.state.num_tokens for c in layer.children] for layer in cache.layers]
+        steps = []
 
         def boom(*args, **kwargs):
             raise RuntimeError("attend failed")
 
+        def second_fails(self, *args):
+            steps.append(self)
+            return LayerDecoder_call(self, *args) if len(steps) == 1 else boom()
+
+        LayerDecoder_call = LayerDecoder.__call__
         with monkeypatch.context() as m:
-            m.setattr(subspace_ref, "attend", boom)
+            if one_call:
+                m.setattr(LayerDecoder, "__call__", second_fails)
+            else:
+                m.setattr(GroupedLayer, "_one_call_step", lambda *args: None)  # the one-call append, then the attend
+                m.setattr(subspace_ref, "attend", boom)
             with pytest.raises(RuntimeError, match="attend failed"):
                 model(step, cache=cache)
+        assert len(steps) == (2 if one_call else 0)
         assert [[c.state.num_tokens for c in layer.children] for layer in cache.layers] == lengths
         assert torch.equal(model(step, cache=cache).logits, want)

@@ -158,7 +158,7 @@ def test_generation_with_one_append_per_layer_is_the_childrens_bit_for_bit(monke
         class Counting:
             def __getattr__(self, name):
                 fn = getattr(real, name)
-                return (lambda *a: calls.append(name) or fn(*a)) if name == "layer_window_append" else fn
+                return (lambda *a: calls.append(name) or fn(*a)) if name in ("layer_window_append", "layer_decode") else fn  # layer_decode appends first
 
         monkeypatch.setattr(lib, "_library", Counting())
         monkeypatch.setattr(GroupedLayer, "one_append", one)

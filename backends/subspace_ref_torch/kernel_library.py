@@ -98,6 +98,7 @@ _SIGNATURES = {
         ctypes.POINTER(Side), ctypes.POINTER(Side), ctypes.POINTER(ctypes.c_double),
     ],
     "layer_window_append": [_i64, _ptr, ctypes.POINTER(ctypes.c_double)],
+    "layer_decode": [_i64, _ptr, ctypes.POINTER(ctypes.c_double), ctypes.POINTER(GroupCallStruct)],
 }  # fmt: skip
 
 

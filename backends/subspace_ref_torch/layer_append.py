@@ -19,8 +19,8 @@ changed: the caller then appends group by group, which runs every check and rais
 
 from __future__ import annotations
 
-import copy
 import ctypes
+from typing import NamedTuple
 
 import torch
 
@@ -86,6 +86,8 @@ class LayerAppender:
         self.calls = (WindowAppendStruct * len(states))()
         self.magnitude = ctypes.c_double()
         self.held: list = [None] * len(states)  # per group: the arrays its call's pointers point into
+        self.committed: list = [(None, None)] * len(states)  # per group: the layout and window the last step left
+        self.low_bit_keys = [bool(st.layout.side_format("key").low_bits) for st in states]
         self.rows = []
         self.unrotations = []
         for i, (st, hs) in enumerate(zip(states, heads)):
@@ -121,48 +123,84 @@ class LayerAppender:
         return True
 
     def __call__(self, states, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        step = self.prepare(states, keys, values)
+        if step is None or lib.library().layer_window_append(len(states), self.calls, ctypes.byref(self.magnitude)) != 0:
+            return False  # nothing a state reads has changed: the caller's path names the failure
+        self.commit(step)
+        return True
+
+    def prepare(self, states, keys: torch.Tensor, values: torch.Tensor) -> "AppendStep | None":
+        """Fill the calls for this step's new tokens; None where the kernels do not serve it
+        (nothing changed). What the calls point at stays held by the returned step."""
         if keys.shape[0] != self.batch or keys.shape[1] != self.kv_heads or keys.shape[2] != 1 or keys.dtype != torch.float32 or values.dtype != torch.float32:
-            return False
+            return None
         keys, values = keys.contiguous(), values.contiguous()
         commits = []
         for i, st in enumerate(states):
             lay, win = st.layout, st.window
-            W = win.size
-            T = lay.num_tokens
-            if win.keys.shape[2] != W or win.sink_count != win.sinks or not (win.keys.is_contiguous() and win.values.is_contiguous()):
-                return False
-            if win.keys.dtype != torch.float32 or win.values.dtype != torch.float32:
-                return False
-            if compressed_count(T + W + 1, W, after_sinks_threshold(win.min_tokens, win.sinks)) != T + 1:
-                return False
-            if T + 1 > lay.key_coef.shape[2]:
-                lay = lay.with_capacity(T + 1, lay.key_bases.shape[2])
-            if not self._arrays(i, lay):
-                return False
+            if not (lay is self.committed[i][0] and win is self.committed[i][1]) and not self._serves(i, lay, win):
+                return None  # (what this appender committed last step still holds what _serves checked)
+            if lay.num_tokens + 1 > lay.key_coef.shape[2]:
+                lay = lay.with_capacity(lay.num_tokens + 1, lay.key_bases.shape[2])
+                if not self._arrays(i, lay):
+                    return None
             c = self.calls[i]
             new_k, new_v = torch.empty_like(win.keys), torch.empty_like(win.values)
             tail = None
-            if lay.side_format("key").low_bits:
-                if lay.key_tail.dtype != torch.float32 or not lay.key_tail.is_contiguous():
-                    return False
+            if self.low_bit_keys[i]:
                 tail = torch.empty_like(lay.key_tail)
                 c.old_tail, c.new_tail = lay.key_tail.data_ptr(), tail.data_ptr()
-            c.a, c.keys, c.values = T, keys.data_ptr(), values.data_ptr()
+            c.a, c.keys, c.values = lay.num_tokens, keys.data_ptr(), values.data_ptr()
             c.window_keys, c.window_values = win.keys.data_ptr(), win.values.data_ptr()
             c.new_window_keys, c.new_window_values = new_k.data_ptr(), new_v.data_ptr()
             commits.append((st, lay, win, new_k, new_v, tail))
-        rc = lib.library().layer_window_append(len(states), self.calls, ctypes.byref(self.magnitude))
-        if rc != 0:
-            return False  # nothing a state reads has changed: the caller's path names the failure
-        for st, lay, win, new_k, new_v, tail in commits:
-            lay = copy.copy(lay)  # as dataclasses.replace(lay, num_tokens=...), without re-running its checks
+        return AppendStep(commits, keys, values)
+
+    def _serves(self, i: int, lay, win) -> bool:
+        """Whether group i's state (its layout and window) is one the call appends to: a full
+        window of float32 contiguous arrays with its sinks filled, a float32 contiguous key tail,
+        arrays the kernels read in place (pointed at by call i)."""
+        W = win.size
+        if win.keys.shape[2] != W or win.sink_count != win.sinks or not (win.keys.is_contiguous() and win.values.is_contiguous()):
+            return False
+        if win.keys.dtype != torch.float32 or win.values.dtype != torch.float32:
+            return False
+        T = lay.num_tokens
+        if compressed_count(T + W + 1, W, after_sinks_threshold(win.min_tokens, win.sinks)) != T + 1:
+            return False
+        if self.low_bit_keys[i] and (lay.key_tail.dtype != torch.float32 or not lay.key_tail.is_contiguous()):
+            return False
+        return self._arrays(i, lay)
+
+    def commit(self, step: "AppendStep") -> None:
+        """Adopt what a successful call wrote: each state one token longer, with its new window and tail."""
+        for i, (st, lay, win, new_k, new_v, tail) in enumerate(step.groups):
+            lay = _shallow_copy(lay)  # as dataclasses.replace(lay, num_tokens=...), without re-running its checks
             lay.num_tokens += 1
             if tail is not None:
                 lay.key_tail = tail
-            win = copy.copy(win)
+            win = _shallow_copy(win)
             win.keys, win.values = new_k, new_v
             st.layout, st.window = lay, win
-        return True
+            self.committed[i] = (lay, win)
 
 
-__all__ = ["LayerAppender", "WindowAppendStruct", "layer_appender"]
+def _shallow_copy(x):
+    """``copy.copy`` of a plain (dict-backed) dataclass instance, without its reduce protocol: a
+    decode step makes four per layer."""
+    out = object.__new__(type(x))
+    out.__dict__.update(x.__dict__)
+    return out
+
+
+class AppendStep(NamedTuple):
+    """A prepared step (:meth:`LayerAppender.prepare`): per group (state, its layout to be
+    (grown, if it was), its window, new window keys and values, new key tail or None), and the
+    contiguous new tokens the calls point at."""
+
+    groups: list
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+__all__ = ["AppendStep", "LayerAppender", "WindowAppendStruct", "layer_appender"]

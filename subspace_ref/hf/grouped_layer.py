@@ -87,7 +87,9 @@ class GroupedLayer(CacheLayerMixin):
         self.dtype, self.device, self.is_initialized = dtype, device, True
         self.pending_keys: torch.Tensor | None = None
         self._new_tokens: tuple | None = None  # the layer's keys and values of the pending update, (B, H, n, d)
+        self._forward_tokens: tuple | None = None  # those of the current forward, where a one-call step took them (see crop)
         self._appender: tuple | None = None  # (admission, the backend's one-call append of a decode step or None)
+        self._decoder: tuple | None = None  # (admission, the backend's one-call append and attention of a decode step or None)
         self._layer_state: LayerState | None = None  # :attr:`state` while the children hold the same state objects
 
     def __repr__(self) -> str:
@@ -116,15 +118,14 @@ class GroupedLayer(CacheLayerMixin):
         if key_states.ndim != 4 or key_states.shape[0] != first.batch or key_states.shape[1] != self.kv_heads or key_states.shape[3] != first.d:
             raise ValueError(f"layer {self.layer_idx}: keys of shape {tuple(key_states.shape)} do not fit the layer {self.state!r} (batch {first.batch})")
         self.cache.begin_forward(self.layer_idx)
-        for child, index in zip(self.children, self._index):
-            child.pending_keys, child.pending_values = key_states.index_select(1, index), value_states.index_select(1, index)
         self.pending_keys = key_states
-        self._new_tokens = (key_states, value_states)
+        self._new_tokens = (key_states, value_states)  # the children get their heads' share when they need it (_hand_down)
+        self._forward_tokens = None
         _attn.tag(key_states, self)
         return key_states, value_states
 
     def get_seq_length(self) -> int:
-        return self.children[0].get_seq_length()
+        return self.children[0].get_seq_length() + (0 if self.pending_keys is None else self.pending_keys.shape[2])
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -149,7 +150,9 @@ class GroupedLayer(CacheLayerMixin):
         return True
 
     def crop(self, tokens_to_remove: int) -> None:
-        for child in self.children:
+        for child, index in zip(self.children, self._index):
+            if self._forward_tokens is not None and child._restore_point is not None and child._forward_tokens is None:
+                child._forward_tokens = tuple(x.index_select(1, index) for x in self._forward_tokens)  # what take_pending keeps
             child.crop(tokens_to_remove)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -190,27 +193,70 @@ class GroupedLayer(CacheLayerMixin):
         rows, inverse = self._query_rows[g]
         if self.one_attend and len(self.children) > 1 and query.shape[2] == 1 and mask is None and softcap is None:
             return self._decode_step(query, scale, tokens)
+        self._hand_down(tokens)
         outs = [child.attend_pending(query.index_select(1, r), scale, mask=mask, softcap=softcap) for child, r in zip(self.children, rows)]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1).index_select(1, inverse)
 
-    def _decode_step(self, query: torch.Tensor, scale: float, tokens: tuple | None = None) -> torch.Tensor:
-        """One new token per sequence: every child appends its pending token (by one call of the
-        backend's layer append where it serves the step, :meth:`_append_step`; else as its own
-        :meth:`SubspaceLayer.attend_pending` would: on a failure the attention function's
-        :meth:`abandon` gives back every layer's tokens of the forward), then one
-        ``subspace_ref.attend`` over the layer state (spec/layer_state.md L5) for all the query
-        heads, (B, H_q, 1, d) -> (B, H_q, 1, d_v)."""
-        taken = [child.take_pending(query.shape[2]) for child in self.children]
-        if tokens is None or not self._append_step(*tokens):
+    def _hand_down(self, tokens: tuple) -> None:
+        """Give each child its heads' share of the layer's pending keys and values (B, H, n, d), as
+        its own ``update`` would have."""
+        keys, values = tokens
+        for child, index in zip(self.children, self._index):
+            child.pending_keys, child.pending_values = keys.index_select(1, index), values.index_select(1, index)
+
+    def _decode_step(self, query: torch.Tensor, scale: float, tokens: tuple) -> torch.Tensor:
+        """One new token per sequence: every child appends its pending token and one
+        ``subspace_ref.attend`` over the layer state (spec/layer_state.md L5) serves all the query
+        heads, (B, H_q, 1, d) -> (B, H_q, 1, d_v). Where the backend serves the whole step in one
+        call (:meth:`_one_call_step`), that is taken (the forward's tokens are kept for a crop, as
+        :meth:`SubspaceLayer.take_pending` keeps them); else the appends go by one call of the
+        backend's layer append where it serves them (:meth:`_append_step`), or as each child's own
+        :meth:`SubspaceLayer.attend_pending` would (on a failure the attention function's
+        :meth:`abandon` gives back every layer's tokens of the forward)."""
+        n = query.shape[2]
+        if tokens[0].shape[2] != n:
+            raise ValueError(f"layer {self.layer_idx}: {n} queries for {tokens[0].shape[2]} new tokens")
+        q = query[:, :, 0]
+        out = self._one_call_step(q, scale, *tokens)
+        if out is not None:
+            if n <= self.cache.max_crop_block:
+                self._forward_tokens = tokens
+            return out.to(query.dtype)[:, :, None]
+        self._hand_down(tokens)
+        taken = [child.take_pending(n) for child in self.children]
+        if not self._append_step(*tokens):
             for child, (k, v) in zip(self.children, taken):
                 child._append(k, v)
         layer = self.state
-        q = query[:, :, 0]
         numpy = isinstance(layer.groups[0].state.layout.key_coef, np.ndarray)
         out = subspace_ref.attend(_to_numpy(q, layer.dtype) if numpy else q, layer, backend=self.cache.backend, scale=scale)
         if not isinstance(out, torch.Tensor):
             out = torch.from_numpy(np.asarray(out)).to(device=query.device, dtype=query.dtype)
         return out[:, :, None]
+
+    def _one_call_step(self, q: torch.Tensor, scale: float, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor | None:
+        """The step's appends and attention (q (B, H_q, d)) by one call of the backend's layer
+        decode (spec/layer_state.md L3 then L5.2; torch/CPU: ``subspace_ref_torch.layer_decode``),
+        asked once per admission (tokens' and queries' shapes, dtypes and device, the scale) once
+        every group holds compressed tokens; None, with nothing changed, where it does not serve
+        the step."""
+        if not (self.one_append and self.one_attend):
+            return None
+        states = [child.state for child in self.children]
+        if any(st is None for st in states) or not all(st.engine == "torch" for st in states):
+            return None
+        admission = (tuple(keys.shape), tuple(values.shape), tuple(q.shape), keys.dtype, values.dtype, q.dtype, keys.device, scale)
+        held = self._decoder
+        if held is None or held[0] != admission:
+            if not all(st.num_tokens for st in states):  # a decision over arrays not yet allocated would not be the decode loop's
+                return None
+            try:
+                from subspace_ref_torch.layer_decode import layer_decoder
+            except ImportError:  # the torch backend's package is not installed
+                layer_decoder = None
+            decoder = None if layer_decoder is None else layer_decoder(self.state, self.heads, keys, values, q, scale)
+            held = self._decoder = (admission, decoder)
+        return None if held[1] is None else held[1](states, keys, values, q)
 
     def _append_step(self, keys: torch.Tensor, values: torch.Tensor) -> bool:
         """Every child's one new token (the layer's ``keys`` (B, H, 1, d)) appended by the

@@ -1,4 +1,4 @@
-"""A layer's decode step in one call of the C kernels (spec/layer_state.md L3 then L5.2;
+"""A layer's decode step in one call of the C kernels (spec/layer_state.md L5.3;
 ``subspace_ref_torch.layer_decode``): the appends of every head group and the attention of every
 query head over the states they leave, bit for bit the one-call append followed by
 ``subspace_ref.attend`` over the layer, and a step the call does not serve, or one that fails,

@@ -1,5 +1,5 @@
 """A layer's whole decode step in one call of the C kernels (``layer_decode``: spec/layer_state.md
-L3 then L5.2): every head group's append (:mod:`subspace_ref_torch.layer_append`) and then the
+L5.3): every head group's append (:mod:`subspace_ref_torch.layer_append`) and then the
 attention of every query head over the states the appends leave (``layer_attention``, as
 :class:`~subspace_ref_torch.cpu_kernels.LayerKernel` calls it), the same numbers as the two
 calls made one after the other.

@@ -191,7 +191,7 @@ class GroupedLayer(CacheLayerMixin):
             as_index = lambda r: torch.as_tensor(r, dtype=torch.long, device=query.device)  # noqa: E731
             self._query_rows[g] = ([as_index(r) for r in rows], as_index(inverse))
         rows, inverse = self._query_rows[g]
-        if self.one_attend and len(self.children) > 1 and query.shape[2] == 1 and mask is None and softcap is None:
+        if self.one_attend and query.shape[2] == 1 and mask is None and softcap is None:
             return self._decode_step(query, scale, tokens)
         self._hand_down(tokens)
         outs = [child.attend_pending(query.index_select(1, r), scale, mask=mask, softcap=softcap) for child, r in zip(self.children, rows)]
@@ -236,7 +236,7 @@ class GroupedLayer(CacheLayerMixin):
 
     def _one_call_step(self, q: torch.Tensor, scale: float, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor | None:
         """The step's appends and attention (q (B, H_q, d)) by one call of the backend's layer
-        decode (spec/layer_state.md L3 then L5.2; torch/CPU: ``subspace_ref_torch.layer_decode``),
+        decode (spec/layer_state.md L5.3; torch/CPU: ``subspace_ref_torch.layer_decode``),
         asked once per admission (tokens' and queries' shapes, dtypes and device, the scale) once
         every group holds compressed tokens; None, with nothing changed, where it does not serve
         the step."""

@@ -1121,32 +1121,75 @@ ALWAYS_INLINE float key_dot(const float *a, const float *b, int64_t n) {
     return plane_dot(a, b, n);
 }
 
-/* key[e] = sum_j c[j] B[j][e], e < d: the rebuilt key u = B^T c (B rank x d, row-major), eight
- * vectors of it at a time kept in registers over the rank, then one at a time, then scalars. */
-ALWAYS_INLINE void rebuild_key(const float *c, int64_t rank, const float *B, int64_t d, float *key) {
+/* keys[t][e] = sum_j c_t[j] B[j][e], e < d, for `count` tokens whose coefficients are rows of
+ * `rank` floats `stride` apart: the rebuilt keys u_t = B^T c_t (B rank x d, row-major; keys rows of
+ * d floats). Each element is one fma chain over j from 0, the same number whichever path takes
+ * it: four tokens by four vectors of accumulators share each row of B they load (a token at a
+ * time, each fma waits on the one before it and every row is loaded per token), then single
+ * tokens, single vectors and scalars. */
+ALWAYS_INLINE void rebuild_keys(const float *c, int64_t stride, int64_t count, int64_t rank, const float *B, int64_t d, float *keys) {
     int64_t e = 0;
 #if defined(LANES)
-    for (; e + 8 * LANES <= d; e += 8 * LANES) {
-        vf acc[8];
-        for (int v = 0; v < 8; ++v) acc[v] = vf_zero();
-        for (int64_t j = 0; j < rank; ++j) {
-            const vf cj = vf_set1(c[j]);
-            const float *row = B + j * d + e;
-#pragma GCC unroll 8
-            for (int v = 0; v < 8; ++v) acc[v] = vf_fmadd(cj, vf_load(row + LANES * v), acc[v]);
+    for (; e + 4 * LANES <= d; e += 4 * LANES) {
+        int64_t t = 0;
+        for (; t + 4 <= count; t += 4) {
+            vf acc[4][4];
+            for (int u = 0; u < 4; ++u)
+                for (int v = 0; v < 4; ++v) acc[u][v] = vf_zero();
+            for (int64_t j = 0; j < rank; ++j) {
+                const float *row = B + j * d + e;
+                const vf b0 = vf_load(row), b1 = vf_load(row + LANES), b2 = vf_load(row + 2 * LANES), b3 = vf_load(row + 3 * LANES);
+#pragma GCC unroll 4
+                for (int u = 0; u < 4; ++u) {
+                    const vf cj = vf_set1(c[(t + u) * stride + j]);
+                    acc[u][0] = vf_fmadd(cj, b0, acc[u][0]), acc[u][1] = vf_fmadd(cj, b1, acc[u][1]);
+                    acc[u][2] = vf_fmadd(cj, b2, acc[u][2]), acc[u][3] = vf_fmadd(cj, b3, acc[u][3]);
+                }
+            }
+            for (int u = 0; u < 4; ++u)
+                for (int v = 0; v < 4; ++v) vf_store(keys + (t + u) * d + e + LANES * v, acc[u][v]);
         }
-        for (int v = 0; v < 8; ++v) vf_store(key + e + LANES * v, acc[v]);
+        for (; t < count; ++t) {
+            vf acc[4];
+            for (int v = 0; v < 4; ++v) acc[v] = vf_zero();
+            for (int64_t j = 0; j < rank; ++j) {
+                const vf cj = vf_set1(c[t * stride + j]);
+                for (int v = 0; v < 4; ++v) acc[v] = vf_fmadd(cj, vf_load(B + j * d + e + LANES * v), acc[v]);
+            }
+            for (int v = 0; v < 4; ++v) vf_store(keys + t * d + e + LANES * v, acc[v]);
+        }
     }
-    for (; e + LANES <= d; e += LANES) {
-        vf acc = vf_zero();
-        for (int64_t j = 0; j < rank; ++j) acc = vf_fmadd(vf_set1(c[j]), vf_load(B + j * d + e), acc);
-        vf_store(key + e, acc);
-    }
+    for (; e + LANES <= d; e += LANES)
+        for (int64_t t = 0; t < count; ++t) {
+            vf acc = vf_zero();
+            for (int64_t j = 0; j < rank; ++j) acc = vf_fmadd(vf_set1(c[t * stride + j]), vf_load(B + j * d + e), acc);
+            vf_store(keys + t * d + e, acc);
+        }
 #endif
-    for (; e < d; ++e) {
-        float acc = 0.0f;
-        for (int64_t j = 0; j < rank; ++j) acc = __builtin_fmaf(c[j], B[j * d + e], acc);
-        key[e] = acc;
+    for (; e < d; ++e)
+        for (int64_t t = 0; t < count; ++t) {
+            float acc = 0.0f;
+            for (int64_t j = 0; j < rank; ++j) acc = __builtin_fmaf(c[t * stride + j], B[j * d + e], acc);
+            keys[t * d + e] = acc;
+        }
+}
+
+/* The coefficients of coded tokens first .. first + count - 1 of a low-bit key side (all of one
+ * block, a new group's scales and zeros de-interleaved into `planes` where one starts: `next` is
+ * the token that starts the next group) into rows of n floats, in plane order, as the oracle reads
+ * them: fl32(code s + z) with the group's channel scales (widen_row). */
+ALWAYS_INLINE void widen_block(const struct coefficient_side *keys, int64_t h, int bits, int64_t first, int64_t count, int64_t width, int64_t n,
+                               const int32_t *order, int64_t *next, float *planes, float *c) {
+    const uint8_t *codes = keys->codes + h * keys->head_stride;
+    for (int64_t k = 0; k < count; ++k) {
+        const int64_t t = first + k;
+        if (t == *next) {
+            const int64_t offset = h * keys->scale_head_stride + (t / keys->group) * keys->rank;
+            deinterleave_half((const half *)keys->scale + offset, keys->rank, width, n, order, planes);
+            deinterleave_half(keys->zero + offset, keys->rank, width, n, order, planes + n);
+            *next += keys->group;
+        }
+        widen_row(codes + t * width, width, bits, planes, planes + n, c + k * n);
     }
 }
 
@@ -1159,15 +1202,17 @@ ALWAYS_INLINE void rebuild_key(const float *c, int64_t rank, const float *B, int
  * block's base and the offset tables, in float32, as the torch path's rope_tables computes them.
  * int4 / int2 rows are widened in plane order (widen_row: no shuffles), and rebuilt by B's rows
  * in that order, `plane_basis` (n = PER width rows, 0 past the rank; scratch of n d floats);
- * `planes` holds a group's scales and zeros in plane order (2 n floats). */
+ * `planes` holds a group's scales and zeros in plane order (2 n floats). The work goes a block of
+ * ROPE_BLOCK tokens at a time (`block`: scratch of ROPE_BLOCK (n + d) floats): the block's
+ * coefficients, its keys rebuilt together (rebuild_keys), turned, then each query head's dot
+ * products of LANES tokens folded together (fold_block: the same sums as key_dot's). */
 static void head_rope_logits(int bits, const struct coefficient_side *keys, int64_t h, int64_t queries, int64_t complete, int64_t tokens,
                              const float *key_tail, const float *q, const float *B, int64_t d, const struct rope_keys *rope, float *plane_basis,
-                             float *planes, float *out, int64_t out_row_stride) {
-    const int64_t rank = keys->rank, m = rope->planes, width = keys->width, G = keys->group;
+                             float *planes, float *block, float *out, int64_t out_row_stride) {
+    const int64_t rank = keys->rank, m = rope->planes, width = keys->width;
     const float *off_cos = rope->offsets, *off_sin = rope->offsets + ROPE_BLOCK * m;
     const double *step_cos = rope->turns, *step_sin = rope->turns + m;
     const int64_t n = bits == 8 || bits == FLOAT_BITS ? rank : (8 / bits) * width;
-    const uint8_t *codes = keys->codes + h * keys->head_stride;
     const float *rows = (const float *)keys->codes + h * keys->head_stride; /* FLOAT_BITS: strides count floats */
     int32_t order[8 * MAX_BYTES];
     if (bits == 4 || bits == 2) {
@@ -1179,41 +1224,67 @@ static void head_rope_logits(int bits, const struct coefficient_side *keys, int6
                 memcpy(plane_basis + j * d, B + order[j] * d, sizeof(float) * d);
     }
     double base_cos[MAX_DIM / 2], base_sin[MAX_DIM / 2];
-    float ca[MAX_DIM / 2], sa[MAX_DIM / 2], c[8 * MAX_BYTES], key[MAX_DIM];
-    for (int64_t t = 0; t < tokens; ++t) {
-        const int k = (int)(t % ROPE_BLOCK);
-        if (k == 0) rope_base(rope, t / ROPE_BLOCK, step_cos, step_sin, base_cos, base_sin, ca, sa);
-        if (t >= complete) { /* the unfinished group's keys, in float */
-            rebuild_key(key_tail + (t - complete) * rank, rank, B, d, key);
-        } else if (bits == FLOAT_BITS) {
-            rebuild_key(rows + t * width, rank, B, d, key);
+    float ca[MAX_DIM / 2], sa[MAX_DIM / 2];
+    float *c = block, *key = block + ROPE_BLOCK * n; /* the block's coefficients (rows of n) and keys (rows of d) */
+    int64_t next_group = 0;
+#if defined(LANES)
+    const vi lanes = vi_load(block_lanes);
+#endif
+    for (int64_t t0 = 0; t0 < tokens; t0 += ROPE_BLOCK) {
+        const int64_t count = tokens - t0 < ROPE_BLOCK ? tokens - t0 : ROPE_BLOCK;
+        const int64_t coded = complete - t0 <= 0 ? 0 : complete - t0 < count ? complete - t0 : count; /* the rest: the float tail */
+        rope_base(rope, t0 / ROPE_BLOCK, step_cos, step_sin, base_cos, base_sin, ca, sa);
+        if (bits == FLOAT_BITS) {
+            rebuild_keys(rows + t0 * width, width, coded, rank, B, d, key);
         } else if (bits == 8) {
-            const int8_t *s8 = (const int8_t *)codes + t * width;
-            const float scale = ((const float *)keys->scale + h * keys->scale_head_stride)[t];
+            const int8_t *s8 = (const int8_t *)keys->codes + h * keys->head_stride;
+            const float *scale = (const float *)keys->scale + h * keys->scale_head_stride;
+            for (int64_t k = 0; k < coded; ++k) {
 #pragma omp simd
-            for (int64_t j = 0; j < rank; ++j) c[j] = (float)s8[j] * scale;
-            rebuild_key(c, rank, B, d, key);
-        } else {
-            if (t % G == 0) {
-                const int64_t offset = h * keys->scale_head_stride + (t / G) * rank;
-                deinterleave_half((const half *)keys->scale + offset, rank, width, n, order, planes);
-                deinterleave_half(keys->zero + offset, rank, width, n, order, planes + n);
+                for (int64_t j = 0; j < rank; ++j) c[k * rank + j] = (float)s8[(t0 + k) * width + j] * scale[t0 + k];
             }
+            rebuild_keys(c, rank, coded, rank, B, d, key);
+        } else if (coded) {
             if (bits == 4)
-                WITH_WIDTH(width, widen_row(codes + t * width, W, 4, planes, planes + n, c));
+                WITH_WIDTH(width, widen_block(keys, h, 4, t0, coded, W, n, order, &next_group, planes, c));
             else
-                WITH_WIDTH(width, widen_row(codes + t * width, W, 2, planes, planes + n, c));
-            rebuild_key(c, n, plane_basis, d, key);
+                WITH_WIDTH(width, widen_block(keys, h, 2, t0, coded, W, n, order, &next_group, planes, c));
+            rebuild_keys(c, n, coded, n, plane_basis, d, key);
         }
-        const float *oc = off_cos + k * m, *os = off_sin + k * m;
+        if (coded < count) /* the unfinished group's keys, in float */
+            rebuild_keys(key_tail + (t0 + coded - complete) * rank, rank, count - coded, rank, B, d, key + coded * d);
+        for (int64_t k = 0; k < count; ++k) {
+            const float *oc = off_cos + k * m, *os = off_sin + k * m;
+            float *u = key + k * d;
 #pragma omp simd
-        for (int64_t i = 0; i < m; ++i) {
-            const float cs = oc[i] * ca[i] - os[i] * sa[i], sn = os[i] * ca[i] + oc[i] * sa[i];
-            const float ua = key[i], ub = key[m + i];
-            key[i] = ua * cs - ub * sn;
-            key[m + i] = ub * cs + ua * sn;
+            for (int64_t i = 0; i < m; ++i) {
+                const float cs = oc[i] * ca[i] - os[i] * sa[i], sn = os[i] * ca[i] + oc[i] * sa[i];
+                const float ua = u[i], ub = u[m + i];
+                u[i] = ua * cs - ub * sn;
+                u[m + i] = ub * cs + ua * sn;
+            }
         }
-        for (int64_t i = 0; i < queries; ++i) out[i * out_row_stride + t] = key_dot(q + i * d, key, d);
+        int64_t k = 0;
+#if defined(LANES)
+        if (d % (2 * LANES) == 0) /* key_dot's two chains per token, their horizontal sums folded LANES tokens at a time */
+            for (; k + LANES <= count; k += LANES)
+                for (int64_t i = 0; i < queries; ++i) {
+                    const float *qi = q + i * d;
+                    vf v[LANES];
+                    for (int u = 0; u < LANES; ++u) {
+                        const float *x = key + (k + u) * d;
+                        vf s0 = vf_zero(), s1 = vf_zero();
+                        for (int64_t e = 0; e < d; e += 2 * LANES) {
+                            s0 = vf_fmadd(vf_load(qi + e), vf_load(x + e), s0);
+                            s1 = vf_fmadd(vf_load(qi + e + LANES), vf_load(x + e + LANES), s1);
+                        }
+                        v[u] = vf_add(s0, s1);
+                    }
+                    vf_store(out + i * out_row_stride + t0 + k, vf_permute(fold_block(v), lanes));
+                }
+#endif
+        for (; k < count; ++k)
+            for (int64_t i = 0; i < queries; ++i) out[i * out_row_stride + t0 + k] = key_dot(q + i * d, key + k * d, d);
     }
 }
 
@@ -1324,10 +1395,11 @@ static int head_rows_attention(int key_bits, int value_bits, int64_t heads, int6
      * aligned (its rows are read a vector at a time, and a load across two cache lines costs two) */
     float *permuted = rope ? malloc(sizeof(float) * queries * d) : NULL;
     float *plane_basis = rope ? aligned_alloc(64, (sizeof(float) * key_n * d + 63) / 64 * 64) : NULL;
+    float *rope_block = rope ? malloc(sizeof(float) * ROPE_BLOCK * (key_n + d)) : NULL;
     if (!planes || !logits || !part || !total || !blocks || !projected || !sums || !odd || !exact_l || !exact_block ||
-        (rope && (!permuted || !plane_basis))) {
+        (rope && (!permuted || !plane_basis || !rope_block))) {
         free(planes), free(logits), free(part), free(total), free(blocks), free(projected), free(sums), free(odd);
-        free(exact_l), free(exact_block), free(permuted), free(plane_basis);
+        free(exact_l), free(exact_block), free(permuted), free(plane_basis), free(rope_block);
         return -1;
     }
     for (int64_t h = 0; h < heads; ++h) {
@@ -1342,7 +1414,7 @@ static int head_rows_attention(int key_bits, int value_bits, int64_t heads, int6
             for (int64_t i = 0; i < queries; ++i)
                 for (int64_t e = 0; e < d; ++e) permuted[i * d + e] = qh[i * d + rope->order[e]];
             head_rope_logits(key_bits, keys, h, queries, complete, tokens, key_tail ? key_tail + h * tail_head_stride : NULL, permuted,
-                             query_map + h * r * d, d, rope, plane_basis, planes, logits, tokens);
+                             query_map + h * r * d, d, rope, plane_basis, planes, rope_block, logits, tokens);
         } else {
             map_rows(qh, queries, d, query_map + h * d * r, r, odd, projected);
             head_logits(key_bits, keys, h, queries, complete, projected, planes, logits, tokens);
@@ -1390,7 +1462,7 @@ static int head_rows_attention(int key_bits, int value_bits, int64_t heads, int6
         }
     }
     free(planes), free(logits), free(part), free(total), free(blocks), free(projected), free(sums), free(odd);
-    free(exact_l), free(exact_block), free(permuted), free(plane_basis);
+    free(exact_l), free(exact_block), free(permuted), free(plane_basis), free(rope_block);
     return 0;
 }
 

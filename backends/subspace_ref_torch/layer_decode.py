@@ -64,7 +64,7 @@ class LayerDecoder:
         self._decode = lib.library().layer_decode
 
     def __call__(self, states, keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor) -> torch.Tensor | None:
-        if tuple(q.shape) != self.q_shape or q.dtype != torch.float32:
+        if q.shape != self.q_shape or q.dtype != torch.float32:
             return None
         step = self.appender.prepare(states, keys, values)
         if step is None:

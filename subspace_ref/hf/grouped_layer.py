@@ -183,16 +183,16 @@ class GroupedLayer(CacheLayerMixin):
         """Each group appends its pending tokens and attends its query heads (those of its KV
         heads: query head i reads KV head i // g) by :meth:`SubspaceLayer.attend_pending`; the
         outputs (B, H_q, n, d_v) come back in query-head order."""
-        g = query.shape[1] // self.kv_heads
         _attn.untag(self.pending_keys)
         tokens, self.pending_keys, self._new_tokens = self._new_tokens, None, None
+        if self.one_attend and query.shape[2] == 1 and mask is None and softcap is None:
+            return self._decode_step(query, scale, tokens)
+        g = query.shape[1] // self.kv_heads
         if g not in self._query_rows:
             rows, inverse = query_rows(self.state.groups, g)
             as_index = lambda r: torch.as_tensor(r, dtype=torch.long, device=query.device)  # noqa: E731
             self._query_rows[g] = ([as_index(r) for r in rows], as_index(inverse))
         rows, inverse = self._query_rows[g]
-        if self.one_attend and query.shape[2] == 1 and mask is None and softcap is None:
-            return self._decode_step(query, scale, tokens)
         self._hand_down(tokens)
         outs = [child.attend_pending(query.index_select(1, r), scale, mask=mask, softcap=softcap) for child, r in zip(self.children, rows)]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1).index_select(1, inverse)
@@ -243,11 +243,11 @@ class GroupedLayer(CacheLayerMixin):
         if not (self.one_append and self.one_attend):
             return None
         states = [child.state for child in self.children]
-        if any(st is None for st in states) or not all(st.engine == "torch" for st in states):
-            return None
-        admission = (tuple(keys.shape), tuple(values.shape), tuple(q.shape), keys.dtype, values.dtype, q.dtype, keys.device, scale)
+        admission = (keys.shape, values.shape, q.shape, keys.dtype, values.dtype, q.dtype, keys.device, scale)
         held = self._decoder
         if held is None or held[0] != admission:
+            if any(st is None for st in states) or not all(st.engine == "torch" for st in states):
+                return None
             if not all(st.num_tokens for st in states):  # a decision over arrays not yet allocated would not be the decode loop's
                 return None
             try:

@@ -392,7 +392,17 @@ ALWAYS_INLINE void widen_plane(const uint8_t *row, int64_t width, int bits, int 
     }
     /* widened to 32 bits before the shift: x86 has no vector shift of bytes */
     const int32_t shift = p * bits, mask = (1 << bits) - 1;
-    for (int64_t k = 0; k < width; ++k) out[k] = (float)(((int32_t)row[k] >> shift) & mask);
+    int64_t k = 0;
+#if defined(LANES) && LANES == 16
+    /* LANES bytes at a time, the last ones by a byte-masked load (rows of any width: a scalar
+     * loop per plane was most of the value sums of rows that are not whole chunks) */
+    for (; k < width; k += LANES) {
+        const __mmask16 lanes = first_lanes(width - k);
+        const vi codes = vi_and(vi_srli(vi_widen_u8(_mm_maskz_loadu_epi8(lanes, row + k)), shift), vi_set1(mask));
+        _mm512_mask_storeu_ps(out + k, lanes, vf_from_vi(codes));
+    }
+#endif
+    for (; k < width; ++k) out[k] = (float)(((int32_t)row[k] >> shift) & mask);
 }
 
 /* The de-interleaving of a rank-long operand into planes: order[j] = the operand column at plane

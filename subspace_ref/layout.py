@@ -316,10 +316,11 @@ class SketchBuffers:
 PARTS = ("layout", "sketches", "window")
 
 
-def held_arrays(state) -> dict[str, Any]:
-    """Every array ``state`` holds (whole, spare capacity included), by :data:`STATE_ARRAYS` name."""
+def held_arrays(state, among: tuple = STATE_ARRAYS) -> dict[str, Any]:
+    """Every array ``state`` holds (whole, spare capacity included), by :data:`STATE_ARRAYS` name;
+    only those of ``among`` when given."""
     out = {}
-    for a in STATE_ARRAYS:
+    for a in among:
         part = getattr(state, a.part)
         x = None if part is None else getattr(part, a.attr)
         if x is not None:
@@ -329,17 +330,6 @@ def held_arrays(state) -> dict[str, Any]:
 
 #: The arrays of :data:`STATE_ARRAYS` whose shape does not grow with tokens or chunks.
 FIXED_ARRAYS = tuple(a for a in STATE_ARRAYS if a.axis == FIXED)
-
-
-def fixed_arrays(state) -> dict[str, Any]:
-    """The :data:`FIXED_ARRAYS` ``state`` holds, by name (what a restore point keeps versions of)."""
-    out = {}
-    for a in FIXED_ARRAYS:
-        part = getattr(state, a.part)
-        x = None if part is None else getattr(part, a.attr)
-        if x is not None:
-            out[a.name] = x
-    return out
 
 
 def live_arrays(state) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from subspace_ref.hf import attention as _attn
 from subspace_ref.hf import causal_attention as _causal
 from subspace_ref.hf.state_factories import StateSpec
 from subspace_ref.layer_state import LayerState
-from subspace_ref.layout import FIXED, fixed_arrays, mapped_parts
+from subspace_ref.layout import FIXED, FIXED_ARRAYS, held_arrays, mapped_parts
 from subspace_ref.operations import select_sequences
 from subspace_ref.state import SubspaceState
 
@@ -181,7 +181,7 @@ class SubspaceLayer(CacheLayerMixin):
         st = self.state
         if st is None or self.truncate_reason() is None:
             return
-        fixed = fixed_arrays(st)
+        fixed = held_arrays(st, FIXED_ARRAYS)
         if all(isinstance(x, torch.Tensor) for x in fixed.values()):
             point = SubspaceState(st.policy, st.layout, st.sketches, st.batched, st.engine, st.window)
             self._restore_point = (point, {name: (x, x._version) for name, x in fixed.items()})

@@ -230,9 +230,9 @@ def test_a_failing_layer_attend_gives_back_every_groups_token(monkeypatch, one_c
 
         def second_fails(self, *args):
             steps.append(self)
-            return LayerDecoder_call(self, *args) if len(steps) == 1 else boom()
+            return real_call(self, *args) if len(steps) == 1 else boom()
 
-        LayerDecoder_call = LayerDecoder.__call__
+        real_call = LayerDecoder.__call__
         with monkeypatch.context() as m:
             if one_call:
                 m.setattr(LayerDecoder, "__call__", second_fails)

@@ -198,7 +198,7 @@ int layer_window_append(int64_t groups, const struct window_append *calls, doubl
     return 0;
 }
 
-/* A layer's whole decode step (spec/layer_state.md L3 then L5.2): layer_window_append's appends,
+/* A layer's whole decode step (spec/layer_state.md L5.3): layer_window_append's appends,
  * then layer_attention over the states they leave (`attention` points at the new windows, tails
  * and token counts). Returns 0, or the first non-zero return of the two; whatever it returns,
  * nothing a state reads has changed (the appends write only past each state's rows and into

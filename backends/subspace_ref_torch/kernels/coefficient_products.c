@@ -1100,16 +1100,23 @@ int rope_offset_tables(int64_t planes, const double *inv_freq, float *offsets, d
  * rounding, ~1e-16 a step, never reaches float32's) and their float32 roundings into ca, sa. */
 static void rope_base(const struct rope_keys *rope, int64_t b, const double *step_cos, const double *step_sin, double *base_cos, double *base_sin,
                       float *ca, float *sa) {
-    for (int64_t i = 0; i < rope->planes; ++i) {
-        if (b % ROPE_RESEED == 0) {
+    const int64_t m = rope->planes;
+    if (b % ROPE_RESEED == 0) {
+        for (int64_t i = 0; i < m; ++i) {
             const double angle = (double)(rope->first + ROPE_BLOCK * b) * rope->inv_freq[i];
             base_cos[i] = cos(angle);
             base_sin[i] = sin(angle);
-        } else {
+        }
+    } else { /* the test out of the loop, which then vectorises (it ran scalar, a tenth of the keys' time at small ranks) */
+#pragma omp simd
+        for (int64_t i = 0; i < m; ++i) {
             const double c = base_cos[i], s = base_sin[i];
             base_cos[i] = c * step_cos[i] - s * step_sin[i];
             base_sin[i] = s * step_cos[i] + c * step_sin[i];
         }
+    }
+#pragma omp simd
+    for (int64_t i = 0; i < m; ++i) {
         ca[i] = (float)(rope->scaling * base_cos[i]);
         sa[i] = (float)(rope->scaling * base_sin[i]);
     }
@@ -1203,6 +1210,207 @@ ALWAYS_INLINE void widen_block(const struct coefficient_side *keys, int64_t h, i
     }
 }
 
+#if defined(LANES) && LANES == 16
+/* Keys whose d dims and m planes' first dims are whole vectors, d a multiple of two vectors
+ * (key_dot's two chains) and at most 128 (the head sizes of the models, full or partial rotary)
+ * are rebuilt, turned and dotted in registers (rope_tile): no key is stored and read back. */
+ALWAYS_INLINE int rope_in_registers(int64_t d, int64_t m) { return (d == 32 || d == 64 || d == 128) && m % LANES == 0; }
+
+/* Where a run of tokens' coefficients lie: token k's coefficient j = s length + i (segment s < segments,
+ * i < length) at c[k token_stride + s segment_stride + i], its basis row at B + j d. */
+struct rope_source {
+    const float *c;
+    int64_t token_stride, segments, length, segment_stride;
+    const float *B;
+};
+
+/* `tok` tokens of `src` from token k of the block (tok, vecs = d / LANES and pv = m / LANES are
+ * constants: the keys are tok x vecs registers): each key rebuilt as rebuild_keys does (one fma
+ * chain over j from 0 per element, the tokens sharing each row of B they load), turned at offset k
+ * of the block (cos and sin composed as head_rope_logits' loop composes them), and dotted with
+ * every query head in key_dot's two chains, whose sum goes to dots[i][k] for fold_block. */
+ALWAYS_INLINE void rope_tile(int tok, int vecs, int pv, struct rope_source src, int64_t k, int64_t d, int64_t m, const float *off_cos,
+                             const float *off_sin, const float *ca, const float *sa, int64_t queries, const float *q, float *dots) {
+    vf acc[4][8];
+#pragma GCC unroll 4
+    for (int u = 0; u < tok; ++u)
+#pragma GCC unroll 8
+        for (int v = 0; v < vecs; ++v) acc[u][v] = vf_zero();
+    const float *row = src.B;
+    for (int64_t s = 0; s < src.segments; ++s) {
+        const float *c = src.c + s * src.segment_stride;
+        for (int64_t j = 0; j < src.length; ++j, row += d) {
+            vf b[8];
+#pragma GCC unroll 8
+            for (int v = 0; v < vecs; ++v) {
+                b[v] = vf_load(row + LANES * v);
+                __asm__("" : "+v"(b[v])); /* kept in a register: GCC would fold the load into each token's fma, a load per fma */
+            }
+#pragma GCC unroll 4
+            for (int u = 0; u < tok; ++u) {
+                const vf cj = vf_set1(c[u * src.token_stride + j]);
+#pragma GCC unroll 8
+                for (int v = 0; v < vecs; ++v) acc[u][v] = vf_fmadd(cj, b[v], acc[u][v]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int u = 0; u < tok; ++u)
+#pragma GCC unroll 4
+        for (int i = 0; i < pv; ++i) {
+            const vf oc = vf_load(off_cos + (k + u) * m + LANES * i), os = vf_load(off_sin + (k + u) * m + LANES * i);
+            const vf a = vf_load(ca + LANES * i), b = vf_load(sa + LANES * i);
+            const vf cs = vf_sub(vf_mul(oc, a), vf_mul(os, b)), sn = vf_add(vf_mul(os, a), vf_mul(oc, b));
+            const vf ua = acc[u][i], ub = acc[u][pv + i];
+            acc[u][i] = vf_sub(vf_mul(ua, cs), vf_mul(ub, sn));
+            acc[u][pv + i] = vf_add(vf_mul(ub, cs), vf_mul(ua, sn));
+        }
+    for (int64_t i = 0; i < queries; ++i) {
+        const float *qi = q + i * d;
+#pragma GCC unroll 4
+        for (int u = 0; u < tok; ++u) {
+            vf s0 = vf_zero(), s1 = vf_zero();
+#pragma GCC unroll 4
+            for (int v = 0; v < vecs; v += 2) {
+                s0 = vf_fmadd(vf_load(qi + LANES * v), acc[u][v], s0);
+                s1 = vf_fmadd(vf_load(qi + LANES * (v + 1)), acc[u][v + 1], s1);
+            }
+            vf_store(dots + (i * ROPE_BLOCK + k + u) * LANES, vf_add(s0, s1));
+        }
+    }
+}
+
+/* Tokens k0 .. k1 - 1 of the block from `src` (at token k0): tiles of 4 tokens (2 where d = 128,
+ * whose 8 vectors a token would leave too few registers), then single tokens. */
+ALWAYS_INLINE void rope_run(int vecs, int pv, struct rope_source src, int64_t k0, int64_t k1, int64_t d, int64_t m, const float *off_cos,
+                            const float *off_sin, const float *ca, const float *sa, int64_t queries, const float *q, float *dots) {
+    const int tok = vecs <= 4 ? 4 : 2;
+    int64_t k = k0;
+    for (; k + tok <= k1; k += tok, src.c += tok * src.token_stride)
+        rope_tile(tok, vecs, pv, src, k, d, m, off_cos, off_sin, ca, sa, queries, q, dots);
+    for (; k < k1; ++k, src.c += src.token_stride) rope_tile(1, vecs, pv, src, k, d, m, off_cos, off_sin, ca, sa, queries, q, dots);
+}
+
+/* rope_run with its shape made constant: d / LANES vectors, m / LANES of them turning (rope_in_registers). */
+static void rope_runs(struct rope_source src, int64_t k0, int64_t k1, int64_t d, int64_t m, const float *off_cos, const float *off_sin,
+                      const float *ca, const float *sa, int64_t queries, const float *q, float *dots) {
+#define ROPE_RUN(V, PV) rope_run(V, PV, src, k0, k1, d, m, off_cos, off_sin, ca, sa, queries, q, dots)
+    switch ((d / LANES) * 8 + m / LANES) {
+    case 2 * 8 + 1: ROPE_RUN(2, 1); break;
+    case 4 * 8 + 1: ROPE_RUN(4, 1); break;
+    case 4 * 8 + 2: ROPE_RUN(4, 2); break;
+    case 8 * 8 + 1: ROPE_RUN(8, 1); break;
+    case 8 * 8 + 2: ROPE_RUN(8, 2); break;
+    case 8 * 8 + 3: ROPE_RUN(8, 3); break;
+    default: ROPE_RUN(8, 4); break; /* 8 * 8 + 4, the last shape rope_in_registers admits */
+    }
+#undef ROPE_RUN
+}
+
+/* The `total` bytes (whole rows of `width`, all of one group) of an int4 / int2 block widened plane
+ * by plane, as widen_row reads them (fl32(code s + z)), but LANES bytes of the block at a time
+ * whatever the width (rows of a few bytes widened one by one were most of the keys' cost at small
+ * ranks): out[p ROPE_BLOCK width + b] is plane p of the block's byte b, which is column b mod
+ * width of its row. `wrapped` holds the group's scales, then its zeros, plane by plane, each
+ * plane's width columns followed by its first LANES again (rope_wrap): a chunk's LANES scales
+ * are those from its first column on. */
+ALWAYS_INLINE void widen_block_planes(const uint8_t *bytes, int64_t total, int64_t width, int bits, const float *wrapped, float *out) {
+    const int per = 8 / bits;
+    const int64_t stride = ROPE_BLOCK * width, plane = width + LANES, step = LANES % width;
+    const vi mask = vi_set1((1 << bits) - 1);
+    int64_t column = 0;
+    for (int64_t b = 0; b < total; b += LANES) {
+        const __m128i raw = total - b >= LANES ? load_lane_bytes(bytes + b) : _mm_maskz_loadu_epi8(first_lanes(total - b), bytes + b);
+        const vi codes = vi_widen_u8(raw);
+#pragma GCC unroll 4
+        for (int p = 0; p < per; ++p) {
+            const vf x = vf_from_vi(vi_and(vi_srli(codes, p * bits), mask));
+            const float *scale = wrapped + p * plane + column, *zero = scale + per * plane;
+            vf_store(out + p * stride + b, vf_fmadd(x, vf_load(scale), vf_load(zero)));
+        }
+        column += step;
+        if (column >= width) column -= width;
+    }
+}
+
+/* widen_block_planes' operand: the scale planes (n = PER width floats, plane order) and the zero
+ * planes after them, each plane as its width columns and then its first LANES columns again
+ * (cyclically, for rows narrower than LANES). */
+static void rope_wrap(const float *planes, int64_t width, int64_t n, float *wrapped) {
+    for (int64_t j = 0; j < 2 * n; j += width, wrapped += width + LANES) {
+        memcpy(wrapped, planes + j, sizeof(float) * width);
+        for (int64_t i = width; i < width + LANES; ++i) wrapped[i] = wrapped[i - width];
+    }
+}
+
+/* head_rope_logits where rope_in_registers: the same numbers, a block's keys never stored. Its
+ * coefficients: float rows as stored, int8 widened row by row, int4 / int2 plane by plane
+ * (widen_block_planes) where groups are whole blocks, else row by row (widen_block); the unfinished
+ * group's from the float tail. `block`: scratch of ROPE_BLOCK (n + LANES queries) floats. */
+static void head_rope_registers(int bits, const struct coefficient_side *keys, int64_t h, int64_t queries, int64_t complete, int64_t tokens,
+                                const float *key_tail, const float *q, const float *B, int64_t d, const struct rope_keys *rope,
+                                const float *plane_basis, const int32_t *order, float *planes, float *block, float *out, int64_t out_row_stride) {
+    const int64_t rank = keys->rank, m = rope->planes, width = keys->width, G = keys->group;
+    const float *off_cos = rope->offsets, *off_sin = rope->offsets + ROPE_BLOCK * m;
+    const double *step_cos = rope->turns, *step_sin = rope->turns + m;
+    const int low_bit = bits == 4 || bits == 2, per = low_bit ? 8 / bits : 1;
+    const int64_t n = low_bit ? per * width : rank;
+    const int by_planes = low_bit && width > 0 && G % ROPE_BLOCK == 0; /* every block within one group */
+    float *c = block, *dots = block + ROPE_BLOCK * n;
+    float wrapped[2 * (8 * MAX_BYTES + 4 * LANES)];
+    double base_cos[MAX_DIM / 2], base_sin[MAX_DIM / 2];
+    float ca[MAX_DIM / 2], sa[MAX_DIM / 2];
+    int64_t next_group = 0, plane_group = -1;
+    const vi lanes = vi_load(block_lanes);
+    for (int64_t t0 = 0; t0 < tokens; t0 += ROPE_BLOCK) {
+        const int64_t count = tokens - t0 < ROPE_BLOCK ? tokens - t0 : ROPE_BLOCK;
+        const int64_t coded = complete - t0 <= 0 ? 0 : complete - t0 < count ? complete - t0 : count; /* the rest: the float tail */
+        rope_base(rope, t0 / ROPE_BLOCK, step_cos, step_sin, base_cos, base_sin, ca, sa);
+        if (coded) {
+            struct rope_source src = {c, n, 1, n, 0, low_bit ? plane_basis : B};
+            if (bits == FLOAT_BITS) {
+                src.c = (const float *)keys->codes + h * keys->head_stride + t0 * width, src.token_stride = width; /* strides count floats */
+            } else if (bits == 8) {
+                const int8_t *s8 = (const int8_t *)keys->codes + h * keys->head_stride;
+                const float *scale = (const float *)keys->scale + h * keys->scale_head_stride;
+                for (int64_t k = 0; k < coded; ++k) {
+#pragma omp simd
+                    for (int64_t j = 0; j < rank; ++j) c[k * rank + j] = (float)s8[(t0 + k) * width + j] * scale[t0 + k];
+                }
+            } else if (by_planes) {
+                if (t0 / G != plane_group) {
+                    plane_group = t0 / G;
+                    const int64_t offset = h * keys->scale_head_stride + plane_group * rank;
+                    deinterleave_half((const half *)keys->scale + offset, rank, width, n, order, planes);
+                    deinterleave_half(keys->zero + offset, rank, width, n, order, planes + n);
+                    rope_wrap(planes, width, n, wrapped);
+                }
+                widen_block_planes(keys->codes + h * keys->head_stride + t0 * width, coded * width, width, bits, wrapped, c);
+                src.token_stride = width, src.segments = per, src.length = width, src.segment_stride = ROPE_BLOCK * width;
+            } else if (bits == 4) {
+                WITH_WIDTH(width, widen_block(keys, h, 4, t0, coded, W, n, order, &next_group, planes, c));
+            } else {
+                WITH_WIDTH(width, widen_block(keys, h, 2, t0, coded, W, n, order, &next_group, planes, c));
+            }
+            rope_runs(src, 0, coded, d, m, off_cos, off_sin, ca, sa, queries, q, dots);
+        }
+        if (coded < count) { /* the unfinished group's keys, in float */
+            const struct rope_source tail = {key_tail + (t0 + coded - complete) * rank, rank, 1, rank, 0, B};
+            rope_runs(tail, coded, count, d, m, off_cos, off_sin, ca, sa, queries, q, dots);
+        }
+        for (int64_t i = 0; i < queries; ++i) { /* each token's sums folded as key_dot's horizontal sum adds them */
+            vf v[LANES];
+            for (int u = 0; u < LANES; ++u) v[u] = u < count ? vf_load(dots + (i * ROPE_BLOCK + u) * LANES) : vf_zero();
+            const vf sums = vf_permute(fold_block(v), lanes);
+            if (count == LANES)
+                vf_store(out + i * out_row_stride + t0, sums);
+            else
+                vf_store_first(out + i * out_row_stride + t0, count, sums);
+        }
+    }
+}
+#endif
+
 /* Logits of one head's `tokens` pre-RoPE keys (spec/rope.md P3 steps 1-2) into out (queries
  * rows, `out_row_stride` apart), for the query heads q (queries, d) in the rope order: each key's
  * coefficients read as the oracle reads them (int8: fl32(code s); int4 / int2: fl32(code s + z)
@@ -1213,9 +1421,10 @@ ALWAYS_INLINE void widen_block(const struct coefficient_side *keys, int64_t h, i
  * int4 / int2 rows are widened in plane order (widen_row: no shuffles), and rebuilt by B's rows
  * in that order, `plane_basis` (n = PER width rows, 0 past the rank; scratch of n d floats);
  * `planes` holds a group's scales and zeros in plane order (2 n floats). The work goes a block of
- * ROPE_BLOCK tokens at a time (`block`: scratch of ROPE_BLOCK (n + d) floats): the block's
- * coefficients, its keys rebuilt together (rebuild_keys), turned, then each query head's dot
- * products of LANES tokens folded together (fold_block: the same sums as key_dot's). */
+ * ROPE_BLOCK tokens at a time (`block`: scratch of ROPE_BLOCK (n + d + ROPE_BLOCK queries)
+ * floats): the block's coefficients, its keys rebuilt together (rebuild_keys), turned, then each
+ * query head's dot products of LANES tokens folded together (fold_block: the same sums as
+ * key_dot's); with AVX-512, for the head sizes of rope_in_registers, head_rope_registers. */
 static void head_rope_logits(int bits, const struct coefficient_side *keys, int64_t h, int64_t queries, int64_t complete, int64_t tokens,
                              const float *key_tail, const float *q, const float *B, int64_t d, const struct rope_keys *rope, float *plane_basis,
                              float *planes, float *block, float *out, int64_t out_row_stride) {
@@ -1233,6 +1442,12 @@ static void head_rope_logits(int bits, const struct coefficient_side *keys, int6
             else
                 memcpy(plane_basis + j * d, B + order[j] * d, sizeof(float) * d);
     }
+#if defined(LANES) && LANES == 16
+    if (rope_in_registers(d, m)) {
+        head_rope_registers(bits, keys, h, queries, complete, tokens, key_tail, q, B, d, rope, plane_basis, order, planes, block, out, out_row_stride);
+        return;
+    }
+#endif
     double base_cos[MAX_DIM / 2], base_sin[MAX_DIM / 2];
     float ca[MAX_DIM / 2], sa[MAX_DIM / 2];
     float *c = block, *key = block + ROPE_BLOCK * n; /* the block's coefficients (rows of n) and keys (rows of d) */
@@ -1405,7 +1620,7 @@ static int head_rows_attention(int key_bits, int value_bits, int64_t heads, int6
      * aligned (its rows are read a vector at a time, and a load across two cache lines costs two) */
     float *permuted = rope ? malloc(sizeof(float) * queries * d) : NULL;
     float *plane_basis = rope ? aligned_alloc(64, (sizeof(float) * key_n * d + 63) / 64 * 64) : NULL;
-    float *rope_block = rope ? malloc(sizeof(float) * ROPE_BLOCK * (key_n + d)) : NULL;
+    float *rope_block = rope ? malloc(sizeof(float) * ROPE_BLOCK * (key_n + d + ROPE_BLOCK * queries)) : NULL;
     if (!planes || !logits || !part || !total || !blocks || !projected || !sums || !odd || !exact_l || !exact_block ||
         (rope && (!permuted || !plane_basis || !rope_block))) {
         free(planes), free(logits), free(part), free(total), free(blocks), free(projected), free(sums), free(odd);

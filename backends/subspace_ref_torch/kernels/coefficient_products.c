@@ -1191,6 +1191,17 @@ ALWAYS_INLINE void rebuild_keys(const float *c, int64_t stride, int64_t count, i
         }
 }
 
+/* The coefficients of int8 key tokens first .. first + count - 1 of head h into rows of `rank`
+ * floats, as the oracle reads them: fl32(code s) with the token's scale. */
+ALWAYS_INLINE void int8_block(const struct coefficient_side *keys, int64_t h, int64_t first, int64_t count, int64_t rank, int64_t width, float *c) {
+    const int8_t *s8 = (const int8_t *)keys->codes + h * keys->head_stride;
+    const float *scale = (const float *)keys->scale + h * keys->scale_head_stride;
+    for (int64_t k = 0; k < count; ++k) {
+#pragma omp simd
+        for (int64_t j = 0; j < rank; ++j) c[k * rank + j] = (float)s8[(first + k) * width + j] * scale[first + k];
+    }
+}
+
 /* The coefficients of coded tokens first .. first + count - 1 of a low-bit key side (all of one
  * block, a new group's scales and zeros de-interleaved into `planes` where one starts: `next` is
  * the token that starts the next group) into rows of n floats, in plane order, as the oracle reads
@@ -1371,12 +1382,7 @@ static void head_rope_registers(int bits, const struct coefficient_side *keys, i
             if (bits == FLOAT_BITS) {
                 src.c = (const float *)keys->codes + h * keys->head_stride + t0 * width, src.token_stride = width; /* strides count floats */
             } else if (bits == 8) {
-                const int8_t *s8 = (const int8_t *)keys->codes + h * keys->head_stride;
-                const float *scale = (const float *)keys->scale + h * keys->scale_head_stride;
-                for (int64_t k = 0; k < coded; ++k) {
-#pragma omp simd
-                    for (int64_t j = 0; j < rank; ++j) c[k * rank + j] = (float)s8[(t0 + k) * width + j] * scale[t0 + k];
-                }
+                int8_block(keys, h, t0, coded, rank, width, c);
             } else if (by_planes) {
                 if (t0 / G != plane_group) {
                     plane_group = t0 / G;
@@ -1462,12 +1468,7 @@ static void head_rope_logits(int bits, const struct coefficient_side *keys, int6
         if (bits == FLOAT_BITS) {
             rebuild_keys(rows + t0 * width, width, coded, rank, B, d, key);
         } else if (bits == 8) {
-            const int8_t *s8 = (const int8_t *)keys->codes + h * keys->head_stride;
-            const float *scale = (const float *)keys->scale + h * keys->scale_head_stride;
-            for (int64_t k = 0; k < coded; ++k) {
-#pragma omp simd
-                for (int64_t j = 0; j < rank; ++j) c[k * rank + j] = (float)s8[(t0 + k) * width + j] * scale[t0 + k];
-            }
+            int8_block(keys, h, t0, coded, rank, width, c);
             rebuild_keys(c, rank, coded, rank, B, d, key);
         } else if (coded) {
             if (bits == 4)

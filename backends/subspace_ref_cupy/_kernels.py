@@ -71,8 +71,31 @@ def coef_cuda_type(dtype: str, coef: str) -> str:
     return INT8_TYPE if coef == "int8" else CUDA_TYPES[dtype]
 
 
+class _SideKinds:
+    """What a template instantiation derives from its ``dtype``, key ``coef`` and ``value_coef``
+    (None: the keys', a uniform layout), shared by :class:`KernelConfig` and :class:`RopeConfig`."""
+
+    def __post_init__(self):
+        if self.value_coef is None:
+            object.__setattr__(self, "value_coef", self.coef)
+
+    @property
+    def uniform(self) -> bool:
+        return self.coef == self.value_coef
+
+    @property
+    def coef_type(self) -> str:
+        """The key coefficients' CUDA type (KeyT; CoefT of the projection)."""
+        return coef_cuda_type(self.dtype, self.coef)
+
+    @property
+    def value_coef_type(self) -> str:
+        """The value coefficients' CUDA type (ValT)."""
+        return coef_cuda_type(self.dtype, self.value_coef)
+
+
 @dataclass(frozen=True)
-class KernelConfig:
+class KernelConfig(_SideKinds):
     """One instantiation of the decode and projection templates (the merge depends on dtype only).
 
     ``coef`` is the key coefficients' kind and ``value_coef`` the values' (None: the same as the
@@ -85,27 +108,9 @@ class KernelConfig:
     rank_tile: int
     value_coef: str | None = None
 
-    def __post_init__(self):
-        if self.value_coef is None:
-            object.__setattr__(self, "value_coef", self.coef)
-
-    @property
-    def uniform(self) -> bool:
-        return self.coef == self.value_coef
-
     @property
     def cuda_type(self) -> str:
         return CUDA_TYPES[self.dtype]
-
-    @property
-    def coef_type(self) -> str:
-        """The key coefficients' CUDA type (KeyT; CoefT of the projection)."""
-        return coef_cuda_type(self.dtype, self.coef)
-
-    @property
-    def value_coef_type(self) -> str:
-        """The value coefficients' CUDA type (ValT)."""
-        return coef_cuda_type(self.dtype, self.value_coef)
 
     @property
     def decode_name(self) -> str:
@@ -140,7 +145,7 @@ def configs() -> list[KernelConfig]:
 
 
 @dataclass(frozen=True)
-class RopeConfig:
+class RopeConfig(_SideKinds):
     """One instantiation of ``decode_rope_partial`` (spec/rope.md P3): head sizes are run-time
     arguments, since the per-token work (the O(r d) rebuild) loops over d at run time anyway.
     ``coef``/``value_coef`` as KernelConfig's (keys, values; None: the keys')."""
@@ -149,22 +154,6 @@ class RopeConfig:
     coef: str  # "same", "int8", "int4" or "int2", as KernelConfig's
     rank_tile: int
     value_coef: str | None = None
-
-    def __post_init__(self):
-        if self.value_coef is None:
-            object.__setattr__(self, "value_coef", self.coef)
-
-    @property
-    def uniform(self) -> bool:
-        return self.coef == self.value_coef
-
-    @property
-    def coef_type(self) -> str:
-        return coef_cuda_type(self.dtype, self.coef)
-
-    @property
-    def value_coef_type(self) -> str:
-        return coef_cuda_type(self.dtype, self.value_coef)
 
     @property
     def name(self) -> str:

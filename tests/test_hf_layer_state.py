@@ -195,11 +195,50 @@ def test_one_attend_per_decode_step_generates_what_the_children_do(monkeypatch, 
     if backend == "torch" and dtype == "float32" and layer_calls is not None:
         # each decode step of each layer: one layer_attention, but for the step that admits the queries
         # (in bfloat16 the float value side is stored in bfloat16, which the kernel does not read: group by group);
-        # with full exact windows, one layer_decode (the appends and the attention, subspace_ref_torch.layer_decode)
+        # with full exact windows, one layer_decode (the appends and the attention, subspace_ref_torch.layer_decode);
+        # the children then take one layer_decode each (a one-state layer's step: SubspaceLayer._one_call_step)
         layers, steps = len(cache.layers), len(layer.logits) - 1
         one_call = "layer_decode" if window else "layer_attention"
         assert layer_calls.get(one_call, 0) >= layers * (steps - 1)
-        assert not {"layer_attention", "layer_decode"} & set(child_calls)
+        children = sum(len(grouped.children) for grouped in cache.layers)
+        assert "layer_attention" not in child_calls and child_calls.get("layer_decode", 0) >= (children * (steps - 1) if window else 0)
+        assert layer_calls.get("layer_decode", 0) < child_calls.get("layer_decode", 0) or not window
+
+
+@pytest.mark.parametrize("coefficients, rope", [("int4", True), ("float", True), ("int8", False)])  # (post-RoPE float coefficients: torch's own products)
+def test_a_one_state_layer_decodes_in_one_call_as_its_own_append_and_attend(monkeypatch, coefficients, rope):
+    """spec/layer_state.md L5.3 for a layer of one SubspaceState (SubspaceLayer._one_call_step: the
+    state as a one-group layer): greedy tokens and logits bit for bit those of the step's own
+    append then ``subspace_ref.attend``, with one ``layer_decode`` per layer and step once the
+    window is full."""
+    from subspace_ref.hf.cache_layer import SubspaceLayer
+    from subspace_ref_torch import kernel_library as lib
+    from tests.test_layer_kernel import CountingLibrary
+
+    if not lib.library_status()[0]:
+        pytest.skip(f"the C kernels are not built: {lib.library_status()[1]}")
+    model = model_for("llama", "float32")
+    basis = sr_basis(model, 5)
+    options = dict(coefficients=coefficients, sinks=2, window=3) | (dict(rope=RopeParams.from_config(model.config)) if rope else {})
+    ids = prompt_ids(batch=2, length=9)
+    kw = dict(max_new_tokens=8, do_sample=False, return_dict_in_generate=True, output_logits=True, pad_token_id=0)
+    runs = {}
+    for one in (False, True):
+        if not one:
+            monkeypatch.setattr(SubspaceLayer, "_one_call_step", lambda self, query, scale: None)
+        else:
+            monkeypatch.undo()
+        counting = CountingLibrary(lib.library())
+        monkeypatch.setattr(lib, "_library", counting)
+        with compress(model, static_states([basis] * 2, **options)) as kv:
+            cache = kv.cache()
+            runs[one] = model.generate(ids, cache=cache, **kw), dict(counting.calls)
+        assert all(isinstance(layer, SubspaceLayer) for layer in cache.layers)
+    (own, own_calls), (one, one_calls) = runs[False], runs[True]
+    assert torch.equal(own.sequences, one.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(own.logits, one.logits))
+    steps = len(one.logits) - 1
+    assert "layer_decode" not in own_calls and one_calls.get("layer_decode", 0) >= len(cache.layers) * (steps - 1)
 
 
 @pytest.mark.parametrize("one_call", [False, True])

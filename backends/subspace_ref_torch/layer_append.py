@@ -103,6 +103,7 @@ class LayerAppender:
                 c.rope = ctypes.pointer(self.unrotations[-1][1])
             c.first_position = win.sinks
         self.batch, self.kv_heads = batch, kv_heads
+        self.key_shape, self.value_shape = (batch, kv_heads, 1, states[0].d), (batch, kv_heads, 1, states[0].d_v)  # a step's new tokens
 
     def _arrays(self, i: int, lay) -> bool:
         """Point call i at ``lay``'s coefficient arrays and decoded bases (derived again only when

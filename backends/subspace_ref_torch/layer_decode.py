@@ -22,22 +22,23 @@ import torch
 
 from subspace_ref_torch import kernel_library as lib
 from subspace_ref_torch.cpu_kernels import LayerKernel, kernel_call, spare_output
-from subspace_ref_torch.layer_append import LayerAppender, layer_appender
+from subspace_ref_torch.layer_append import AppendStep, LayerAppender, layer_appender
 from subspace_ref_torch.maps import map_sources, token_tiles
 
 
 def layer_decoder(layer, heads, keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor, scale: float) -> "LayerDecoder | None":
     """The one-call decode step of ``layer`` (a :class:`~subspace_ref.LayerState` whose group i
     holds KV heads ``heads[i]``) for new tokens shaped like ``keys`` (N, H, 1, d) and ``values``
-    (N, H, 1, d_v) and queries like ``q`` (N, H_q, d) at logit ``scale``, or None where it is not
-    served for the states' life."""
+    (N, H, 1, d_v) and queries like ``q`` (N, H_q, d), or (N, H_q, 1, d) as the attention
+    function receives a decode step's, at logit ``scale``, or None where it is not served for the
+    states' life."""
     from subspace_ref import get_backend
 
     states = [g.state for g in layer.groups]
     appender = layer_appender(states, heads, keys, values)
-    if appender is None or q.dim() != 3 or q.dtype != torch.float32 or not q.is_cpu:
+    if appender is None or not (q.dim() == 3 or (q.dim() == 4 and q.shape[2] == 1)) or q.dtype != torch.float32 or not q.is_cpu:
         return None
-    if not isinstance(get_backend("torch").attend_layer_route(q, layer), LayerKernel):
+    if not isinstance(get_backend("torch").attend_layer_route(q if q.dim() == 3 else q[:, :, 0], layer), LayerKernel):
         return None
     return LayerDecoder(appender, layer, q.shape, scale)
 
@@ -47,10 +48,11 @@ class LayerDecoder:
 
     ``decoder(states, keys, values, q)`` appends the new token (N, H, 1, d) of every KV head to
     the group states (in the layer's order) and returns the attention output (N, H_q, d_v) of
-    ``q`` (N, H_q, d) over the layer, or returns None with nothing changed."""
+    ``q`` (N, H_q, d) over the layer ((N, H_q, 1, d_v) for ``q`` (N, H_q, 1, d)), or returns None
+    with nothing changed."""
 
     def __init__(self, appender: LayerAppender, layer, q_shape: torch.Size, scale: float):
-        N, Hq, d = q_shape
+        N, Hq, d = q_shape[0], q_shape[1], q_shape[-1]
         self.appender, self.q_shape, self.d, self.scale = appender, tuple(q_shape), d, float(scale)
         self.g = Hq // layer.kv_heads
         rows = LayerKernel().rows
@@ -64,37 +66,60 @@ class LayerDecoder:
         self._decode = lib.library().layer_decode
 
     def __call__(self, states, keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor) -> torch.Tensor | None:
-        if q.shape != self.q_shape or q.dtype != torch.float32:
+        ap = self.appender
+        if q.shape != self.q_shape or q.dtype != torch.float32 or keys.shape != ap.key_shape or values.shape != ap.value_shape:
             return None
-        step = self.appender.prepare(states, keys, values)
-        if step is None:
+        if keys.dtype != torch.float32 or values.dtype != torch.float32:
             return None
+        keys, values = keys.contiguous(), values.contiguous()
         x = q if q.is_contiguous() else q.contiguous()
         out = spare_output(self._spare_outputs, self.q_shape[:-1] + (self.d_v,))
-        for i, (st, lay, win, new_k, new_v, tail) in enumerate(step.groups):
-            if lay is not st.layout:  # grown: its arrays are other than the kernel call's
+        keys_at, values_at, x_at, out_at = keys.data_ptr(), values.data_ptr(), x.data_ptr(), out.data_ptr()
+        fresh = []
+        for i, st in enumerate(states):
+            lay, win = st.layout, st.window
+            last_lay, last_win = ap.committed[i]  # what the last step left: its arrays, bases and sinks are call i's
+            if not (lay is last_lay and win is last_win and all(a._version == v for a, v in self.sources[i])) and not self._admit(i, st, lay, win, x, out):
                 return None
-            c = self.calls[i]
-            last_lay, last_win = self.appender.committed[i]  # what the last step left: its arrays, bases and sinks are call i's
-            if not (lay is last_lay and win is last_win and all(a._version == v for a, v in self.sources[i])):
-                call = kernel_call(st, self.d, self.scale)
-                if call is None or not self._point_sinks(i, win):
-                    return None
-                if self.made_from[i] is not call:
-                    self.calls[i] = call.group_call(x, lay, 1, None, self.rows[i], self.g, out, [])
-                    self.calls[i].exact = ctypes.pointer(self.exact[i])
-                    self.made_from[i] = call
-                    self.sources[i] = [(a, a._version) for a in map_sources(lay) if a is not None]
-                c = self.calls[i]
-            e, T = self.exact[i], lay.num_tokens + 1
-            e.keys[1], e.values[1], e.count[1] = new_k.data_ptr(), new_v.data_ptr(), new_k.shape[2]
-            c.tokens, c.tile, c.q, c.out = T, token_tiles(T).step, x.data_ptr(), out.data_ptr()
-            if tail is not None:
-                c.key_tail, c.tail_head_stride = tail.data_ptr(), tail.stride(1)
-        if self._decode(len(step.groups), self.appender.calls, ctypes.byref(self.appender.magnitude), self.calls) != 0:
-            return None
-        self.appender.commit(step)
+            T = lay.num_tokens
+            if T + 1 > lay.key_coef.shape[2]:  # a capacity growth: the caller's path grows the arrays
+                return None
+            a, c, e = ap.calls[i], self.calls[i], self.exact[i]
+            new_k, new_v = torch.empty_like(win.keys), torch.empty_like(win.values)
+            a.a, a.keys, a.values = T, keys_at, values_at
+            a.window_keys, a.window_values = win.keys.data_ptr(), win.values.data_ptr()
+            a.new_window_keys = e.keys[1] = new_k.data_ptr()
+            a.new_window_values = e.values[1] = new_v.data_ptr()
+            c.tokens, c.tile, c.q, c.out = T + 1, token_tiles(T + 1).step, x_at, out_at
+            tail = None
+            if ap.low_bit_keys[i]:
+                tail = torch.empty_like(lay.key_tail)
+                a.old_tail, a.new_tail = lay.key_tail.data_ptr(), tail.data_ptr()
+                c.key_tail = a.new_tail
+            fresh.append((new_k, new_v, tail))
+        if self._decode(len(states), ap.calls, ctypes.byref(ap.magnitude), self.calls) != 0:
+            return None  # nothing a state reads has changed: the caller's path names the failure
+        ap.commit(AppendStep([(st, st.layout, st.window, *made) for st, made in zip(states, fresh)], keys, values))
         return out
+
+    def _admit(self, i: int, st, lay, win, x: torch.Tensor, out: torch.Tensor) -> bool:
+        """Make call i's arguments for group i's state as it is (its layout ``lay`` and window
+        ``win``: a state the last step did not leave, or bases written since); False where the
+        call does not serve it."""
+        if not self.appender._serves(i, lay, win):
+            return False
+        call = kernel_call(st, self.d, self.scale)
+        if call is None or not self._point_sinks(i, win):
+            return False
+        if self.made_from[i] is not call:
+            self.calls[i] = call.group_call(x, lay, 1, None, self.rows[i], self.g, out, [])
+            self.calls[i].exact = ctypes.pointer(self.exact[i])
+            self.made_from[i] = call
+            self.sources[i] = [(a, a._version) for a in map_sources(lay) if a is not None]
+        self.exact[i].count[1] = win.size
+        if self.appender.low_bit_keys[i]:
+            self.calls[i].tail_head_stride = lay.key_tail.stride(1)
+        return True
 
     def _point_sinks(self, i: int, win) -> bool:
         """Point group i's exact part at its sinks (spec/window.md W7); False where they do not lie

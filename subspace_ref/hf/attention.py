@@ -307,7 +307,7 @@ def subspace_attention(module, query, key, value, attention_mask, scaling=None, 
         require(refused, f"layer {layer.layer_idx}: the subspace cache does not support")
         if query.shape[1] % layer.state.heads:
             raise ValueError(f"{query.shape[1]} query heads for {layer.state.heads} KV heads")
-        mask = None if is_plain_causal(attention_mask, query.shape[2], layer.get_seq_length()) else attention_mask
+        mask = None if attention_mask is None or is_plain_causal(attention_mask, query.shape[2], layer.get_seq_length()) else attention_mask
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
         out = layer.attend_pending(query, float(scaling), mask=mask, softcap=kwargs.get("softcap"))  # (B, H_q, n, d_v)

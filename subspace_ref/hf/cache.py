@@ -141,6 +141,7 @@ class SubspaceCache(Cache):
             for i, (kind, kw) in enumerate(zip(types, kwargs))
         ]
         super().__init__(layers=layers)
+        self._state_layers: list | None = None  # state_layers, made once per set of layers (set_layer)
 
     @classmethod
     def for_model(cls, model, states: StateFactory | Sequence[SubspaceState], **kwargs: Any) -> "SubspaceCache":
@@ -185,13 +186,22 @@ class SubspaceCache(Cache):
     def state_layers(self) -> list[SubspaceLayer]:
         """The layers that hold one state each: the :class:`SubspaceLayer` s, a grouped layer's
         children in its place; what a forward's restore points and rollback act on."""
-        return [c for layer in self.subspace_layers for c in (layer.children if isinstance(layer, GroupedLayer) else [layer])]
+        if self._state_layers is None:  # each layer's update asks (begin_forward); set_layer forgets it
+            self._state_layers = [c for layer in self.subspace_layers for c in (layer.children if isinstance(layer, GroupedLayer) else [layer])]
+        return list(self._state_layers)
+
+    def set_layer(self, layer_idx: int, layer) -> None:
+        """Put ``layer`` in place of layer ``layer_idx`` (a layer built on its first update, or reset)."""
+        self.layers[layer_idx] = layer
+        self._state_layers = None
 
     def begin_forward(self, layer_idx: int) -> None:
         """Called by each layer's update: the first compressed layer's update starts a forward,
-        whose tokens :meth:`rollback_forward` can give back."""
+        whose tokens :meth:`rollback_forward` can give back; it first checks that the model
+        attends through the cache (:meth:`check_model_attention`), once per forward."""
         layers = self.state_layers
         if layers and layers[0].layer_idx == layer_idx:
+            self.check_model_attention()
             for layer in layers:
                 layer._forward_start = layer.get_seq_length()
                 layer.keep_restore_point()

@@ -20,7 +20,7 @@ from subspace_ref.capabilities import require
 from subspace_ref.hf import attention as _attn
 from subspace_ref.hf import causal_attention as _causal
 from subspace_ref.hf.state_factories import StateSpec
-from subspace_ref.layer_state import LayerState
+from subspace_ref.layer_state import HeadGroup, LayerState
 from subspace_ref.layout import FIXED, FIXED_ARRAYS, held_arrays, mapped_parts
 from subspace_ref.operations import select_sequences
 from subspace_ref.state import SubspaceState
@@ -72,6 +72,7 @@ class SubspaceLayer(CacheLayerMixin):
         self._forward_start = 0  # tokens held when the current forward began (rollback point)
         self._restore_point: tuple[SubspaceState, dict] | None = None  # see keep_restore_point
         self._forward_tokens: tuple | None = None  # the current forward's keys and values, while a restore point is kept
+        self._decoder: tuple | None = None  # (admission, the backend's one-call decode step or None): see _one_call_step
 
     def __repr__(self) -> str:
         return f"SubspaceLayer({self.layer_idx}, {self.state!r})"
@@ -82,7 +83,7 @@ class SubspaceLayer(CacheLayerMixin):
         spec = StateSpec(self.layer_idx, B, H, d, value_states.shape[-1], key_states.dtype, key_states.device)
         state = self._given if self._given is not None else self.cache.factory(spec)
         if isinstance(state, LayerState):  # heads of different configurations: one child layer per head group
-            self.cache.layers[self.layer_idx] = self.cache.grouped_layer(self.layer_idx, self.cache.adopt(state, spec), key_states.dtype, key_states.device)
+            self.cache.set_layer(self.layer_idx, self.cache.grouped_layer(self.layer_idx, self.cache.adopt(state, spec), key_states.dtype, key_states.device))
             return
         if not isinstance(state, SubspaceState):
             raise TypeError(f"layer {self.layer_idx}: the state factory returned {type(state).__name__}, expected a SubspaceState or a LayerState")
@@ -97,7 +98,8 @@ class SubspaceLayer(CacheLayerMixin):
         """Keep the new post-RoPE keys/values (B, H, n, d) as pending and return them tagged; the
         attention function appends them to the state and attends (see attention.py). Under
         ``torch.compile`` this and the attention function run eagerly (graph breaks around them)."""
-        self.cache.check_model_attention()
+        if not self.is_initialized:  # before a state is built for a model that would not attend through it (begin_forward checks each forward)
+            self.cache.check_model_attention()
         if self.pending_keys is not None:
             self._clear_pending()  # the abandoned forward leaves nothing behind
             raise RuntimeError(
@@ -182,9 +184,12 @@ class SubspaceLayer(CacheLayerMixin):
         if st is None or self.truncate_reason() is None:
             return
         fixed = held_arrays(st, FIXED_ARRAYS)
-        if all(isinstance(x, torch.Tensor) for x in fixed.values()):
-            point = SubspaceState(st.policy, st.layout, st.sketches, st.batched, st.engine, st.window)
-            self._restore_point = (point, {name: (x, x._version) for name, x in fixed.items()})
+        try:
+            versions = {name: (x, x._version) for name, x in fixed.items()}
+        except AttributeError:  # arrays of other families than torch: no version counter
+            versions = None
+        if versions is not None:
+            self._restore_point = (SubspaceState(st.policy, st.layout, st.sketches, st.batched, st.engine, st.window), versions)
         else:
             parts = mapped_parts(st, lambda a, x: clone(x) if a.axis == FIXED else x)
             self._restore_point = (SubspaceState(st.policy, parts["layout"], parts["sketches"], st.batched, st.engine, parts["window"]), {})
@@ -322,6 +327,30 @@ class SubspaceLayer(CacheLayerMixin):
         cuts = sorted(cuts)
         return list(zip(cuts[:-1], cuts[1:]))
 
+    def _one_call_step(self, query: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """A decode step's append and attention (``query`` (B, H_q, 1, d) -> (B, H_q, 1, d_v)) by
+        one call of the backend's layer decode over the state as a one-group layer
+        (spec/layer_state.md L5.3; torch/CPU: ``subspace_ref_torch.layer_decode``, which serves
+        static states with a full exact window), asked once per admission as a grouped layer
+        asks; None, with nothing changed, where it does not serve the step."""
+        keys, values, st = self.pending_keys, self.pending_values, self.state
+        admission = (keys.shape, values.shape, query.shape, keys.dtype, values.dtype, query.dtype, keys.device, scale)
+        held = self._decoder
+        if held is None or held[0] != admission:
+            if st.engine != "torch" or st.kv_heads != st.heads or not st.num_tokens or keys.shape[2] != 1:
+                return None  # (a per-query-head state is no layer of KV heads)
+            try:
+                from subspace_ref_torch.layer_decode import layer_decoder
+            except ImportError:  # the torch backend's package is not installed
+                layer_decoder = None
+            heads = tuple(range(st.heads))
+            decoder = None if layer_decoder is None else layer_decoder(LayerState(st.heads, [HeadGroup(heads, st)]), [heads], keys, values, query, scale)
+            held = self._decoder = (admission, decoder)
+        out = None if held[1] is None else held[1]([st], keys, values, query)
+        if out is not None:
+            self.take_pending(1)
+        return out
+
     def take_pending(self, queries: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The pending keys and values (B, H, n, d), no longer pending and kept for a crop of
         this forward; ValueError unless ``queries`` == n."""
@@ -349,6 +378,10 @@ class SubspaceLayer(CacheLayerMixin):
         one (left padding, a sliding window) or ``softcap`` is applied to the logits by
         :func:`causal_attention` (refused for rotating and pre-RoPE states).
         """
+        if query.shape[2] == 1 and mask is None and softcap is None:
+            out = self._one_call_step(query, scale)
+            if out is not None:
+                return out
         st = self.state
         T0 = st.num_tokens
         if mask is not None or softcap is not None:

@@ -110,7 +110,6 @@ class GroupedLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Hand each group its heads' new keys and values as pending and return the keys tagged
         with this layer (see :meth:`SubspaceLayer.update`)."""
-        self.cache.check_model_attention()
         if self.pending_keys is not None:
             self._clear_pending()
             raise RuntimeError(f"layer {self.layer_idx}: the previous update was never consumed by the attention function")
@@ -136,7 +135,7 @@ class GroupedLayer(CacheLayerMixin):
     def reset(self) -> None:
         """Back to an uninitialised layer of the cache's factory (built again on the next update)."""
         self._clear_pending()
-        self.cache.layers[self.layer_idx] = SubspaceLayer(self.cache, self.layer_idx)
+        self.cache.set_layer(self.layer_idx, SubspaceLayer(self.cache, self.layer_idx))
 
     def offload(self):
         pass
@@ -216,12 +215,12 @@ class GroupedLayer(CacheLayerMixin):
         n = query.shape[2]
         if tokens[0].shape[2] != n:
             raise ValueError(f"layer {self.layer_idx}: {n} queries for {tokens[0].shape[2]} new tokens")
-        q = query[:, :, 0]
-        out = self._one_call_step(q, scale, *tokens)
+        out = self._one_call_step(query, scale, *tokens)
         if out is not None:
             if n <= self.cache.max_crop_block:
                 self._forward_tokens = tokens
-            return out.to(query.dtype)[:, :, None]
+            return out
+        q = query[:, :, 0]
         self._hand_down(tokens)
         taken = [child.take_pending(n) for child in self.children]
         if not self._append_step(*tokens):
@@ -234,16 +233,16 @@ class GroupedLayer(CacheLayerMixin):
             out = torch.from_numpy(np.asarray(out)).to(device=query.device, dtype=query.dtype)
         return out[:, :, None]
 
-    def _one_call_step(self, q: torch.Tensor, scale: float, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor | None:
-        """The step's appends and attention (q (B, H_q, d)) by one call of the backend's layer
-        decode (spec/layer_state.md L5.3; torch/CPU: ``subspace_ref_torch.layer_decode``),
-        asked once per admission (tokens' and queries' shapes, dtypes and device, the scale) once
-        every group holds compressed tokens; None, with nothing changed, where it does not serve
-        the step."""
+    def _one_call_step(self, query: torch.Tensor, scale: float, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor | None:
+        """The step's appends and attention (``query`` (B, H_q, 1, d) -> (B, H_q, 1, d_v), in the
+        query's dtype) by one call of the backend's layer decode (spec/layer_state.md L5.3;
+        torch/CPU: ``subspace_ref_torch.layer_decode``), asked once per admission (tokens' and
+        queries' shapes, dtypes and device, the scale) once every group holds compressed tokens;
+        None, with nothing changed, where it does not serve the step."""
         if not (self.one_append and self.one_attend):
             return None
         states = [child.state for child in self.children]
-        admission = (keys.shape, values.shape, q.shape, keys.dtype, values.dtype, q.dtype, keys.device, scale)
+        admission = (keys.shape, values.shape, query.shape, keys.dtype, values.dtype, query.dtype, keys.device, scale)
         held = self._decoder
         if held is None or held[0] != admission:
             if any(st is None for st in states) or not all(st.engine == "torch" for st in states):
@@ -254,9 +253,9 @@ class GroupedLayer(CacheLayerMixin):
                 from subspace_ref_torch.layer_decode import layer_decoder
             except ImportError:  # the torch backend's package is not installed
                 layer_decoder = None
-            decoder = None if layer_decoder is None else layer_decoder(self.state, self.heads, keys, values, q, scale)
+            decoder = None if layer_decoder is None else layer_decoder(self.state, self.heads, keys, values, query, scale)
             held = self._decoder = (admission, decoder)
-        return None if held[1] is None else held[1](states, keys, values, q)
+        return None if held[1] is None else held[1](states, keys, values, query)
 
     def _append_step(self, keys: torch.Tensor, values: torch.Tensor) -> bool:
         """Every child's one new token (the layer's ``keys`` (B, H, 1, d)) appended by the

@@ -129,7 +129,7 @@ class SubspaceLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.state = None
+        self.state = self._decoder = None  # (a decoder's arguments were made for the state's formats)
         self._clear_pending()
         self.is_initialized = False
 
@@ -232,7 +232,7 @@ class SubspaceLayer(CacheLayerMixin):
 
     def _index_batch(self, index: Any) -> None:
         if self.state is None or self.state.num_tokens == 0 and self._given is None:
-            self.state, self.is_initialized = None, False  # built again, at the new batch size
+            self.state, self.is_initialized, self._decoder = None, False, None  # built again, at the new batch size
             return
         st = self.state
         if isinstance(st.layout.key_coef, np.ndarray):
@@ -240,7 +240,7 @@ class SubspaceLayer(CacheLayerMixin):
         else:
             index = torch.as_tensor(index, device=st.layout.key_coef.device)
         self.state = select_sequences(st, index)  # every state array gathered along the batch axis
-        self._restore_point = self._forward_tokens = None  # taken at the old batch
+        self._restore_point = self._forward_tokens = self._decoder = None  # taken at the old batch
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._index_batch(beam_idx)

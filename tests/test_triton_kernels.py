@@ -50,7 +50,7 @@ from tests.triton_numerics import gpu_numerics  # noqa: E402
 try:
     _AVAILABLE = TritonBackend().availability()
     if _AVAILABLE:
-        from subspace_ref_triton import decode, project  # decorated now, for the interpreter or the GPU
+        from subspace_ref_triton import _tl, decode, project  # decorated now, for the interpreter or the GPU
     DEVICE = "cpu" if interpreting() else "cuda"
 finally:
     if _SET_HERE:
@@ -466,6 +466,41 @@ MIXED_CASES = [
     ("adaptive-chunks", "adaptive", 1, 2, 3, 32, 24, 4, 5, 70, 16, 32),
     ("static-G16-r16", "static", 1, 1, 2, 32, 32, 16, 16, 70, 16, 32),
 ]
+
+
+class TestTileHelpers:
+    """The split kernel's bit-level helpers (``subspace_ref_triton._tl``): on a GPU their compiled
+    forms (``int8_as_f16``'s and ``exp2_ftz``'s inline PTX), here the interpreter's."""
+
+    def test_split3_bits_int8_as_f16_and_exp2_ftz(self, rng):
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def kernel(x_ptr, c_ptr, e_ptr, hi_ptr, mid_ptr, lo_ptr, f_ptr, p_ptr, N: tl.constexpr, INTERPRETED: tl.constexpr):
+            offs = tl.arange(0, N)
+            hi, mid, lo = _tl.split3_bits(tl.load(x_ptr + offs))
+            tl.store(hi_ptr + offs, hi)
+            tl.store(mid_ptr + offs, mid)
+            tl.store(lo_ptr + offs, lo)
+            tl.store(f_ptr + offs, _tl.int8_as_f16(tl.load(c_ptr + offs), INTERPRETED))
+            tl.store(p_ptr + offs, _tl.exp2_ftz(tl.load(e_ptr + offs), INTERPRETED))
+
+        n = 256
+        x = rng.standard_normal(n) * 10.0 ** rng.uniform(-30, 30, n)
+        x[:4] = [0.0, 1.0, -3.0e38, 2.0**-120]
+        e = np.concatenate([[-np.inf, 0.0, -150.0], rng.uniform(-120, 20, n - 3)])
+        xs = _t(x, torch.float32)
+        outs = [torch.empty(n, dtype=torch.bfloat16, device=DEVICE) for _ in range(3)]
+        f = torch.empty(n, dtype=torch.float16, device=DEVICE)
+        p = torch.empty(n, dtype=torch.float32, device=DEVICE)
+        codes = torch.arange(-128, 128, dtype=torch.int16).to(device=DEVICE, dtype=torch.int8)
+        kernel[(1,)](xs, codes, _t(e, torch.float32), *outs, f, p, N=n, INTERPRETED=interpreting())
+        assert np.array_equal(sum(_f64(o) for o in outs), _f64(xs))  # exact: 3 x 8 significant bits
+        assert np.array_equal(_f64(f), np.arange(-128, 128))
+        want = np.exp2(_f64(_t(e, torch.float32)))
+        want[want < 2.0**-126] = 0.0  # flushed
+        np.testing.assert_allclose(_f64(p), want, rtol=2.0**-21, atol=0)
 
 
 class TestMixedDecode:

@@ -159,3 +159,38 @@ def split3(x, DT: tl.constexpr):
     mid = rest.to(DT)
     lo = (rest - mid.to(tl.float32)).to(DT)
     return hi, mid, lo
+
+
+@triton.jit
+def split3_bits(x):
+    """float32 ``x`` as hi + mid + lo in bfloat16, each the top 16 bits of what is left: exact
+    (8 + 8 + 8 significant bits), and no rounding arithmetic, only masks and two subtractions."""
+    hb = x.to(tl.uint32, bitcast=True) & 0xFFFF0000
+    rest = x - hb.to(tl.float32, bitcast=True)
+    mb = rest.to(tl.uint32, bitcast=True) & 0xFFFF0000
+    lb = (rest - mb.to(tl.float32, bitcast=True)).to(tl.uint32, bitcast=True)
+    return ((hb >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True), (mb >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True),
+            (lb >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True))
+
+
+@triton.jit
+def exp2_ftz(x, INTERPRETED: tl.constexpr):
+    """2^x in float32 by one MUFU.EX2 (``ex2.approx.ftz``: results below 2^-126 flush to 0, far
+    below a softmax weight's float32 resolution against its row's maximum of 1)."""
+    if INTERPRETED:
+        return tl.exp2(x)
+    else:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def int8_as_f16(x, INTERPRETED: tl.constexpr):
+    """int8 codes as float16, exactly, four per 32-bit word: each byte with its sign bit flipped
+    (c + 128) put under the exponent of 1024 (1024 + c + 128), minus 1152 by pairs."""
+    if INTERPRETED:
+        return x.to(tl.float32).to(tl.float16)
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t, k; xor.b32 t, $2, 0x80808080; mov.b32 k, 0x64806480; prmt.b32 $0, t, 0x64646464, 0x5140; "
+            "prmt.b32 $1, t, 0x64646464, 0x5342; sub.f16x2 $0, $0, k; sub.f16x2 $1, $1, k; }",
+            "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)

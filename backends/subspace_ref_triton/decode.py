@@ -33,9 +33,10 @@ float16, 3 parts of 8 bits for bfloat16 -- each multiplied with float32 accumula
 products (``B_j q``, ``acc E_j``) are float32 FMAs.
 
 INT8 coefficients (spec A10: ``c_t = s_t q_t`` with one float32 scale per token and head) are
-dequantised inside the kernel: ``q_t`` is converted exactly to the bases' dtype for the products,
-the key scales multiply the logits column by column, and the value scales are folded into the
-softmax weights before the weighted sum. The cache then streams ``r + r_v`` bytes plus 8 bytes
+dequantised inside the kernel: with 16-bit bases ``q_t`` is converted exactly to float16 where it
+is loaded (the products then take 2 float16 parts of the other operand, whatever the bases'
+16-bit type), the key scales multiply the logits column by column, and the value scales are
+folded into the softmax weights before the weighted sum. The cache then streams ``r + r_v`` bytes plus 8 bytes
 of scales per token and head.
 
 int4 coefficients with 16-bit bases take spec/quantization.md Q6's centred form
@@ -61,7 +62,7 @@ from subspace_ref_triton._common import Launch, cdiv, interpreting, pow2_at_leas
 from subspace_ref_triton.occupancy import GPU, full_wave_splits, resident_blocks
 from subspace_ref_triton._tl import MAX_COMBINE as _MAX
 from subspace_ref_triton._tl import SUM_COMBINE as _SUM
-from subspace_ref_triton._tl import centred_int4_words, int4_word_order, low_bit_keys, low_bit_values, split3, to_storage
+from subspace_ref_triton._tl import centred_int4_words, exp2_ftz, int4_word_order, int8_as_f16, low_bit_keys, low_bit_values, split3, split3_bits, to_storage
 
 
 def _small_dots() -> bool:
@@ -95,8 +96,21 @@ QUANTISED_MAX_REGISTERS = 128
 # 647 instructions in the sm_90 main loop (bf16, r = 32, 2 warps), half the MMAs; not yet timed.
 # split_launch(..., tokens_m=False) keeps the query-heads-on-M form for timing against it.
 TOKENS_M_DEFAULT = True
-CENTRED_WARPS = 2  # warps of the int4 split kernel in the centred form (centred_int4), from its compiled code, not timed
+# Warps of the int4 split kernel in the centred form (centred_int4), uncapped: fewest instructions
+# per token in the compiled loop (docs/gpu.md, "Static budgets"), not yet timed.
+CENTRED_WARPS = 1
+# bfloat16 parts of a_j = q~_j s_j and of the weights in the centred form: what the harness's
+# tolerance of a low-bit state in the bases' dtype takes (tests/differential/tolerance.py), one
+# part with bfloat16 bases, two (16 bits, more than float16's 11) with float16 bases.
+CENTRED_PARTS = {torch.bfloat16: 1, torch.float16: 2}
+# Warps of the split kernel with int8 coefficients and 16-bit bases, on 64-token tiles, uncapped:
+# one warp runs a tile's softmax without reductions across warps (docs/gpu.md, "Static budgets").
+INT8_WARPS = 1
 FLOAT16_MAX_REGISTERS = 96
+STATIC_BUDGET_CHOSEN = (
+    "one warp, uncapped (INT8_WARPS, CENTRED_WARPS): the fewest instructions per token in the compiled loop, "
+    'its spills at ptxas\'s 255-register limit outside that loop; not timed, docs/gpu.md, "Static budgets, third pass"'
+)
 REGISTER_CAPS_MEASURED = (
     "register cap (QUANTISED_MAX_REGISTERS, FLOAT16_MAX_REGISTERS): timed faster on a GPU than the uncapped kernel "
     "(no spill there), the figures in docs/gpu.md, \"Register caps\""
@@ -189,6 +203,8 @@ def _decode_split_kernel(
     INTERPRETED: tl.constexpr,
     TOKENS_M: tl.constexpr = True,
     RANKS_FULL: tl.constexpr = False,
+    CPARTS: tl.constexpr = 3,
+    Z_SLOTS: tl.constexpr = False,
 ):
     # Few nested @triton.jit calls in the loops (tl.max, tl.sum, tl.zeros are; see _tl.py): under
     # the interpreter each one re-patches triton.language, so the 16-bit split products are
@@ -197,10 +213,13 @@ def _decode_split_kernel(
     s = tl.program_id(1)
     n = nh // H
     h = nh % H
-    # The dtype the per-token products run in: the bases' (int8 coefficients, spec A10, are
-    # converted to it exactly: |q| <= 127 fits the 8-bit mantissa of bfloat16).
+    # The dtype the per-token products run in: the bases' (int8 coefficients, spec A10, beside an
+    # int4/int2 side are converted to it exactly: |q| <= 127 fits the 8-bit mantissa of bfloat16).
     COEF = kb_ptr.dtype.element_ty
     ROWS: tl.constexpr = COEF != tl.float32  # low-bit codes read as whole rows with 16-bit bases (_tl.tile_codes)
+    # _tile16's product dtypes: int8 codes as float16 (exact, and 2 parts of q~ or the weights suffice), float coefficients their own
+    KDT = tl.float16 if K_INT8 and PARTS > 1 and K_BITS == 0 and V_BITS == 0 else COEF
+    VDT = tl.float16 if V_INT8 and PARTS > 1 and K_BITS == 0 and V_BITS == 0 else COEF
 
     offs_g = tl.arange(0, G)
     offs_dv = tl.arange(0, DV)
@@ -268,12 +287,19 @@ def _decode_split_kernel(
     z_i = tl.full([G], 0.0, tl.float32)
     o_i = tl.full([G, DV], 0.0, tl.float32)  # N of spec A3, kept at scale m_o
     m_o = tl.full([G], float("-inf"), tl.float32)
+    if Z_SLOTS:
+        z_t = tl.full([G, BLOCK_T], 0.0, tl.float32)  # _tile16's Z, per token slot
+    else:
+        z_t = z_i
 
-    start_j = tl.load(st_base + j)
+    # token indices in int32 with 16-bit bases: 32-bit masks and loop counters (float32 bases keep
+    # int64: ptxas spills their kernel on sm_80 otherwise)
+    TOK = tl.int32 if PARTS > 1 else tl.int64
+    start_j = tl.load(st_base + j).to(TOK)
     # An empty split (lo >= hi) never enters the loop and writes the identity (-inf, 0, 0).
     while (j < nj) & (start_j < hi) & (lo < hi):
         has_next = j + 1 < nj
-        end_j = tl.where(has_next, tl.load(st_base + j + 1, mask=has_next, other=0), num_tokens)
+        end_j = tl.where(has_next, tl.load(st_base + j + 1, mask=has_next, other=0).to(TOK), num_tokens)
         c_lo = tl.maximum(start_j, lo)
         c_hi = tl.minimum(end_j, hi)
 
@@ -299,10 +325,10 @@ def _decode_split_kernel(
             q_unit = tl.exp2(tl.ceil(tl.log2(tl.where(q_abs > 0, q_abs, 1.0))))
             q_proj = q_proj / q_unit[:, None]
             row_scale = q_unit * logit_scale
-            q_hi = q_proj.to(COEF)
+            q_hi = q_proj.to(KDT)
             q_rest = q_proj - q_hi.to(tl.float32)
-            q_mid = q_rest.to(COEF)
-            q_lo = (q_rest - q_mid.to(tl.float32)).to(COEF)
+            q_mid = q_rest.to(KDT)
+            q_lo = (q_rest - q_mid.to(tl.float32)).to(KDT)
             if not NATIVE16:
                 q_hi = q_hi.to(tl.float32)
                 q_mid = q_mid.to(tl.float32)
@@ -335,7 +361,7 @@ def _decode_split_kernel(
                 for t0 in range(full_lo, full_hi, BLOCK_T):  # sass: main loop
                     m_i, z_i, acc_t, zacc = _centred_tile_t(t0, c_lo, coded_hi, q_proj, row_scale, key_r, ks_base, kz_base, kc_base, sks_t, skc_t,
                                                             vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t, m_i, z_i, acc_t, zacc,
-                                                            BLOCK_T, NATIVE16, INTERPRETED, False)
+                                                            BLOCK_T, NATIVE16, INTERPRETED, False, CPARTS)
                 last_t = (coded_hi - 1) // BLOCK_T * BLOCK_T
                 for e in range(0, 2):
                     t0 = tl.where(e == 0, t_first, last_t)
@@ -343,7 +369,7 @@ def _decode_split_kernel(
                     if (c_lo < coded_hi) & partial & ((e == 0) | (last_t != t_first)):
                         m_i, z_i, acc_t, zacc = _centred_tile_t(t0, c_lo, coded_hi, q_proj, row_scale, key_r, ks_base, kz_base, kc_base, sks_t, skc_t,
                                                                 vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t, m_i, z_i, acc_t, zacc,
-                                                                BLOCK_T, NATIVE16, INTERPRETED, True)
+                                                                BLOCK_T, NATIVE16, INTERPRETED, True, CPARTS)
             else:
                 for t0 in range(t_first, coded_hi, BLOCK_T):  # sass: main loop
                     tok = t0 + offs_t
@@ -378,7 +404,7 @@ def _decode_split_kernel(
                 if TOKENS_M:
                     lt = tl.dot(k_tl.to(tl.float32), tl.trans(q_proj), input_precision="ieee") * row_scale[None, :]
                     m_i, z_i, acc_t, zacc = _centred_values_t(lt, tok, t_mask, m_i, z_i, acc_t, zacc, vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t,
-                                                              NATIVE16, INTERPRETED)
+                                                              NATIVE16, INTERPRETED, CPARTS)
                 else:
                     logits = tl.dot(q_proj, tl.trans(k_tl.to(tl.float32)), input_precision="ieee") * row_scale[:, None]
                     m_i, z_i, acc, zacc = _centred_values(logits, tok, t_mask, m_i, z_i, acc, zacc, vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t,
@@ -387,21 +413,17 @@ def _decode_split_kernel(
                 acc = tl.trans(acc_t)
             acc += zacc[:, None]
         else:
-            # int8 with 16-bit bases: whole tiles unmasked on the token axis, then the split's partial
-            # last tile (if any). The others keep one masked loop: with the two copies of the tile,
-            # int2 spilled in the loop at the cap, float32 bases spilled, and 16-bit float
-            # coefficients took 128 registers and spilled uncapped (sm_90)
-            if (K_INT8 or V_INT8) and K_BITS == 0 and V_BITS == 0 and PARTS > 1:
+            # float or int8 coefficients with 16-bit bases (_tile16): whole tiles unmasked on the token
+            # axis, then the split's partial last tile (if any). The others keep one masked loop: with
+            # the two copies of the tile, int2 spilled in the loop at the cap and float32 bases spilled
+            if K_BITS == 0 and V_BITS == 0 and PARTS > 1:
                 full_hi = c_lo + (c_hi - c_lo) // BLOCK_T * BLOCK_T
                 for t0 in range(c_lo, full_hi, BLOCK_T):  # sass: main loop
-                    m_i, z_i, acc = _split_tile(t0, c_hi, kb_base, q_proj, q_hi, q_mid, q_lo, row_scale, m_i, z_i, acc, kc_base, vc_base, ks_base,
-                                                vs_base, kz_base, vz_base, tail_base, skc_t, svc_t, sks_t, svs_t, stl_t, complete, kgroup, r, r_v,
-                                                r_mask, rv_mask, BLOCK_T, PARTS, NATIVE16, K_INT8, V_INT8, K_BITS, V_BITS, MANUAL_BF16, ROWS, False)
+                    m_i, z_t, acc = _tile16(t0, c_hi, q_hi, q_mid, q_lo, row_scale, m_i, z_t, acc, kc_base, vc_base, ks_base, vs_base, skc_t, svc_t,
+                                            sks_t, svs_t, r_mask, rv_mask, BLOCK_T, K_INT8, V_INT8, KDT, VDT, NATIVE16, INTERPRETED, False, Z_SLOTS)
                 if full_hi < c_hi:
-                    m_i, z_i, acc = _split_tile(full_hi, c_hi, kb_base, q_proj, q_hi, q_mid, q_lo, row_scale, m_i, z_i, acc, kc_base, vc_base,
-                                                ks_base, vs_base, kz_base, vz_base, tail_base, skc_t, svc_t, sks_t, svs_t, stl_t, complete, kgroup,
-                                                r, r_v, r_mask, rv_mask, BLOCK_T, PARTS, NATIVE16, K_INT8, V_INT8, K_BITS, V_BITS, MANUAL_BF16, ROWS,
-                                                True)
+                    m_i, z_t, acc = _tile16(full_hi, c_hi, q_hi, q_mid, q_lo, row_scale, m_i, z_t, acc, kc_base, vc_base, ks_base, vs_base, skc_t,
+                                            svc_t, sks_t, svs_t, r_mask, rv_mask, BLOCK_T, K_INT8, V_INT8, KDT, VDT, NATIVE16, INTERPRETED, True, Z_SLOTS)
             else:
                 for t0 in range(c_lo, c_hi, BLOCK_T):  # sass: main loop
                     m_i, z_i, acc = _split_tile(t0, c_hi, kb_base, q_proj, q_hi, q_mid, q_lo, row_scale, m_i, z_i, acc, kc_base, vc_base, ks_base,
@@ -440,8 +462,10 @@ def _decode_split_kernel(
         m_o = m_i
 
         j += 1
-        start_j = tl.load(st_base + j, mask=j < nj, other=0)
+        start_j = tl.load(st_base + j, mask=j < nj, other=0).to(TOK)
 
+    if K_BITS == 0 and V_BITS == 0 and PARTS > 1:
+        z_i = tl.reduce(z_t, 1, _SUM) if Z_SLOTS else z_t
     row = (n * H + h) * group + offs_g  # (N, H_q) row of each query head
     tl.store(pm_ptr + row * num_splits + s, m_i, mask=g_mask)
     tl.store(pz_ptr + row * num_splits + s, z_i, mask=g_mask)
@@ -477,6 +501,102 @@ def _centred_values(logits, tok, t_mask, m_i, z_i, acc, zacc, vc_base, vs_base, 
         pv = tl.dot(w_lo.to(tl.float32), yf, acc=pv, input_precision="ieee")
         pv = tl.dot(w_hi.to(tl.float32), yf, acc=pv, input_precision="ieee")
     return m_new, z_i, acc * alpha[:, None] + pv, zacc
+
+
+@triton.jit
+def _tile16(t0, t_hi, q_hi, q_mid, q_lo, row_scale, m_i, z_i, acc, kc_base, vc_base, ks_base, vs_base, skc_t, svc_t, sks_t, svs_t, r_mask, rv_mask,
+            BLOCK_T: tl.constexpr, K_INT8: tl.constexpr, V_INT8: tl.constexpr, KDT: tl.constexpr, VDT: tl.constexpr, NATIVE16: tl.constexpr,
+            INTERPRETED: tl.constexpr, MASKED: tl.constexpr, Z_SLOTS: tl.constexpr):
+    """One tile of ``BLOCK_T`` tokens from ``t0`` with 16-bit bases and float or int8 coefficients
+    on each side (spec A3 steps 2.2-2.3, A10): returns the updated ``(m, Z, acc)``. The logits are
+    products in ``KDT`` (q~ in 2 float16 or 3 bfloat16 parts: float32 accuracy), the weighted sum
+    in ``VDT``; int8 codes enter as float16 (exact, and 2 parts of the other operand suffice).
+    ``MASKED``: tokens >= ``t_hi`` do not count; otherwise every token does and nothing is masked."""
+    LOG2E: tl.constexpr = 1.4426950408889634
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_r = tl.arange(0, r_mask.shape[0])
+    offs_rv = tl.arange(0, rv_mask.shape[0])
+    tok = t0 + offs_t
+    if MASKED:
+        t_mask = tok < t_hi
+        k_m = t_mask[:, None] & r_mask[None, :]
+        v_m = t_mask[:, None] & rv_mask[None, :]
+    else:
+        k_m = r_mask[None, :]
+        v_m = rv_mask[None, :]
+    # int8 codes become float16 where they are loaded (_tl.int8_as_f16), before any layout change
+    if K_INT8:
+        c = int8_as_f16(tl.load(kc_base + tok[:, None] * skc_t + offs_r[None, :], mask=k_m, other=0), INTERPRETED)  # sass: codes
+    else:
+        c = tl.load(kc_base + tok[:, None] * skc_t + offs_r[None, :], mask=k_m, other=0)  # sass: codes
+    if V_INT8:
+        dv = int8_as_f16(tl.load(vc_base + tok[:, None] * svc_t + offs_rv[None, :], mask=v_m, other=0), INTERPRETED)  # sass: codes
+    else:
+        dv = tl.load(vc_base + tok[:, None] * svc_t + offs_rv[None, :], mask=v_m, other=0)  # sass: codes
+    if NATIVE16:
+        ct = tl.trans(c)
+        logits = tl.dot(q_mid, ct)  # smallest parts first
+        if KDT == tl.bfloat16:
+            logits = tl.dot(q_lo, ct, acc=logits)
+        logits = tl.dot(q_hi, ct, acc=logits)
+    else:
+        ct = tl.trans(c.to(tl.float32))
+        logits = tl.dot(q_mid, ct, input_precision="ieee")
+        if KDT == tl.bfloat16:
+            logits = tl.dot(q_lo, ct, acc=logits, input_precision="ieee")
+        logits = tl.dot(q_hi, ct, acc=logits, input_precision="ieee")
+    if K_INT8:  # spec A10: q~ . c_t = s_t (q~ . q_t), one scale per token column
+        if MASKED:
+            k_s = tl.load(ks_base + tok * sks_t, mask=t_mask, other=0.0)
+        else:
+            k_s = tl.load(ks_base + tok * sks_t)
+        logits = logits * (row_scale[:, None] * k_s[None, :])
+    else:
+        logits = logits * row_scale[:, None]
+    if MASKED:
+        logits = tl.where(t_mask[None, :], logits, float("-inf"))
+    # Spec A3 steps 2.2-2.3 per tile (A3.1: any partition of the tokens gives the same result);
+    # every tile has a valid token, so m_new is finite and alpha never NaN.
+    m_new = tl.maximum(m_i, tl.reduce(logits, 1, _MAX))
+    alpha = exp2_ftz((m_i - m_new) * LOG2E, INTERPRETED)
+    w = exp2_ftz((logits - m_new[:, None]) * LOG2E, INTERPRETED)
+    if Z_SLOTS:  # Z per token slot, summed once at the end: no reduction across warps per tile
+        z_i = z_i * alpha[:, None] + w
+    else:
+        z_i = z_i * alpha + tl.reduce(w, 1, _SUM)
+    wv = w
+    if V_INT8:
+        # sum_t w_t s_t q_t: the value scales go into the weights; in float16 a power-of-two unit
+        # keeps the scaled weights <= 2^15, the top of float16's range (exact, undone after)
+        if MASKED:
+            v_s = tl.load(vs_base + tok * svs_t, mask=t_mask, other=0.0)
+        else:
+            v_s = tl.load(vs_base + tok * svs_t)
+        if VDT == tl.float16:
+            v_max = tl.reduce(v_s, 0, _MAX)
+            v_unit = tl.exp2(tl.ceil(tl.log2(tl.where(v_max > 0, v_max, 1.0))) - 15.0)
+            wv = w * (v_s / v_unit)[None, :]
+        else:
+            wv = w * v_s[None, :]
+    if VDT == tl.bfloat16:
+        w_hi, w_mid, w_lo = split3_bits(wv)
+    else:
+        w_hi = wv.to(VDT)
+        w_mid = (wv - w_hi.to(tl.float32)).to(VDT)
+    if NATIVE16:
+        pv = tl.dot(w_mid, dv)
+        if VDT == tl.bfloat16:
+            pv = tl.dot(w_lo, dv, acc=pv)
+        pv = tl.dot(w_hi, dv, acc=pv)
+    else:
+        df = dv.to(tl.float32)
+        pv = tl.dot(w_mid.to(tl.float32), df, input_precision="ieee")
+        if VDT == tl.bfloat16:
+            pv = tl.dot(w_lo.to(tl.float32), df, acc=pv, input_precision="ieee")
+        pv = tl.dot(w_hi.to(tl.float32), df, acc=pv, input_precision="ieee")
+    if V_INT8 and VDT == tl.float16:
+        pv = pv * v_unit
+    return m_new, z_i, acc * alpha[:, None] + pv
 
 
 @triton.jit
@@ -596,7 +716,8 @@ def _split_tile(t0, c_hi, kb_base, q_proj, q_hi, q_mid, q_lo, row_scale, m_i, z_
 
 @triton.jit
 def _centred_tile_t(t0, t_lo, t_hi, q_proj, row_scale, key_r, ks_base, kz_base, kc_base, sks_t, skc_t, vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t,
-                    m_i, z_i, acc_t, zacc, BLOCK_T: tl.constexpr, NATIVE16: tl.constexpr, INTERPRETED: tl.constexpr, MASKED: tl.constexpr):
+                    m_i, z_i, acc_t, zacc, BLOCK_T: tl.constexpr, NATIVE16: tl.constexpr, INTERPRETED: tl.constexpr, MASKED: tl.constexpr,
+                    CPARTS: tl.constexpr):
     """One tile (one key group, starting at ``t0``) of int4's centred form with the tokens on the
     MMA's M dimension: the group's key scales folded into a_j = q~_j s_j and a bias per query head
     (spec/quantization.md Q6), logits^T = codes @ a_j^T in 3 bfloat16 parts of a_j, then
@@ -616,48 +737,57 @@ def _centred_tile_t(t0, t_lo, t_hi, q_proj, row_scale, key_r, ks_base, kz_base, 
     # codes and a_j in bfloat16 whatever the bases' 16-bit type: float32's range, so no
     # power-of-two rescaling per tile; a_j in 3 parts (float32 accuracy)
     y = centred_int4_words(kc_base.to(tl.pointer_type(tl.uint32)), tok, t_mask, skc_t // 4, key_r.shape[0], tl.bfloat16, INTERPRETED)  # (BLOCK_T, R), exact
-    u_hi, u_mid, u_lo = split3(u, tl.bfloat16)
+    u_hi, u_mid, u_lo = split3_bits(u)
     if NATIVE16:
-        lt = tl.dot(y, tl.trans(u_mid))
-        lt = tl.dot(y, tl.trans(u_lo), acc=lt)
-        lt = tl.dot(y, tl.trans(u_hi), acc=lt)
+        lt = tl.dot(y, tl.trans(u_hi))
+        if CPARTS > 1:
+            lt = tl.dot(y, tl.trans(u_mid), acc=lt)
+        if CPARTS > 2:
+            lt = tl.dot(y, tl.trans(u_lo), acc=lt)
     else:
         yf = y.to(tl.float32)
-        lt = tl.dot(yf, tl.trans(u_mid.to(tl.float32)), input_precision="ieee")
-        lt = tl.dot(yf, tl.trans(u_lo.to(tl.float32)), acc=lt, input_precision="ieee")
-        lt = tl.dot(yf, tl.trans(u_hi.to(tl.float32)), acc=lt, input_precision="ieee")
+        lt = tl.dot(yf, tl.trans(u_hi.to(tl.float32)), input_precision="ieee")
+        if CPARTS > 1:
+            lt = tl.dot(yf, tl.trans(u_mid.to(tl.float32)), acc=lt, input_precision="ieee")
+        if CPARTS > 2:
+            lt = tl.dot(yf, tl.trans(u_lo.to(tl.float32)), acc=lt, input_precision="ieee")
     lt = (lt + bias[None, :]) * row_scale[None, :]
-    return _centred_values_t(lt, tok, t_mask, m_i, z_i, acc_t, zacc, vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t, NATIVE16, INTERPRETED)
+    return _centred_values_t(lt, tok, t_mask, m_i, z_i, acc_t, zacc, vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t, NATIVE16, INTERPRETED, CPARTS)
 
 
 @triton.jit
 def _centred_values_t(lt, tok, t_mask, m_i, z_i, acc_t, zacc, vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t,
-                      NATIVE16: tl.constexpr, INTERPRETED: tl.constexpr):
+                      NATIVE16: tl.constexpr, INTERPRETED: tl.constexpr, CPARTS: tl.constexpr = 3):
     """:func:`_centred_values` with the tokens on the MMA's M dimension: ``lt`` the logits
     transposed (tokens x heads), ``acc_t`` the accumulator transposed (RV x heads), updated by
     acc^T += codes^T @ (w tau)^T (the codes' tile the A operand, the group the N dimension)."""
     MID: tl.constexpr = 8
+    LOG2E: tl.constexpr = 1.4426950408889634
     lt = tl.where(t_mask[:, None], lt, float("-inf"))
     m_new = tl.maximum(m_i, tl.reduce(lt, 0, _MAX))
-    alpha = tl.exp(m_i - m_new)
-    w = tl.exp(lt - m_new[None, :])
+    alpha = exp2_ftz((m_i - m_new) * LOG2E, INTERPRETED)
+    w = exp2_ftz((lt - m_new[None, :]) * LOG2E, INTERPRETED)
     z_i = z_i * alpha + tl.reduce(w, 0, _SUM)
     tau = tl.load(vs_base + tok * svs_t, mask=t_mask, other=0.0).to(tl.float32)
     zeta = tl.load(vz_base + tok * svs_t, mask=t_mask, other=0.0).to(tl.float32)
     zacc = zacc * alpha + tl.reduce(w * (zeta + MID * tau)[:, None], 0, _SUM)
     wv = w * tau[:, None]
     y = centred_int4_words(vc_base.to(tl.pointer_type(tl.uint32)), tok, t_mask, svc_t // 4, offs_rv.shape[0], tl.bfloat16, INTERPRETED)  # (BLOCK_T, RV), exact
-    w_hi, w_mid, w_lo = split3(wv, tl.bfloat16)
+    w_hi, w_mid, w_lo = split3_bits(wv)
     if NATIVE16:
         yt = tl.trans(y)
-        pv = tl.dot(yt, w_mid)
-        pv = tl.dot(yt, w_lo, acc=pv)
-        pv = tl.dot(yt, w_hi, acc=pv)
+        pv = tl.dot(yt, w_hi)
+        if CPARTS > 1:
+            pv = tl.dot(yt, w_mid, acc=pv)
+        if CPARTS > 2:
+            pv = tl.dot(yt, w_lo, acc=pv)
     else:
         yt = tl.trans(y.to(tl.float32))
-        pv = tl.dot(yt, w_mid.to(tl.float32), input_precision="ieee")
-        pv = tl.dot(yt, w_lo.to(tl.float32), acc=pv, input_precision="ieee")
-        pv = tl.dot(yt, w_hi.to(tl.float32), acc=pv, input_precision="ieee")
+        pv = tl.dot(yt, w_hi.to(tl.float32), input_precision="ieee")
+        if CPARTS > 1:
+            pv = tl.dot(yt, w_mid.to(tl.float32), acc=pv, input_precision="ieee")
+        if CPARTS > 2:
+            pv = tl.dot(yt, w_lo.to(tl.float32), acc=pv, input_precision="ieee")
     return m_new, z_i, acc_t * alpha[None, :] + pv, zacc
 
 
@@ -756,15 +886,15 @@ def launch_config(d: int, d_v: int, dtype=None, int8: bool = False, bits: int = 
     * 16-bit float coefficients: 32-token tiles, 4 warps (146 registers on sm_90 uncapped: 3
       programs per SM; 64-token tiles take 179 and fit 2, and spill on sm_80), capped at
       FLOAT16_MAX_REGISTERS (5 per SM);
-    * int8 coefficients (spec A10) with 16-bit bases: 64-token tiles, 4 warps (255 / 250
-      registers uncapped, 2 per SM; 32-token tiles spill 44 bytes on sm_80), capped at
-      QUANTISED_MAX_REGISTERS (4 per SM);
+    * int8 coefficients (spec A10) with 16-bit bases on both sides: 64-token tiles on INT8_WARPS
+      warps, uncapped, the fewest instructions per token in the compiled loop (docs/gpu.md,
+      "Static budgets"), not yet timed; a side in int4/int2 takes the low-bit configuration below;
     * int4/int2 coefficients (spec/quantization.md Q2) with 16-bit bases: 64-token tiles, 4 warps
       (179-240 registers uncapped, 2 per SM; the fastest of an H100's tile and warp sweep,
       docs/gpu.md), capped at QUANTISED_MAX_REGISTERS; int4 in the centred form
       (:func:`centred_int4`) takes tiles of one key group instead (the default group: 32 tokens)
-      on CENTRED_WARPS warps, a choice from the compiled code alone, not yet timed (docs/gpu.md,
-      "Static budgets");
+      on CENTRED_WARPS warps, uncapped, a choice from the compiled code alone, not yet timed
+      (docs/gpu.md, "Static budgets");
     * the caps trade spills for resident programs because a GPU timed them faster
       (REGISTER_CAPS_MEASURED); no other configuration is capped;
     * float32 bases: 64-token tiles, 8 warps (114 registers: 2 programs of 8 warps; 4 warps take
@@ -776,6 +906,8 @@ def launch_config(d: int, d_v: int, dtype=None, int8: bool = False, bits: int = 
         return dict(block_t=32, num_warps=8, max_registers=None)
     if dtype == torch.float32:
         return dict(block_t=64, num_warps=8, max_registers=None)
+    if int8 and not bits:
+        return dict(block_t=64, num_warps=INT8_WARPS, max_registers=None)
     if int8 or bits:
         return dict(block_t=64, num_warps=4, max_registers=QUANTISED_MAX_REGISTERS)
     return dict(block_t=32, num_warps=4, max_registers=FLOAT16_MAX_REGISTERS)
@@ -933,9 +1065,8 @@ def split_launch(
     kgroup = int(layout.group) if sides.k_bits else 0
     centred = centred_int4(layout, parts)
     if centred and block_t is None:
-        # one key group per tile (Q6's centred form, CENTRED below) on 2 warps: fewer instructions per
-        # token, 8-byte code loads and more bytes in flight than 4 warps in the compiled loop (docs/gpu.md, "Static budgets")
-        cfg.update(block_t=kgroup, num_warps=CENTRED_WARPS)
+        # one key group per tile (Q6's centred form, CENTRED below) on CENTRED_WARPS warps, uncapped (docs/gpu.md, "Static budgets")
+        cfg.update(block_t=kgroup, num_warps=CENTRED_WARPS, max_registers=None)
     cfg.update({k: v for k, v in (("block_t", block_t), ("num_warps", num_warps), ("max_registers", max_registers)) if v is not None})
     args = (
         q,
@@ -1007,6 +1138,8 @@ def split_launch(
         CENTRED=cfg_centred,
         TOKENS_M=TOKENS_M_DEFAULT if tokens_m is None else bool(tokens_m),
         RANKS_FULL=r == pow2_at_least(r) and r_v == pow2_at_least(r_v),
+        CPARTS=CENTRED_PARTS[kb.dtype] if kb.dtype in CENTRED_PARTS else 3,
+        Z_SLOTS=cfg["num_warps"] > 1 and parts > 1 and not bits,  # _tile16 only
         INTERPRETED=interpreting(),
     )
     return Launch(_decode_split_kernel, (N * H, S), args, constexprs, cfg["num_warps"], cfg["max_registers"] or None), outputs

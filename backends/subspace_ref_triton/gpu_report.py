@@ -166,12 +166,13 @@ def sass_rows() -> list[dict]:
 
 
 def measured_defaults() -> dict[tuple[str, str], str]:
-    """Default launches chosen by GPU timings over the compile report's rule (no spill, then the
-    most resident warps), with why: keyed by (kernel, configuration) prefixes ("decode split"
+    """Default launches chosen by GPU timings (or, where said, by the static budgets) over the
+    compile report's rule (no spill, then the most resident warps), with why: keyed by (kernel, configuration) prefixes ("decode split"
     covers its graph-capturable variant; "" every configuration)."""
     from subspace_ref_triton import decode, rope_decode
 
-    return {("decode rope", ""): rope_decode.SPILLS_MEASURED, **{("decode split", f"{name} "): decode.REGISTER_CAPS_MEASURED for name in ("bf16", "fp16")}}
+    chosen = {("decode split", f"{name} {bits} "): decode.STATIC_BUDGET_CHOSEN for name in ("bf16", "fp16") for bits in ("int8", "int4")}  # before the caps: first match
+    return {("decode rope", ""): rope_decode.SPILLS_MEASURED, **chosen, **{("decode split", f"{name} "): decode.REGISTER_CAPS_MEASURED for name in ("bf16", "fp16")}}
 
 
 def measured_reason(measured: dict[tuple[str, str], str], kernel: str, config: str) -> str:

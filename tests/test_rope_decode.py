@@ -253,3 +253,53 @@ def test_triton_pre_rope_default_kernels():
         assert all(a.dtype != torch.float64 for a in launch.args if isinstance(a, torch.Tensor))
         launch, _ = rope_decode.split_launch(qt[None], tst.layout, tst.policy.rope, 0.125, 128, legacy=True)
         assert launch.kernel is rope_decode._rope_split_kernel
+
+
+def _gpu_numerics_error(case, dtype, split_len, rng, monkeypatch, first_position=0, **launch_kw):
+    """(error, tolerance, launch) of the tensor-core kernel under the GPU numerics emulation
+    (``NATIVE16`` on, :func:`gpu_numerics`) against the float64 oracle of the stored state."""
+    from subspace_ref_triton import decode, rope_decode
+    from subspace_ref_triton._common import interpreting
+
+    state, keys, values, q = build(case, rng)
+    state.append(keys, values)
+    tst = state.to("triton", dtype=dtype)
+    qt = torch.as_tensor(q, device=tst.layout.key_coef.device).to(getattr(torch, dtype))
+    state64 = tst.to("numpy", dtype=np.float64)
+    q64 = to_numpy(qt).astype(np.float64)
+    want = sr.attend(q64, state64)
+    ref = reference_error(state64, q64[None], None, want[None], dtype)
+    scale = 1.0 / np.sqrt(q.shape[-1])
+    launch, (pm, pz, po) = rope_decode.split_launch(qt[None], tst.layout, tst.policy.rope, scale, split_len, **launch_kw)
+    launch.constexprs["NATIVE16"] = True
+    with gpu_numerics(monkeypatch) if interpreting() else contextlib.nullcontext():
+        launch.run()
+    got = to_numpy(decode.merge_partials(pm, pz, po, qt.dtype))[0].astype(np.float64)
+    return np.abs(got - want).max(), tolerance(ref, want, dtype), launch
+
+
+@pytest.mark.parametrize("coefficients", ["float", "int8", "int4", "int2", "int8/int4", "int2/int8"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_triton_pre_rope_words_partial_rotary_unaligned_splits(dtype, coefficients, rng, monkeypatch):
+    """The tensor-core kernel's code-word paths (int8, int4, int2 read as 32-bit words:
+    ``K_WORDS``/``V_WORDS``) with fixed dims beside the planes (partial rotary: the fixed dims'
+    query parts and rebuild), under the GPU numerics emulation, against the float64 oracle within the
+    harness's tolerance; a split length that is no multiple of the tile or the key group, so whole
+    unmasked tiles start off the groups' boundaries and partial tiles mix coded tokens and the tail."""
+    _triton_or_skip()
+    err, tol, launch = _gpu_numerics_error(("w", "half", 32, 1.0, 2, 4, 64, 32, 300, coefficients, "native", 0), dtype, 100, rng, monkeypatch)
+    assert launch.constexprs["HAS_FIXED"] and launch.constexprs["RANKS_FULL"]
+    quantised = {side: fmt != "float" for side, fmt in zip("KV", (coefficients.split("/") * 2)[:2])}
+    assert all(bool(launch.constexprs[side + "_WORDS"]) == q for side, q in quantised.items()), launch.constexprs
+    assert err <= tol, (err, tol)
+
+
+@pytest.mark.parametrize("coefficients", ["int8", "int4", "int2"])
+def test_triton_pre_rope_codes_per_code_when_rows_are_not_words(coefficients, rng, monkeypatch):
+    """A rank that is no power of two (rank masks, rows of no whole 32-bit words): the per-code reads
+    (``K_WORDS``/``V_WORDS`` 0) and the two-part float32 low-bit keys, under the GPU numerics
+    emulation, within the harness's tolerance."""
+    _triton_or_skip()
+    err, tol, launch = _gpu_numerics_error(("p", "half", None, 1.0, 2, 4, 64, 12, 300, coefficients, "native", 0), "bfloat16", 128, rng, monkeypatch)
+    assert not launch.constexprs["RANKS_FULL"] and not launch.constexprs["K_WORDS"] and not launch.constexprs["V_WORDS"]
+    assert err <= tol, (err, tol)

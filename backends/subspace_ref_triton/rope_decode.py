@@ -1,30 +1,37 @@
 """Decode attention over a pre-RoPE static state (spec/rope.md P3) as one fused Triton kernel per
 split of the token axis, merged by :func:`subspace_ref_triton.decode.merge_partials`.
 
-Main loop (``_rope_mma_kernel``, the default; issue 38 item 2). A program owns one (sequence, KV
-head) and one split, and per tile of ``BLOCK_T`` tokens, tokens on the MMAs' M dimension:
+Main loop (``_rope_mma_kernel``, the default; issue 38 items 2 and 6). A program owns one
+(sequence, KV head) and one split, and per tile of ``BLOCK_T`` tokens, tokens on the MMAs' M
+dimension (whole tiles of coded tokens without any mask; the split's partial last tile and the
+unfinished key group, ``key_tail``, after them in masked tiles):
 
-1. rebuilds the keys from their coefficients, ``u_t = B^T c_t``, on the tensor cores: 16-bit
-   coefficients and int8 codes (spec A10, exact in the bases' 16-bit type) are one MMA operand as
-   stored, int4/int2 keys (spec/quantization.md Q1-Q2, float32 after ``c s + z``) two 16-bit
-   parts; float32 accumulation. Three products, with the basis columns of the planes' first dims,
-   second dims and the fixed dims (``RopeParams.planes``): the two halves of every plane land in
-   the same fragment element of two accumulators, so the rotation needs no data movement;
+1. rebuilds the keys from their coefficients, ``u_t = B^T c_t``, on the tensor cores, float32
+   accumulation: 16-bit coefficients as stored; int8 codes (spec A10) read as 32-bit words and made
+   exact bfloat16 numbers by bit operations (:func:`subspace_ref_triton._rope_tl.int8_words`);
+   int4/int2 keys (spec/quantization.md Q1-Q2) read as words, ``c s + z`` in one fused float16
+   multiply-add against float16 bases (:func:`subspace_ref_triton._rope_tl.low_bit_keys16`; rows
+   not so aligned: float32 in two 16-bit parts). Products with the basis columns of the planes'
+   first dims, second dims and the fixed dims (``RopeParams.planes``): the two halves of every
+   plane land in the same fragment element of two accumulators, so the rotation needs no data
+   movement;
 2. rotates the keys by their in-tile offsets ``k theta_i`` only, from a small float32 table
    (:func:`offset_angles`, float64 on the host), and the g queries once per tile back by the
    tile's base angle (a float32 row of :func:`base_angles`, float64 on the host, ``a`` folded in):
    ``q . a R_p R_k u = (a R_p^T q) . (R_k u)``. No float64 in the kernel;
 3. takes the logits ``(BLOCK_T, g)`` on the tensor cores, float32 operands in bfloat16 parts:
-   the rotated queries (once per tile) in two (hi: the top 16 bits, exact; lo: the rest,
-   rounded); the rotated keys in one (rounded to nearest, ~2^-9 relative per element: with
-   bfloat16 bases, whose own rounding the harness tolerance measures, 0.03-0.1 of that tolerance
-   on tests/test_rope_decode.py's states) or, with float16 bases (0.3-0.7 with one part), two:
-   hi.hi + hi.lo + lo.hi, ~2^-16 relative (``key_parts``); int8 key scales multiply the logits
-   per token;
-4. runs the one-pass softmax of spec A3 and the value sums on the tensor cores: 16-bit value
-   coefficients or int8 codes exact, int4/int2 codes exact (Q6: the scales ``tau_t`` folded into
-   the weights, ``sum_t w_t zeta_t`` beside), the float32 weights in 3 bfloat16 / 2 float16 parts
-   as ``decode._decode_split_kernel`` cuts them; ``E`` once per split.
+   the rotated queries (once per tile) in two (hi, rounded; lo: the exact rest, rounded) side by
+   side on the MMA's N (the g query heads pad it anyway: one product takes both); the rotated keys
+   in one (rounded to nearest, ~2^-9 relative per element: with bfloat16 bases, whose own rounding
+   the harness tolerance measures, 0.03-0.1 of that tolerance on tests/test_rope_decode.py's
+   states) or, with float16 bases (0.3-0.7 with one part), two: hi + lo, ~2^-16 relative
+   (``key_parts``); int8 key scales multiply the logits per token;
+4. runs the one-pass softmax of spec A3 and the value sums on the tensor cores, ``acc^T = W^T
+   D``: 16-bit value coefficients or int8 codes exact (words, as the keys'), int4/int2 codes in
+   Q6's centred form (``c - M`` exact in bfloat16 from words; the scales ``tau_t`` folded into the
+   weights, ``sum_t w_t (zeta_t + M tau_t)`` beside); the float32 weights in two 16-bit parts side
+   by side on N (one product; ~2^-17 relative), their columns summed once per split; ``E`` once
+   per split.
 
 Float32 bases (or ``native=False``) run the same loop with float32 (``ieee``) products. Under the
 interpreter the 16-bit products are float32 products of the same 16-bit parts (``NATIVE16``
@@ -47,20 +54,20 @@ import triton.language as tl
 from subspace_ref_triton._common import Launch, cdiv, interpreting, pow2_at_least
 from subspace_ref_triton._tl import MAX_COMBINE as _MAX
 from subspace_ref_triton._tl import SUM_COMBINE as _SUM
-from subspace_ref_triton._tl import low_bit_keys, low_bit_values, tile_codes
+from subspace_ref_triton._tl import int4_word_order, low_bit_keys, low_bit_values, tile_codes
+from subspace_ref_triton._rope_tl import int8_words, load_words, low_bit_keys16, low_bit_words, paired_order
 from subspace_ref_triton.decode import DOT_ROWS, default_split_len, merge_partials, side_formats
 
 # Tokens per tile and warps of the tensor-core form with 16-bit bases, from the compiled code (not
-# timed): at 64 tokens on 4 warps every warp owns 16 rows of the MMAs (32 tokens on 4 warps
-# duplicate half of them), no spill on sm_90 (238-255 registers, 2 programs per SM); 2 warps and
-# 128-token tiles spill. Compile figures: the report of issue 38 item 2 (docs/gpu.md).
+# timed): at 64 tokens on 4 warps the rebuild is one warpgroup MMA and every warp owns 16 rows of
+# the others, no spill on sm_90 or sm_80; 128-token tiles spill. Figures: docs/gpu.md.
 BLOCK_T = 64
 NUM_WARPS = 4
 FP32_BLOCK_T = 32  # float32 bases: 155 registers, no spill on sm_90 (64-token tiles spill)
 LEGACY_BLOCK_T = 32  # the kernel before the tensor-core form (split_launch(legacy=True))
 LEGACY_NUM_WARPS = 4
-SPILLS_MEASURED = ("tensor-core form (64-token tiles, 4 warps): no spill on sm_90; 20-40 B on sm_80 with int8/int4/int2 coefficients "
-                   "under Triton 3.9, not timed; legacy kernel (legacy=True, not a default): spills, timings in docs/gpu.md")
+SPILLS_MEASURED = ("tensor-core form (64-token tiles, 4 warps): no spill on sm_90 or sm_80 under Triton 3.9, not timed; "
+                   "legacy kernel (legacy=True, not a default): spills, timings in docs/gpu.md")
 
 
 @triton.jit
@@ -226,48 +233,66 @@ def _rope_mma_kernel(
     kgroup, stl_n, stl_h, stl_t,
     G: tl.constexpr, M: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, RV: tl.constexpr,
     BLOCK_T: tl.constexpr, K_INT8: tl.constexpr, V_INT8: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, HAS_FIXED: tl.constexpr,
-    NATIVE16: tl.constexpr, SPLIT: tl.constexpr, W_PARTS: tl.constexpr, KEY_PARTS: tl.constexpr,
+    NATIVE16: tl.constexpr, SPLIT: tl.constexpr, KEY_PARTS: tl.constexpr, RANKS_FULL: tl.constexpr, INTERPRETED: tl.constexpr,
+    K_WORDS: tl.constexpr, V_WORDS: tl.constexpr, KGROUP: tl.constexpr,
 ):
     """The tensor-core form (module docstring, "Main loop"): tokens on the MMAs' M dimension."""
     nh = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     n = nh // H
     h = nh % H
-    CDT = kb_ptr.dtype.element_ty  # the bases' dtype: the rebuild's and the value sum's operands
     PDT = tl.bfloat16  # parts of the float32 rotated keys and queries (float32's range)
-    ROWS: tl.constexpr = CDT != tl.float32
 
     offs_g = tl.arange(0, G)
     offs_m = tl.arange(0, M)
     offs_dv = tl.arange(0, DV)
     offs_r = tl.arange(0, R)
     offs_rv = tl.arange(0, RV)
-    offs_t = tl.arange(0, BLOCK_T)
     g_mask = offs_g < group
     m_mask = offs_m < m
-    r_mask = offs_r < r
-    rv_mask = offs_rv < r_v
+    if RANKS_FULL:  # r = R and r_v = RV: no rank masks (wide loads, fewer predicates)
+        r_mask = tl.full([R], 1, tl.int1)
+        rv_mask = tl.full([RV], 1, tl.int1)
+    else:
+        r_mask = offs_r < r
+        rv_mask = offs_rv < r_v
 
     dim_a = tl.load(order_ptr + offs_m, mask=m_mask, other=0)
     dim_b = tl.load(order_ptr + m + offs_m, mask=m_mask, other=0)
-    q_rows = q_ptr + n * sq_n + (h * group + offs_g)[:, None] * sq_h
-    qa = tl.load(q_rows + dim_a[None, :], mask=g_mask[:, None] & m_mask[None, :], other=0.0).to(tl.float32)  # (G, M)
-    qb = tl.load(q_rows + dim_b[None, :], mask=g_mask[:, None] & m_mask[None, :], other=0.0).to(tl.float32)
-    kb_rows = kb_ptr + n * skb_n + h * skb_h + offs_r[:, None] * skb_r
+    # the queries transposed, (M, G): the logits' second operand as built (no transpose in the loop)
+    q_cols = q_ptr + n * sq_n + (h * group + offs_g)[None, :] * sq_h
+    qa = tl.load(q_cols + dim_a[:, None], mask=m_mask[:, None] & g_mask[None, :], other=0.0).to(tl.float32)
+    qb = tl.load(q_cols + dim_b[:, None], mask=m_mask[:, None] & g_mask[None, :], other=0.0).to(tl.float32)
+    # int8 codes read as words come in this channel order (_rope_tl.int8_words): the bases' rows follow it
+    key_r = int4_word_order(offs_r) if K_WORDS and K_INT8 else offs_r
+    if V_WORDS and V_BITS > 0:  # int4/int2 values read as words: any channel order will do (_rope_tl.paired_order)
+        val_rv = paired_order(offs_rv, V_BITS)
+    else:
+        val_rv = int4_word_order(offs_rv) if V_WORDS and V_INT8 else offs_rv
+    kb_rows = kb_ptr + n * skb_n + h * skb_h + key_r[:, None] * skb_r
     Ba = tl.load(kb_rows + dim_a[None, :], mask=r_mask[:, None] & m_mask[None, :], other=0.0)  # (R, M), as stored
     Bb = tl.load(kb_rows + dim_b[None, :], mask=r_mask[:, None] & m_mask[None, :], other=0.0)
     if HAS_FIXED:
         offs_f = tl.arange(0, F)
         f_mask = offs_f < f
         dim_f = tl.load(order_ptr + 2 * m + offs_f, mask=f_mask, other=0)
-        qf = tl.load(q_rows + dim_f[None, :], mask=g_mask[:, None] & f_mask[None, :], other=0.0).to(tl.float32)
+        qf = tl.load(q_cols + dim_f[:, None], mask=f_mask[:, None] & g_mask[None, :], other=0.0).to(tl.float32)  # (F, G)
         Bf = tl.load(kb_rows + dim_f[None, :], mask=r_mask[:, None] & f_mask[None, :], other=0.0)
         if SPLIT:  # the fixed dims' query parts, once per program (not rotated)
-            qf_hi = qf.to(PDT)
-            qf_lo = (qf - qf_hi.to(tl.float32)).to(PDT)
-            qf_hit = tl.trans(qf_hi)
-            qf_lot = tl.trans(qf_lo)
+            qf = _query_parts(qf, PDT)
+    else:
+        qf = qa
+        Bf = Ba
+    if K_WORDS and K_BITS > 0:  # float16 int4/int2 keys (_rope_tl.low_bit_keys16): a float16 rebuild (bases exact in it)
+        Ba = Ba.to(tl.float16)
+        Bb = Bb.to(tl.float16)
+        Bf = Bf.to(tl.float16)
+    elif K_BITS > 0 and SPLIT:  # int4/int2 keys enter the rebuild in two parts side by side on K: every basis row twice
+        Ba = _pair_rows(Ba)
+        Bb = _pair_rows(Bb)
+        Bf = _pair_rows(Bf)
     # cos/sin of k theta_i for the in-tile offsets k < BLOCK_T: a float32 table built on the host in float64 (offset_angles)
+    offs_t = tl.arange(0, BLOCK_T)
     ck = tl.load(off_ptr + offs_t[:, None] * m + offs_m[None, :], mask=m_mask[None, :], other=0.0)  # (BLOCK_T, M)
     sk = tl.load(off_ptr + (BLOCK_T + offs_t)[:, None] * m + offs_m[None, :], mask=m_mask[None, :], other=0.0)
 
@@ -278,7 +303,7 @@ def _rope_mma_kernel(
     kz_base = kz_ptr + n * sks_n + h * sks_h
     vz_base = vz_ptr + n * svs_n + h * svs_h
     tail_base = tail_ptr + n * stl_n + h * stl_h
-    complete = num_tokens // kgroup * kgroup
+    complete = num_tokens // KGROUP * KGROUP  # a constexpr group: shifts, not divisions
     logit_scale = tl.load(gamma_ptr + h).to(tl.float32) * scale
 
     lo = s * split_len
@@ -286,141 +311,193 @@ def _rope_mma_kernel(
     m_i = tl.full([G], float("-inf"), tl.float32)
     z_i = tl.full([G], 0.0, tl.float32)
     zacc = tl.full([G], 0.0, tl.float32)  # int4/int2 values: sum_t w_t zeta_t (spec/quantization.md Q6)
-    acc_t = tl.full([RV, G], 0.0, tl.float32)  # value-coefficient accumulator, transposed (tokens were on M)
+    # value-coefficient accumulator, transposed (tokens were on M); 16-bit bases: a column per weight part
+    ACC_N: tl.constexpr = 2 * G if SPLIT else G
+    acc2 = tl.full([ACC_N, RV], 0.0, tl.float32)
     base_row = base_ptr + s * tiles_per_split * 2 * m
-    for t0 in range(lo, hi, BLOCK_T):  # sass: main loop
-        tok = t0 + offs_t
-        t_mask = tok < hi
-        # step 1: rebuild u_t = B^T c_t, tokens on M; coefficients exact in 16 bits (the bases' dtype,
-        # int8 codes) take one MMA, int4/int2 keys (float32 after Q1-Q2) two parts
-        if K_BITS == 0:
-            c = tl.load(kc_base + tok[:, None] * skc_t + offs_r[None, :], mask=t_mask[:, None] & r_mask[None, :], other=0)  # sass: codes
-            if K_INT8:
-                c = c.to(tl.float32).to(CDT)
-            ua = _dot16(c, Ba, None, NATIVE16)
-            ub = _dot16(c, Bb, None, NATIVE16)
-            if HAS_FIXED:
-                uf = _dot16(c, Bf, None, NATIVE16)
-        else:
-            x = low_bit_keys(kc_base, ks_base, kz_base, tail_base, tok, t_mask, offs_r, r_mask, complete, kgroup, skc_t, sks_t, stl_t, r, K_BITS, ROWS)
-            if SPLIT:
-                x_hi = x.to(CDT)
-                x_lo = (x - x_hi.to(tl.float32)).to(CDT)
-                ua = _dot16(x_hi, Ba, _dot16(x_lo, Ba, None, NATIVE16), NATIVE16)
-                ub = _dot16(x_hi, Bb, _dot16(x_lo, Bb, None, NATIVE16), NATIVE16)
-                if HAS_FIXED:
-                    uf = _dot16(x_hi, Bf, _dot16(x_lo, Bf, None, NATIVE16), NATIVE16)
-            else:
-                ua = tl.dot(x, Ba.to(tl.float32), input_precision="ieee")
-                ub = tl.dot(x, Bb.to(tl.float32), input_precision="ieee")
-                if HAS_FIXED:
-                    uf = tl.dot(x, Bf.to(tl.float32), input_precision="ieee")
-        # step 2: keys rotated by their in-tile offsets only (both halves of a plane in one fragment)
-        ra = ua * ck - ub * sk
-        rb = ua * sk + ub * ck
-        # the queries rotated back by the tile's base angle (a cos/sin of p theta, base_angles): q . R_p R_k u = (R_p^T q) . R_k u
-        row = base_row + ((t0 - lo) // BLOCK_T) * 2 * m
-        ca = tl.load(row + offs_m, mask=m_mask, other=0.0)
-        sa = tl.load(row + m + offs_m, mask=m_mask, other=0.0)
-        pa = qa * ca[None, :] + qb * sa[None, :]
-        pb = qb * ca[None, :] - qa * sa[None, :]
-        # step 3: logits (BLOCK_T, G) on the tensor cores, float32 operands in bfloat16 parts (module
-        # docstring): queries in two parts; keys in KEY_PARTS, k_hi q_hi + k_hi q_lo [+ k_lo q_hi]
-        if SPLIT:
-            # hi: the top 16 bits (truncation, exact in bfloat16), lo: the exact rest, rounded
-            if KEY_PARTS == 2:
-                ra_bits = ra.to(tl.uint32, bitcast=True) & 0xFFFF0000
-                ra_lo = (ra - ra_bits.to(tl.float32, bitcast=True)).to(PDT)
-                ra_hi = (ra_bits >> 16).to(tl.uint16).to(PDT, bitcast=True)
-                rb_bits = rb.to(tl.uint32, bitcast=True) & 0xFFFF0000
-                rb_lo = (rb - rb_bits.to(tl.float32, bitcast=True)).to(PDT)
-                rb_hi = (rb_bits >> 16).to(tl.uint16).to(PDT, bitcast=True)
-            else:  # one part, rounded to nearest: ~2^-9 relative per key element (the default with bfloat16 bases)
-                ra_hi = ra.to(PDT)
-                rb_hi = rb.to(PDT)
-            pa_hi = pa.to(PDT)
-            pa_lo = tl.trans((pa - pa_hi.to(tl.float32)).to(PDT))
-            pa_hi = tl.trans(pa_hi)
-            pb_hi = pb.to(PDT)
-            pb_lo = tl.trans((pb - pb_hi.to(tl.float32)).to(PDT))
-            pb_hi = tl.trans(pb_hi)
-            if KEY_PARTS == 2:  # smallest parts first
-                logits = _dot16(ra_lo, pa_hi, None, NATIVE16)
-                logits = _dot16(rb_lo, pb_hi, logits, NATIVE16)
-                logits = _dot16(ra_hi, pa_lo, logits, NATIVE16)
-            else:
-                logits = _dot16(ra_hi, pa_lo, None, NATIVE16)
-            logits = _dot16(rb_hi, pb_lo, logits, NATIVE16)
-            if HAS_FIXED:
-                uf_hi = uf.to(PDT)
-                if KEY_PARTS == 2:
-                    uf_lo = (uf - uf_hi.to(tl.float32)).to(PDT)
-                    logits = _dot16(uf_lo, qf_hit, logits, NATIVE16)
-                logits = _dot16(uf_hi, qf_lot, logits, NATIVE16)
-                logits = _dot16(uf_hi, qf_hit, logits, NATIVE16)
-            logits = _dot16(ra_hi, pa_hi, logits, NATIVE16)
-            logits = _dot16(rb_hi, pb_hi, logits, NATIVE16)
-        else:
-            logits = tl.dot(ra, tl.trans(pa), input_precision="ieee")
-            logits = tl.dot(rb, tl.trans(pb), acc=logits, input_precision="ieee")
-            if HAS_FIXED:
-                logits = tl.dot(uf, tl.trans(qf), acc=logits, input_precision="ieee")
-        if K_INT8:  # spec A10: k_t = s_t R_t B^T q_t
-            logits = logits * (tl.load(ks_base + tok * sks_t, mask=t_mask, other=0.0) * logit_scale)[:, None]
-        else:
-            logits = logits * logit_scale
-        logits = tl.where(t_mask[:, None], logits, float("-inf"))
-        m_new = tl.maximum(m_i, tl.reduce(logits, 0, _MAX))
-        alpha = tl.exp(m_i - m_new)
-        w = tl.exp(logits - m_new[None, :])  # (BLOCK_T, G)
-        z_i = z_i * alpha + tl.reduce(w, 0, _SUM)
-        # values in coefficient space: sum_t w_t d_t with 16-bit exact codes and the scales in the weights
-        if V_BITS == 0:
-            dv = tl.load(vc_base + tok[:, None] * svc_t + offs_rv[None, :], mask=t_mask[:, None] & rv_mask[None, :], other=0)  # sass: codes
-            if V_INT8:
-                dv = dv.to(tl.float32).to(CDT)
-                w = w * tl.load(vs_base + tok * svs_t, mask=t_mask, other=0.0)[:, None]
-        else:
-            # spec/quantization.md Q6: x = code tau_t + zeta_t; sum_t (w_t tau_t) code_t + sum_t w_t zeta_t
-            dv = tile_codes(vc_base, tok, t_mask, offs_rv, r_v, svc_t, V_BITS, ROWS).to(tl.float32)
-            tau = tl.load(vs_base + tok * svs_t, mask=t_mask, other=0.0).to(tl.float32)
-            zeta = tl.load(vz_base + tok * svs_t, mask=t_mask, other=0.0).to(tl.float32)
-            zacc = zacc * alpha + tl.reduce(w * zeta[:, None], 0, _SUM)
-            w = w * tau[:, None]
-            if SPLIT:
-                dv = dv.to(CDT)
-        acc_t = acc_t * alpha[None, :]
-        dvt = tl.trans(dv)  # (RV, BLOCK_T)
-        # float16 parts only (W_PARTS == 2): a power-of-two unit keeps the scaled weights <= 1 inside
-        # float16's range (exact, undone below); bfloat16 parts have float32's range
-        SCALED: tl.constexpr = (V_INT8 or V_BITS > 0) and W_PARTS == 2
-        if SPLIT:
-            if SCALED:
-                w_max = tl.reduce(tl.reduce(w, 0, _MAX), 0, _MAX)
-                w_unit = tl.exp2(tl.ceil(tl.log2(tl.where(w_max > 0, w_max, 1.0))))
-                w = w / w_unit
-            w_hi = w.to(CDT)
-            w_rest = w - w_hi.to(tl.float32)
-            w_mid = w_rest.to(CDT)
-            pv = _dot16(dvt, w_mid, None, NATIVE16)
-            if W_PARTS == 3:
-                pv = _dot16(dvt, (w_rest - w_mid.to(tl.float32)).to(CDT), pv, NATIVE16)
-            pv = _dot16(dvt, w_hi, pv, NATIVE16)
-            if SCALED:
-                pv = pv * w_unit
-        else:
-            pv = tl.dot(dvt.to(tl.float32), w, input_precision="ieee")
-        acc_t += pv
-        m_i = m_new
+    # whole tiles of coded tokens without masks; the split's last partial tile and the unfinished key
+    # group (key_tail, spec/quantization.md Q2.2) after them, masked
+    coded_hi = tl.minimum(hi, complete) if K_BITS > 0 else hi
+    main_hi = lo + tl.maximum(coded_hi - lo, 0) // BLOCK_T * BLOCK_T
+    for t0 in range(lo, main_hi, BLOCK_T):  # sass: main loop
+        m_i, z_i, zacc, acc2 = _mma_tile(
+            t0, hi, base_row + ((t0 - lo) // BLOCK_T) * 2 * m, m_i, z_i, zacc, acc2, qa, qb, qf, Ba, Bb, Bf, ck, sk, logit_scale,
+            kc_base, vc_base, ks_base, vs_base, kz_base, vz_base, tail_base, complete, KGROUP, skc_t, svc_t, sks_t, svs_t, stl_t,
+            r, r_v, m, r_mask, rv_mask, m_mask,
+            G, BLOCK_T, K_INT8, V_INT8, K_BITS, V_BITS, HAS_FIXED, NATIVE16, SPLIT, KEY_PARTS, INTERPRETED, K_WORDS, V_WORDS, kb_ptr.dtype.element_ty, False)
+    for t0 in range(main_hi, hi, BLOCK_T):
+        m_i, z_i, zacc, acc2 = _mma_tile(
+            t0, hi, base_row + ((t0 - lo) // BLOCK_T) * 2 * m, m_i, z_i, zacc, acc2, qa, qb, qf, Ba, Bb, Bf, ck, sk, logit_scale,
+            kc_base, vc_base, ks_base, vs_base, kz_base, vz_base, tail_base, complete, KGROUP, skc_t, svc_t, sks_t, svs_t, stl_t,
+            r, r_v, m, r_mask, rv_mask, m_mask,
+            G, BLOCK_T, K_INT8, V_INT8, K_BITS, V_BITS, HAS_FIXED, NATIVE16, SPLIT, KEY_PARTS, INTERPRETED, K_WORDS, V_WORDS, kb_ptr.dtype.element_ty, True)
 
-    acc = tl.trans(acc_t) + zacc[:, None]  # (G, RV)
-    E = tl.load(vb_ptr + n * svb_n + h * svb_h + offs_rv[:, None] * svb_r + offs_dv[None, :],
+    if SPLIT:  # the weight parts' columns summed
+        a_hi, a_lo = tl.split(tl.permute(tl.reshape(acc2, (G, 2, RV)), (0, 2, 1)))
+        acc = a_hi + a_lo
+    else:
+        acc = acc2
+    acc = acc + zacc[:, None]  # (G, RV)
+    E = tl.load(vb_ptr + n * svb_n + h * svb_h + val_rv[:, None] * svb_r + offs_dv[None, :],
                 mask=rv_mask[:, None] & (offs_dv < d_v)[None, :], other=0.0).to(tl.float32)
     o_i = tl.dot(acc, E, input_precision="ieee")
     row = (n * H + h) * group + offs_g
     tl.store(pm_ptr + row * num_splits + s, m_i, mask=g_mask)
     tl.store(pz_ptr + row * num_splits + s, z_i, mask=g_mask)
     tl.store(po_ptr + (row * num_splits + s)[:, None] * d_v + offs_dv[None, :], o_i, mask=g_mask[:, None] & (offs_dv < d_v)[None, :])
+
+
+@triton.jit
+def _pair_rows(b):
+    """(K, N) -> (2K, N), row 2j + p = row j: the operand of a product whose other side holds two
+    parts of each column side by side."""
+    return tl.reshape(tl.permute(tl.join(b, b), (0, 2, 1)), (2 * b.shape[0], b.shape[1]))
+
+
+@triton.jit
+def _query_parts(x, DT: tl.constexpr):
+    """float32 ``x`` (K, G) as the MMA operand (K, 2G) of its two 16-bit parts, column 2g + p:
+    hi (rounded) and lo (the exact rest, rounded), so one product takes both parts."""
+    x_hi = x.to(DT)
+    x_lo = (x - x_hi.to(tl.float32)).to(DT)
+    return tl.reshape(tl.join(x_hi, x_lo), (x.shape[0], 2 * x.shape[1]))
+
+
+@triton.jit
+def _mma_tile(t0, hi, angle_row, m_i, z_i, zacc, acc2, qa, qb, qf, Ba, Bb, Bf, ck, sk, logit_scale,
+              kc_base, vc_base, ks_base, vs_base, kz_base, vz_base, tail_base, complete, kgroup, skc_t, svc_t, sks_t, svs_t, stl_t,
+              r, r_v, m, r_mask, rv_mask, m_mask,
+              G: tl.constexpr, BLOCK_T: tl.constexpr, K_INT8: tl.constexpr, V_INT8: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+              HAS_FIXED: tl.constexpr, NATIVE16: tl.constexpr, SPLIT: tl.constexpr, KEY_PARTS: tl.constexpr, INTERPRETED: tl.constexpr,
+              K_WORDS: tl.constexpr, V_WORDS: tl.constexpr, CDT: tl.constexpr, MASKED: tl.constexpr):
+    """One tile of ``BLOCK_T`` tokens from ``t0`` (module docstring, "Main loop"): returns the updated
+    ``(m, Z, zacc, acc)``. ``MASKED``: tokens >= ``hi`` masked and keys past the coded groups read from
+    ``key_tail``; otherwise every token counts and is coded."""
+    PDT = tl.bfloat16
+    ROWS: tl.constexpr = CDT != tl.float32
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_r = tl.arange(0, r_mask.shape[0])
+    offs_rv = tl.arange(0, rv_mask.shape[0])
+    offs_m = tl.arange(0, m_mask.shape[0])
+    tok = t0 + offs_t
+    if MASKED:
+        t_mask = tok < hi
+    else:
+        t_mask = tl.full([BLOCK_T], 1, tl.int1)
+    # step 1: rebuild u_t = B^T c_t, tokens on M: 16-bit coefficients as stored; int8 codes exact in
+    # 16 bits (read as words: _rope_tl.int8_words); int4/int2 keys read as words float16 (c s + z,
+    # _rope_tl.low_bit_keys16), otherwise float32 after Q1-Q2 in two 16-bit parts side by side on K
+    if K_BITS == 0:
+        if K_INT8 and K_WORDS:
+            a = int8_words(kc_base, tok, t_mask, skc_t, offs_r.shape[0], K_WORDS, INTERPRETED).to(CDT)
+        else:
+            a = tl.load(kc_base + tok[:, None] * skc_t + offs_r[None, :], mask=t_mask[:, None] & r_mask[None, :], other=0)  # sass: codes
+            if K_INT8:
+                a = a.to(tl.float32).to(CDT)
+    elif K_WORDS:
+        k_rows = t_mask & (tok < complete) if MASKED else t_mask
+        k_words = load_words(kc_base, tok, k_rows, skc_t, offs_r.shape[0] * K_BITS // 32, K_WORDS)
+        a = low_bit_keys16(k_words, ks_base, kz_base, tail_base, tok, t_mask, offs_r, complete, kgroup, sks_t, stl_t, K_BITS, INTERPRETED, MASKED)
+    else:
+        a = low_bit_keys(kc_base, ks_base, kz_base, tail_base, tok, t_mask, offs_r, r_mask, complete, kgroup, skc_t, sks_t, stl_t, r, K_BITS, ROWS)
+        if SPLIT:
+            a_hi = a.to(CDT)
+            a = tl.reshape(tl.join(a_hi, (a - a_hi.to(tl.float32)).to(CDT)), (BLOCK_T, 2 * a.shape[1]))
+    ua = _dot16(a, Ba, None, NATIVE16)
+    ub = _dot16(a, Bb, None, NATIVE16)
+    if HAS_FIXED:
+        uf = _dot16(a, Bf, None, NATIVE16)
+    # step 2: keys rotated by their in-tile offsets only (both halves of a plane in one fragment)
+    ra = ua * ck - ub * sk
+    rb = ua * sk + ub * ck
+    # the queries rotated back by the tile's base angle (a cos/sin of p theta, base_angles): q . R_p R_k u = (R_p^T q) . R_k u
+    ca = tl.load(angle_row + offs_m, mask=m_mask, other=0.0)
+    sa = tl.load(angle_row + m + offs_m, mask=m_mask, other=0.0)
+    pa = qa * ca[:, None] + qb * sa[:, None]  # (M, G)
+    pb = qb * ca[:, None] - qa * sa[:, None]
+    # step 3: logits on the tensor cores, float32 operands in bfloat16 parts (module docstring): the
+    # queries' two parts side by side on N (one product: columns 2g + p), the keys in KEY_PARTS
+    if SPLIT:
+        qpa = _query_parts(pa, PDT)  # (M, 2G)
+        qpb = _query_parts(pb, PDT)
+        if KEY_PARTS == 2:  # hi: the top 16 bits (truncation, exact in bfloat16), lo: the exact rest, rounded; smallest first
+            ra_bits = ra.to(tl.uint32, bitcast=True) & 0xFFFF0000
+            rb_bits = rb.to(tl.uint32, bitcast=True) & 0xFFFF0000
+            l2 = _dot16((ra - ra_bits.to(tl.float32, bitcast=True)).to(PDT), qpa, None, NATIVE16)
+            l2 = _dot16((rb - rb_bits.to(tl.float32, bitcast=True)).to(PDT), qpb, l2, NATIVE16)
+            ra_hi = (ra_bits >> 16).to(tl.uint16).to(PDT, bitcast=True)
+            rb_hi = (rb_bits >> 16).to(tl.uint16).to(PDT, bitcast=True)
+            if HAS_FIXED:
+                uf_hi = uf.to(PDT)
+                l2 = _dot16((uf - uf_hi.to(tl.float32)).to(PDT), qf, l2, NATIVE16)
+                l2 = _dot16(uf_hi, qf, l2, NATIVE16)
+            l2 = _dot16(ra_hi, qpa, l2, NATIVE16)
+        else:  # one part, rounded to nearest: ~2^-9 relative per key element (the default with bfloat16 bases)
+            l2 = _dot16(ra.to(PDT), qpa, None, NATIVE16)
+            if HAS_FIXED:
+                l2 = _dot16(uf.to(PDT), qf, l2, NATIVE16)
+            rb_hi = rb.to(PDT)
+        l2 = _dot16(rb_hi, qpb, l2, NATIVE16)
+        l_hi, l_lo = tl.split(tl.reshape(l2, (BLOCK_T, G, 2)))
+        logits = l_lo + l_hi  # (BLOCK_T, G)
+    else:
+        logits = tl.dot(ra, pa, input_precision="ieee")
+        logits = tl.dot(rb, pb, acc=logits, input_precision="ieee")
+        if HAS_FIXED:
+            logits = tl.dot(uf, qf, acc=logits, input_precision="ieee")
+    if K_INT8:  # spec A10: k_t = s_t R_t B^T q_t
+        logits = logits * (tl.load(ks_base + tok * sks_t, mask=t_mask, other=0.0) * logit_scale)[:, None]
+    else:
+        logits = logits * logit_scale
+    if MASKED:
+        logits = tl.where(t_mask[:, None], logits, float("-inf"))
+    m_new = tl.maximum(m_i, tl.reduce(logits, 0, _MAX))
+    alpha = tl.exp(m_i - m_new)
+    w = tl.exp(logits - m_new[None, :])  # (BLOCK_T, G)
+    z_i = z_i * alpha + tl.reduce(w, 0, _SUM)
+    # values in coefficient space: sum_t w_t d_t with 16-bit exact codes and the scales in the weights
+    if V_BITS == 0:
+        if V_INT8 and V_WORDS:
+            dv = int8_words(vc_base, tok, t_mask, svc_t, offs_rv.shape[0], V_WORDS, INTERPRETED).to(CDT)
+        else:
+            dv = tl.load(vc_base + tok[:, None] * svc_t + offs_rv[None, :], mask=t_mask[:, None] & rv_mask[None, :], other=0)  # sass: codes
+            if V_INT8:
+                dv = dv.to(tl.float32).to(CDT)
+        if V_INT8:
+            w = w * tl.load(vs_base + tok * svs_t, mask=t_mask, other=0.0)[:, None]
+    else:
+        # spec/quantization.md Q6: x = code tau_t + zeta_t; sum_t (w_t tau_t) code_t + sum_t w_t zeta_t
+        # (words: the centred codes c - M, exact in bfloat16, and zeta_t + M tau_t beside)
+        tau = tl.load(vs_base + tok * svs_t, mask=t_mask, other=0.0).to(tl.float32)
+        zeta = tl.load(vz_base + tok * svs_t, mask=t_mask, other=0.0).to(tl.float32)
+        if V_WORDS:
+            v_words = load_words(vc_base, tok, t_mask, svc_t, offs_rv.shape[0] * V_BITS // 32, V_WORDS)
+            dv = low_bit_words(v_words, V_BITS, tl.bfloat16, INTERPRETED, True).to(CDT)
+            zeta = zeta + (1 << (V_BITS - 1)) * tau
+        else:
+            dv = tile_codes(vc_base, tok, t_mask, offs_rv, r_v, svc_t, V_BITS, ROWS).to(tl.float32)
+            if SPLIT:
+                dv = dv.to(CDT)
+        zacc = zacc * alpha + tl.reduce(w * zeta[:, None], 0, _SUM)
+        w = w * tau[:, None]
+    if SPLIT:
+        # the weights in two 16-bit parts side by side on N (columns 2g + p: one product); float16
+        # parts only: a power-of-two unit keeps the scaled weights <= 1 inside float16's range
+        # (exact, undone below); bfloat16 parts have float32's range
+        SCALED: tl.constexpr = (V_INT8 or V_BITS > 0) and CDT == tl.float16
+        if SCALED:
+            w_max = tl.reduce(tl.reduce(w, 0, _MAX), 0, _MAX)
+            w_unit = tl.exp2(tl.ceil(tl.log2(tl.where(w_max > 0, w_max, 1.0))))
+            w = w / w_unit
+        w_hi = w.to(CDT)
+        w_lo = (w - w_hi.to(tl.float32)).to(CDT)
+        pv = _dot16(tl.trans(tl.reshape(tl.join(w_hi, w_lo), (BLOCK_T, 2 * G))), dv, None, NATIVE16)  # (2G, RV)
+        if SCALED:
+            pv = pv * w_unit
+        acc2 = acc2 * tl.reshape(tl.join(alpha, alpha), (2 * G,))[:, None] + pv
+    else:
+        acc2 = acc2 * alpha[:, None] + tl.dot(tl.trans(w), dv.to(tl.float32), input_precision="ieee")
+    return m_new, z_i, zacc, acc2
 
 
 def split_launch(q, layout, rope, scale: float, split_len: int, first_position: int = 0, *, block_t: int | None = None, num_warps: int | None = None,
@@ -481,7 +558,15 @@ def split_launch(q, layout, rope, scale: float, split_len: int, first_position: 
     constexprs["SPLIT"] = kb.dtype in (torch.float16, torch.bfloat16) and native is not False
     # low-bit keys enter the rebuild as 16-bit parts too: the coefficients' storage does not matter here
     constexprs["NATIVE16"] = constexprs["SPLIT"] and native16(kb, kb, constexprs)
-    constexprs["W_PARTS"] = 2 if kb.dtype == torch.float16 else 3
+    constexprs["RANKS_FULL"] = r == constexprs["R"] and r_v == constexprs["RV"]
+    constexprs["KGROUP"] = int(layout.group) if sides.k_bits else 1
+    constexprs["INTERPRETED"] = interpreting()
+    # quantised codes read as 32-bit words (_rope_tl) where whole rows of a 16-bit-based state are
+    # 4-byte aligned: the alignment in bytes (16, 8 or 4: wider loads); 0: per code
+    for side, coef, rank, int8, bits in (("K", kc, r, sides.k_int8, sides.k_bits), ("V", vc, r_v, sides.v_int8, sides.v_bits)):
+        row_bytes = rank if int8 else rank * bits // 8
+        constexprs[side + "_WORDS"] = next((w for w in (16, 8, 4) if (int8 or bits) and constexprs["SPLIT"] and constexprs["RANKS_FULL"]
+                                            and all(x % w == 0 for x in (row_bytes, *coef.stride()[:3], coef.data_ptr()))), 0)
     if key_parts is None:  # bfloat16 bases: one key part (its error ~0.03-0.1 of the harness tolerance, float16: 0.3-0.7)
         key_parts = 1 if kb.dtype == torch.bfloat16 else 2
     if key_parts not in (1, 2):

@@ -1,0 +1,150 @@
+"""Triton device helpers of the pre-RoPE decode kernel (:mod:`subspace_ref_triton.rope_decode`):
+coefficient codes read as 32-bit words and turned into exact 16-bit numbers by bit operations
+(no per-code conversion instruction, no per-byte load)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def load_words(base, tok, rows, stride, NWORDS: tl.constexpr, ALIGN: tl.constexpr):
+    """(T, NWORDS) uint32: the first NWORDS 32-bit words of the rows ``stride`` bytes apart from
+    ``base`` of the tokens ``tok`` whose ``rows`` are set (0 elsewhere); ``ALIGN``: the bytes (4, 8
+    or 16) that rows, their length and ``base`` are multiples of (wider loads)."""
+    offs = tl.arange(0, NWORDS)
+    step = tl.multiple_of(stride // 4, ALIGN // 4)
+    return tl.load(base.to(tl.pointer_type(tl.uint32)) + tok[:, None] * step + offs[None, :], mask=rows[:, None], other=0)  # sass: codes
+
+
+@triton.jit
+def _int8_pair(words, INTERPRETED: tl.constexpr):
+    """Bytes 0 and 2 of each 32-bit word, read as int8, as two bfloat16 tensors (exact): the low 7
+    bits ORed into the mantissa of 2^7 are 128 + (q & 127), the sign bit gives 128 or 256, and
+    one subtraction of the two is q."""
+    MAGIC: tl.constexpr = 0x43004300
+    a = (words & 0x007F007F) | MAGIC
+    b = (words & 0x00800080) | MAGIC
+    a_lo = (a & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    a_hi = (a >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    b_lo = (b & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    b_hi = (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    if INTERPRETED:  # the interpreter's bfloat16 arithmetic works on the bits: subtract in float32
+        return (a_lo.to(tl.float32) - b_lo.to(tl.float32)).to(tl.bfloat16), (a_hi.to(tl.float32) - b_hi.to(tl.float32)).to(tl.bfloat16)
+    else:
+        return a_lo - b_lo, a_hi - b_hi
+
+
+@triton.jit
+def int8_words(base, tok, rows, stride, WIDTH: tl.constexpr, ALIGN: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The WIDTH int8 codes (spec A10) of the tokens ``tok`` whose ``rows`` are set, as bfloat16
+    (exact: |q| <= 128), read as words (:func:`load_words`, rows ``stride`` bytes apart), channels
+    in the order of :func:`subspace_ref_triton._tl.int4_word_order` (in each 4: 0, 2, 1, 3; a
+    register holds a subtraction's pair); 0 elsewhere."""
+    words = load_words(base, tok, rows, stride, WIDTH // 4, ALIGN)
+    e0, e2 = _int8_pair(words, INTERPRETED)
+    o1, o3 = _int8_pair(words >> 8, INTERPRETED)
+    # (t, w, i, j) -> byte i + 2j of word w, at position 4w + 2i + j
+    return tl.reshape(tl.join(tl.join(e0, o1), tl.join(e2, o3)), (tok.shape[0], WIDTH))
+
+
+@triton.jit
+def _code_pair(words, SHIFT: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Codes ``SHIFT`` and ``SHIFT + 16 / BITS`` of each 32-bit word (code i in bits [i BITS, (i + 1)
+    BITS)) as two ``DT`` tensors, exact: a code ORed into the mantissa of 1024 (float16) or 128
+    (bfloat16) is 1024 + c or 128 + c, and one subtraction leaves c (float16) or the centred
+    c - 2^(BITS-1) (bfloat16, spec/quantization.md Q6)."""
+    if DT == tl.float16:
+        MAGIC: tl.constexpr = 0x64006400
+        OFFSET: tl.constexpr = 1024.0
+    else:
+        MAGIC: tl.constexpr = 0x43004300
+        OFFSET: tl.constexpr = 128.0 + (1 << (BITS - 1))
+    PAIR: tl.constexpr = ((1 << BITS) - 1) * 0x00010001
+    h = ((words >> (BITS * SHIFT)) & PAIR) | MAGIC
+    lo = (h & 0xFFFF).to(tl.uint16).to(DT, bitcast=True)
+    hi = (h >> 16).to(tl.uint16).to(DT, bitcast=True)
+    if INTERPRETED:  # the interpreter's bfloat16 arithmetic works on the bits: subtract in float32 (exact either way)
+        return (lo.to(tl.float32) - OFFSET).to(DT), (hi.to(tl.float32) - OFFSET).to(DT)
+    else:
+        return lo - OFFSET, hi - OFFSET
+
+
+@triton.jit
+def _pair(words, SHIFT: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr, INTERPRETED: tl.constexpr):
+    lo, hi = _code_pair(words, SHIFT, BITS, DT, INTERPRETED)
+    return tl.join(lo, hi)
+
+
+@triton.jit
+def _word_codes(words, BITS: tl.constexpr, DT: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The 32 / BITS codes of each 32-bit word as (..., 2, 2, 2[, 2]) in their stored order: each
+    join appends an axis, so the innermost (the pair of codes c and c + 16 / BITS) is the most
+    significant, (..., a, b, c) -> code 4a + 2b + c (int4; int2 likewise on four axes)."""
+    if BITS == 4:
+        y = tl.join(tl.join(_pair(words, 0, 4, DT, INTERPRETED), _pair(words, 2, 4, DT, INTERPRETED)),
+                    tl.join(_pair(words, 1, 4, DT, INTERPRETED), _pair(words, 3, 4, DT, INTERPRETED)))
+    else:
+        tl.static_assert(BITS == 2)
+        y = tl.join(tl.join(tl.join(_pair(words, 0, 2, DT, INTERPRETED), _pair(words, 4, 2, DT, INTERPRETED)),
+                            tl.join(_pair(words, 2, 2, DT, INTERPRETED), _pair(words, 6, 2, DT, INTERPRETED))),
+                    tl.join(tl.join(_pair(words, 1, 2, DT, INTERPRETED), _pair(words, 5, 2, DT, INTERPRETED)),
+                            tl.join(_pair(words, 3, 2, DT, INTERPRETED), _pair(words, 7, 2, DT, INTERPRETED))))
+    return y
+
+
+@triton.jit
+def low_bit_words(words, BITS: tl.constexpr, DT: tl.constexpr, INTERPRETED: tl.constexpr, PAIRED: tl.constexpr = False):
+    """The int4 or int2 codes (spec/quantization.md Q2) of rows of 32-bit ``words`` (T, n), (T, n 32 /
+    BITS) in their stored order, as :func:`_code_pair` gives them in ``DT`` (float16: c; bfloat16:
+    c - 2^(BITS-1)). ``PAIRED``: in the order of :func:`paired_order` instead (each 32-bit register
+    holds the two codes one bit operation gave: fewer instructions where any order will do)."""
+    T: tl.constexpr = words.shape[0]
+    WIDTH: tl.constexpr = words.shape[1] * 32 // BITS
+    y = _word_codes(words, BITS, DT, INTERPRETED)
+    if PAIRED:
+        if BITS == 4:
+            y = tl.permute(y, (0, 1, 4, 3, 2))
+        else:
+            y = tl.permute(y, (0, 1, 5, 4, 3, 2))
+    return tl.reshape(y, (T, WIDTH))
+
+
+@triton.jit
+def paired_order(offs, BITS: tl.constexpr):
+    """The channel at each position of :func:`low_bit_words` (``PAIRED``) rows: within each 32-bit
+    word the position's bits reversed."""
+    if BITS == 4:
+        out = (offs & ~7) | ((offs & 1) << 2) | (offs & 2) | ((offs >> 2) & 1)
+    else:
+        out = (offs & ~15) | ((offs & 1) << 3) | ((offs & 2) << 1) | ((offs >> 1) & 2) | ((offs >> 3) & 1)
+    return out
+
+
+@triton.jit
+def low_bit_keys16(words, ks_base, kz_base, tail_base, tok, t_mask, offs_r, complete, kgroup, sks_t, stl_t,
+                   BITS: tl.constexpr, INTERPRETED: tl.constexpr, MASKED: tl.constexpr):
+    """float16 keys ``x = c s + z`` (spec/quantization.md Q1-Q2; one float16 rounding of the fused
+    product and sum, ~2^-11 relative) of the tokens ``tok`` of one tile of an int4/int2 key side
+    from their codes' 32-bit ``words`` (:func:`low_bit_words`), channels ``offs_r`` (all, in their
+    order). ``MASKED``: tokens outside ``t_mask`` read 0 and those of the unfinished group their
+    ``key_tail`` row (their words: 0); otherwise every token is coded."""
+    if MASKED:
+        coded = tok < complete
+        rows = t_mask & coded
+    else:
+        rows = t_mask
+    c = low_bit_words(words, BITS, tl.float16, INTERPRETED)
+    grp = tok // kgroup
+    k_sc = tl.load(ks_base + grp[:, None] * sks_t + offs_r[None, :], mask=rows[:, None], other=0.0).to(tl.float16)
+    k_ze = tl.load(kz_base + grp[:, None] * sks_t + offs_r[None, :], mask=rows[:, None], other=0.0).to(tl.float16)
+    if INTERPRETED:  # one rounding, as the GPU's fused float16 multiply-add
+        x = (c.to(tl.float32) * k_sc.to(tl.float32) + k_ze.to(tl.float32)).to(tl.float16)
+    else:
+        x = c * k_sc + k_ze
+    if MASKED:
+        tail_m = (t_mask & (tok >= complete))[:, None]
+        k_tl = tl.load(tail_base + (tok - complete)[:, None] * stl_t + offs_r[None, :], mask=tail_m, other=0.0)
+        x = tl.where(coded[:, None], x, k_tl.to(tl.float16))
+    return x

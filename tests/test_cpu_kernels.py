@@ -155,6 +155,28 @@ def test_centred_rows_within_the_derived_tolerance(coefficients, ranks, exact, m
     _assert_one_kernel_call_within_tolerance(state, q, out64, monkeypatch)
 
 
+#: value ranks whose rows fill no whole number of 16-lane vectors, read by a chunk plan in the
+#: 16-lane build (``planned_chunk``): int8 rows of 20 and 40 bytes (a masked last chunk), int4 / int2
+#: rows of 5-36 bytes whose chunks span planes, rows past 16 bytes reading a plane's bytes in place
+PLANNED_VALUE_RANKS = {"r16-20": (16, 20), "r16-28": (16, 28), "r16-40": (16, 40), "r16-72": (16, 72)}
+
+
+@pytest.mark.parametrize("coefficients", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("ranks", list(PLANNED_VALUE_RANKS.values()), ids=list(PLANNED_VALUE_RANKS))
+@pytest.mark.parametrize("group", [1, 2])
+@pytest.mark.usefixtures("either_library")
+def test_planned_value_rows_within_the_derived_tolerance(coefficients, ranks, group, monkeypatch):
+    """Value rows that are not whole vectors take the 16-token register blocks in every build
+    that has them (one query head per KV head: straight from the codes; two: through the widened
+    block), their sums' last vector added to the tile's in part. T = 1100: two value tiles and a
+    remainder of 12 tokens. Within the derived tolerance of the float64 oracle, in one kernel call."""
+    rng = np.random.default_rng(zlib.crc32(repr(("planned", coefficients, ranks, group)).encode()) + SEED_OFFSET)
+    state = _state(coefficients, 1100, 0, ranks, rng)
+    q = rng.standard_normal((2, 3 * group, 96)) * 2
+    out64 = sr.attend(q, state)
+    _assert_one_kernel_call_within_tolerance(state, q, out64, monkeypatch)
+
+
 def _assert_one_kernel_call_within_tolerance(state, q, out64, monkeypatch) -> None:
     """The torch float32 attend of ``q`` over ``state`` is one call of the CPU kernels and lies within
     the derived tolerance (tests/differential/tolerance.py) of the float64 oracle's ``out64``."""

@@ -322,6 +322,66 @@ ALWAYS_INLINE vf chunk_codes(const uint8_t *row, int64_t width, int bits, int64_
     return vf_from_vi(vi_and(vi_srlv(vi_widen_u8(bytes), shift), mask));
 }
 
+#if LANES == 16
+/* Rows that are not whole chunks (any width; 16 lanes, which have masked byte loads): chunk c of
+ * the widened row, zero past n, built in registers from a plan made once per call. Lane l (row
+ * position j = LANES c + l, plane j / width, column k = j mod width) takes byte k from a byte
+ * shuffle of the row's first 16 bytes or, in rows wider than a vector, from a masked load at
+ * `start` (the lanes in the chunk's first plane), then its plane's shift: such rows widened plane
+ * by plane were read back as vectors straddling two planes' stores, which stalls store forwarding. */
+#define PLAN_CHUNKS 8 /* n <= 8 LANES */
+struct chunk_plan {
+    __m512i shift;
+    __m128i index; /* the byte of each lane from the first 16, or 0x80: from `start`, or past n */
+    int64_t start;
+    __mmask16 direct; /* the lanes read at `start` */
+};
+
+static void plan_chunks(int64_t width, int bits, struct chunk_plan *plan) {
+    const int64_t n = (8 / bits) * width;
+    for (int64_t c = 0; c < PLAN_CHUNKS && LANES * c < n; ++c) {
+        uint8_t index[LANES];
+        int32_t shift[LANES];
+        unsigned direct = 0;
+        const int64_t start = LANES * c % width;
+        for (int l = 0; l < LANES; ++l) {
+            const int64_t j = LANES * c + l, k = j % width;
+            shift[l] = j < n ? (int32_t)(j / width * bits) : 0;
+            index[l] = j < n ? (uint8_t)k : 0x80;
+            if (j < n && width > LANES && k == start + l) direct |= 1u << l, index[l] = 0x80; /* the other lanes' k are < 16 */
+        }
+        memcpy(&plan[c].index, index, sizeof index);
+        memcpy(&plan[c].shift, shift, sizeof shift);
+        plan[c].start = start;
+        plan[c].direct = (__mmask16)direct;
+    }
+}
+
+/* Chunk c of byte row `row` by its plan, as floats: the codes, not yet scaled (0 past n). */
+ALWAYS_INLINE vf planned_chunk(const uint8_t *row, int64_t width, int bits, int64_t c, const struct chunk_plan *plan) {
+    if (bits == 8) /* the row itself, in order: no shuffle */
+        return vf_from_vi(vi_widen_i8(_mm_maskz_loadu_epi8(first_lanes(width - LANES * c), row + LANES * c)));
+    const __m128i head = width >= LANES ? load_lane_bytes(row) : _mm_maskz_loadu_epi8(first_lanes(width), row);
+    __m128i bytes = _mm_shuffle_epi8(head, plan[c].index);
+    if (width > LANES) bytes = _mm_mask_loadu_epi8(bytes, plan[c].direct, row + plan[c].start);
+    return vf_from_vi(vi_and(vi_srlv(vi_widen_u8(bytes), plan[c].shift), vi_set1((1 << bits) - 1)));
+}
+#else
+#define PLAN_CHUNKS 1
+struct chunk_plan { int unused; }; /* 8 lanes read only whole chunks: no plan is made */
+static void plan_chunks(int64_t width, int bits, struct chunk_plan *plan) { (void)width, (void)bits, (void)plan; }
+#endif
+
+/* Chunk c by the plan where there is one, else of a row of whole chunks. */
+ALWAYS_INLINE vf plan_or_chunk(const uint8_t *row, int64_t width, int bits, int64_t c, const struct chunk_plan *plan) {
+#if LANES == 16
+    if (plan) return planned_chunk(row, width, bits, c, plan);
+#else
+    (void)plan;
+#endif
+    return chunk_codes(row, width, bits, c);
+}
+
 /* Spec Q6 (step 2): the codes of `total` contiguous bytes (whole rows of `width` bytes) minus the middle
  * code M = 2^(b-1), times F = 2^(8-b) (centred_unscale), as signed bytes in plane order: out[p total
  * + b width + k] is F (code - M) of plane p of byte k of row b. 32 bytes at a time: the top bit of
@@ -587,21 +647,24 @@ ALWAYS_INLINE void rows_logits(const uint8_t *codes, int64_t tokens, int64_t rea
 #if defined(LANES)
 /* acc[i][p width + k] += sum of w[i][t + b] x(t + b) over one block of 16 rows b (see
  * rows_value_sums), int4 / int2 rows as fl32(code s + z) with their token's s and z. `direct`:
- * one query head, rows of whole chunks (whole_chunks, n <= 8 LANES): each chunk goes from the
- * codes into the sums in registers. Otherwise the block's rows are widened into `block` once
+ * one query head, rows of whole chunks (whole_chunks, n <= 8 LANES) or read by a `plan`: each
+ * chunk goes from the codes into the sums in registers. Otherwise the block's rows are widened into `block` once
  * and read by every query head: AVX2 stores one vector a cycle, so for one query head the store
  * of the widened block, not the arithmetic, bound the sums. Both add in the same order. */
 ALWAYS_INLINE void block_value_sums(const uint8_t *codes, int64_t width, int bits, int64_t queries, const float *w, int64_t w_row_stride,
-                                    const float *scales, const float *zeros, float *acc, float *block, int direct, const int8_t *centred) {
-    const int64_t n = (8 / bits) * width, vectors = n / LANES;
+                                    const float *scales, const float *zeros, float *acc, float *block, int direct, const int8_t *centred,
+                                    const struct chunk_plan *plan) {
+    /* rows read by a plan (planned_chunk) fill their last vector partly: the block's rows are
+     * whole vectors, and only the first n lanes of the sums are added to acc */
+    const int64_t n = (8 / bits) * width, vectors = (n + LANES - 1) / LANES, stride = LANES * vectors;
     if (!direct)
 #pragma GCC unroll 1 /* whole, the unrolled rows made GCC keep the block in (spilled) registers */
         for (int b = 0; b < VALUE_BLOCK; ++b) {
-            float *row = block + b * n;
+            float *row = block + b * stride;
             const uint8_t *bytes = codes + b * width;
-            if (whole_chunks(width, bits)) { /* widened and dequantised in one pass */
+            if (plan || whole_chunks(width, bits)) { /* widened and dequantised in one pass */
                 for (int64_t c = 0; c < vectors; ++c) {
-                    vf x = chunk_codes(bytes, width, bits, c);
+                    vf x = plan_or_chunk(bytes, width, bits, c, plan);
                     if (bits != 8) x = vf_fmadd(x, vf_set1(scales[b]), vf_set1(zeros[b]));
                     vf_store(row + LANES * c, x);
                 }
@@ -650,10 +713,10 @@ ALWAYS_INLINE void block_value_sums(const uint8_t *codes, int64_t width, int bit
                     if (centred)
                         x = centred_chunk(centred, VALUE_BLOCK * width, width, b + j, k);
                     else if (direct) {
-                        x = chunk_codes(codes + (b + j) * width, width, bits, k);
+                        x = plan_or_chunk(codes + (b + j) * width, width, bits, k, plan);
                         if (bits != 8) x = vf_fmadd(x, vf_set1(scales[b + j]), vf_set1(zeros[b + j]));
                     } else {
-                        x = vf_load(block + (b + j) * n + LANES * k);
+                        x = vf_load(block + (b + j) * stride + LANES * k);
                     }
                     sums[j][k] = vf_fmadd(wt, x, sums[j][k]);
                 }
@@ -662,7 +725,11 @@ ALWAYS_INLINE void block_value_sums(const uint8_t *codes, int64_t width, int bit
             vf total = sums[0][k];
             for (int j = 1; j < sets; ++j) total = vf_add(total, sums[j][k]);
             if (centred) total = vf_add(total, vf_set1(offset));
-            vf_store(a + LANES * k, vf_add(vf_load(a + LANES * k), total));
+            const int64_t left = n - LANES * k;
+            if (left >= LANES)
+                vf_store(a + LANES * k, vf_add(vf_load(a + LANES * k), total));
+            else
+                vf_store_first(a + LANES * k, left, vf_add(vf_load_first(a + LANES * k, left), total));
         }
     }
 }
@@ -678,9 +745,12 @@ ALWAYS_INLINE void rows_value_sums(const uint8_t *codes, int64_t tokens, int64_t
     int64_t t = 0;
 #if defined(LANES)
     /* blocks of 16 rows, each query's sums kept in registers over the block (n / LANES vectors,
-     * n <= 128) instead of loaded and stored for every token */
-    if (n % LANES == 0 && n <= 128) {
-        const int direct = queries == 1 && whole_chunks(width, bits) && n <= 8 * LANES;
+     * rounded up, n <= 128) instead of loaded and stored for every token; 16 lanes read rows of
+     * any width by a plan, 8 lanes rows of whole vectors */
+    struct chunk_plan plans[PLAN_CHUNKS], *plan = NULL;
+    if (LANES == 16 && !whole_chunks(width, bits) && n <= 128) plan_chunks(width, bits, plan = plans);
+    if ((plan || n % LANES == 0) && n <= 128) {
+        const int direct = queries == 1 && (plan || whole_chunks(width, bits)) && n <= 8 * LANES;
         float block[VALUE_BLOCK * 128];
         /* direct rows of whole chunks are read centred (spec Q6), the next block's codes put
          * in order while a block is summed (see centred_logits) */
@@ -697,9 +767,9 @@ ALWAYS_INLINE void rows_value_sums(const uint8_t *codes, int64_t tokens, int64_t
                 }
             prefetch_rows(codes, t + PREFETCH_ROWS, VALUE_BLOCK, readable, width);
             if (direct)
-                block_value_sums(codes + t * width, width, bits, 1, w + t, w_row_stride, scales, zeros, acc, block, 1, centred ? centred_codes[k % 2] : NULL);
+                block_value_sums(codes + t * width, width, bits, 1, w + t, w_row_stride, scales, zeros, acc, block, 1, centred ? centred_codes[k % 2] : NULL, plan);
             else
-                block_value_sums(codes + t * width, width, bits, queries, w + t, w_row_stride, scales, zeros, acc, block, 0, NULL);
+                block_value_sums(codes + t * width, width, bits, queries, w + t, w_row_stride, scales, zeros, acc, block, 0, NULL, plan);
         }
     }
 #endif

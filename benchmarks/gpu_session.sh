@@ -39,7 +39,7 @@ fi
 timeout 130 $PY benchmarks/decode_gpu.py --out "$OUT" --batch 8 --tokens 32768 131072 --coef float int8 int4 --rope --no-adaptive --no-sweep \
   --backend triton > "$OUT/decode_n8.log" 2>&1
 echo "decode N=8: rc=$?" >> "$OUT/session.txt"
-#    the int4 sweep at 128k: the centred kernel at 1, 2 (default) and 4 warps, the per-code path at 64-token tiles (<= 90 s)
+#    the int4 sweep at 128k: the centred kernel at 1 (default), 2 and 4 warps, the per-code path at 64-token tiles (<= 90 s)
 timeout 90 $PY benchmarks/decode_gpu.py --out "$OUT" --batch 8 --tokens 131072 --coef int4 --no-adaptive --no-graph --backend triton \
   > "$OUT/decode_n8_int4_sweep.log" 2>&1
 echo "decode N=8 int4 sweep: rc=$?" >> "$OUT/session.txt"

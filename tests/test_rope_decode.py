@@ -213,27 +213,15 @@ def test_triton_pre_ropegpu_numerics(dtype, coefficients, legacy, key_parts, rng
     the stored state within the harness's tolerance in that dtype; several splits (tiles with base
     angles > 0), GQA 4, d = 64, r = 16, a key group tail for int4/int2."""
     _triton_or_skip()
-    from subspace_ref_triton import decode, rope_decode
-    from subspace_ref_triton._common import interpreting
+    from subspace_ref_triton import rope_decode
 
-    state, keys, values, q = build(("gpu", "half", None, 1.0, 2, 4, 64, 16, 300, coefficients, "native", 0), rng)
-    state.append(keys, values)
-    tst = state.to("triton", dtype=dtype)
-    qt = torch.as_tensor(q, device=tst.layout.key_coef.device).to(getattr(torch, dtype))
-    state64 = tst.to("numpy", dtype=np.float64)
-    q64 = to_numpy(qt).astype(np.float64)
-    want = sr.attend(q64, state64)
-    ref = reference_error(state64, q64[None], None, want[None], dtype)
-    scale = 1.0 / np.sqrt(64)
-    launch, (pm, pz, po) = rope_decode.split_launch(qt[None], tst.layout, tst.policy.rope, scale, 2 * rope_decode.BLOCK_T, legacy=legacy,
-                                                     **({} if legacy else dict(key_parts=key_parts)))
-    assert (launch.kernel is rope_decode._rope_split_kernel) == legacy
+    case = ("gpu", "half", None, 1.0, 2, 4, 64, 16, 300, coefficients, "native", 0)
     # the legacy kernel's tensor-core rebuild takes 16-bit or int8 key coefficients only (rope_decode.native16)
-    launch.constexprs["NATIVE16"] = not legacy or coefficients.split("/")[0] in ("float", "int8")
-    with gpu_numerics(monkeypatch) if interpreting() else contextlib.nullcontext():
-        launch.run()
-    got = to_numpy(decode.merge_partials(pm, pz, po, qt.dtype))[0].astype(np.float64)
-    assert np.abs(got - want).max() <= tolerance(ref, want, dtype), (np.abs(got - want).max(), ref)
+    native16 = not legacy or coefficients.split("/")[0] in ("float", "int8")
+    err, tol, launch = _gpu_numerics_error(case, dtype, 2 * rope_decode.BLOCK_T, rng, monkeypatch, native16=native16, legacy=legacy,
+                                           **({} if legacy else dict(key_parts=key_parts)))
+    assert (launch.kernel is rope_decode._rope_split_kernel) == legacy
+    assert err <= tol, (err, tol)
 
 
 def test_triton_pre_rope_default_kernels():
@@ -255,9 +243,10 @@ def test_triton_pre_rope_default_kernels():
         assert launch.kernel is rope_decode._rope_split_kernel
 
 
-def _gpu_numerics_error(case, dtype, split_len, rng, monkeypatch, first_position=0, **launch_kw):
-    """(error, tolerance, launch) of the tensor-core kernel under the GPU numerics emulation
-    (``NATIVE16`` on, :func:`gpu_numerics`) against the float64 oracle of the stored state."""
+def _gpu_numerics_error(case, dtype, split_len, rng, monkeypatch, native16=True, **launch_kw):
+    """(error, tolerance, launch) of the kernel ``launch_kw`` select with a GPU launch's
+    ``NATIVE16`` (``native16``) and, under the interpreter, the GPU numerics emulation
+    (:func:`gpu_numerics`), against the float64 oracle of the stored state."""
     from subspace_ref_triton import decode, rope_decode
     from subspace_ref_triton._common import interpreting
 
@@ -271,7 +260,7 @@ def _gpu_numerics_error(case, dtype, split_len, rng, monkeypatch, first_position
     ref = reference_error(state64, q64[None], None, want[None], dtype)
     scale = 1.0 / np.sqrt(q.shape[-1])
     launch, (pm, pz, po) = rope_decode.split_launch(qt[None], tst.layout, tst.policy.rope, scale, split_len, **launch_kw)
-    launch.constexprs["NATIVE16"] = True
+    launch.constexprs["NATIVE16"] = native16
     with gpu_numerics(monkeypatch) if interpreting() else contextlib.nullcontext():
         launch.run()
     got = to_numpy(decode.merge_partials(pm, pz, po, qt.dtype))[0].astype(np.float64)

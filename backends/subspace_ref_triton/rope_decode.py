@@ -197,10 +197,16 @@ def _rope_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(w, dvals, input_precision="ieee")
         m_i = m_new
 
-    E = tl.load(vb_ptr + n * svb_n + h * svb_h + offs_rv[:, None] * svb_r + offs_dv[None, :],
-                mask=rv_mask[:, None] & (offs_dv < d_v)[None, :], other=0.0).to(tl.float32)
+    _write_partial(acc, m_i, z_i, vb_ptr + n * svb_n + h * svb_h + offs_rv[:, None] * svb_r, rv_mask, offs_dv, d_v, (n * H + h) * group + offs_g, g_mask,
+                   pm_ptr, pz_ptr, po_ptr, num_splits, s)
+
+
+@triton.jit
+def _write_partial(acc, m_i, z_i, e_rows, rv_mask, offs_dv, d_v, row, g_mask, pm_ptr, pz_ptr, po_ptr, num_splits, s):
+    """A split's partial (m, Z, N = acc E) of the query rows ``row``: E's rows at ``e_rows`` (pointers
+    to the value basis rows in the order acc's columns hold them)."""
+    E = tl.load(e_rows + offs_dv[None, :], mask=rv_mask[:, None] & (offs_dv < d_v)[None, :], other=0.0).to(tl.float32)
     o_i = tl.dot(acc, E, input_precision="ieee")
-    row = (n * H + h) * group + offs_g
     tl.store(pm_ptr + row * num_splits + s, m_i, mask=g_mask)
     tl.store(pz_ptr + row * num_splits + s, z_i, mask=g_mask)
     tl.store(po_ptr + (row * num_splits + s)[:, None] * d_v + offs_dv[None, :], o_i, mask=g_mask[:, None] & (offs_dv < d_v)[None, :])
@@ -338,13 +344,8 @@ def _rope_mma_kernel(
     else:
         acc = acc2
     acc = acc + zacc[:, None]  # (G, RV)
-    E = tl.load(vb_ptr + n * svb_n + h * svb_h + val_rv[:, None] * svb_r + offs_dv[None, :],
-                mask=rv_mask[:, None] & (offs_dv < d_v)[None, :], other=0.0).to(tl.float32)
-    o_i = tl.dot(acc, E, input_precision="ieee")
-    row = (n * H + h) * group + offs_g
-    tl.store(pm_ptr + row * num_splits + s, m_i, mask=g_mask)
-    tl.store(pz_ptr + row * num_splits + s, z_i, mask=g_mask)
-    tl.store(po_ptr + (row * num_splits + s)[:, None] * d_v + offs_dv[None, :], o_i, mask=g_mask[:, None] & (offs_dv < d_v)[None, :])
+    _write_partial(acc, m_i, z_i, vb_ptr + n * svb_n + h * svb_h + val_rv[:, None] * svb_r, rv_mask, offs_dv, d_v, (n * H + h) * group + offs_g, g_mask,
+                   pm_ptr, pz_ptr, po_ptr, num_splits, s)
 
 
 @triton.jit

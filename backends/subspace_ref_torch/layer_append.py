@@ -145,17 +145,23 @@ class LayerAppender:
                 lay = lay.with_capacity(lay.num_tokens + 1, lay.key_bases.shape[2])
                 if not self._arrays(i, lay):
                     return None
-            c = self.calls[i]
-            new_k, new_v = torch.empty_like(win.keys), torch.empty_like(win.values)
-            tail = None
-            if self.low_bit_keys[i]:
-                tail = torch.empty_like(lay.key_tail)
-                c.old_tail, c.new_tail = lay.key_tail.data_ptr(), tail.data_ptr()
-            c.a, c.keys, c.values = lay.num_tokens, keys.data_ptr(), values.data_ptr()
-            c.window_keys, c.window_values = win.keys.data_ptr(), win.values.data_ptr()
-            c.new_window_keys, c.new_window_values = new_k.data_ptr(), new_v.data_ptr()
-            commits.append((st, lay, win, new_k, new_v, tail))
+            commits.append((st, lay, win, *self.fill(i, lay, win, keys.data_ptr(), values.data_ptr())))
         return AppendStep(commits, keys, values)
+
+    def fill(self, i: int, lay, win, keys_at: int, values_at: int) -> tuple:
+        """Point call i at this step's tokens (the contiguous keys and values at ``keys_at``,
+        ``values_at``), ``lay``'s row and ``win``, and at fresh arrays for the new window and (int4 /
+        int2 keys) key tail, which it returns: (new window keys, new window values, new tail or None)."""
+        c = self.calls[i]
+        new_k, new_v = torch.empty_like(win.keys), torch.empty_like(win.values)
+        tail = None
+        if self.low_bit_keys[i]:
+            tail = torch.empty_like(lay.key_tail)
+            c.old_tail, c.new_tail = lay.key_tail.data_ptr(), tail.data_ptr()
+        c.a, c.keys, c.values = lay.num_tokens, keys_at, values_at
+        c.window_keys, c.window_values = win.keys.data_ptr(), win.values.data_ptr()
+        c.new_window_keys, c.new_window_values = new_k.data_ptr(), new_v.data_ptr()
+        return new_k, new_v, tail
 
     def _serves(self, i: int, lay, win) -> bool:
         """Whether group i's state (its layout and window) is one the call appends to: a full

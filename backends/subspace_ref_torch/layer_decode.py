@@ -84,19 +84,13 @@ class LayerDecoder:
             T = lay.num_tokens
             if T + 1 > lay.key_coef.shape[2]:  # a capacity growth: the caller's path grows the arrays
                 return None
+            made = ap.fill(i, lay, win, keys_at, values_at)
             a, c, e = ap.calls[i], self.calls[i], self.exact[i]
-            new_k, new_v = torch.empty_like(win.keys), torch.empty_like(win.values)
-            a.a, a.keys, a.values = T, keys_at, values_at
-            a.window_keys, a.window_values = win.keys.data_ptr(), win.values.data_ptr()
-            a.new_window_keys = e.keys[1] = new_k.data_ptr()
-            a.new_window_values = e.values[1] = new_v.data_ptr()
+            e.keys[1], e.values[1] = a.new_window_keys, a.new_window_values  # the attention reads the new window
             c.tokens, c.tile, c.q, c.out = T + 1, token_tiles(T + 1).step, x_at, out_at
-            tail = None
-            if ap.low_bit_keys[i]:
-                tail = torch.empty_like(lay.key_tail)
-                a.old_tail, a.new_tail = lay.key_tail.data_ptr(), tail.data_ptr()
+            if made[2] is not None:
                 c.key_tail = a.new_tail
-            fresh.append((new_k, new_v, tail))
+            fresh.append(made)
         if self._decode(len(states), ap.calls, ctypes.byref(ap.magnitude), self.calls) != 0:
             return None  # nothing a state reads has changed: the caller's path names the failure
         ap.commit(AppendStep([(st, st.layout, st.window, *made) for st, made in zip(states, fresh)], keys, values))

@@ -345,7 +345,7 @@ LOW_BIT_CASES = [
     ("static-tail_only", "static", 1, 2, 2, 32, 32, 6, 6, 5, 8, 16),
     ("static-G24-splits", "static", 1, 2, 2, 32, 32, 5, 4, 100, 24, 32),
     ("adaptive-chunks", "adaptive", 1, 2, 3, 32, 24, 4, 5, 70, 16, 32),
-    # Q6's centred form (decode.centred_group), int4 read as 32-bit words (power-of-two ranks >= 8):
+    # Q6's centred form (decode.centred_int4), int4/int2 read as 32-bit words (power-of-two ranks >= 8):
     # group-aligned tiles, splits that start inside a group, the tail after the coded groups (chunks: adaptive-chunks)
     ("static-G32-words-tail", "static", 1, 2, 4, 64, 48, 32, 16, 150, 32, 48),
     ("static-G16-words", "static", 1, 2, 2, 64, 64, 16, 16, 100, 16, 40),
@@ -405,16 +405,17 @@ CENTRED_CASES = [c for c in LOW_BIT_CASES if "words" in c[0]]
 
 
 class TestCentredForms:
-    """int4's centred form (spec/quantization.md Q6) in both product orientations of the split
+    """int4's and int2's centred form (spec/quantization.md Q6) in both product orientations of the split
     kernel: the tile's tokens on the MMA's M dimension (``TOKENS_M``, the default: interior tiles
     unmasked, the partial first and last tiles of a split masked after them) and the query heads on
     M (``split_launch(..., tokens_m=False)``, kept for timing). Same oracle and tolerance as
     :class:`TestLowBitDecode`; the splits of the cases start and end inside key groups."""
 
+    @pytest.mark.parametrize("bits", ["int4", "int2"])
     @pytest.mark.parametrize("tokens_m", [True, False])
     @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
     @pytest.mark.parametrize("case", CENTRED_CASES, ids=[c[0] for c in CENTRED_CASES])
-    def test_matches_oracle(self, impl, rng, case, dtype, tokens_m, monkeypatch):
+    def test_matches_oracle(self, impl, rng, case, dtype, tokens_m, bits, monkeypatch):
         monkeypatch.setattr(decode, "TOKENS_M_DEFAULT", tokens_m)
         launches = []
         real = decode.split_launch
@@ -425,7 +426,7 @@ class TestCentredForms:
             return launch, out
 
         monkeypatch.setattr(decode, "split_launch", spy)
-        TestLowBitDecode().test_matches_oracle(impl, rng, case, dtype, "int4")
+        TestLowBitDecode().test_matches_oracle(impl, rng, case, dtype, bits)
         assert launches or impl["attend"] is decode.decode_attention_reference
         assert all(c["CENTRED"] and c["TOKENS_M"] == tokens_m for c in launches)
 

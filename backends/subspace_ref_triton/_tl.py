@@ -95,28 +95,44 @@ def _code_pair(words, SHIFT: tl.constexpr, BITS: tl.constexpr, COEF: tl.constexp
 
 
 @triton.jit
-def centred_int4_words(base, tok, rows, stride_words, WIDTH: tl.constexpr, COEF: tl.constexpr, INTERPRETED: tl.constexpr):
-    """``c - 8`` (spec/quantization.md Q6) of the WIDTH int4 channels of the tokens ``tok`` whose
-    ``rows`` are set, in ``COEF`` (exact), read as 32-bit words (``base`` a uint32 pointer,
-    ``stride_words`` between rows), channels in the order :func:`int4_word_order`. (int2 the same
-    way, 8 pairs a word, measured more instructions than the gather: its joins go through shared
-    memory.)"""
-    BITS: tl.constexpr = 4
-    offs_w = tl.arange(0, WIDTH // 8)
+def centred_words(base, tok, rows, stride_words, WIDTH: tl.constexpr, BITS: tl.constexpr, COEF: tl.constexpr, INTERPRETED: tl.constexpr):
+    """``c - M`` (spec/quantization.md Q6, M = 2^(BITS-1)) of the WIDTH int4/int2 channels of the
+    tokens ``tok`` whose ``rows`` are set, in ``COEF`` (exact), read as 32-bit words (``base`` a
+    uint32 pointer, ``stride_words`` between rows), channels in the order :func:`word_order`."""
+    offs_w = tl.arange(0, WIDTH * BITS // 32)
+    if BITS == 2:  # one word per load (no contiguity for Triton to vectorise): wider loads measured more instructions in the joins
+        offs_w = tl.where(offs_w >= 0, offs_w, 0)
     words = tl.load(base + tok[:, None] * stride_words + offs_w[None, :], mask=rows[:, None], other=0)  # sass: codes
     l0, h0 = _code_pair(words, 0, BITS, COEF, INTERPRETED)
     l1, h1 = _code_pair(words, 1, BITS, COEF, INTERPRETED)
     l2, h2 = _code_pair(words, 2, BITS, COEF, INTERPRETED)
     l3, h3 = _code_pair(words, 3, BITS, COEF, INTERPRETED)
-    # (t, k, h, s0, s1) -> channel 8k + 4h + s0 + 2 s1 at position 8k + 4h + 2 s0 + s1
+    # (t, k, h, s0, s1[, s2]) -> code s0 + 2 s1 [+ 4 s2] + 32 h / (2 BITS) of word k: word_order
     y = tl.join(tl.join(tl.join(l0, h0), tl.join(l1, h1)), tl.join(tl.join(l2, h2), tl.join(l3, h3)))
+    if BITS == 2:
+        l4, h4 = _code_pair(words, 4, BITS, COEF, INTERPRETED)
+        l5, h5 = _code_pair(words, 5, BITS, COEF, INTERPRETED)
+        l6, h6 = _code_pair(words, 6, BITS, COEF, INTERPRETED)
+        l7, h7 = _code_pair(words, 7, BITS, COEF, INTERPRETED)
+        y = tl.join(y, tl.join(tl.join(tl.join(l4, h4), tl.join(l5, h5)), tl.join(tl.join(l6, h6), tl.join(l7, h7))))
     return tl.reshape(y, (tok.shape[0], WIDTH))
 
 
 @triton.jit
 def int4_word_order(offs):
-    """The channel at each position of :func:`centred_int4_words`' rows: bits 0 and 1 swapped."""
+    """The channel at each position of an int4 row of :func:`centred_words`: bits 0 and 1 swapped."""
     return (offs & ~3) | ((offs & 1) << 1) | ((offs >> 1) & 1)
+
+
+@triton.jit
+def word_order(offs, BITS: tl.constexpr):
+    """The channel at each position of :func:`centred_words`' rows: the low bits below the
+    lo/hi half of a word reversed (int4: bits 0 and 1 swapped; int2: bits 0 and 2)."""
+    if BITS == 4:
+        out = int4_word_order(offs)
+    else:
+        out = (offs & ~5) | ((offs & 1) << 2) | ((offs >> 2) & 1)
+    return out
 
 
 @triton.jit

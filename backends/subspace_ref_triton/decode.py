@@ -39,10 +39,10 @@ is loaded (the products then take 2 float16 parts of the other operand, whatever
 folded into the softmax weights before the weighted sum. The cache then streams ``r + r_v`` bytes plus 8 bytes
 of scales per token and head.
 
-int4 coefficients with 16-bit bases take spec/quantization.md Q6's centred form
+int4 and int2 coefficients with 16-bit bases take spec/quantization.md Q6's centred form
 (:func:`centred_int4`; docs/gpu.md, "Static budgets"): the key scales of a tile's one group are
 folded into the query and a bias, the value scales into the weights, and the codes enter the
-bfloat16 tensor-core products as exact integers ``c - 8``.
+bfloat16 tensor-core products as exact integers ``c - M`` (M = 8 or 2).
 
 Under ``TRITON_INTERPRET=1`` the 16-bit MMAs are replaced by float32 products of the same 16-bit
 parts (the interpreter's bfloat16 ``tl.dot`` is wrong; products of 16-bit numbers are exact in
@@ -62,7 +62,7 @@ from subspace_ref_triton._common import Launch, cdiv, interpreting, pow2_at_leas
 from subspace_ref_triton.occupancy import GPU, full_wave_splits, resident_blocks
 from subspace_ref_triton._tl import MAX_COMBINE as _MAX
 from subspace_ref_triton._tl import SUM_COMBINE as _SUM
-from subspace_ref_triton._tl import centred_int4_words, exp2_ftz, int4_word_order, int8_as_f16, low_bit_keys, low_bit_values, split3, split3_bits, to_storage
+from subspace_ref_triton._tl import centred_words, exp2_ftz, int8_as_f16, low_bit_keys, low_bit_values, split3, split3_bits, to_storage, word_order
 
 
 def _small_dots() -> bool:
@@ -96,9 +96,12 @@ QUANTISED_MAX_REGISTERS = 128
 # 647 instructions in the sm_90 main loop (bf16, r = 32, 2 warps), half the MMAs; not yet timed.
 # split_launch(..., tokens_m=False) keeps the query-heads-on-M form for timing against it.
 TOKENS_M_DEFAULT = True
-# Warps of the int4 split kernel in the centred form (centred_int4), uncapped: fewest instructions
+# Warps of the int4/int2 split kernel in the centred form (centred_int4), uncapped: fewest instructions
 # per token in the compiled loop (docs/gpu.md, "Static budgets"), not yet timed.
 CENTRED_WARPS = 1
+# Code widths read in the centred form (centred_int4): int2 joined int4 there, as its words took
+# fewer instructions in the compiled loop than the per-code c s + z reader (not yet timed).
+CENTRED_BITS = (4, 2)
 # bfloat16 parts of a_j = q~_j s_j and of the weights in the centred form: what the harness's
 # tolerance of a low-bit state in the bases' dtype takes (tests/differential/tolerance.py), one
 # part with bfloat16 bases, two (16 bits, more than float16's 11) with float16 bases.
@@ -233,9 +236,9 @@ def _decode_split_kernel(
     else:
         r_mask = offs_r < r
         rv_mask = offs_rv < r_v
-    if CENTRED:  # int4 rows read as 32-bit words put the channels in this order (_tl.centred_int4_words)
-        key_r = int4_word_order(offs_r)
-        val_rv = int4_word_order(offs_rv)
+    if CENTRED:  # int4/int2 rows read as 32-bit words put the channels in this order (_tl.centred_words)
+        key_r = word_order(offs_r, K_BITS)
+        val_rv = word_order(offs_rv, K_BITS)
     else:
         key_r = offs_r
         val_rv = offs_rv
@@ -341,11 +344,11 @@ def _decode_split_kernel(
 
         acc = tl.full([G, RV], 0.0, tl.float32)  # value-coefficient accumulator, at scale m_i
         if CENTRED:
-            # int4 in spec/quantization.md Q6's centred form (centred_int4; docs/gpu.md, "Static budgets"):
+            # int4/int2 in spec/quantization.md Q6's centred form (centred_int4; docs/gpu.md, "Static budgets"):
             # tiles of one key group each (BLOCK_T = group, tiles group-aligned), so a tile's key
             # scales are one row, folded into the query (a_j = q~_j s_j) and a bias per query head;
             # the value scales go into the weights. The codes enter the products as small integers.
-            MID: tl.constexpr = 8
+            MID: tl.constexpr = 1 << (K_BITS - 1)
             zacc = tl.full([G], 0.0, tl.float32)  # sum_t w_t (zeta_t + M tau_t), at scale m_i
             # TOKENS_M: the tile's tokens on the MMA's M dimension (logits^T = codes @ a_j^T, and
             # acc^T = codes^T @ w^T), so the GQA group is the small N of both products, not M
@@ -361,7 +364,7 @@ def _decode_split_kernel(
                 for t0 in range(full_lo, full_hi, BLOCK_T):  # sass: main loop
                     m_i, z_i, acc_t, zacc = _centred_tile_t(t0, c_lo, coded_hi, q_proj, row_scale, key_r, ks_base, kz_base, kc_base, sks_t, skc_t,
                                                             vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t, m_i, z_i, acc_t, zacc,
-                                                            BLOCK_T, NATIVE16, INTERPRETED, False, CPARTS)
+                                                            BLOCK_T, NATIVE16, INTERPRETED, False, CPARTS, K_BITS)
                 last_t = (coded_hi - 1) // BLOCK_T * BLOCK_T
                 for e in range(0, 2):
                     t0 = tl.where(e == 0, t_first, last_t)
@@ -369,7 +372,7 @@ def _decode_split_kernel(
                     if (c_lo < coded_hi) & partial & ((e == 0) | (last_t != t_first)):
                         m_i, z_i, acc_t, zacc = _centred_tile_t(t0, c_lo, coded_hi, q_proj, row_scale, key_r, ks_base, kz_base, kc_base, sks_t, skc_t,
                                                                 vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t, m_i, z_i, acc_t, zacc,
-                                                                BLOCK_T, NATIVE16, INTERPRETED, True, CPARTS)
+                                                                BLOCK_T, NATIVE16, INTERPRETED, True, CPARTS, K_BITS)
             else:
                 for t0 in range(t_first, coded_hi, BLOCK_T):  # sass: main loop
                     tok = t0 + offs_t
@@ -381,7 +384,7 @@ def _decode_split_kernel(
                     u = q_proj * s_k[None, :]
                     # codes and a_j in bfloat16 whatever the bases' 16-bit type: float32's range, so no
                     # power-of-two rescaling per tile; a_j in 3 parts (float32 accuracy)
-                    y = centred_int4_words(kc_base.to(tl.pointer_type(tl.uint32)), tok, t_mask, skc_t // 4, R, tl.bfloat16, INTERPRETED)  # (BLOCK_T, R), exact
+                    y = centred_words(kc_base.to(tl.pointer_type(tl.uint32)), tok, t_mask, skc_t // 4, R, K_BITS, tl.bfloat16, INTERPRETED)  # (BLOCK_T, R), exact
                     u_hi, u_mid, u_lo = split3(u, tl.bfloat16)
                     if NATIVE16:
                         yt = tl.trans(y)
@@ -395,7 +398,7 @@ def _decode_split_kernel(
                         logits = tl.dot(u_hi.to(tl.float32), yt, acc=logits, input_precision="ieee")
                     logits = (logits + bias[:, None]) * row_scale[:, None]
                     m_i, z_i, acc, zacc = _centred_values(logits, tok, t_mask, m_i, z_i, acc, zacc, vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t,
-                                                          NATIVE16, INTERPRETED)
+                                                          NATIVE16, INTERPRETED, K_BITS)
             # the unfinished group (spec/quantization.md Q2.2): float keys from key_tail, outside the hot loop
             for t0 in range(tl.maximum(t_first, complete), c_hi, BLOCK_T):
                 tok = t0 + offs_t
@@ -404,11 +407,11 @@ def _decode_split_kernel(
                 if TOKENS_M:
                     lt = tl.dot(k_tl.to(tl.float32), tl.trans(q_proj), input_precision="ieee") * row_scale[None, :]
                     m_i, z_i, acc_t, zacc = _centred_values_t(lt, tok, t_mask, m_i, z_i, acc_t, zacc, vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t,
-                                                              NATIVE16, INTERPRETED, CPARTS)
+                                                              NATIVE16, INTERPRETED, CPARTS, K_BITS)
                 else:
                     logits = tl.dot(q_proj, tl.trans(k_tl.to(tl.float32)), input_precision="ieee") * row_scale[:, None]
                     m_i, z_i, acc, zacc = _centred_values(logits, tok, t_mask, m_i, z_i, acc, zacc, vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t,
-                                                          NATIVE16, INTERPRETED)
+                                                          NATIVE16, INTERPRETED, K_BITS)
             if TOKENS_M:
                 acc = tl.trans(acc_t)
             acc += zacc[:, None]
@@ -474,12 +477,12 @@ def _decode_split_kernel(
 
 @triton.jit
 def _centred_values(logits, tok, t_mask, m_i, z_i, acc, zacc, vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t,
-                    NATIVE16: tl.constexpr, INTERPRETED: tl.constexpr):
-    """One tile of the one-pass softmax (spec A3) with int4 values in Q6's centred form:
+                    NATIVE16: tl.constexpr, INTERPRETED: tl.constexpr, BITS: tl.constexpr = 4):
+    """One tile of the one-pass softmax (spec A3) with int4/int2 values in Q6's centred form:
     sum_t w_t x_t = sum_t (w_t tau_t)(c_t - M) + sum_t w_t (zeta_t + M tau_t), the first a product
     of the scaled weights with the small-integer codes (bfloat16, the weights in 3 parts), the
     second ``zacc``."""
-    MID: tl.constexpr = 8
+    MID: tl.constexpr = 1 << (BITS - 1)
     logits = tl.where(t_mask[None, :], logits, float("-inf"))
     m_new = tl.maximum(m_i, tl.reduce(logits, 1, _MAX))
     alpha = tl.exp(m_i - m_new)
@@ -489,7 +492,7 @@ def _centred_values(logits, tok, t_mask, m_i, z_i, acc, zacc, vc_base, vs_base, 
     zeta = tl.load(vz_base + tok * svs_t, mask=t_mask, other=0.0).to(tl.float32)
     zacc = zacc * alpha + tl.reduce(w * (zeta + MID * tau)[None, :], 1, _SUM)
     wv = w * tau[None, :]
-    y = centred_int4_words(vc_base.to(tl.pointer_type(tl.uint32)), tok, t_mask, svc_t // 4, offs_rv.shape[0], tl.bfloat16, INTERPRETED)  # (BLOCK_T, RV), exact
+    y = centred_words(vc_base.to(tl.pointer_type(tl.uint32)), tok, t_mask, svc_t // 4, offs_rv.shape[0], BITS, tl.bfloat16, INTERPRETED)  # (BLOCK_T, RV), exact
     w_hi, w_mid, w_lo = split3(wv, tl.bfloat16)
     if NATIVE16:
         pv = tl.dot(w_mid, y)
@@ -717,13 +720,13 @@ def _split_tile(t0, c_hi, kb_base, q_proj, q_hi, q_mid, q_lo, row_scale, m_i, z_
 @triton.jit
 def _centred_tile_t(t0, t_lo, t_hi, q_proj, row_scale, key_r, ks_base, kz_base, kc_base, sks_t, skc_t, vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t,
                     m_i, z_i, acc_t, zacc, BLOCK_T: tl.constexpr, NATIVE16: tl.constexpr, INTERPRETED: tl.constexpr, MASKED: tl.constexpr,
-                    CPARTS: tl.constexpr):
-    """One tile (one key group, starting at ``t0``) of int4's centred form with the tokens on the
+                    CPARTS: tl.constexpr, BITS: tl.constexpr = 4):
+    """One tile (one key group, starting at ``t0``) of the int4/int2 centred form with the tokens on the
     MMA's M dimension: the group's key scales folded into a_j = q~_j s_j and a bias per query head
     (spec/quantization.md Q6), logits^T = codes @ a_j^T in 3 bfloat16 parts of a_j, then
     :func:`_centred_values_t`. ``MASKED``: only tokens in [t_lo, t_hi) count (edge tiles);
     otherwise every token of the tile does and nothing is masked (whole ranks: r = R here)."""
-    MID: tl.constexpr = 8
+    MID: tl.constexpr = 1 << (BITS - 1)
     tok = t0 + tl.arange(0, BLOCK_T)
     if MASKED:
         t_mask = (tok >= t_lo) & (tok < t_hi)
@@ -736,7 +739,7 @@ def _centred_tile_t(t0, t_lo, t_hi, q_proj, row_scale, key_r, ks_base, kz_base, 
     u = q_proj * s_k[None, :]
     # codes and a_j in bfloat16 whatever the bases' 16-bit type: float32's range, so no
     # power-of-two rescaling per tile; a_j in 3 parts (float32 accuracy)
-    y = centred_int4_words(kc_base.to(tl.pointer_type(tl.uint32)), tok, t_mask, skc_t // 4, key_r.shape[0], tl.bfloat16, INTERPRETED)  # (BLOCK_T, R), exact
+    y = centred_words(kc_base.to(tl.pointer_type(tl.uint32)), tok, t_mask, skc_t // 4, key_r.shape[0], BITS, tl.bfloat16, INTERPRETED)  # (BLOCK_T, R), exact
     u_hi, u_mid, u_lo = split3_bits(u)
     if NATIVE16:
         lt = tl.dot(y, tl.trans(u_hi))
@@ -752,16 +755,16 @@ def _centred_tile_t(t0, t_lo, t_hi, q_proj, row_scale, key_r, ks_base, kz_base, 
         if CPARTS > 2:
             lt = tl.dot(yf, tl.trans(u_lo.to(tl.float32)), acc=lt, input_precision="ieee")
     lt = (lt + bias[None, :]) * row_scale[None, :]
-    return _centred_values_t(lt, tok, t_mask, m_i, z_i, acc_t, zacc, vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t, NATIVE16, INTERPRETED, CPARTS)
+    return _centred_values_t(lt, tok, t_mask, m_i, z_i, acc_t, zacc, vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t, NATIVE16, INTERPRETED, CPARTS, BITS)
 
 
 @triton.jit
 def _centred_values_t(lt, tok, t_mask, m_i, z_i, acc_t, zacc, vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t,
-                      NATIVE16: tl.constexpr, INTERPRETED: tl.constexpr, CPARTS: tl.constexpr = 3):
+                      NATIVE16: tl.constexpr, INTERPRETED: tl.constexpr, CPARTS: tl.constexpr = 3, BITS: tl.constexpr = 4):
     """:func:`_centred_values` with the tokens on the MMA's M dimension: ``lt`` the logits
     transposed (tokens x heads), ``acc_t`` the accumulator transposed (RV x heads), updated by
     acc^T += codes^T @ (w tau)^T (the codes' tile the A operand, the group the N dimension)."""
-    MID: tl.constexpr = 8
+    MID: tl.constexpr = 1 << (BITS - 1)
     LOG2E: tl.constexpr = 1.4426950408889634
     lt = tl.where(t_mask[:, None], lt, float("-inf"))
     m_new = tl.maximum(m_i, tl.reduce(lt, 0, _MAX))
@@ -772,7 +775,7 @@ def _centred_values_t(lt, tok, t_mask, m_i, z_i, acc_t, zacc, vc_base, vs_base, 
     zeta = tl.load(vz_base + tok * svs_t, mask=t_mask, other=0.0).to(tl.float32)
     zacc = zacc * alpha + tl.reduce(w * (zeta + MID * tau)[:, None], 0, _SUM)
     wv = w * tau[:, None]
-    y = centred_int4_words(vc_base.to(tl.pointer_type(tl.uint32)), tok, t_mask, svc_t // 4, offs_rv.shape[0], tl.bfloat16, INTERPRETED)  # (BLOCK_T, RV), exact
+    y = centred_words(vc_base.to(tl.pointer_type(tl.uint32)), tok, t_mask, svc_t // 4, offs_rv.shape[0], BITS, tl.bfloat16, INTERPRETED)  # (BLOCK_T, RV), exact
     w_hi, w_mid, w_lo = split3_bits(wv)
     if NATIVE16:
         yt = tl.trans(y)
@@ -891,8 +894,8 @@ def launch_config(d: int, d_v: int, dtype=None, int8: bool = False, bits: int = 
       "Static budgets"), not yet timed; a side in int4/int2 takes the low-bit configuration below;
     * int4/int2 coefficients (spec/quantization.md Q2) with 16-bit bases: 64-token tiles, 4 warps
       (179-240 registers uncapped, 2 per SM; the fastest of an H100's tile and warp sweep,
-      docs/gpu.md), capped at QUANTISED_MAX_REGISTERS; int4 in the centred form
-      (:func:`centred_int4`) takes tiles of one key group instead (the default group: 32 tokens)
+      docs/gpu.md), capped at QUANTISED_MAX_REGISTERS; int4 and int2 in the centred form
+      (:func:`centred_int4`) take tiles of one key group instead (the default group: 32 tokens)
       on CENTRED_WARPS warps, uncapped, a choice from the compiled code alone, not yet timed
       (docs/gpu.md, "Static budgets");
     * the caps trade spills for resident programs because a GPU timed them faster
@@ -914,13 +917,13 @@ def launch_config(d: int, d_v: int, dtype=None, int8: bool = False, bits: int = 
 
 
 def centred_int4(layout, parts: int) -> bool:
-    """Whether the split kernel reads an int4 layout in spec/quantization.md Q6's centred form
-    (``CENTRED``; docs/gpu.md, "Static budgets"): 16-bit bases (``parts`` > 1), power-of-two ranks
-    of at least 16 (whole rows of 32-bit words of codes, no channel mask), rows and pointers
-    4-byte aligned, and key groups a power of two from 16 to 128 tokens (one group per tile).
-    Everything else reads each code as ``c s + z`` (_tl.low_bit_tile): int2 (its words measured
-    more instructions), float32 bases, other ranks and groups."""
-    if int(getattr(layout, "low_bits", 0) or 0) != 4 or parts == 1:
+    """Whether the split kernel reads an int4 or int2 layout in spec/quantization.md Q6's centred
+    form (``CENTRED``; docs/gpu.md, "Static budgets"): code widths in CENTRED_BITS, 16-bit bases
+    (``parts`` > 1), power-of-two ranks of at least 16 (whole rows of 32-bit words of codes, no
+    channel mask), rows and pointers 4-byte aligned, and key groups a power of two from 16 to 128
+    tokens (one group per tile). Everything else reads each code as ``c s + z``
+    (_tl.low_bit_keys): float32 bases, other ranks and groups."""
+    if int(getattr(layout, "low_bits", 0) or 0) not in CENTRED_BITS or parts == 1:
         return False
     r, r_v, G = layout.key_bases.shape[3], layout.value_bases.shape[3], int(layout.group)
     kc, vc = layout.key_coef, layout.value_coef
@@ -1022,7 +1025,7 @@ def split_launch(
     the cache grows (:class:`~subspace_ref_triton.workspace.DecodeWorkspace`). ``outputs``:
     preallocated ``(m, Z, N)`` to write instead of new tensors.
 
-    ``tokens_m``: in int4's centred form, the tile's tokens on the MMA's M dimension (default,
+    ``tokens_m``: in the int4/int2 centred form, the tile's tokens on the MMA's M dimension (default,
     ``TOKENS_M``; fewer instructions in the compiled loop) or, ``False``, the query heads on M
     padded to the MMA's 16 rows (the form timed before; kept to time both).
 

@@ -241,6 +241,53 @@ def test_a_one_state_layer_decodes_in_one_call_as_its_own_append_and_attend(monk
     assert "layer_decode" not in own_calls and one_calls.get("layer_decode", 0) >= len(cache.layers) * (steps - 1)
 
 
+def _fresh_versions(layer):
+    """What keep_restore_point keeps, computed afresh from the state's arrays."""
+    from subspace_ref.layout import FIXED_ARRAYS, held_arrays
+
+    return {name: (x, x._version) for name, x in held_arrays(layer.state, FIXED_ARRAYS).items()}
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_a_one_call_step_carries_the_next_restore_point(grouped):
+    """SubspaceLayer.carry_restore_point: after each one-call decode step the next forward's
+    restore point is the one keep_restore_point would take afresh (the same arrays, the same
+    versions), and it still refuses a state written in place, whether the array was one the
+    step replaced (the window's keys) or one it kept (the sinks)."""
+    from subspace_ref.hf.cache_layer import SubspaceLayer
+    from subspace_ref_torch import kernel_library as lib
+
+    if not lib.library_status()[0]:
+        pytest.skip(f"the C kernels are not built: {lib.library_status()[1]}")
+    model = model_for("llama", "float32")
+    rope = RopeParams.from_config(model.config)
+    if grouped:
+        d = model.config.hidden_size // model.config.num_attention_heads
+        alloc = mixed_allocation(d, 2, 3)
+        factory = allocated_states(mixed_bases(model, alloc), alloc, rope=rope)
+    else:
+        factory = static_states([sr_basis(model, 5)] * 2, coefficients="int4", sinks=2, window=3, rope=rope)
+    ids = prompt_ids(batch=1, length=12)
+    with compress(model, factory) as kv, torch.no_grad():
+        cache = kv.cache()
+        model(ids[:, :9], cache=cache)
+        children = cache.state_layers
+        assert all(isinstance(c, SubspaceLayer) for c in children) and isinstance(cache.layers[0], GroupedLayer) == grouped
+        for t in range(9, 12):
+            model(ids[:, t : t + 1], cache=cache)
+            assert all(c._carried is not None for c in children)  # every layer took the one-call step
+            fresh = [_fresh_versions(c) for c in children]
+            cache.begin_forward(children[0].layer_idx)  # the next forward's restore points, from what was carried
+            for c, want in zip(children, fresh):
+                got = c._restore_point[1]
+                assert got.keys() == want.keys() and all(got[n][0] is want[n][0] and got[n][1] == want[n][1] for n in want)
+        for name, array in (("window_keys", lambda st: st.window.keys), ("sink_keys", lambda st: st.window.sink_keys)):
+            model(ids[:, -1:], cache=cache)
+            array(cache.state_layers[0]._restore_point[0]).add_(1.0)  # written in place since the forward began
+            with pytest.raises(RuntimeError, match=f"{name} changed in place"):
+                cache.crop(-1)
+
+
 @pytest.mark.parametrize("one_call", [False, True])
 def test_a_failing_layer_attend_gives_back_every_groups_token(monkeypatch, one_call):
     """A decode step whose one attend fails after every group appended: the attention function's

@@ -17,6 +17,7 @@ every check and names any failure.
 from __future__ import annotations
 
 import ctypes
+import operator
 
 import torch
 
@@ -24,6 +25,8 @@ from subspace_ref_torch import kernel_library as lib
 from subspace_ref_torch.cpu_kernels import LayerKernel, kernel_call, spare_output
 from subspace_ref_torch.layer_append import AppendStep, LayerAppender, layer_appender
 from subspace_ref_torch.maps import map_sources, token_tiles
+
+_VERSION = operator.attrgetter("_version")  # a torch array's in-place write counter
 
 
 def layer_decoder(layer, heads, keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor, scale: float) -> "LayerDecoder | None":
@@ -60,7 +63,7 @@ class LayerDecoder:
         self.calls = (lib.GroupCallStruct * len(layer.groups))()
         self.exact = [lib.ExactStruct(scale=self.scale) for _ in layer.groups]  # the exact tokens' logit scale (no gamma)
         self.made_from: list = [None] * len(layer.groups)  # per group: the KernelCall its arguments came from
-        self.sources: list = [[] for _ in layer.groups]  # per group: (array, version) of what that call was made from
+        self.sources: list = [((), ()) for _ in layer.groups]  # per group: the arrays that call was made from, and their versions
         self.d_v = layer.groups[0].state.d_v
         self._spare_outputs: dict = {}
         self._decode = lib.library().layer_decode
@@ -79,7 +82,8 @@ class LayerDecoder:
         for i, st in enumerate(states):
             lay, win = st.layout, st.window
             last_lay, last_win = ap.committed[i]  # what the last step left: its arrays, bases and sinks are call i's
-            if not (lay is last_lay and win is last_win and all(a._version == v for a, v in self.sources[i])) and not self._admit(i, st, lay, win, x, out):
+            arrays, versions = self.sources[i]
+            if not (lay is last_lay and win is last_win and tuple(map(_VERSION, arrays)) == versions) and not self._admit(i, st, lay, win, x, out):
                 return None
             T = lay.num_tokens
             if T + 1 > lay.key_coef.shape[2]:  # a capacity growth: the caller's path grows the arrays
@@ -109,7 +113,8 @@ class LayerDecoder:
             self.calls[i] = call.group_call(x, lay, 1, None, self.rows[i], self.g, out, [])
             self.calls[i].exact = ctypes.pointer(self.exact[i])
             self.made_from[i] = call
-            self.sources[i] = [(a, a._version) for a in map_sources(lay) if a is not None]
+            arrays = tuple(a for a in map_sources(lay) if a is not None)
+            self.sources[i] = (arrays, tuple(map(_VERSION, arrays)))
         self.exact[i].count[1] = win.size
         if self.appender.low_bit_keys[i]:
             self.calls[i].tail_head_stride = lay.key_tail.stride(1)

@@ -21,9 +21,13 @@ from subspace_ref.hf import attention as _attn
 from subspace_ref.hf import causal_attention as _causal
 from subspace_ref.hf.state_factories import StateSpec
 from subspace_ref.layer_state import HeadGroup, LayerState
-from subspace_ref.layout import FIXED, FIXED_ARRAYS, held_arrays, mapped_parts
+from subspace_ref.layout import BY_NAME, FIXED, FIXED_ARRAYS, held_arrays, mapped_parts
 from subspace_ref.operations import select_sequences
 from subspace_ref.state import SubspaceState
+
+#: The fixed-size arrays a one-call decode step gives a state afresh (``LayerAppender.commit``:
+#: the exact window's and the key tail), as (part, attribute, name): see carry_restore_point.
+ONE_CALL_REPLACED = tuple((BY_NAME[n].part, BY_NAME[n].attr, n) for n in ("window_keys", "window_values", "key_tail"))
 
 
 class SubspaceLayer(CacheLayerMixin):
@@ -71,6 +75,7 @@ class SubspaceLayer(CacheLayerMixin):
         self.pending_values: torch.Tensor | None = None
         self._forward_start = 0  # tokens held when the current forward began (rollback point)
         self._restore_point: tuple[SubspaceState, dict] | None = None  # see keep_restore_point
+        self._carried: tuple | None = None  # the next forward's restore point, made by a one-call step (carry_restore_point)
         self._forward_tokens: tuple | None = None  # the current forward's keys and values, while a restore point is kept
         self._decoder: tuple | None = None  # (admission, the backend's one-call decode step or None): see _one_call_step
 
@@ -180,7 +185,11 @@ class SubspaceLayer(CacheLayerMixin):
         forward's tokens, which :meth:`attend_pending` keeps for forwards of at most
         ``max_crop_block`` tokens, so a prefill's are not held twice.)"""
         self._restore_point = self._forward_tokens = None
-        st = self.state
+        st, carried = self.state, self._carried
+        self._carried = None
+        if carried is not None and carried[0] is st and carried[1] is st.layout and carried[2] is st.sketches and carried[3] is st.window:
+            self._restore_point = (SubspaceState(st.policy, st.layout, st.sketches, st.batched, st.engine, st.window), carried[4])
+            return
         if st is None or self.truncate_reason() is None:
             return
         fixed = held_arrays(st, FIXED_ARRAYS)
@@ -193,6 +202,26 @@ class SubspaceLayer(CacheLayerMixin):
         else:
             parts = mapped_parts(st, lambda a, x: clone(x) if a.axis == FIXED else x)
             self._restore_point = (SubspaceState(st.policy, parts["layout"], parts["sketches"], st.batched, st.engine, parts["window"]), {})
+
+    def carry_restore_point(self) -> None:
+        """After a one-call decode step (``_one_call_step``, a grouped layer's too): the next
+        forward's restore point made from this forward's, which :meth:`keep_restore_point` takes
+        while the state still holds the parts the step left. The step replaced the layout and
+        window objects and, of their fixed-size arrays, only those of :data:`ONE_CALL_REPLACED`
+        (``LayerAppender.commit``); every other array is the same object, whose version kept at
+        this forward's start stays the one :meth:`restore` checks (a write since is still seen)."""
+        point, st = self._restore_point, self.state
+        if point is None or not point[1]:  # no restore point, or arrays without version counters
+            self._carried = None
+            return
+        versions = dict(point[1])
+        for part, attr, name in ONE_CALL_REPLACED:
+            x = getattr(getattr(st, part), attr)
+            if x is None:
+                versions.pop(name, None)
+            else:
+                versions[name] = (x, x._version)
+        self._carried = (st, st.layout, st.sketches, st.window, versions)
 
     def restore(self) -> None:
         """Bring the state back to the start of the current forward (see :meth:`keep_restore_point`)."""
@@ -240,7 +269,7 @@ class SubspaceLayer(CacheLayerMixin):
         else:
             index = torch.as_tensor(index, device=st.layout.key_coef.device)
         self.state = select_sequences(st, index)  # every state array gathered along the batch axis
-        self._restore_point = self._forward_tokens = self._decoder = None  # taken at the old batch
+        self._restore_point = self._forward_tokens = self._decoder = self._carried = None  # taken at the old batch
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._index_batch(beam_idx)
@@ -349,6 +378,7 @@ class SubspaceLayer(CacheLayerMixin):
         out = None if held[1] is None else held[1]([st], keys, values, query)
         if out is not None:
             self.take_pending(1)
+            self.carry_restore_point()
         return out
 
     def take_pending(self, queries: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -219,6 +219,8 @@ class GroupedLayer(CacheLayerMixin):
         if out is not None:
             if n <= self.cache.max_crop_block:
                 self._forward_tokens = tokens
+            for child in self.children:
+                child.carry_restore_point()
             return out
         q = query[:, :, 0]
         self._hand_down(tokens)

@@ -100,21 +100,27 @@ def centred_words(base, tok, rows, stride_words, WIDTH: tl.constexpr, BITS: tl.c
     tokens ``tok`` whose ``rows`` are set, in ``COEF`` (exact), read as 32-bit words (``base`` a
     uint32 pointer, ``stride_words`` between rows), channels in the order :func:`word_order`."""
     offs_w = tl.arange(0, WIDTH * BITS // 32)
-    if BITS == 2:  # one word per load (no contiguity for Triton to vectorise): wider loads measured more instructions in the joins
-        offs_w = tl.where(offs_w >= 0, offs_w, 0)
+    # VEC words contiguous per load (int4: 8 bytes, int2: 4): the joins below took the fewest
+    # instructions in the layouts of these loads (wider ones too are compiled into more)
+    VEC: tl.constexpr = 2 if BITS == 4 else 1
+    offs_w = offs_w % VEC + offs_w // VEC * VEC
     words = tl.load(base + tok[:, None] * stride_words + offs_w[None, :], mask=rows[:, None], other=0)  # sass: codes
     l0, h0 = _code_pair(words, 0, BITS, COEF, INTERPRETED)
     l1, h1 = _code_pair(words, 1, BITS, COEF, INTERPRETED)
     l2, h2 = _code_pair(words, 2, BITS, COEF, INTERPRETED)
     l3, h3 = _code_pair(words, 3, BITS, COEF, INTERPRETED)
-    # (t, k, h, s0, s1[, s2]) -> code s0 + 2 s1 [+ 4 s2] + 32 h / (2 BITS) of word k: word_order
-    y = tl.join(tl.join(tl.join(l0, h0), tl.join(l1, h1)), tl.join(tl.join(l2, h2), tl.join(l3, h3)))
+    lo = tl.join(tl.join(l0, l1), tl.join(l2, l3))
+    hi = tl.join(tl.join(h0, h1), tl.join(h2, h3))
     if BITS == 2:
         l4, h4 = _code_pair(words, 4, BITS, COEF, INTERPRETED)
         l5, h5 = _code_pair(words, 5, BITS, COEF, INTERPRETED)
         l6, h6 = _code_pair(words, 6, BITS, COEF, INTERPRETED)
         l7, h7 = _code_pair(words, 7, BITS, COEF, INTERPRETED)
-        y = tl.join(y, tl.join(tl.join(tl.join(l4, h4), tl.join(l5, h5)), tl.join(tl.join(l6, h6), tl.join(l7, h7))))
+        lo = tl.join(lo, tl.join(tl.join(l4, l5), tl.join(l6, l7)))
+        hi = tl.join(hi, tl.join(tl.join(h4, h5), tl.join(h6, h7)))
+    # (t, k, c0, c1[, c2], h) -> code c0 + 2 c1 [+ 4 c2] + 16 h / BITS of word k (word_order): a
+    # word's two halves side by side, as the 32-bit pair the bit trick built
+    y = tl.join(lo, hi)
     return tl.reshape(y, (tok.shape[0], WIDTH))
 
 
@@ -126,12 +132,12 @@ def int4_word_order(offs):
 
 @triton.jit
 def word_order(offs, BITS: tl.constexpr):
-    """The channel at each position of :func:`centred_words`' rows: the low bits below the
-    lo/hi half of a word reversed (int4: bits 0 and 1 swapped; int2: bits 0 and 2)."""
+    """The channel at each position of :func:`centred_words`' rows: the low bits of the position
+    within its word reversed (int4: 3 bits, int2: 4)."""
     if BITS == 4:
-        out = int4_word_order(offs)
+        out = (offs & ~7) | ((offs & 1) << 2) | (offs & 2) | ((offs >> 2) & 1)
     else:
-        out = (offs & ~5) | ((offs & 1) << 2) | ((offs >> 2) & 1)
+        out = (offs & ~15) | ((offs & 1) << 3) | ((offs & 2) << 1) | ((offs >> 1) & 2) | ((offs >> 3) & 1)
     return out
 
 

@@ -123,19 +123,89 @@ def paired_order(offs, BITS: tl.constexpr):
 
 
 @triton.jit
+def _less(bits, DT: tl.constexpr, OFFSET: tl.constexpr, INTERPRETED: tl.constexpr):
+    """uint16 ``bits`` read as ``DT``, less ``OFFSET`` (exact: the magic numbers' subtraction)."""
+    x = bits.to(DT, bitcast=True)
+    if INTERPRETED:  # the interpreter's 16-bit arithmetic works on the bits: subtract in float32 (exact either way)
+        out = (x.to(tl.float32) - OFFSET).to(DT)
+    else:
+        out = x - OFFSET
+    return out
+
+
+@triton.jit
+def _shift_bits(words, BITS: tl.constexpr, MAGIC: tl.constexpr):
+    """The codes of (T, n) 32-bit ``words`` in their stored order, (T, n 32 / BITS) uint16, each ORed
+    into ``MAGIC``'s half (:func:`_code_pair`); one join only, so the codes may take any layout."""
+    P: tl.constexpr = 16 // BITS  # a 32-bit word's pairs: codes j and j + P
+    PAIR: tl.constexpr = ((1 << BITS) - 1) * 0x00010001
+    shifts = (BITS * tl.arange(0, P)).to(tl.uint32)[None, None, :]
+    h = ((words[:, :, None] >> shifts) & PAIR) | MAGIC  # (T, n, P)
+    y = tl.permute(tl.join((h & 0xFFFF).to(tl.uint16), (h >> 16).to(tl.uint16)), (0, 1, 3, 2))  # (T, n, 2, P)
+    return tl.reshape(y, (words.shape[0], words.shape[1] * 2 * P))
+
+
+@triton.jit
+def _token_pair_bits(words, BITS: tl.constexpr, MAGIC: tl.constexpr):
+    """:func:`_shift_bits` with each 32-bit register holding one code of two neighbouring tokens (the
+    pairs an MMA operand with tokens on K holds): the words' low halves of tokens 2i and 2i + 1 side
+    by side, then their high halves, then one shift and mask per code."""
+    T: tl.constexpr = words.shape[0]
+    N: tl.constexpr = words.shape[1]
+    P: tl.constexpr = 16 // BITS  # codes per 16-bit half
+    PAIR: tl.constexpr = ((1 << BITS) - 1) * 0x00010001
+    w0, w1 = tl.split(tl.permute(tl.reshape(words, (T // 2, 2, N)), (0, 2, 1)))  # tokens 2i, 2i + 1: (T / 2, N)
+    halves = tl.join((w0 & 0xFFFF) | (w1 << 16), (w0 >> 16) | (w1 & 0xFFFF0000))  # (T / 2, N, 2)
+    shifts = (BITS * tl.arange(0, P)).to(tl.uint32)[None, None, None, :]
+    h = ((halves[:, :, :, None] >> shifts) & PAIR) | MAGIC  # (T / 2, N, 2, P)
+    y = tl.join((h & 0xFFFF).to(tl.uint16), (h >> 16).to(tl.uint16))  # (T / 2, N, 2, P, 2): the token last
+    return tl.reshape(tl.permute(y, (0, 4, 1, 2, 3)), (T, N * 2 * P))
+
+
+@triton.jit
+def joint_low_bit_codes(k_base, v_base, tok, k_rows, v_rows, k_stride, v_stride, NWORDS: tl.constexpr, ALIGN: tl.constexpr,
+                        BITS: tl.constexpr, VDT: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The int4/int2 key and value codes (spec/quantization.md Q2; both ``BITS`` wide, NWORDS 32-bit
+    words a row, rows ``k_stride`` / ``v_stride`` bytes apart) of the tokens ``tok`` whose ``k_rows``
+    / ``v_rows`` are set (0 elsewhere), in their stored order: keys float16 ``c``, values ``VDT`` ``c -
+    2^(BITS-1)`` (:func:`_code_pair`). Both sides in one load, (T, 2, NWORDS): twice a side's words per
+    thread, so 8-byte loads even where a side's tile would give each thread one word (``ALIGN``: as
+    :func:`load_words`'); the values in neighbouring-token pairs (:func:`_token_pair_bits`)."""
+    offs = tl.arange(0, NWORDS)[None, None, :]
+    side = tl.arange(0, 2)[None, :, None]
+    k_step = tl.multiple_of(k_stride // 4, ALIGN // 4)
+    v_step = tl.multiple_of(v_stride // 4, ALIGN // 4)
+    # the value rows as offsets from the key rows: a select of two pointers would lose their alignment
+    gap = tl.multiple_of((v_base.to(tl.int64) - k_base.to(tl.int64)) // 4, ALIGN // 4)
+    t = tok[:, None, None]
+    ptrs = k_base.to(tl.pointer_type(tl.uint32)) + (t * k_step + side * (gap + t * (v_step - k_step)) + offs)
+    mask = tl.where(side == 0, k_rows[:, None, None], v_rows[:, None, None])
+    words = tl.load(ptrs, mask=mask, other=0)  # sass: codes
+    k_words, v_words = tl.split(tl.permute(words, (0, 2, 1)))
+    V_MAGIC: tl.constexpr = 0x64006400 if VDT == tl.float16 else 0x43004300
+    k_bits = _shift_bits(k_words, BITS, 0x64006400)
+    v_bits = _token_pair_bits(v_words, BITS, V_MAGIC)
+    V_OFFSET: tl.constexpr = (1024.0 if VDT == tl.float16 else 128.0) + (1 << (BITS - 1))
+    return _less(k_bits, tl.float16, 1024.0, INTERPRETED), _less(v_bits, VDT, V_OFFSET, INTERPRETED)
+
+
+@triton.jit
 def low_bit_keys16(words, ks_base, kz_base, tail_base, tok, t_mask, offs_r, complete, kgroup, sks_t, stl_t,
                    BITS: tl.constexpr, INTERPRETED: tl.constexpr, MASKED: tl.constexpr):
     """float16 keys ``x = c s + z`` (spec/quantization.md Q1-Q2; one float16 rounding of the fused
     product and sum, ~2^-11 relative) of the tokens ``tok`` of one tile of an int4/int2 key side
-    from their codes' 32-bit ``words`` (:func:`low_bit_words`), channels ``offs_r`` (all, in their
-    order). ``MASKED``: tokens outside ``t_mask`` read 0 and those of the unfinished group their
+    from their codes' 32-bit ``words`` (:func:`low_bit_words`) or the float16 codes themselves
+    (:func:`joint_low_bit_codes`), channels ``offs_r`` (all, in their order). ``MASKED``: tokens outside ``t_mask`` read 0 and those of the unfinished group their
     ``key_tail`` row (their words: 0); otherwise every token is coded."""
     if MASKED:
         coded = tok < complete
         rows = t_mask & coded
     else:
         rows = t_mask
-    c = low_bit_words(words, BITS, tl.float16, INTERPRETED)
+    if words.dtype == tl.uint32:
+        c = low_bit_words(words, BITS, tl.float16, INTERPRETED)
+    else:  # decoded already (joint_low_bit_codes)
+        c = words
     grp = tok // kgroup
     k_sc = tl.load(ks_base + grp[:, None] * sks_t + offs_r[None, :], mask=rows[:, None], other=0.0).to(tl.float16)
     k_ze = tl.load(kz_base + grp[:, None] * sks_t + offs_r[None, :], mask=rows[:, None], other=0.0).to(tl.float16)

@@ -11,10 +11,11 @@ unfinished key group, ``key_tail``, after them in masked tiles):
    exact bfloat16 numbers by bit operations (:func:`subspace_ref_triton._rope_tl.int8_words`);
    int4/int2 keys (spec/quantization.md Q1-Q2) read as words, ``c s + z`` in one fused float16
    multiply-add against float16 bases (:func:`subspace_ref_triton._rope_tl.low_bit_keys16`; rows
-   not so aligned: float32 in two 16-bit parts). Products with the basis columns of the planes'
-   first dims, second dims and the fixed dims (``RopeParams.planes``): the two halves of every
-   plane land in the same fragment element of two accumulators, so the rotation needs no data
-   movement;
+   not so aligned: float32 in two 16-bit parts; rows of both sides too short for 8-byte loads of
+   a side's tile: both sides in one load, :func:`subspace_ref_triton._rope_tl.joint_low_bit_codes`).
+   Products with the basis columns of the planes' first dims, second dims and the fixed dims
+   (``RopeParams.planes``): the two halves of every plane land in the same fragment element of two
+   accumulators, so the rotation needs no data movement;
 2. rotates the keys by their in-tile offsets ``k theta_i`` only, from a small float32 table
    (:func:`offset_angles`, float64 on the host), and the g queries once per tile back by the
    tile's base angle (a float32 row of :func:`base_angles`, float64 on the host, ``a`` folded in):
@@ -55,7 +56,7 @@ from subspace_ref_triton._common import Launch, cdiv, interpreting, pow2_at_leas
 from subspace_ref_triton._tl import MAX_COMBINE as _MAX
 from subspace_ref_triton._tl import SUM_COMBINE as _SUM
 from subspace_ref_triton._tl import int4_word_order, low_bit_keys, low_bit_values, tile_codes
-from subspace_ref_triton._rope_tl import int8_words, load_words, low_bit_keys16, low_bit_words, paired_order
+from subspace_ref_triton._rope_tl import int8_words, joint_low_bit_codes, load_words, low_bit_keys16, low_bit_words, paired_order
 from subspace_ref_triton.decode import DOT_ROWS, default_split_len, merge_partials, side_formats
 
 # Tokens per tile and warps of the tensor-core form with 16-bit bases, from the compiled code (not
@@ -240,7 +241,7 @@ def _rope_mma_kernel(
     G: tl.constexpr, M: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, RV: tl.constexpr,
     BLOCK_T: tl.constexpr, K_INT8: tl.constexpr, V_INT8: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, HAS_FIXED: tl.constexpr,
     NATIVE16: tl.constexpr, SPLIT: tl.constexpr, KEY_PARTS: tl.constexpr, RANKS_FULL: tl.constexpr, INTERPRETED: tl.constexpr,
-    K_WORDS: tl.constexpr, V_WORDS: tl.constexpr, KGROUP: tl.constexpr,
+    K_WORDS: tl.constexpr, V_WORDS: tl.constexpr, KGROUP: tl.constexpr, JOINT: tl.constexpr,
 ):
     """The tensor-core form (module docstring, "Main loop"): tokens on the MMAs' M dimension."""
     nh = tl.program_id(0).to(tl.int64)
@@ -271,7 +272,7 @@ def _rope_mma_kernel(
     qb = tl.load(q_cols + dim_b[:, None], mask=m_mask[:, None] & g_mask[None, :], other=0.0).to(tl.float32)
     # int8 codes read as words come in this channel order (_rope_tl.int8_words): the bases' rows follow it
     key_r = int4_word_order(offs_r) if K_WORDS and K_INT8 else offs_r
-    if V_WORDS and V_BITS > 0:  # int4/int2 values read as words: any channel order will do (_rope_tl.paired_order)
+    if V_WORDS and V_BITS > 0 and not JOINT:  # int4/int2 values read as words: any channel order will do (_rope_tl.paired_order)
         val_rv = paired_order(offs_rv, V_BITS)
     else:
         val_rv = int4_word_order(offs_rv) if V_WORDS and V_INT8 else offs_rv
@@ -330,13 +331,13 @@ def _rope_mma_kernel(
             t0, hi, base_row + ((t0 - lo) // BLOCK_T) * 2 * m, m_i, z_i, zacc, acc2, qa, qb, qf, Ba, Bb, Bf, ck, sk, logit_scale,
             kc_base, vc_base, ks_base, vs_base, kz_base, vz_base, tail_base, complete, KGROUP, skc_t, svc_t, sks_t, svs_t, stl_t,
             r, r_v, m, r_mask, rv_mask, m_mask,
-            G, BLOCK_T, K_INT8, V_INT8, K_BITS, V_BITS, HAS_FIXED, NATIVE16, SPLIT, KEY_PARTS, INTERPRETED, K_WORDS, V_WORDS, kb_ptr.dtype.element_ty, False)
+            G, BLOCK_T, K_INT8, V_INT8, K_BITS, V_BITS, HAS_FIXED, NATIVE16, SPLIT, KEY_PARTS, INTERPRETED, K_WORDS, V_WORDS, kb_ptr.dtype.element_ty, False, JOINT)
     for t0 in range(main_hi, hi, BLOCK_T):
         m_i, z_i, zacc, acc2 = _mma_tile(
             t0, hi, base_row + ((t0 - lo) // BLOCK_T) * 2 * m, m_i, z_i, zacc, acc2, qa, qb, qf, Ba, Bb, Bf, ck, sk, logit_scale,
             kc_base, vc_base, ks_base, vs_base, kz_base, vz_base, tail_base, complete, KGROUP, skc_t, svc_t, sks_t, svs_t, stl_t,
             r, r_v, m, r_mask, rv_mask, m_mask,
-            G, BLOCK_T, K_INT8, V_INT8, K_BITS, V_BITS, HAS_FIXED, NATIVE16, SPLIT, KEY_PARTS, INTERPRETED, K_WORDS, V_WORDS, kb_ptr.dtype.element_ty, True)
+            G, BLOCK_T, K_INT8, V_INT8, K_BITS, V_BITS, HAS_FIXED, NATIVE16, SPLIT, KEY_PARTS, INTERPRETED, K_WORDS, V_WORDS, kb_ptr.dtype.element_ty, True, JOINT)
 
     if SPLIT:  # the weight parts' columns summed
         a_hi, a_lo = tl.split(tl.permute(tl.reshape(acc2, (G, 2, RV)), (0, 2, 1)))
@@ -370,7 +371,7 @@ def _mma_tile(t0, hi, angle_row, m_i, z_i, zacc, acc2, qa, qb, qf, Ba, Bb, Bf, c
               r, r_v, m, r_mask, rv_mask, m_mask,
               G: tl.constexpr, BLOCK_T: tl.constexpr, K_INT8: tl.constexpr, V_INT8: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
               HAS_FIXED: tl.constexpr, NATIVE16: tl.constexpr, SPLIT: tl.constexpr, KEY_PARTS: tl.constexpr, INTERPRETED: tl.constexpr,
-              K_WORDS: tl.constexpr, V_WORDS: tl.constexpr, CDT: tl.constexpr, MASKED: tl.constexpr):
+              K_WORDS: tl.constexpr, V_WORDS: tl.constexpr, CDT: tl.constexpr, MASKED: tl.constexpr, JOINT: tl.constexpr):
     """One tile of ``BLOCK_T`` tokens from ``t0`` (module docstring, "Main loop"): returns the updated
     ``(m, Z, zacc, acc)``. ``MASKED``: tokens >= ``hi`` masked and keys past the coded groups read from
     ``key_tail``; otherwise every token counts and is coded."""
@@ -397,7 +398,11 @@ def _mma_tile(t0, hi, angle_row, m_i, z_i, zacc, acc2, qa, qb, qf, Ba, Bb, Bf, c
                 a = a.to(tl.float32).to(CDT)
     elif K_WORDS:
         k_rows = t_mask & (tok < complete) if MASKED else t_mask
-        k_words = load_words(kc_base, tok, k_rows, skc_t, offs_r.shape[0] * K_BITS // 32, K_WORDS)
+        if JOINT:
+            k_words, dv = joint_low_bit_codes(kc_base, vc_base, tok, k_rows, t_mask, skc_t, svc_t, offs_r.shape[0] * K_BITS // 32, min(K_WORDS, V_WORDS),
+                                              K_BITS, CDT, INTERPRETED)
+        else:
+            k_words = load_words(kc_base, tok, k_rows, skc_t, offs_r.shape[0] * K_BITS // 32, K_WORDS)
         a = low_bit_keys16(k_words, ks_base, kz_base, tail_base, tok, t_mask, offs_r, complete, kgroup, sks_t, stl_t, K_BITS, INTERPRETED, MASKED)
     else:
         a = low_bit_keys(kc_base, ks_base, kz_base, tail_base, tok, t_mask, offs_r, r_mask, complete, kgroup, skc_t, sks_t, stl_t, r, K_BITS, ROWS)
@@ -472,8 +477,9 @@ def _mma_tile(t0, hi, angle_row, m_i, z_i, zacc, acc2, qa, qb, qf, Ba, Bb, Bf, c
         tau = tl.load(vs_base + tok * svs_t, mask=t_mask, other=0.0).to(tl.float32)
         zeta = tl.load(vz_base + tok * svs_t, mask=t_mask, other=0.0).to(tl.float32)
         if V_WORDS:
-            v_words = load_words(vc_base, tok, t_mask, svc_t, offs_rv.shape[0] * V_BITS // 32, V_WORDS)
-            dv = low_bit_words(v_words, V_BITS, tl.bfloat16, INTERPRETED, True).to(CDT)
+            if not JOINT:
+                v_words = load_words(vc_base, tok, t_mask, svc_t, offs_rv.shape[0] * V_BITS // 32, V_WORDS)
+                dv = low_bit_words(v_words, V_BITS, tl.bfloat16, INTERPRETED, True).to(CDT)
             zeta = zeta + (1 << (V_BITS - 1)) * tau
         else:
             dv = tile_codes(vc_base, tok, t_mask, offs_rv, r_v, svc_t, V_BITS, ROWS).to(tl.float32)
@@ -568,6 +574,11 @@ def split_launch(q, layout, rope, scale: float, split_len: int, first_position: 
         row_bytes = rank if int8 else rank * bits // 8
         constexprs[side + "_WORDS"] = next((w for w in (16, 8, 4) if (int8 or bits) and constexprs["SPLIT"] and constexprs["RANKS_FULL"]
                                             and all(x % w == 0 for x in (row_bytes, *coef.stride()[:3], coef.data_ptr()))), 0)
+    # int4/int2 rows of both sides so short that a side's tile gives each thread under 8 bytes: both
+    # sides in one load (_rope_tl.joint_low_bit_codes)
+    nw = num_warps or NUM_WARPS
+    constexprs["JOINT"] = bool(sides.k_bits and sides.k_bits == sides.v_bits and r == r_v and constexprs["K_WORDS"] and constexprs["V_WORDS"]
+                               and bt * r * sides.k_bits // 32 < 2 * 32 * nw)
     if key_parts is None:  # bfloat16 bases: one key part (its error ~0.03-0.1 of the harness tolerance, float16: 0.3-0.7)
         key_parts = 1 if kb.dtype == torch.bfloat16 else 2
     if key_parts not in (1, 2):

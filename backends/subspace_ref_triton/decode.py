@@ -223,6 +223,9 @@ def _decode_split_kernel(
     # _tile16's product dtypes: int8 codes as float16 (exact, and 2 parts of q~ or the weights suffice), float coefficients their own
     KDT = tl.float16 if K_INT8 and PARTS > 1 and K_BITS == 0 and V_BITS == 0 else COEF
     VDT = tl.float16 if V_INT8 and PARTS > 1 and K_BITS == 0 and V_BITS == 0 else COEF
+    # logits and m in log2 units (the logit scale times log2 e, 2^x by one ex2) in _tile16 and the
+    # centred form with tokens on M; m back in natural units where the partials are written
+    LOG2: tl.constexpr = PARTS > 1 and ((K_BITS == 0 and V_BITS == 0) or (CENTRED and TOKENS_M))
 
     offs_g = tl.arange(0, G)
     offs_dv = tl.arange(0, DV)
@@ -328,6 +331,8 @@ def _decode_split_kernel(
             q_unit = tl.exp2(tl.ceil(tl.log2(tl.where(q_abs > 0, q_abs, 1.0))))
             q_proj = q_proj / q_unit[:, None]
             row_scale = q_unit * logit_scale
+            if LOG2:
+                row_scale = row_scale * 1.4426950408889634
             q_hi = q_proj.to(KDT)
             q_rest = q_proj - q_hi.to(tl.float32)
             q_mid = q_rest.to(KDT)
@@ -357,21 +362,27 @@ def _decode_split_kernel(
             t_first = c_lo // BLOCK_T * BLOCK_T
             coded_hi = tl.minimum(c_hi, complete)
             if TOKENS_M:
+                # Z and zacc per token slot (BLOCK_T x G, at scale m_i), summed once per chunk: no
+                # reductions across lanes per tile
+                m_start = m_i
+                q_proj = q_proj * row_scale[:, None]  # the logit scale folded into q~ once per chunk
+                z_s = tl.full([BLOCK_T, G], 0.0, tl.float32)
+                za_s = tl.full([BLOCK_T, G], 0.0, tl.float32)
                 # Tiles wholly inside [c_lo, coded_hi) without masks in the hot loop; the partial
                 # first and last tiles after it, masked (spec A3.1: any order of the tiles).
                 full_lo = (c_lo + BLOCK_T - 1) // BLOCK_T * BLOCK_T
                 full_hi = coded_hi // BLOCK_T * BLOCK_T
                 for t0 in range(full_lo, full_hi, BLOCK_T):  # sass: main loop
-                    m_i, z_i, acc_t, zacc = _centred_tile_t(t0, c_lo, coded_hi, q_proj, row_scale, key_r, ks_base, kz_base, kc_base, sks_t, skc_t,
-                                                            vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t, m_i, z_i, acc_t, zacc,
+                    m_i, z_s, acc_t, za_s = _centred_tile_t(t0, c_lo, coded_hi, q_proj, key_r, ks_base, kz_base, kc_base, sks_t, skc_t,
+                                                            vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t, m_i, z_s, acc_t, za_s,
                                                             BLOCK_T, NATIVE16, INTERPRETED, False, CPARTS, K_BITS)
                 last_t = (coded_hi - 1) // BLOCK_T * BLOCK_T
                 for e in range(0, 2):
                     t0 = tl.where(e == 0, t_first, last_t)
                     partial = (t0 < c_lo) | (t0 + BLOCK_T > coded_hi)
                     if (c_lo < coded_hi) & partial & ((e == 0) | (last_t != t_first)):
-                        m_i, z_i, acc_t, zacc = _centred_tile_t(t0, c_lo, coded_hi, q_proj, row_scale, key_r, ks_base, kz_base, kc_base, sks_t, skc_t,
-                                                                vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t, m_i, z_i, acc_t, zacc,
+                        m_i, z_s, acc_t, za_s = _centred_tile_t(t0, c_lo, coded_hi, q_proj, key_r, ks_base, kz_base, kc_base, sks_t, skc_t,
+                                                                vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t, m_i, z_s, acc_t, za_s,
                                                                 BLOCK_T, NATIVE16, INTERPRETED, True, CPARTS, K_BITS)
             else:
                 for t0 in range(t_first, coded_hi, BLOCK_T):  # sass: main loop
@@ -405,8 +416,8 @@ def _decode_split_kernel(
                 t_mask = (tok >= c_lo) & (tok < c_hi)
                 k_tl = tl.load(tail_base + (tok - complete)[:, None] * stl_t + key_r[None, :], mask=t_mask[:, None] & r_mask[None, :], other=0.0)
                 if TOKENS_M:
-                    lt = tl.dot(k_tl.to(tl.float32), tl.trans(q_proj), input_precision="ieee") * row_scale[None, :]
-                    m_i, z_i, acc_t, zacc = _centred_values_t(lt, tok, t_mask, m_i, z_i, acc_t, zacc, vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t,
+                    lt = tl.dot(k_tl.to(tl.float32), tl.trans(q_proj), input_precision="ieee")
+                    m_i, z_s, acc_t, za_s = _centred_values_t(lt, tok, t_mask, m_i, z_s, acc_t, za_s, vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t,
                                                               NATIVE16, INTERPRETED, CPARTS, K_BITS)
                 else:
                     logits = tl.dot(q_proj, tl.trans(k_tl.to(tl.float32)), input_precision="ieee") * row_scale[:, None]
@@ -414,6 +425,8 @@ def _decode_split_kernel(
                                                           NATIVE16, INTERPRETED, K_BITS)
             if TOKENS_M:
                 acc = tl.trans(acc_t)
+                z_i = tl.where(m_start == float("-inf"), 0.0, z_i * tl.exp2(m_start - m_i)) + tl.reduce(z_s, 0, _SUM)
+                zacc = tl.reduce(za_s, 0, _SUM)
             acc += zacc[:, None]
         else:
             # float or int8 coefficients with 16-bit bases (_tile16): whole tiles unmasked on the token
@@ -436,7 +449,7 @@ def _decode_split_kernel(
         # Once per chunk, not per token: N <- N exp(m_o - m) + acc E_j. N is rescaled here
         # rather than per tile; m_o = -inf means N is still 0 (and avoids -inf - -inf).
         E = tl.load(vb_base + j * svb_j + val_rv[:, None] * svb_r + offs_dv[None, :], mask=rv_mask[:, None] & (offs_dv < d_v)[None, :], other=0.0)
-        o_scale = tl.where(m_o == float("-inf"), 0.0, tl.exp(m_o - m_i))
+        o_scale = tl.where(m_o == float("-inf"), 0.0, tl.exp2(m_o - m_i) if LOG2 else tl.exp(m_o - m_i))
         o_i = o_i * o_scale[:, None]
         if PARTS > 1:
             # acc cut into 16-bit parts as q~ above (after a power-of-two rescaling per row: a
@@ -470,6 +483,8 @@ def _decode_split_kernel(
     if K_BITS == 0 and V_BITS == 0 and PARTS > 1:
         z_i = tl.reduce(z_t, 1, _SUM) if Z_SLOTS else z_t
     row = (n * H + h) * group + offs_g  # (N, H_q) row of each query head
+    if LOG2:
+        m_i = m_i * 0.6931471805599453
     tl.store(pm_ptr + row * num_splits + s, m_i, mask=g_mask)
     tl.store(pz_ptr + row * num_splits + s, z_i, mask=g_mask)
     tl.store(po_ptr + (row * num_splits + s)[:, None] * d_v + offs_dv[None, :], o_i, mask=g_mask[:, None] & (offs_dv < d_v)[None, :])
@@ -511,11 +526,11 @@ def _tile16(t0, t_hi, q_hi, q_mid, q_lo, row_scale, m_i, z_i, acc, kc_base, vc_b
             BLOCK_T: tl.constexpr, K_INT8: tl.constexpr, V_INT8: tl.constexpr, KDT: tl.constexpr, VDT: tl.constexpr, NATIVE16: tl.constexpr,
             INTERPRETED: tl.constexpr, MASKED: tl.constexpr, Z_SLOTS: tl.constexpr):
     """One tile of ``BLOCK_T`` tokens from ``t0`` with 16-bit bases and float or int8 coefficients
-    on each side (spec A3 steps 2.2-2.3, A10): returns the updated ``(m, Z, acc)``. The logits are
-    products in ``KDT`` (q~ in 2 float16 or 3 bfloat16 parts: float32 accuracy), the weighted sum
-    in ``VDT``; int8 codes enter as float16 (exact, and 2 parts of the other operand suffice).
+    on each side (spec A3 steps 2.2-2.3, A10): returns the updated ``(m, Z, acc)``, logits and m
+    in log2 units (``row_scale`` carries log2 e). The logits are products in ``KDT`` (q~ in 2
+    float16 or 3 bfloat16 parts: float32 accuracy), the weighted sum in ``VDT``; int8 codes enter
+    as float16 (exact, and 2 parts of the other operand suffice).
     ``MASKED``: tokens >= ``t_hi`` do not count; otherwise every token does and nothing is masked."""
-    LOG2E: tl.constexpr = 1.4426950408889634
     offs_t = tl.arange(0, BLOCK_T)
     offs_r = tl.arange(0, r_mask.shape[0])
     offs_rv = tl.arange(0, rv_mask.shape[0])
@@ -561,8 +576,8 @@ def _tile16(t0, t_hi, q_hi, q_mid, q_lo, row_scale, m_i, z_i, acc, kc_base, vc_b
     # Spec A3 steps 2.2-2.3 per tile (A3.1: any partition of the tokens gives the same result);
     # every tile has a valid token, so m_new is finite and alpha never NaN.
     m_new = tl.maximum(m_i, tl.reduce(logits, 1, _MAX))
-    alpha = exp2_ftz((m_i - m_new) * LOG2E, INTERPRETED)
-    w = exp2_ftz((logits - m_new[:, None]) * LOG2E, INTERPRETED)
+    alpha = exp2_ftz(m_i - m_new, INTERPRETED)  # log2 units (LOG2)
+    w = exp2_ftz(logits - m_new[:, None], INTERPRETED)
     if Z_SLOTS:  # Z per token slot, summed once at the end: no reduction across warps per tile
         z_i = z_i * alpha[:, None] + w
     else:
@@ -718,7 +733,7 @@ def _split_tile(t0, c_hi, kb_base, q_proj, q_hi, q_mid, q_lo, row_scale, m_i, z_
     return m_new, z_i, acc
 
 @triton.jit
-def _centred_tile_t(t0, t_lo, t_hi, q_proj, row_scale, key_r, ks_base, kz_base, kc_base, sks_t, skc_t, vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t,
+def _centred_tile_t(t0, t_lo, t_hi, q_proj, key_r, ks_base, kz_base, kc_base, sks_t, skc_t, vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t,
                     m_i, z_i, acc_t, zacc, BLOCK_T: tl.constexpr, NATIVE16: tl.constexpr, INTERPRETED: tl.constexpr, MASKED: tl.constexpr,
                     CPARTS: tl.constexpr, BITS: tl.constexpr = 4):
     """One tile (one key group, starting at ``t0``) of the int4/int2 centred form with the tokens on the
@@ -754,7 +769,7 @@ def _centred_tile_t(t0, t_lo, t_hi, q_proj, row_scale, key_r, ks_base, kz_base, 
             lt = tl.dot(yf, tl.trans(u_mid.to(tl.float32)), acc=lt, input_precision="ieee")
         if CPARTS > 2:
             lt = tl.dot(yf, tl.trans(u_lo.to(tl.float32)), acc=lt, input_precision="ieee")
-    lt = (lt + bias[None, :]) * row_scale[None, :]
+    lt = lt + bias[None, :]
     return _centred_values_t(lt, tok, t_mask, m_i, z_i, acc_t, zacc, vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t, NATIVE16, INTERPRETED, CPARTS, BITS)
 
 
@@ -762,18 +777,18 @@ def _centred_tile_t(t0, t_lo, t_hi, q_proj, row_scale, key_r, ks_base, kz_base, 
 def _centred_values_t(lt, tok, t_mask, m_i, z_i, acc_t, zacc, vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t,
                       NATIVE16: tl.constexpr, INTERPRETED: tl.constexpr, CPARTS: tl.constexpr = 3, BITS: tl.constexpr = 4):
     """:func:`_centred_values` with the tokens on the MMA's M dimension: ``lt`` the logits
-    transposed (tokens x heads), ``acc_t`` the accumulator transposed (RV x heads), updated by
-    acc^T += codes^T @ (w tau)^T (the codes' tile the A operand, the group the N dimension)."""
+    transposed (tokens x heads, in log2 units), ``acc_t`` the accumulator transposed (RV x heads),
+    updated by acc^T += codes^T @ (w tau)^T (the codes' tile the A operand, the group the N
+    dimension); ``z_i`` and ``zacc`` per token slot (BLOCK_T x heads), summed by the caller."""
     MID: tl.constexpr = 1 << (BITS - 1)
-    LOG2E: tl.constexpr = 1.4426950408889634
     lt = tl.where(t_mask[:, None], lt, float("-inf"))
     m_new = tl.maximum(m_i, tl.reduce(lt, 0, _MAX))
-    alpha = exp2_ftz((m_i - m_new) * LOG2E, INTERPRETED)
-    w = exp2_ftz((lt - m_new[None, :]) * LOG2E, INTERPRETED)
-    z_i = z_i * alpha + tl.reduce(w, 0, _SUM)
+    alpha = exp2_ftz(m_i - m_new, INTERPRETED)  # log2 units (LOG2)
+    w = exp2_ftz(lt - m_new[None, :], INTERPRETED)
+    z_i = z_i * alpha[None, :] + w  # per token slot
     tau = tl.load(vs_base + tok * svs_t, mask=t_mask, other=0.0).to(tl.float32)
     zeta = tl.load(vz_base + tok * svs_t, mask=t_mask, other=0.0).to(tl.float32)
-    zacc = zacc * alpha + tl.reduce(w * (zeta + MID * tau)[:, None], 0, _SUM)
+    zacc = zacc * alpha[None, :] + w * (zeta + MID * tau)[:, None]
     wv = w * tau[:, None]
     y = centred_words(vc_base.to(tl.pointer_type(tl.uint32)), tok, t_mask, svc_t // 4, offs_rv.shape[0], BITS, tl.bfloat16, INTERPRETED)  # (BLOCK_T, RV), exact
     w_hi, w_mid, w_lo = split3_bits(wv)

@@ -182,11 +182,24 @@ def joint_low_bit_codes(k_base, v_base, tok, k_rows, v_rows, k_stride, v_stride,
     mask = tl.where(side == 0, k_rows[:, None, None], v_rows[:, None, None])
     words = tl.load(ptrs, mask=mask, other=0)  # sass: codes
     k_words, v_words = tl.split(tl.permute(words, (0, 2, 1)))
-    V_MAGIC: tl.constexpr = 0x64006400 if VDT == tl.float16 else 0x43004300
-    k_bits = _shift_bits(k_words, BITS, 0x64006400)
-    v_bits = _token_pair_bits(v_words, BITS, V_MAGIC)
-    V_OFFSET: tl.constexpr = (1024.0 if VDT == tl.float16 else 128.0) + (1 << (BITS - 1))
-    return _less(k_bits, tl.float16, 1024.0, INTERPRETED), _less(v_bits, VDT, V_OFFSET, INTERPRETED)
+    return key_codes16(k_words, BITS, INTERPRETED), value_codes(v_words, BITS, VDT, INTERPRETED)
+
+
+@triton.jit
+def key_codes16(words, BITS: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The int4/int2 codes of (T, n) 32-bit ``words`` as float16 ``c`` (exact), (T, n 32 / BITS) in
+    their stored order: one join, so they take the rebuild operand's layout without a copy."""
+    return _less(_shift_bits(words, BITS, 0x64006400), tl.float16, 1024.0, INTERPRETED)
+
+
+@triton.jit
+def value_codes(words, BITS: tl.constexpr, DT: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The int4/int2 codes of (T, n) 32-bit ``words`` centred, ``c - 2^(BITS-1)`` (spec/quantization.md
+    Q6) in ``DT`` (float16 or bfloat16: exact), (T, n 32 / BITS) in their stored order, neighbouring
+    tokens side by side in each register (:func:`_token_pair_bits`)."""
+    MAGIC: tl.constexpr = 0x64006400 if DT == tl.float16 else 0x43004300
+    OFFSET: tl.constexpr = (1024.0 if DT == tl.float16 else 128.0) + (1 << (BITS - 1))
+    return _less(_token_pair_bits(words, BITS, MAGIC), DT, OFFSET, INTERPRETED)
 
 
 @triton.jit
@@ -218,3 +231,4 @@ def low_bit_keys16(words, ks_base, kz_base, tail_base, tok, t_mask, offs_r, comp
         k_tl = tl.load(tail_base + (tok - complete)[:, None] * stl_t + offs_r[None, :], mask=tail_m, other=0.0)
         x = tl.where(coded[:, None], x, k_tl.to(tl.float16))
     return x
+

@@ -19,14 +19,17 @@ unfinished key group, ``key_tail``, after them in masked tiles):
 2. rotates the keys by their in-tile offsets ``k theta_i`` only, from a small float32 table
    (:func:`offset_angles`, float64 on the host), and the g queries once per tile back by the
    tile's base angle (a float32 row of :func:`base_angles`, float64 on the host, ``a`` folded in):
-   ``q . a R_p R_k u = (a R_p^T q) . (R_k u)``. No float64 in the kernel;
+   ``q . a R_p R_k u = (a R_p^T q) . (R_k u)``. No float64 in the kernel. With bfloat16 bases
+   (one key part, below) the keys are rotated in packed bfloat16, ``fma.rn.bf16x2``
+   (:func:`subspace_ref_triton._rope_tl.rotate_bf16`): they are rounded to bfloat16 for the
+   logits anyway, and each instruction rotates two lanes;
 3. takes the logits ``(BLOCK_T, g)`` on the tensor cores, float32 operands in bfloat16 parts:
    the rotated queries (once per tile) in two (hi, rounded; lo: the exact rest, rounded) side by
    side on the MMA's N (the g query heads pad it anyway: one product takes both); the rotated keys
-   in one (rounded to nearest, ~2^-9 relative per element: with bfloat16 bases, whose own rounding
-   the harness tolerance measures, 0.03-0.1 of that tolerance on tests/test_rope_decode.py's
-   states) or, with float16 bases (0.3-0.7 with one part), two: hi + lo, ~2^-16 relative
-   (``key_parts``); int8 key scales multiply the logits per token;
+   in one (bfloat16, a few 2^-9 relative per element with the rotation's roundings: with bfloat16
+   bases, whose own rounding the harness tolerance measures, well inside that tolerance on
+   tests/test_rope_decode.py's states) or, with float16 bases (one part: a large share of it), two:
+   hi + lo, ~2^-16 relative (``key_parts``); int8 key scales multiply the logits per token;
 4. runs the one-pass softmax of spec A3 and the value sums on the tensor cores, ``acc^T = W^T
    D``: 16-bit value coefficients or int8 codes exact (words, as the keys'), int4/int2 codes in
    Q6's centred form (``c - M`` exact in bfloat16 from words; the scales ``tau_t`` folded into the
@@ -56,7 +59,7 @@ from subspace_ref_triton._common import Launch, cdiv, interpreting, pow2_at_leas
 from subspace_ref_triton._tl import MAX_COMBINE as _MAX
 from subspace_ref_triton._tl import SUM_COMBINE as _SUM
 from subspace_ref_triton._tl import int4_word_order, low_bit_keys, low_bit_values, tile_codes
-from subspace_ref_triton._rope_tl import int8_words, joint_low_bit_codes, load_words, low_bit_keys16, low_bit_words, paired_order
+from subspace_ref_triton._rope_tl import int8_words, joint_low_bit_codes, load_words, low_bit_keys16, low_bit_words, paired_order, rotate_bf16
 from subspace_ref_triton.decode import DOT_ROWS, default_split_len, merge_partials, side_formats
 
 # Tokens per tile and warps of the tensor-core form with 16-bit bases, from the compiled code (not
@@ -414,8 +417,14 @@ def _mma_tile(t0, hi, angle_row, m_i, z_i, zacc, acc2, qa, qb, qf, Ba, Bb, Bf, c
     if HAS_FIXED:
         uf = _dot16(a, Bf, None, NATIVE16)
     # step 2: keys rotated by their in-tile offsets only (both halves of a plane in one fragment)
-    ra = ua * ck - ub * sk
-    rb = ua * sk + ub * ck
+    if SPLIT and KEY_PARTS == 1 and CDT == tl.bfloat16:  # rounded to bfloat16 for the logits anyway: the rotation in packed bfloat16
+        ua16 = ua.to(PDT)
+        ub16 = ub.to(PDT)
+        ra = rotate_bf16(ua16, ck.to(PDT), ub16, (-sk).to(PDT), INTERPRETED)
+        rb = rotate_bf16(ua16, sk.to(PDT), ub16, ck.to(PDT), INTERPRETED)
+    else:
+        ra = ua * ck - ub * sk
+        rb = ua * sk + ub * ck
     # the queries rotated back by the tile's base angle (a cos/sin of p theta, base_angles): q . R_p R_k u = (R_p^T q) . R_k u
     ca = tl.load(angle_row + offs_m, mask=m_mask, other=0.0)
     sa = tl.load(angle_row + m + offs_m, mask=m_mask, other=0.0)
@@ -579,7 +588,7 @@ def split_launch(q, layout, rope, scale: float, split_len: int, first_position: 
     nw = num_warps or NUM_WARPS
     constexprs["JOINT"] = bool(sides.k_bits and sides.k_bits == sides.v_bits and r == r_v and constexprs["K_WORDS"] and constexprs["V_WORDS"]
                                and bt * r * sides.k_bits // 32 < 2 * 32 * nw)
-    if key_parts is None:  # bfloat16 bases: one key part (its error ~0.03-0.1 of the harness tolerance, float16: 0.3-0.7)
+    if key_parts is None:  # bfloat16 bases: one key part (well inside the harness tolerance; float16 bases: a large share of it)
         key_parts = 1 if kb.dtype == torch.bfloat16 else 2
     if key_parts not in (1, 2):
         raise ValueError(f"key_parts must be 1 or 2, not {key_parts!r}")

@@ -10,7 +10,9 @@ Two settings:
   row of docs/baselines.md; the allocator's states at 25% and 12.5%, calibrated as
   ``subspace-kv calibrate --compression-ratio R`` does, and again with ``--key-bases
   post_rope,plane,identity``), then ``--steps`` greedy decode steps
-  are timed.
+  are timed. Then, per allocation with pre-RoPE keys and context, the least time its key
+  rebuild can take a step (:func:`rebuild_fmas` at this core's sgemm rate, measured in the
+  same run) beside the stock cache's append and SDPA.
 * ``llama128``: a random-init Llama with head size 128 (hidden 1024, 8 query / 8 KV heads,
   ``--layers`` layers) at 8k-16k tokens, subspace caches with float, int8 and int4 coefficients. Prefilling 16k tokens through the model on one CPU
   thread would take minutes per cache, so every cache is filled with the same random keys and
@@ -141,6 +143,53 @@ def rows_for(model, contexts, steps, make_caches, prefill) -> list[dict]:
 FAST_KEY_BASES = ("post_rope", "plane", "identity")
 
 
+def rebuild_fmas(allocation, d: int, T: int) -> int:
+    """Fmas one decode step (batch 1) spends rebuilding pre-RoPE keys at context T: r_k d per
+    token and pre-RoPE KV head (spec/rope.md P3), whatever the kernel."""
+    return sum(h.rank_k * d * T for layer in allocation.heads for h in layer if h.key_basis == "pre_rope")
+
+
+def sgemm_fma_rate(n: int = 512, repeats: int = 20) -> float:
+    """This core's float32 fmas per second in an n x n matrix product (one thread, the best of
+    ``repeats``): a ceiling for the rebuild's fma rate, measured in the same run."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return n**3 / best
+
+
+def stock_attention_seconds(config, T: int, dtype: torch.dtype, repeats: int = 200) -> float:
+    """Seconds of what the stock cache's decode step spends on attention at context T, every
+    layer: DynamicCache's append (a ``torch.cat`` of keys and of values) and SDPA (median)."""
+    import torch.nn.functional as F
+
+    d, hq, h = config.head_dim, config.num_attention_heads, config.num_key_value_heads
+    q, k, v, new = (torch.randn(1, heads, n, d, dtype=dtype) for heads, n in ((hq, 1), (h, T - 1), (h, T - 1), (h, 1)))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        keys, values = torch.cat([k, new], dim=2), torch.cat([v, new], dim=2)
+        F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * config.num_hidden_layers
+
+
+def print_rebuild_floors(config, allocations: dict, contexts, dtype: torch.dtype) -> None:
+    """Per allocation with pre-RoPE keys: the least time its key rebuild can take a step at this
+    core's sgemm rate, beside the stock cache's whole attention (docs/hf.md, "Decode speed")."""
+    rate = sgemm_fma_rate()
+    for T in contexts:
+        stock = stock_attention_seconds(config, T, dtype)
+        for name, allocation in allocations.items():
+            fmas = rebuild_fmas(allocation, config.head_dim, T)
+            if fmas:
+                print(f"  T={T:6d} {name}: its pre-RoPE keys' rebuild takes >= {1e6 * fmas / rate:.0f} us a step ({fmas / 1e6:.1f} M fmas at "
+                      f"this core's sgemm rate, {rate / 1e9:.1f} G fmas/s); the stock cache's append and SDPA take {1e6 * stock:.0f} us a step", flush=True)
+
+
 def shipped(steps: int, contexts=(256, 512, 1008)) -> list[dict]:
     from transformers import DynamicCache
 
@@ -185,7 +234,9 @@ def shipped(steps: int, contexts=(256, 512, 1008)) -> list[dict]:
                lambda c=c: SubspaceCache(model.config, c.states(model.config)) for ratio, c in fast.items()},
             **quantized_caches(model.config),
         }
-        return rows_for(model, contexts, steps, caches, prefill)
+        rows = rows_for(model, contexts, steps, caches, prefill)
+    print_rebuild_floors(model.config, {f"allocator {ratio:.1%}": c.allocation for ratio, c in calibrated.items()}, contexts, model.dtype)
+    return rows
 
 
 def prefill_rows(rounds: int, length: int = 1000) -> list[dict]:
@@ -270,7 +321,9 @@ def llama128(steps: int, layers: int, contexts=(8192, 16384), dtype=torch.float3
             f"allocator 25% (sinks {allocated.allocation.sinks}, window {allocated.allocation.window})": lambda: SubspaceCache(model.config, allocated.states(model.config)),
             **quantized_caches(model.config),
         }
-        return rows_for(model, contexts, steps, caches, prefill)
+        rows = rows_for(model, contexts, steps, caches, prefill)
+    print_rebuild_floors(model.config, {"allocator 25%": allocated.allocation}, contexts, model.dtype)
+    return rows
 
 
 def random_model_allocation(model, ratio: float, tokens: int = 1024, window_tokens: int = 512):

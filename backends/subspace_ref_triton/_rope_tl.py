@@ -1,6 +1,6 @@
 """Triton device helpers of the pre-RoPE decode kernel (:mod:`subspace_ref_triton.rope_decode`):
 coefficient codes read as 32-bit words and turned into exact 16-bit numbers by bit operations
-(no per-code conversion instruction, no per-byte load)."""
+(no per-code conversion instruction, no per-byte load); the keys' rotation in packed bfloat16."""
 
 from __future__ import annotations
 
@@ -208,8 +208,9 @@ def low_bit_keys16(words, ks_base, kz_base, tail_base, tok, t_mask, offs_r, comp
     """float16 keys ``x = c s + z`` (spec/quantization.md Q1-Q2; one float16 rounding of the fused
     product and sum, ~2^-11 relative) of the tokens ``tok`` of one tile of an int4/int2 key side
     from their codes' 32-bit ``words`` (:func:`low_bit_words`) or the float16 codes themselves
-    (:func:`joint_low_bit_codes`), channels ``offs_r`` (all, in their order). ``MASKED``: tokens outside ``t_mask`` read 0 and those of the unfinished group their
-    ``key_tail`` row (their words: 0); otherwise every token is coded."""
+    (:func:`joint_low_bit_codes`), channels ``offs_r`` (all, in their order). ``MASKED``: tokens
+    outside ``t_mask`` read 0 and those of the unfinished group their ``key_tail`` row (their
+    words: 0); otherwise every token is coded."""
     if MASKED:
         coded = tok < complete
         rows = t_mask & coded

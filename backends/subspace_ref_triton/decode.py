@@ -109,6 +109,12 @@ CENTRED_PARTS = {torch.bfloat16: 1, torch.float16: 2}
 # Warps of the split kernel with int8 coefficients and 16-bit bases, on 64-token tiles, uncapped:
 # one warp runs a tile's softmax without reductions across warps (docs/gpu.md, "Static budgets").
 INT8_WARPS = 1
+# Warps of the split kernel with float coefficients and 16-bit bases, on 64-token tiles, uncapped:
+# within the float budget with no spill on sm_80 or sm_90 (one warp takes fewer instructions per
+# token but spills at ptxas's 255-register limit); chosen from the compiled code alone, not timed.
+FLOAT16_WARPS = 2
+# The cap of the float configuration GPU-timed before the static budgets (32-token tiles, 4
+# warps): for timing against FLOAT16_WARPS (split_launch(..., block_t=32, num_warps=4, max_registers=...)).
 FLOAT16_MAX_REGISTERS = 96
 STATIC_BUDGET_CHOSEN = (
     "one warp, uncapped (INT8_WARPS, CENTRED_WARPS): the fewest instructions per token in the compiled loop, "
@@ -901,9 +907,10 @@ def launch_config(d: int, d_v: int, dtype=None, int8: bool = False, bits: int = 
     docs/gpu.md) as the configuration with no spills on sm_80 and sm_90 and the most resident
     warps per SM, at d = 128, r = 32; the caps by GPU timing:
 
-    * 16-bit float coefficients: 32-token tiles, 4 warps (146 registers on sm_90 uncapped: 3
-      programs per SM; 64-token tiles take 179 and fit 2, and spill on sm_80), capped at
-      FLOAT16_MAX_REGISTERS (5 per SM);
+    * 16-bit float coefficients: 64-token tiles on FLOAT16_WARPS warps, uncapped (no spill on
+      sm_80 or sm_90), from the instructions per token in the compiled loop (docs/gpu.md, "Static
+      budgets"), not yet timed; the configuration timed before, 32-token tiles on 4 warps capped
+      at FLOAT16_MAX_REGISTERS, is one ``split_launch`` argument set away;
     * int8 coefficients (spec A10) with 16-bit bases on both sides: 64-token tiles on INT8_WARPS
       warps, uncapped, the fewest instructions per token in the compiled loop (docs/gpu.md,
       "Static budgets"), not yet timed; a side in int4/int2 takes the low-bit configuration below;
@@ -928,7 +935,7 @@ def launch_config(d: int, d_v: int, dtype=None, int8: bool = False, bits: int = 
         return dict(block_t=64, num_warps=INT8_WARPS, max_registers=None)
     if int8 or bits:
         return dict(block_t=64, num_warps=4, max_registers=QUANTISED_MAX_REGISTERS)
-    return dict(block_t=32, num_warps=4, max_registers=FLOAT16_MAX_REGISTERS)
+    return dict(block_t=64, num_warps=FLOAT16_WARPS, max_registers=None)
 
 
 def centred_int4(layout, parts: int) -> bool:

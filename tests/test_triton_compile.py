@@ -87,7 +87,7 @@ def test_spill_exemptions_cover_only_their_configurations():
         assert gpu_report.measured_reason(measured, "decode split", config), config
         assert gpu_report.measured_reason(measured, "decode split (graph)", config), config
     assert gpu_report.measured_reason(measured, "decode rope", "fp32 d=128 r=32 g=4 bt=32 w=4")
-    for config in ("bf16 int8 d=128 r=32 g=4 bt=64 w=1", "fp16 int4 d=128 r=32 g=4 bt=32 w=1"):  # uncapped one-warp defaults: the static budgets' choice
+    for config in ("bf16 int8 d=128 r=32 g=4 bt=64 w=1", "fp16 int4 d=128 r=32 g=4 bt=32 w=1", "bf16 int2 d=128 r=32 g=4 bt=32 w=1"):  # uncapped one-warp defaults: the static budgets' choice
         assert gpu_report.measured_reason(measured, "decode split", config) == decode.STATIC_BUDGET_CHOSEN, config
     for config in ("fp32 int4 d=128 r=32 g=4 bt=64 w=8", "fp32 d=128 r=32 g=4 bt=64 w=8"):
         assert not gpu_report.measured_reason(measured, "decode split", config), config

@@ -118,7 +118,7 @@ FLOAT16_WARPS = 2
 FLOAT16_MAX_REGISTERS = 96
 STATIC_BUDGET_CHOSEN = (
     "one warp, uncapped (INT8_WARPS, CENTRED_WARPS): the fewest instructions per token in the compiled loop, "
-    'its spills at ptxas\'s 255-register limit outside that loop; not timed, docs/gpu.md, "Static budgets, third pass"'
+    'its spills at ptxas\'s 255-register limit outside that loop; not timed, docs/gpu.md, "Static budgets, fourth pass"'
 )
 REGISTER_CAPS_MEASURED = (
     "register cap (QUANTISED_MAX_REGISTERS, FLOAT16_MAX_REGISTERS): timed faster on a GPU than the uncapped kernel "

@@ -171,7 +171,7 @@ def measured_defaults() -> dict[tuple[str, str], str]:
     covers its graph-capturable variant; "" every configuration)."""
     from subspace_ref_triton import decode, rope_decode
 
-    chosen = {("decode split", f"{name} {bits} "): decode.STATIC_BUDGET_CHOSEN for name in ("bf16", "fp16") for bits in ("int8", "int4")}  # before the caps: first match
+    chosen = {("decode split", f"{name} {bits} "): decode.STATIC_BUDGET_CHOSEN for name in ("bf16", "fp16") for bits in ("int8", "int4", "int2")}  # before the caps: first match
     return {("decode rope", ""): rope_decode.SPILLS_MEASURED, **chosen, **{("decode split", f"{name} "): decode.REGISTER_CAPS_MEASURED for name in ("bf16", "fp16")}}
 
 

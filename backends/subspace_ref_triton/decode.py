@@ -22,6 +22,10 @@ Flash-decoding in two launches:
 2. :func:`merge_partials` — one program per (sequence, query head) merges the ``S`` partials by
    log-sum-exp (spec A3.2) and writes ``N / Z`` in the output dtype.
 
+Optionally one launch (``decode_attention(..., fused_merge=True)``, :func:`fused_launch`; off by
+default, not yet timed): each split program counts its written partial on a per-(sequence, KV
+head) counter, and the one that writes the last merges them by the same arithmetic (``_merge_row``).
+
 Precision. Everything the softmax sees is float32. For a float32 state the products are float32
 FMAs (``input_precision="ieee"``, never TF32). For a 16-bit state the two per-token products
 (logits ``q~ . c_t`` and the weighted sum ``w . D``) run on tensor cores: the 16-bit coefficients
@@ -191,6 +195,10 @@ def _decode_split_kernel(
     stl_n,
     stl_h,
     stl_t,
+    cnt_ptr,
+    out_ptr,
+    so_n,
+    so_h,
     G: tl.constexpr,
     D: tl.constexpr,
     DV: tl.constexpr,
@@ -214,6 +222,9 @@ def _decode_split_kernel(
     RANKS_FULL: tl.constexpr = False,
     CPARTS: tl.constexpr = 3,
     Z_SLOTS: tl.constexpr = False,
+    FUSED: tl.constexpr = False,
+    MERGE_S: tl.constexpr = 16,
+    OUT_BF16: tl.constexpr = False,
 ):
     # Few nested @triton.jit calls in the loops (tl.max, tl.sum, tl.zeros are; see _tl.py): under
     # the interpreter each one re-patches triton.language, so the 16-bit split products are
@@ -494,6 +505,17 @@ def _decode_split_kernel(
     tl.store(pm_ptr + row * num_splits + s, m_i, mask=g_mask)
     tl.store(pz_ptr + row * num_splits + s, z_i, mask=g_mask)
     tl.store(po_ptr + (row * num_splits + s)[:, None] * d_v + offs_dv[None, :], o_i, mask=g_mask[:, None] & (offs_dv < d_v)[None, :])
+    if FUSED:
+        # One launch for split + merge (spec A3.2): the program that writes the last partial of its
+        # (sequence, KV head) merges them all, by the merge kernel's arithmetic (_merge_row).
+        tl.debug_barrier()  # every thread's partial stores precede the release of the count below
+        done = tl.atomic_add(cnt_ptr + nh, 1, sem="acq_rel")
+        if done == num_splits - 1:
+            for i in range(0, group):
+                # .cg: the other programs' partials are read from L2, never from a stale L1 line
+                merged = _merge_row(pm_ptr, pz_ptr, po_ptr, (n * H + h) * group + i, num_splits, d_v, DV, MERGE_S, ".cg")
+                tl.store(out_ptr + n * so_n + (h * group + i) * so_h + offs_dv, to_storage(merged, out_ptr, OUT_BF16), mask=offs_dv < d_v)
+            tl.store(cnt_ptr + nh, 0)  # back to zero, so the next launch (or graph replay) reuses the counters
 
 
 @triton.jit
@@ -816,10 +838,11 @@ def _centred_values_t(lt, tok, t_mask, m_i, z_i, acc_t, zacc, vc_base, vs_base, 
 
 
 @triton.jit
-def _merge_kernel(pm_ptr, pz_ptr, po_ptr, out_ptr, num_splits, d_v, Hq, so_n, so_h, DV: tl.constexpr, BLOCK_S: tl.constexpr, MANUAL_BF16: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    n = row // Hq
-    hq = row % Hq
+def _merge_row(pm_ptr, pz_ptr, po_ptr, row, num_splits, d_v, DV: tl.constexpr, BLOCK_S: tl.constexpr, CACHE: tl.constexpr = ""):
+    """Spec A3.2: the ``num_splits`` partials (m, Z, N) of (sequence, query head) ``row`` merged,
+    N / Z in float32 (DV,); empty partials (-inf, 0, 0) are the identity. Shared by
+    :func:`_merge_kernel` and the fused merge of :func:`_decode_split_kernel` (``CACHE``: the
+    partials' load cache modifier)."""
     offs_s = tl.arange(0, BLOCK_S)
     offs_dv = tl.arange(0, DV)
     dv_mask = offs_dv < d_v
@@ -830,9 +853,10 @@ def _merge_kernel(pm_ptr, pz_ptr, po_ptr, out_ptr, num_splits, d_v, Hq, so_n, so
     for s0 in range(0, num_splits, BLOCK_S):
         s_idx = s0 + offs_s
         s_mask = s_idx < num_splits
-        m = tl.load(pm_ptr + row * num_splits + s_idx, mask=s_mask, other=float("-inf"))
-        z = tl.load(pz_ptr + row * num_splits + s_idx, mask=s_mask, other=0.0)
-        o = tl.load(po_ptr + (row * num_splits + s_idx)[:, None] * d_v + offs_dv[None, :], mask=s_mask[:, None] & dv_mask[None, :], other=0.0)
+        m = tl.load(pm_ptr + row * num_splits + s_idx, mask=s_mask, other=float("-inf"), cache_modifier=CACHE)
+        z = tl.load(pz_ptr + row * num_splits + s_idx, mask=s_mask, other=0.0, cache_modifier=CACHE)
+        o = tl.load(po_ptr + (row * num_splits + s_idx)[:, None] * d_v + offs_dv[None, :], mask=s_mask[:, None] & dv_mask[None, :], other=0.0,
+                    cache_modifier=CACHE)
         m_new = tl.maximum(m_run, tl.reduce(m, 0, _MAX))
         # Spec A3.2 with e^{-inf - m} := 0, also when every partial so far is empty (m_new = -inf).
         ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -842,8 +866,17 @@ def _merge_kernel(pm_ptr, pz_ptr, po_ptr, out_ptr, num_splits, d_v, Hq, so_n, so
         o_run = o_run * a_run + tl.reduce(o * a[:, None], 0, _SUM)
         m_run = m_new
     # Z >= 1 whenever a token was attended (spec A3.1); callers refuse T = 0.
-    out = o_run / z_run
-    tl.store(out_ptr + n * so_n + hq * so_h + offs_dv, to_storage(out, out_ptr, MANUAL_BF16), mask=dv_mask)
+    return o_run / z_run
+
+
+@triton.jit
+def _merge_kernel(pm_ptr, pz_ptr, po_ptr, out_ptr, num_splits, d_v, Hq, so_n, so_h, DV: tl.constexpr, BLOCK_S: tl.constexpr, MANUAL_BF16: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    n = row // Hq
+    hq = row % Hq
+    offs_dv = tl.arange(0, DV)
+    out = _merge_row(pm_ptr, pz_ptr, po_ptr, row, num_splits, d_v, DV, BLOCK_S)
+    tl.store(out_ptr + n * so_n + hq * so_h + offs_dv, to_storage(out, out_ptr, MANUAL_BF16), mask=offs_dv < d_v)
 
 
 # ---------------------------------------------------------------------------------------- launchers
@@ -1030,6 +1063,7 @@ def split_launch(
     num_tokens=None,
     outputs=None,
     tokens_m: bool | None = None,
+    fused: tuple | None = None,
 ):
     """Per-split partials ``(m, Z, N)`` (spec A3.2) of coefficient-space attention (spec A3).
 
@@ -1051,6 +1085,11 @@ def split_launch(
     ``TOKENS_M``; fewer instructions in the compiled loop) or, ``False``, the query heads on M
     padded to the MMA's 16 rows (the form timed before; kept to time both).
 
+    ``fused``: ``(out, counters)`` to merge in the same launch (spec A3.2; :func:`fused_launch`):
+    ``out`` (N, H_q, d_v) takes N / Z, ``counters`` (int32 zeros, one per (sequence, KV head))
+    count the written partials, and the program that writes the last one merges them all and
+    resets its counter to 0. Off by default (the two-launch path; the fused one is not yet timed).
+
     :func:`split_launch` returns the launch (not run) and the outputs it would fill, for
     ahead-of-time compile checks (``subspace_ref_triton.gpu_report``).
     """
@@ -1068,6 +1107,12 @@ def split_launch(
             torch.empty((N, Hq, S, d_v), dtype=torch.float32, device=dev),
         )
     pm, pz, po = outputs
+    if fused is not None:
+        out, counters = fused
+        if out.shape != (N, Hq, d_v) or out.stride(-1) != 1:
+            raise ValueError(f"the fused merge's output must be ({N}, {Hq}, {d_v}) with a unit last stride")
+        if counters.dtype != torch.int32 or not counters.is_contiguous() or counters.numel() < N * H or counters.device != dev:
+            raise ValueError(f"the fused merge's counters must be {N * H} contiguous int32 zeros on q's device")
     kc, vc, kb, vb = layout.key_coef, layout.value_coef, layout.key_bases, layout.value_bases
     st, nc = layout.chunk_starts, layout.num_chunks
     sides = side_formats(layout)
@@ -1142,6 +1187,7 @@ def split_launch(
         nc.stride(0),
         nc.stride(1),
         *sides.strides(layout),
+        *((counters, out, out.stride(0), out.stride(1)) if fused is not None else (nc, pm, 0, 0)),  # stand-ins: never read unfused
     )
     cfg_centred = centred and cfg["block_t"] == kgroup
     constexprs = dict(
@@ -1167,6 +1213,8 @@ def split_launch(
         Z_SLOTS=cfg["num_warps"] > 1 and parts > 1 and not bits,  # _tile16 only
         INTERPRETED=interpreting(),
     )
+    if fused is not None:  # merge_launch's tile and rounding, so the fused merge is the same arithmetic
+        constexprs.update(FUSED=True, MERGE_S=min(MERGE_BLOCK_S, pow2_at_least(S, 1)), OUT_BF16=interpreting() and out.dtype == torch.bfloat16)
     return Launch(_decode_split_kernel, (N * H, S), args, constexprs, cfg["num_warps"], cfg["max_registers"] or None), outputs
 
 
@@ -1192,22 +1240,55 @@ def merge_launch(m, z, o, dtype, out=None):
     return Launch(_merge_kernel, (N * Hq,), args, constexprs, 4), out
 
 
-def attention_partials(q, layout, scale: float, split_len: int | None = None, num_splits: int | None = None, **launch):
-    """The split partials (m, Z, N) of spec A3.2 that :func:`decode_attention` merges, with the
-    default split length when ``split_len`` is None (exact tokens, spec/window.md W3, add their
-    own partials to these: :mod:`subspace_ref_triton.window_decode`)."""
+def _split_len(q, layout, scale: float, split_len: int | None, **launch) -> int:
+    """``split_len``, or the default split length when it is None."""
     if split_len is None:
         T, programs, resident = int(layout.num_tokens), q.shape[0] * layout.key_coef.shape[1], None
         if q.device.type == "cuda" and not interpreting():  # the compiled kernel's occupancy (cached)
             resident = resident_programs(split_launch(q, layout, scale, T, 1, **launch)[0], q.device)
         split_len = default_split_len(T, programs, q.device, resident)
-    return decode_partials(q, layout, scale, split_len, num_splits, **launch)
+    return split_len
 
 
-def decode_attention(q, layout, scale: float | None = None, split_len: int | None = None, num_splits: int | None = None, **launch):
+def attention_partials(q, layout, scale: float, split_len: int | None = None, num_splits: int | None = None, **launch):
+    """The split partials (m, Z, N) of spec A3.2 that :func:`decode_attention` merges, with the
+    default split length when ``split_len`` is None (exact tokens, spec/window.md W3, add their
+    own partials to these: :mod:`subspace_ref_triton.window_decode`)."""
+    return decode_partials(q, layout, scale, _split_len(q, layout, scale, split_len, **launch), num_splits, **launch)
+
+
+def new_counters(q, layout):
+    """The fused merge's counters of q (N, H_q, d) over ``layout``: int32 zeros, one per (sequence,
+    KV head); every fused launch leaves them at zero, so they can be reused (and graph-captured)."""
+    return torch.zeros(q.shape[0] * layout.key_coef.shape[1], dtype=torch.int32, device=q.device)
+
+
+def fused_launch(q, layout, scale: float, split_len: int, num_splits: int | None = None, *, counters=None, out=None, **launch):
+    """One launch for split + merge (spec A3.2): :func:`split_launch` with ``fused``. Returns the
+    launch (not run) and ``(out, counters, partials)``; ``counters`` from :func:`new_counters`
+    when None, ``out`` (N, H_q, d_v) in q's dtype when None."""
+    N, Hq, _, _, _, _, _, d_v = _shapes(q, layout)
+    counters = new_counters(q, layout) if counters is None else counters
+    out = torch.empty((N, Hq, d_v), dtype=q.dtype, device=q.device) if out is None else out
+    split, partials = split_launch(q, layout, scale, split_len, num_splits, fused=(out, counters), **launch)
+    return split, (out, counters, partials)
+
+
+def decode_attention(q, layout, scale: float | None = None, split_len: int | None = None, num_splits: int | None = None, *, fused_merge: bool = False,
+                     counters=None, **launch):
     """Coefficient-space attention (spec A2, A3) of q (N, H_q, d) over ``layout``: (N, H_q, d_v)
-    in q's dtype, accumulated in float32. ``scale`` defaults to 1/sqrt(d)."""
+    in q's dtype, accumulated in float32. ``scale`` defaults to 1/sqrt(d).
+
+    ``fused_merge``: split and merge (spec A3.2) in one launch (:func:`fused_launch`), the merge by
+    the last program of each (sequence, KV head); ``counters`` (:func:`new_counters`, left at zero)
+    may be passed to reuse. Off by default: the two-launch path, the fused one not yet timed."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if fused_merge:
+        split, (out, _, _) = fused_launch(q, layout, scale, _split_len(q, layout, scale, split_len, **launch), num_splits, counters=counters, **launch)
+        split.run()
+        return out
+    if counters is not None:
+        raise ValueError("counters are the fused merge's: pass fused_merge=True")
     m, z, o = attention_partials(q, layout, scale, split_len, num_splits, **launch)
     return merge_partials(m, z, o, q.dtype)
 

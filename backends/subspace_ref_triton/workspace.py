@@ -11,9 +11,10 @@ fixes everything that a graph bakes in, once, from the cache's *capacity*:
 * S fills the device's resident program slots once (``occupancy.full_wave_splits`` with the
   compiled kernel's registers and shared memory), splits of T beyond the current one are empty
   and merge as the identity (spec A3.2);
-* the partials and the output are allocated here; :meth:`attend` allocates nothing, reads no
-  device value on the host and synchronises nothing (``tests/test_triton_launch.py`` runs it
-  under a guard that raises on any of these).
+* the partials and the output are allocated here (and, with ``fused_merge``, the counters of
+  the one-launch split + merge, ``decode.fused_launch``, which every launch leaves at zero);
+  :meth:`attend` allocates nothing, reads no device value on the host and synchronises nothing
+  (``tests/test_triton_launch.py`` runs it under a guard that raises on any of these).
 
 The layout's tensors must stay the ones the workspace was built on (a graph replays their
 addresses): build the state with its final capacity (``layout.with_capacity``) first, and advance
@@ -36,7 +37,7 @@ class DecodeWorkspace:
     (N, H_q, d) in ``dtype`` over ``layout`` (a torch :class:`~subspace_ref.layout.PackedLayout`
     at its final capacity)."""
 
-    def __init__(self, layout, query_heads: int, dtype, scale: float | None = None, num_splits: int | None = None):
+    def __init__(self, layout, query_heads: int, dtype, scale: float | None = None, num_splits: int | None = None, fused_merge: bool = False):
         if any(layout.side_format(which).low_bits for which in ("key", "value")):
             # an int4/int2 append writes the unfinished key group into a new key_tail tensor
             # (spec/quantization.md Q2.1), whose address a captured graph would not follow
@@ -61,9 +62,16 @@ class DecodeWorkspace:
         self.partials = (torch.empty((N, query_heads, self.num_splits), **f32), torch.empty((N, query_heads, self.num_splits), **f32),
                          torch.empty((N, query_heads, self.num_splits, d_v), **f32))
         self.out = torch.empty((N, query_heads, d_v), dtype=dtype, device=self.device)
+        # one launch for split + merge (decode.fused_launch), off by default: not yet timed
+        self.counters = torch.zeros(N * H, dtype=torch.int32, device=self.device) if fused_merge else None
 
     def launches(self, q):
-        """The split and merge launches of one step over ``q`` (built, not run)."""
+        """The split and merge launches of one step over ``q`` (built, not run); with
+        ``fused_merge`` the one split launch that also merges."""
+        if self.counters is not None:
+            split, _ = decode.split_launch(q, self.layout, self.scale, 0, self.num_splits, num_tokens=self.num_tokens, outputs=self.partials,
+                                           fused=(self.out, self.counters))
+            return (split,)
         split, _ = decode.split_launch(q, self.layout, self.scale, 0, self.num_splits, num_tokens=self.num_tokens, outputs=self.partials)
         merge, _ = decode.merge_launch(*self.partials, self.out.dtype, out=self.out)
         return split, merge

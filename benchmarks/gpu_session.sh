@@ -18,11 +18,11 @@ PY=${PYTHON:-python}
   $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
 } > "$OUT/session.txt" 2>&1
 
-# 1. GPU differential tests of the changed kernels: the split kernel, the pre-RoPE kernel and the
-#    vendor path (<= 120 s)
+# 1. GPU differential tests of the changed kernels: the split kernel, the pre-RoPE kernel, the
+#    vendor path and the optional one-launch split + merge (<= 120 s)
 XDIST=$($PY -c "import xdist" 2> /dev/null && echo "-n 8")
-timeout 120 $PY -m pytest -q $XDIST tests/test_triton_kernels.py tests/test_rope_decode.py tests/test_triton_launch.py tests/test_triton_vendor.py \
-  -k "Decode or LowBit or rope or Rope or graph or Workspace or vendor or refused or float32_states" -p no:cacheprovider --junitxml="$OUT/tests.xml" > "$OUT/tests.log" 2>&1
+timeout 120 $PY -m pytest -q $XDIST tests/test_triton_kernels.py tests/test_rope_decode.py tests/test_triton_launch.py tests/test_triton_vendor.py tests/test_triton_fused_merge.py \
+  -k "Decode or LowBit or rope or Rope or graph or Workspace or vendor or refused or float32_states or fused" -p no:cacheprovider --junitxml="$OUT/tests.xml" > "$OUT/tests.log" 2>&1
 echo "tests: rc=$?" >> "$OUT/session.txt"
 
 # 1b. the kernels of the last landing, when carried in .gpu_before/ (an ignored copy of

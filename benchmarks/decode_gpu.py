@@ -36,7 +36,10 @@ Per (N, T), all in the same process:
 * **step-eager** / **step-graph** -- one whole decode step of the static float state: project
   one new token into the cache (c = B k, d = E v, written at the device-resident row T), advance
   T, attend (``subspace_ref_triton.workspace.DecodeWorkspace``); eagerly, and replayed from a
-  captured CUDA graph. The difference is the host overhead a graph removes.
+  captured CUDA graph. The difference is the host overhead a graph removes. **step-eager
+  fused-merge** / **step-graph fused-merge**: the same with split and merge in one launch
+  (``DecodeWorkspace(..., fused_merge=True)``); **triton-static fused-merge**: the static state's
+  attention so (``decode_attention(..., fused_merge=True)``).
 
 Columns: median time (``triton.testing.do_bench``, L2 flushed between calls, after its warm-up),
 bytes each method reads (SDPA: K and V; coefficient attention: ``state.nbytes``, the
@@ -381,6 +384,10 @@ def time_backends(rows: list[dict], names, usable, kind: str, state, q, scale: f
             if name == "triton" and kind == "static":
                 ms_api = bench(functools.partial(sr.attend, q, state, backend="triton", scale=scale))
                 rows.append(dict(method="triton-static-api", chunks=J, ms=ms_api, bytes=nbytes))
+                # split and merge in one launch (decode.fused_launch; off by default until timed)
+                fused = functools.partial(decode.decode_attention, q, st.layout, scale, fused_merge=True)
+                rows.append(dict(method="triton-static fused-merge", chunks=J, ms=bench(fused), bytes=nbytes,
+                                 max_abs_diff_vs_torch=float((fused().float() - ref).abs().max())))
             if name == "triton" and sweep and kind.startswith("rope"):
                 rope = st.policy.rope
                 configs = [(" ".join(f"{k}={v}" for k, v in kw.items()), functools.partial(rope_decode.decode_attention, q, st.layout, rope, scale, **kw))
@@ -435,13 +442,21 @@ def sweep_label(block_t, num_warps, cap) -> str:
 
 def time_steps(rows: list[dict], state, q, K, V, scale: float) -> None:
     """One decode step of a static float state (append one token at the device-resident row T,
-    advance T, attend), eager and replayed from a CUDA graph; the state's T is restored."""
+    advance T, attend), eager and replayed from a CUDA graph, with split and merge in two
+    launches and in one (``fused_merge``); the state's T is restored."""
+    for fused in (False, True):
+        time_step(rows, state, q, K, V, scale, fused)
+
+
+def time_step(rows: list[dict], state, q, K, V, scale: float, fused: bool) -> None:
+    """:func:`time_steps` for one workspace (``fused``: its split launch also merges)."""
     import torch
 
     from subspace_ref_triton.workspace import DecodeWorkspace
 
     lay = state.layout
-    ws = DecodeWorkspace(lay, H_Q, q.dtype, scale)
+    ws = DecodeWorkspace(lay, H_Q, q.dtype, scale, fused_merge=fused)
+    suffix = " fused-merge" if fused else ""
     T0 = int(lay.num_tokens)
     k_new, v_new = K[:, :, -1:].clone(), V[:, :, -1:].clone()
     B, E = lay.key_bases[:, :, 0], lay.value_bases[:, :, 0]  # (N, H, r, d): the static basis
@@ -460,9 +475,9 @@ def time_steps(rows: list[dict], state, q, K, V, scale: float) -> None:
         eager = bench(lambda: (reset(), step()))
         reset()
         want = get_torch_attend(state, ws.layout, q, scale, T0 + 1)  # row T0 is in the workspace's buffers, not the state's
-        rows.append(dict(method="step-eager", ms=eager, max_abs_diff_vs_torch=float((step().float() - want).abs().max())))
+        rows.append(dict(method="step-eager" + suffix, ms=eager, max_abs_diff_vs_torch=float((step().float() - want).abs().max())))
         if SMOKE:
-            rows.append(dict(method="step-graph", skipped="no CUDA graphs on the CPU interpreter"))
+            rows.append(dict(method="step-graph" + suffix, skipped="no CUDA graphs on the CPU interpreter"))
             return
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -478,10 +493,10 @@ def time_steps(rows: list[dict], state, q, K, V, scale: float) -> None:
         reset()
         graph.replay()
         diff = float((ws.out.float() - want).abs().max())
-        rows.append(dict(method="step-graph", ms=bench(lambda: (reset(), graph.replay())), max_abs_diff_vs_torch=diff))
+        rows.append(dict(method="step-graph" + suffix, ms=bench(lambda: (reset(), graph.replay())), max_abs_diff_vs_torch=diff))
     except Exception as err:  # noqa: BLE001
         traceback.print_exc()
-        rows.append(dict(method="step-graph", skipped=f"error: {type(err).__name__}: {err}"))
+        rows.append(dict(method="step-graph" + suffix, skipped=f"error: {type(err).__name__}: {err}"))
     finally:
         reset()
 

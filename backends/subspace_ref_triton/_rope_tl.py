@@ -98,7 +98,7 @@ def _word_codes(words, BITS: tl.constexpr, DT: tl.constexpr, INTERPRETED: tl.con
 def low_bit_words(words, BITS: tl.constexpr, DT: tl.constexpr, INTERPRETED: tl.constexpr, PAIRED: tl.constexpr = False):
     """The int4 or int2 codes (spec/quantization.md Q2) of rows of 32-bit ``words`` (T, n), (T, n 32 /
     BITS) in their stored order, as :func:`_code_pair` gives them in ``DT`` (float16: c; bfloat16:
-    c - 2^(BITS-1)). ``PAIRED``: in the order of :func:`paired_order` instead (each 32-bit register
+    c - 2^(BITS-1)). ``PAIRED``: in the order of :func:`subspace_ref_triton._tl.word_order` instead (each 32-bit register
     holds the two codes one bit operation gave: fewer instructions where any order will do)."""
     T: tl.constexpr = words.shape[0]
     WIDTH: tl.constexpr = words.shape[1] * 32 // BITS
@@ -109,17 +109,6 @@ def low_bit_words(words, BITS: tl.constexpr, DT: tl.constexpr, INTERPRETED: tl.c
         else:
             y = tl.permute(y, (0, 1, 5, 4, 3, 2))
     return tl.reshape(y, (T, WIDTH))
-
-
-@triton.jit
-def paired_order(offs, BITS: tl.constexpr):
-    """The channel at each position of :func:`low_bit_words` (``PAIRED``) rows: within each 32-bit
-    word the position's bits reversed."""
-    if BITS == 4:
-        out = (offs & ~7) | ((offs & 1) << 2) | (offs & 2) | ((offs >> 2) & 1)
-    else:
-        out = (offs & ~15) | ((offs & 1) << 3) | ((offs & 2) << 1) | ((offs >> 1) & 2) | ((offs >> 3) & 1)
-    return out
 
 
 @triton.jit

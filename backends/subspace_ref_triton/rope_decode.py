@@ -58,8 +58,8 @@ import triton.language as tl
 from subspace_ref_triton._common import Launch, cdiv, interpreting, pow2_at_least
 from subspace_ref_triton._tl import MAX_COMBINE as _MAX
 from subspace_ref_triton._tl import SUM_COMBINE as _SUM
-from subspace_ref_triton._tl import int4_word_order, low_bit_keys, low_bit_values, tile_codes
-from subspace_ref_triton._rope_tl import int8_words, joint_low_bit_codes, load_words, low_bit_keys16, low_bit_words, paired_order, rotate_bf16
+from subspace_ref_triton._tl import int4_word_order, low_bit_keys, low_bit_values, tile_codes, word_order
+from subspace_ref_triton._rope_tl import int8_words, joint_low_bit_codes, load_words, low_bit_keys16, low_bit_words, rotate_bf16
 from subspace_ref_triton.decode import DOT_ROWS, default_split_len, merge_partials, side_formats
 
 # Tokens per tile and warps of the tensor-core form with 16-bit bases, from the compiled code (not
@@ -275,8 +275,8 @@ def _rope_mma_kernel(
     qb = tl.load(q_cols + dim_b[:, None], mask=m_mask[:, None] & g_mask[None, :], other=0.0).to(tl.float32)
     # int8 codes read as words come in this channel order (_rope_tl.int8_words): the bases' rows follow it
     key_r = int4_word_order(offs_r) if K_WORDS and K_INT8 else offs_r
-    if V_WORDS and V_BITS > 0 and not JOINT:  # int4/int2 values read as words: any channel order will do (_rope_tl.paired_order)
-        val_rv = paired_order(offs_rv, V_BITS)
+    if V_WORDS and V_BITS > 0 and not JOINT:  # int4/int2 values read as words: any channel order will do (_tl.word_order)
+        val_rv = word_order(offs_rv, V_BITS)
     else:
         val_rv = int4_word_order(offs_rv) if V_WORDS and V_INT8 else offs_rv
     kb_rows = kb_ptr + n * skb_n + h * skb_h + key_r[:, None] * skb_r

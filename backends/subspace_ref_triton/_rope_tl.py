@@ -209,7 +209,7 @@ def low_bit_keys16(words, ks_base, kz_base, tail_base, tok, t_mask, offs_r, comp
         c = low_bit_words(words, BITS, tl.float16, INTERPRETED)
     else:  # decoded already (joint_low_bit_codes)
         c = words
-    grp = tok // kgroup
+    grp = (tok.to(tl.uint32) // kgroup).to(tl.int32)  # tok >= 0: unsigned, a shift for a power-of-two group
     k_sc = tl.load(ks_base + grp[:, None] * sks_t + offs_r[None, :], mask=rows[:, None], other=0.0).to(tl.float16)
     k_ze = tl.load(kz_base + grp[:, None] * sks_t + offs_r[None, :], mask=rows[:, None], other=0.0).to(tl.float16)
     if INTERPRETED:  # one rounding, as the GPU's fused float16 multiply-add

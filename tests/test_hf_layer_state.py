@@ -277,10 +277,12 @@ def test_a_one_call_step_carries_the_next_restore_point(grouped):
             model(ids[:, t : t + 1], cache=cache)
             assert all(c._carried is not None for c in children)  # every layer took the one-call step
             fresh = [_fresh_versions(c) for c in children]
+            held = [c.get_seq_length() for c in children]
             cache.begin_forward(children[0].layer_idx)  # the next forward's restore points, from what was carried
-            for c, want in zip(children, fresh):
+            for c, want, tokens in zip(children, fresh, held):
                 got = c._restore_point[1]
                 assert got.keys() == want.keys() and all(got[n][0] is want[n][0] and got[n][1] == want[n][1] for n in want)
+                assert c._forward_start == tokens == t + 1  # carried too: where a crop or rollback goes back to
         for name, array in (("window_keys", lambda st: st.window.keys), ("sink_keys", lambda st: st.window.sink_keys)):
             model(ids[:, -1:], cache=cache)
             array(cache.state_layers[0]._restore_point[0]).add_(1.0)  # written in place since the forward began

@@ -65,6 +65,7 @@ class LayerDecoder:
         self.made_from: list = [None] * len(layer.groups)  # per group: the KernelCall its arguments came from
         self.sources: list = [((), ()) for _ in layer.groups]  # per group: the arrays that call was made from, and their versions
         self.d_v = layer.groups[0].state.d_v
+        self.out_shape = self.q_shape[:-1] + (self.d_v,)
         self._spare_outputs: dict = {}
         self._decode = lib.library().layer_decode
 
@@ -76,9 +77,9 @@ class LayerDecoder:
             return None
         keys, values = keys.contiguous(), values.contiguous()
         x = q if q.is_contiguous() else q.contiguous()
-        out = spare_output(self._spare_outputs, self.q_shape[:-1] + (self.d_v,))
+        out = spare_output(self._spare_outputs, self.out_shape)
         keys_at, values_at, x_at, out_at = keys.data_ptr(), values.data_ptr(), x.data_ptr(), out.data_ptr()
-        fresh = []
+        groups, tile_for = [], None
         for i, st in enumerate(states):
             lay, win = st.layout, st.window
             last_lay, last_win = ap.committed[i]  # what the last step left: its arrays, bases and sinks are call i's
@@ -88,16 +89,18 @@ class LayerDecoder:
             T = lay.num_tokens
             if T + 1 > lay.key_coef.shape[2]:  # a capacity growth: the caller's path grows the arrays
                 return None
-            made = ap.fill(i, lay, win, keys_at, values_at)
-            a, c, e = ap.calls[i], self.calls[i], self.exact[i]
-            e.keys[1], e.values[1] = a.new_window_keys, a.new_window_values  # the attention reads the new window
-            c.tokens, c.tile, c.q, c.out = T + 1, token_tiles(T + 1).step, x_at, out_at
-            if made[2] is not None:
-                c.key_tail = a.new_tail
-            fresh.append(made)
+            new_k, new_v, tail = ap.fill(i, lay, win, keys_at, values_at)
+            c, e = self.calls[i], self.exact[i]
+            e.keys[1], e.values[1] = new_k.data_ptr(), new_v.data_ptr()  # the attention reads the new window
+            if tile_for != T:
+                tile_for, tile = T, token_tiles(T + 1).step
+            c.tokens, c.tile, c.q, c.out = T + 1, tile, x_at, out_at
+            if tail is not None:
+                c.key_tail = tail.data_ptr()
+            groups.append((st, lay, win, new_k, new_v, tail))
         if self._decode(len(states), ap.calls, ctypes.byref(ap.magnitude), self.calls) != 0:
             return None  # nothing a state reads has changed: the caller's path names the failure
-        ap.commit(AppendStep([(st, st.layout, st.window, *made) for st, made in zip(states, fresh)], keys, values))
+        ap.commit(AppendStep(groups, keys, values))
         return out
 
     def _admit(self, i: int, st, lay, win, x: torch.Tensor, out: torch.Tensor) -> bool:

@@ -199,11 +199,10 @@ class SubspaceCache(Cache):
         """Called by each layer's update: the first compressed layer's update starts a forward,
         whose tokens :meth:`rollback_forward` can give back; it first checks that the model
         attends through the cache (:meth:`check_model_attention`), once per forward."""
-        layers = self.state_layers
+        layers = self._state_layers if self._state_layers is not None else self.state_layers
         if layers and layers[0].layer_idx == layer_idx:
             self.check_model_attention()
             for layer in layers:
-                layer._forward_start = layer.get_seq_length()
                 layer.keep_restore_point()
 
     def rollback_forward(self) -> None:

@@ -189,7 +189,9 @@ class SubspaceLayer(CacheLayerMixin):
         self._carried = None
         if carried is not None and carried[0] is st and carried[1] is st.layout and carried[2] is st.sketches and carried[3] is st.window:
             self._restore_point = (SubspaceState(st.policy, st.layout, st.sketches, st.batched, st.engine, st.window), carried[4])
+            self._forward_start = carried[5]
             return
+        self._forward_start = self.get_seq_length()
         if st is None or self.truncate_reason() is None:
             return
         fixed = held_arrays(st, FIXED_ARRAYS)
@@ -221,7 +223,7 @@ class SubspaceLayer(CacheLayerMixin):
                 versions.pop(name, None)
             else:
                 versions[name] = (x, x._version)
-        self._carried = (st, st.layout, st.sketches, st.window, versions)
+        self._carried = (st, st.layout, st.sketches, st.window, versions, self._forward_start + 1)  # the step appended one token
 
     def restore(self) -> None:
         """Bring the state back to the start of the current forward (see :meth:`keep_restore_point`)."""

@@ -105,6 +105,26 @@ def centred_words(base, tok, rows, stride_words, WIDTH: tl.constexpr, BITS: tl.c
     VEC: tl.constexpr = 2 if BITS == 4 else 1
     offs_w = offs_w % VEC + offs_w // VEC * VEC
     words = tl.load(base + tok[:, None] * stride_words + offs_w[None, :], mask=rows[:, None], other=0)  # sass: codes
+    return _centred_decode(words, WIDTH, BITS, COEF, INTERPRETED)
+
+
+@triton.jit
+def centred_pair_words(base, tok, stride_words, OFFSET: tl.constexpr, WIDTH: tl.constexpr, BITS: tl.constexpr, COEF: tl.constexpr,
+                       INTERPRETED: tl.constexpr, VEC: tl.constexpr = 2):
+    """:func:`centred_words` of two tokens a row, unmasked: row i holds the WIDTH channels of token
+    ``tok[i]`` then those of token ``tok[i] + OFFSET`` (2 WIDTH columns; column p is channel
+    ``word_order(p) % WIDTH`` of the token ``tok[i] + OFFSET * (p // WIDTH)``)."""
+    WPR: tl.constexpr = WIDTH * BITS // 32
+    offs_w = tl.arange(0, WPR)
+    offs_w = offs_w % VEC + offs_w // VEC * VEC
+    rows = (tok[:, None] + OFFSET * tl.arange(0, 2)[None, :]) * stride_words
+    words = tl.load(base + rows[:, :, None] + offs_w[None, None, :])  # sass: codes
+    return _centred_decode(tl.reshape(words, (tok.shape[0], 2 * WPR)), 2 * WIDTH, BITS, COEF, INTERPRETED)
+
+
+@triton.jit
+def _centred_decode(words, WIDTH: tl.constexpr, BITS: tl.constexpr, COEF: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The rows of 32-bit ``words`` as WIDTH channels ``c - M`` each (:func:`centred_words`)."""
     l0, h0 = _code_pair(words, 0, BITS, COEF, INTERPRETED)
     l1, h1 = _code_pair(words, 1, BITS, COEF, INTERPRETED)
     l2, h2 = _code_pair(words, 2, BITS, COEF, INTERPRETED)
@@ -121,7 +141,7 @@ def centred_words(base, tok, rows, stride_words, WIDTH: tl.constexpr, BITS: tl.c
     # (t, k, c0, c1[, c2], h) -> code c0 + 2 c1 [+ 4 c2] + 16 h / BITS of word k (word_order): a
     # word's two halves side by side, as the 32-bit pair the bit trick built
     y = tl.join(lo, hi)
-    return tl.reshape(y, (tok.shape[0], WIDTH))
+    return tl.reshape(y, (words.shape[0], WIDTH))
 
 
 @triton.jit

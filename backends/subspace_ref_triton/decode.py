@@ -66,7 +66,7 @@ from subspace_ref_triton._common import Launch, cdiv, interpreting, pow2_at_leas
 from subspace_ref_triton.occupancy import GPU, full_wave_splits, resident_blocks
 from subspace_ref_triton._tl import MAX_COMBINE as _MAX
 from subspace_ref_triton._tl import SUM_COMBINE as _SUM
-from subspace_ref_triton._tl import centred_words, exp2_ftz, int8_as_f16, low_bit_keys, low_bit_values, split3, split3_bits, to_storage, word_order
+from subspace_ref_triton._tl import centred_pair_words, centred_words, exp2_ftz, int8_as_f16, low_bit_keys, low_bit_values, split3, split3_bits, to_storage, word_order
 
 
 def _small_dots() -> bool:
@@ -225,6 +225,7 @@ def _decode_split_kernel(
     FUSED: tl.constexpr = False,
     MERGE_S: tl.constexpr = 16,
     OUT_BF16: tl.constexpr = False,
+    PAIRS: tl.constexpr = False,
 ):
     # Few nested @triton.jit calls in the loops (tl.max, tl.sum, tl.zeros are; see _tl.py): under
     # the interpreter each one re-patches triton.language, so the 16-bit split products are
@@ -248,7 +249,6 @@ def _decode_split_kernel(
     offs_dv = tl.arange(0, DV)
     offs_r = tl.arange(0, R)
     offs_rv = tl.arange(0, RV)
-    offs_t = tl.arange(0, BLOCK_T)
     g_mask = offs_g < group
     if RANKS_FULL:  # r = R and r_v = RV: no mask on the rank axis (wide loads, fewer predicates)
         r_mask = tl.full([R], 1, tl.int1)
@@ -367,45 +367,84 @@ def _decode_split_kernel(
         acc = tl.full([G, RV], 0.0, tl.float32)  # value-coefficient accumulator, at scale m_i
         if CENTRED:
             # int4/int2 in spec/quantization.md Q6's centred form (centred_int4; docs/gpu.md, "Static budgets"):
-            # tiles of one key group each (BLOCK_T = group, tiles group-aligned), so a tile's key
-            # scales are one row, folded into the query (a_j = q~_j s_j) and a bias per query head;
-            # the value scales go into the weights. The codes enter the products as small integers.
+            # tiles of one key group each (CT = group, tiles group-aligned; with PAIRS the hot loop
+            # takes two of them, BLOCK_T = 2 CT), so a tile's key scales are one row, folded into the
+            # query (a_j = q~_j s_j) and a bias per query head; the value scales go into the weights.
+            # The codes enter the products as small integers.
+            CT: tl.constexpr = BLOCK_T // 2 if PAIRS else BLOCK_T
             MID: tl.constexpr = 1 << (K_BITS - 1)
             zacc = tl.full([G], 0.0, tl.float32)  # sum_t w_t (zeta_t + M tau_t), at scale m_i
             # TOKENS_M: the tile's tokens on the MMA's M dimension (logits^T = codes @ a_j^T, and
             # acc^T = codes^T @ w^T), so the GQA group is the small N of both products, not M
             # padded to 16 rows; the accumulator is kept transposed (RV x G) until the chunk's end
             acc_t = tl.full([RV, G], 0.0, tl.float32)
-            t_first = c_lo // BLOCK_T * BLOCK_T
+            offs_ct = tl.arange(0, CT)
+            t_first = c_lo // CT * CT
             coded_hi = tl.minimum(c_hi, complete)
             if TOKENS_M:
-                # Z and zacc per token slot (BLOCK_T x G, at scale m_i), summed once per chunk: no
+                # Z and zacc per token slot (CT x G, at scale m_i), summed once per chunk: no
                 # reductions across lanes per tile
                 m_start = m_i
                 q_proj = q_proj * row_scale[:, None]  # the logit scale folded into q~ once per chunk
-                z_s = tl.full([BLOCK_T, G], 0.0, tl.float32)
-                za_s = tl.full([BLOCK_T, G], 0.0, tl.float32)
+                z_s = tl.full([CT, G], 0.0, tl.float32)
+                za_s = tl.full([CT, G], 0.0, tl.float32)
                 # Tiles wholly inside [c_lo, coded_hi) without masks in the hot loop; the partial
                 # first and last tiles after it, masked (spec A3.1: any order of the tiles).
-                full_lo = (c_lo + BLOCK_T - 1) // BLOCK_T * BLOCK_T
-                full_hi = coded_hi // BLOCK_T * BLOCK_T
-                for t0 in range(full_lo, full_hi, BLOCK_T):  # sass: main loop
-                    m_i, z_s, acc_t, za_s = _centred_tile_t(t0, c_lo, coded_hi, q_proj, key_r, ks_base, kz_base, kc_base, sks_t, skc_t,
-                                                            vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t, m_i, z_s, acc_t, za_s,
-                                                            BLOCK_T, NATIVE16, INTERPRETED, False, CPARTS, K_BITS)
-                last_t = (coded_hi - 1) // BLOCK_T * BLOCK_T
+                full_lo = (c_lo + CT - 1) // CT * CT
+                full_hi = coded_hi // CT * CT
+                if PAIRS:
+                    # whole tiles two key groups at a time, as two softmax streams side by side on N
+                    # (_centred_pair_t), merged into the one stream after the loop; an odd last whole tile alone
+                    pair_hi = full_lo + (full_hi - full_lo) // BLOCK_T * BLOCK_T
+                    offs_2r = tl.arange(0, 2 * R)
+                    key_r2 = word_order(offs_2r, K_BITS) % R
+                    # q~ in the channels' natural order (word_order is its own inverse), one row per (stream, head)
+                    q_n = tl.gather(q_proj, tl.broadcast_to(word_order(offs_r, K_BITS)[None, :], (G, R)), 1)
+                    q_n = tl.reshape(tl.broadcast_to(q_n[None, :, :], (2, G, R)), (2 * G, R))
+                    m2 = tl.full([2 * G], float("-inf"), tl.float32)
+                    z2 = tl.full([CT, 2 * G], 0.0, tl.float32)
+                    za2 = tl.full([CT, 2 * G], 0.0, tl.float32)
+                    acc2 = tl.full([2 * RV, 2 * G], 0.0, tl.float32)
+                    for t0 in range(full_lo, pair_hi, BLOCK_T):  # sass: main loop
+                        m2, z2, acc2, za2 = _centred_pair_t(t0, q_proj, q_n, key_r2, ks_base, kz_base, kc_base, sks_t, skc_t, vc_base, vs_base, vz_base,
+                                                            svc_t, svs_t, m2, z2, acc2, za2, CT, R, RV, NATIVE16, INTERPRETED, CPARTS, K_BITS)
+                    if pair_hi < full_hi:
+                        m_i, z_s, acc_t, za_s = _centred_tile_t(pair_hi, c_lo, coded_hi, q_proj, key_r, ks_base, kz_base, kc_base, sks_t, skc_t,
+                                                                vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t, m_i, z_s, acc_t, za_s,
+                                                                CT, NATIVE16, INTERPRETED, False, CPARTS, K_BITS)
+                    if full_lo < pair_hi:  # the two streams into the one (spec A3.2's merge, per slot)
+                        m_a, m_b = _halves(m2)
+                        m_new = tl.maximum(m_i, tl.maximum(m_a, m_b))
+                        sc = tl.where(m_i == float("-inf"), 0.0, tl.exp2(m_i - m_new))
+                        sc_a = tl.where(m_a == float("-inf"), 0.0, tl.exp2(m_a - m_new))
+                        sc_b = tl.where(m_b == float("-inf"), 0.0, tl.exp2(m_b - m_new))
+                        z_a, z_b = _halves(z2)
+                        z_s = z_s * sc[None, :] + z_a * sc_a[None, :] + z_b * sc_b[None, :]
+                        za_a, za_b = _halves(za2)
+                        za_s = za_s * sc[None, :] + za_a * sc_a[None, :] + za_b * sc_b[None, :]
+                        rows_a, rows_b = _halves(tl.trans(acc2))  # (2G, RV): group A's channels, group B's
+                        acc_a, _ = _halves(tl.trans(rows_a))
+                        _, acc_b = _halves(tl.trans(rows_b))
+                        acc_t = acc_t * sc[None, :] + acc_a * sc_a[None, :] + acc_b * sc_b[None, :]
+                        m_i = m_new
+                else:
+                    for t0 in range(full_lo, full_hi, CT):  # sass: main loop
+                        m_i, z_s, acc_t, za_s = _centred_tile_t(t0, c_lo, coded_hi, q_proj, key_r, ks_base, kz_base, kc_base, sks_t, skc_t,
+                                                                vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t, m_i, z_s, acc_t, za_s,
+                                                                CT, NATIVE16, INTERPRETED, False, CPARTS, K_BITS)
+                last_t = (coded_hi - 1) // CT * CT
                 for e in range(0, 2):
                     t0 = tl.where(e == 0, t_first, last_t)
-                    partial = (t0 < c_lo) | (t0 + BLOCK_T > coded_hi)
+                    partial = (t0 < c_lo) | (t0 + CT > coded_hi)
                     if (c_lo < coded_hi) & partial & ((e == 0) | (last_t != t_first)):
                         m_i, z_s, acc_t, za_s = _centred_tile_t(t0, c_lo, coded_hi, q_proj, key_r, ks_base, kz_base, kc_base, sks_t, skc_t,
                                                                 vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t, m_i, z_s, acc_t, za_s,
-                                                                BLOCK_T, NATIVE16, INTERPRETED, True, CPARTS, K_BITS)
+                                                                CT, NATIVE16, INTERPRETED, True, CPARTS, K_BITS)
             else:
-                for t0 in range(t_first, coded_hi, BLOCK_T):  # sass: main loop
-                    tok = t0 + offs_t
+                for t0 in range(t_first, coded_hi, CT):  # sass: main loop
+                    tok = t0 + offs_ct
                     t_mask = (tok >= c_lo) & (tok < coded_hi)
-                    grp = t0 // BLOCK_T
+                    grp = t0 // CT
                     s_k = tl.load(ks_base + grp * sks_t + key_r, mask=r_mask, other=0.0).to(tl.float32)
                     z_k = tl.load(kz_base + grp * sks_t + key_r, mask=r_mask, other=0.0).to(tl.float32)
                     bias = tl.reduce(q_proj * (z_k + MID * s_k)[None, :], 1, _SUM)
@@ -428,8 +467,8 @@ def _decode_split_kernel(
                     m_i, z_i, acc, zacc = _centred_values(logits, tok, t_mask, m_i, z_i, acc, zacc, vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t,
                                                           NATIVE16, INTERPRETED, K_BITS)
             # the unfinished group (spec/quantization.md Q2.2): float keys from key_tail, outside the hot loop
-            for t0 in range(tl.maximum(t_first, complete), c_hi, BLOCK_T):
-                tok = t0 + offs_t
+            for t0 in range(tl.maximum(t_first, complete), c_hi, CT):
+                tok = t0 + offs_ct
                 t_mask = (tok >= c_lo) & (tok < c_hi)
                 k_tl = tl.load(tail_base + (tok - complete)[:, None] * stl_t + key_r[None, :], mask=t_mask[:, None] & r_mask[None, :], other=0.0)
                 if TOKENS_M:
@@ -802,6 +841,104 @@ def _centred_tile_t(t0, t_lo, t_hi, q_proj, key_r, ks_base, kz_base, kc_base, sk
 
 
 @triton.jit
+def _centred_pair_t(t0, q_proj, q_n, key_r2, ks_base, kz_base, kc_base, sks_t, skc_t, vc_base, vs_base, vz_base, svc_t, svs_t,
+                    m2, z2, acc2, za2, BLOCK_T: tl.constexpr, R: tl.constexpr, RV: tl.constexpr, NATIVE16: tl.constexpr,
+                    INTERPRETED: tl.constexpr, CPARTS: tl.constexpr, BITS: tl.constexpr, VEC: tl.constexpr = 2):
+    """Two whole key groups (tokens ``t0 .. t0 + 2 BLOCK_T``) of the centred form with the tokens on M,
+    unmasked, as two softmax streams side by side on the MMA's N dimension (which pads the GQA group
+    to 8 anyway): row i of the code tiles holds token ``t0 + i`` (group A, channels 0..R-1) and token
+    ``t0 + BLOCK_T + i`` (group B, channels R..2R-1), and a_j = q~_j s_j is block-diagonal (rows
+    0..G-1 over A's channels with A's scales, rows G..2G-1 over B's), so columns 0..G-1 of the logits
+    are group A's and G..2G-1 group B's, each column with its own running max (spec A3.1: any
+    partition of the tokens). The value accumulator ``acc2`` (2 RV x 2G) holds A's sums in its first
+    RV rows and G columns, B's in the last RV rows and G columns (the other blocks are never read).
+    Per column: ``m2``; per token slot and column: ``z2``, ``za2`` (:func:`_centred_values_t`).
+    ``q_proj``: q~ (G x R, channels in word order); ``q_n``: q~ in natural channel order, twice
+    (2G x R); ``key_r2``: the channel within its group of each of the 2R columns."""
+    MID: tl.constexpr = 1 << (BITS - 1)
+    tok = t0 + tl.arange(0, BLOCK_T)
+    grp = t0 // BLOCK_T
+    k_off = (grp + tl.arange(0, 2 * R) // R) * sks_t + key_r2
+    s_k = tl.load(ks_base + k_off).to(tl.float32)
+    G: tl.constexpr = q_proj.shape[0]
+    # per stream, compact (G x 2R: q~ beside itself), then block-diagonal (2G x 2R) in bfloat16
+    q_t = tl.reshape(tl.broadcast_to(q_proj[:, None, :], (G, 2, R)), (G, 2 * R))
+    # the bias of each (stream, head) row, channels in their natural order: a (2G, R) tile whose rows
+    # are whole scale rows (contiguous loads; the sum mostly within each thread)
+    rows2 = tl.arange(0, 2 * G)
+    n_off = (grp + rows2 // G)[:, None] * sks_t + tl.arange(0, R)[None, :]
+    h_n = tl.load(kz_base + n_off).to(tl.float32) + MID * tl.load(ks_base + n_off).to(tl.float32)
+    bias = tl.reduce(q_n * h_n, 1, _SUM)
+    u_c = q_t * s_k[None, :]
+    y = centred_pair_words(kc_base.to(tl.pointer_type(tl.uint32)), tok, skc_t // 4, BLOCK_T, R, BITS, tl.bfloat16, INTERPRETED, VEC)  # (BLOCK_T, 2R)
+    uc_hi, uc_mid, uc_lo = split3_bits(u_c)
+    diag = (tl.arange(0, 2 * G) // G)[:, None] == (tl.arange(0, 2 * R) // R)[None, :]
+    u_hi = tl.where(diag, tl.reshape(tl.broadcast_to(uc_hi[None, :, :], (2, G, 2 * R)), (2 * G, 2 * R)), 0.0)
+    u_mid = u_hi
+    u_lo = u_hi
+    if CPARTS > 1:
+        u_mid = tl.where(diag, tl.reshape(tl.broadcast_to(uc_mid[None, :, :], (2, G, 2 * R)), (2 * G, 2 * R)), 0.0)
+    if CPARTS > 2:
+        u_lo = tl.where(diag, tl.reshape(tl.broadcast_to(uc_lo[None, :, :], (2, G, 2 * R)), (2 * G, 2 * R)), 0.0)
+    lt = tl.broadcast_to(bias[None, :], (BLOCK_T, 2 * G))
+    if NATIVE16:
+        lt = tl.dot(y, tl.trans(u_hi), acc=lt)
+        if CPARTS > 1:
+            lt = tl.dot(y, tl.trans(u_mid), acc=lt)
+        if CPARTS > 2:
+            lt = tl.dot(y, tl.trans(u_lo), acc=lt)
+    else:
+        yf = y.to(tl.float32)
+        lt = tl.dot(yf, tl.trans(u_hi.to(tl.float32)), acc=lt, input_precision="ieee")
+        if CPARTS > 1:
+            lt = tl.dot(yf, tl.trans(u_mid.to(tl.float32)), acc=lt, input_precision="ieee")
+        if CPARTS > 2:
+            lt = tl.dot(yf, tl.trans(u_lo.to(tl.float32)), acc=lt, input_precision="ieee")
+    G2: tl.constexpr = 2 * G
+    m_new = tl.maximum(m2, tl.reduce(lt, 0, _MAX))
+    alpha = exp2_ftz(m2 - m_new, INTERPRETED)  # log2 units
+    w = exp2_ftz(lt - m_new[None, :], INTERPRETED)
+    z2 = z2 * alpha[None, :] + w
+    # the two tokens of each row: (BLOCK_T, 2) -> (BLOCK_T, 2G), column k G + g
+    v_off = (tok[:, None] + BLOCK_T * tl.arange(0, 2)[None, :]) * svs_t
+    tau = tl.load(vs_base + v_off).to(tl.float32)
+    zeta = tl.load(vz_base + v_off).to(tl.float32)
+    tau = tl.reshape(tl.broadcast_to(tau[:, :, None], (BLOCK_T, 2, G2 // 2)), (BLOCK_T, G2))
+    zeta = tl.reshape(tl.broadcast_to(zeta[:, :, None], (BLOCK_T, 2, G2 // 2)), (BLOCK_T, G2))
+    za2 = za2 * alpha[None, :] + w * (zeta + MID * tau)
+    wv = w * tau
+    yv = centred_pair_words(vc_base.to(tl.pointer_type(tl.uint32)), tok, svc_t // 4, BLOCK_T, RV, BITS, tl.bfloat16, INTERPRETED, VEC)  # (BLOCK_T, 2RV)
+    w_hi, w_mid, w_lo = split3_bits(wv)
+    acc2 = acc2 * alpha[None, :]
+    if NATIVE16:
+        yt = tl.trans(yv)
+        acc2 = tl.dot(yt, w_hi, acc=acc2)
+        if CPARTS > 1:
+            acc2 = tl.dot(yt, w_mid, acc=acc2)
+        if CPARTS > 2:
+            acc2 = tl.dot(yt, w_lo, acc=acc2)
+    else:
+        yt = tl.trans(yv.to(tl.float32))
+        acc2 = tl.dot(yt, w_hi.to(tl.float32), acc=acc2, input_precision="ieee")
+        if CPARTS > 1:
+            acc2 = tl.dot(yt, w_mid.to(tl.float32), acc=acc2, input_precision="ieee")
+        if CPARTS > 2:
+            acc2 = tl.dot(yt, w_lo.to(tl.float32), acc=acc2, input_precision="ieee")
+    return m_new, z2, acc2, za2
+
+
+@triton.jit
+def _halves(x):
+    """The two halves of the last axis of ``x`` (its last axis split as 2 x half)."""
+    shape: tl.constexpr = x.shape
+    if len(shape) == 1:
+        a, b = tl.split(tl.permute(tl.reshape(x, (2, shape[0] // 2)), (1, 0)))
+    else:
+        a, b = tl.split(tl.permute(tl.reshape(x, (shape[0], 2, shape[1] // 2)), (0, 2, 1)))
+    return a, b
+
+
+@triton.jit
 def _centred_values_t(lt, tok, t_mask, m_i, z_i, acc_t, zacc, vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t,
                       NATIVE16: tl.constexpr, INTERPRETED: tl.constexpr, CPARTS: tl.constexpr = 3, BITS: tl.constexpr = 4):
     """:func:`_centred_values` with the tokens on the MMA's M dimension: ``lt`` the logits
@@ -1134,9 +1271,11 @@ def split_launch(
     cfg = launch_config(d, d_v, kb.dtype, int8, bits)
     kgroup = int(layout.group) if sides.k_bits else 0
     centred = centred_int4(layout, parts)
+    pairs = TOKENS_M_DEFAULT if tokens_m is None else bool(tokens_m)
     if centred and block_t is None:
-        # one key group per tile (Q6's centred form, CENTRED below) on CENTRED_WARPS warps, uncapped (docs/gpu.md, "Static budgets")
-        cfg.update(block_t=kgroup, num_warps=CENTRED_WARPS, max_registers=None)
+        # one key group per tile (Q6's centred form, CENTRED below), two per hot-loop step with tokens on M
+        # (PAIRS), on CENTRED_WARPS warps, uncapped (docs/gpu.md, "Static budgets")
+        cfg.update(block_t=2 * kgroup if pairs else kgroup, num_warps=CENTRED_WARPS, max_registers=None)
     cfg.update({k: v for k, v in (("block_t", block_t), ("num_warps", num_warps), ("max_registers", max_registers)) if v is not None})
     args = (
         q,
@@ -1189,7 +1328,8 @@ def split_launch(
         *sides.strides(layout),
         *((counters, out, out.stride(0), out.stride(1)) if fused is not None else (nc, pm, 0, 0)),  # stand-ins: never read unfused
     )
-    cfg_centred = centred and cfg["block_t"] == kgroup
+    cfg_pairs = centred and pairs and cfg["block_t"] == 2 * kgroup
+    cfg_centred = centred and (cfg["block_t"] == kgroup or cfg_pairs)
     constexprs = dict(
         # 16 rows where fewer measured worse: float32 bases (spill on sm_80), int2 and the other per-code reads (more instructions)
         G=pow2_at_least(group, DOT_ROWS if parts > 1 and (not bits or cfg_centred) else 16),
@@ -1207,6 +1347,7 @@ def split_launch(
         DEVICE_T=device_t,
         MIN_SPLIT=MIN_SPLIT_TOKENS if device_t else 1,
         CENTRED=cfg_centred,
+        PAIRS=cfg_pairs,
         TOKENS_M=TOKENS_M_DEFAULT if tokens_m is None else bool(tokens_m),
         RANKS_FULL=r == pow2_at_least(r) and r_v == pow2_at_least(r_v),
         CPARTS=CENTRED_PARTS[kb.dtype] if kb.dtype in CENTRED_PARTS else 3,

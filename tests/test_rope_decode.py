@@ -37,11 +37,11 @@ def rope_params(d, layout, rotary_dim, scaling):
     return RopeParams(1.0 / 50.0 ** (np.arange(0, rot, 2) / rot), layout, scaling)
 
 
-def build(case, rng):
+def build(case, rng, **state_kw):
     _, layout, rot, scaling, H, g, d, r, T, coefficients, bases, window = case
     rope = rope_params(d, layout, rot, scaling)
     basis = StaticBasis.from_bases(random_orthonormal(rng, H, r=r, d=d), random_orthonormal(rng, H, r=r, d=d), gamma=1.3)
-    state = SubspaceState.static(basis, rope=rope, coefficients=coefficients, bases=bases, window=window)
+    state = SubspaceState.static(basis, rope=rope, coefficients=coefficients, bases=bases, window=window, **state_kw)
     # post-RoPE keys of pre-RoPE keys near the basis span, as a model gives them
     pre = np.einsum("htr,hrd->htd", rng.standard_normal((H, T, r)) * 3, basis.B) + 0.05 * rng.standard_normal((H, T, d))
     keys = rotate(pre, np.arange(T), rope)
@@ -243,14 +243,14 @@ def test_triton_pre_rope_default_kernels():
         assert launch.kernel is rope_decode._rope_split_kernel
 
 
-def _gpu_numerics_error(case, dtype, split_len, rng, monkeypatch, native16=True, **launch_kw):
+def _gpu_numerics_error(case, dtype, split_len, rng, monkeypatch, native16=True, state_kw=None, **launch_kw):
     """(error, tolerance, launch) of the kernel ``launch_kw`` select with a GPU launch's
     ``NATIVE16`` (``native16``) and, under the interpreter, the GPU numerics emulation
     (:func:`gpu_numerics`), against the float64 oracle of the stored state."""
     from subspace_ref_triton import decode, rope_decode
     from subspace_ref_triton._common import interpreting
 
-    state, keys, values, q = build(case, rng)
+    state, keys, values, q = build(case, rng, **(state_kw or {}))
     state.append(keys, values)
     tst = state.to("triton", dtype=dtype)
     qt = torch.as_tensor(q, device=tst.layout.key_coef.device).to(getattr(torch, dtype))
@@ -291,4 +291,25 @@ def test_triton_pre_rope_codes_per_code_when_rows_are_not_words(coefficients, rn
     _triton_or_skip()
     err, tol, launch = _gpu_numerics_error(("p", "half", None, 1.0, 2, 4, 64, 12, 300, coefficients, "native", 0), "bfloat16", 128, rng, monkeypatch)
     assert not launch.constexprs["RANKS_FULL"] and not launch.constexprs["K_WORDS"] and not launch.constexprs["V_WORDS"]
+    assert err <= tol, (err, tol)
+
+
+@pytest.mark.parametrize("group_rows", [None, True], ids=["default", "forced"])
+@pytest.mark.parametrize("split_len", [128, 96, 100])
+@pytest.mark.parametrize("group", [16, 32, 64, 128])
+@pytest.mark.parametrize("coefficients", ["int4", "int2", "int4/int8"])
+def test_triton_pre_rope_key_scales_per_group(coefficients, group, split_len, group_rows, rng, monkeypatch):
+    """int4/int2 keys read as words with their scales and zero points one row per key group
+    (``GROUP_ROWS``, _rope_tl.group_rows: whole tiles that start on a group boundary and hold whole
+    groups or lie in one; 64-token tiles, groups of 16 to 128 tokens; by default only where a tile
+    holds two groups, ``group_rows=True`` wherever the tiles allow it) or, where a split length breaks
+    that, one row per token; under the GPU numerics emulation, within the harness's tolerance."""
+    _triton_or_skip()
+    from subspace_ref_triton import rope_decode
+
+    case = ("g", "half", None, 1.0, 2, 4, 64, 16, 300, coefficients, "native", 0)
+    err, tol, launch = _gpu_numerics_error(case, "bfloat16", split_len, rng, monkeypatch, state_kw=dict(group_size=group), group_rows=group_rows)
+    assert launch.constexprs["KGROUP"] == group and launch.constexprs["K_WORDS"]
+    whole = split_len % min(group, rope_decode.BLOCK_T) == 0
+    assert launch.constexprs["GROUP_ROWS"] == (whole and (group_rows or rope_decode.BLOCK_T == 2 * group))
     assert err <= tol, (err, tol)

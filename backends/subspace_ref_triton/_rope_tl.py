@@ -192,14 +192,32 @@ def value_codes(words, BITS: tl.constexpr, DT: tl.constexpr, INTERPRETED: tl.con
 
 
 @triton.jit
+def group_rows(base, t0, kgroup, stride, offs, T: tl.constexpr):
+    """(T, len(offs)): the per-channel rows (scales or zero points, ``stride`` elements apart, one per
+    key group of ``kgroup`` tokens) of the T tokens from ``t0``, read once per key group and broadcast
+    to its tokens: the tile's NG = ceil(T / kgroup) groups from ``t0 // kgroup`` on. Only for tiles of
+    whole groups (``t0`` a multiple of ``kgroup`` and T of ``kgroup``) or inside one (``kgroup`` a
+    multiple of T and ``t0`` of T), every group coded."""
+    NG: tl.constexpr = (T + kgroup - 1) // kgroup
+    PER: tl.constexpr = T // NG  # tokens of a group in the tile
+    W: tl.constexpr = offs.shape[0]
+    g = (tl.cast(t0, tl.uint32) // kgroup).to(tl.int32) + tl.arange(0, NG)  # t0 >= 0: unsigned (a shift for a power-of-two group)
+    rows = tl.load(base + g[:, None] * stride + offs[None, :])  # (NG, W)
+    return tl.reshape(tl.broadcast_to(rows[:, None, :], (NG, PER, W)), (T, W))
+
+
+@triton.jit
 def low_bit_keys16(words, ks_base, kz_base, tail_base, tok, t_mask, offs_r, complete, kgroup, sks_t, stl_t,
-                   BITS: tl.constexpr, INTERPRETED: tl.constexpr, MASKED: tl.constexpr):
+                   BITS: tl.constexpr, INTERPRETED: tl.constexpr, MASKED: tl.constexpr, t0=0, GROUP_ROWS: tl.constexpr = False):
     """float16 keys ``x = c s + z`` (spec/quantization.md Q1-Q2; one float16 rounding of the fused
     product and sum, ~2^-11 relative) of the tokens ``tok`` of one tile of an int4/int2 key side
     from their codes' 32-bit ``words`` (:func:`low_bit_words`) or the float16 codes themselves
     (:func:`joint_low_bit_codes`), channels ``offs_r`` (all, in their order). ``MASKED``: tokens
     outside ``t_mask`` read 0 and those of the unfinished group their ``key_tail`` row (their
-    words: 0); otherwise every token is coded."""
+    words: 0); otherwise every token is coded. ``GROUP_ROWS`` (unmasked tiles only): the tokens are
+    ``t0 + arange`` with ``t0`` a multiple of ``min(kgroup, T)`` and ``kgroup`` a multiple or a divisor
+    of the tile's T tokens, so the tile holds whole key groups (or lies in one): the scales and zero
+    points are read once per group, one row each (:func:`group_rows`), not once per token."""
     if MASKED:
         coded = tok < complete
         rows = t_mask & coded
@@ -209,9 +227,13 @@ def low_bit_keys16(words, ks_base, kz_base, tail_base, tok, t_mask, offs_r, comp
         c = low_bit_words(words, BITS, tl.float16, INTERPRETED)
     else:  # decoded already (joint_low_bit_codes)
         c = words
-    grp = (tok.to(tl.uint32) // kgroup).to(tl.int32)  # tok >= 0: unsigned, a shift for a power-of-two group
-    k_sc = tl.load(ks_base + grp[:, None] * sks_t + offs_r[None, :], mask=rows[:, None], other=0.0).to(tl.float16)
-    k_ze = tl.load(kz_base + grp[:, None] * sks_t + offs_r[None, :], mask=rows[:, None], other=0.0).to(tl.float16)
+    if GROUP_ROWS:
+        k_sc = group_rows(ks_base, t0, kgroup, sks_t, offs_r, tok.shape[0]).to(tl.float16)
+        k_ze = group_rows(kz_base, t0, kgroup, sks_t, offs_r, tok.shape[0]).to(tl.float16)
+    else:
+        grp = (tok.to(tl.uint32) // kgroup).to(tl.int32)  # tok >= 0: unsigned, a shift for a power-of-two group
+        k_sc = tl.load(ks_base + grp[:, None] * sks_t + offs_r[None, :], mask=rows[:, None], other=0.0).to(tl.float16)
+        k_ze = tl.load(kz_base + grp[:, None] * sks_t + offs_r[None, :], mask=rows[:, None], other=0.0).to(tl.float16)
     if INTERPRETED:  # one rounding, as the GPU's fused float16 multiply-add
         x = (c.to(tl.float32) * k_sc.to(tl.float32) + k_ze.to(tl.float32)).to(tl.float16)
     else:

@@ -12,7 +12,9 @@ unfinished key group, ``key_tail``, after them in masked tiles):
    int4/int2 keys (spec/quantization.md Q1-Q2) read as words, ``c s + z`` in one fused float16
    multiply-add against float16 bases (:func:`subspace_ref_triton._rope_tl.low_bit_keys16`; rows
    not so aligned: float32 in two 16-bit parts; rows of both sides too short for 8-byte loads of
-   a side's tile: both sides in one load, :func:`subspace_ref_triton._rope_tl.joint_low_bit_codes`).
+   a side's tile: both sides in one load, :func:`subspace_ref_triton._rope_tl.joint_low_bit_codes`),
+   the scales and zero points of whole tiles read one row per key group
+   (:func:`subspace_ref_triton._rope_tl.group_rows`).
    Products with the basis columns of the planes' first dims, second dims and the fixed dims
    (``RopeParams.planes``): the two halves of every plane land in the same fragment element of two
    accumulators, so the rotation needs no data movement;
@@ -244,7 +246,7 @@ def _rope_mma_kernel(
     G: tl.constexpr, M: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, RV: tl.constexpr,
     BLOCK_T: tl.constexpr, K_INT8: tl.constexpr, V_INT8: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, HAS_FIXED: tl.constexpr,
     NATIVE16: tl.constexpr, SPLIT: tl.constexpr, KEY_PARTS: tl.constexpr, RANKS_FULL: tl.constexpr, INTERPRETED: tl.constexpr,
-    K_WORDS: tl.constexpr, V_WORDS: tl.constexpr, KGROUP: tl.constexpr, JOINT: tl.constexpr,
+    K_WORDS: tl.constexpr, V_WORDS: tl.constexpr, KGROUP: tl.constexpr, JOINT: tl.constexpr, GROUP_ROWS: tl.constexpr,
 ):
     """The tensor-core form (module docstring, "Main loop"): tokens on the MMAs' M dimension."""
     nh = tl.program_id(0).to(tl.int64)
@@ -334,13 +336,13 @@ def _rope_mma_kernel(
             t0, hi, base_row + ((t0 - lo) // BLOCK_T) * 2 * m, m_i, z_i, zacc, acc2, qa, qb, qf, Ba, Bb, Bf, ck, sk, logit_scale,
             kc_base, vc_base, ks_base, vs_base, kz_base, vz_base, tail_base, complete, KGROUP, skc_t, svc_t, sks_t, svs_t, stl_t,
             r, r_v, m, r_mask, rv_mask, m_mask,
-            G, BLOCK_T, K_INT8, V_INT8, K_BITS, V_BITS, HAS_FIXED, NATIVE16, SPLIT, KEY_PARTS, INTERPRETED, K_WORDS, V_WORDS, kb_ptr.dtype.element_ty, False, JOINT)
+            G, BLOCK_T, K_INT8, V_INT8, K_BITS, V_BITS, HAS_FIXED, NATIVE16, SPLIT, KEY_PARTS, INTERPRETED, K_WORDS, V_WORDS, kb_ptr.dtype.element_ty, False, JOINT, GROUP_ROWS)
     for t0 in range(main_hi, hi, BLOCK_T):
         m_i, z_i, zacc, acc2 = _mma_tile(
             t0, hi, base_row + ((t0 - lo) // BLOCK_T) * 2 * m, m_i, z_i, zacc, acc2, qa, qb, qf, Ba, Bb, Bf, ck, sk, logit_scale,
             kc_base, vc_base, ks_base, vs_base, kz_base, vz_base, tail_base, complete, KGROUP, skc_t, svc_t, sks_t, svs_t, stl_t,
             r, r_v, m, r_mask, rv_mask, m_mask,
-            G, BLOCK_T, K_INT8, V_INT8, K_BITS, V_BITS, HAS_FIXED, NATIVE16, SPLIT, KEY_PARTS, INTERPRETED, K_WORDS, V_WORDS, kb_ptr.dtype.element_ty, True, JOINT)
+            G, BLOCK_T, K_INT8, V_INT8, K_BITS, V_BITS, HAS_FIXED, NATIVE16, SPLIT, KEY_PARTS, INTERPRETED, K_WORDS, V_WORDS, kb_ptr.dtype.element_ty, True, JOINT, False)
 
     if SPLIT:  # the weight parts' columns summed
         a_hi, a_lo = tl.split(tl.permute(tl.reshape(acc2, (G, 2, RV)), (0, 2, 1)))
@@ -374,7 +376,8 @@ def _mma_tile(t0, hi, angle_row, m_i, z_i, zacc, acc2, qa, qb, qf, Ba, Bb, Bf, c
               r, r_v, m, r_mask, rv_mask, m_mask,
               G: tl.constexpr, BLOCK_T: tl.constexpr, K_INT8: tl.constexpr, V_INT8: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
               HAS_FIXED: tl.constexpr, NATIVE16: tl.constexpr, SPLIT: tl.constexpr, KEY_PARTS: tl.constexpr, INTERPRETED: tl.constexpr,
-              K_WORDS: tl.constexpr, V_WORDS: tl.constexpr, CDT: tl.constexpr, MASKED: tl.constexpr, JOINT: tl.constexpr):
+              K_WORDS: tl.constexpr, V_WORDS: tl.constexpr, CDT: tl.constexpr, MASKED: tl.constexpr, JOINT: tl.constexpr,
+              GROUP_ROWS: tl.constexpr = False):
     """One tile of ``BLOCK_T`` tokens from ``t0`` (module docstring, "Main loop"): returns the updated
     ``(m, Z, zacc, acc)``. ``MASKED``: tokens >= ``hi`` masked and keys past the coded groups read from
     ``key_tail``; otherwise every token counts and is coded."""
@@ -406,7 +409,8 @@ def _mma_tile(t0, hi, angle_row, m_i, z_i, zacc, acc2, qa, qb, qf, Ba, Bb, Bf, c
                                               K_BITS, CDT, INTERPRETED)
         else:
             k_words = load_words(kc_base, tok, k_rows, skc_t, offs_r.shape[0] * K_BITS // 32, K_WORDS)
-        a = low_bit_keys16(k_words, ks_base, kz_base, tail_base, tok, t_mask, offs_r, complete, kgroup, sks_t, stl_t, K_BITS, INTERPRETED, MASKED)
+        a = low_bit_keys16(k_words, ks_base, kz_base, tail_base, tok, t_mask, offs_r, complete, kgroup, sks_t, stl_t, K_BITS, INTERPRETED, MASKED,
+                           t0, GROUP_ROWS)
     else:
         a = low_bit_keys(kc_base, ks_base, kz_base, tail_base, tok, t_mask, offs_r, r_mask, complete, kgroup, skc_t, sks_t, stl_t, r, K_BITS, ROWS)
         if SPLIT:
@@ -517,7 +521,7 @@ def _mma_tile(t0, hi, angle_row, m_i, z_i, zacc, acc2, qa, qb, qf, Ba, Bb, Bf, c
 
 
 def split_launch(q, layout, rope, scale: float, split_len: int, first_position: int = 0, *, block_t: int | None = None, num_warps: int | None = None,
-                 native: bool | None = None, legacy: bool = False, key_parts: int | None = None):
+                 native: bool | None = None, legacy: bool = False, key_parts: int | None = None, group_rows: bool | None = None):
     """The split kernel's launch (not run) and the partials (m, Z, N) it fills, float32, in the
     format of :func:`subspace_ref_triton.decode.split_launch` (m includes gamma * scale).
     ``layout``: a one-chunk layout of torch tensors (a static state's, bases decoded);
@@ -526,7 +530,9 @@ def split_launch(q, layout, rope, scale: float, split_len: int, first_position: 
     throughout, even where :func:`native16` allows the tensor cores) override the defaults, for the
     benchmark's sweep; ``key_parts`` (1 or 2): bfloat16 parts of the rotated keys in the logits
     (default 1 with bfloat16 bases, 2 with float16: see the kernel's step 3); ``legacy``: the kernel before the tensor-core form (``_rope_split_kernel``,
-    float32 logits and value sums, BLOCK_T/NUM_WARPS of before), kept for timing against it."""
+    float32 logits and value sums, BLOCK_T/NUM_WARPS of before), kept for timing against it; ``group_rows``: int4/int2
+    key scales and zero points read one row per key group wherever the tiles allow it (True), never
+    (False), or by default where a tile holds two key groups (None; ``GROUP_ROWS`` below)."""
     N, Hq, d = q.shape
     H = layout.key_coef.shape[1]
     group = Hq // H
@@ -593,6 +599,14 @@ def split_launch(q, layout, rope, scale: float, split_len: int, first_position: 
     if key_parts not in (1, 2):
         raise ValueError(f"key_parts must be 1 or 2, not {key_parts!r}")
     constexprs["KEY_PARTS"] = key_parts
+    # int4/int2 keys read as words: the whole tiles' key scales and zero points one row per key group
+    # (_rope_tl.group_rows), possible where every tile starts on a group boundary and holds whole groups
+    # (or lies in one); by default where a tile holds two groups (64-token tiles, the default group of
+    # 32), chosen from the compiled loop's counts (docs/gpu.md, "Pre-RoPE kernel, scales folded per
+    # group"); otherwise a row per token
+    kg = constexprs["KGROUP"]
+    whole = bool(sides.k_bits and constexprs["K_WORDS"] and (bt % kg == 0 or kg % bt == 0) and int(split_len) % min(kg, bt) == 0)
+    constexprs["GROUP_ROWS"] = whole and (bt == 2 * kg if group_rows is None else bool(group_rows))
     return Launch(_rope_mma_kernel, (N * H, S), args, constexprs, num_warps or NUM_WARPS), (pm, pz, po)
 
 

@@ -405,6 +405,7 @@ CENTRED_CASES = [c for c in LOW_BIT_CASES if "words" in c[0]] + [
     # long splits: whole key groups two at a time (decode PAIRS), an odd whole group left over, edge tiles
     ("static-G16-words-pairs", "static", 1, 2, 4, 64, 48, 32, 16, 230, 16, 112),
     ("static-G16-words-pairs-g3", "static", 1, 1, 3, 32, 32, 16, 32, 200, 16, 72),
+    ("static-G16-words-pairs-r32", "static", 1, 2, 4, 64, 64, 32, 32, 230, 16, 112),  # int2: 8-byte code rows (WIDE_CODES)
 ]
 
 

@@ -251,3 +251,24 @@ def test_resident_programs_reads_the_compiled_kernel(monkeypatch):
     assert caps == [None, 96]
     assert decode.default_split_len(32768, 8, "cuda:0", 3) == -(-32768 // (3 * 132 // 8) // 64) * 64
     assert decode.default_split_len(32768, 8, "cuda:0") == -(-32768 // (decode.FALLBACK_RESIDENT * 132 // 8) // 64) * 64
+
+
+@needs_triton
+def test_centred_low_bit_tiles_take_two_key_groups_by_default():
+    """int4/int2 in the centred form (docs/gpu.md, "Static budgets, fifth pass"): the default tile
+    is two key groups (PAIRS; 8-byte int2 rows as 64-bit loads, WIDE_CODES); an explicit block_t
+    keeps its meaning: the key group is one group a tile, twice the group the per-code path."""
+    from subspace_ref_triton import gpu_report
+
+    for coef, wide in (("int4", False), ("int2", True)):
+        lay = gpu_report._layout(torch, 512, 128, 32, torch.bfloat16, coef)
+        q = torch.zeros(1, gpu_report.H_KV * 4, 128, dtype=torch.bfloat16)
+        G = int(lay.group)
+        default = decode.split_launch(q, lay, 0.1, 256, 2)[0].constexprs
+        assert default["CENTRED"] and default["PAIRS"] and default["BLOCK_T"] == 2 * G and default["WIDE_CODES"] == wide
+        one = decode.split_launch(q, lay, 0.1, 256, 2, block_t=G)[0].constexprs
+        assert one["CENTRED"] and not one["PAIRS"] and one["BLOCK_T"] == G
+        per_code = decode.split_launch(q, lay, 0.1, 256, 2, block_t=2 * G)[0].constexprs
+        assert not per_code["CENTRED"] and not per_code["PAIRS"]
+        heads = decode.split_launch(q, lay, 0.1, 256, 2, tokens_m=False)[0].constexprs
+        assert heads["CENTRED"] and not heads["PAIRS"] and heads["BLOCK_T"] == G

@@ -75,20 +75,23 @@ def tile_codes(base, tok, rows, offs, n, stride, BITS: tl.constexpr, ROWS: tl.co
 
 
 @triton.jit
-def _code_pair(words, SHIFT: tl.constexpr, BITS: tl.constexpr, COEF: tl.constexpr, INTERPRETED: tl.constexpr):
+def _code_pair(words, SHIFT: tl.constexpr, BITS: tl.constexpr, COEF: tl.constexpr, INTERPRETED: tl.constexpr, RAW: tl.constexpr = False):
     """Codes ``SHIFT`` and ``SHIFT + 16 / BITS`` of each 32-bit word (``32 / BITS`` codes, code i
-    in bits [i BITS, (i + 1) BITS)) minus M = 2^(BITS-1), as two bfloat16 tensors (``COEF``): a
-    code c ORed into the mantissa of 2^7 is 128 + c, exactly, and one subtraction removes both
-    (docs/gpu.md, "Static budgets")."""
-    tl.static_assert(COEF == tl.bfloat16)
-    BASE: tl.constexpr = 128.0
-    MAGIC: tl.constexpr = 0x43004300
+    in bits [i BITS, (i + 1) BITS)) minus M = 2^(BITS-1), as two ``COEF`` tensors: a code c ORed
+    into the mantissa of B = 2^7 (bfloat16) or 2^10 (float16) is B + c, exactly, and one
+    subtraction removes both (docs/gpu.md, "Static budgets"). ``RAW``: B + c, the subtraction left
+    to the caller."""
+    tl.static_assert(COEF == tl.bfloat16 or COEF == tl.float16)
+    BASE: tl.constexpr = 128.0 if COEF == tl.bfloat16 else 1024.0  # float16: ORed into the mantissa of 2^10
+    MAGIC: tl.constexpr = 0x43004300 if COEF == tl.bfloat16 else 0x64006400
     OFFSET: tl.constexpr = BASE + (1 << (BITS - 1))
     PAIR: tl.constexpr = ((1 << BITS) - 1) * 0x00010001
     h = ((words >> (BITS * SHIFT)) & PAIR) | MAGIC
     lo = (h & 0xFFFF).to(tl.uint16).to(COEF, bitcast=True)
     hi = (h >> 16).to(tl.uint16).to(COEF, bitcast=True)
-    if INTERPRETED:  # the interpreter's bfloat16 arithmetic works on the bits: subtract in float32
+    if RAW:
+        return lo, hi
+    elif INTERPRETED:  # the interpreter's bfloat16 arithmetic works on the bits: subtract in float32
         return (lo.to(tl.float32) - OFFSET).to(COEF), (hi.to(tl.float32) - OFFSET).to(COEF)
     else:
         return lo - OFFSET, hi - OFFSET
@@ -110,32 +113,41 @@ def centred_words(base, tok, rows, stride_words, WIDTH: tl.constexpr, BITS: tl.c
 
 @triton.jit
 def centred_pair_words(base, tok, stride_words, OFFSET: tl.constexpr, WIDTH: tl.constexpr, BITS: tl.constexpr, COEF: tl.constexpr,
-                       INTERPRETED: tl.constexpr, VEC: tl.constexpr = 2):
+                       INTERPRETED: tl.constexpr, VEC: tl.constexpr = 2, RAW: tl.constexpr = False, WIDE: tl.constexpr = False):
     """:func:`centred_words` of two tokens a row, unmasked: row i holds the WIDTH channels of token
     ``tok[i]`` then those of token ``tok[i] + OFFSET`` (2 WIDTH columns; column p is channel
-    ``word_order(p) % WIDTH`` of the token ``tok[i] + OFFSET * (p // WIDTH)``)."""
+    ``word_order(p) % WIDTH`` of the token ``tok[i] + OFFSET * (p // WIDTH)``). ``WIDE``: each
+    row's words read in pairs as 64-bit loads (rows and ``base`` 8-byte aligned, an even number of
+    words a row); otherwise VEC words a load. ``RAW``: B + c (:func:`_code_pair`)."""
     WPR: tl.constexpr = WIDTH * BITS // 32
-    offs_w = tl.arange(0, WPR)
-    offs_w = offs_w % VEC + offs_w // VEC * VEC
-    rows = (tok[:, None] + OFFSET * tl.arange(0, 2)[None, :]) * stride_words
-    words = tl.load(base + rows[:, :, None] + offs_w[None, None, :])  # sass: codes
-    return _centred_decode(tl.reshape(words, (tok.shape[0], 2 * WPR)), 2 * WIDTH, BITS, COEF, INTERPRETED)
+    if WIDE:  # pairs of words as one 64-bit load (rows 8-byte aligned), split in registers
+        offs_d = tl.arange(0, WPR // 2)
+        rows = (tok[:, None] + OFFSET * tl.arange(0, 2)[None, :]) * (stride_words // 2)
+        dw = tl.load(base.to(tl.pointer_type(tl.uint64)) + rows[:, :, None] + offs_d[None, None, :])  # sass: codes
+        words = tl.join((dw & 0xFFFFFFFF).to(tl.uint32), (dw >> 32).to(tl.uint32))
+    else:
+        offs_w = tl.arange(0, WPR)
+        offs_w = offs_w % VEC + offs_w // VEC * VEC
+        rows = (tok[:, None] + OFFSET * tl.arange(0, 2)[None, :]) * stride_words
+        words = tl.load(base + rows[:, :, None] + offs_w[None, None, :])  # sass: codes
+    return _centred_decode(tl.reshape(words, (tok.shape[0], 2 * WPR)), 2 * WIDTH, BITS, COEF, INTERPRETED, RAW)
 
 
 @triton.jit
-def _centred_decode(words, WIDTH: tl.constexpr, BITS: tl.constexpr, COEF: tl.constexpr, INTERPRETED: tl.constexpr):
-    """The rows of 32-bit ``words`` as WIDTH channels ``c - M`` each (:func:`centred_words`)."""
-    l0, h0 = _code_pair(words, 0, BITS, COEF, INTERPRETED)
-    l1, h1 = _code_pair(words, 1, BITS, COEF, INTERPRETED)
-    l2, h2 = _code_pair(words, 2, BITS, COEF, INTERPRETED)
-    l3, h3 = _code_pair(words, 3, BITS, COEF, INTERPRETED)
+def _centred_decode(words, WIDTH: tl.constexpr, BITS: tl.constexpr, COEF: tl.constexpr, INTERPRETED: tl.constexpr, RAW: tl.constexpr = False):
+    """The rows of 32-bit ``words`` as WIDTH channels ``c - M`` each (:func:`centred_words`; ``RAW``:
+    B + c instead, exact too: :func:`_code_pair`)."""
+    l0, h0 = _code_pair(words, 0, BITS, COEF, INTERPRETED, RAW)
+    l1, h1 = _code_pair(words, 1, BITS, COEF, INTERPRETED, RAW)
+    l2, h2 = _code_pair(words, 2, BITS, COEF, INTERPRETED, RAW)
+    l3, h3 = _code_pair(words, 3, BITS, COEF, INTERPRETED, RAW)
     lo = tl.join(tl.join(l0, l1), tl.join(l2, l3))
     hi = tl.join(tl.join(h0, h1), tl.join(h2, h3))
     if BITS == 2:
-        l4, h4 = _code_pair(words, 4, BITS, COEF, INTERPRETED)
-        l5, h5 = _code_pair(words, 5, BITS, COEF, INTERPRETED)
-        l6, h6 = _code_pair(words, 6, BITS, COEF, INTERPRETED)
-        l7, h7 = _code_pair(words, 7, BITS, COEF, INTERPRETED)
+        l4, h4 = _code_pair(words, 4, BITS, COEF, INTERPRETED, RAW)
+        l5, h5 = _code_pair(words, 5, BITS, COEF, INTERPRETED, RAW)
+        l6, h6 = _code_pair(words, 6, BITS, COEF, INTERPRETED, RAW)
+        l7, h7 = _code_pair(words, 7, BITS, COEF, INTERPRETED, RAW)
         lo = tl.join(lo, tl.join(tl.join(l4, l5), tl.join(l6, l7)))
         hi = tl.join(hi, tl.join(tl.join(h4, h5), tl.join(h6, h7)))
     # (t, k, c0, c1[, c2], h) -> code c0 + 2 c1 [+ 4 c2] + 16 h / BITS of word k (word_order): a

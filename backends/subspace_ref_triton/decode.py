@@ -108,7 +108,9 @@ CENTRED_WARPS = 1
 CENTRED_BITS = (4, 2)
 # bfloat16 parts of a_j = q~_j s_j and of the weights in the centred form: what the harness's
 # tolerance of a low-bit state in the bases' dtype takes (tests/differential/tolerance.py), one
-# part with bfloat16 bases, two (16 bits, more than float16's 11) with float16 bases.
+# part with bfloat16 bases, two (16 bits, more than float16's 11) with float16 bases. The hot loop
+# of whole key-group pairs (PAIRS) takes the weights with float16 bases as one float16 part instead
+# (_centred_pair_t: 11 bits rounded, about 8 bits better than one bfloat16 part truncated).
 CENTRED_PARTS = {torch.bfloat16: 1, torch.float16: 2}
 # Warps of the split kernel with int8 coefficients and 16-bit bases, on 64-token tiles, uncapped:
 # one warp runs a tile's softmax without reductions across warps (docs/gpu.md, "Static budgets").
@@ -226,6 +228,7 @@ def _decode_split_kernel(
     MERGE_S: tl.constexpr = 16,
     OUT_BF16: tl.constexpr = False,
     PAIRS: tl.constexpr = False,
+    WIDE_CODES: tl.constexpr = False,
 ):
     # Few nested @triton.jit calls in the loops (tl.max, tl.sum, tl.zeros are; see _tl.py): under
     # the interpreter each one re-patches triton.language, so the 16-bit split products are
@@ -407,7 +410,7 @@ def _decode_split_kernel(
                     acc2 = tl.full([2 * RV, 2 * G], 0.0, tl.float32)
                     for t0 in range(full_lo, pair_hi, BLOCK_T):  # sass: main loop
                         m2, z2, acc2, za2 = _centred_pair_t(t0, q_proj, q_n, key_r2, ks_base, kz_base, kc_base, sks_t, skc_t, vc_base, vs_base, vz_base,
-                                                            svc_t, svs_t, m2, z2, acc2, za2, CT, R, RV, NATIVE16, INTERPRETED, CPARTS, K_BITS)
+                                                            svc_t, svs_t, m2, z2, acc2, za2, CT, R, RV, NATIVE16, INTERPRETED, CPARTS, K_BITS, WIDE_CODES)
                     if pair_hi < full_hi:
                         m_i, z_s, acc_t, za_s = _centred_tile_t(pair_hi, c_lo, coded_hi, q_proj, key_r, ks_base, kz_base, kc_base, sks_t, skc_t,
                                                                 vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t, m_i, z_s, acc_t, za_s,
@@ -843,7 +846,7 @@ def _centred_tile_t(t0, t_lo, t_hi, q_proj, key_r, ks_base, kz_base, kc_base, sk
 @triton.jit
 def _centred_pair_t(t0, q_proj, q_n, key_r2, ks_base, kz_base, kc_base, sks_t, skc_t, vc_base, vs_base, vz_base, svc_t, svs_t,
                     m2, z2, acc2, za2, BLOCK_T: tl.constexpr, R: tl.constexpr, RV: tl.constexpr, NATIVE16: tl.constexpr,
-                    INTERPRETED: tl.constexpr, CPARTS: tl.constexpr, BITS: tl.constexpr, VEC: tl.constexpr = 2):
+                    INTERPRETED: tl.constexpr, CPARTS: tl.constexpr, BITS: tl.constexpr, WIDE: tl.constexpr = False, VEC: tl.constexpr = 2):
     """Two whole key groups (tokens ``t0 .. t0 + 2 BLOCK_T``) of the centred form with the tokens on M,
     unmasked, as two softmax streams side by side on the MMA's N dimension (which pads the GQA group
     to 8 anyway): row i of the code tiles holds token ``t0 + i`` (group A, channels 0..R-1) and token
@@ -870,7 +873,7 @@ def _centred_pair_t(t0, q_proj, q_n, key_r2, ks_base, kz_base, kc_base, sks_t, s
     h_n = tl.load(kz_base + n_off).to(tl.float32) + MID * tl.load(ks_base + n_off).to(tl.float32)
     bias = tl.reduce(q_n * h_n, 1, _SUM)
     u_c = q_t * s_k[None, :]
-    y = centred_pair_words(kc_base.to(tl.pointer_type(tl.uint32)), tok, skc_t // 4, BLOCK_T, R, BITS, tl.bfloat16, INTERPRETED, VEC)  # (BLOCK_T, 2R)
+    y = centred_pair_words(kc_base.to(tl.pointer_type(tl.uint32)), tok, skc_t // 4, BLOCK_T, R, BITS, tl.bfloat16, INTERPRETED, VEC, False, WIDE)  # (BLOCK_T, 2R)
     uc_hi, uc_mid, uc_lo = split3_bits(u_c)
     diag = (tl.arange(0, 2 * G) // G)[:, None] == (tl.arange(0, 2 * R) // R)[None, :]
     u_hi = tl.where(diag, tl.reshape(tl.broadcast_to(uc_hi[None, :, :], (2, G, 2 * R)), (2 * G, 2 * R)), 0.0)
@@ -905,25 +908,27 @@ def _centred_pair_t(t0, q_proj, q_n, key_r2, ks_base, kz_base, kc_base, sks_t, s
     zeta = tl.load(vz_base + v_off).to(tl.float32)
     tau = tl.reshape(tl.broadcast_to(tau[:, :, None], (BLOCK_T, 2, G2 // 2)), (BLOCK_T, G2))
     zeta = tl.reshape(tl.broadcast_to(zeta[:, :, None], (BLOCK_T, 2, G2 // 2)), (BLOCK_T, G2))
-    za2 = za2 * alpha[None, :] + w * (zeta + MID * tau)
     wv = w * tau
-    yv = centred_pair_words(vc_base.to(tl.pointer_type(tl.uint32)), tok, svc_t // 4, BLOCK_T, RV, BITS, tl.bfloat16, INTERPRETED, VEC)  # (BLOCK_T, 2RV)
-    w_hi, w_mid, w_lo = split3_bits(wv)
+    # The value codes come as B + c = (c - M) + OFF (B = 128 in bfloat16, 1024 in float16): no
+    # subtraction per code; OFF times the weights as the product sees them comes off with
+    # zeta + M tau. With float16 bases (CPARTS > 1) the weights are one float16 part (11 bits,
+    # rounded; float16's range: w <= 1 and tau a float16), with bfloat16 bases one bfloat16 part.
+    if CPARTS > 1:
+        VDT: tl.constexpr = tl.float16
+        w_hi = wv.to(tl.float16)
+        w_parts = w_hi.to(tl.float32)
+    else:
+        VDT: tl.constexpr = tl.bfloat16
+        w_hi, w_mid, w_lo = split3_bits(wv)
+        w_parts = (wv.to(tl.uint32, bitcast=True) & 0xFFFF0000).to(tl.float32, bitcast=True)  # w_hi, exactly
+    OFF: tl.constexpr = (128.0 if VDT == tl.bfloat16 else 1024.0) + MID
+    za2 = za2 * alpha[None, :] + (w * (zeta + MID * tau) - OFF * w_parts)
+    yv = centred_pair_words(vc_base.to(tl.pointer_type(tl.uint32)), tok, svc_t // 4, BLOCK_T, RV, BITS, VDT, INTERPRETED, VEC, True, WIDE)  # (BLOCK_T, 2RV)
     acc2 = acc2 * alpha[None, :]
     if NATIVE16:
-        yt = tl.trans(yv)
-        acc2 = tl.dot(yt, w_hi, acc=acc2)
-        if CPARTS > 1:
-            acc2 = tl.dot(yt, w_mid, acc=acc2)
-        if CPARTS > 2:
-            acc2 = tl.dot(yt, w_lo, acc=acc2)
+        acc2 = tl.dot(tl.trans(yv), w_hi, acc=acc2)
     else:
-        yt = tl.trans(yv.to(tl.float32))
-        acc2 = tl.dot(yt, w_hi.to(tl.float32), acc=acc2, input_precision="ieee")
-        if CPARTS > 1:
-            acc2 = tl.dot(yt, w_mid.to(tl.float32), acc=acc2, input_precision="ieee")
-        if CPARTS > 2:
-            acc2 = tl.dot(yt, w_lo.to(tl.float32), acc=acc2, input_precision="ieee")
+        acc2 = tl.dot(tl.trans(yv.to(tl.float32)), w_hi.to(tl.float32), acc=acc2, input_precision="ieee")
     return m_new, z2, acc2, za2
 
 
@@ -1087,9 +1092,10 @@ def launch_config(d: int, d_v: int, dtype=None, int8: bool = False, bits: int = 
     * int4/int2 coefficients (spec/quantization.md Q2) with 16-bit bases: 64-token tiles, 4 warps
       (179-240 registers uncapped, 2 per SM; the fastest of an H100's tile and warp sweep,
       docs/gpu.md), capped at QUANTISED_MAX_REGISTERS; int4 and int2 in the centred form
-      (:func:`centred_int4`) take tiles of one key group instead (the default group: 32 tokens)
-      on CENTRED_WARPS warps, uncapped, a choice from the compiled code alone, not yet timed
-      (docs/gpu.md, "Static budgets");
+      (:func:`centred_int4`) take tiles of two key groups instead (``PAIRS``; the default group:
+      32 tokens, so 64-token tiles; one group with ``tokens_m=False``) on CENTRED_WARPS warps,
+      uncapped, a choice from the compiled code alone, not yet timed (docs/gpu.md, "Static
+      budgets", fifth pass);
     * the caps trade spills for resident programs because a GPU timed them faster
       (REGISTER_CAPS_MEASURED); no other configuration is capped;
     * float32 bases: 64-token tiles, 8 warps (114 registers: 2 programs of 8 warps; 4 warps take
@@ -1220,7 +1226,9 @@ def split_launch(
 
     ``tokens_m``: in the int4/int2 centred form, the tile's tokens on the MMA's M dimension (default,
     ``TOKENS_M``; fewer instructions in the compiled loop) or, ``False``, the query heads on M
-    padded to the MMA's 16 rows (the form timed before; kept to time both).
+    padded to the MMA's 16 rows (the form timed before; kept to time both). With tokens on M the
+    default tile is two key groups (``PAIRS``: two softmax streams side by side on the MMA's N);
+    an explicit ``block_t`` equal to the key group keeps one group a tile, any other the per-code path.
 
     ``fused``: ``(out, counters)`` to merge in the same launch (spec A3.2; :func:`fused_launch`):
     ``out`` (N, H_q, d_v) takes N / Z, ``counters`` (int32 zeros, one per (sequence, KV head))
@@ -1328,7 +1336,12 @@ def split_launch(
         *sides.strides(layout),
         *((counters, out, out.stride(0), out.stride(1)) if fused is not None else (nc, pm, 0, 0)),  # stand-ins: never read unfused
     )
-    cfg_pairs = centred and pairs and cfg["block_t"] == 2 * kgroup
+    # PAIRS only as the default tile: an explicit block_t keeps its meaning (the key group: one group a
+    # tile; anything else: the per-code path), so benchmarks/decode_gpu.py's sweep times what it did
+    cfg_pairs = centred and pairs and block_t is None and cfg["block_t"] == 2 * kgroup
+    # int2 rows of whole 8-byte pairs of words, 8-byte aligned: PAIRS reads them as 64-bit loads (_tl.centred_pair_words)
+    wide = cfg_pairs and sides.k_bits == 2 and all(x * 2 % 64 == 0 for x in (r, r_v)) and all(
+        x % 8 == 0 for t in (kc, vc) for x in (t.stride(0), t.stride(1), t.stride(2), t.data_ptr()))
     cfg_centred = centred and (cfg["block_t"] == kgroup or cfg_pairs)
     constexprs = dict(
         # 16 rows where fewer measured worse: float32 bases (spill on sm_80), int2 and the other per-code reads (more instructions)
@@ -1348,6 +1361,7 @@ def split_launch(
         MIN_SPLIT=MIN_SPLIT_TOKENS if device_t else 1,
         CENTRED=cfg_centred,
         PAIRS=cfg_pairs,
+        WIDE_CODES=wide,
         TOKENS_M=TOKENS_M_DEFAULT if tokens_m is None else bool(tokens_m),
         RANKS_FULL=r == pow2_at_least(r) and r_v == pow2_at_least(r_v),
         CPARTS=CENTRED_PARTS[kb.dtype] if kb.dtype in CENTRED_PARTS else 3,

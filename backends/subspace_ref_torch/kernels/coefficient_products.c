@@ -441,6 +441,35 @@ ALWAYS_INLINE void prefetch_rows(const uint8_t *codes, int64_t first, int64_t ro
         }                                              \
     } while (0)
 
+/* WITH_WIDTH for value rows of `per` codes a byte, with V bound to their vectors of LANES codes
+ * (rounded up): a compile-time constant for rows of at most 8 vectors whatever the width, since
+ * value sums indexed by a run-time vector count were kept on the stack, each fma a load and a
+ * store (the rows of 12, 14, 20 and 40 bytes, which WITH_WIDTH leaves at run time). */
+#if defined(LANES)
+#define VALUE_VECTORS(v) (((v) + LANES - 1) / LANES)
+#else
+#define VALUE_VECTORS(v) 1
+#endif
+#define VALUE_CASE(v, STATEMENT) case v: { const int64_t V = v; STATEMENT; } break;
+#define WITH_VALUE_WIDTH(width, per, STATEMENT)                                                                          \
+    do {                                                                                                                 \
+        switch (width) {                                                                                                 \
+        case 8: { const int64_t W = 8, V = VALUE_VECTORS(per * 8); STATEMENT; } break;                                  \
+        case 16: { const int64_t W = 16, V = VALUE_VECTORS(per * 16); STATEMENT; } break;                               \
+        case 32: { const int64_t W = 32, V = VALUE_VECTORS(per * 32); STATEMENT; } break;                               \
+        case 64: { const int64_t W = 64, V = VALUE_VECTORS(per * 64); STATEMENT; } break;                               \
+        case 128: { const int64_t W = 128, V = VALUE_VECTORS(per * 128); STATEMENT; } break;                            \
+        default: {                                                                                                       \
+            const int64_t W = (width);                                                                                   \
+            switch (VALUE_VECTORS(per * W)) {                                                                            \
+                VALUE_CASE(1, STATEMENT) VALUE_CASE(2, STATEMENT) VALUE_CASE(3, STATEMENT) VALUE_CASE(4, STATEMENT)      \
+                VALUE_CASE(5, STATEMENT) VALUE_CASE(6, STATEMENT) VALUE_CASE(7, STATEMENT) VALUE_CASE(8, STATEMENT)      \
+                default: { const int64_t V = VALUE_VECTORS(per * W); STATEMENT; }                                        \
+            }                                                                                                            \
+        }                                                                                                                \
+        }                                                                                                                \
+    } while (0)
+
 /* The codes of byte row `row` (`width` bytes) at plane p, widened to float. int8 codes are
  * signed and fill their byte; int4 / int2 codes are unsigned. */
 ALWAYS_INLINE void widen_plane(const uint8_t *row, int64_t width, int bits, int p, float *out) {
@@ -645,29 +674,43 @@ ALWAYS_INLINE void rows_logits(const uint8_t *codes, int64_t tokens, int64_t rea
 }
 
 #if defined(LANES)
+/* Query heads whose value sums a `direct` block takes together (each row widened once in
+ * registers, then added into every one's sums): their sums must stay in registers, which
+ * AVX-512's 32 hold for two query heads (at most 2 x 8 vectors beside the row's) and AVX2's 16
+ * for one. */
+#define DIRECT_QUERIES (LANES == 16 ? 2 : 1)
+
+/* Chunk k of row b of a block (`bytes`: its first row) as stored values: int8 codes, int4 / int2
+ * fl32(code s + z) with the row's s and z, or from centred_planes' codes (`centred`). */
+ALWAYS_INLINE vf block_chunk(const uint8_t *bytes, int64_t width, int bits, int b, int64_t k, const float *scales, const float *zeros,
+                             const int8_t *centred, const struct chunk_plan *plan) {
+    if (centred) return centred_chunk(centred, VALUE_BLOCK * width, width, b, k);
+    vf x = plan_or_chunk(bytes + b * width, width, bits, k, plan);
+    if (bits != 8) x = vf_fmadd(x, vf_set1(scales[b]), vf_set1(zeros[b]));
+    return x;
+}
+
 /* acc[i][p width + k] += sum of w[i][t + b] x(t + b) over one block of 16 rows b (see
- * rows_value_sums), int4 / int2 rows as fl32(code s + z) with their token's s and z. `direct`:
- * one query head, rows of whole chunks (whole_chunks, n <= 8 LANES) or read by a `plan`: each
- * chunk goes from the codes into the sums in registers. Otherwise the block's rows are widened into `block` once
- * and read by every query head: AVX2 stores one vector a cycle, so for one query head the store
- * of the widened block, not the arithmetic, bound the sums. Both add in the same order. */
+ * rows_value_sums), int4 / int2 rows as fl32(code s + z) with their token's s and z, rows of n
+ * codes in `vectors` (a constant: WITH_VALUE_WIDTH) vectors. `direct`: at most DIRECT_QUERIES query
+ * heads, rows of whole chunks (whole_chunks, n <= 8 LANES) or read by a `plan`: each chunk goes
+ * from the codes into every query head's sums in registers. Otherwise the block's rows are
+ * widened into `block` once and read by every query head: AVX2 stores one vector a cycle, so
+ * for one query head the store of the widened block, not the arithmetic, bound the sums. Both
+ * add in the same order. */
 ALWAYS_INLINE void block_value_sums(const uint8_t *codes, int64_t width, int bits, int64_t queries, const float *w, int64_t w_row_stride,
                                     const float *scales, const float *zeros, float *acc, float *block, int direct, const int8_t *centred,
-                                    const struct chunk_plan *plan) {
+                                    const struct chunk_plan *plan, const int64_t vectors) {
     /* rows read by a plan (planned_chunk) fill their last vector partly: the block's rows are
      * whole vectors, and only the first n lanes of the sums are added to acc */
-    const int64_t n = (8 / bits) * width, vectors = (n + LANES - 1) / LANES, stride = LANES * vectors;
+    const int64_t n = (8 / bits) * width, stride = LANES * vectors;
     if (!direct)
 #pragma GCC unroll 1 /* whole, the unrolled rows made GCC keep the block in (spilled) registers */
         for (int b = 0; b < VALUE_BLOCK; ++b) {
             float *row = block + b * stride;
             const uint8_t *bytes = codes + b * width;
             if (plan || whole_chunks(width, bits)) { /* widened and dequantised in one pass */
-                for (int64_t c = 0; c < vectors; ++c) {
-                    vf x = plan_or_chunk(bytes, width, bits, c, plan);
-                    if (bits != 8) x = vf_fmadd(x, vf_set1(scales[b]), vf_set1(zeros[b]));
-                    vf_store(row + LANES * c, x);
-                }
+                for (int64_t c = 0; c < vectors; ++c) vf_store(row + LANES * c, block_chunk(codes, width, bits, b, c, scales, zeros, NULL, plan));
                 continue;
             }
             widen_row(bytes, width, bits, NULL, NULL, row);
@@ -676,62 +719,96 @@ ALWAYS_INLINE void block_value_sums(const uint8_t *codes, int64_t width, int bit
                 for (int64_t k = 0; k < n; k += LANES) vf_store(row + k, vf_fmadd(vf_load(row + k), s, z));
             }
         }
-    for (int64_t i = 0; i < queries; ++i) {
-        float *a = acc + i * n;
-        const float *wi = w + i * w_row_stride;
+    /* query heads in passes of `group`: all of them at once where direct (queries <= DIRECT_QUERIES) */
+    const int64_t group = direct ? queries : 1;
+    for (int64_t first = 0; first < queries; first += group) {
         /* the block's own sum, then added to the tile's: a sequential sum over the tile's tokens
          * rounds too much where the weighted sum cancels (docs/benchmarks.md, "value tiles") */
-        /* `centred` (direct int4 / int2 rows of whole chunks: the block's codes minus M, from
+        /* `centred` (one query head, rows of whole chunks: the block's codes minus M, from
          * centred_planes): spec Q6.1's form, w x = (w s)(code - M) + w (z + M s), the second
          * term the same in every column, summed once per block (in vectors: a scalar chain of
          * 16 dependent fmas per block cost 10%) */
         float offset = 0.0f, scaled_w[VALUE_BLOCK];
+        const float *weights[DIRECT_QUERIES];
+        for (int64_t i = 0; i < group && i < DIRECT_QUERIES; ++i) weights[i] = w + (first + i) * w_row_stride;
         if (centred) {
             const vf middle = vf_set1((float)(1 << (bits - 1))), over_f = vf_set1(centred_unscale(bits));
             vf sum = vf_zero();
             for (int b = 0; b < VALUE_BLOCK; b += LANES) {
-                const vf wb = vf_load(wi + b), sb = vf_load(scales + b);
+                const vf wb = vf_load(weights[0] + b), sb = vf_load(scales + b);
                 sum = vf_fmadd(wb, vf_fmadd(middle, sb, vf_load(zeros + b)), sum);
                 vf_store(scaled_w + b, vf_mul(vf_mul(wb, sb), over_f)); /* (w s)/F, exactly: the codes are F (code - M) */
             }
             offset = vf_reduce_add(sum);
+            weights[0] = scaled_w;
         }
-        const float *weights = centred ? scaled_w : wi;
         /* `sets` interleaved partial sums (token b feeds set b mod sets): with one chain per
          * register the fma latency, not the throughput, bound narrow rows (n = 32 in 16 lanes:
-         * two chains of 16 dependent fmas per block); up to ~8 chains in all */
+         * two chains of 16 dependent fmas per block); up to ~8 chains a query head */
         enum { MAX_SETS = 4 };
         const int sets = vectors <= 2 ? 4 : vectors <= 4 ? 2 : 1;
-        vf sums[MAX_SETS][128 / LANES];
-        for (int j = 0; j < sets; ++j)
-            for (int64_t k = 0; k < vectors; ++k) sums[j][k] = vf_zero();
+        vf sums[DIRECT_QUERIES][MAX_SETS][128 / LANES];
+        for (int64_t i = 0; i < DIRECT_QUERIES; ++i)
+            for (int j = 0; j < sets; ++j)
+                for (int64_t k = 0; k < vectors; ++k) sums[i][j][k] = vf_zero();
         for (int b = 0; b < VALUE_BLOCK; b += sets)
             for (int j = 0; j < sets; ++j) {
-                const vf wt = vf_set1(weights[b + j]);
-                for (int64_t k = 0; k < vectors; ++k) {
-                    vf x;
-                    if (centred)
-                        x = centred_chunk(centred, VALUE_BLOCK * width, width, b + j, k);
-                    else if (direct) {
-                        x = plan_or_chunk(codes + (b + j) * width, width, bits, k, plan);
-                        if (bits != 8) x = vf_fmadd(x, vf_set1(scales[b + j]), vf_set1(zeros[b + j]));
-                    } else {
-                        x = vf_load(block + (b + j) * stride + LANES * k);
-                    }
-                    sums[j][k] = vf_fmadd(wt, x, sums[j][k]);
+                vf x[128 / LANES];
+                for (int64_t k = 0; k < vectors; ++k)
+                    x[k] = direct ? block_chunk(codes, width, bits, b + j, k, scales, zeros, centred, plan) : vf_load(block + (b + j) * stride + LANES * k);
+                for (int64_t i = 0; i < DIRECT_QUERIES; ++i) {
+                    if (i >= group) break;
+                    const vf wt = vf_set1(weights[i][b + j]);
+                    for (int64_t k = 0; k < vectors; ++k) sums[i][j][k] = vf_fmadd(wt, x[k], sums[i][j][k]);
                 }
             }
-        for (int64_t k = 0; k < vectors; ++k) {
-            vf total = sums[0][k];
-            for (int j = 1; j < sets; ++j) total = vf_add(total, sums[j][k]);
-            if (centred) total = vf_add(total, vf_set1(offset));
-            const int64_t left = n - LANES * k;
-            if (left >= LANES)
-                vf_store(a + LANES * k, vf_add(vf_load(a + LANES * k), total));
-            else
-                vf_store_first(a + LANES * k, left, vf_add(vf_load_first(a + LANES * k, left), total));
+        for (int64_t i = 0; i < DIRECT_QUERIES; ++i) {
+            if (i >= group) break;
+            float *a = acc + (first + i) * n;
+            for (int64_t k = 0; k < vectors; ++k) {
+                vf total = sums[i][0][k];
+                for (int j = 1; j < sets; ++j) total = vf_add(total, sums[i][j][k]);
+                if (centred) total = vf_add(total, vf_set1(offset));
+                const int64_t left = n - LANES * k;
+                if (left >= LANES)
+                    vf_store(a + LANES * k, vf_add(vf_load(a + LANES * k), total));
+                else
+                    vf_store_first(a + LANES * k, left, vf_add(vf_load_first(a + LANES * k, left), total));
+            }
         }
     }
+}
+
+/* The blocks of 16 rows of rows_value_sums from row t (while a whole block is left) on the vector
+ * path, rows in `vectors` (a constant) vectors; returns the first row not summed. */
+ALWAYS_INLINE int64_t value_blocks(const uint8_t *codes, int64_t t, int64_t tokens, int64_t readable, int64_t width, int bits, int64_t queries,
+                                   const float *w, int64_t w_row_stride, const half *token_scale, const half *token_zero, float *acc,
+                                   const struct chunk_plan *plan, const int64_t vectors) {
+    const int64_t n = (8 / bits) * width;
+    const int direct = queries <= DIRECT_QUERIES && (plan || whole_chunks(width, bits)) && n <= 8 * LANES;
+    float block[VALUE_BLOCK * 128];
+    /* direct rows of whole chunks for one query head are read centred (spec Q6), the next
+     * block's codes put in order while a block is summed (see centred_logits) */
+    const int centred = direct && queries == 1 && centred_rows(width, bits);
+    int8_t centred_codes[2][VALUE_BLOCK * 128] __attribute__((aligned(64)));
+    for (int64_t k = 0; t + VALUE_BLOCK <= tokens; t += VALUE_BLOCK, ++k) {
+        if (centred && k == 0) centred_planes(codes, VALUE_BLOCK * width, bits, centred_codes[0]);
+        if (centred && t + 2 * VALUE_BLOCK <= tokens) centred_planes(codes + (t + VALUE_BLOCK) * width, VALUE_BLOCK * width, bits, centred_codes[(k + 1) % 2]);
+        float scales[VALUE_BLOCK], zeros[VALUE_BLOCK];
+        if (bits != 8)
+            for (int j = 0; j < VALUE_BLOCK; j += LANES) {
+                vf_store(scales + j, vf_load_half(token_scale + t + j));
+                vf_store(zeros + j, vf_load_half(token_zero + t + j));
+            }
+        prefetch_rows(codes, t + PREFETCH_ROWS, VALUE_BLOCK, readable, width);
+        if (direct && queries == 1)
+            block_value_sums(codes + t * width, width, bits, 1, w + t, w_row_stride, scales, zeros, acc, block, 1, centred ? centred_codes[k % 2] : NULL, plan, vectors);
+        else if (direct)
+            block_value_sums(codes + t * width, width, bits, DIRECT_QUERIES, w + t, w_row_stride, scales, zeros, acc, block, 1, NULL, plan, vectors);
+        else
+            block_value_sums(codes + t * width, width, bits, queries, w + t, w_row_stride, scales, zeros, acc, block, 0, NULL, plan, vectors);
+    }
+    return t;
 }
 #endif
 
@@ -740,7 +817,7 @@ ALWAYS_INLINE void block_value_sums(const uint8_t *codes, int64_t width, int bit
  * reach into the `readable` rows, as rows_logits. */
 ALWAYS_INLINE void rows_value_sums(const uint8_t *codes, int64_t tokens, int64_t readable, int64_t width, int bits, int64_t queries,
                                    const float *w, int64_t w_row_stride, const half *token_scale, const half *token_zero,
-                                   float *acc, float *blocks) {
+                                   float *acc, float *blocks, const int64_t vectors) {
     const int64_t n = (8 / bits) * width;
     int64_t t = 0;
 #if defined(LANES)
@@ -749,29 +826,10 @@ ALWAYS_INLINE void rows_value_sums(const uint8_t *codes, int64_t tokens, int64_t
      * any width by a plan, 8 lanes rows of whole vectors */
     struct chunk_plan plans[PLAN_CHUNKS], *plan = NULL;
     if (LANES == 16 && !whole_chunks(width, bits) && n <= 128) plan_chunks(width, bits, plan = plans);
-    if ((plan || n % LANES == 0) && n <= 128) {
-        const int direct = queries == 1 && (plan || whole_chunks(width, bits)) && n <= 8 * LANES;
-        float block[VALUE_BLOCK * 128];
-        /* direct rows of whole chunks are read centred (spec Q6), the next block's codes put
-         * in order while a block is summed (see centred_logits) */
-        const int centred = direct && centred_rows(width, bits);
-        int8_t centred_codes[2][VALUE_BLOCK * 128] __attribute__((aligned(64)));
-        for (int64_t k = 0; t + VALUE_BLOCK <= tokens; t += VALUE_BLOCK, ++k) {
-            if (centred && k == 0) centred_planes(codes, VALUE_BLOCK * width, bits, centred_codes[0]);
-            if (centred && t + 2 * VALUE_BLOCK <= tokens) centred_planes(codes + (t + VALUE_BLOCK) * width, VALUE_BLOCK * width, bits, centred_codes[(k + 1) % 2]);
-            float scales[VALUE_BLOCK], zeros[VALUE_BLOCK];
-            if (bits != 8)
-                for (int j = 0; j < VALUE_BLOCK; j += LANES) {
-                    vf_store(scales + j, vf_load_half(token_scale + t + j));
-                    vf_store(zeros + j, vf_load_half(token_zero + t + j));
-                }
-            prefetch_rows(codes, t + PREFETCH_ROWS, VALUE_BLOCK, readable, width);
-            if (direct)
-                block_value_sums(codes + t * width, width, bits, 1, w + t, w_row_stride, scales, zeros, acc, block, 1, centred ? centred_codes[k % 2] : NULL, plan);
-            else
-                block_value_sums(codes + t * width, width, bits, queries, w + t, w_row_stride, scales, zeros, acc, block, 0, NULL, plan);
-        }
-    }
+    if ((plan || n % LANES == 0) && n <= 128)
+        t = value_blocks(codes, t, tokens, readable, width, bits, queries, w, w_row_stride, token_scale, token_zero, acc, plan, vectors);
+#else
+    (void)vectors;
 #endif
     /* the same per-block sums (16 tokens) added to the tile's, on rows of any width */
     float widened[8 * MAX_BYTES];
@@ -1584,10 +1642,45 @@ static void head_rope_logits(int bits, const struct coefficient_side *keys, int6
     }
 }
 
+#if defined(LANES)
+/* float_value_sums' columns [c0, c0 + cols) (cols <= 4 LANES; `whole`, a constant: cols = 4 LANES)
+ * of one query head's weights wi into its sums a: each block's sums in registers, no memset
+ * block loaded and stored for every token. */
+ALWAYS_INLINE void float_value_columns(const float *rows, int64_t tokens, int64_t rank, int64_t c0, int64_t cols, const int whole, const float *wi,
+                                       float *a) {
+    for (int64_t t = 0; t < tokens; t += VALUE_BLOCK) {
+        const int64_t end = t + VALUE_BLOCK < tokens ? t + VALUE_BLOCK : tokens;
+        vf s[4] = {vf_zero(), vf_zero(), vf_zero(), vf_zero()};
+        for (int64_t u = t; u < end; ++u) {
+            const vf wt = vf_set1(wi[u]);
+            const float *x = rows + u * rank + c0;
+            for (int v = 0; v < 4; ++v) /* the block's sum as the portable loop's: 0 + w x, then + w x (no fma) */
+                s[v] = vf_add(s[v], vf_mul(wt, whole ? vf_load(x + LANES * v) : vf_load_upto(x + LANES * v, cols - LANES * v)));
+        }
+        for (int v = 0; v < 4; ++v)
+            if (whole)
+                vf_store(a + c0 + LANES * v, vf_add(vf_load(a + c0 + LANES * v), s[v]));
+            else if (cols > LANES * v)
+                vf_store_first(a + c0 + LANES * v, cols - LANES * v, vf_add(vf_load_first(a + c0 + LANES * v, cols - LANES * v), s[v]));
+    }
+}
+#endif
+
 /* acc[i][k] += w[i][t] x_k(t) over `tokens` float rows of `rank` (FLOAT_BITS values), summed per
- * block of VALUE_BLOCK tokens and then added, as rows_value_sums adds its blocks. */
+ * block of VALUE_BLOCK tokens and then added, as rows_value_sums adds its blocks (`blocks`: scratch
+ * of queries rank floats, for the loop without vectors). */
 static void float_value_sums(const float *rows, int64_t tokens, int64_t rank, int64_t queries, const float *w, int64_t w_row_stride, float *acc,
                              float *blocks) {
+#if defined(LANES)
+    (void)blocks;
+    for (int64_t i = 0; i < queries; ++i)
+        for (int64_t c0 = 0; c0 < rank; c0 += 4 * LANES) {
+            if (rank - c0 >= 4 * LANES)
+                float_value_columns(rows, tokens, rank, c0, 4 * LANES, 1, w + i * w_row_stride, acc + i * rank);
+            else
+                float_value_columns(rows, tokens, rank, c0, rank - c0, 0, w + i * w_row_stride, acc + i * rank);
+        }
+#else
     for (int64_t t = 0; t < tokens; t += VALUE_BLOCK) {
         const int64_t end = t + VALUE_BLOCK < tokens ? t + VALUE_BLOCK : tokens;
         memset(blocks, 0, sizeof(float) * queries * rank);
@@ -1601,6 +1694,7 @@ static void float_value_sums(const float *rows, int64_t tokens, int64_t rank, in
 #pragma omp simd
         for (int64_t k = 0; k < queries * rank; ++k) acc[k] += blocks[k];
     }
+#endif
 }
 
 /* The exact tokens of a windowed state (spec/window.md W1, W7): the sinks (part 0) and the
@@ -1735,11 +1829,11 @@ static int head_rows_attention(int key_bits, int value_bits, int64_t heads, int6
             if (value_bits == FLOAT_BITS)
                 float_value_sums(vf + a * values->width, len, values->width, queries, logits + a, tokens, part, blocks);
             else if (value_bits == 8)
-                WITH_WIDTH(values->width, rows_value_sums(vc + a * values->width, len, tokens - a, W, 8, queries, logits + a, tokens, NULL, NULL, part, blocks));
+                WITH_VALUE_WIDTH(values->width, 1, rows_value_sums(vc + a * values->width, len, tokens - a, W, 8, queries, logits + a, tokens, NULL, NULL, part, blocks, V));
             else if (value_bits == 4)
-                WITH_WIDTH(values->width, rows_value_sums(vc + a * values->width, len, tokens - a, W, 4, queries, logits + a, tokens, ts + a, tz + a, part, blocks));
+                WITH_VALUE_WIDTH(values->width, 2, rows_value_sums(vc + a * values->width, len, tokens - a, W, 4, queries, logits + a, tokens, ts + a, tz + a, part, blocks, V));
             else
-                WITH_WIDTH(values->width, rows_value_sums(vc + a * values->width, len, tokens - a, W, 2, queries, logits + a, tokens, ts + a, tz + a, part, blocks));
+                WITH_VALUE_WIDTH(values->width, 4, rows_value_sums(vc + a * values->width, len, tokens - a, W, 2, queries, logits + a, tokens, ts + a, tz + a, part, blocks, V));
 #pragma omp simd
             for (int64_t k = 0; k < value_n; ++k) total[k] += part[k];
         }

@@ -748,25 +748,36 @@ ALWAYS_INLINE void block_value_sums(const uint8_t *codes, int64_t width, int bit
         enum { MAX_SETS = 4 };
         const int sets = vectors <= 2 ? 4 : vectors <= 4 ? 2 : 1;
         vf sums[DIRECT_QUERIES][MAX_SETS][128 / LANES];
+#pragma GCC unroll 2
         for (int64_t i = 0; i < DIRECT_QUERIES; ++i)
+#pragma GCC unroll 4
             for (int j = 0; j < sets; ++j)
+#pragma GCC unroll 16
                 for (int64_t k = 0; k < vectors; ++k) sums[i][j][k] = vf_zero();
+        /* the loops over sets, query heads and vectors unrolled whole: sums and x in registers */
         for (int b = 0; b < VALUE_BLOCK; b += sets)
+#pragma GCC unroll 4
             for (int j = 0; j < sets; ++j) {
                 vf x[128 / LANES];
+#pragma GCC unroll 16
                 for (int64_t k = 0; k < vectors; ++k)
                     x[k] = direct ? block_chunk(codes, width, bits, b + j, k, scales, zeros, centred, plan) : vf_load(block + (b + j) * stride + LANES * k);
+#pragma GCC unroll 2
                 for (int64_t i = 0; i < DIRECT_QUERIES; ++i) {
                     if (i >= group) break;
                     const vf wt = vf_set1(weights[i][b + j]);
+#pragma GCC unroll 16
                     for (int64_t k = 0; k < vectors; ++k) sums[i][j][k] = vf_fmadd(wt, x[k], sums[i][j][k]);
                 }
             }
+#pragma GCC unroll 2
         for (int64_t i = 0; i < DIRECT_QUERIES; ++i) {
             if (i >= group) break;
             float *a = acc + (first + i) * n;
+#pragma GCC unroll 16
             for (int64_t k = 0; k < vectors; ++k) {
                 vf total = sums[i][0][k];
+#pragma GCC unroll 4
                 for (int j = 1; j < sets; ++j) total = vf_add(total, sums[i][j][k]);
                 if (centred) total = vf_add(total, vf_set1(offset));
                 const int64_t left = n - LANES * k;

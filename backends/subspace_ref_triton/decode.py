@@ -826,21 +826,28 @@ def _centred_tile_t(t0, t_lo, t_hi, q_proj, key_r, ks_base, kz_base, kc_base, sk
     # power-of-two rescaling per tile; a_j in 3 parts (float32 accuracy)
     y = centred_words(kc_base.to(tl.pointer_type(tl.uint32)), tok, t_mask, skc_t // 4, key_r.shape[0], BITS, tl.bfloat16, INTERPRETED)  # (BLOCK_T, R), exact
     u_hi, u_mid, u_lo = split3_bits(u)
+    lt = _dot_parts(y, u_hi, u_mid, u_lo, None, NATIVE16, CPARTS) + bias[None, :]
+    return _centred_values_t(lt, tok, t_mask, m_i, z_i, acc_t, zacc, vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t, NATIVE16, INTERPRETED, CPARTS, BITS)
+
+
+@triton.jit
+def _dot_parts(y, u_hi, u_mid, u_lo, acc, NATIVE16: tl.constexpr, CPARTS: tl.constexpr):
+    """acc + y (u_hi + u_mid + u_lo)^T over the first CPARTS parts (acc None: from zero): the 16-bit
+    codes times a_j split into bfloat16 parts (split3_bits), on the MMA natively or in float32."""
     if NATIVE16:
-        lt = tl.dot(y, tl.trans(u_hi))
+        lt = tl.dot(y, tl.trans(u_hi), acc=acc)
         if CPARTS > 1:
             lt = tl.dot(y, tl.trans(u_mid), acc=lt)
         if CPARTS > 2:
             lt = tl.dot(y, tl.trans(u_lo), acc=lt)
     else:
         yf = y.to(tl.float32)
-        lt = tl.dot(yf, tl.trans(u_hi.to(tl.float32)), input_precision="ieee")
+        lt = tl.dot(yf, tl.trans(u_hi.to(tl.float32)), acc=acc, input_precision="ieee")
         if CPARTS > 1:
             lt = tl.dot(yf, tl.trans(u_mid.to(tl.float32)), acc=lt, input_precision="ieee")
         if CPARTS > 2:
             lt = tl.dot(yf, tl.trans(u_lo.to(tl.float32)), acc=lt, input_precision="ieee")
-    lt = lt + bias[None, :]
-    return _centred_values_t(lt, tok, t_mask, m_i, z_i, acc_t, zacc, vc_base, vs_base, vz_base, offs_rv, svc_t, svs_t, NATIVE16, INTERPRETED, CPARTS, BITS)
+    return lt
 
 
 @triton.jit
@@ -883,20 +890,7 @@ def _centred_pair_t(t0, q_proj, q_n, key_r2, ks_base, kz_base, kc_base, sks_t, s
         u_mid = tl.where(diag, tl.reshape(tl.broadcast_to(uc_mid[None, :, :], (2, G, 2 * R)), (2 * G, 2 * R)), 0.0)
     if CPARTS > 2:
         u_lo = tl.where(diag, tl.reshape(tl.broadcast_to(uc_lo[None, :, :], (2, G, 2 * R)), (2 * G, 2 * R)), 0.0)
-    lt = tl.broadcast_to(bias[None, :], (BLOCK_T, 2 * G))
-    if NATIVE16:
-        lt = tl.dot(y, tl.trans(u_hi), acc=lt)
-        if CPARTS > 1:
-            lt = tl.dot(y, tl.trans(u_mid), acc=lt)
-        if CPARTS > 2:
-            lt = tl.dot(y, tl.trans(u_lo), acc=lt)
-    else:
-        yf = y.to(tl.float32)
-        lt = tl.dot(yf, tl.trans(u_hi.to(tl.float32)), acc=lt, input_precision="ieee")
-        if CPARTS > 1:
-            lt = tl.dot(yf, tl.trans(u_mid.to(tl.float32)), acc=lt, input_precision="ieee")
-        if CPARTS > 2:
-            lt = tl.dot(yf, tl.trans(u_lo.to(tl.float32)), acc=lt, input_precision="ieee")
+    lt = _dot_parts(y, u_hi, u_mid, u_lo, tl.broadcast_to(bias[None, :], (BLOCK_T, 2 * G)), NATIVE16, CPARTS)
     G2: tl.constexpr = 2 * G
     m_new = tl.maximum(m2, tl.reduce(lt, 0, _MAX))
     alpha = exp2_ftz(m2 - m_new, INTERPRETED)  # log2 units

@@ -1180,13 +1180,6 @@ def side_formats(layout) -> SideFormats:
     return SideFormats(kf.per_token_scale, vf.per_token_scale, kf.low_bits, vf.low_bits, (ks, vs, kz, vz, tail))
 
 
-def scale_operands(layout) -> tuple[bool, int, tuple]:
-    """(int8, bits, (key scale, value scale, key zero, value zero, key tail)) of a layout whose
-    sides agree (:func:`side_formats` reads each side apart)."""
-    sides = side_formats(layout)
-    return sides.int8, sides.bits, sides.operands
-
-
 def split_launch(
     q,
     layout,

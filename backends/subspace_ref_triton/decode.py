@@ -974,7 +974,7 @@ def _centred_values_t(lt, tok, t_mask, m_i, z_i, acc_t, zacc, vc_base, vs_base, 
 
 
 @triton.jit
-def _merge_row(pm_ptr, pz_ptr, po_ptr, row, num_splits, d_v, DV: tl.constexpr, BLOCK_S: tl.constexpr, CACHE: tl.constexpr = ""):
+def _merge_row(pm_ptr, pz_ptr, po_ptr, row, num_splits, d_v, DV: tl.constexpr, BLOCK_S: tl.constexpr, CACHE: tl.constexpr):
     """Spec A3.2: the ``num_splits`` partials (m, Z, N) of (sequence, query head) ``row`` merged,
     N / Z in float32 (DV,); empty partials (-inf, 0, 0) are the identity. Shared by
     :func:`_merge_kernel` and the fused merge of :func:`_decode_split_kernel` (``CACHE``: the
@@ -1011,7 +1011,7 @@ def _merge_kernel(pm_ptr, pz_ptr, po_ptr, out_ptr, num_splits, d_v, Hq, so_n, so
     n = row // Hq
     hq = row % Hq
     offs_dv = tl.arange(0, DV)
-    out = _merge_row(pm_ptr, pz_ptr, po_ptr, row, num_splits, d_v, DV, BLOCK_S)
+    out = _merge_row(pm_ptr, pz_ptr, po_ptr, row, num_splits, d_v, DV, BLOCK_S, "")  # no default: Triton 3.6 passes an omitted str default unwrapped
     tl.store(out_ptr + n * so_n + hq * so_h + offs_dv, to_storage(out, out_ptr, MANUAL_BF16), mask=offs_dv < d_v)
 
 

@@ -17,9 +17,10 @@ Per (N, T), all in the same process:
   state (spec A6) holding the same T tokens, projected by the Triton projection kernel
   (``TritonBackend.append``, one launch); **triton-static-api** is the same through the public
   ``subspace_ref.attend`` (argument checks included).
-* **vendor-sdpa-coef[-expanded]** -- the vendor path (issue 38): the float static state as exact
-  attention over (B q, C, D) with head size r through torch SDPA (GQA, or C, D expanded to 32
-  heads beforehand), the query projection and the value basis included in the time.
+* **vendor-sdpa-coef[-expanded|-rows]** -- the vendor path (issue 38): the float static state as
+  exact attention over (B q, C, D) with head size r through torch SDPA: the backend's
+  ``vendor.attention`` (GQA), C and D expanded to 32 heads beforehand, or the 4 query heads of a KV
+  head as 4 query rows; the query projection and the value basis included in the time.
 * **triton-<kind> bt=<tile> w=<warps> [cap=<registers>]** -- the triton kernel with other
   tiles / warp counts and register caps (cap=none: uncapped; ``--no-sweep`` skips them), to
   check ``launch_config`` (tiles from the compile report, caps from GPU timing) by measurement.
@@ -408,9 +409,13 @@ def time_backends(rows: list[dict], names, usable, kind: str, state, q, scale: f
 def time_vendor(rows: list[dict], state, q, scale: float) -> None:
     """The vendor path (issue 38 item 4): a float post-RoPE static state is exact attention over
     (B q, C, D) with head size r and scale 1/sqrt(d) (spec A2), so torch SDPA runs it; the value
-    basis maps its output back to d. Timed whole (both projections included), GQA and expanded."""
+    basis maps its output back to d. Timed whole (both projections included): the backend's own
+    ``vendor.attention`` (one query per query head, GQA), the same with C and D expanded to H_Q
+    heads, and with the g query heads of a KV head as g query rows (the slower form, docs/gpu.md)."""
     import torch
     import torch.nn.functional as F
+
+    from subspace_ref_triton import vendor
 
     lay = state.layout
     T = int(lay.num_tokens)
@@ -419,13 +424,16 @@ def time_vendor(rows: list[dict], state, q, scale: float) -> None:
     g = H_Q // H_KV
     ref = get_torch_attend(state, lay, q, scale, T)
 
-    def vendor(keys, values, gqa):
-        qt = torch.einsum("nhgd,nhrd->nhgr", q.view(q.shape[0], H_KV, g, D), B).reshape(q.shape[0], H_Q, 1, RANK)
-        y = F.scaled_dot_product_attention(qt, keys, values, scale=scale, enable_gqa=gqa)  # (N, H_Q, 1, r_v)
-        return torch.einsum("nhgr,nhrd->nhgd", y.view(q.shape[0], H_KV, g, RANK), E).reshape(q.shape[0], H_Q, D)
+    def variant(keys, values, queries_per_head):
+        qt = torch.einsum("nhgd,nhrd->nhgr", q.view(q.shape[0], H_KV, g, D), B).reshape(q.shape[0], -1, queries_per_head, RANK)
+        y = F.scaled_dot_product_attention(qt, keys, values, scale=scale)
+        return torch.einsum("nhgr,nhrd->nhgd", y.reshape(q.shape[0], H_KV, g, RANK), E).reshape(q.shape[0], H_Q, D)
 
     Cx, Dx = C.repeat_interleave(g, dim=1), Dv.repeat_interleave(g, dim=1)
-    for label, fn in (("vendor-sdpa-coef", functools.partial(vendor, C, Dv, True)), ("vendor-sdpa-coef-expanded", functools.partial(vendor, Cx, Dx, False))):
+    variants = (("vendor-sdpa-coef", functools.partial(vendor.attention, q, lay, scale)),
+                ("vendor-sdpa-coef-expanded", functools.partial(variant, Cx, Dx, 1)),
+                ("vendor-sdpa-coef-rows", functools.partial(variant, C, Dv, g)))
+    for label, fn in variants:
         try:
             diff = float((fn().float() - ref).abs().max())
             rows.append(dict(method=label, ms=bench(fn), bytes=state.nbytes, max_abs_diff_vs_torch=diff))

@@ -4,8 +4,11 @@ with float coefficients is exact attention over (γ B q, C, D) with head size r 
 the value basis E maps its output back to d_v. The triton backend routes such states here
 because its own split kernel was slower on an H200 (docs/gpu.md).
 
-GQA without expanding C and D: the g query heads of one KV head are g query *rows* of that head
-(one decode token each, no causal mask), so SDPA runs with H_kv heads and g queries.
+GQA without expanding C and D: :func:`attention` gives SDPA one decode query per query head over
+the H_kv heads of C and D (``enable_gqa``), the form timed in ``decode_gpu.py``; the same
+attention written as g query rows per KV head went to a 3.5x slower kernel on an H200 (docs/gpu.md,
+"Fifth-pass kernels timed"). :func:`partials` calls the flash operator itself, with the g query
+heads of a KV head as its g query rows.
 
 Exact tokens (spec/window.md W3) need the compressed part's log-sum-exp to join the merge
 (spec A3.2): :func:`partials` returns it as one split partial (m = LSE, Z = 1, N = output) from
@@ -51,7 +54,7 @@ def refusals(q, state) -> list[str]:
 
 
 def _projected_queries(q, layout):
-    """γ_h B_h q for the g query rows of every KV head: (N, H_kv, g, r) in q's dtype (spec A2)."""
+    """γ_h B_h q for the g query heads of every KV head: (N, H_kv, g, r) in q's dtype (spec A2)."""
     N, Hq, d = q.shape
     H = layout.key_coef.shape[1]
     B = layout.key_bases[:, :, 0]  # (N, H, r, d): the static basis
@@ -80,8 +83,10 @@ def _scale(q, scale: float | None) -> float:
 def attention(q, layout, scale: float | None):
     """Spec A2/A3 of q (N, H_q, d) over a static float layout through torch SDPA: (N, H_q, d_v) in q's dtype."""
     C, D = _coefficients(layout)
-    y = F.scaled_dot_product_attention(_projected_queries(q, layout), C, D, scale=_scale(q, scale))  # (N, H, g, r_v)
-    return _to_values(y, layout, q.shape[1]).to(q.dtype)
+    N, Hq = q.shape[:2]
+    qt = _projected_queries(q, layout).reshape(N, Hq, 1, -1)  # query head h reads KV head h // g
+    y = F.scaled_dot_product_attention(qt, C, D, scale=_scale(q, scale), enable_gqa=True)  # (N, H_q, 1, r_v)
+    return _to_values(y.view(N, C.shape[1], Hq // C.shape[1], -1), layout, Hq).to(q.dtype)
 
 
 def partials(q, layout, scale: float | None):

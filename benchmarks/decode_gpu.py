@@ -16,7 +16,8 @@ Per (N, T), all in the same process:
 * **<backend>-static[-int8]** -- ``Backend.attend`` of every backend in ``--backend`` on a static
   state (spec A6) holding the same T tokens, projected by the Triton projection kernel
   (``TritonBackend.append``, one launch); **triton-static-api** is the same through the public
-  ``subspace_ref.attend`` (argument checks included).
+  ``subspace_ref.attend`` (argument checks included); **triton-static split-kernel** is the split
+  kernel and merge whichever path the backend routes the state to.
 * **vendor-sdpa-coef[-expanded|-rows]** -- the vendor path (issue 38): the float static state as
   exact attention over (B q, C, D) with head size r through torch SDPA: the backend's
   ``vendor.attention`` (GQA), C and D expanded to 32 heads beforehand, or the 4 query heads of a KV
@@ -385,6 +386,11 @@ def time_backends(rows: list[dict], names, usable, kind: str, state, q, scale: f
             if name == "triton" and kind == "static":
                 ms_api = bench(functools.partial(sr.attend, q, state, backend="triton", scale=scale))
                 rows.append(dict(method="triton-static-api", chunks=J, ms=ms_api, bytes=nbytes))
+                # the split kernel itself, where the backend routes the state to the vendor path
+                # (float 16-bit): the two paths timed side by side decide that route
+                split = functools.partial(decode.decode_attention, q, st.layout, scale)
+                rows.append(dict(method="triton-static split-kernel", chunks=J, ms=bench(split), bytes=nbytes,
+                                 max_abs_diff_vs_torch=float((split().float() - ref).abs().max())))
                 # split and merge in one launch (decode.fused_launch; off by default until timed)
                 fused = functools.partial(decode.decode_attention, q, st.layout, scale, fused_merge=True)
                 rows.append(dict(method="triton-static fused-merge", chunks=J, ms=bench(fused), bytes=nbytes,

@@ -1,12 +1,13 @@
 """The vendor path (issue 38 item 4, docs/gpu.md "The vendor path"): a static post-RoPE state
 with float coefficients is exact attention over (γ B q, C, D) with head size r and scale 1/√d
 (spec A2), so the device's fused attention (FlashAttention through torch SDPA) computes it, and
-the value basis E maps its output back to d_v. The triton backend routes such states here
-because its own split kernel was slower on an H200 (docs/gpu.md).
+the value basis E maps its output back to d_v. The triton backend routes such states here: its
+own split kernel was slower on an H200 in the first timing, and faster at 128k tokens in the
+second (docs/gpu.md, "Fifth-pass kernels timed"), so the route waits on a timing of both.
 
 GQA without expanding C and D: :func:`attention` gives SDPA one decode query per query head over
 the H_kv heads of C and D (``enable_gqa``), the form timed in ``decode_gpu.py``; the same
-attention written as g query rows per KV head went to a 3.5x slower kernel on an H200 (docs/gpu.md,
+attention written as g query rows per KV head ran 3.5x slower on an H200 (docs/gpu.md,
 "Fifth-pass kernels timed"). :func:`partials` calls the flash operator itself, with the g query
 heads of a KV head as its g query rows.
 

@@ -1336,8 +1336,16 @@ ALWAYS_INLINE void int8_block(const struct coefficient_side *keys, int64_t h, in
     const int8_t *s8 = (const int8_t *)keys->codes + h * keys->head_stride;
     const float *scale = (const float *)keys->scale + h * keys->scale_head_stride;
     for (int64_t k = 0; k < count; ++k) {
-#pragma omp simd
-        for (int64_t j = 0; j < rank; ++j) c[k * rank + j] = (float)s8[(first + k) * width + j] * scale[first + k];
+        const int8_t *row = s8 + (first + k) * width;
+        float *out = c + k * rank;
+#if defined(LANES) && LANES == 16 /* GCC leaves the scalar loop unvectorised (docs/benchmarks.md) */
+        const vf s = vf_set1(scale[first + k]);
+        int64_t j = 0;
+        for (; j + LANES <= rank; j += LANES) vf_store(out + j, vf_mul(vf_from_vi(vi_widen_i8(load_lane_bytes((const uint8_t *)row + j))), s));
+        if (j < rank) vf_store_first(out + j, rank - j, vf_mul(vf_from_vi(vi_widen_i8(_mm_maskz_loadu_epi8(first_lanes(rank - j), row + j))), s));
+#else
+        for (int64_t j = 0; j < rank; ++j) out[j] = (float)row[j] * scale[first + k];
+#endif
     }
 }
 
@@ -1376,11 +1384,12 @@ struct rope_source {
 
 /* `tok` tokens of `src` from token k of the block (tok, vecs = d / LANES and pv = m / LANES are
  * constants: the keys are tok x vecs registers): each key rebuilt as rebuild_keys does (one fma
- * chain over j from 0 per element, the tokens sharing each row of B they load), turned at offset k
- * of the block (cos and sin composed as head_rope_logits' loop composes them), and dotted with
- * every query head in key_dot's two chains, whose sum goes to dots[i][k] for fold_block. */
+ * chain over j from 0 per element, the tokens sharing each row of B they load), turned by its
+ * offset k in the block only (the table's cos and sin: the block's base angle is in the queries,
+ * turn_queries), and dotted with every query head in key_dot's two chains, whose sum goes to
+ * dots[i][k] for fold_block. */
 ALWAYS_INLINE void rope_tile(int tok, int vecs, int pv, struct rope_source src, int64_t k, int64_t d, int64_t m, const float *off_cos,
-                             const float *off_sin, const float *ca, const float *sa, int64_t queries, const float *q, float *dots) {
+                             const float *off_sin, int64_t queries, const float *q, float *dots) {
     vf acc[4][8];
 #pragma GCC unroll 4
     for (int u = 0; u < tok; ++u)
@@ -1408,9 +1417,7 @@ ALWAYS_INLINE void rope_tile(int tok, int vecs, int pv, struct rope_source src, 
     for (int u = 0; u < tok; ++u)
 #pragma GCC unroll 4
         for (int i = 0; i < pv; ++i) {
-            const vf oc = vf_load(off_cos + (k + u) * m + LANES * i), os = vf_load(off_sin + (k + u) * m + LANES * i);
-            const vf a = vf_load(ca + LANES * i), b = vf_load(sa + LANES * i);
-            const vf cs = vf_sub(vf_mul(oc, a), vf_mul(os, b)), sn = vf_add(vf_mul(os, a), vf_mul(oc, b));
+            const vf cs = vf_load(off_cos + (k + u) * m + LANES * i), sn = vf_load(off_sin + (k + u) * m + LANES * i);
             const vf ua = acc[u][i], ub = acc[u][pv + i];
             acc[u][i] = vf_sub(vf_mul(ua, cs), vf_mul(ub, sn));
             acc[u][pv + i] = vf_add(vf_mul(ub, cs), vf_mul(ua, sn));
@@ -1433,18 +1440,18 @@ ALWAYS_INLINE void rope_tile(int tok, int vecs, int pv, struct rope_source src, 
 /* Tokens k0 .. k1 - 1 of the block from `src` (at token k0): tiles of 4 tokens (2 where d = 128,
  * whose 8 vectors a token would leave too few registers), then single tokens. */
 ALWAYS_INLINE void rope_run(int vecs, int pv, struct rope_source src, int64_t k0, int64_t k1, int64_t d, int64_t m, const float *off_cos,
-                            const float *off_sin, const float *ca, const float *sa, int64_t queries, const float *q, float *dots) {
+                            const float *off_sin, int64_t queries, const float *q, float *dots) {
     const int tok = vecs <= 4 ? 4 : 2;
     int64_t k = k0;
     for (; k + tok <= k1; k += tok, src.c += tok * src.token_stride)
-        rope_tile(tok, vecs, pv, src, k, d, m, off_cos, off_sin, ca, sa, queries, q, dots);
-    for (; k < k1; ++k, src.c += src.token_stride) rope_tile(1, vecs, pv, src, k, d, m, off_cos, off_sin, ca, sa, queries, q, dots);
+        rope_tile(tok, vecs, pv, src, k, d, m, off_cos, off_sin, queries, q, dots);
+    for (; k < k1; ++k, src.c += src.token_stride) rope_tile(1, vecs, pv, src, k, d, m, off_cos, off_sin, queries, q, dots);
 }
 
 /* rope_run with its shape made constant: d / LANES vectors, m / LANES of them turning (rope_in_registers). */
 static void rope_runs(struct rope_source src, int64_t k0, int64_t k1, int64_t d, int64_t m, const float *off_cos, const float *off_sin,
-                      const float *ca, const float *sa, int64_t queries, const float *q, float *dots) {
-#define ROPE_RUN(V, PV) rope_run(V, PV, src, k0, k1, d, m, off_cos, off_sin, ca, sa, queries, q, dots)
+                      int64_t queries, const float *q, float *dots) {
+#define ROPE_RUN(V, PV) rope_run(V, PV, src, k0, k1, d, m, off_cos, off_sin, queries, q, dots)
     switch ((d / LANES) * 8 + m / LANES) {
     case 2 * 8 + 1: ROPE_RUN(2, 1); break;
     case 4 * 8 + 1: ROPE_RUN(4, 1); break;
@@ -1493,10 +1500,25 @@ static void rope_wrap(const float *planes, int64_t width, int64_t n, float *wrap
     }
 }
 
-/* head_rope_logits where rope_in_registers: the same numbers, a block's keys never stored. Its
+/* The query heads q (queries, d) turned back by a block's base angle (ca, sa: its scaled cos and
+ * sin, rope_base) into turned: q . R(base + k) key = (R(base)^T q) . (R(k) key) (spec/rope.md P3),
+ * so that a key is turned by its offset k alone. */
+static void turn_queries(const float *q, int64_t queries, int64_t d, int64_t m, const float *ca, const float *sa, float *turned) {
+    for (int64_t i = 0; i < queries; ++i, q += d, turned += d) {
+        for (int64_t p = 0; p < m; p += LANES) {
+            const vf a = vf_load(ca + p), b = vf_load(sa + p), qa = vf_load(q + p), qb = vf_load(q + m + p);
+            vf_store(turned + p, vf_add(vf_mul(qa, a), vf_mul(qb, b)));
+            vf_store(turned + m + p, vf_sub(vf_mul(qb, a), vf_mul(qa, b)));
+        }
+        memcpy(turned + 2 * m, q + 2 * m, sizeof(float) * (d - 2 * m)); /* partial rotary: the rest is not turned */
+    }
+}
+
+/* head_rope_logits where rope_in_registers: a block's keys never stored, each turned by its offset
+ * in the block and the queries by the block's base (turn_queries). Its
  * coefficients: float rows as stored, int8 widened row by row, int4 / int2 plane by plane
  * (widen_block_planes) where groups are whole blocks, else row by row (widen_block); the unfinished
- * group's from the float tail. `block`: scratch of ROPE_BLOCK (n + LANES queries) floats. */
+ * group's from the float tail. `block`: scratch of ROPE_BLOCK (n + LANES queries) + queries d floats. */
 static void head_rope_registers(int bits, const struct coefficient_side *keys, int64_t h, int64_t queries, int64_t complete, int64_t tokens,
                                 const float *key_tail, const float *q, const float *B, int64_t d, const struct rope_keys *rope,
                                 const float *plane_basis, const int32_t *order, float *planes, float *block, float *out, int64_t out_row_stride) {
@@ -1506,7 +1528,7 @@ static void head_rope_registers(int bits, const struct coefficient_side *keys, i
     const int low_bit = bits == 4 || bits == 2, per = low_bit ? 8 / bits : 1;
     const int64_t n = low_bit ? per * width : rank;
     const int by_planes = low_bit && width > 0 && G % ROPE_BLOCK == 0; /* every block within one group */
-    float *c = block, *dots = block + ROPE_BLOCK * n;
+    float *c = block, *dots = block + ROPE_BLOCK * n, *turned = dots + ROPE_BLOCK * LANES * queries;
     float wrapped[2 * (8 * MAX_BYTES + 4 * LANES)];
     double base_cos[MAX_DIM / 2], base_sin[MAX_DIM / 2];
     float ca[MAX_DIM / 2], sa[MAX_DIM / 2];
@@ -1516,6 +1538,7 @@ static void head_rope_registers(int bits, const struct coefficient_side *keys, i
         const int64_t count = tokens - t0 < ROPE_BLOCK ? tokens - t0 : ROPE_BLOCK;
         const int64_t coded = complete - t0 <= 0 ? 0 : complete - t0 < count ? complete - t0 : count; /* the rest: the float tail */
         rope_base(rope, t0 / ROPE_BLOCK, step_cos, step_sin, base_cos, base_sin, ca, sa);
+        turn_queries(q, queries, d, m, ca, sa, turned);
         if (coded) {
             struct rope_source src = {c, n, 1, n, 0, low_bit ? plane_basis : B};
             if (bits == FLOAT_BITS) {
@@ -1537,11 +1560,11 @@ static void head_rope_registers(int bits, const struct coefficient_side *keys, i
             } else {
                 WITH_WIDTH(width, widen_block(keys, h, 2, t0, coded, W, n, order, &next_group, planes, c));
             }
-            rope_runs(src, 0, coded, d, m, off_cos, off_sin, ca, sa, queries, q, dots);
+            rope_runs(src, 0, coded, d, m, off_cos, off_sin, queries, turned, dots);
         }
         if (coded < count) { /* the unfinished group's keys, in float */
             const struct rope_source tail = {key_tail + (t0 + coded - complete) * rank, rank, 1, rank, 0, B};
-            rope_runs(tail, coded, count, d, m, off_cos, off_sin, ca, sa, queries, q, dots);
+            rope_runs(tail, coded, count, d, m, off_cos, off_sin, queries, turned, dots);
         }
         for (int64_t i = 0; i < queries; ++i) { /* each token's sums folded as key_dot's horizontal sum adds them */
             vf v[LANES];
@@ -1566,7 +1589,7 @@ static void head_rope_registers(int bits, const struct coefficient_side *keys, i
  * int4 / int2 rows are widened in plane order (widen_row: no shuffles), and rebuilt by B's rows
  * in that order, `plane_basis` (n = PER width rows, 0 past the rank; scratch of n d floats);
  * `planes` holds a group's scales and zeros in plane order (2 n floats). The work goes a block of
- * ROPE_BLOCK tokens at a time (`block`: scratch of ROPE_BLOCK (n + d + ROPE_BLOCK queries)
+ * ROPE_BLOCK tokens at a time (`block`: scratch of ROPE_BLOCK (n + d + ROPE_BLOCK queries) + queries d
  * floats): the block's coefficients, its keys rebuilt together (rebuild_keys), turned, then each
  * query head's dot products of LANES tokens folded together (fold_block: the same sums as
  * key_dot's); with AVX-512, for the head sizes of rope_in_registers, head_rope_registers. */
@@ -1796,7 +1819,7 @@ static int head_rows_attention(int key_bits, int value_bits, int64_t heads, int6
      * aligned (its rows are read a vector at a time, and a load across two cache lines costs two) */
     float *permuted = rope ? malloc(sizeof(float) * queries * d) : NULL;
     float *plane_basis = rope ? aligned_alloc(64, (sizeof(float) * key_n * d + 63) / 64 * 64) : NULL;
-    float *rope_block = rope ? malloc(sizeof(float) * ROPE_BLOCK * (key_n + d + ROPE_BLOCK * queries)) : NULL;
+    float *rope_block = rope ? malloc(sizeof(float) * (ROPE_BLOCK * (key_n + d + ROPE_BLOCK * queries) + queries * d)) : NULL;
     if (!planes || !logits || !part || !total || !blocks || !projected || !sums || !odd || !exact_l || !exact_block ||
         (rope && (!permuted || !plane_basis || !rope_block))) {
         free(planes), free(logits), free(part), free(total), free(blocks), free(projected), free(sums), free(odd);

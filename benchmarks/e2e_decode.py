@@ -9,7 +9,7 @@ Two settings:
   and values; static bases calibrated on other text at r = r_v = 16 of 64; the uniform pre-RoPE
   row of docs/baselines.md; the allocator's states at 25% and 12.5%, calibrated as
   ``subspace-kv calibrate --compression-ratio R`` does, and again with ``--key-bases
-  post_rope,plane,identity``), then ``--steps`` greedy decode steps
+  post_rope,plane,identity`` and with ``--max-pre-rope-rank 16``), then ``--steps`` greedy decode steps
   are timed. Then, per allocation with pre-RoPE keys and context, the least time its key
   rebuild can take a step (:func:`rebuild_fmas` at this core's sgemm rate, measured in the
   same run) beside the stock cache's append and SDPA.
@@ -141,6 +141,8 @@ def rows_for(model, contexts, steps, make_caches, prefill) -> list[dict]:
 
 
 FAST_KEY_BASES = ("post_rope", "plane", "identity")
+#: the pre-RoPE key rank cap of the capped allocator rows: a quarter of the head size (docs/hf.md, "Speed or accuracy")
+CAPPED_PRE_ROPE_RANK = 16
 
 
 def rebuild_fmas(allocation, d: int, T: int) -> int:
@@ -221,6 +223,8 @@ def shipped(steps: int, contexts=(256, 512, 1008)) -> list[dict]:
     calibrated = {ratio: calibrate_checkpoint("default", ratio) for ratio in (0.25, 0.125)}
     # the same without pre-RoPE keys (`--key-bases post_rope,plane,identity`, spec/layer_state.md L6.3)
     fast = {ratio: calibrate_checkpoint("default", ratio, key_bases=FAST_KEY_BASES) for ratio in (0.25, 0.125)}
+    # and with pre-RoPE keys of rank at most CAPPED_PRE_ROPE_RANK (`--max-pre-rope-rank`, L6.4)
+    capped = {ratio: calibrate_checkpoint("default", ratio, max_pre_rope_rank=CAPPED_PRE_ROPE_RANK) for ratio in (0.25, 0.125)}
 
     print(f"shipped model, float32, r = r_v = 16 of 64, {steps} decode steps after a real prefill")
     with compress(model, static_states(bases)) as kv:
@@ -232,10 +236,14 @@ def shipped(steps: int, contexts=(256, 512, 1008)) -> list[dict]:
                for ratio, c in calibrated.items()},
             **{f"allocator {ratio:.1%}, no pre-RoPE keys (sinks {c.allocation.sinks}, window {c.allocation.window})":
                lambda c=c: SubspaceCache(model.config, c.states(model.config)) for ratio, c in fast.items()},
+            **{f"allocator {ratio:.1%}, pre-RoPE rank <= {CAPPED_PRE_ROPE_RANK} (sinks {c.allocation.sinks}, window {c.allocation.window})":
+               lambda c=c: SubspaceCache(model.config, c.states(model.config)) for ratio, c in capped.items()},
             **quantized_caches(model.config),
         }
         rows = rows_for(model, contexts, steps, caches, prefill)
-    print_rebuild_floors(model.config, {f"allocator {ratio:.1%}": c.allocation for ratio, c in calibrated.items()}, contexts, model.dtype)
+    floors = {f"allocator {ratio:.1%}": c.allocation for ratio, c in calibrated.items()}
+    floors |= {f"allocator {ratio:.1%}, pre-RoPE rank <= {CAPPED_PRE_ROPE_RANK}": c.allocation for ratio, c in capped.items()}
+    print_rebuild_floors(model.config, floors, contexts, model.dtype)
     return rows
 
 

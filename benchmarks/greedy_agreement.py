@@ -184,7 +184,8 @@ def run(args: argparse.Namespace) -> dict:
             auto = window == "auto"
             try:
                 bases = calibrate_checkpoint(args.model, ratio, sinks=None if auto else args.sinks, window=None if auto else window,
-                                             tokens=args.calibration_tokens, loss=args.loss, key_bases=args.key_bases)
+                                             tokens=args.calibration_tokens, loss=args.loss, key_bases=args.key_bases,
+                                             max_pre_rope_rank=args.max_pre_rope_rank)
             except ValueError as exc:  # the window alone costs more than the ratio allows
                 skipped.append(dict(ratio=ratio, window=window, reason=str(exc)))
                 print(f"  ratio {ratio}, window {window}: skipped ({exc})", file=sys.stderr)
@@ -195,7 +196,7 @@ def run(args: argparse.Namespace) -> dict:
             tf_top1 = (logits.argmax(-1) == stock_logits.argmax(-1)).numpy()
             b = bases.allocation.bytes(geom)
             a = bases.allocation
-            kinds = "" if args.key_bases is None else f", keys {args.key_bases}"
+            kinds = ("" if args.key_bases is None else f", keys {args.key_bases}") + ("" if args.max_pre_rope_rank is None else f", pre-RoPE rank <= {args.max_pre_rope_rank}")
             name = f"allocator {100 * ratio:g}% ({args.loss} loss{kinds}) + sinks {a.sinks} + window {a.window}" + (" (chosen; the command's default)" if auto else "")
             rows.append(summarize(name, gen, stock_np, tf_top1, margins, second, dict(ratio=ratio, window=a.window, sinks=a.sinks, auto=auto, loss=args.loss,
                                                                                bytes_per_token=b.per_token, fraction=b.fraction,
@@ -259,6 +260,7 @@ def main() -> int:
                    help="'auto' (the calibrate command's default: sinks and window chosen by the loss) or exact windows with --sinks sinks (default auto)")
     p.add_argument("--loss", choices=("fisher", "proxy"), default="fisher", help="the allocator's loss (default fisher, the command's default)")
     p.add_argument("--key-bases", default=None, help="key kinds the allocator may choose (subspace-kv calibrate --key-bases; default all)")
+    p.add_argument("--max-pre-rope-rank", type=int, default=None, help="highest pre-RoPE key rank (subspace-kv calibrate --max-pre-rope-rank; default any)")
     p.add_argument("--ppl-windows", type=int, default=16, help="held-out 1024-token windows for the perplexity column (default 16; 0: none)")
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--prompts", type=int, default=16)

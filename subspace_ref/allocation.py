@@ -328,12 +328,16 @@ def side_losses(layer: dict, h: int, group_queries: np.ndarray, ranks, bits=BITS
 
 
 def allocate(losses: list, geom, *, compression_ratio: float | None = None, bytes_per_token: float | None = None,
-             group: int = 32, window: int = 0, sinks: int = 0, min_rank_k: int = 1, key_bases: tuple[str, ...] = KEY_BASES) -> Allocation:
+             group: int = 32, window: int = 0, sinks: int = 0, min_rank_k: int = 1, key_bases: tuple[str, ...] = KEY_BASES,
+             max_pre_rope_rank: int | None = None) -> Allocation:
     """The allocation of ``compression_ratio`` x the full fp16 cache (or ``bytes_per_token``)
     minimising the summed measured loss. ``losses[layer][head]``: :func:`side_losses` output.
     Keys keep at least ``min_rank_k`` dimensions (rank 0 would make attention uniform).
     ``key_bases``: the key kinds the allocator may choose (default all of :data:`KEY_BASES`;
     spec/layer_state.md L6.3: without "pre_rope" no key is rebuilt and rotated per token).
+    ``max_pre_rope_rank``: pre-RoPE key candidates of higher rank are left out (None: none is;
+    spec/layer_state.md L6.4: a pre-RoPE key then costs at most that rank times d multiply-adds
+    per token to decode).
 
     The greedy hull walk, or the best uniform allocation (every head the same key and the same
     value configuration) within the budget where that has less loss: spec/layer_state.md L6.1,
@@ -343,6 +347,7 @@ def allocate(losses: list, geom, *, compression_ratio: float | None = None, byte
     if (compression_ratio is None) == (bytes_per_token is None):
         raise ValueError("give exactly one of compression_ratio= and bytes_per_token=")
     key_bases = check_key_bases(key_bases)
+    check_max_pre_rope_rank(max_pre_rope_rank)
     budget = compression_ratio * geom.full_bytes_per_token if bytes_per_token is None else float(bytes_per_token)
     if not budget > 0:
         raise ValueError(f"the budget must be positive, got {budget}")
@@ -358,7 +363,8 @@ def allocate(losses: list, geom, *, compression_ratio: float | None = None, byte
                 if side == "key" and kind not in key_bases:
                     continue
                 cands = [Candidate(sum(side_parts(geom, side, r, b, group, kept, kind != "identity").values()), loss, (kind, r, b))
-                         for (r, b), loss in entries.items() if side == "value" or r >= min_rank_k]
+                         for (r, b), loss in entries.items()
+                         if side == "value" or (r >= min_rank_k and not (kind == "pre_rope" and max_pre_rope_rank is not None and r > max_pre_rope_rank))]
                 key = (li, h, side)
                 tables[key] = tables.get(key, []) + cands
     missing = sorted({(li, h) for li, layer in enumerate(losses) for h in range(len(layer))} - {(li, h) for li, h, side in tables if side == "key"})
@@ -379,7 +385,14 @@ def allocate(losses: list, geom, *, compression_ratio: float | None = None, byte
             row.append(HeadAllocation(int(rk), int(rv), int(bk), int(bv), kind, vkind))
         heads.append(tuple(row))
     meta = dict(bytes_per_token=spent + fixed, rule=rule) | ({} if key_bases == KEY_BASES else dict(key_bases=list(key_bases)))
+    meta |= {} if max_pre_rope_rank is None else dict(max_pre_rope_rank=int(max_pre_rope_rank))
     return Allocation(tuple(heads), group, budget, window, sinks, loss, meta)
+
+
+def check_max_pre_rope_rank(max_pre_rope_rank) -> None:
+    """ValueError naming ``max_pre_rope_rank`` unless it is None or an int >= 1."""
+    if max_pre_rope_rank is not None and (isinstance(max_pre_rope_rank, bool) or not isinstance(max_pre_rope_rank, int) or max_pre_rope_rank < 1):
+        raise ValueError(f"max_pre_rope_rank must be None or an int >= 1, got {max_pre_rope_rank!r}")
 
 
 def check_key_bases(key_bases) -> tuple[str, ...]:
@@ -419,5 +432,5 @@ def best_uniform(tables: dict, budget: float) -> tuple[dict, float, float] | Non
     return chosen, float(kb[i] + vb[j]), float(total[i, j])
 
 
-__all__ = ["BITS", "KEY_BASES", "VALUE_BASES", "Allocation", "Candidate", "HeadAllocation", "allocate", "allocation_bases", "best_uniform", "check_key_bases", "greedy",
+__all__ = ["BITS", "KEY_BASES", "VALUE_BASES", "Allocation", "Candidate", "HeadAllocation", "allocate", "allocation_bases", "best_uniform", "check_key_bases", "check_max_pre_rope_rank", "greedy",
            "lower_hull", "plane_rows", "side_losses"]

@@ -180,3 +180,49 @@ def test_calibrate_refuses_unknown_key_bases_before_any_model_runs(tmp_path):
 
     with pytest.raises(ValueError, match="key_bases"):
         calibrate_checkpoint(tmp_path / "no-such-checkpoint", 0.25, key_bases="post_rope,sideways")
+
+
+def test_max_pre_rope_rank_caps_the_rebuilt_keys_and_bad_caps_are_refused():
+    """spec/layer_state.md L6.4: with max_pre_rope_rank=R no pre-RoPE key of the allocation has rank
+    above R (its decode costs at most R d multiply-adds per token), the other kinds are untouched
+    (L6.1's uniform guarantee still holds against the identity rows), and the cap is recorded in
+    meta. Not an int >= 1: ValueError naming max_pre_rope_rank, from calibrate before any model runs."""
+    rng = np.random.default_rng(11)
+    geom = Geometry(1, 3, 8, 8, 64)
+    tables = _tables(rng, 3)
+    for t in tables[0]:  # pre-RoPE keys cheapest in loss at every rank, so the uncapped walk takes high ranks
+        t[("key", "pre_rope")] = {(r, b): loss / 100 for (r, b), loss in t[("key", "post_rope")].items()}
+    free = allocate(tables, geom, compression_ratio=0.3, group=8)
+    assert max(h.rank_k for h in free.heads[0] if h.key_basis == "pre_rope") > 1 and "max_pre_rope_rank" not in free.meta
+    capped = allocate(tables, geom, compression_ratio=0.3, group=8, max_pre_rope_rank=1)
+    assert all(h.rank_k <= 1 for h in capped.heads[0] if h.key_basis == "pre_rope") and capped.meta["max_pre_rope_rank"] == 1
+    assert capped.heads != free.heads
+    budget = 0.3 * geom.full_bytes_per_token - geom.units * 4 / geom.context
+    for bk in (16, 8, 4, 2):  # every uniform identity-key row that fits, values as cheap as they come
+        spent = geom.units * (sum(side_parts(geom, "key", 8, bk, 8, 1.0, False).values()) + sum(side_parts(geom, "value", 0, 16, 8).values()))
+        if spent <= budget + 1e-9:
+            row = sum(t[("key", "identity")][(8, bk)] + t[("value", "subspace")][(0, 16)] for t in tables[0])
+            assert capped.calibration_loss <= row * (1 + 1e-12)
+    assert allocate(tables, geom, compression_ratio=0.3, group=8, max_pre_rope_rank=8).heads == free.heads  # a cap above every rank: no change
+    for bad in (0, -2, 2.5, True, "16"):
+        with pytest.raises(ValueError, match="max_pre_rope_rank"):
+            allocate(tables, geom, compression_ratio=0.3, group=8, max_pre_rope_rank=bad)
+    with pytest.raises(ValueError, match="max_pre_rope_rank"):
+        calibrate_checkpoint("/no-such-checkpoint", 0.25, max_pre_rope_rank=0)
+
+
+def test_the_command_saves_the_capped_allocation(checkpoint, tmp_path):
+    """`subspace-kv calibrate --max-pre-rope-rank R` (L6.4) passes the cap to the allocator, whose
+    filtering the table test above checks (this random model's heads take identity keys): the cap
+    travels with the saved allocation, and a cap of 0 is refused with nothing written."""
+    from subspace_ref.cli import main
+
+    args = ["calibrate", "--model", str(checkpoint), "--compression-ratio", "0.5", "--sinks", "2", "--window", "8", "--context", "64",
+            "--calibration-tokens", "640", "--group", "8", "--no-progress"]
+    assert main(args + ["--max-pre-rope-rank", "4", "--bases-out", str(tmp_path / "capped")]) == 0
+    config = transformers.AutoConfig.from_pretrained(checkpoint)
+    alloc = CalibratedBases.from_pretrained(tmp_path / "capped", config).allocation
+    assert alloc.meta["max_pre_rope_rank"] == 4
+    with pytest.raises(ValueError, match="max_pre_rope_rank"):
+        main(args + ["--max-pre-rope-rank", "0", "--bases-out", str(tmp_path / "refused")])
+    assert not (tmp_path / "refused").exists()

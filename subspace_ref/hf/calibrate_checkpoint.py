@@ -104,14 +104,16 @@ def calibration_windows(path, config, text: str | None, tokens: int, context: in
 
 def calibrate_checkpoint(path, ratio: float, *, rule: str = "allocator", sinks: int | None = None, window: int | None = None, text: str | None = None,
                          tokens: int = 8192, context: int | None = None, group: int = 32, progress: bool = False, loss: str = "fisher",
-                         key_bases: tuple[str, ...] | str | None = None) -> CalibratedBases:
+                         key_bases: tuple[str, ...] | str | None = None, max_pre_rope_rank: int | None = None) -> CalibratedBases:
     """Calibrated bases for the checkpoint at ``path`` at ``ratio`` of the stock cache (module
     docstring: ``rule``; ``sinks``, ``window`` and ``loss`` for the allocator), from ``tokens``
     calibration tokens in windows of ``context``. ``sinks`` and ``window`` both None: the allocator
     chooses them by its loss (module docstring); one None: 0. ``key_bases``: the key kinds the
     allocator may choose (None: all of :data:`subspace_ref.allocation.KEY_BASES`; spec/layer_state.md
-    L6.3). Bad input raises ValueError naming the argument, before any model runs."""
-    from subspace_ref.allocation import KEY_BASES, check_key_bases
+    L6.3). ``max_pre_rope_rank``: the highest pre-RoPE key rank the allocator may choose (None: any;
+    L6.4: each such key costs rank x d multiply-adds per token to decode). Bad input raises
+    ValueError naming the argument, before any model runs."""
+    from subspace_ref.allocation import KEY_BASES, check_key_bases, check_max_pre_rope_rank
     from subspace_ref.hf.calibration_losses import LOSSES
     from subspace_ref.models.default_model import load_model
 
@@ -131,6 +133,9 @@ def calibrate_checkpoint(path, ratio: float, *, rule: str = "allocator", sinks: 
     key_bases = KEY_BASES if key_bases is None else check_key_bases(key_bases)
     if rule == "energy" and key_bases != KEY_BASES:
         raise ValueError("key_bases: the energy rule keeps post-RoPE keys; use rule='allocator'")
+    check_max_pre_rope_rank(max_pre_rope_rank)
+    if rule == "energy" and max_pre_rope_rank is not None:
+        raise ValueError("max_pre_rope_rank: the energy rule keeps post-RoPE keys; use rule='allocator'")
     model, config = load_model(path)
     windows = calibration_windows(path, config, text, tokens, context)
     facts = dict(source=str(path), tokens=int(windows.size), context=int(windows.shape[1]), compression_ratio_asked=ratio, rule=rule)
@@ -147,10 +152,10 @@ def calibrate_checkpoint(path, ratio: float, *, rule: str = "allocator", sinks: 
                              exact=EXACT if defaults or loss != "fisher" else ((sinks, window),))
     geom = cal.geometry(model)
     if defaults:
-        allocation = cal.allocate_best(model, compression_ratio=ratio, key_bases=key_bases)  # the window chosen by the loss (L6.2)
+        allocation = cal.allocate_best(model, compression_ratio=ratio, key_bases=key_bases, max_pre_rope_rank=max_pre_rope_rank)  # the window chosen by the loss (L6.2)
         sinks, window = allocation.sinks, allocation.window
     else:
-        allocation = cal.allocate(model, compression_ratio=ratio, window=window, sinks=sinks, key_bases=key_bases)
+        allocation = cal.allocate(model, compression_ratio=ratio, window=window, sinks=sinks, key_bases=key_bases, max_pre_rope_rank=max_pre_rope_rank)
     facts |= dict(sinks=sinks, window=window, loss=loss, loss_tokens=cal.loss_tokens, bytes_per_token=allocation.bytes(geom).per_token,
                   fraction_of_fp16=allocation.bytes(geom).fraction)
     return CalibratedBases.for_model(config, cal.bases(allocation), allocation=allocation, calibration=facts)
@@ -167,6 +172,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--key-bases", default=None,
                         help="comma-separated key kinds the allocator may choose, of post_rope,pre_rope,plane,identity (default all); "
                              "without pre_rope no key is rebuilt and rotated per token: faster decoding, more loss at equal bytes")
+    parser.add_argument("--max-pre-rope-rank", type=int, default=None,
+                        help="highest rank of a pre-RoPE key (default any): each costs rank x head size multiply-adds per token to decode")
     parser.add_argument("--text", type=Path, default=None, help="calibration text (default: Python standard-library sources)")
     parser.add_argument("--calibration-tokens", type=int, default=8192, help="calibration tokens (default 8192)")
     parser.add_argument("--context", type=int, default=None, help="calibration window length (default: the model's limit, at most 1024)")
@@ -181,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
     text = args.text.read_text(encoding="utf-8", errors="replace") if args.text else None
     bases = calibrate_checkpoint(args.model, args.compression_ratio, rule=args.rule, sinks=args.sinks, window=args.window, text=text,
                                  tokens=args.calibration_tokens, context=args.context, group=args.group, progress=not args.no_progress, loss=args.loss,
-                                 key_bases=args.key_bases)
+                                 key_bases=args.key_bases, max_pre_rope_rank=args.max_pre_rope_rank)
     out = bases.save_pretrained(args.bases_out)
     c = bases.calibration
     if bases.allocation is None:

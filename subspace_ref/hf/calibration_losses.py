@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from subspace_ref.allocation import BITS, KEY_BASES, Allocation, allocate, allocation_bases, plane_rows, side_losses
+from subspace_ref.allocation import BITS, KEY_BASES, Allocation, allocate, allocation_bases, check_max_pre_rope_rank, plane_rows, side_losses
 from subspace_ref.byte_convention import Geometry
 from subspace_ref.calibration import StaticBasis
 from subspace_ref.hf.capture import ModelCapture, capture
@@ -74,22 +74,24 @@ class CalibrationLosses:
         return model if isinstance(model, Geometry) else Geometry.of_model(model, self.context)
 
     def allocate(self, model, *, compression_ratio: float | None = None, bytes_per_token: float | None = None, window: int = 0, sinks: int = 0,
-                 key_bases: tuple[str, ...] = KEY_BASES) -> Allocation:
+                 key_bases: tuple[str, ...] = KEY_BASES, max_pre_rope_rank: int | None = None) -> Allocation:
         """:func:`~subspace_ref.allocation.allocate` over these losses for ``model``'s cache."""
         return allocate(self.tables(sinks, window), self.geometry(model), compression_ratio=compression_ratio, bytes_per_token=bytes_per_token,
-                        group=self.group, window=window, sinks=sinks, key_bases=key_bases)
+                        group=self.group, window=window, sinks=sinks, key_bases=key_bases, max_pre_rope_rank=max_pre_rope_rank)
 
     def allocate_best(self, model, *, compression_ratio: float | None = None, bytes_per_token: float | None = None,
-                      key_bases: tuple[str, ...] = KEY_BASES) -> Allocation:
+                      key_bases: tuple[str, ...] = KEY_BASES, max_pre_rope_rank: int | None = None) -> Allocation:
         """The allocation of least calibration loss over the measured (sinks, window) pairs
         (``by_exact``; spec/layer_state.md L6.2) whose exact tokens fit the budget: the window is
         chosen by the same loss as the ranks and bits. ``meta["exact_losses"]`` lists each
         pair's loss (None: does not fit). Without ``by_exact``: no exact tokens."""
+        check_max_pre_rope_rank(max_pre_rope_rank)  # (a refusal below would read as a pair that does not fit)
         pairs = list(self.by_exact) if self.by_exact else [(0, 0)]
         best, tried = None, {}
         for sinks, window in pairs:
             try:
-                a = self.allocate(model, compression_ratio=compression_ratio, bytes_per_token=bytes_per_token, window=window, sinks=sinks, key_bases=key_bases)
+                a = self.allocate(model, compression_ratio=compression_ratio, bytes_per_token=bytes_per_token, window=window, sinks=sinks, key_bases=key_bases,
+                                  max_pre_rope_rank=max_pre_rope_rank)
             except ValueError as err:
                 if "key_bases" in str(err):
                     raise

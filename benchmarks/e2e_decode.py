@@ -9,7 +9,7 @@ Two settings:
   and values; static bases calibrated on other text at r = r_v = 16 of 64; the uniform pre-RoPE
   row of docs/baselines.md; the allocator's states at 25% and 12.5%, calibrated as
   ``subspace-kv calibrate --compression-ratio R`` does, and again with ``--key-bases
-  post_rope,plane,identity`` and with ``--max-pre-rope-rank 16``), then ``--steps`` greedy decode steps
+  post_rope,plane,identity`` and with ``--max-pre-rope-rank none``), then ``--steps`` greedy decode steps
   are timed. Then, per allocation with pre-RoPE keys and context, the least time its key
   rebuild can take a step (:func:`rebuild_fmas` at this core's sgemm rate, measured in the
   same run) beside the stock cache's append and SDPA.
@@ -141,8 +141,6 @@ def rows_for(model, contexts, steps, make_caches, prefill) -> list[dict]:
 
 
 FAST_KEY_BASES = ("post_rope", "plane", "identity")
-#: the pre-RoPE key rank cap of the capped allocator rows: a quarter of the head size (docs/hf.md, "Speed or accuracy")
-CAPPED_PRE_ROPE_RANK = 16
 
 
 def rebuild_fmas(allocation, d: int, T: int) -> int:
@@ -223,8 +221,8 @@ def shipped(steps: int, contexts=(256, 512, 1008)) -> list[dict]:
     calibrated = {ratio: calibrate_checkpoint("default", ratio) for ratio in (0.25, 0.125)}
     # the same without pre-RoPE keys (`--key-bases post_rope,plane,identity`, spec/layer_state.md L6.3)
     fast = {ratio: calibrate_checkpoint("default", ratio, key_bases=FAST_KEY_BASES) for ratio in (0.25, 0.125)}
-    # and with pre-RoPE keys of rank at most CAPPED_PRE_ROPE_RANK (`--max-pre-rope-rank`, L6.4)
-    capped = {ratio: calibrate_checkpoint("default", ratio, max_pre_rope_rank=CAPPED_PRE_ROPE_RANK) for ratio in (0.25, 0.125)}
+    # and with pre-RoPE keys of any rank (`--max-pre-rope-rank none`; the default caps them at d/4, L6.4)
+    uncapped = {ratio: calibrate_checkpoint("default", ratio, max_pre_rope_rank=None) for ratio in (0.25, 0.125)}
 
     print(f"shipped model, float32, r = r_v = 16 of 64, {steps} decode steps after a real prefill")
     with compress(model, static_states(bases)) as kv:
@@ -236,13 +234,13 @@ def shipped(steps: int, contexts=(256, 512, 1008)) -> list[dict]:
                for ratio, c in calibrated.items()},
             **{f"allocator {ratio:.1%}, no pre-RoPE keys (sinks {c.allocation.sinks}, window {c.allocation.window})":
                lambda c=c: SubspaceCache(model.config, c.states(model.config)) for ratio, c in fast.items()},
-            **{f"allocator {ratio:.1%}, pre-RoPE rank <= {CAPPED_PRE_ROPE_RANK} (sinks {c.allocation.sinks}, window {c.allocation.window})":
-               lambda c=c: SubspaceCache(model.config, c.states(model.config)) for ratio, c in capped.items()},
+            **{f"allocator {ratio:.1%}, pre-RoPE rank uncapped (sinks {c.allocation.sinks}, window {c.allocation.window})":
+               lambda c=c: SubspaceCache(model.config, c.states(model.config)) for ratio, c in uncapped.items()},
             **quantized_caches(model.config),
         }
         rows = rows_for(model, contexts, steps, caches, prefill)
     floors = {f"allocator {ratio:.1%}": c.allocation for ratio, c in calibrated.items()}
-    floors |= {f"allocator {ratio:.1%}, pre-RoPE rank <= {CAPPED_PRE_ROPE_RANK}": c.allocation for ratio, c in capped.items()}
+    floors |= {f"allocator {ratio:.1%}, pre-RoPE rank uncapped": c.allocation for ratio, c in uncapped.items()}
     print_rebuild_floors(model.config, floors, contexts, model.dtype)
     return rows
 
@@ -337,13 +335,15 @@ def llama128(steps: int, layers: int, contexts=(8192, 16384), dtype=torch.float3
 def random_model_allocation(model, ratio: float, tokens: int = 1024, window_tokens: int = 512):
     """The allocator's states for a random-init model (public API, as ``subspace-kv calibrate``:
     :func:`~subspace_ref.hf.calibration_losses` on random token windows, then ``allocate_best``
-    at ``ratio``); speed depends on the ranks, formats, basis kinds and exact tokens chosen, not
+    at ``ratio`` under the default pre-RoPE rank cap); speed depends on the ranks, formats, basis kinds and exact tokens chosen, not
     on what they are fitted to."""
     from subspace_ref.hf import CalibratedBases, calibration_losses
+    from subspace_ref.hf.calibrate_checkpoint import AUTO_PRE_ROPE_RANK, resolve_pre_rope_rank
 
     ids = np.random.default_rng(2).integers(0, model.config.vocab_size, size=(tokens // window_tokens, window_tokens))
     cal = calibration_losses(model, ids, ranks=range(0, model.config.head_dim + 1, 16), batch=1)
-    allocation = cal.allocate_best(model, compression_ratio=ratio)
+    cap = resolve_pre_rope_rank(AUTO_PRE_ROPE_RANK, model.config.head_dim)  # the front door's default (L6.4)
+    allocation = cal.allocate_best(model, compression_ratio=ratio, max_pre_rope_rank=cap)
     return CalibratedBases.for_model(model.config, cal.bases(allocation), allocation=allocation)
 
 

@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from subspace_ref.hf.calibrate_checkpoint import AUTO_PRE_ROPE_RANK, pre_rope_rank_argument
 from subspace_ref.lab import corpus
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "subspace_ref" / "data" / "stdlib_llama"
@@ -196,8 +197,10 @@ def run(args: argparse.Namespace) -> dict:
             tf_top1 = (logits.argmax(-1) == stock_logits.argmax(-1)).numpy()
             b = bases.allocation.bytes(geom)
             a = bases.allocation
-            kinds = ("" if args.key_bases is None else f", keys {args.key_bases}") + ("" if args.max_pre_rope_rank is None else f", pre-RoPE rank <= {args.max_pre_rope_rank}")
-            name = f"allocator {100 * ratio:g}% ({args.loss} loss{kinds}) + sinks {a.sinks} + window {a.window}" + (" (chosen; the command's default)" if auto else "")
+            cap = bases.allocation.meta.get("max_pre_rope_rank")
+            kinds_given = args.key_bases is not None or args.max_pre_rope_rank != AUTO_PRE_ROPE_RANK
+            kinds = ("" if args.key_bases is None else f", keys {args.key_bases}") + (", pre-RoPE rank uncapped" if cap is None else f", pre-RoPE rank <= {cap}")
+            name = f"allocator {100 * ratio:g}% ({args.loss} loss{kinds}) + sinks {a.sinks} + window {a.window}" + (" (chosen; the command's default)" if auto and not kinds_given else " (chosen)" if auto else "")
             rows.append(summarize(name, gen, stock_np, tf_top1, margins, second, dict(ratio=ratio, window=a.window, sinks=a.sinks, auto=auto, loss=args.loss,
                                                                                bytes_per_token=b.per_token, fraction=b.fraction,
                                                                                ppl=perplexity(model, ppl_ids, bases.states(model.config)),
@@ -260,7 +263,8 @@ def main() -> int:
                    help="'auto' (the calibrate command's default: sinks and window chosen by the loss) or exact windows with --sinks sinks (default auto)")
     p.add_argument("--loss", choices=("fisher", "proxy"), default="fisher", help="the allocator's loss (default fisher, the command's default)")
     p.add_argument("--key-bases", default=None, help="key kinds the allocator may choose (subspace-kv calibrate --key-bases; default all)")
-    p.add_argument("--max-pre-rope-rank", type=int, default=None, help="highest pre-RoPE key rank (subspace-kv calibrate --max-pre-rope-rank; default any)")
+    p.add_argument("--max-pre-rope-rank", type=pre_rope_rank_argument, default=AUTO_PRE_ROPE_RANK,
+                   help="highest pre-RoPE key rank (subspace-kv calibrate --max-pre-rope-rank: auto, the default, none or a rank)")
     p.add_argument("--ppl-windows", type=int, default=16, help="held-out 1024-token windows for the perplexity column (default 16; 0: none)")
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--prompts", type=int, default=16)

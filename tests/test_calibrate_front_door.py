@@ -214,15 +214,22 @@ def test_max_pre_rope_rank_caps_the_rebuilt_keys_and_bad_caps_are_refused():
 def test_the_command_saves_the_capped_allocation(checkpoint, tmp_path):
     """`subspace-kv calibrate --max-pre-rope-rank R` (L6.4) passes the cap to the allocator, whose
     filtering the table test above checks (this random model's heads take identity keys): the cap
-    travels with the saved allocation, and a cap of 0 is refused with nothing written."""
+    travels with the saved allocation, a quarter of the head size (16 here) by default and none with
+    ``none``; a cap of 0 or a word is refused with nothing written."""
     from subspace_ref.cli import main
 
     args = ["calibrate", "--model", str(checkpoint), "--compression-ratio", "0.5", "--sinks", "2", "--window", "8", "--context", "64",
             "--calibration-tokens", "640", "--group", "8", "--no-progress"]
-    assert main(args + ["--max-pre-rope-rank", "4", "--bases-out", str(tmp_path / "capped")]) == 0
+    assert main(args + ["--max-pre-rope-rank", "3", "--bases-out", str(tmp_path / "capped")]) == 0
     config = transformers.AutoConfig.from_pretrained(checkpoint)
     alloc = CalibratedBases.from_pretrained(tmp_path / "capped", config).allocation
-    assert alloc.meta["max_pre_rope_rank"] == 4
+    assert alloc.meta["max_pre_rope_rank"] == 3
+    assert main(args + ["--bases-out", str(tmp_path / "auto")]) == 0
+    assert CalibratedBases.from_pretrained(tmp_path / "auto", config).allocation.meta["max_pre_rope_rank"] == 4
+    assert main(args + ["--max-pre-rope-rank", "none", "--bases-out", str(tmp_path / "free")]) == 0
+    assert "max_pre_rope_rank" not in CalibratedBases.from_pretrained(tmp_path / "free", config).allocation.meta
+    with pytest.raises(SystemExit):  # argparse names the option
+        main(args + ["--max-pre-rope-rank", "quarter", "--bases-out", str(tmp_path / "refused")])
     with pytest.raises(ValueError, match="max_pre_rope_rank"):
         main(args + ["--max-pre-rope-rank", "0", "--bases-out", str(tmp_path / "refused")])
     assert not (tmp_path / "refused").exists()

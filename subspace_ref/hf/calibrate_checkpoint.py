@@ -15,8 +15,10 @@ Rules:
   errors weighted by the gradient of the model's next-token loss) or ``proxy``
   (:data:`subspace_ref.hf.calibration_losses.LOSSES`). Without ``--sinks``/``--window`` the
   allocator also chooses them, among :data:`subspace_ref.hf.calibration_losses.EXACT`, by the
-  same loss (spec/layer_state.md L6.2); the artifact carries the allocation, and
-  ``compress(model, bases)`` decodes exactly it;
+  same loss (spec/layer_state.md L6.2). Pre-RoPE keys are capped at a quarter of the head size
+  by default (``--max-pre-rope-rank``: :data:`AUTO_PRE_ROPE_RANK`, ``none`` lifts the cap; L6.4:
+  their per-token rebuild is then at most d²/4 multiply-adds). The artifact carries the
+  allocation, and ``compress(model, bases)`` decodes exactly it;
 * ``energy``: energy ranks (spec A5 step 2) at the largest energy whose per-head ranks keep the
   coefficients within the ratio, ``sum (r_k + r_v) <= R * sum (d + d_v)``, float coefficients of
   post-RoPE bases, no window. On RoPE models its keys lose badly (docs/baselines.md).
@@ -37,6 +39,26 @@ from subspace_ref.hf.artifact import CalibratedBases
 from subspace_ref.hf.capture import ModelCapture
 
 RULES = ("allocator", "energy")
+
+#: ``max_pre_rope_rank``'s default: a quarter of the model's head size (spec/layer_state.md L6.4;
+#: on the shipped model it decodes faster at equal perplexity and agreement, docs/hf.md "Speed or accuracy")
+AUTO_PRE_ROPE_RANK = "auto"
+
+
+def pre_rope_rank_argument(text: str) -> int | str | None:
+    """``--max-pre-rope-rank``'s value: "auto" (:data:`AUTO_PRE_ROPE_RANK`), "none" (no cap) or a rank."""
+    if text in (AUTO_PRE_ROPE_RANK, "none"):
+        return None if text == "none" else text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto, none or a rank >= 1, got {text!r}") from None
+
+
+def resolve_pre_rope_rank(max_pre_rope_rank, head_dim: int) -> int | None:
+    """The cap ``max_pre_rope_rank`` stands for on a model of key size ``head_dim``: "auto" is
+    ``max(1, head_dim // 4)``; None (no cap) and ranks as given."""
+    return max(1, head_dim // 4) if max_pre_rope_rank == AUTO_PRE_ROPE_RANK else max_pre_rope_rank
 
 
 def stdlib_text(limit_chars: int) -> str:
@@ -104,15 +126,15 @@ def calibration_windows(path, config, text: str | None, tokens: int, context: in
 
 def calibrate_checkpoint(path, ratio: float, *, rule: str = "allocator", sinks: int | None = None, window: int | None = None, text: str | None = None,
                          tokens: int = 8192, context: int | None = None, group: int = 32, progress: bool = False, loss: str = "fisher",
-                         key_bases: tuple[str, ...] | str | None = None, max_pre_rope_rank: int | None = None) -> CalibratedBases:
+                         key_bases: tuple[str, ...] | str | None = None, max_pre_rope_rank: int | str | None = AUTO_PRE_ROPE_RANK) -> CalibratedBases:
     """Calibrated bases for the checkpoint at ``path`` at ``ratio`` of the stock cache (module
     docstring: ``rule``; ``sinks``, ``window`` and ``loss`` for the allocator), from ``tokens``
     calibration tokens in windows of ``context``. ``sinks`` and ``window`` both None: the allocator
     chooses them by its loss (module docstring); one None: 0. ``key_bases``: the key kinds the
     allocator may choose (None: all of :data:`subspace_ref.allocation.KEY_BASES`; spec/layer_state.md
-    L6.3). ``max_pre_rope_rank``: the highest pre-RoPE key rank the allocator may choose (None: any;
-    L6.4: each such key costs rank x d multiply-adds per token to decode). Bad input raises
-    ValueError naming the argument, before any model runs."""
+    L6.3). ``max_pre_rope_rank``: the highest pre-RoPE key rank the allocator may choose ("auto", the
+    default: a quarter of the head size; None: any; L6.4: each such key costs rank x d multiply-adds
+    per token to decode). Bad input raises ValueError naming the argument, before any model runs."""
     from subspace_ref.allocation import KEY_BASES, check_key_bases, check_max_pre_rope_rank
     from subspace_ref.hf.calibration_losses import LOSSES
     from subspace_ref.models.default_model import load_model
@@ -133,9 +155,10 @@ def calibrate_checkpoint(path, ratio: float, *, rule: str = "allocator", sinks: 
     key_bases = KEY_BASES if key_bases is None else check_key_bases(key_bases)
     if rule == "energy" and key_bases != KEY_BASES:
         raise ValueError("key_bases: the energy rule keeps post-RoPE keys; use rule='allocator'")
-    check_max_pre_rope_rank(max_pre_rope_rank)
-    if rule == "energy" and max_pre_rope_rank is not None:
-        raise ValueError("max_pre_rope_rank: the energy rule keeps post-RoPE keys; use rule='allocator'")
+    if max_pre_rope_rank != AUTO_PRE_ROPE_RANK:
+        check_max_pre_rope_rank(max_pre_rope_rank)
+        if rule == "energy" and max_pre_rope_rank is not None:
+            raise ValueError("max_pre_rope_rank: the energy rule keeps post-RoPE keys; use rule='allocator'")
     model, config = load_model(path)
     windows = calibration_windows(path, config, text, tokens, context)
     facts = dict(source=str(path), tokens=int(windows.size), context=int(windows.shape[1]), compression_ratio_asked=ratio, rule=rule)
@@ -151,12 +174,13 @@ def calibrate_checkpoint(path, ratio: float, *, rule: str = "allocator", sinks: 
     cal = calibration_losses(model, windows, group=group, batch=1, progress=progress, loss=loss,
                              exact=EXACT if defaults or loss != "fisher" else ((sinks, window),))
     geom = cal.geometry(model)
+    max_pre_rope_rank = resolve_pre_rope_rank(max_pre_rope_rank, geom.head_dim)
     if defaults:
         allocation = cal.allocate_best(model, compression_ratio=ratio, key_bases=key_bases, max_pre_rope_rank=max_pre_rope_rank)  # the window chosen by the loss (L6.2)
         sinks, window = allocation.sinks, allocation.window
     else:
         allocation = cal.allocate(model, compression_ratio=ratio, window=window, sinks=sinks, key_bases=key_bases, max_pre_rope_rank=max_pre_rope_rank)
-    facts |= dict(sinks=sinks, window=window, loss=loss, loss_tokens=cal.loss_tokens, bytes_per_token=allocation.bytes(geom).per_token,
+    facts |= dict(sinks=sinks, window=window, loss=loss, max_pre_rope_rank=max_pre_rope_rank, loss_tokens=cal.loss_tokens, bytes_per_token=allocation.bytes(geom).per_token,
                   fraction_of_fp16=allocation.bytes(geom).fraction)
     return CalibratedBases.for_model(config, cal.bases(allocation), allocation=allocation, calibration=facts)
 
@@ -172,8 +196,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--key-bases", default=None,
                         help="comma-separated key kinds the allocator may choose, of post_rope,pre_rope,plane,identity (default all); "
                              "without pre_rope no key is rebuilt and rotated per token: faster decoding, more loss at equal bytes")
-    parser.add_argument("--max-pre-rope-rank", type=int, default=None,
-                        help="highest rank of a pre-RoPE key (default any): each costs rank x head size multiply-adds per token to decode")
+    parser.add_argument("--max-pre-rope-rank", type=pre_rope_rank_argument, default=AUTO_PRE_ROPE_RANK,
+                        help="highest rank of a pre-RoPE key: each costs rank x head size multiply-adds per token to decode "
+                             "(default auto: a quarter of the head size; none: no cap)")
     parser.add_argument("--text", type=Path, default=None, help="calibration text (default: Python standard-library sources)")
     parser.add_argument("--calibration-tokens", type=int, default=8192, help="calibration tokens (default 8192)")
     parser.add_argument("--context", type=int, default=None, help="calibration window length (default: the model's limit, at most 1024)")

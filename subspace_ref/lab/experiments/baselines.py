@@ -182,6 +182,7 @@ def frontier_methods(geom, fraction: float, cal, group: int = 32) -> list:
     ``subspace-kv calibrate`` makes by default (sinks and window chosen by the loss,
     :meth:`~subspace_ref.hf.CalibrationLosses.allocate_best`)."""
     from subspace_ref.allocation import allocate
+    from subspace_ref.hf.calibrate_checkpoint import AUTO_PRE_ROPE_RANK, resolve_pre_rope_rank
     from subspace_ref.lab.baselines.frontier import Frontier
 
     out = []
@@ -199,6 +200,9 @@ def frontier_methods(geom, fraction: float, cal, group: int = 32) -> list:
     if group == cal.group:  # the front door's choice: sinks and window chosen by the same loss
         a = cal.allocate_best(geom, compression_ratio=fraction)
         out.append(Frontier(a, f"allocator {100 * fraction:g}%, exact tokens chosen (sinks {a.sinks} + window {a.window})"))
+        cap = resolve_pre_rope_rank(AUTO_PRE_ROPE_RANK, geom.head_dim)  # the front door's default cap (L6.4)
+        a = cal.allocate_best(geom, compression_ratio=fraction, max_pre_rope_rank=cap)
+        out.append(Frontier(a, f"allocator {100 * fraction:g}%, pre-RoPE rank <= {cap}, exact tokens chosen (sinks {a.sinks} + window {a.window})"))
     bits = int(round(16 * fraction))
     if bits in (2, 4, 8):  # at the bytes of the quantisation row of this budget (above the budget)
         from subspace_ref.lab.baselines.quantized import QuantizedKV
@@ -564,8 +568,10 @@ def frontier_sections(record: dict) -> list[str]:
         "the gradient of the calibration text's next-token loss, counting the queries that read the token compressed; "
         "`allocation.side_losses`, spec/layer_state.md L6.2), or the best uniform allocation when its loss is lower (L6.1). "
         "**+ sinks 4 + window W**: the same with the first 4 and the last W tokens exact (their fp16 K/V counted), "
-        "the allocator spending what is left. **exact tokens chosen**: what `subspace-kv calibrate` does by default, "
-        "the (sinks, window) pair of least loss among the measured ones (`CalibrationLosses.allocate_best`)."
+        "the allocator spending what is left. **exact tokens chosen**: the (sinks, window) pair of least loss among the "
+        "measured ones (`CalibrationLosses.allocate_best`), what `subspace-kv calibrate --max-pre-rope-rank none` does. "
+        "**pre-RoPE rank <= R, exact tokens chosen**: what `subspace-kv calibrate` does by default, the same with pre-RoPE "
+        "keys of rank at most R = d/4 (spec/layer_state.md L6.4), whose per-token rebuild costs at most R d multiply-adds."
     )
     L.append(
         "* Every subspace row is decoded by the project's cache: teacher-forced through a `SubspaceCache` "

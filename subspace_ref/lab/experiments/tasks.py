@@ -62,7 +62,7 @@ def frontier_at(geom, fraction: float, cal: dict) -> list:
     instance length; the exact window is context/32 tokens as in ``subspace-kv baselines``)."""
     from subspace_ref.lab.experiments.baselines import frontier_methods
 
-    ms = [m for m in frontier_methods(geom, fraction, cal) if m.name.startswith("allocator")]
+    ms = [m for m in frontier_methods(geom, fraction, cal) if m.name.startswith("allocator") and "pre-RoPE rank <=" not in m.name]
     chosen = [m for m in ms if "chosen" in m.name]
     plain = [m for m in ms if "sinks" not in m.name]
     window = [m for m in ms if "sinks" in m.name and "@" not in m.name and "chosen" not in m.name]

@@ -222,7 +222,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"  layer {i}: key ranks {list(b.rank_k)}, value ranks {list(b.rank_v)}")
     else:
         print(f"calibrate: allocator, {c['bytes_per_token']:.1f} bytes/token = {c['fraction_of_fp16']:.3f} of the fp16 cache "
-              f"(asked {c['compression_ratio_asked']}, sinks {c['sinks']}, window {c['window']}, loss {c['loss']}, rule {bases.allocation.meta.get('rule')})")
+              f"(asked {c['compression_ratio_asked']}, sinks {c['sinks']}, window {c['window']}, loss {c['loss']}, rule {bases.allocation.meta.get('rule')}, "
+              f"pre-RoPE rank {'uncapped' if c.get('max_pre_rope_rank') is None else '<= %d' % c['max_pre_rope_rank']})")
         for i, layer in enumerate(bases.allocation.heads):
             shown = "; ".join(f"K {h.key_basis} r={h.rank_k} {h.bits_k}b, V {h.value_basis} r={h.rank_v} {h.bits_v}b" for h in layer)
             print(f"  layer {i}: {shown}")

@@ -198,9 +198,9 @@ def run(args: argparse.Namespace) -> dict:
             b = bases.allocation.bytes(geom)
             a = bases.allocation
             cap = bases.allocation.meta.get("max_pre_rope_rank")
-            kinds_given = args.key_bases is not None or args.max_pre_rope_rank != AUTO_PRE_ROPE_RANK
+            options_given = args.key_bases is not None or args.max_pre_rope_rank != AUTO_PRE_ROPE_RANK
             kinds = ("" if args.key_bases is None else f", keys {args.key_bases}") + (", pre-RoPE rank uncapped" if cap is None else f", pre-RoPE rank <= {cap}")
-            chosen = (" (chosen)" if kinds_given else " (chosen; the command's default)") if auto else ""
+            chosen = (" (chosen)" if options_given else " (chosen; the command's default)") if auto else ""
             name = f"allocator {100 * ratio:g}% ({args.loss} loss{kinds}) + sinks {a.sinks} + window {a.window}{chosen}"
             rows.append(summarize(name, gen, stock_np, tf_top1, margins, second, dict(ratio=ratio, window=a.window, sinks=a.sinks, auto=auto, loss=args.loss,
                                                                                bytes_per_token=b.per_token, fraction=b.fraction,

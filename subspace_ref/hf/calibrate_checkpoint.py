@@ -180,7 +180,7 @@ def calibrate_checkpoint(path, ratio: float, *, rule: str = "allocator", sinks: 
         sinks, window = allocation.sinks, allocation.window
     else:
         allocation = cal.allocate(model, compression_ratio=ratio, window=window, sinks=sinks, key_bases=key_bases, max_pre_rope_rank=max_pre_rope_rank)
-    facts |= dict(sinks=sinks, window=window, loss=loss, max_pre_rope_rank=max_pre_rope_rank, loss_tokens=cal.loss_tokens, bytes_per_token=allocation.bytes(geom).per_token,
+    facts |= dict(sinks=sinks, window=window, loss=loss, loss_tokens=cal.loss_tokens, bytes_per_token=allocation.bytes(geom).per_token,
                   fraction_of_fp16=allocation.bytes(geom).fraction)
     return CalibratedBases.for_model(config, cal.bases(allocation), allocation=allocation, calibration=facts)
 
@@ -221,9 +221,10 @@ def run(args: argparse.Namespace) -> int:
         for i, b in enumerate(bases.layers):
             print(f"  layer {i}: key ranks {list(b.rank_k)}, value ranks {list(b.rank_v)}")
     else:
+        cap = bases.allocation.meta.get("max_pre_rope_rank")  # recorded by allocate (L6.4)
         print(f"calibrate: allocator, {c['bytes_per_token']:.1f} bytes/token = {c['fraction_of_fp16']:.3f} of the fp16 cache "
               f"(asked {c['compression_ratio_asked']}, sinks {c['sinks']}, window {c['window']}, loss {c['loss']}, rule {bases.allocation.meta.get('rule')}, "
-              f"pre-RoPE rank {'uncapped' if c.get('max_pre_rope_rank') is None else '<= %d' % c['max_pre_rope_rank']})")
+              f"pre-RoPE rank {'uncapped' if cap is None else f'<= {cap}'})")
         for i, layer in enumerate(bases.allocation.heads):
             shown = "; ".join(f"K {h.key_basis} r={h.rank_k} {h.bits_k}b, V {h.value_basis} r={h.rank_v} {h.bits_v}b" for h in layer)
             print(f"  layer {i}: {shown}")

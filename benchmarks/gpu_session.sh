@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The prepared GPU session of issue 38 (docs/gpu.md, "Static budgets"): at most 8 minutes on one
-# H100/H200 under `timeout 480` (the steps' own timeouts add up to 636 s; run 1 of 2026-11-28 took 192 s), each writing under $OUT; a failing step does not
+# H100/H200 under `timeout 480` (the steps' own timeouts add up to 786 s; run 1 of 2026-11-28 took 192 s), each writing under $OUT; a failing step does not
 # stop the next. Run from the repository root: OUT=gpu_results bash benchmarks/gpu_session.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -56,6 +56,11 @@ echo "decode N=8 rope sweep: rc=$?" >> "$OUT/session.txt"
 timeout 50 $PY benchmarks/decode_gpu.py --out "$OUT" --batch 1 --tokens 32768 --coef float int4 --no-adaptive --no-sweep --backend triton \
   > "$OUT/decode_n1.log" 2>&1
 echo "decode N=1: rc=$?" >> "$OUT/session.txt"
+
+# 3b. transformers generate through the graph cache, compiled by generate's default (CUDA graphs), against
+#     DynamicCache + SDPA and the compiled StaticCache, at T = 32k (<= 150 s; rows print as they finish)
+timeout 150 $PY benchmarks/graph_decode.py --device cuda --contexts 32768 --steps 64 --json "$OUT/graph_decode.json" > "$OUT/graph_decode.log" 2>&1
+echo "graph decode: rc=$?" >> "$OUT/session.txt"
 
 # 4. one profiler pass per changed kernel (ncu when installed: one launch each) (<= 3 x 32 s)
 if command -v ncu > /dev/null; then

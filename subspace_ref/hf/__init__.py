@@ -25,6 +25,7 @@ from subspace_ref.hf.cache_layer import SubspaceLayer
 from subspace_ref.hf.grouped_layer import GroupedLayer
 from subspace_ref.hf.state_factories import StateSpec, adaptive_states, full_rank_states, identity_bases, rotating_states, static_states
 from subspace_ref.hf.compress import Compressed, compress
+from subspace_ref.hf.graph_cache import GraphSubspaceCache, graph_refusals
 from subspace_ref.hf.capture import LayerCapture, ModelCapture, capture
 from subspace_ref.hf.teacher_forced import LogLikelihood, decode_token_by_token, perplexity, teacher_forced
 
@@ -34,6 +35,7 @@ __all__ = [
     "CalibrationLosses",
     "calibration_losses",
     "Compressed",
+    "GraphSubspaceCache",
     "GroupedLayer",
     "compress",
     "config_hash",
@@ -49,6 +51,7 @@ __all__ = [
     "causal_attention",
     "decode_token_by_token",
     "full_rank_states",
+    "graph_refusals",
     "identity_bases",
     "observe",
     "perplexity",

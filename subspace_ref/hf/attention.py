@@ -68,6 +68,17 @@ def untag(keys) -> None:
         delattr(keys, TAG)
 
 
+#: Attribute a :class:`~subspace_ref.hf.graph_cache.GraphSubspaceLayer` sets, once, on its
+#: coefficient tensor C (what its ``update`` returns as keys): the link to its layer that
+#: ``torch.compile`` traces (a tensor attribute read is a constant of the graph).
+GRAPH_TAG = "_subspace_ref_graph_layer"
+
+
+def graph_layer(keys) -> Any:
+    """The graph cache layer whose coefficients ``keys`` are; None for any other tensor."""
+    return getattr(keys, GRAPH_TAG, None)
+
+
 #: Attribute of an attention module holding the observers of :func:`observe` (per model).
 OBSERVERS = "_subspace_ref_observers"
 
@@ -246,7 +257,6 @@ def observe(model, fn: Callable[..., None]) -> Iterator[None]:
 
 
 # ----------------------------------------------------------------------------- the function
-@torch.compiler.disable(reason="a SubspaceCache appends and attends in Python outside any graph")
 def subspace_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, fallback: str = "sdpa", **kwargs):
     """The attention function registered as :data:`ATTN_IMPLEMENTATION` (transformers' signature).
 
@@ -297,6 +307,18 @@ def subspace_attention(module, query, key, value, attention_mask, scaling=None, 
     """
     for fn in list(module.__dict__.get(OBSERVERS, ())):
         fn(module, query, key, value)
+    graph = graph_layer(key)
+    if graph is not None:  # a GraphSubspaceCache's layer: traced whole by torch.compile (graph_cache.py)
+        refused = ["attention dropout in training mode (call model.eval())"] if dropout and module.training else []
+        refused += [f"{name}" for name in ("s_aux", "softcap") if kwargs.get(name) is not None]
+        require(refused, f"layer {graph.layer_idx}: the graph cache does not support")
+        return graph.attend(query, attention_mask, query.shape[-1] ** -0.5 if scaling is None else float(scaling)), None
+    return _cache_attention(module, query, key, value, attention_mask, scaling, dropout, fallback, **kwargs)
+
+
+@torch.compiler.disable(reason="a SubspaceCache appends and attends in Python outside any graph")
+def _cache_attention(module, query, key, value, attention_mask, scaling, dropout, fallback, **kwargs):
+    """:func:`subspace_attention` for every key but a graph layer's: a SubspaceCache layer's, or the fallback's."""
     layer = tagged_layer(key)
     if layer is None:
         return fallback_attention(fallback, module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
@@ -353,6 +375,7 @@ __all__ = [
     "ATTN_IMPLEMENTATION",
     "allowed_positions",
     "fallback_attention",
+    "graph_layer",
     "implementation_name",
     "is_plain_causal",
     "is_subspace",

@@ -1,0 +1,209 @@
+"""``GraphSubspaceCache``: a fixed-capacity cache of coefficients that ``torch.compile`` traces
+whole, so transformers' ``generate`` decodes through a captured CUDA graph (issue 38 item 5;
+spec/models.md M11).
+
+A :class:`~subspace_ref.hf.SubspaceCache` appends and attends in Python between graph breaks.
+This cache holds what a static post-RoPE state with float coefficients holds, and nothing
+that needs Python at run time:
+
+* per layer, the coefficients ``C = K Bᵀ`` and ``D = V Eᵀ`` in preallocated
+  (batch, H, capacity, r) tensors at fixed addresses, written in place at the token count (a
+  device tensor), as transformers' ``StaticLayer`` writes keys and values;
+* attention is spec A2 as exact attention over ``(γ B q, C, D)`` with head size r and scale
+  1/√d: one ``scaled_dot_product_attention`` call with transformers' static mask over the
+  capacity, then ``E`` maps the r_v-vector back to d_v (the vendor path of
+  ``subspace_ref_triton.vendor``, here for every device).
+
+transformers compiles ``generate``'s decode step for caches whose ``is_compileable`` is True,
+on CUDA by default with ``mode="reduce-overhead"``, which captures CUDA graphs. Other state
+kinds (online bases, pre-RoPE keys, quantised coefficients, exact windows, per-query-head
+bases) are refused with the reasons (:func:`graph_refusals`): they keep the SubspaceCache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import STATIC_LAYER_TYPE_MAPPING, Cache, StaticLayer, get_layer_types_and_kwargs
+from transformers.utils import is_torchdynamo_compiling
+
+from subspace_ref.basis_storage import decoded_state
+from subspace_ref.capabilities import require
+from subspace_ref.formats import FLOAT
+from subspace_ref.hf import attention as _attn
+from subspace_ref.hf.state_factories import StateFactory, StateSpec
+from subspace_ref.state import SubspaceState
+
+def graph_refusals(state) -> list[str]:
+    """Why ``state`` cannot be held by a :class:`GraphSubspaceCache` ([] when it can; spec/models.md M11.4)."""
+    if not isinstance(state, SubspaceState):
+        return [f"{type(state).__name__}: heads of different configurations are decoded by the SubspaceCache"]
+    reasons = []
+    if state.kind != "static":
+        reasons.append(f"{state.kind} states change their bases while decoding")
+    if getattr(state.policy, "rope", None) is not None:
+        reasons.append("pre-RoPE keys are rotated per token after the rebuild (spec/rope.md P3)")
+    if getattr(state.policy, "query_group", None) is not None:
+        reasons.append("bases per query head (spec/sharing.md A3)")
+    lay = state.layout
+    if lay.key_format != FLOAT or lay.value_format != FLOAT:
+        reasons.append(f"{lay.coefficients} coefficients (float only: a quantised capacity would be dequantised whole every step)")
+    if state.window is not None:
+        reasons.append("exact windows, sinks or a compression threshold (spec/window.md) move tokens between parts while decoding")
+    return reasons
+
+
+class GraphSubspaceLayer(StaticLayer):
+    """One layer of a :class:`GraphSubspaceCache`: transformers' ``StaticLayer`` whose ``keys``
+    and ``values`` hold the coefficients C (batch, H, capacity, r) and D (batch, H, capacity,
+    r_v) in the model's dtype, with the bases B (H, r, d), E (H, r_v, d_v) and γ (H,) of a
+    static state (spec A2). Built by the cache from its states on the first ``update``."""
+
+    is_compileable = True
+
+    def __init__(self, max_cache_len: int, layer_idx: int, cache: "GraphSubspaceCache"):
+        super().__init__(max_cache_len=max_cache_len)
+        self.layer_idx = layer_idx
+        self.cache = cache
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        B, H, _, d = key_states.shape
+        spec = StateSpec(self.layer_idx, B, H, d, value_states.shape[-1], key_states.dtype, key_states.device)
+        key_basis, value_basis, gamma = self.cache.bases(spec)
+        self.device, self.batch_size, self.num_heads = key_states.device, B, H
+        # the state dtype (StateSpec.state_dtype): float64 for a float64 model, else float32 sums over 16-bit operands
+        self.compute_dtype = torch.float64 if key_states.dtype == torch.float64 else torch.float32
+        exact = dict(dtype=self.compute_dtype, device=self.device)
+        self.key_basis, self.value_basis = torch.as_tensor(key_basis, **exact), torch.as_tensor(value_basis, **exact)
+        self.gamma = torch.as_tensor(gamma, **exact)
+        self.k_head_dim, self.v_head_dim = self.key_basis.shape[1], self.value_basis.shape[1]
+        self.keys = torch.zeros((B, H, self.max_cache_len, self.k_head_dim), dtype=key_states.dtype, device=self.device)
+        self.values = torch.zeros((B, H, self.max_cache_len, self.v_head_dim), dtype=value_states.dtype, device=self.device)
+        setattr(self.keys, _attn.GRAPH_TAG, self)  # how the attention call finds this layer, traced by dynamo
+        self.cumulative_length = self.cumulative_length.to(self.device)
+        if not is_torchdynamo_compiling():  # fixed addresses: what a captured graph replays (as StaticLayer)
+            for t in (self.keys, self.values, self.cumulative_length, self.key_basis, self.value_basis, self.gamma):
+                torch._dynamo.mark_static_address(t)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Spec M11.1: write the coefficients of the new post-RoPE keys/values (batch, H, n, d) at
+        the token count and return the whole C and D (the attention masks what is not yet written)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        if key_states.shape[:2] != self.keys.shape[:2] or key_states.shape[-1] != self.key_basis.shape[2]:
+            raise ValueError(f"layer {self.layer_idx}: keys of shape {tuple(key_states.shape)} do not fit the cache's {tuple(self.keys.shape[:2])} heads of size {self.key_basis.shape[2]}")
+        if not is_torchdynamo_compiling() and int(self.cumulative_length) + n > self.max_cache_len:  # a compiled step skips it: no host read
+            raise ValueError(f"layer {self.layer_idx}: {int(self.cumulative_length)} + {n} tokens exceed max_cache_len = {self.max_cache_len}")
+        c = torch.einsum("bhnd,hrd->bhnr", key_states.to(self.compute_dtype), self.key_basis).to(self.keys.dtype)
+        dv = torch.einsum("bhnd,hrd->bhnr", value_states.to(self.compute_dtype), self.value_basis).to(self.values.dtype)
+        positions = torch.arange(n, device=self.device) + self.cumulative_length
+        self.cumulative_length.add_(n)
+        self.keys.index_copy_(2, positions, c)
+        self.values.index_copy_(2, positions, dv)
+        return self.keys, self.values
+
+    def attend(self, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+        """Spec M11.2 (A2 through SDPA, M11.3) for the queries (batch, H_q, n, d) over the capacity
+        under transformers' mask (True / 0 = attend): (batch, n, H_q, d_v) in the query's dtype."""
+        N, Hq, n, d = query.shape
+        H = self.num_heads
+        if Hq % H:
+            raise ValueError(f"{Hq} query heads for {H} KV heads")
+        g = Hq // H
+        q = query.to(self.compute_dtype).view(N, H, g, n, d)
+        qt = torch.einsum("bhgnd,hrd->bhgnr", q, self.key_basis) * self.gamma[None, :, None, None, None]  # step 1, γ folded in
+        qt = qt.reshape(N, Hq, n, -1).to(self.keys.dtype)
+        causal = mask is None and n > 1  # as transformers' sdpa_attention_forward: a dropped mask means upper-left causal
+        y = F.scaled_dot_product_attention(qt, self.keys, self.values, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=True)  # steps 2-3
+        out = torch.einsum("bhgnr,hre->bhgne", y.to(self.compute_dtype).view(N, H, g, n, -1), self.value_basis)  # step 4: (α̂ᵀD) E
+        return out.reshape(N, Hq, n, -1).transpose(1, 2).to(query.dtype).contiguous()
+
+
+class GraphSubspaceCache(Cache):
+    """A transformers ``Cache`` of fixed capacity whose full-attention layers hold the
+    coefficients of static post-RoPE float states (:class:`GraphSubspaceLayer`), so that
+    ``torch.compile`` traces a decode step without graph breaks and transformers' ``generate``
+    compiles it (CUDA graphs on CUDA, its default ``CompileConfig``). Other layers (sliding
+    windows) are transformers' static layers.
+
+    Parameters
+    ----------
+    config : transformers.PretrainedConfig
+        The model's config.
+    states : StateFactory or sequence of SubspaceState
+        A factory (e.g. :class:`~subspace_ref.hf.static_states`) or one empty state per layer;
+        each layer's state must pass :func:`graph_refusals`.
+    max_cache_len : int
+        Tokens the cache holds (prompt and generated), allocated on the first update.
+
+    Raises
+    ------
+    ValueError
+        On a bad ``max_cache_len`` or a state count other than the layer count.
+    subspace_ref.capabilities.NotSupportedError
+        At a layer's first update, if its state is refused (the reasons named).
+
+    Examples
+    --------
+    ::
+
+        import torch
+        from subspace_ref.hf import GraphSubspaceCache, capture, compress, static_states
+        from subspace_ref.models.default_model import load_model
+
+        model, config = load_model("default")
+        ids = torch.tensor([list(b"def read_config(path):\\n    return json.load(open(path))\\n")])
+        bases = capture(model, ids).calibrate(rank_k=16, rank_v=16)
+        with compress(model, bases):
+            cache = GraphSubspaceCache(model.config, static_states(bases), max_cache_len=ids.shape[1] + 8)
+            out = model.generate(ids, cache=cache, max_new_tokens=8, do_sample=False)
+    """
+
+    def __init__(self, config, states: StateFactory | Sequence[SubspaceState], *, max_cache_len: int):
+        if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
+            raise ValueError(f"max_cache_len must be an int >= 1, got {max_cache_len!r}")
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        if callable(states):
+            self.factory, self.given = states, None
+        else:
+            self.factory, self.given = None, list(states)
+            if len(self.given) != text.num_hidden_layers:
+                raise ValueError(f"{len(self.given)} states given for a model of {text.num_hidden_layers} layers")
+        self.config = config
+        types, kwargs = get_layer_types_and_kwargs(text)
+        layers = [
+            GraphSubspaceLayer(max_cache_len, i, self) if kind == "full_attention" else STATIC_LAYER_TYPE_MAPPING[kind](max_cache_len=max_cache_len, **kw)
+            for i, (kind, kw) in enumerate(zip(types, kwargs))
+        ]
+        super().__init__(layers=layers)
+
+    @classmethod
+    def for_model(cls, model, states: StateFactory | Sequence[SubspaceState], *, max_cache_len: int) -> "GraphSubspaceCache":
+        """Select the subspace attention for ``model`` (as :meth:`SubspaceCache.for_model`) and return a cache for it."""
+        _attn.use_subspace_attention(model)
+        return cls(model.config, states, max_cache_len=max_cache_len)
+
+    def bases(self, spec: StateSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(B (H, r, d), E (H, r_v, d_v), γ (H,)) of layer ``spec.layer_idx``'s state, decoded
+        from their stored format (spec/storage.md S2); NotSupportedError if the state is refused."""
+        state = self.factory(spec) if self.factory is not None else self.given[spec.layer_idx]
+        require(graph_refusals(state), f"layer {spec.layer_idx}: a GraphSubspaceCache does not hold")
+        if state.heads != spec.heads or state.d != spec.head_dim:
+            raise ValueError(f"layer {spec.layer_idx}: the state has {state.heads} heads of size {state.d}, the model {spec.heads} of size {spec.head_dim}")
+        lay = decoded_state(state).layout
+        to_np = lambda x: np.asarray(x.detach().cpu() if isinstance(x, torch.Tensor) else x)  # noqa: E731
+        return to_np(lay.key_bases[0, :, 0]), to_np(lay.value_bases[0, :, 0]), to_np(lay.gamma)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the allocated coefficients (the capacity, not the tokens written)."""
+        return sum(t.numel() * t.element_size() for layer in self.layers if layer.is_initialized for t in (layer.keys, layer.values))
+
+
+__all__ = ["GraphSubspaceCache", "GraphSubspaceLayer", "graph_refusals"]

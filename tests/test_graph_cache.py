@@ -1,0 +1,211 @@
+"""The graph-capturable cache (subspace_ref/hf/graph_cache.py, spec/models.md M11).
+
+It computes spec A2 through torch SDPA over (γBq, C, D) in preallocated tensors, so it is held
+to the oracle cache (``SubspaceCache`` on the numpy backend) on float64 models, at the
+tolerances ``tests/test_hf_cache.py`` derives (1e-10 of the logits' scale; 1e-5 for Llama,
+whose RMSNorm rounds to float32). Compiled against eager: the same greedy tokens with
+``fullgraph=True`` (a graph break fails the compile), on tiny float32 models whose top-2
+margins are checked first. Refusals name their reasons and leave nothing behind.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import CompileConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import subspace_ref as sr  # noqa: E402
+from subspace_ref.capabilities import NotSupportedError  # noqa: E402
+from subspace_ref.hf import GraphSubspaceCache, StateSpec, SubspaceCache, compress, full_rank_states, graph_refusals, static_states, use_subspace_attention  # noqa: E402
+from subspace_ref.hf.compress import model_graph_refusals  # noqa: E402
+
+torch.set_num_threads(1)
+VOCAB = 128
+RANK = 8
+
+
+def make_model(family: str, dtype=torch.float64, seed: int = 0):
+    torch.manual_seed(seed)
+    if family == "llama":  # GQA: 4 query heads over 2 KV heads of 16
+        cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          vocab_size=VOCAB, initializer_range=0.2, max_position_embeddings=128)
+        model = LlamaForCausalLM(cfg)
+    else:  # no RoPE, per-layer inverse scaling (the attention call's `scaling`)
+        cfg = GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=VOCAB, n_positions=128, initializer_range=0.2,
+                         scale_attn_by_inverse_layer_idx=True, bos_token_id=None, eos_token_id=None)
+        model = GPT2LMHeadModel(cfg)
+    return model.eval().to(dtype)
+
+
+def random_bases(model, rank: int = RANK, seed: int = 1) -> list:
+    """Random orthonormal rank-``rank`` bases per layer, γ away from 1 (what A2 scales)."""
+    text = model.config.get_text_config(decoder=True)
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    d = text.hidden_size // text.num_attention_heads
+    rng = np.random.default_rng(seed)
+
+    def orth():
+        return np.stack([np.linalg.qr(rng.standard_normal((d, rank)))[0].T for _ in range(heads)])
+
+    return [sr.StaticBasis.from_bases(orth(), orth(), rng.uniform(0.8, 1.2, heads)) for _ in range(text.num_hidden_layers)]
+
+
+def ids_of(n: int, seed: int) -> torch.Tensor:
+    return torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))[:n][None]
+
+
+def logits_through(model, cache, ids, steps: int) -> list[torch.Tensor]:
+    """Prefill logits of ``ids`` then ``steps`` teacher-forced one-token decode steps."""
+    out = [model(input_ids=ids, cache=cache).logits]
+    for t in range(steps):
+        out.append(model(input_ids=torch.tensor([[(7 * t + 3) % VOCAB]]), cache=cache).logits)
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_graph_cache_matches_the_oracle_cache(family):
+    """Prefill and decode logits of the graph cache equal the numpy-backend SubspaceCache's
+    (spec A2 both ways) at the float64 tolerance; so do greedy tokens."""
+    model = make_model(family)
+    bases = random_bases(model)
+    ids = ids_of(12, 0)
+    use_subspace_attention(model)
+    capacity = ids.shape[1] + 6
+    with torch.no_grad():
+        graph = logits_through(model, GraphSubspaceCache(model.config, static_states(bases), max_cache_len=capacity), ids, 5)
+        oracle = logits_through(model, SubspaceCache(model.config, static_states(bases), backend="numpy"), ids, 5)
+    tol = 1e-5 if family == "llama" else 1e-10
+    for a, b in zip(graph, oracle):
+        scale = float(b.abs().max())
+        assert float((a - b).abs().max()) <= tol * scale
+    with compress(model, bases, graph=True) as kv:
+        graph_tokens = kv.generate(ids, max_new_tokens=6, do_sample=False)
+    with compress(model, bases, graph=False, backend="numpy") as kv:
+        oracle_tokens = kv.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(graph_tokens, oracle_tokens)
+
+
+def test_compiled_decode_equals_eager_without_graph_breaks():
+    """generate compiles the decode step of a graph cache (fullgraph=True: a break would raise)
+    and gives the eager tokens; the compiled call is the one transformers made for it."""
+    model = make_model("llama", torch.float32)
+    bases = random_bases(model)
+    ids = ids_of(10, 1)
+    steps = 8
+    use_subspace_attention(model)
+    with torch.no_grad():  # top-2 margins of the eager run, so equal tokens are a real comparison
+        cache = GraphSubspaceCache(model.config, static_states(bases), max_cache_len=ids.shape[1] + steps)
+        eager = model.generate(ids, cache=cache, max_new_tokens=steps, do_sample=False, disable_compile=True, output_scores=True, return_dict_in_generate=True)
+        margins = [float(torch.topk(s[0], 2).values.diff().abs()) for s in eager.scores]
+    assert min(margins) > 1e-4
+    compile_config = CompileConfig(fullgraph=True)
+    compile_config._compile_all_devices = True  # transformers compiles on CUDA by default; here on the CPU too
+    torch._dynamo.reset()
+    cache = GraphSubspaceCache(model.config, static_states(bases), max_cache_len=ids.shape[1] + steps)
+    compiled = model.generate(ids, cache=cache, max_new_tokens=steps, do_sample=False, compile_config=compile_config)
+    assert hasattr(model, "_compiled_call")
+    assert torch.equal(compiled, eager.sequences)
+    assert int(cache.get_seq_length()) == ids.shape[1] + steps - 1
+
+
+REFUSED = {
+    "int8": (dict(coefficients="int8"), "int8 coefficients"),
+    "window": (dict(window=4), "exact windows"),
+    "pre-RoPE": (dict(rope="rope"), "pre-RoPE keys"),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_refused_states_name_their_reason_and_leave_nothing(name):
+    model = make_model("llama")
+    options, reason = REFUSED[name]
+    if options.get("rope") == "rope":
+        options = dict(rope=sr.rope.RopeParams.from_config(model.config))
+    factory = static_states(random_bases(model), **options)
+    assert any(reason in r for r in model_graph_refusals(model, factory))
+    with pytest.raises(NotSupportedError, match=reason):
+        with compress(model, factory, graph=True):
+            pass
+    use_subspace_attention(model)
+    cache = GraphSubspaceCache(model.config, factory, max_cache_len=16)
+    with pytest.raises(NotSupportedError, match=reason):
+        model(input_ids=ids_of(4, 2), cache=cache)
+    assert not any(layer.is_initialized for layer in cache.layers)
+
+
+def test_adaptive_and_grouped_states_are_refused():
+    spec = StateSpec(0, batch=1, heads=2, head_dim=16, value_dim=16, dtype=torch.float32, device=torch.device("cpu"))
+    adaptive = full_rank_states("adaptive")(spec)
+    assert any("adaptive" in r for r in graph_refusals(adaptive))
+    assert graph_refusals(object()) and "SubspaceCache" in graph_refusals(object())[0]
+
+
+def test_overflow_is_refused_and_changes_nothing():
+    model = make_model("llama")
+    use_subspace_attention(model)
+    cache = GraphSubspaceCache(model.config, static_states(random_bases(model)), max_cache_len=6)
+    with torch.no_grad():
+        model(input_ids=ids_of(5, 3), cache=cache)
+        before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+        with pytest.raises(ValueError, match="exceed max_cache_len = 6"):
+            model(input_ids=ids_of(2, 4), cache=cache)
+    assert int(cache.get_seq_length()) == 5
+    for layer, (k, v) in zip(cache.layers, before):
+        assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8"])
+def test_bad_capacity_is_refused(bad):
+    model = make_model("gpt2")
+    with pytest.raises(ValueError, match="max_cache_len"):
+        GraphSubspaceCache(model.config, static_states(random_bases(model)), max_cache_len=bad)
+
+
+def test_state_count_and_graph_option_are_checked():
+    model = make_model("gpt2")
+    bases = random_bases(model)
+    with pytest.raises(ValueError, match="1 states given for a model of 2 layers"):
+        GraphSubspaceCache(model.config, [sr.SubspaceState.static(bases[0], batch=1)], max_cache_len=8)
+    with pytest.raises(ValueError, match="graph must be"):
+        with compress(model, bases, graph="yes"):
+            pass
+
+
+def test_auto_uses_the_graph_cache_on_cuda_only():
+    """``graph="auto"`` (the default) picks the graph cache for a CUDA device when every state
+    qualifies and no SubspaceCache option is given; never on the CPU. Decided without CUDA."""
+    model = make_model("llama")
+    bases = random_bases(model)
+    with compress(model, bases) as kv:
+        assert kv.uses_graph("cuda") and not kv.uses_graph("cpu") and not kv.uses_graph()
+    with compress(model, bases, backend="numpy") as kv:
+        assert not kv.uses_graph("cuda")
+    with compress(model, static_states(bases, coefficients="int8")) as kv:
+        assert not kv.uses_graph("cuda")
+    with compress(model, bases, graph=True) as kv:
+        assert kv.uses_graph("cpu")
+        assert isinstance(kv.graph_cache(8), GraphSubspaceCache)
+
+
+def test_graph_decode_benchmark_runs_on_the_cpu(tmp_path):
+    """benchmarks/graph_decode.py (the GPU session's step 3b) runs every row on a tiny model:
+    a broken row would otherwise surface only on a lent GPU."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "graph_decode.py"
+    out = tmp_path / "rows.json"
+    args = ["--device", "cpu", "--contexts", "24", "--steps", "4", "--layers", "1", "--hidden", "256", "--heads", "2", "--kv-heads", "2",
+            "--vocab", "64", "--rank", "8", "--json", str(out)]
+    run = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["cache"].split(" ")[0] for r in rows] == ["DynamicCache", "StaticCache", "GraphSubspaceCache", "GraphSubspaceCache", "SubspaceCache"]
+    assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
+    assert rows[2]["bytes"] < rows[1]["bytes"]  # r + r_v = 16 of d + d_v = 256 per token and head

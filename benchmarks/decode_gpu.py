@@ -29,7 +29,7 @@ Per (N, T), all in the same process:
   (spec/rope.md P2-P3: keys stored as coefficients before the rotation, rebuilt and rotated to
   each token's position inside the kernel), full rotary (64 planes, base 10000).
   **triton-rope[-...] <keywords>** (``--rope-sweep``): the pre-RoPE kernel with other launch
-  keywords (``ROPE_SWEEP``: the previous kernel, ``legacy=True``; two 16-bit key parts; 8 warps).
+  keywords (``ROPE_SWEEP``: other tiles and warps, chosen from the compiled code).
 * **<backend>-adaptive[-int8]** -- the same on an adaptive-layout state (spec A7/A9) with
   J = T / 256 chunks per head (``--chunk-tokens``): chunk j covers tokens [256 j, 256 (j + 1))
   with its own random orthonormal bases, coefficients those of the static state. Synthetic --
@@ -86,9 +86,11 @@ DTYPE = "bfloat16"
 # (launch_config; None: the default's, 0: no cap)
 SWEEP = ((32, 4, None), (64, 4, None), (128, 4, None), (32, 8, None), (64, 8, None), (None, None, 0), (None, None, 168), (None, None, 128), (None, None, 96),
          (32, 1, 0), (32, 2, 0))  # 1-2 warps: fewer instructions per token in the compiled loop (docs/gpu.md, "Static budgets")
-# launch keywords of the pre-RoPE kernel timed besides its default: the kernel of the last landing
-# (legacy, 32-token tiles on 4 warps: its default then), both 16-bit parts of the rotated keys, 8 warps
-ROPE_SWEEP = (dict(legacy=True), dict(legacy=True, block_t=16, num_warps=8), dict(key_parts=2), dict(block_t=64, num_warps=8))
+# launch keywords of the pre-RoPE kernel timed besides its default (64-token tiles, one warpgroup: 8
+# resident warps per SM): the configurations without spills that hold more warps or fewer barriers
+# per SM, from the compiled code (docs/gpu.md, "Pre-RoPE launch sweep"): 32-token tiles on two warps
+# (mma.sync instead of wgmma, 5 barriers instead of 9), 32 or 16 on four (12-16 warps per SM), 128 on eight
+ROPE_SWEEP = (dict(block_t=32, num_warps=2), dict(block_t=32, num_warps=4), dict(block_t=16, num_warps=4), dict(block_t=128, num_warps=8))
 
 
 def fail(msg: str) -> None:

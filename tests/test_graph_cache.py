@@ -158,6 +158,64 @@ def test_overflow_is_refused_and_changes_nothing():
         assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_graph_layer_attention_within_the_harness_tolerance(dtype):
+    """One graph layer in a 16/32-bit dtype against the float64 oracle over the same tokens, held
+    to the differential harness's one rule (tests/differential/tolerance.py: twice the oracle's
+    own error in that dtype, plus a floor). The oracle's state holds the keys and values rounded
+    to the dtype, as the model hands them to the cache."""
+    from tests.differential.tolerance import reference_error, tolerance
+
+    torch_dtype = getattr(torch, dtype)
+    model = make_model("llama", torch_dtype)
+    H, d, T, Hq = 2, 16, 40, 4
+    rng = np.random.default_rng(7)
+    basis = random_bases(model)[0]
+    empty = sr.SubspaceState.static(basis, batch=2, dtype=np.float64)
+    cache = GraphSubspaceCache(model.config, [empty, empty], max_cache_len=T)
+    K, V, q = (torch.as_tensor(rng.standard_normal(shape)).to(torch_dtype) for shape in ((2, H, T, d), (2, H, T, d), (2, Hq, d)))
+    layer = cache.layers[0]
+    layer.update(K, V)
+    scale = d**-0.5
+    out = layer.attend(q[:, :, None], None, scale)[:, 0].double().numpy()  # (2, H_q, d_v)
+    state64 = empty.append(K.double().numpy(), V.double().numpy())
+    out64 = np.asarray(sr.attend(q.double().numpy(), state64, backend="numpy", scale=scale))
+    ref = reference_error(state64, q.double().numpy(), scale, out64, dtype)
+    assert np.abs(out - out64).max() <= tolerance(ref, out64, dtype)
+
+
+def test_left_padded_batch_matches_the_oracle_cache():
+    """transformers' static mask carries left padding to SDPA: a padded batch of two prompts
+    gives the numpy cache's logits at the real positions (float64 Llama)."""
+    model = make_model("llama")
+    bases = random_bases(model)
+    use_subspace_attention(model)
+    ids = torch.cat([ids_of(9, 5), ids_of(9, 6)])
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # the second prompt is 6 tokens, left-padded
+    with torch.no_grad():
+        graph = model(input_ids=ids, attention_mask=mask, cache=GraphSubspaceCache(model.config, static_states(bases), max_cache_len=12)).logits
+        oracle = model(input_ids=ids, attention_mask=mask, cache=SubspaceCache(model.config, static_states(bases), backend="numpy")).logits
+    real = mask.bool()
+    assert float((graph - oracle)[real].abs().max()) <= 1e-5 * float(oracle[real].abs().max())
+
+
+def test_a_refused_attention_call_takes_the_forward_back():
+    """Dropout in training mode is refused at the first layer's attention, after its update
+    wrote: the forward's tokens are taken back, so the cache is as it was."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      vocab_size=VOCAB, max_position_embeddings=128, attention_dropout=0.1)
+    model = LlamaForCausalLM(cfg).to(torch.float64).eval()
+    use_subspace_attention(model)
+    cache = GraphSubspaceCache(model.config, static_states(random_bases(model)), max_cache_len=16)
+    model(input_ids=ids_of(5, 8), cache=cache)
+    model.train()
+    with pytest.raises(NotSupportedError, match="attention dropout in training mode"):
+        model(input_ids=ids_of(3, 9), cache=cache)
+    assert [int(layer.cumulative_length) for layer in cache.layers] == [5, 5]
+
+
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8"])
 def test_bad_capacity_is_refused(bad):
     model = make_model("gpt2")
@@ -172,6 +230,24 @@ def test_state_count_and_graph_option_are_checked():
         GraphSubspaceCache(model.config, [sr.SubspaceState.static(bases[0], batch=1)], max_cache_len=8)
     with pytest.raises(ValueError, match="graph must be"):
         with compress(model, bases, graph="yes"):
+            pass
+
+
+def test_soft_capping_models_are_refused_up_front():
+    """Gemma2 passes softcap to its attention call; the graph path cannot apply it, so "auto"
+    keeps such a model on the SubspaceCache and graph=True refuses it before the block opens."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       vocab_size=VOCAB, max_position_embeddings=128, attn_logit_softcapping=50.0)
+    model = Gemma2ForCausalLM(cfg).eval()
+    bases = random_bases(model)
+    assert any("soft-capping" in r for r in model_graph_refusals(model, static_states(bases)))
+    with compress(model, bases) as kv:
+        assert not kv.uses_graph("cuda")
+    with pytest.raises(NotSupportedError, match="soft-capping"):
+        with compress(model, bases, graph=True):
             pass
 
 

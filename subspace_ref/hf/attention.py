@@ -309,10 +309,7 @@ def subspace_attention(module, query, key, value, attention_mask, scaling=None, 
         fn(module, query, key, value)
     graph = graph_layer(key)
     if graph is not None:  # a GraphSubspaceCache's layer: traced whole by torch.compile (graph_cache.py)
-        refused = ["attention dropout in training mode (call model.eval())"] if dropout and module.training else []
-        refused += [f"{name}" for name in ("s_aux", "softcap") if kwargs.get(name) is not None]
-        require(refused, f"layer {graph.layer_idx}: the graph cache does not support")
-        return graph.attend(query, attention_mask, query.shape[-1] ** -0.5 if scaling is None else float(scaling)), None
+        return graph.attention_call(module, query, attention_mask, scaling, dropout, kwargs), None
     return _cache_attention(module, query, key, value, attention_mask, scaling, dropout, fallback, **kwargs)
 
 

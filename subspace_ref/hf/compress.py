@@ -113,6 +113,8 @@ def model_graph_refusals(model, factory: StateFactory) -> list[str]:
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     types, _ = get_layer_types_and_kwargs(text)
     reasons = []
+    if getattr(text, "attn_logit_softcapping", None):  # Gemma2: its attention call passes softcap, which SDPA does not apply
+        reasons.append(f"the model's attention soft-capping (attn_logit_softcapping = {text.attn_logit_softcapping})")
     for i, kind in enumerate(types):
         if kind == "full_attention":
             state = factory(StateSpec(i, 1, heads, head_dim, head_dim, model.dtype, model.device))

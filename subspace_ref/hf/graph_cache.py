@@ -108,13 +108,25 @@ class GraphSubspaceLayer(StaticLayer):
         self.values.index_copy_(2, positions, dv)
         return self.keys, self.values
 
+    def attention_call(self, module, query: torch.Tensor, mask: torch.Tensor | None, scaling: float | None, dropout: float, kwargs: dict) -> torch.Tensor:
+        """``subspace_attention`` for this layer: refuse what M11.2 does not compute, naming it,
+        after taking this forward's tokens back from every layer it wrote (eager mode; a
+        compiled step refuses while tracing, before anything runs); else :meth:`attend`."""
+        refused = ["attention dropout in training mode (call model.eval())"] if dropout and module.training else []
+        refused += [f"{name} (soft-capping and attention sinks are not in SDPA)" for name in ("softcap", "s_aux") if kwargs.get(name) is not None]
+        if query.shape[1] % self.num_heads:
+            refused.append(f"{query.shape[1]} query heads for {self.num_heads} KV heads")
+        if refused:
+            if not is_torchdynamo_compiling():
+                self.cache.rewind(self.layer_idx, query.shape[2])
+            require(refused, f"layer {self.layer_idx}: the graph cache does not support")
+        return self.attend(query, mask, query.shape[-1] ** -0.5 if scaling is None else float(scaling))
+
     def attend(self, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
         """Spec M11.2 (A2 through SDPA, M11.3) for the queries (batch, H_q, n, d) over the capacity
         under transformers' mask (True / 0 = attend): (batch, n, H_q, d_v) in the query's dtype."""
         N, Hq, n, d = query.shape
         H = self.num_heads
-        if Hq % H:
-            raise ValueError(f"{Hq} query heads for {H} KV heads")
         g = Hq // H
         q = query.to(self.compute_dtype).view(N, H, g, n, d)
         qt = torch.einsum("bhgnd,hrd->bhgnr", q, self.key_basis) * self.gamma[None, :, None, None, None]  # step 1, γ folded in
@@ -199,6 +211,13 @@ class GraphSubspaceCache(Cache):
         lay = decoded_state(state).layout
         to_np = lambda x: np.asarray(x.detach().cpu() if isinstance(x, torch.Tensor) else x)  # noqa: E731
         return to_np(lay.key_bases[0, :, 0]), to_np(lay.value_bases[0, :, 0]), to_np(lay.gamma)
+
+    def rewind(self, layer_idx: int, tokens: int) -> None:
+        """Take the last ``tokens`` back from layers ``0..layer_idx``: what a forward failing in
+        layer ``layer_idx``'s attention had written (every earlier layer's update ran)."""
+        for layer in self.layers[: layer_idx + 1]:
+            if layer.is_initialized:
+                layer.crop(-tokens)
 
     @property
     def nbytes(self) -> int:

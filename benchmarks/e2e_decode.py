@@ -41,7 +41,8 @@ import numpy as np
 import torch
 
 import subspace_ref as sr
-from subspace_ref.hf import SubspaceCache, compress, static_states
+from subspace_ref.hf import GraphSubspaceCache, SubspaceCache, compress, static_states
+from subspace_ref.workloads import random_static_bases
 
 
 def quantized_cache_reason() -> str | None:
@@ -71,17 +72,9 @@ def tensor_nbytes(x) -> int:
     return sum(tensor_nbytes(getattr(x, name)) for name in names)
 
 
-def random_bases(layers: int, heads: int, d: int, rank: int, seed: int = 0) -> list:
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(layers):
-        q = np.stack([np.linalg.qr(rng.standard_normal((d, d)))[0][:rank] for _ in range(heads)]).astype(np.float32)
-        out.append(sr.StaticBasis.from_bases(q, q, 1.0))
-    return out
-
-
 def cache_bytes(cache) -> int:
-    if isinstance(cache, SubspaceCache):
+    """Bytes a cache holds: a subspace cache's own count (bases included), else its layers' tensors."""
+    if isinstance(cache, (SubspaceCache, GraphSubspaceCache)):
         return cache.nbytes
     held = ("keys", "values", "_quantized_keys", "_quantized_values")
     return sum(tensor_nbytes(x) for layer in cache.layers for x in (getattr(layer, name, None) for name in held) if isinstance(x, torch.Tensor))
@@ -301,7 +294,7 @@ def llama128(steps: int, layers: int, contexts=(8192, 16384), dtype=torch.float3
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval().to(dtype)
-    bases = random_bases(layers, 8, 128, 32)
+    bases = random_static_bases(layers, 8, 128, 32)
     rope = RopeParams.from_config(config)
     allocated = random_model_allocation(model, 0.25)
     gen = torch.Generator().manual_seed(1)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The prepared GPU session of issue 38 (docs/gpu.md, "Static budgets"): at most 8 minutes on one
-# H100/H200 under `timeout 480` (the steps' own timeouts add up to 786 s; run 1 of 2026-11-28 took 192 s), each writing under $OUT; a failing step does not
+# H100/H200 under `timeout 480` (the steps' own timeouts add up to 856 s, 716 s without step 1b; the two calls of 2026-11-28 took 278
+# and 326 s before step 3b was added), each writing under $OUT; a failing step does not
 # stop the next. Run from the repository root: OUT=gpu_results bash benchmarks/gpu_session.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,7 +49,7 @@ echo "decode N=8: rc=$?" >> "$OUT/session.txt"
 timeout 90 $PY benchmarks/decode_gpu.py --out "$OUT" --batch 8 --tokens 131072 --coef int4 --no-adaptive --no-graph --backend triton \
   > "$OUT/decode_n8_int4_sweep.log" 2>&1
 echo "decode N=8 int4 sweep: rc=$?" >> "$OUT/session.txt"
-#    the pre-RoPE kernel's sweep at 128k: the tensor-core kernel, two key parts, 8 warps and the last landing's kernel (legacy) (<= 80 s)
+#    the pre-RoPE kernel's sweep at 128k: the default launch and ROPE_SWEEP's (32 tokens on 2 and 4 warps, 16 on 4, 128 on 8) (<= 80 s)
 timeout 80 $PY benchmarks/decode_gpu.py --out "$OUT" --batch 8 --tokens 131072 --coef float int4 --rope --rope-sweep --no-sweep --no-adaptive --no-graph \
   --backend triton > "$OUT/decode_n8_rope_sweep.log" 2>&1
 echo "decode N=8 rope sweep: rc=$?" >> "$OUT/session.txt"
@@ -58,8 +59,8 @@ timeout 50 $PY benchmarks/decode_gpu.py --out "$OUT" --batch 1 --tokens 32768 --
 echo "decode N=1: rc=$?" >> "$OUT/session.txt"
 
 # 3b. transformers generate through the graph cache, compiled by generate's default (CUDA graphs), against
-#     DynamicCache + SDPA and the compiled StaticCache, at T = 32k (<= 150 s; rows print as they finish)
-timeout 150 $PY benchmarks/graph_decode.py --device cuda --contexts 32768 --steps 64 --json "$OUT/graph_decode.json" > "$OUT/graph_decode.log" 2>&1
+#     DynamicCache + SDPA and the compiled StaticCache, at T = 32k (<= 120 s; rows print as they finish)
+timeout 120 $PY benchmarks/graph_decode.py --device cuda --contexts 32768 --steps 64 --json "$OUT/graph_decode.json" > "$OUT/graph_decode.log" 2>&1
 echo "graph decode: rc=$?" >> "$OUT/session.txt"
 
 # 4. one profiler pass per changed kernel (ncu when installed: one launch each) (<= 3 x 32 s)

@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 import torch
+from e2e_decode import cache_bytes
 
 
 class StepClock:
@@ -45,17 +46,6 @@ class StepClock:
     def median_step(self, skip: int = 2) -> float:
         steps = np.diff(self.stamps)[skip:]
         return float(statistics.median(steps))
-
-
-def random_bases(layers: int, heads: int, d: int, rank: int, seed: int = 0) -> list:
-    import subspace_ref as sr
-
-    rng = np.random.default_rng(seed)
-
-    def orth():
-        return np.stack([np.linalg.qr(rng.standard_normal((d, rank)))[0].T for _ in range(heads)])
-
-    return [sr.StaticBasis.from_bases(orth(), orth(), np.ones(heads)) for _ in range(layers)]
 
 
 def make_model(args, device: torch.device, dtype: torch.dtype):
@@ -93,18 +83,6 @@ def time_generate(model, ids, make_cache, steps: int, compile_config, warm: bool
     return clock.median_step(), cache_bytes(cache)
 
 
-def cache_bytes(cache) -> int:
-    """The cache's bytes: a subspace cache's own count, else its layers' keys and values."""
-    if hasattr(cache, "nbytes"):
-        return int(cache.nbytes)
-    total = 0
-    for layer in cache.layers:
-        for name in ("keys", "values"):
-            t = getattr(layer, name, None)
-            total += t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
-    return total
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -122,12 +100,13 @@ def main() -> None:
     from transformers import CompileConfig, DynamicCache, StaticCache
 
     from subspace_ref.hf import GraphSubspaceCache, SubspaceCache, static_states, use_subspace_attention
+    from subspace_ref.workloads import random_static_bases
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.set_num_threads(1) if device.type == "cpu" else None
     model = make_model(args, device, dtype)
-    factory = static_states(random_bases(args.layers, args.kv_heads, 128, args.rank))
+    factory = static_states(random_static_bases(args.layers, args.kv_heads, 128, args.rank))
     compiled = CompileConfig()  # transformers' default: inductor, mode="reduce-overhead" (CUDA graphs on CUDA)
     compiled._compile_all_devices = device.type != "cuda"
     backend = "triton" if device.type == "cuda" else "torch"

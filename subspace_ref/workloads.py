@@ -51,6 +51,18 @@ def spanning_basis(heads: int, d: int, r: int, dtype: Any = np.float32) -> Stati
     return StaticBasis.from_bases(B.astype(dtype), B.astype(dtype))
 
 
+def random_static_bases(layers: int, heads: int, d: int, rank: int, seed: int = 0, gamma: Any = 1.0) -> list[StaticBasis]:
+    """One :class:`StaticBasis` per layer with random orthonormal key and value rows (heads,
+    rank, d), float32, and ``gamma`` (a scalar or per head): the bases of decode benchmarks,
+    whose speed does not depend on which subspace."""
+    rng = np.random.default_rng(seed)
+
+    def rows():
+        return np.stack([np.linalg.qr(rng.standard_normal((d, d)))[0][:rank] for _ in range(heads)]).astype(np.float32)
+
+    return [StaticBasis.from_bases(rows(), rows(), gamma) for _ in range(layers)]
+
+
 def grown_states(state, contexts: list[int], tokens: Callable[[int, int], tuple[Any, Any]], engine: str = "numpy") -> dict[int, Any]:
     """NumPy copies of ``state`` at each length in ``contexts``, grown by one stream of appends of
     ``tokens(start, n) -> (K, V)`` (NumPy, (H, n, d)) in blocks of at most 4096 tokens.

@@ -21,7 +21,9 @@ from transformers import CompileConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig
 import subspace_ref as sr  # noqa: E402
 from subspace_ref.capabilities import NotSupportedError  # noqa: E402
 from subspace_ref.hf import GraphSubspaceCache, StateSpec, SubspaceCache, compress, full_rank_states, graph_refusals, static_states, use_subspace_attention  # noqa: E402
-from subspace_ref.hf.compress import model_graph_refusals  # noqa: E402
+from subspace_ref.hf.compress import CAPACITY_STEP, generation_capacity  # noqa: E402
+from subspace_ref.hf.graph_cache import model_graph_refusals  # noqa: E402
+from subspace_ref.workloads import random_static_bases  # noqa: E402
 
 torch.set_num_threads(1)
 VOCAB = 128
@@ -45,13 +47,8 @@ def random_bases(model, rank: int = RANK, seed: int = 1) -> list:
     """Random orthonormal rank-``rank`` bases per layer, γ away from 1 (what A2 scales)."""
     text = model.config.get_text_config(decoder=True)
     heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    d = text.hidden_size // text.num_attention_heads
-    rng = np.random.default_rng(seed)
-
-    def orth():
-        return np.stack([np.linalg.qr(rng.standard_normal((d, rank)))[0].T for _ in range(heads)])
-
-    return [sr.StaticBasis.from_bases(orth(), orth(), rng.uniform(0.8, 1.2, heads)) for _ in range(text.num_hidden_layers)]
+    gamma = np.random.default_rng(seed).uniform(0.8, 1.2, heads)
+    return random_static_bases(text.num_hidden_layers, heads, text.hidden_size // text.num_attention_heads, rank, seed, gamma)
 
 
 def ids_of(n: int, seed: int) -> torch.Tensor:
@@ -120,27 +117,28 @@ REFUSED = {
 
 
 @pytest.mark.parametrize("name", list(REFUSED))
-def test_refused_states_name_their_reason_and_leave_nothing(name):
+def test_refused_states_name_their_reason_before_anything(name):
+    """A refused state is named by compress(graph=True) and by the cache's constructor, before
+    any forward writes."""
     model = make_model("llama")
     options, reason = REFUSED[name]
     if options.get("rope") == "rope":
         options = dict(rope=sr.rope.RopeParams.from_config(model.config))
     factory = static_states(random_bases(model), **options)
-    assert any(reason in r for r in model_graph_refusals(model, factory))
+    assert any(reason in r for r in model_graph_refusals(model.config, factory))
     with pytest.raises(NotSupportedError, match=reason):
         with compress(model, factory, graph=True):
             pass
-    use_subspace_attention(model)
-    cache = GraphSubspaceCache(model.config, factory, max_cache_len=16)
     with pytest.raises(NotSupportedError, match=reason):
-        model(input_ids=ids_of(4, 2), cache=cache)
-    assert not any(layer.is_initialized for layer in cache.layers)
+        GraphSubspaceCache(model.config, factory, max_cache_len=16)
 
 
-def test_adaptive_and_grouped_states_are_refused():
+def test_online_and_shared_states_are_refused():
     spec = StateSpec(0, batch=1, heads=2, head_dim=16, value_dim=16, dtype=torch.float32, device=torch.device("cpu"))
-    adaptive = full_rank_states("adaptive")(spec)
-    assert any("adaptive" in r for r in graph_refusals(adaptive))
+    for kind in ("adaptive", "rotating"):
+        assert any(kind in r for r in graph_refusals(full_rank_states(kind)(spec)))
+    per_query_head = static_states(random_static_bases(1, 4, 16, RANK), share="query_head")(spec)
+    assert any("per query head" in r for r in graph_refusals(per_query_head))
     assert graph_refusals(object()) and "SubspaceCache" in graph_refusals(object())[0]
 
 
@@ -172,7 +170,7 @@ def test_graph_layer_attention_within_the_harness_tolerance(dtype):
     rng = np.random.default_rng(7)
     basis = random_bases(model)[0]
     empty = sr.SubspaceState.static(basis, batch=2, dtype=np.float64)
-    cache = GraphSubspaceCache(model.config, [empty, empty], max_cache_len=T)
+    cache = GraphSubspaceCache(model.config, [empty, empty], max_cache_len=T + 7)  # unwritten slots the attention must not read
     K, V, q = (torch.as_tensor(rng.standard_normal(shape)).to(torch_dtype) for shape in ((2, H, T, d), (2, H, T, d), (2, Hq, d)))
     layer = cache.layers[0]
     layer.update(K, V)
@@ -200,20 +198,91 @@ def test_left_padded_batch_matches_the_oracle_cache():
     assert float((graph - oracle)[real].abs().max()) <= 1e-5 * float(oracle[real].abs().max())
 
 
-def test_a_refused_attention_call_takes_the_forward_back():
-    """Dropout in training mode is refused at the first layer's attention, after its update
-    wrote: the forward's tokens are taken back, so the cache is as it was."""
+def dropout_llama():
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                       vocab_size=VOCAB, max_position_embeddings=128, attention_dropout=0.1)
-    model = LlamaForCausalLM(cfg).to(torch.float64).eval()
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_a_refused_attention_call_takes_the_forward_back():
+    """Dropout in training mode, in the second layer only, is refused at its attention call
+    after both layers' updates wrote: the forward's tokens are taken back from both."""
+    model = dropout_llama().to(torch.float64)
     use_subspace_attention(model)
     cache = GraphSubspaceCache(model.config, static_states(random_bases(model)), max_cache_len=16)
     model(input_ids=ids_of(5, 8), cache=cache)
-    model.train()
-    with pytest.raises(NotSupportedError, match="attention dropout in training mode"):
+    model.model.layers[1].self_attn.train()
+    with pytest.raises(NotSupportedError, match="layer 1: .*attention dropout in training mode"):
         model(input_ids=ids_of(3, 9), cache=cache)
     assert [int(layer.cumulative_length) for layer in cache.layers] == [5, 5]
+
+
+def test_a_refusal_inside_a_compiled_step_takes_the_forward_back():
+    """The same refusal met while torch.compile traces a decode step: the part of the step
+    that ran before the break wrote layer 0, and the refusal takes it back there too."""
+    model = dropout_llama()
+    use_subspace_attention(model)
+    cache = GraphSubspaceCache(model.config, static_states(random_bases(model)), max_cache_len=16)
+    torch._dynamo.reset()
+    step = torch.compile(model)
+    with torch.no_grad():
+        model(input_ids=ids_of(5, 10), cache=cache)
+        step(input_ids=torch.tensor([[3]]), cache=cache)
+        model.model.layers[1].self_attn.train()
+        with pytest.raises(NotSupportedError, match="attention dropout in training mode"):
+            step(input_ids=torch.tensor([[4]]), cache=cache)
+    assert [int(layer.cumulative_length) for layer in cache.layers] == [6, 6]
+
+
+def test_beam_search_matches_the_oracle_cache():
+    """Beam search reorders the coefficients in place (the tag and addresses stay): the same
+    sequences as the numpy cache's."""
+    model = make_model("gpt2")
+    bases = random_bases(model)
+    ids = ids_of(8, 11)
+    with compress(model, bases, graph=True) as kv:
+        graph = kv.generate(ids, max_new_tokens=5, num_beams=3, do_sample=False)
+    with compress(model, bases, graph=False, backend="numpy") as kv:
+        oracle = kv.generate(ids, max_new_tokens=5, num_beams=3, do_sample=False)
+    assert torch.equal(graph, oracle)
+
+
+def test_generate_sizes_the_capacity_as_transformers_counts_tokens():
+    """No length given: transformers' default of 20 new tokens; a given graph cache too small
+    for the prompt and max_new_tokens is refused before generating."""
+    model = make_model("gpt2")
+    bases = random_bases(model)
+    ids = ids_of(10, 12)
+    with compress(model, bases, graph=True) as kv:
+        out = kv.generate(ids, do_sample=False)
+        assert out.shape == (1, 30)
+        with pytest.raises(ValueError, match="max_cache_len = 12 holds fewer than the 16 tokens"):
+            kv.generate(ids, cache=kv.graph_cache(12), max_new_tokens=6, do_sample=False)
+    assert generation_capacity(model, 10, dict(max_new_tokens=6), round_to=CAPACITY_STEP) == CAPACITY_STEP
+    assert generation_capacity(model, 10, dict(max_length=40)) == 40
+
+
+def test_sliding_layers_stay_in_the_compiled_graph():
+    """A model with a sliding-window layer: transformers' static sliding layer holds it, its
+    attention is the model's own SDPA, traced too (fullgraph=True), same tokens as eager."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                      max_position_embeddings=128, use_sliding_window=True, sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+    model = Qwen2ForCausalLM(cfg).eval()
+    bases = random_bases(model)
+    ids = ids_of(12, 13)
+    use_subspace_attention(model)
+    cache = GraphSubspaceCache(model.config, static_states(bases), max_cache_len=20)
+    assert [type(layer).__name__ for layer in cache.layers] == ["StaticSlidingWindowLayer", "GraphSubspaceLayer"]
+    eager = model.generate(ids, cache=cache, max_new_tokens=8, do_sample=False, disable_compile=True)
+    compile_config = CompileConfig(fullgraph=True)
+    compile_config._compile_all_devices = True
+    torch._dynamo.reset()
+    cache = GraphSubspaceCache(model.config, static_states(bases), max_cache_len=20)
+    assert torch.equal(model.generate(ids, cache=cache, max_new_tokens=8, do_sample=False, compile_config=compile_config), eager)
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8"])
@@ -243,7 +312,7 @@ def test_soft_capping_models_are_refused_up_front():
                        vocab_size=VOCAB, max_position_embeddings=128, attn_logit_softcapping=50.0)
     model = Gemma2ForCausalLM(cfg).eval()
     bases = random_bases(model)
-    assert any("soft-capping" in r for r in model_graph_refusals(model, static_states(bases)))
+    assert any("soft-capping" in r for r in model_graph_refusals(model.config, static_states(bases)))
     with compress(model, bases) as kv:
         assert not kv.uses_graph("cuda")
     with pytest.raises(NotSupportedError, match="soft-capping"):

@@ -261,8 +261,10 @@ def subspace_attention(module, query, key, value, attention_mask, scaling=None, 
     """The attention function registered as :data:`ATTN_IMPLEMENTATION` (transformers' signature).
 
     The layer is found through the call: the key tensor ``SubspaceLayer.update`` returned
-    carries it; any other key goes to ``fallback``. Models call it; users select it with
-    :func:`use_subspace_attention` or :func:`compress` rather than call it.
+    carries it (decoded in Python, outside compiled graphs), or the coefficient tensor of a
+    :class:`~subspace_ref.hf.GraphSubspaceCache` layer does (traced by ``torch.compile``,
+    spec/models.md M11); any other key goes to ``fallback``, also traced. Models call it; users
+    select it with :func:`use_subspace_attention` or :func:`compress` rather than call it.
 
     Parameters
     ----------
@@ -310,16 +312,15 @@ def subspace_attention(module, query, key, value, attention_mask, scaling=None, 
     graph = graph_layer(key)
     if graph is not None:  # a GraphSubspaceCache's layer: traced whole by torch.compile (graph_cache.py)
         return graph.attention_call(module, query, attention_mask, scaling, dropout, kwargs), None
-    return _cache_attention(module, query, key, value, attention_mask, scaling, dropout, fallback, **kwargs)
+    layer = tagged_layer(key)
+    if layer is None:  # traced as the model's own attention would be
+        return fallback_attention(fallback, module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    return _cache_attention(layer, module, query, attention_mask, scaling, dropout, **kwargs)
 
 
 @torch.compiler.disable(reason="a SubspaceCache appends and attends in Python outside any graph")
-def _cache_attention(module, query, key, value, attention_mask, scaling, dropout, fallback, **kwargs):
-    """:func:`subspace_attention` for every key but a graph layer's: a SubspaceCache layer's, or the fallback's."""
-    layer = tagged_layer(key)
-    if layer is None:
-        return fallback_attention(fallback, module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-
+def _cache_attention(layer, module, query, attention_mask, scaling, dropout, **kwargs):
+    """:func:`subspace_attention` for a SubspaceCache layer's pending keys (spec/models.md M4)."""
     try:
         refused = ["attention dropout in training mode (call model.eval())"] if dropout and module.training else []
         refused += ["attention sinks (s_aux)"] if kwargs.get("s_aux") is not None else []

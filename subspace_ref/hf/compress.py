@@ -19,8 +19,8 @@ from subspace_ref.capabilities import require
 from subspace_ref.hf.artifact import CalibratedBases
 from subspace_ref.hf.attention import subspace_attention_enabled
 from subspace_ref.hf.cache import SubspaceCache
-from subspace_ref.hf.graph_cache import GraphSubspaceCache, graph_refusals
-from subspace_ref.hf.state_factories import StateFactory, StateSpec, static_states
+from subspace_ref.hf.graph_cache import GraphSubspaceCache, model_graph_refusals
+from subspace_ref.hf.state_factories import StateFactory, static_states
 
 
 class Compressed:
@@ -69,18 +69,17 @@ class Compressed:
 
     def uses_graph(self, device=None) -> bool:
         """Whether :meth:`generate` decodes through a :class:`GraphSubspaceCache`: ``graph=True``,
-        or ``"auto"`` on a CUDA ``device`` (default: the model's) when every layer's state
-        passes :func:`graph_refusals` and no cache option asks for the SubspaceCache."""
+        or ``"auto"`` on a CUDA ``device`` (default: the model's) when the model and every
+        layer's state pass :func:`model_graph_refusals` and no cache option asks for the SubspaceCache."""
         if self.graph != "auto":
-            return bool(self.graph)
+            return self.graph
         device = torch.device(device if device is not None else self.model.device)
-        return device.type == "cuda" and not self.cache_options and not model_graph_refusals(self.model, self.factory)
+        return device.type == "cuda" and not self.cache_options and not model_graph_refusals(self.model.config, self.factory)
 
     def generate(self, *args: Any, **kwargs: Any):
-        """``model.generate`` with a fresh cache (unless ``cache`` is given): a
-        :class:`GraphSubspaceCache` of prompt + ``max_new_tokens`` tokens when :meth:`uses_graph`
-        (transformers then compiles the decode step, with CUDA graphs on CUDA), else
-        :meth:`cache`.
+        """``model.generate`` with a fresh cache (unless ``cache`` is given): when
+        :meth:`uses_graph`, a :class:`GraphSubspaceCache` of :func:`generation_capacity` tokens
+        (transformers then compiles the decode step, with CUDA graphs on CUDA), else :meth:`cache`.
 
         Parameters
         ----------
@@ -91,35 +90,46 @@ class Compressed:
         -------
         torch.Tensor or transformers.GenerateOutput
             What ``model.generate`` returns.
+
+        Raises
+        ------
+        ValueError
+            If a given ``GraphSubspaceCache`` cannot hold the prompt and the tokens asked for.
         """
-        if "cache" not in kwargs:
-            ids = args[0] if args else kwargs.get("input_ids")
-            if self.uses_graph() and ids is not None:
-                new = kwargs.get("max_new_tokens")
-                capacity = ids.shape[-1] + new if new is not None else kwargs.get("max_length", self.model.generation_config.max_length)
-                kwargs["cache"] = self.graph_cache(int(capacity))
-            else:
-                kwargs["cache"] = self.cache()
+        ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+        cache = kwargs.get("cache")
+        if cache is None and ids is not None and self.uses_graph():
+            kwargs["cache"] = self.graph_cache(generation_capacity(self.model, ids.shape[-1], kwargs, round_to=CAPACITY_STEP))
+        elif cache is None:
+            kwargs["cache"] = self.cache()
+        elif isinstance(cache, GraphSubspaceCache) and ids is not None:  # a compiled step cannot check its capacity (M11.5)
+            need = generation_capacity(self.model, ids.shape[-1], kwargs)
+            if need > cache.max_cache_len:
+                raise ValueError(f"cache: max_cache_len = {cache.max_cache_len} holds fewer than the {need} tokens of the prompt and max_new_tokens")
         return self.model.generate(*args, **kwargs)
 
 
-def model_graph_refusals(model, factory: StateFactory) -> list[str]:
-    """:func:`graph_refusals` of the state ``factory`` gives each full-attention layer of
-    ``model`` (batch 1, the model's dtype and device), each reason prefixed with its layer."""
-    from transformers.cache_utils import get_layer_types_and_kwargs
+#: :meth:`Compressed.generate` rounds a graph cache's capacity up to a multiple of this, so that
+#: prompts of similar lengths share one compiled step (each capacity compiles and captures anew).
+CAPACITY_STEP = 256
 
-    text = model.config.get_text_config(decoder=True)
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    types, _ = get_layer_types_and_kwargs(text)
-    reasons = []
-    if getattr(text, "attn_logit_softcapping", None):  # Gemma2: its attention call passes softcap, which SDPA does not apply
-        reasons.append(f"the model's attention soft-capping (attn_logit_softcapping = {text.attn_logit_softcapping})")
-    for i, kind in enumerate(types):
-        if kind == "full_attention":
-            state = factory(StateSpec(i, 1, heads, head_dim, head_dim, model.dtype, model.device))
-            reasons += [f"layer {i}: {r}" for r in graph_refusals(state)]
-    return reasons
+
+def generation_capacity(model, prompt_tokens: int, kwargs: dict, round_to: int = 1) -> int:
+    """Tokens a ``generate`` call with ``kwargs`` can reach: prompt + ``max_new_tokens``, else
+    ``max_length``, else prompt + 20 within ``max_position_embeddings`` (transformers'
+    ``_prepare_generated_length`` defaults), rounded up to a multiple of ``round_to``."""
+    config = kwargs.get("generation_config") or model.generation_config
+    new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+    length = kwargs.get("max_length", getattr(config, "max_length", None))
+    if new is not None:
+        total = prompt_tokens + int(new)
+    elif length is not None:
+        total = int(length)
+    else:
+        total = prompt_tokens + 20
+        limit = getattr(model.config, "max_position_embeddings", None)
+        total = min(total, limit) if limit else total
+    return -(-max(total, 1) // round_to) * round_to
 
 
 def as_factory(bases: Any, model=None) -> StateFactory:
@@ -152,9 +162,9 @@ def compress(model, bases: Any, *, graph: bool | str = "auto", **cache_options: 
         See :func:`as_factory`; :class:`CalibratedBases` are checked against ``model``'s config.
     graph : bool or "auto"
         Whether :meth:`Compressed.generate` decodes through a :class:`GraphSubspaceCache`
-        (compiled, CUDA graphs on CUDA): "auto" does on CUDA when every layer's state can be
-        held by one and no ``cache_options`` are given; True always (refused, with the reasons,
-        when a state cannot be held); False never.
+        (compiled, CUDA graphs on CUDA): "auto" does on CUDA when the model and every layer's
+        state can be held by one and no ``cache_options`` are given; True always (refused, with
+        the reasons, when they cannot, or with ``cache_options``); False never.
     **cache_options
         Keywords of :class:`SubspaceCache` (``backend``, ``prefill``, ``sliding``, ...),
         checked before anything changes.
@@ -168,6 +178,9 @@ def compress(model, bases: Any, *, graph: bool | str = "auto", **cache_options: 
     ------
     ValueError
         If :class:`CalibratedBases` were calibrated for another configuration, or an option is bad.
+    subspace_ref.capabilities.NotSupportedError
+        With ``graph=True``, if the model or a layer's state cannot be held by a
+        :class:`GraphSubspaceCache` (the reasons named).
     TypeError
         If ``bases`` is none of the accepted kinds.
 
@@ -190,12 +203,14 @@ def compress(model, bases: Any, *, graph: bool | str = "auto", **cache_options: 
     """
     factory = as_factory(bases, model)
     SubspaceCache(model.config, factory, **cache_options)  # bad options fail here, before anything changes
-    if graph not in (True, False, "auto"):
+    if not (graph is True or graph is False or graph == "auto"):
         raise ValueError(f'graph must be True, False or "auto", got {graph!r}')
+    if graph is True and cache_options:
+        raise ValueError(f"graph=True: the options {sorted(cache_options)} are SubspaceCache options; a GraphSubspaceCache takes none")
     if graph is True:
-        require(model_graph_refusals(model, factory), "graph=True: a GraphSubspaceCache does not hold")
+        require(model_graph_refusals(model.config, factory), "graph=True: a GraphSubspaceCache does not hold")
     with subspace_attention_enabled(model):
         yield Compressed(model, factory, cache_options, graph)
 
 
-__all__ = ["Compressed", "as_factory", "compress", "model_graph_refusals"]
+__all__ = ["CAPACITY_STEP", "Compressed", "as_factory", "compress", "generation_capacity"]

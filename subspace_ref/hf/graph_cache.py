@@ -10,9 +10,8 @@ that needs Python at run time:
   (batch, H, capacity, r) tensors at fixed addresses, written in place at the token count (a
   device tensor), as transformers' ``StaticLayer`` writes keys and values;
 * attention is spec A2 as exact attention over ``(γ B q, C, D)`` with head size r and scale
-  1/√d: one ``scaled_dot_product_attention`` call with transformers' static mask over the
-  capacity, then ``E`` maps the r_v-vector back to d_v (the vendor path of
-  ``subspace_ref_triton.vendor``, here for every device).
+  1/√d: one ``scaled_dot_product_attention`` call over the written slots, then ``E`` maps the
+  r_v-vector back to d_v (the vendor path of ``subspace_ref_triton.vendor``, on every device).
 
 transformers compiles ``generate``'s decode step for caches whose ``is_compileable`` is True,
 on CUDA by default with ``mode="reduce-overhead"``, which captures CUDA graphs. Other state
@@ -32,11 +31,12 @@ from transformers.cache_utils import STATIC_LAYER_TYPE_MAPPING, Cache, StaticLay
 from transformers.utils import is_torchdynamo_compiling
 
 from subspace_ref.basis_storage import decoded_state
-from subspace_ref.capabilities import require
+from subspace_ref.capabilities import NotSupportedError, require
 from subspace_ref.formats import FLOAT
 from subspace_ref.hf import attention as _attn
 from subspace_ref.hf.state_factories import StateFactory, StateSpec
 from subspace_ref.state import SubspaceState
+
 
 def graph_refusals(state) -> list[str]:
     """Why ``state`` cannot be held by a :class:`GraphSubspaceCache` ([] when it can; spec/models.md M11.4)."""
@@ -57,6 +57,32 @@ def graph_refusals(state) -> list[str]:
     return reasons
 
 
+def layer_spec(config, layer_idx: int, batch: int = 1, dtype=torch.float32, device=None) -> StateSpec:
+    """The :class:`StateSpec` a cache gives layer ``layer_idx``'s factory for a model of
+    ``config`` (KV heads and head size from its text config, as transformers computes them)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    return StateSpec(layer_idx, batch, kv_heads, head_dim, head_dim, dtype, torch.device(device or "cpu"))
+
+
+def model_graph_refusals(config, states: StateFactory | Sequence[Any]) -> list[str]:
+    """:func:`graph_refusals` of the state each full-attention layer of a model of ``config``
+    gets from ``states`` (a factory, called with :func:`layer_spec`, or one state per layer),
+    each prefixed with its layer, and the model's own (soft-capped attention, M11.4)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    reasons = []
+    if getattr(text, "attn_logit_softcapping", None):  # Gemma2: its attention call passes softcap, which SDPA does not apply
+        reasons.append(f"the model's attention soft-capping (attn_logit_softcapping = {text.attn_logit_softcapping})")
+    types, _ = get_layer_types_and_kwargs(text)
+    for i, kind in enumerate(types):
+        if kind == "full_attention":
+            state = states(layer_spec(config, i)) if callable(states) else states[i]
+            reasons += [f"layer {i}: {r}" for r in graph_refusals(state)]
+    return reasons
+
+
 class GraphSubspaceLayer(StaticLayer):
     """One layer of a :class:`GraphSubspaceCache`: transformers' ``StaticLayer`` whose ``keys``
     and ``values`` hold the coefficients C (batch, H, capacity, r) and D (batch, H, capacity,
@@ -71,35 +97,43 @@ class GraphSubspaceLayer(StaticLayer):
         self.cache = cache
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        B, H, _, d = key_states.shape
-        spec = StateSpec(self.layer_idx, B, H, d, value_states.shape[-1], key_states.dtype, key_states.device)
+        N, H, _, d = key_states.shape
+        spec = StateSpec(self.layer_idx, N, H, d, value_states.shape[-1], key_states.dtype, key_states.device)
         key_basis, value_basis, gamma = self.cache.bases(spec)
-        self.device, self.batch_size, self.num_heads = key_states.device, B, H
+        self.device, self.batch_size, self.num_heads = key_states.device, N, H
         # the state dtype (StateSpec.state_dtype): float64 for a float64 model, else float32 sums over 16-bit operands
         self.compute_dtype = torch.float64 if key_states.dtype == torch.float64 else torch.float32
         exact = dict(dtype=self.compute_dtype, device=self.device)
         self.key_basis, self.value_basis = torch.as_tensor(key_basis, **exact), torch.as_tensor(value_basis, **exact)
         self.gamma = torch.as_tensor(gamma, **exact)
         self.k_head_dim, self.v_head_dim = self.key_basis.shape[1], self.value_basis.shape[1]
-        self.keys = torch.zeros((B, H, self.max_cache_len, self.k_head_dim), dtype=key_states.dtype, device=self.device)
-        self.values = torch.zeros((B, H, self.max_cache_len, self.v_head_dim), dtype=value_states.dtype, device=self.device)
-        setattr(self.keys, _attn.GRAPH_TAG, self)  # how the attention call finds this layer, traced by dynamo
+        self.keys = torch.zeros((N, H, self.max_cache_len, self.k_head_dim), dtype=key_states.dtype, device=self.device)
+        self.values = torch.zeros((N, H, self.max_cache_len, self.v_head_dim), dtype=value_states.dtype, device=self.device)
+        self.slots = torch.arange(self.max_cache_len, device=self.device)
         self.cumulative_length = self.cumulative_length.to(self.device)
-        if not is_torchdynamo_compiling():  # fixed addresses: what a captured graph replays (as StaticLayer)
-            for t in (self.keys, self.values, self.cumulative_length, self.key_basis, self.value_basis, self.gamma):
-                torch._dynamo.mark_static_address(t)
+        self._fix_addresses()
         self.is_initialized = True
+
+    def _fix_addresses(self) -> None:
+        """Tag C with this layer (how the attention call finds it, traced by dynamo as a
+        constant) and, outside a trace, mark the tensors a captured graph replays (as StaticLayer)."""
+        setattr(self.keys, _attn.GRAPH_TAG, self)
+        if not is_torchdynamo_compiling():
+            for t in (self.keys, self.values, self.cumulative_length, self.key_basis, self.value_basis, self.gamma, self.slots):
+                torch._dynamo.mark_static_address(t)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Spec M11.1: write the coefficients of the new post-RoPE keys/values (batch, H, n, d) at
-        the token count and return the whole C and D (the attention masks what is not yet written)."""
+        the token count and return the whole C and D (the attention reads the written slots only)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n = key_states.shape[-2]
         if key_states.shape[:2] != self.keys.shape[:2] or key_states.shape[-1] != self.key_basis.shape[2]:
-            raise ValueError(f"layer {self.layer_idx}: keys of shape {tuple(key_states.shape)} do not fit the cache's {tuple(self.keys.shape[:2])} heads of size {self.key_basis.shape[2]}")
-        if not is_torchdynamo_compiling() and int(self.cumulative_length) + n > self.max_cache_len:  # a compiled step skips it: no host read
-            raise ValueError(f"layer {self.layer_idx}: {int(self.cumulative_length)} + {n} tokens exceed max_cache_len = {self.max_cache_len}")
+            self._take_back_and_raise(self.layer_idx - 1, n, ValueError(
+                f"layer {self.layer_idx}: keys of shape {tuple(key_states.shape)} do not fit the cache's {tuple(self.keys.shape[:2])} heads of size {self.key_basis.shape[2]}"))
+        if not is_torchdynamo_compiling() and int(self.cumulative_length) + n > self.max_cache_len:  # a compiled step has no host read: M11.5
+            self._take_back_and_raise(self.layer_idx - 1, n, ValueError(
+                f"layer {self.layer_idx}: {int(self.cumulative_length)} + {n} tokens exceed max_cache_len = {self.max_cache_len}"))
         c = torch.einsum("bhnd,hrd->bhnr", key_states.to(self.compute_dtype), self.key_basis).to(self.keys.dtype)
         dv = torch.einsum("bhnd,hrd->bhnr", value_states.to(self.compute_dtype), self.value_basis).to(self.values.dtype)
         positions = torch.arange(n, device=self.device) + self.cumulative_length
@@ -108,32 +142,55 @@ class GraphSubspaceLayer(StaticLayer):
         self.values.index_copy_(2, positions, dv)
         return self.keys, self.values
 
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: the sequences' coefficients reordered in place (a new tensor would lose
+        the tag and the address a captured graph replays)."""
+        if self.is_initialized:
+            idx = beam_idx.to(self.device)
+            self.keys.copy_(self.keys.index_select(0, idx))
+            self.values.copy_(self.values.index_select(0, idx))
+
     def attention_call(self, module, query: torch.Tensor, mask: torch.Tensor | None, scaling: float | None, dropout: float, kwargs: dict) -> torch.Tensor:
         """``subspace_attention`` for this layer: refuse what M11.2 does not compute, naming it,
-        after taking this forward's tokens back from every layer it wrote (eager mode; a
-        compiled step refuses while tracing, before anything runs); else :meth:`attend`."""
+        after taking this forward's tokens back from every layer it wrote (M11.4); else :meth:`attend`."""
+        n = query.shape[2]
         refused = ["attention dropout in training mode (call model.eval())"] if dropout and module.training else []
         refused += [f"{name} (soft-capping and attention sinks are not in SDPA)" for name in ("softcap", "s_aux") if kwargs.get(name) is not None]
         if query.shape[1] % self.num_heads:
             refused.append(f"{query.shape[1]} query heads for {self.num_heads} KV heads")
+        if mask is None and n > 1 and not is_torchdynamo_compiling() and int(self.cumulative_length) != n:  # attend's causal slice needs q_offset = 0
+            refused.append(f"no attention mask for {n} queries after {int(self.cumulative_length) - n} earlier tokens")
         if refused:
-            if not is_torchdynamo_compiling():
-                self.cache.rewind(self.layer_idx, query.shape[2])
-            require(refused, f"layer {self.layer_idx}: the graph cache does not support")
+            self._take_back_and_raise(self.layer_idx, n, NotSupportedError(f"layer {self.layer_idx}: the graph cache does not support", refused))
         return self.attend(query, mask, query.shape[-1] ** -0.5 if scaling is None else float(scaling))
 
+    def _take_back_and_raise(self, upto: int, tokens: int, error: Exception):
+        """Raise ``error`` after :meth:`GraphSubspaceCache.rewind` of layers ``0..upto`` (M11.4)."""
+        try:
+            self.cache.rewind(upto, tokens)
+        except RuntimeError as lost:
+            raise error from lost
+        raise error
+
     def attend(self, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
-        """Spec M11.2 (A2 through SDPA, M11.3) for the queries (batch, H_q, n, d) over the capacity
-        under transformers' mask (True / 0 = attend): (batch, n, H_q, d_v) in the query's dtype."""
+        """Spec M11.2 (A2 through SDPA, M11.3) for the n queries (batch, H_q, n, d) of the last n
+        tokens written, under transformers' mask over the capacity (True / 0 = attend; None:
+        the written slots, causally): (batch, n, H_q, d_v) in the query's dtype."""
         N, Hq, n, d = query.shape
         H = self.num_heads
         g = Hq // H
         q = query.to(self.compute_dtype).view(N, H, g, n, d)
         qt = torch.einsum("bhgnd,hrd->bhgnr", q, self.key_basis) * self.gamma[None, :, None, None, None]  # step 1, γ folded in
-        qt = qt.reshape(N, Hq, n, -1).to(self.keys.dtype)
-        causal = mask is None and n > 1  # as transformers' sdpa_attention_forward: a dropped mask means upper-left causal
-        y = F.scaled_dot_product_attention(qt, self.keys, self.values, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=True)  # steps 2-3
-        out = torch.einsum("bhgnr,hre->bhgne", y.to(self.compute_dtype).view(N, H, g, n, -1), self.value_basis)  # step 4: (α̂ᵀD) E
+        qt = qt.to(self.keys.dtype)
+        if n == 1:  # decode: the g query heads of a KV head as g query rows of it, so no GQA kernel is needed
+            visible = (self.slots < self.cumulative_length).view(1, 1, 1, -1) if mask is None else mask  # (1 or N, 1, 1, L)
+            y = F.scaled_dot_product_attention(qt.view(N, H, g, -1), self.keys, self.values, attn_mask=visible, scale=scaling)  # steps 2-3
+        elif mask is None:  # transformers drops the mask only for a first forward (q_offset = 0): causal over its n slots
+            y = F.scaled_dot_product_attention(qt.reshape(N, Hq, n, -1), self.keys[:, :, :n], self.values[:, :, :n], is_causal=True, scale=scaling,
+                                               enable_gqa=True)
+        else:
+            y = F.scaled_dot_product_attention(qt.reshape(N, Hq, n, -1), self.keys, self.values, attn_mask=mask, scale=scaling, enable_gqa=True)
+        out = torch.einsum("bhgnr,hre->bhgne", y.to(self.compute_dtype).reshape(N, H, g, n, -1), self.value_basis)  # step 4: (α̂ᵀD) E
         return out.reshape(N, Hq, n, -1).transpose(1, 2).to(query.dtype).contiguous()
 
 
@@ -142,7 +199,7 @@ class GraphSubspaceCache(Cache):
     coefficients of static post-RoPE float states (:class:`GraphSubspaceLayer`), so that
     ``torch.compile`` traces a decode step without graph breaks and transformers' ``generate``
     compiles it (CUDA graphs on CUDA, its default ``CompileConfig``). Other layers (sliding
-    windows) are transformers' static layers.
+    windows) are transformers' static layers, attended by the model's own SDPA.
 
     Parameters
     ----------
@@ -150,16 +207,17 @@ class GraphSubspaceCache(Cache):
         The model's config.
     states : StateFactory or sequence of SubspaceState
         A factory (e.g. :class:`~subspace_ref.hf.static_states`) or one empty state per layer;
-        each layer's state must pass :func:`graph_refusals`.
+        each full-attention layer's state must pass :func:`graph_refusals` (checked here).
     max_cache_len : int
         Tokens the cache holds (prompt and generated), allocated on the first update.
 
     Raises
     ------
     ValueError
-        On a bad ``max_cache_len`` or a state count other than the layer count.
+        On a bad ``max_cache_len``, a state count other than the layer count, or a state that
+        already holds tokens.
     subspace_ref.capabilities.NotSupportedError
-        At a layer's first update, if its state is refused (the reasons named).
+        If a layer's state or the model is refused (:func:`model_graph_refusals`, the reasons named).
 
     Examples
     --------
@@ -187,7 +245,11 @@ class GraphSubspaceCache(Cache):
             self.factory, self.given = None, list(states)
             if len(self.given) != text.num_hidden_layers:
                 raise ValueError(f"{len(self.given)} states given for a model of {text.num_hidden_layers} layers")
+            if any(isinstance(s, SubspaceState) and s.num_tokens for s in self.given):
+                raise ValueError("states: a GraphSubspaceCache takes empty states (its coefficients start at slot 0)")
+        require(model_graph_refusals(config, states), "a GraphSubspaceCache does not hold")  # before any forward writes
         self.config = config
+        self.max_cache_len = max_cache_len
         types, kwargs = get_layer_types_and_kwargs(text)
         layers = [
             GraphSubspaceLayer(max_cache_len, i, self) if kind == "full_attention" else STATIC_LAYER_TYPE_MAPPING[kind](max_cache_len=max_cache_len, **kw)
@@ -203,26 +265,37 @@ class GraphSubspaceCache(Cache):
 
     def bases(self, spec: StateSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(B (H, r, d), E (H, r_v, d_v), γ (H,)) of layer ``spec.layer_idx``'s state, decoded
-        from their stored format (spec/storage.md S2); NotSupportedError if the state is refused."""
+        from their stored format (spec/storage.md S2)."""
         state = self.factory(spec) if self.factory is not None else self.given[spec.layer_idx]
         require(graph_refusals(state), f"layer {spec.layer_idx}: a GraphSubspaceCache does not hold")
-        if state.heads != spec.heads or state.d != spec.head_dim:
-            raise ValueError(f"layer {spec.layer_idx}: the state has {state.heads} heads of size {state.d}, the model {spec.heads} of size {spec.head_dim}")
+        if (state.heads, state.d, state.d_v) != (spec.heads, spec.head_dim, spec.value_dim):
+            raise ValueError(f"layer {spec.layer_idx}: the state has {state.heads} heads of size {state.d}/{state.d_v}, "
+                             f"the model {spec.heads} of size {spec.head_dim}/{spec.value_dim}")
         lay = decoded_state(state).layout
         to_np = lambda x: np.asarray(x.detach().cpu() if isinstance(x, torch.Tensor) else x)  # noqa: E731
         return to_np(lay.key_bases[0, :, 0]), to_np(lay.value_bases[0, :, 0]), to_np(lay.gamma)
 
     def rewind(self, layer_idx: int, tokens: int) -> None:
-        """Take the last ``tokens`` back from layers ``0..layer_idx``: what a forward failing in
-        layer ``layer_idx``'s attention had written (every earlier layer's update ran)."""
-        for layer in self.layers[: layer_idx + 1]:
-            if layer.is_initialized:
+        """Take the last ``tokens`` back from layers ``0..layer_idx``: what a forward failing at
+        layer ``layer_idx`` had written (every earlier layer's update ran). RuntimeError, after
+        rewinding the rest, if a sliding layer has already dropped tokens it cannot give back."""
+        lost = []
+        for i, layer in enumerate(self.layers[: layer_idx + 1]):
+            if not layer.is_initialized:
+                continue
+            if layer.is_croppable:
                 layer.crop(-tokens)
+            else:
+                lost.append(i)
+        if lost:
+            raise RuntimeError(f"layers {lost}: their sliding windows dropped tokens that cannot be restored; call cache.reset() before reusing the cache")
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the allocated coefficients (the capacity, not the tokens written)."""
-        return sum(t.numel() * t.element_size() for layer in self.layers if layer.is_initialized for t in (layer.keys, layer.values))
+        """Bytes held: the allocated coefficients (the capacity, not the tokens written) and the
+        bases, as :attr:`SubspaceCache.nbytes` counts bases."""
+        held = ("keys", "values", "key_basis", "value_basis", "gamma")
+        return sum(t.numel() * t.element_size() for layer in self.layers if layer.is_initialized for t in (getattr(layer, n, None) for n in held) if t is not None)
 
 
-__all__ = ["GraphSubspaceCache", "GraphSubspaceLayer", "graph_refusals"]
+__all__ = ["GraphSubspaceCache", "GraphSubspaceLayer", "graph_refusals", "layer_spec", "model_graph_refusals"]

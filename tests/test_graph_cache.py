@@ -354,3 +354,23 @@ def test_graph_decode_benchmark_runs_on_the_cpu(tmp_path):
     assert [r["cache"].split(" ")[0] for r in rows] == ["DynamicCache", "StaticCache", "GraphSubspaceCache", "GraphSubspaceCache", "SubspaceCache"]
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
     assert rows[2]["bytes"] < rows[1]["bytes"]  # r + r_v = 16 of d + d_v = 256 per token and head
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: generate compiles the graph cache's step with CUDA graphs there only")
+def test_cuda_generate_decodes_through_the_compiled_graph():
+    """On CUDA, ``compress(...).generate`` picks the graph cache by default and transformers
+    compiles its decode step (mode="reduce-overhead": CUDA graphs): the tokens of the eager
+    SubspaceCache on the same device, at margins checked first."""
+    model = make_model("llama", torch.float32).cuda()
+    bases = random_bases(model)
+    ids = ids_of(10, 14).cuda()
+    with compress(model, bases, graph=False) as kv:
+        eager = kv.generate(ids, max_new_tokens=8, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    assert min(float(torch.topk(s[0], 2).values.diff().abs()) for s in eager.scores) > 1e-3
+    torch._dynamo.reset()
+    with compress(model, bases) as kv:
+        assert kv.uses_graph()
+        graph = kv.generate(ids, max_new_tokens=8, do_sample=False)
+    assert hasattr(model, "_compiled_call")
+    assert torch.equal(graph, eager.sequences)

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 import subspace_ref as sr
-from subspace_ref.hf import GraphSubspaceCache, SubspaceCache, compress, static_states
+from subspace_ref.hf import SubspaceCache, compress, static_states
 from subspace_ref.workloads import random_static_bases
 
 
@@ -74,7 +74,7 @@ def tensor_nbytes(x) -> int:
 
 def cache_bytes(cache) -> int:
     """Bytes a cache holds: a subspace cache's own count (bases included), else its layers' tensors."""
-    if isinstance(cache, (SubspaceCache, GraphSubspaceCache)):
+    if hasattr(cache, "nbytes"):  # SubspaceCache, GraphSubspaceCache
         return cache.nbytes
     held = ("keys", "values", "_quantized_keys", "_quantized_values")
     return sum(tensor_nbytes(x) for layer in cache.layers for x in (getattr(layer, name, None) for name in held) if isinstance(x, torch.Tensor))

@@ -46,7 +46,13 @@ class Geometry:
 
     @classmethod
     def of_model(cls, model, context: int, float_bytes: int = 2) -> "Geometry":
-        c = model.config
+        return cls.of_config(model.config, context, float_bytes)
+
+    @classmethod
+    def of_config(cls, config, context: int, float_bytes: int = 2) -> "Geometry":
+        """The geometry of a transformers config (its text config): KV heads and head size as
+        transformers computes them."""
+        c = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         heads = c.num_attention_heads
         d = getattr(c, "head_dim", None) or c.hidden_size // heads
         return cls(c.num_hidden_layers, getattr(c, "num_key_value_heads", None) or heads, d, d, int(context), float_bytes)

@@ -31,6 +31,7 @@ from transformers.cache_utils import STATIC_LAYER_TYPE_MAPPING, Cache, StaticLay
 from transformers.utils import is_torchdynamo_compiling
 
 from subspace_ref.basis_storage import decoded_state
+from subspace_ref.byte_convention import Geometry
 from subspace_ref.capabilities import NotSupportedError, require
 from subspace_ref.formats import FLOAT
 from subspace_ref.hf import attention as _attn
@@ -60,11 +61,8 @@ def graph_refusals(state) -> list[str]:
 def layer_spec(config, layer_idx: int, batch: int = 1, dtype=torch.float32, device=None) -> StateSpec:
     """The :class:`StateSpec` a cache gives layer ``layer_idx``'s factory for a model of
     ``config`` (KV heads and head size from its text config, as transformers computes them)."""
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    return StateSpec(layer_idx, batch, kv_heads, head_dim, head_dim, dtype, torch.device(device or "cpu"))
+    geom = Geometry.of_config(config, 0)
+    return StateSpec(layer_idx, batch, geom.kv_heads, geom.head_dim, geom.value_dim, dtype, torch.device(device or "cpu"))
 
 
 def model_graph_refusals(config, states: StateFactory | Sequence[Any]) -> list[str]:
@@ -265,9 +263,8 @@ class GraphSubspaceCache(Cache):
 
     def bases(self, spec: StateSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(B (H, r, d), E (H, r_v, d_v), γ (H,)) of layer ``spec.layer_idx``'s state, decoded
-        from their stored format (spec/storage.md S2)."""
+        from their stored format (spec/storage.md S2); the constructor refused what it cannot hold."""
         state = self.factory(spec) if self.factory is not None else self.given[spec.layer_idx]
-        require(graph_refusals(state), f"layer {spec.layer_idx}: a GraphSubspaceCache does not hold")
         if (state.heads, state.d, state.d_v) != (spec.heads, spec.head_dim, spec.value_dim):
             raise ValueError(f"layer {spec.layer_idx}: the state has {state.heads} heads of size {state.d}/{state.d_v}, "
                              f"the model {spec.heads} of size {spec.head_dim}/{spec.value_dim}")

@@ -28,11 +28,10 @@ import sys
 import numpy as np
 import pytest
 
+from tests.triton_interpreter import _interpreter_environment, load_kernels  # noqa: F401  (an autouse fixture)
+
 torch = pytest.importorskip("torch")
-pytest.importorskip("triton")
-_SET_HERE = not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ
-if _SET_HERE:
-    os.environ["TRITON_INTERPRET"] = "1"
+_AVAILABLE, DEVICE, (_tl, decode, project) = load_kernels("_tl", "decode", "project")
 
 import subspace_ref as sr  # noqa: E402
 from subspace_ref.formats import MIXED_FORMATS  # noqa: E402
@@ -47,22 +46,8 @@ from subspace_ref_triton._common import interpreting  # noqa: E402
 from tests.differential.tolerance import reference_error  # noqa: E402
 from tests.triton_numerics import gpu_numerics  # noqa: E402
 
-try:
-    _AVAILABLE = TritonBackend().availability()
-    if _AVAILABLE:
-        from subspace_ref_triton import _tl, decode, project  # decorated now, for the interpreter or the GPU
-    DEVICE = "cpu" if interpreting() else "cuda"
-finally:
-    if _SET_HERE:
-        del os.environ["TRITON_INTERPRET"]
 pytestmark = pytest.mark.skipif(not _AVAILABLE, reason=f"triton backend unavailable: {_AVAILABLE.reason}")
 
-
-@pytest.fixture(autouse=True)
-def _interpreter_environment(monkeypatch):
-    """TRITON_INTERPRET=1 during this module's tests when the module set it for its import."""
-    if _SET_HERE:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

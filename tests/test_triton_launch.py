@@ -9,37 +9,22 @@ that would synchronise with the device or allocate, with the launches recorded i
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
+from tests.triton_interpreter import _interpreter_environment, load_kernels  # noqa: F401  (an autouse fixture)
+
 torch = pytest.importorskip("torch")
-pytest.importorskip("triton")
-_SET_HERE = not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ
-if _SET_HERE:
-    os.environ["TRITON_INTERPRET"] = "1"
+_AVAILABLE, DEVICE, (decode, project, workspace) = load_kernels("decode", "project", "workspace")
 
 from subspace_ref.layout import PackedLayout  # noqa: E402
-from subspace_ref_triton import TritonBackend, occupancy  # noqa: E402
-from subspace_ref_triton._common import Launch, interpreting  # noqa: E402
+from subspace_ref_triton import occupancy  # noqa: E402
+from subspace_ref_triton._common import Launch  # noqa: E402
 
-try:
-    _AVAILABLE = TritonBackend().availability()
-    if _AVAILABLE:
-        from subspace_ref_triton import decode, project, workspace  # decorated now, for the interpreter or the GPU
-    DEVICE = "cpu" if interpreting() else "cuda"
-finally:
-    if _SET_HERE:
-        del os.environ["TRITON_INTERPRET"]
 needs_triton = pytest.mark.skipif(not _AVAILABLE, reason=f"triton backend unavailable: {_AVAILABLE.reason}")
 
-
-@pytest.fixture(autouse=True)
-def _interpreter_environment(monkeypatch):
-    if _SET_HERE:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 # ------------------------------------------------------------------------------ the guard

@@ -9,38 +9,23 @@ CPU flash operator for SDPA).
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
 
+from tests.triton_interpreter import _interpreter_environment, load_kernels  # noqa: F401  (an autouse fixture)
+
 torch = pytest.importorskip("torch")
-pytest.importorskip("triton")
-_SET_HERE = not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ
-if _SET_HERE:
-    os.environ["TRITON_INTERPRET"] = "1"
+_AVAILABLE, DEVICE, _ = load_kernels()
 
 import subspace_ref as sr  # noqa: E402
-from subspace_ref_triton import TritonBackend  # noqa: E402
-from subspace_ref_triton._common import interpreting  # noqa: E402
 
 from tests.differential.cases import Case, build  # noqa: E402
 from tests.differential.harness import Target, backend_state, to_backend  # noqa: E402
 from tests.differential.tolerance import reference_error, tolerance  # noqa: E402
 
-try:
-    _AVAILABLE = TritonBackend().availability()
-    DEVICE = "cpu" if interpreting() else "cuda"
-finally:
-    if _SET_HERE:
-        del os.environ["TRITON_INTERPRET"]
 pytestmark = pytest.mark.skipif(not _AVAILABLE, reason=f"triton backend unavailable: {_AVAILABLE.reason}")
 
-
-@pytest.fixture(autouse=True)
-def _interpreter_environment(monkeypatch):
-    if _SET_HERE:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 SERVED = [

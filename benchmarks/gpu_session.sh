@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The prepared GPU session of issue 38 (docs/gpu.md, "Static budgets"): at most 8 minutes on one
-# H100/H200 under `timeout 480` (the steps' own timeouts add up to 856 s, 716 s without step 1b; the two calls of 2026-11-28 took 278
+# H100/H200 under `timeout 480` (the steps' own timeouts add up to 886 s, 746 s without step 1b; the two calls of 2026-11-28 took 278
 # and 326 s before step 3b was added), each writing under $OUT; a failing step does not
 # stop the next. Run from the repository root: OUT=gpu_results bash benchmarks/gpu_session.sh
 set -uo pipefail
@@ -25,7 +25,7 @@ PY=${PYTHON:-python}
 #    instead of killing the run (docs/gpu.md, "Fifth-pass kernels timed").
 XDIST=$($PY -c "import xdist" 2> /dev/null && echo "-n 14")
 PER_TEST=$($PY -c "import pytest_timeout" 2> /dev/null && echo "--timeout=60")
-timeout 150 $PY -m pytest -v $XDIST $PER_TEST tests/test_triton_vendor.py tests/test_triton_fused_merge.py tests/test_triton_launch.py tests/test_graph_cache.py \
+timeout 150 $PY -m pytest -v $XDIST $PER_TEST tests/test_triton_vendor.py tests/test_triton_fused_merge.py tests/test_triton_launch.py tests/test_graph_cache.py tests/test_graph_kernel_decode.py \
   tests/test_rope_decode.py tests/test_triton_kernels.py -k "Decode or LowBit or rope or Rope or graph or Workspace or vendor or refused or float32_states or fused or cuda" -p no:cacheprovider --junitxml="$OUT/tests.xml" > "$OUT/tests.log" 2>&1
 rc=$?
 grep -E "(FAILED|ERROR) " "$OUT/tests.log" | sed 's/^\[gw[0-9]*\] *\[ *[0-9]*%\] *//' | sort | uniq | head -40 >> "$OUT/session.txt"
@@ -58,9 +58,10 @@ timeout 50 $PY benchmarks/decode_gpu.py --out "$OUT" --batch 1 --tokens 32768 --
   > "$OUT/decode_n1.log" 2>&1
 echo "decode N=1: rc=$?" >> "$OUT/session.txt"
 
-# 3b. transformers generate through the graph cache, compiled by generate's default (CUDA graphs), against
-#     DynamicCache + SDPA and the compiled StaticCache, at T = 32k (<= 120 s; rows print as they finish)
-timeout 120 $PY benchmarks/graph_decode.py --device cuda --contexts 32768 --steps 64 --json "$OUT/graph_decode.json" > "$OUT/graph_decode.log" 2>&1
+# 3b. transformers generate through the graph cache, float and int8 (the kernel operator), compiled by
+#     generate's default (CUDA graphs), against DynamicCache + SDPA and the compiled StaticCache, at
+#     T = 32k (<= 150 s; rows print as they finish)
+timeout 150 $PY benchmarks/graph_decode.py --device cuda --contexts 32768 --steps 64 --json "$OUT/graph_decode.json" > "$OUT/graph_decode.log" 2>&1
 echo "graph decode: rc=$?" >> "$OUT/session.txt"
 
 # 4. one profiler pass per changed kernel (ncu when installed: one launch each) (<= 3 x 32 s)

@@ -5,7 +5,9 @@ transformers' own ``StaticCache`` compiled the same way, measured in the same ru
 
 Model: a random-init Llama with head size 128 (``--hidden``, ``--heads`` query heads over
 ``--kv-heads``, ``--layers``), in bfloat16 on CUDA and float32 on the CPU. Bases: random
-orthonormal, r = r_v = ``--rank`` (speed does not depend on which subspace). Each row prefills
+orthonormal, r = r_v = ``--rank`` (speed does not depend on which subspace), with float and
+int8 coefficients (``--coefficients``; int8 decodes through the Triton kernel operator where it
+runs, spec/models.md M11.6, and by SDPA over the dequantised capacity on the CPU). Each row prefills
 a random prompt of T tokens, then decodes ``--steps`` greedy tokens; a logits processor stamps
 the time of every step (after a device synchronisation), and the row reports the median step.
 Compiled rows run ``generate`` once untimed first (the compile and the graph capture), on the
@@ -94,6 +96,7 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--rank", type=int, default=32)
+    p.add_argument("--coefficients", nargs="+", default=["float", "int8"], choices=["float", "int8"])
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
@@ -106,7 +109,8 @@ def main() -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.set_num_threads(1) if device.type == "cpu" else None
     model = make_model(args, device, dtype)
-    factory = static_states(random_static_bases(args.layers, args.kv_heads, 128, args.rank))
+    bases = random_static_bases(args.layers, args.kv_heads, 128, args.rank)
+    factories = {coef: static_states(bases, coefficients=coef) for coef in args.coefficients}
     compiled = CompileConfig()  # transformers' default: inductor, mode="reduce-overhead" (CUDA graphs on CUDA)
     compiled._compile_all_devices = device.type != "cuda"
     backend = "triton" if device.type == "cuda" else "torch"
@@ -119,10 +123,13 @@ def main() -> None:
         runs = {
             "DynamicCache + SDPA (eager)": (lambda: DynamicCache(config=model.config), None, False, "sdpa"),
             "StaticCache (compiled)": (lambda: StaticCache(config=model.config, max_cache_len=capacity), compiled, True, "sdpa"),
-            f"GraphSubspaceCache r={args.rank} (compiled)": (lambda: GraphSubspaceCache(model.config, factory, max_cache_len=capacity), compiled, True, None),
-            f"GraphSubspaceCache r={args.rank} (eager)": (lambda: GraphSubspaceCache(model.config, factory, max_cache_len=capacity), None, False, None),
-            f"SubspaceCache r={args.rank} ({backend}, eager)": (lambda: SubspaceCache(model.config, factory, backend=backend), None, False, None),
         }
+        for coef, factory in factories.items():
+            graph_cache = lambda factory=factory: GraphSubspaceCache(model.config, factory, max_cache_len=capacity)  # noqa: E731
+            runs[f"GraphSubspaceCache r={args.rank} {coef} (compiled)"] = (graph_cache, compiled, True, None)
+            if coef == "float":  # the step's host overhead, which the graph removes
+                runs[f"GraphSubspaceCache r={args.rank} {coef} (eager)"] = (graph_cache, None, False, None)
+            runs[f"SubspaceCache r={args.rank} {coef} ({backend}, eager)"] = (lambda factory=factory: SubspaceCache(model.config, factory, backend=backend), None, False, None)
         base = None
         for name, (make, config, warm, impl) in runs.items():
             model.set_attn_implementation(impl) if impl else use_subspace_attention(model)
@@ -130,7 +137,7 @@ def main() -> None:
             try:
                 seconds, nbytes = time_generate(model, ids, make, args.steps, config, warm)
             except Exception as exc:  # one failing row must not lose the others
-                print(f"  T={T:6d} {name:38s} failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                print(f"  T={T:6d} {name:44s} failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                 rows.append(dict(context=T, cache=name, error=f"{type(exc).__name__}: {exc}"))
                 continue
             row = dict(context=T, cache=name, step_us=seconds * 1e6, tokens_per_s=1.0 / seconds, bytes=nbytes)
@@ -140,7 +147,7 @@ def main() -> None:
                 row["speed_ratio"] = row["tokens_per_s"] / base["tokens_per_s"]
                 ratio = f"({row['speed_ratio']:.2f}x)"
             rows.append(row)
-            print(f"  T={T:6d} {name:38s} {row['step_us']:9.1f} us/step {row['tokens_per_s']:8.1f} tok/s {ratio:8s}"
+            print(f"  T={T:6d} {name:44s} {row['step_us']:9.1f} us/step {row['tokens_per_s']:8.1f} tok/s {ratio:8s}"
                   f"  cache {nbytes / 2**20:8.1f} MiB", flush=True)
     if args.json:
         with open(args.json, "w") as f:

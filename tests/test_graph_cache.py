@@ -86,6 +86,38 @@ def test_graph_cache_matches_the_oracle_cache(family):
     assert torch.equal(graph_tokens, oracle_tokens)
 
 
+@pytest.mark.parametrize("coefficients", ["int8", ("float", "int8")], ids=["int8", "float-int8"])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_int8_graph_cache_matches_the_oracle_cache(family, coefficients):
+    """int8 sides (spec A10): codes and scales written per token, read back as q·s by the SDPA
+    form (M11.2; float64 models have no kernel), equal to the numpy cache of the same states at
+    the float64 tolerances of test_graph_cache_matches_the_oracle_cache."""
+    model = make_model(family)
+    factory = static_states(random_bases(model), coefficients=coefficients)
+    ids = ids_of(12, 2)
+    use_subspace_attention(model)
+    with torch.no_grad():
+        cache = GraphSubspaceCache(model.config, factory, max_cache_len=ids.shape[1] + 6)
+        graph = logits_through(model, cache, ids, 5)
+        oracle = logits_through(model, SubspaceCache(model.config, factory, backend="numpy"), ids, 5)
+    assert cache.layers[0].values.dtype == torch.int8 and cache.layers[0].value_scale is not None
+    tol = 1e-5 if family == "llama" else 1e-10
+    for a, b in zip(graph, oracle):
+        assert float((a - b).abs().max()) <= tol * float(b.abs().max())
+
+
+def test_int8_on_cuda_without_the_kernel_is_refused(monkeypatch):
+    """On CUDA an int8 layer needs the Triton kernel (M11.6): without it, it is refused by name
+    rather than dequantising the whole capacity every step; on the CPU it is held."""
+    from subspace_ref.hf import graph_cache
+
+    monkeypatch.setattr(graph_cache, "kernel_backend", lambda device, dtype: None)
+    spec = StateSpec(0, batch=1, heads=2, head_dim=16, value_dim=16, dtype=torch.float32, device=torch.device("cpu"))
+    state = static_states(random_static_bases(1, 2, 16, RANK), coefficients="int8")(spec)
+    assert graph_refusals(state) == graph_refusals(state, "cpu") == []
+    assert any("on CUDA without the triton decode kernel" in r for r in graph_refusals(state, "cuda"))
+
+
 def test_compiled_decode_equals_eager_without_graph_breaks():
     """generate compiles the decode step of a graph cache (fullgraph=True: a break would raise)
     and gives the eager tokens; the compiled call is the one transformers made for it."""
@@ -110,7 +142,8 @@ def test_compiled_decode_equals_eager_without_graph_breaks():
 
 
 REFUSED = {
-    "int8": (dict(coefficients="int8"), "int8 coefficients"),
+    "int4": (dict(coefficients="int4"), "int4 coefficients"),
+    "int2/int8": (dict(coefficients=("int2", "int8")), "int2/int8 coefficients"),
     "window": (dict(window=4), "exact windows"),
     "pre-RoPE": (dict(rope="rope"), "pre-RoPE keys"),
 }
@@ -320,15 +353,24 @@ def test_soft_capping_models_are_refused_up_front():
             pass
 
 
-def test_auto_uses_the_graph_cache_on_cuda_only():
+def test_auto_uses_the_graph_cache_on_cuda_only(monkeypatch):
     """``graph="auto"`` (the default) picks the graph cache for a CUDA device when every state
-    qualifies and no SubspaceCache option is given; never on the CPU. Decided without CUDA."""
+    qualifies and no SubspaceCache option is given; never on the CPU. Decided without CUDA:
+    int8 states qualify on CUDA when the Triton kernel runs there (M11.6), low-bit ones never."""
+    from subspace_ref.hf import graph_cache
+
     model = make_model("llama")
     bases = random_bases(model)
     with compress(model, bases) as kv:
         assert kv.uses_graph("cuda") and not kv.uses_graph("cpu") and not kv.uses_graph()
     with compress(model, bases, backend="numpy") as kv:
         assert not kv.uses_graph("cuda")
+    monkeypatch.setattr(graph_cache, "kernel_backend", lambda device, dtype: object())
+    with compress(model, static_states(bases, coefficients="int8")) as kv:
+        assert kv.uses_graph("cuda") and not kv.uses_graph("cpu")
+    with compress(model, static_states(bases, coefficients="int4")) as kv:
+        assert not kv.uses_graph("cuda")
+    monkeypatch.setattr(graph_cache, "kernel_backend", lambda device, dtype: None)
     with compress(model, static_states(bases, coefficients="int8")) as kv:
         assert not kv.uses_graph("cuda")
     with compress(model, bases, graph=True) as kv:
@@ -351,19 +393,24 @@ def test_graph_decode_benchmark_runs_on_the_cpu(tmp_path):
     run = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [r["cache"].split(" ")[0] for r in rows] == ["DynamicCache", "StaticCache", "GraphSubspaceCache", "GraphSubspaceCache", "SubspaceCache"]
+    names = [r["cache"] for r in rows]
+    assert names == ["DynamicCache + SDPA (eager)", "StaticCache (compiled)", "GraphSubspaceCache r=8 float (compiled)", "GraphSubspaceCache r=8 float (eager)",
+                     "SubspaceCache r=8 float (torch, eager)", "GraphSubspaceCache r=8 int8 (compiled)", "SubspaceCache r=8 int8 (torch, eager)"]
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
     assert rows[2]["bytes"] < rows[1]["bytes"]  # r + r_v = 16 of d + d_v = 256 per token and head
+    assert rows[5]["bytes"] < rows[2]["bytes"]  # int8 codes and a float32 scale per token: 2 (8 + 4) against 2 * 8 * 4 bytes
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: generate compiles the graph cache's step with CUDA graphs there only")
-def test_cuda_generate_decodes_through_the_compiled_graph():
+@pytest.mark.parametrize("coefficients", ["float", "int8"])
+def test_cuda_generate_decodes_through_the_compiled_graph(coefficients):
     """On CUDA, ``compress(...).generate`` picks the graph cache by default and transformers
-    compiles its decode step (mode="reduce-overhead": CUDA graphs): the tokens of the eager
-    SubspaceCache on the same device, at margins checked first."""
+    compiles its decode step (mode="reduce-overhead": CUDA graphs; int8 through the kernel
+    operator, M11.6): the tokens of the eager SubspaceCache on the same device, at margins
+    checked first."""
     model = make_model("llama", torch.float32).cuda()
-    bases = random_bases(model)
+    bases = static_states(random_bases(model), coefficients=coefficients)
     ids = ids_of(10, 14).cuda()
     with compress(model, bases, graph=False) as kv:
         eager = kv.generate(ids, max_new_tokens=8, do_sample=False, output_scores=True, return_dict_in_generate=True)

@@ -11,6 +11,8 @@ whether it will run compiled (GPU) or on the CPU interpreter (``TRITON_INTERPRET
   A7 steps 1-2): ``project_append`` and ``project_append_reference``;
 * :mod:`subspace_ref_triton.workspace` -- ``DecodeWorkspace``, a decode step that a CUDA graph
   can capture (device-resident token count, preallocated partials);
+  :mod:`subspace_ref_triton.graph_op` -- the same step as the torch operator
+  ``subspace_ref_triton::workspace_decode``, which a compiled step calls without a graph break;
 * :mod:`subspace_ref_triton.occupancy` -- resident programs per SM and the split count that
   fills the device once; :mod:`subspace_ref_triton.compile_report` and
   :mod:`subspace_ref_triton.gpu_report` -- ``subspace-kv gpu-report``, the kernels compiled for

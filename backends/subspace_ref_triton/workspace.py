@@ -37,7 +37,8 @@ class DecodeWorkspace:
     (N, H_q, d) in ``dtype`` over ``layout`` (a torch :class:`~subspace_ref.layout.PackedLayout`
     at its final capacity)."""
 
-    def __init__(self, layout, query_heads: int, dtype, scale: float | None = None, num_splits: int | None = None, fused_merge: bool = False):
+    def __init__(self, layout, query_heads: int, dtype, scale: float | None = None, num_splits: int | None = None, fused_merge: bool = False,
+                 num_tokens=None):
         if any(layout.side_format(which).low_bits for which in ("key", "value")):
             # an int4/int2 append writes the unfinished key group into a new key_tail tensor
             # (spec/quantization.md Q2.1), whose address a captured graph would not follow
@@ -47,7 +48,8 @@ class DecodeWorkspace:
         self.layout = layout
         self.device = layout.key_coef.device
         self.scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-        self.num_tokens = torch.full((1,), int(layout.num_tokens), dtype=torch.int64, device=self.device)
+        # the count is the caller's when given (a cache's own device count, advanced by its appends)
+        self.num_tokens = torch.full((1,), int(layout.num_tokens), dtype=torch.int64, device=self.device) if num_tokens is None else num_tokens
         q_shape = (N, query_heads, d)
         if num_splits is None:
             probe = torch.empty(q_shape, dtype=dtype, device=self.device)
@@ -65,21 +67,26 @@ class DecodeWorkspace:
         # one launch for split + merge (decode.fused_launch), off by default: not yet timed
         self.counters = torch.zeros(N * H, dtype=torch.int32, device=self.device) if fused_merge else None
 
-    def launches(self, q):
+    def launches(self, q, layout=None, num_tokens=None):
         """The split and merge launches of one step over ``q`` (built, not run); with
-        ``fused_merge`` the one split launch that also merges."""
+        ``fused_merge`` the one split launch that also merges. ``layout`` and ``num_tokens``
+        replace the workspace's own for this step: tensors of the same shapes and dtypes (what
+        a compiled graph hands an operator in place of the buffers it reads)."""
+        layout = self.layout if layout is None else layout
+        num_tokens = self.num_tokens if num_tokens is None else num_tokens
         if self.counters is not None:
-            split, _ = decode.split_launch(q, self.layout, self.scale, 0, self.num_splits, num_tokens=self.num_tokens, outputs=self.partials,
+            split, _ = decode.split_launch(q, layout, self.scale, 0, self.num_splits, num_tokens=num_tokens, outputs=self.partials,
                                            fused=(self.out, self.counters))
             return (split,)
-        split, _ = decode.split_launch(q, self.layout, self.scale, 0, self.num_splits, num_tokens=self.num_tokens, outputs=self.partials)
+        split, _ = decode.split_launch(q, layout, self.scale, 0, self.num_splits, num_tokens=num_tokens, outputs=self.partials)
         merge, _ = decode.merge_launch(*self.partials, self.out.dtype, out=self.out)
         return split, merge
 
-    def attend(self, q):
+    def attend(self, q, layout=None, num_tokens=None):
         """Spec A3 of q (N, H_q, d) over the first ``num_tokens`` tokens: ``self.out``, overwritten
-        by every call. No allocation, no host sync; q must have the workspace's shape and dtype."""
-        for launch in self.launches(q):
+        by every call. No allocation, no host sync; q must have the workspace's shape and dtype.
+        ``layout``, ``num_tokens``: as :meth:`launches`."""
+        for launch in self.launches(q, layout, num_tokens):
             launch.run()
         return self.out
 

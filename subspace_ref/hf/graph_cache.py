@@ -3,25 +3,30 @@ whole, so transformers' ``generate`` decodes through a captured CUDA graph (issu
 spec/models.md M11).
 
 A :class:`~subspace_ref.hf.SubspaceCache` appends and attends in Python between graph breaks.
-This cache holds what a static post-RoPE state with float coefficients holds, and nothing
-that needs Python at run time:
+This cache holds what a static post-RoPE state with float or int8 coefficients holds, and
+nothing that needs Python at run time:
 
-* per layer, the coefficients ``C = K Bᵀ`` and ``D = V Eᵀ`` in preallocated
-  (batch, H, capacity, r) tensors at fixed addresses, written in place at the token count (a
-  device tensor), as transformers' ``StaticLayer`` writes keys and values;
+* per layer, the coefficients ``C = K Bᵀ`` and ``D = V Eᵀ`` (int8 sides: their codes and
+  per-token scales, spec A10) in preallocated (batch, H, capacity, ·) tensors at fixed
+  addresses, written in place at the token count (a device tensor), as transformers'
+  ``StaticLayer`` writes keys and values;
 * attention is spec A2 as exact attention over ``(γ B q, C, D)`` with head size r and scale
   1/√d: one ``scaled_dot_product_attention`` call over the written slots, then ``E`` maps the
   r_v-vector back to d_v (the vendor path of ``subspace_ref_triton.vendor``, on every device).
+  A layer with an int8 side decodes one token through the Triton decode kernel instead, as a
+  torch operator (``subspace_ref_triton.graph_op``; M11.6) where the kernel runs, so that the
+  step reads the codes and not a dequantised copy of the capacity.
 
 transformers compiles ``generate``'s decode step for caches whose ``is_compileable`` is True,
 on CUDA by default with ``mode="reduce-overhead"``, which captures CUDA graphs. Other state
-kinds (online bases, pre-RoPE keys, quantised coefficients, exact windows, per-query-head
+kinds (online bases, pre-RoPE keys, int4/int2 coefficients, exact windows, per-query-head
 bases) are refused with the reasons (:func:`graph_refusals`): they keep the SubspaceCache.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -36,11 +41,25 @@ from subspace_ref.capabilities import NotSupportedError, require
 from subspace_ref.formats import FLOAT
 from subspace_ref.hf import attention as _attn
 from subspace_ref.hf.state_factories import StateFactory, StateSpec
+from subspace_ref.quantization import dequantize_rows, quantize_rows
 from subspace_ref.state import SubspaceState
 
 
-def graph_refusals(state) -> list[str]:
-    """Why ``state`` cannot be held by a :class:`GraphSubspaceCache` ([] when it can; spec/models.md M11.4)."""
+def kernel_backend(device, dtype):
+    """The Triton backend when its decode kernel runs on ``device`` for a model in ``dtype``
+    (CUDA; the CPU under ``TRITON_INTERPRET=1``), else None (spec/models.md M11.6)."""
+    from subspace_ref.registry import backend_availability, get_backend
+
+    if not backend_availability("triton"):
+        return None
+    backend = get_backend("triton")
+    return backend if torch.device(device).type in backend.devices and str(dtype).removeprefix("torch.") in backend.dtypes else None
+
+
+def graph_refusals(state, device=None) -> list[str]:
+    """Why ``state`` cannot be held by a :class:`GraphSubspaceCache` ([] when it can; spec/models.md
+    M11.4); with ``device``, also what that device lacks (int8 coefficients on CUDA need the
+    Triton kernel, M11.6)."""
     if not isinstance(state, SubspaceState):
         return [f"{type(state).__name__}: heads of different configurations are decoded by the SubspaceCache"]
     reasons = []
@@ -51,8 +70,11 @@ def graph_refusals(state) -> list[str]:
     if getattr(state.policy, "query_group", None) is not None:
         reasons.append("bases per query head (spec/sharing.md A3)")
     lay = state.layout
-    if lay.key_format != FLOAT or lay.value_format != FLOAT:
-        reasons.append(f"{lay.coefficients} coefficients (float only: a quantised capacity would be dequantised whole every step)")
+    formats = [lay.side_format(which) for which in ("key", "value")]
+    if not all(f.name == FLOAT or f.per_token_scale for f in formats):
+        reasons.append(f"{lay.coefficients} coefficients (float or int8 only: a low-bit append replaces the key group's tail, spec/quantization.md Q2.1)")
+    elif any(f.per_token_scale for f in formats) and device is not None and torch.device(device).type == "cuda" and kernel_backend(device, state.dtype) is None:
+        reasons.append(f"{lay.coefficients} coefficients on CUDA without the triton decode kernel for {state.dtype} (the whole capacity would be dequantised every step)")
     if state.window is not None:
         reasons.append("exact windows, sinks or a compression threshold (spec/window.md) move tokens between parts while decoding")
     return reasons
@@ -65,10 +87,10 @@ def layer_spec(config, layer_idx: int, batch: int = 1, dtype=torch.float32, devi
     return StateSpec(layer_idx, batch, geom.kv_heads, geom.head_dim, geom.value_dim, dtype, torch.device(device or "cpu"))
 
 
-def model_graph_refusals(config, states: StateFactory | Sequence[Any]) -> list[str]:
-    """:func:`graph_refusals` of the state each full-attention layer of a model of ``config``
-    gets from ``states`` (a factory, called with :func:`layer_spec`, or one state per layer),
-    each prefixed with its layer, and the model's own (soft-capped attention, M11.4)."""
+def model_graph_refusals(config, states: StateFactory | Sequence[Any], device=None) -> list[str]:
+    """:func:`graph_refusals` (on ``device`` when given) of the state each full-attention layer of
+    a model of ``config`` gets from ``states`` (a factory, called with :func:`layer_spec`, or one
+    state per layer), each prefixed with its layer, and the model's own (soft-capped attention, M11.4)."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     reasons = []
     if getattr(text, "attn_logit_softcapping", None):  # Gemma2: its attention call passes softcap, which SDPA does not apply
@@ -77,15 +99,17 @@ def model_graph_refusals(config, states: StateFactory | Sequence[Any]) -> list[s
     for i, kind in enumerate(types):
         if kind == "full_attention":
             state = states(layer_spec(config, i)) if callable(states) else states[i]
-            reasons += [f"layer {i}: {r}" for r in graph_refusals(state)]
+            reasons += [f"layer {i}: {r}" for r in graph_refusals(state, device)]
     return reasons
 
 
 class GraphSubspaceLayer(StaticLayer):
     """One layer of a :class:`GraphSubspaceCache`: transformers' ``StaticLayer`` whose ``keys``
     and ``values`` hold the coefficients C (batch, H, capacity, r) and D (batch, H, capacity,
-    r_v) in the model's dtype, with the bases B (H, r, d), E (H, r_v, d_v) and γ (H,) of a
-    static state (spec A2). Built by the cache from its states on the first ``update``."""
+    r_v) in the model's dtype, or, for an int8 side, its codes with ``key_scale`` /
+    ``value_scale`` (batch, H, capacity) float32 (spec A10), with the bases B (H, r, d),
+    E (H, r_v, d_v) and γ (H,) of a static state (spec A2). Built by the cache from its states
+    on the first ``update``."""
 
     is_compileable = True
 
@@ -93,38 +117,70 @@ class GraphSubspaceLayer(StaticLayer):
         super().__init__(max_cache_len=max_cache_len)
         self.layer_idx = layer_idx
         self.cache = cache
+        self.key_scale = self.value_scale = None
+        self.kernel_layout = None  # the Triton kernel's view of the tensors above (M11.6), when the kernel runs here
+        self.workspace = self.workspace_handle = None
+        self.all_visible = True  # no mask has hidden a written slot (M11.6: the kernel reads slots 0..T-1)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         N, H, _, d = key_states.shape
         spec = StateSpec(self.layer_idx, N, H, d, value_states.shape[-1], key_states.dtype, key_states.device)
-        key_basis, value_basis, gamma = self.cache.bases(spec)
-        self.device, self.batch_size, self.num_heads = key_states.device, N, H
+        state = self.cache.state(spec)
+        lay = decoded_state(state).layout
+        self.device, self.batch_size, self.num_heads, self.dtype = key_states.device, N, H, key_states.dtype
         # the state dtype (StateSpec.state_dtype): float64 for a float64 model, else float32 sums over 16-bit operands
         self.compute_dtype = torch.float64 if key_states.dtype == torch.float64 else torch.float32
         exact = dict(dtype=self.compute_dtype, device=self.device)
-        self.key_basis, self.value_basis = torch.as_tensor(key_basis, **exact), torch.as_tensor(value_basis, **exact)
-        self.gamma = torch.as_tensor(gamma, **exact)
+        to_tensor = lambda x: torch.as_tensor(np.asarray(x.detach().cpu() if isinstance(x, torch.Tensor) else x), **exact)  # noqa: E731
+        self.key_basis, self.value_basis = to_tensor(lay.key_bases[0, :, 0]), to_tensor(lay.value_bases[0, :, 0])
+        self.gamma = to_tensor(lay.gamma)
         self.k_head_dim, self.v_head_dim = self.key_basis.shape[1], self.value_basis.shape[1]
-        self.keys = torch.zeros((N, H, self.max_cache_len, self.k_head_dim), dtype=key_states.dtype, device=self.device)
-        self.values = torch.zeros((N, H, self.max_cache_len, self.v_head_dim), dtype=value_states.dtype, device=self.device)
+        self.keys, self.key_scale = self._side_tensors(lay.side_format("key"), self.k_head_dim)
+        self.values, self.value_scale = self._side_tensors(lay.side_format("value"), self.v_head_dim)
         self.slots = torch.arange(self.max_cache_len, device=self.device)
         self.cumulative_length = self.cumulative_length.to(self.device)
+        if self.key_scale is not None or self.value_scale is not None:
+            backend = kernel_backend(self.device, self.dtype)
+            if backend is None and self.device.type == "cuda":
+                raise NotSupportedError(f"layer {self.layer_idx}: the graph cache does not hold",
+                                        [f"{lay.coefficients} coefficients on CUDA without the triton decode kernel for {self.dtype} (M11.6)"])
+            if backend is not None:  # M11.6: the kernel reads these very tensors
+                half = self.dtype in (torch.float16, torch.bfloat16)  # states of half models in their dtype, as the SubspaceCache converts them
+                kernel_state = decoded_state(state.to("triton", device=self.device, dtype=self.dtype if half else self.compute_dtype))
+                self.kernel_layout = replace(kernel_state.layout, num_tokens=0, key_coef=self.keys, value_coef=self.values,
+                                             key_scale=self.key_scale, value_scale=self.value_scale)
         self._fix_addresses()
         self.is_initialized = True
+
+    def _side_tensors(self, fmt, rank: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Zeroed (batch, H, capacity, rank) coefficients of a side in ``fmt``, and its
+        (batch, H, capacity) float32 scales for int8 (spec A10), else None."""
+        shape = (self.batch_size, self.num_heads, self.max_cache_len)
+        if fmt.per_token_scale:
+            return torch.zeros((*shape, rank), dtype=torch.int8, device=self.device), torch.zeros(shape, dtype=torch.float32, device=self.device)
+        return torch.zeros((*shape, rank), dtype=self.dtype, device=self.device), None
+
+    def held(self) -> tuple[torch.Tensor, ...]:
+        """The per-sequence tensors of the layer: coefficients (or codes) and int8 scales."""
+        return tuple(t for t in (self.keys, self.values, self.key_scale, self.value_scale) if t is not None)
 
     def _fix_addresses(self) -> None:
         """Tag C with this layer (how the attention call finds it, traced by dynamo as a
         constant) and, outside a trace, mark the tensors a captured graph replays (as StaticLayer)."""
         setattr(self.keys, _attn.GRAPH_TAG, self)
         if not is_torchdynamo_compiling():
-            for t in (self.keys, self.values, self.cumulative_length, self.key_basis, self.value_basis, self.gamma, self.slots):
+            for t in (*self.held(), self.cumulative_length, self.key_basis, self.value_basis, self.gamma, self.slots):
                 torch._dynamo.mark_static_address(t)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Spec M11.1: write the coefficients of the new post-RoPE keys/values (batch, H, n, d) at
-        the token count and return the whole C and D (the attention reads the written slots only)."""
+        the token count (int8 sides: their spec A10 codes and scales) and return the whole C and
+        D (the attention reads the written slots only)."""
         if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+            try:
+                self.lazy_initialization(key_states, value_states)
+            except NotSupportedError as refused:
+                self._take_back_and_raise(self.layer_idx - 1, key_states.shape[-2], refused)
         n = key_states.shape[-2]
         if key_states.shape[:2] != self.keys.shape[:2] or key_states.shape[-1] != self.key_basis.shape[2]:
             self._take_back_and_raise(self.layer_idx - 1, n, ValueError(
@@ -132,12 +188,17 @@ class GraphSubspaceLayer(StaticLayer):
         if not is_torchdynamo_compiling() and int(self.cumulative_length) + n > self.max_cache_len:  # a compiled step has no host read: M11.5
             self._take_back_and_raise(self.layer_idx - 1, n, ValueError(
                 f"layer {self.layer_idx}: {int(self.cumulative_length)} + {n} tokens exceed max_cache_len = {self.max_cache_len}"))
-        c = torch.einsum("bhnd,hrd->bhnr", key_states.to(self.compute_dtype), self.key_basis).to(self.keys.dtype)
-        dv = torch.einsum("bhnd,hrd->bhnr", value_states.to(self.compute_dtype), self.value_basis).to(self.values.dtype)
+        c = torch.einsum("bhnd,hrd->bhnr", key_states.to(self.compute_dtype), self.key_basis)
+        dv = torch.einsum("bhnd,hrd->bhnr", value_states.to(self.compute_dtype), self.value_basis)
         positions = torch.arange(n, device=self.device) + self.cumulative_length
         self.cumulative_length.add_(n)
-        self.keys.index_copy_(2, positions, c)
-        self.values.index_copy_(2, positions, dv)
+        for coef, scale, new in ((self.keys, self.key_scale, c), (self.values, self.value_scale, dv)):
+            if scale is None:
+                coef.index_copy_(2, positions, new.to(coef.dtype))
+            else:  # spec A10, per token
+                codes, token_scale = quantize_rows(new)
+                coef.index_copy_(2, positions, codes)
+                scale.index_copy_(2, positions, token_scale)
         return self.keys, self.values
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -145,8 +206,16 @@ class GraphSubspaceLayer(StaticLayer):
         the tag and the address a captured graph replays)."""
         if self.is_initialized:
             idx = beam_idx.to(self.device)
-            self.keys.copy_(self.keys.index_select(0, idx))
-            self.values.copy_(self.values.index_select(0, idx))
+            for t in self.held():
+                t.copy_(t.index_select(0, idx))
+
+    def reset(self) -> None:
+        """Empty the layer, keeping its tensors (and so a captured graph's addresses)."""
+        super().reset()
+        for scale in (self.key_scale, self.value_scale):
+            if scale is not None:
+                scale.zero_()
+        self.all_visible = True
 
     def attention_call(self, module, query: torch.Tensor, mask: torch.Tensor | None, scaling: float | None, dropout: float, kwargs: dict) -> torch.Tensor:
         """``subspace_attention`` for this layer: refuse what M11.2 does not compute, naming it,
@@ -160,7 +229,32 @@ class GraphSubspaceLayer(StaticLayer):
             refused.append(f"no attention mask for {n} queries after {int(self.cumulative_length) - n} earlier tokens")
         if refused:
             self._take_back_and_raise(self.layer_idx, n, NotSupportedError(f"layer {self.layer_idx}: the graph cache does not support", refused))
-        return self.attend(query, mask, query.shape[-1] ** -0.5 if scaling is None else float(scaling))
+        scaling = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+        if self.kernel_layout is not None:
+            self._prepare_kernel(query, mask, scaling)
+        return self.attend(query, mask, scaling)
+
+    def _prepare_kernel(self, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> None:
+        """M11.6 bookkeeping, on the host and so in eager mode only: note a mask that hides a
+        written slot from the last query (left padding; a compiled forward of several tokens
+        counts as one, unchecked), and build the decode workspace for these queries."""
+        if is_torchdynamo_compiling():
+            if query.shape[2] > 1:
+                self.all_visible = False
+            return
+        T = int(self.cumulative_length)
+        if mask is not None and self.all_visible:
+            last = mask[..., -1, :T]
+            self.all_visible = bool(last.all() if last.dtype == torch.bool else (last == 0).all())
+        key = (query.shape[0], query.shape[1], query.dtype, scaling)
+        if self.workspace is None or self.workspace_key != key:
+            from subspace_ref_triton import graph_op
+            from subspace_ref_triton.workspace import DecodeWorkspace
+
+            self.workspace = DecodeWorkspace(self.kernel_layout, query.shape[1], query.dtype, scale=scaling, num_tokens=self.cumulative_length)
+            self.workspace_handle, self.workspace_key = graph_op.register(self.workspace), key
+            torch._dynamo.mark_static_address(self.workspace_handle)
+            self.decode_op = torch.ops.subspace_ref_triton.workspace_decode
 
     def _take_back_and_raise(self, upto: int, tokens: int, error: Exception):
         """Raise ``error`` after :meth:`GraphSubspaceCache.rewind` of layers ``0..upto`` (M11.4)."""
@@ -173,28 +267,33 @@ class GraphSubspaceLayer(StaticLayer):
     def attend(self, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
         """Spec M11.2 (A2 through SDPA, M11.3) for the n queries (batch, H_q, n, d) of the last n
         tokens written, under transformers' mask over the capacity (True / 0 = attend; None:
-        the written slots, causally): (batch, n, H_q, d_v) in the query's dtype."""
+        the written slots, causally): (batch, n, H_q, d_v) in the query's dtype. One query over
+        an int8 side whose kernel is prepared and sees every written slot: M11.6 instead."""
         N, Hq, n, d = query.shape
+        if n == 1 and self.workspace is not None and self.all_visible and self.workspace_key == (N, Hq, query.dtype, scaling):
+            out = self.decode_op(query[:, :, 0].contiguous(), self.keys, self.values, self.key_scale, self.value_scale, self.cumulative_length,
+                                 self.workspace_handle)
+            return out[:, None]
         H = self.num_heads
         g = Hq // H
         q = query.to(self.compute_dtype).view(N, H, g, n, d)
         qt = torch.einsum("bhgnd,hrd->bhgnr", q, self.key_basis) * self.gamma[None, :, None, None, None]  # step 1, γ folded in
-        qt = qt.to(self.keys.dtype)
+        qt = qt.to(self.dtype)
+        C, D = (coef if scale is None else dequantize_rows(coef, scale, self.dtype) for coef, scale in ((self.keys, self.key_scale), (self.values, self.value_scale)))
         if n == 1:  # decode: the g query heads of a KV head as g query rows of it, so no GQA kernel is needed
             visible = (self.slots < self.cumulative_length).view(1, 1, 1, -1) if mask is None else mask  # (1 or N, 1, 1, L)
-            y = F.scaled_dot_product_attention(qt.view(N, H, g, -1), self.keys, self.values, attn_mask=visible, scale=scaling)  # steps 2-3
+            y = F.scaled_dot_product_attention(qt.view(N, H, g, -1), C, D, attn_mask=visible, scale=scaling)  # steps 2-3
         elif mask is None:  # transformers drops the mask only for a first forward (q_offset = 0): causal over its n slots
-            y = F.scaled_dot_product_attention(qt.reshape(N, Hq, n, -1), self.keys[:, :, :n], self.values[:, :, :n], is_causal=True, scale=scaling,
-                                               enable_gqa=True)
+            y = F.scaled_dot_product_attention(qt.reshape(N, Hq, n, -1), C[:, :, :n], D[:, :, :n], is_causal=True, scale=scaling, enable_gqa=True)
         else:
-            y = F.scaled_dot_product_attention(qt.reshape(N, Hq, n, -1), self.keys, self.values, attn_mask=mask, scale=scaling, enable_gqa=True)
+            y = F.scaled_dot_product_attention(qt.reshape(N, Hq, n, -1), C, D, attn_mask=mask, scale=scaling, enable_gqa=True)
         out = torch.einsum("bhgnr,hre->bhgne", y.to(self.compute_dtype).reshape(N, H, g, n, -1), self.value_basis)  # step 4: (α̂ᵀD) E
         return out.reshape(N, Hq, n, -1).transpose(1, 2).to(query.dtype).contiguous()
 
 
 class GraphSubspaceCache(Cache):
     """A transformers ``Cache`` of fixed capacity whose full-attention layers hold the
-    coefficients of static post-RoPE float states (:class:`GraphSubspaceLayer`), so that
+    coefficients of static post-RoPE float or int8 states (:class:`GraphSubspaceLayer`), so that
     ``torch.compile`` traces a decode step without graph breaks and transformers' ``generate``
     compiles it (CUDA graphs on CUDA, its default ``CompileConfig``). Other layers (sliding
     windows) are transformers' static layers, attended by the model's own SDPA.
@@ -261,16 +360,14 @@ class GraphSubspaceCache(Cache):
         _attn.use_subspace_attention(model)
         return cls(model.config, states, max_cache_len=max_cache_len)
 
-    def bases(self, spec: StateSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(B (H, r, d), E (H, r_v, d_v), γ (H,)) of layer ``spec.layer_idx``'s state, decoded
-        from their stored format (spec/storage.md S2); the constructor refused what it cannot hold."""
+    def state(self, spec: StateSpec) -> SubspaceState:
+        """The empty state of layer ``spec.layer_idx``, checked against the model's shapes (the
+        constructor refused what the cache cannot hold)."""
         state = self.factory(spec) if self.factory is not None else self.given[spec.layer_idx]
         if (state.heads, state.d, state.d_v) != (spec.heads, spec.head_dim, spec.value_dim):
             raise ValueError(f"layer {spec.layer_idx}: the state has {state.heads} heads of size {state.d}/{state.d_v}, "
                              f"the model {spec.heads} of size {spec.head_dim}/{spec.value_dim}")
-        lay = decoded_state(state).layout
-        to_np = lambda x: np.asarray(x.detach().cpu() if isinstance(x, torch.Tensor) else x)  # noqa: E731
-        return to_np(lay.key_bases[0, :, 0]), to_np(lay.value_bases[0, :, 0]), to_np(lay.gamma)
+        return state
 
     def rewind(self, layer_idx: int, tokens: int) -> None:
         """Take the last ``tokens`` back from layers ``0..layer_idx``: what a forward failing at
@@ -291,7 +388,7 @@ class GraphSubspaceCache(Cache):
     def nbytes(self) -> int:
         """Bytes held: the allocated coefficients (the capacity, not the tokens written) and the
         bases, as :attr:`SubspaceCache.nbytes` counts bases."""
-        held = ("keys", "values", "key_basis", "value_basis", "gamma")
+        held = ("keys", "values", "key_scale", "value_scale", "key_basis", "value_basis", "gamma")
         return sum(t.numel() * t.element_size() for layer in self.layers if layer.is_initialized for t in (getattr(layer, n, None) for n in held) if t is not None)
 
 

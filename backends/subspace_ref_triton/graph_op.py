@@ -1,0 +1,55 @@
+"""The decode kernel as a torch operator, so a compiled decode step calls it without a graph
+break: ``torch.ops.subspace_ref_triton.workspace_decode`` (spec/models.md M11.6).
+
+``torch.compile`` cannot trace a Triton launch built by Python host code
+(:meth:`~subspace_ref_triton.workspace.DecodeWorkspace.attend` picks its launch from the
+layout); a ``torch.library`` custom operator is opaque to it. The operator reads only its
+tensor arguments (under functionalization a compiled graph may hand it a copy of a buffer it
+wrote in the same step), runs a registered :class:`DecodeWorkspace` over them and returns a
+copy of the workspace's output. Its launches allocate nothing and read nothing on the host, so
+a CUDA graph captures the step (``reduce-overhead``).
+
+The workspace is found by its output tensor, passed as the ``handle`` argument: a tensor, not
+an int, so a new cache's workspace is a new input of the same compiled graph rather than a new
+constant that would recompile it (mark the handle's address static, as a cache's tensors are).
+
+Importing this module registers the operator (in the ``subspace_ref_triton`` namespace only);
+the graph cache imports it when it first builds a kernel layer.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import replace
+
+import torch
+
+from subspace_ref_triton.workspace import DecodeWorkspace
+
+_WORKSPACES: "weakref.WeakValueDictionary[int, DecodeWorkspace]" = weakref.WeakValueDictionary()  # by their output's address
+
+
+def register(workspace: DecodeWorkspace) -> torch.Tensor:
+    """The handle :func:`workspace_decode` finds ``workspace`` by (its output tensor), for as
+    long as the caller holds the workspace."""
+    _WORKSPACES[workspace.out.data_ptr()] = workspace
+    return workspace.out
+
+
+@torch.library.custom_op("subspace_ref_triton::workspace_decode", mutates_args=())
+def workspace_decode(q: torch.Tensor, key_coef: torch.Tensor, value_coef: torch.Tensor, key_scale: torch.Tensor | None,
+                     value_scale: torch.Tensor | None, num_tokens: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
+    """Spec A3 of q (N, H_q, d) over the first ``num_tokens`` tokens of the layout of the
+    workspace registered as ``handle``, with these coefficient (and int8 scale) tensors in place
+    of its own: (N, H_q, d_v) in q's dtype, a copy."""
+    ws = _WORKSPACES[handle.data_ptr()]
+    layout = replace(ws.layout, key_coef=key_coef, value_coef=value_coef, key_scale=key_scale, value_scale=value_scale)
+    return ws.attend(q, layout, num_tokens).clone()
+
+
+@workspace_decode.register_fake
+def _(q, key_coef, value_coef, key_scale, value_scale, num_tokens, handle):
+    return q.new_empty((q.shape[0], q.shape[1], handle.shape[-1]))
+
+
+__all__ = ["register", "workspace_decode"]

@@ -1,0 +1,141 @@
+"""The graph cache's int8 decode through the Triton kernel as a torch operator (spec/models.md
+M11.6; ``subspace_ref_triton.graph_op``), on Triton's CPU interpreter as the kernel tests run.
+
+* One layer's kernel decode against the float64 oracle over the same codes and scales, held to
+  the differential harness's one rule (tests/differential/tolerance.py), in float32, bfloat16
+  and float16, with unwritten slots in the capacity.
+* ``torch.compile(fullgraph=True)`` traces generate's decode step through the operator (a graph
+  break fails the compile) and gives the eager tokens; the kernel ran in every compiled step.
+* A left-padded batch hides written slots, which the kernel does not read: the layer decodes by
+  SDPA instead and matches the numpy oracle cache.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.triton_interpreter import _interpreter_environment, load_kernels  # noqa: F401  (an autouse fixture)
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+_AVAILABLE, DEVICE, (workspace,) = load_kernels("workspace")
+
+from torch._dynamo.utils import counters  # noqa: E402
+from transformers import CompileConfig  # noqa: E402
+
+import subspace_ref as sr  # noqa: E402
+from subspace_ref.hf import GraphSubspaceCache, SubspaceCache, static_states, use_subspace_attention  # noqa: E402
+from tests.differential.tolerance import reference_error, tolerance  # noqa: E402
+from tests.test_graph_cache import ids_of, make_model, random_bases  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not _AVAILABLE, reason=f"triton backend unavailable: {_AVAILABLE.reason}")
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Count the workspace steps the operator runs (eager or inside a compiled step)."""
+    calls = []
+    original = workspace.DecodeWorkspace.attend
+
+    def counted(self, *args, **kwargs):
+        calls.append(self)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(workspace.DecodeWorkspace, "attend", counted)
+    return calls
+
+
+@pytest.mark.parametrize("coefficients", ["int8", ("float", "int8"), ("int8", "float")], ids=["int8", "float-int8", "int8-float"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_kernel_decode_within_the_harness_tolerance(dtype, coefficients, kernel_calls):
+    """One layer's decode through the operator against the float64 oracle over the layer's own
+    codes and scales (the oracle state holds them as written, the float side rounded to the
+    dtype as the model hands it over)."""
+    torch_dtype = getattr(torch, dtype)
+    model = make_model("llama", torch_dtype).to(DEVICE)
+    H, d, T, Hq, N = 2, 16, 40, 4, 2
+    rng = np.random.default_rng(11)
+    basis = random_bases(model)[0]
+    empty = sr.SubspaceState.static(basis, batch=N, dtype=np.float64, coefficients=coefficients)
+    cache = GraphSubspaceCache(model.config, [empty, empty], max_cache_len=T + 9)  # unwritten slots the kernel must not read
+    K, V, q = (torch.as_tensor(rng.standard_normal(shape)).to(torch_dtype).to(DEVICE) for shape in ((N, H, T, d), (N, H, T, d), (N, Hq, d)))
+    layer = cache.layers[0]
+    layer.update(K, V)
+    scale = d**-0.5
+    attention = model.model.layers[0].self_attn
+    out = layer.attention_call(attention, q[:, :, None], None, scale, 0.0, {})[:, 0]
+    assert len(kernel_calls) == 1 and layer.workspace is not None
+
+    state64 = empty.append(K.double().cpu().numpy(), V.double().cpu().numpy())
+    lay = state64.layout
+    for side, coef, side_scale in (("key", layer.keys, layer.key_scale), ("value", layer.values, layer.value_scale)):
+        if side_scale is not None:  # the codes and scales the layer wrote, read by the oracle
+            getattr(lay, f"{side}_coef")[:, :, :T] = coef[:, :, :T].cpu().numpy()
+            getattr(lay, f"{side}_scale")[:, :, :T] = side_scale[:, :, :T].cpu().numpy()
+    q64 = q.double().cpu().numpy()
+    out64 = np.asarray(sr.attend(q64, state64, backend="numpy", scale=scale))
+    ref = reference_error(state64, q64, scale, out64, dtype)
+    assert np.abs(out.double().cpu().numpy() - out64).max() <= tolerance(ref, out64, dtype)
+
+
+def test_compiled_generate_runs_the_kernel_without_graph_breaks(kernel_calls):
+    """generate compiles the decode step with the operator in it (fullgraph=True) and gives the
+    eager tokens, whose top-2 margins are checked first; every compiled step ran the kernel once
+    per layer, and a second generation on a new cache reuses the compiled graph."""
+    model = make_model("llama", torch.float32).to(DEVICE)
+    bases = random_bases(model)
+    ids = ids_of(10, 1).to(DEVICE)
+    steps = 6
+    use_subspace_attention(model)
+    factory = static_states(bases, coefficients="int8")
+    with torch.no_grad():
+        cache = GraphSubspaceCache(model.config, factory, max_cache_len=ids.shape[1] + steps)
+        eager = model.generate(ids, cache=cache, max_new_tokens=steps, do_sample=False, disable_compile=True, output_scores=True, return_dict_in_generate=True)
+        margins = [float(torch.topk(s[0], 2).values.diff().abs()) for s in eager.scores]
+    assert min(margins) > 1e-4
+    layers = model.config.num_hidden_layers
+    assert len(kernel_calls) == layers * (steps - 1)  # the prefill attends by SDPA, each decode step through the kernel
+    kernel_calls.clear()
+    compile_config = CompileConfig(fullgraph=True)
+    compile_config._compile_all_devices = True  # transformers compiles on CUDA by default; here on the CPU too
+    torch._dynamo.reset()
+    cache = GraphSubspaceCache(model.config, factory, max_cache_len=ids.shape[1] + steps)
+    compiled = model.generate(ids, cache=cache, max_new_tokens=steps, do_sample=False, compile_config=compile_config)
+    assert hasattr(model, "_compiled_call")
+    assert torch.equal(compiled, eager.sequences)
+    assert len(kernel_calls) == layers * (steps - 1)
+    # a new cache's workspace is a new input of the same graph (graph_op's handle), not a recompile
+    graphs = counters["stats"]["unique_graphs"]
+    again = model.generate(ids, cache=GraphSubspaceCache(model.config, factory, max_cache_len=ids.shape[1] + steps), max_new_tokens=steps,
+                           do_sample=False, compile_config=compile_config)
+    assert torch.equal(again, eager.sequences) and counters["stats"]["unique_graphs"] == graphs
+    assert len(kernel_calls) == 2 * layers * (steps - 1) and kernel_calls[-1] is not kernel_calls[0]
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_batch_decode_matches_the_oracle_cache(padded, kernel_calls):
+    """A batch of two prompts, prefill then one decode step, equal to the numpy oracle cache
+    (1e-5 of the logits' scale, test_graph_cache's rule for Llama's float32 RMSNorm). Unpadded,
+    the step runs the kernel; a padded prompt hides written slots from its queries, which the
+    kernel (slots 0..T-1) cannot, so the layers note it at the prefill and decode by SDPA under
+    the mask (M11.6)."""
+    model = make_model("llama", torch.float32).to(DEVICE)  # float64 models have no kernel
+    bases = random_bases(model)
+    use_subspace_attention(model)
+    ids = torch.cat([ids_of(9, 5), ids_of(9, 6)]).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = int(not padded)
+    factory = static_states(bases, coefficients="int8")
+    with torch.no_grad():
+        graph_cache = GraphSubspaceCache(model.config, factory, max_cache_len=12)
+        oracle_cache = SubspaceCache(model.config, factory, backend="numpy")
+        logits = []
+        for cache in (graph_cache, oracle_cache):
+            first = model(input_ids=ids, attention_mask=mask, cache=cache).logits[:, -1]
+            step_mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            second = model(input_ids=ids[:, -1:], attention_mask=step_mask, cache=cache).logits[:, -1]
+            logits.append(torch.stack([first, second]))
+    assert all(layer.workspace is not None and layer.all_visible != padded for layer in graph_cache.layers)
+    assert len(kernel_calls) == (0 if padded else model.config.num_hidden_layers)
+    assert float((logits[0] - logits[1]).abs().max()) <= 1e-5 * float(logits[1].abs().max())

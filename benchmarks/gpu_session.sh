@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The prepared GPU session of issue 38 (docs/gpu.md, "Static budgets"): at most 8 minutes on one
-# H100/H200 under `timeout 480` (the steps' own timeouts add up to 886 s, 746 s without step 1b; the two calls of 2026-11-28 took 278
+# H100/H200 under `timeout 480` (the steps' own timeouts add up to 916 s, 776 s without step 1b; the two calls of 2026-11-28 took 278
 # and 326 s before step 3b was added), each writing under $OUT; a failing step does not
 # stop the next. Run from the repository root: OUT=gpu_results bash benchmarks/gpu_session.sh
 set -uo pipefail
@@ -58,10 +58,10 @@ timeout 50 $PY benchmarks/decode_gpu.py --out "$OUT" --batch 1 --tokens 32768 --
   > "$OUT/decode_n1.log" 2>&1
 echo "decode N=1: rc=$?" >> "$OUT/session.txt"
 
-# 3b. transformers generate through the graph cache, float and int8 (the kernel operator), compiled by
-#     generate's default (CUDA graphs), against DynamicCache + SDPA and the compiled StaticCache, at
-#     T = 32k (<= 150 s; rows print as they finish)
-timeout 150 $PY benchmarks/graph_decode.py --device cuda --contexts 32768 --steps 64 --json "$OUT/graph_decode.json" > "$OUT/graph_decode.log" 2>&1
+# 3b. transformers generate through the graph cache, float, int8 and int4 (the kernel operator), compiled
+#     by generate's default (CUDA graphs), against DynamicCache + SDPA and the compiled StaticCache, at
+#     T = 32k (<= 180 s; rows print as they finish)
+timeout 180 $PY benchmarks/graph_decode.py --device cuda --contexts 32768 --steps 64 --json "$OUT/graph_decode.json" > "$OUT/graph_decode.log" 2>&1
 echo "graph decode: rc=$?" >> "$OUT/session.txt"
 
 # 4. one profiler pass per changed kernel (ncu when installed: one launch each) (<= 3 x 32 s)

@@ -5,9 +5,9 @@ transformers' own ``StaticCache`` compiled the same way, measured in the same ru
 
 Model: a random-init Llama with head size 128 (``--hidden``, ``--heads`` query heads over
 ``--kv-heads``, ``--layers``), in bfloat16 on CUDA and float32 on the CPU. Bases: random
-orthonormal, r = r_v = ``--rank`` (speed does not depend on which subspace), with float and
-int8 coefficients (``--coefficients``; int8 decodes through the Triton kernel operator where it
-runs, spec/models.md M11.6, and by SDPA over the dequantised capacity on the CPU). Each row prefills
+orthonormal, r = r_v = ``--rank`` (speed does not depend on which subspace), with float, int8
+and int4 coefficients (``--coefficients``; quantised ones decode through the Triton kernel
+operator where it runs, spec/models.md M11.6, and by SDPA over the read-back capacity on the CPU). Each row prefills
 a random prompt of T tokens, then decodes ``--steps`` greedy tokens; a logits processor stamps
 the time of every step (after a device synchronisation), and the row reports the median step.
 Compiled rows run ``generate`` once untimed first (the compile and the graph capture), on the
@@ -96,7 +96,7 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--rank", type=int, default=32)
-    p.add_argument("--coefficients", nargs="+", default=["float", "int8"], choices=["float", "int8"])
+    p.add_argument("--coefficients", nargs="+", default=["float", "int8", "int4"], choices=["float", "int8", "int4", "int2"])
     p.add_argument("--json", default=None)
     args = p.parse_args()
 

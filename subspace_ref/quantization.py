@@ -62,20 +62,22 @@ def _fp16_round(x: Any, direction: float) -> Any:
     return xp.where(wrong, xp.nextafter(h, np.float16(direction)), h)
 
 
-def quantize_groups(x: Any, bits: int, axis: int) -> tuple[Any, Any, Any]:
+def quantize_groups(x: Any, bits: int, axis: int, check_range: bool = True) -> tuple[Any, Any, Any]:
     """Spec Q1: asymmetric uniform quantisation of x to ``bits``-bit codes, one float16 zero point
     z and scale s per slice along ``axis`` (the axis the min and max are taken over).
 
     z = min rounded down to float16, s = (max - z) / (2^b - 1) rounded up to float16,
     q = round((x - z) / s) in [0, 2^b - 1] (q = 0 when s = 0). Returns (q uint8 of x's shape,
-    s, z) with s and z float16 of x's shape without ``axis``."""
+    s, z) with s and z float16 of x's shape without ``axis``. ``check_range=False`` skips the
+    float16-range check on torch tensors (a host read, which a compiled graph cannot make)."""
     levels = (1 << bits) - 1
     if array_family(x) == "torch":
         import torch
 
         wide = x.double()
         lo, hi = wide.amin(dim=axis), wide.amax(dim=axis)
-        check_fp16_range(float(lo.abs().max()) if lo.numel() else 0.0, float(hi.abs().max()) if hi.numel() else 0.0)
+        if check_range:
+            check_fp16_range(float(lo.abs().max()) if lo.numel() else 0.0, float(hi.abs().max()) if hi.numel() else 0.0)
         zero = _fp16_round(lo, -float("inf"))
         scale = _fp16_round((hi - zero.double()) / levels, float("inf"))
         safe = torch.where(scale > 0, scale.double(), torch.ones_like(hi))

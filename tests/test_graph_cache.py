@@ -86,24 +86,99 @@ def test_graph_cache_matches_the_oracle_cache(family):
     assert torch.equal(graph_tokens, oracle_tokens)
 
 
-@pytest.mark.parametrize("coefficients", ["int8", ("float", "int8")], ids=["int8", "float-int8"])
+QUANTISED = {"int8": "int8", "float-int8": ("float", "int8"), "int4": "int4", "int2": "int2", "int4-int8": ("int4", "int8")}
+
+
+@pytest.mark.parametrize("coefficients", list(QUANTISED))
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_int8_graph_cache_matches_the_oracle_cache(family, coefficients):
-    """int8 sides (spec A10): codes and scales written per token, read back as q·s by the SDPA
-    form (M11.2; float64 models have no kernel), equal to the numpy cache of the same states at
-    the float64 tolerances of test_graph_cache_matches_the_oracle_cache."""
+def test_quantised_graph_cache_matches_the_oracle_cache(family, coefficients):
+    """int8 and int4/int2 sides (spec A10, Q1-Q2) in the fixed layout (M11.8): a 12-token
+    prefill stored as a block, decode steps one token at a time across key groups of 8, then a
+    5-token block into a group begun before it, read back whole by the SDPA form (the block over
+    low-bit keys by M11.8 step 3; float64 models have no kernel), equal to the numpy cache
+    of the same states at the float64 tolerances of test_graph_cache_matches_the_oracle_cache;
+    and beam search, reordering every stored array in place, gives its sequences."""
     model = make_model(family)
-    factory = static_states(random_bases(model), coefficients=coefficients)
+    factory = static_states(random_bases(model), coefficients=QUANTISED[coefficients], group_size=8)
     ids = ids_of(12, 2)
     use_subspace_attention(model)
+    block = ids_of(5, 3)  # then 5 tokens in one forward: its queries see its keys unquantised until their group completes (Q2.2)
     with torch.no_grad():
-        cache = GraphSubspaceCache(model.config, factory, max_cache_len=ids.shape[1] + 6)
-        graph = logits_through(model, cache, ids, 5)
-        oracle = logits_through(model, SubspaceCache(model.config, factory, backend="numpy"), ids, 5)
-    assert cache.layers[0].values.dtype == torch.int8 and cache.layers[0].value_scale is not None
+        cache = GraphSubspaceCache(model.config, factory, max_cache_len=ids.shape[1] + 9 + 5)
+        oracle_cache = SubspaceCache(model.config, factory, backend="numpy")
+        graph, oracle = (logits_through(model, c, ids, 9) for c in (cache, oracle_cache))
+        seen = torch.ones((1, ids.shape[1] + 9 + 5), dtype=torch.long)
+        graph.append(model(input_ids=block, attention_mask=seen, cache=cache).logits)
+        oracle.append(model(input_ids=block, attention_mask=seen, cache=oracle_cache).logits)
+    assert cache.layers[0].layout is not None and not cache.layers[0].kernel
     tol = 1e-5 if family == "llama" else 1e-10
     for a, b in zip(graph, oracle):
         assert float((a - b).abs().max()) <= tol * float(b.abs().max())
+    with compress(model, factory, graph=True) as kv:
+        beams = kv.generate(ids, max_new_tokens=5, num_beams=3, do_sample=False)
+    with compress(model, factory, graph=False, backend="numpy") as kv:
+        assert torch.equal(beams, kv.generate(ids, max_new_tokens=5, num_beams=3, do_sample=False))
+
+
+@pytest.mark.parametrize("coefficients", ["int4", "int2"])
+def test_low_bit_keys_stored_as_a_block_or_token_by_token_agree(coefficients):
+    """The two writers of low-bit keys (M11.8 step 1: a block as the state appends it, one token
+    at a time re-quantising the unfinished group, as a compiled step does) leave the same codes,
+    scales and zero points of every complete group and the same tail rows, from the same
+    coefficients; and the block writer keeps the float rows of its groups."""
+    from subspace_ref.hf import graph_storage
+
+    spec = StateSpec(0, batch=1, heads=2, head_dim=16, value_dim=16, dtype=torch.float64, device=torch.device("cpu"))
+    state = static_states(random_static_bases(1, 2, 16, RANK), coefficients=coefficients, group_size=8)(spec)
+    block, single = (graph_storage.fixed_layout(state, "cpu", torch.float64, 24) for _ in range(2))
+    rng = np.random.default_rng(4)
+    head, rest = (torch.as_tensor(rng.standard_normal((1, 2, n, RANK))) for n in (3, 18))  # tokens 0-2, then 3-20
+    for lay in (block, single):
+        graph_storage.write(lay, "key", torch.tensor(0), head, eager=True)
+    first, rows = graph_storage.write(block, "key", torch.tensor(3), rest, eager=True)
+    for t in range(18):
+        assert graph_storage.write(single, "key", torch.tensor(3 + t), rest[:, :, t : t + 1], eager=False) is None
+    assert first == 0 and torch.equal(rows, torch.cat([head, rest], dim=2))
+    assert torch.equal(block.key_coef[:, :, :16], single.key_coef[:, :, :16])
+    for name in ("key_group_scale", "key_group_zero"):
+        assert torch.equal(getattr(block, name)[:, :, :2], getattr(single, name)[:, :, :2])
+    assert torch.equal(block.key_tail[:, :, :5], single.key_tail[:, :, :5])
+    assert torch.equal(single.key_tail[:, :, :5], rest[:, :, 13:])
+
+
+def test_low_bit_crop_puts_back_the_float_keys_of_its_group():
+    """Cropping low-bit keys (M11.8 step 4) gives the logits of a cache that never held the
+    cropped tokens: back over one-token writes within their group, and back over a block whose
+    group completed (its rows put back from the block's float keys); a crop whose rows later
+    writes replaced is refused, the layers unchanged."""
+    model = make_model("llama")
+    factory = static_states(random_bases(model), coefficients="int4", group_size=8)
+    use_subspace_attention(model)
+    ids = ids_of(12, 7)
+    step = lambda cache, token: model(input_ids=torch.tensor([[token]]), cache=cache).logits  # noqa: E731
+    block = lambda cache, tokens: model(input_ids=torch.tensor([tokens]), attention_mask=torch.ones((1, int(cache.get_seq_length()) + len(tokens)),  # noqa: E731
+                                                                                                  dtype=torch.long), cache=cache).logits
+    with torch.no_grad():
+        fresh = lambda: GraphSubspaceCache(model.config, factory, max_cache_len=32)  # noqa: E731
+        reference, cropped, over_block = fresh(), fresh(), fresh()
+        for cache in (reference, cropped, over_block):
+            model(input_ids=ids, cache=cache)
+        expected = [step(reference, 5), step(reference, 9)]
+        step(cropped, 5)
+        step(cropped, 17)
+        step(cropped, 23)
+        cropped.crop(-2)  # tokens 12..14 were one-token writes into group 1: its rows are in the tail
+        block(over_block, [40, 41, 42, 43, 44, 45])  # completes group 1 at 16
+        over_block.crop(-6)
+        assert float((step(over_block, 5) - expected[0]).abs().max()) <= 1e-12 * float(expected[0].abs().max())
+        for got, want in ((step(cropped, 9), expected[1]), (step(over_block, 9), expected[1])):
+            assert float((got - want).abs().max()) <= 1e-12 * float(want.abs().max())
+        for token in range(8):  # tokens 14..21: group 1 completes at 16, and 16..21 reuse its tail slots
+            step(cropped, token)
+        held = int(cropped.get_seq_length())
+        with pytest.raises(RuntimeError, match="which later writes replaced"):
+            cropped.crop(-7)
+    assert int(cropped.get_seq_length()) == held
 
 
 def test_int8_on_cuda_without_the_kernel_is_refused(monkeypatch):
@@ -118,23 +193,26 @@ def test_int8_on_cuda_without_the_kernel_is_refused(monkeypatch):
     assert any("on CUDA without the triton decode kernel" in r for r in graph_refusals(state, "cuda"))
 
 
-def test_compiled_decode_equals_eager_without_graph_breaks():
+@pytest.mark.parametrize("coefficients", ["float", "int4"])
+def test_compiled_decode_equals_eager_without_graph_breaks(coefficients):
     """generate compiles the decode step of a graph cache (fullgraph=True: a break would raise)
-    and gives the eager tokens; the compiled call is the one transformers made for it."""
+    and gives the eager tokens; the compiled call is the one transformers made for it. int4
+    here: no kernel, so the compiled step writes each key token into its group and reads the
+    capacity back from the device count (M11.8), across key groups of 8."""
     model = make_model("llama", torch.float32)
-    bases = random_bases(model)
+    factory = static_states(random_bases(model), coefficients=coefficients, group_size=8)
     ids = ids_of(10, 1)
     steps = 8
     use_subspace_attention(model)
     with torch.no_grad():  # top-2 margins of the eager run, so equal tokens are a real comparison
-        cache = GraphSubspaceCache(model.config, static_states(bases), max_cache_len=ids.shape[1] + steps)
+        cache = GraphSubspaceCache(model.config, factory, max_cache_len=ids.shape[1] + steps)
         eager = model.generate(ids, cache=cache, max_new_tokens=steps, do_sample=False, disable_compile=True, output_scores=True, return_dict_in_generate=True)
         margins = [float(torch.topk(s[0], 2).values.diff().abs()) for s in eager.scores]
     assert min(margins) > 1e-4
     compile_config = CompileConfig(fullgraph=True)
     compile_config._compile_all_devices = True  # transformers compiles on CUDA by default; here on the CPU too
     torch._dynamo.reset()
-    cache = GraphSubspaceCache(model.config, static_states(bases), max_cache_len=ids.shape[1] + steps)
+    cache = GraphSubspaceCache(model.config, factory, max_cache_len=ids.shape[1] + steps)
     compiled = model.generate(ids, cache=cache, max_new_tokens=steps, do_sample=False, compile_config=compile_config)
     assert hasattr(model, "_compiled_call")
     assert torch.equal(compiled, eager.sequences)
@@ -142,8 +220,6 @@ def test_compiled_decode_equals_eager_without_graph_breaks():
 
 
 REFUSED = {
-    "int4": (dict(coefficients="int4"), "int4 coefficients"),
-    "int2/int8": (dict(coefficients=("int2", "int8")), "int2/int8 coefficients"),
     "window": (dict(window=4), "exact windows"),
     "pre-RoPE": (dict(rope="rope"), "pre-RoPE keys"),
 }
@@ -356,7 +432,7 @@ def test_soft_capping_models_are_refused_up_front():
 def test_auto_uses_the_graph_cache_on_cuda_only(monkeypatch):
     """``graph="auto"`` (the default) picks the graph cache for a CUDA device when every state
     qualifies and no SubspaceCache option is given; never on the CPU. Decided without CUDA:
-    int8 states qualify on CUDA when the Triton kernel runs there (M11.6), low-bit ones never."""
+    quantised states qualify on CUDA when the Triton kernel runs there (M11.6)."""
     from subspace_ref.hf import graph_cache
 
     model = make_model("llama")
@@ -369,9 +445,9 @@ def test_auto_uses_the_graph_cache_on_cuda_only(monkeypatch):
     with compress(model, static_states(bases, coefficients="int8")) as kv:
         assert kv.uses_graph("cuda") and not kv.uses_graph("cpu")
     with compress(model, static_states(bases, coefficients="int4")) as kv:
-        assert not kv.uses_graph("cuda")
+        assert kv.uses_graph("cuda") and not kv.uses_graph("cpu")
     monkeypatch.setattr(graph_cache, "kernel_backend", lambda device, dtype: None)
-    with compress(model, static_states(bases, coefficients="int8")) as kv:
+    with compress(model, static_states(bases, coefficients=("float", "int2"))) as kv:
         assert not kv.uses_graph("cuda")
     with compress(model, bases, graph=True) as kv:
         assert kv.uses_graph("cpu")
@@ -395,19 +471,21 @@ def test_graph_decode_benchmark_runs_on_the_cpu(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     names = [r["cache"] for r in rows]
     assert names == ["DynamicCache + SDPA (eager)", "StaticCache (compiled)", "GraphSubspaceCache r=8 float (compiled)", "GraphSubspaceCache r=8 float (eager)",
-                     "SubspaceCache r=8 float (torch, eager)", "GraphSubspaceCache r=8 int8 (compiled)", "SubspaceCache r=8 int8 (torch, eager)"]
+                     "SubspaceCache r=8 float (torch, eager)", "GraphSubspaceCache r=8 int8 (compiled)", "SubspaceCache r=8 int8 (torch, eager)",
+                     "GraphSubspaceCache r=8 int4 (compiled)", "SubspaceCache r=8 int4 (torch, eager)"]
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
     assert rows[2]["bytes"] < rows[1]["bytes"]  # r + r_v = 16 of d + d_v = 256 per token and head
-    assert rows[5]["bytes"] < rows[2]["bytes"]  # int8 codes and a float32 scale per token: 2 (8 + 4) against 2 * 8 * 4 bytes
+    # per token and head: float 2 * 8 * 4 bytes, int8 2 (8 + 4), int4 4 + 4 and a 32-token float key tail, which dominates at 28 tokens
+    assert rows[5]["bytes"] < rows[2]["bytes"] and rows[7]["bytes"] < rows[2]["bytes"]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: generate compiles the graph cache's step with CUDA graphs there only")
-@pytest.mark.parametrize("coefficients", ["float", "int8"])
+@pytest.mark.parametrize("coefficients", ["float", "int8", "int4"])
 def test_cuda_generate_decodes_through_the_compiled_graph(coefficients):
     """On CUDA, ``compress(...).generate`` picks the graph cache by default and transformers
-    compiles its decode step (mode="reduce-overhead": CUDA graphs; int8 through the kernel
-    operator, M11.6): the tokens of the eager SubspaceCache on the same device, at margins
+    compiles its decode step (mode="reduce-overhead": CUDA graphs; quantised sides through the
+    kernel operator, M11.6): the tokens of the eager SubspaceCache on the same device, at margins
     checked first."""
     model = make_model("llama", torch.float32).cuda()
     bases = static_states(random_bases(model), coefficients=coefficients)

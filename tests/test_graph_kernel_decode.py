@@ -25,7 +25,8 @@ from torch._dynamo.utils import counters  # noqa: E402
 from transformers import CompileConfig  # noqa: E402
 
 import subspace_ref as sr  # noqa: E402
-from subspace_ref.hf import GraphSubspaceCache, SubspaceCache, static_states, use_subspace_attention  # noqa: E402
+from subspace_ref.hf import GraphSubspaceCache, SubspaceCache, graph_storage, static_states, use_subspace_attention  # noqa: E402
+from subspace_ref.layout import BY_NAME, GROUP, TOKEN  # noqa: E402
 from tests.differential.tolerance import reference_error, tolerance  # noqa: E402
 from tests.test_graph_cache import ids_of, make_model, random_bases  # noqa: E402
 
@@ -46,49 +47,63 @@ def kernel_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("coefficients", ["int8", ("float", "int8"), ("int8", "float")], ids=["int8", "float-int8", "int8-float"])
+def adopt_written(state64, layout, T: int) -> None:
+    """Put the arrays a graph layer stored for its first T tokens (codes, scales, zero points, the
+    key tail, float coefficients as rounded) into the float64 oracle state of the same tokens."""
+    for name, x in graph_storage.sequence_arrays(layout).items():
+        target = getattr(state64.layout, name)
+        axis = BY_NAME[name].axis
+        k = T if axis == TOKEN else T // layout.group if axis == GROUP else x.shape[2]
+        src = x[:, :, :k].cpu()
+        target[:, :, :k] = (src.float() if src.dtype == torch.bfloat16 else src).numpy().astype(target.dtype)
+
+
+FORMATS = {"int8": "int8", "float-int8": ("float", "int8"), "int8-float": ("int8", "float"), "int4": "int4", "int2": "int2", "int4-int8": ("int4", "int8")}
+
+
+@pytest.mark.parametrize("coefficients", list(FORMATS))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_kernel_decode_within_the_harness_tolerance(dtype, coefficients, kernel_calls):
     """One layer's decode through the operator against the float64 oracle over the layer's own
-    codes and scales (the oracle state holds them as written, the float side rounded to the
-    dtype as the model hands it over)."""
+    stored arrays (the oracle state holds them as written), held to the differential harness's
+    rule. The layer stores 30 tokens in one block, then 10 one at a time (a low-bit key group of
+    32 completes in the per-token writer), and holds unwritten slots."""
     torch_dtype = getattr(torch, dtype)
     model = make_model("llama", torch_dtype).to(DEVICE)
     H, d, T, Hq, N = 2, 16, 40, 4, 2
     rng = np.random.default_rng(11)
     basis = random_bases(model)[0]
-    empty = sr.SubspaceState.static(basis, batch=N, dtype=np.float64, coefficients=coefficients)
+    empty = sr.SubspaceState.static(basis, batch=N, dtype=np.float64, coefficients=FORMATS[coefficients])
     cache = GraphSubspaceCache(model.config, [empty, empty], max_cache_len=T + 9)  # unwritten slots the kernel must not read
     K, V, q = (torch.as_tensor(rng.standard_normal(shape)).to(torch_dtype).to(DEVICE) for shape in ((N, H, T, d), (N, H, T, d), (N, Hq, d)))
     layer = cache.layers[0]
-    layer.update(K, V)
+    layer.update(K[:, :, :30], V[:, :, :30])
+    for t in range(30, T):
+        layer.update(K[:, :, t : t + 1], V[:, :, t : t + 1])
     scale = d**-0.5
     attention = model.model.layers[0].self_attn
     out = layer.attention_call(attention, q[:, :, None], None, scale, 0.0, {})[:, 0]
     assert len(kernel_calls) == 1 and layer.workspace is not None
 
     state64 = empty.append(K.double().cpu().numpy(), V.double().cpu().numpy())
-    lay = state64.layout
-    for side, coef, side_scale in (("key", layer.keys, layer.key_scale), ("value", layer.values, layer.value_scale)):
-        if side_scale is not None:  # the codes and scales the layer wrote, read by the oracle
-            getattr(lay, f"{side}_coef")[:, :, :T] = coef[:, :, :T].cpu().numpy()
-            getattr(lay, f"{side}_scale")[:, :, :T] = side_scale[:, :, :T].cpu().numpy()
+    adopt_written(state64, layer.layout, T)
     q64 = q.double().cpu().numpy()
     out64 = np.asarray(sr.attend(q64, state64, backend="numpy", scale=scale))
     ref = reference_error(state64, q64, scale, out64, dtype)
     assert np.abs(out.double().cpu().numpy() - out64).max() <= tolerance(ref, out64, dtype)
 
 
-def test_compiled_generate_runs_the_kernel_without_graph_breaks(kernel_calls):
+@pytest.mark.parametrize("coefficients", ["int8", "int4"])
+def test_compiled_generate_runs_the_kernel_without_graph_breaks(coefficients, kernel_calls):
     """generate compiles the decode step with the operator in it (fullgraph=True) and gives the
     eager tokens, whose top-2 margins are checked first; every compiled step ran the kernel once
     per layer, and a second generation on a new cache reuses the compiled graph."""
     model = make_model("llama", torch.float32).to(DEVICE)
     bases = random_bases(model)
     ids = ids_of(10, 1).to(DEVICE)
-    steps = 6
+    steps = 8
     use_subspace_attention(model)
-    factory = static_states(bases, coefficients="int8")
+    factory = static_states(bases, coefficients=coefficients, group_size=8)  # int4: key groups complete at 16 inside the compiled steps
     with torch.no_grad():
         cache = GraphSubspaceCache(model.config, factory, max_cache_len=ids.shape[1] + steps)
         eager = model.generate(ids, cache=cache, max_new_tokens=steps, do_sample=False, disable_compile=True, output_scores=True, return_dict_in_generate=True)
@@ -113,8 +128,9 @@ def test_compiled_generate_runs_the_kernel_without_graph_breaks(kernel_calls):
     assert len(kernel_calls) == 2 * layers * (steps - 1) and kernel_calls[-1] is not kernel_calls[0]
 
 
+@pytest.mark.parametrize("coefficients", ["int8", "int4"])
 @pytest.mark.parametrize("padded", [False, True])
-def test_batch_decode_matches_the_oracle_cache(padded, kernel_calls):
+def test_batch_decode_matches_the_oracle_cache(padded, coefficients, kernel_calls):
     """A batch of two prompts, prefill then one decode step, equal to the numpy oracle cache
     (1e-5 of the logits' scale, test_graph_cache's rule for Llama's float32 RMSNorm). Unpadded,
     the step runs the kernel; a padded prompt hides written slots from its queries, which the
@@ -126,7 +142,7 @@ def test_batch_decode_matches_the_oracle_cache(padded, kernel_calls):
     ids = torch.cat([ids_of(9, 5), ids_of(9, 6)]).to(DEVICE)
     mask = torch.ones_like(ids)
     mask[1, :3] = int(not padded)
-    factory = static_states(bases, coefficients="int8")
+    factory = static_states(bases, coefficients=coefficients, group_size=8)
     with torch.no_grad():
         graph_cache = GraphSubspaceCache(model.config, factory, max_cache_len=12)
         oracle_cache = SubspaceCache(model.config, factory, backend="numpy")

@@ -27,28 +27,30 @@ import torch
 from subspace_ref_triton.workspace import DecodeWorkspace
 
 _WORKSPACES: "weakref.WeakValueDictionary[int, DecodeWorkspace]" = weakref.WeakValueDictionary()  # by their output's address
+_ARRAYS: "weakref.WeakKeyDictionary[DecodeWorkspace, tuple[str, ...]]" = weakref.WeakKeyDictionary()
 
 
-def register(workspace: DecodeWorkspace) -> torch.Tensor:
+def register(workspace: DecodeWorkspace, arrays: list[str]) -> torch.Tensor:
     """The handle :func:`workspace_decode` finds ``workspace`` by (its output tensor), for as
-    long as the caller holds the workspace."""
+    long as the caller holds the workspace; ``arrays``: the names of the layout arrays the
+    caller will pass, in order."""
     _WORKSPACES[workspace.out.data_ptr()] = workspace
+    _ARRAYS[workspace] = tuple(arrays)
     return workspace.out
 
 
 @torch.library.custom_op("subspace_ref_triton::workspace_decode", mutates_args=())
-def workspace_decode(q: torch.Tensor, key_coef: torch.Tensor, value_coef: torch.Tensor, key_scale: torch.Tensor | None,
-                     value_scale: torch.Tensor | None, num_tokens: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
+def workspace_decode(q: torch.Tensor, arrays: list[torch.Tensor], num_tokens: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
     """Spec A3 of q (N, H_q, d) over the first ``num_tokens`` tokens of the layout of the
-    workspace registered as ``handle``, with these coefficient (and int8 scale) tensors in place
-    of its own: (N, H_q, d_v) in q's dtype, a copy."""
+    workspace registered as ``handle``, with ``arrays`` (its registered names, in order: the
+    coefficients and what their formats add) in place of its own: (N, H_q, d_v) in q's dtype, a copy."""
     ws = _WORKSPACES[handle.data_ptr()]
-    layout = replace(ws.layout, key_coef=key_coef, value_coef=value_coef, key_scale=key_scale, value_scale=value_scale)
+    layout = replace(ws.layout, **dict(zip(_ARRAYS[ws], arrays, strict=True)))
     return ws.attend(q, layout, num_tokens).clone()
 
 
 @workspace_decode.register_fake
-def _(q, key_coef, value_coef, key_scale, value_scale, num_tokens, handle):
+def _(q, arrays, num_tokens, handle):
     return q.new_empty((q.shape[0], q.shape[1], handle.shape[-1]))
 
 

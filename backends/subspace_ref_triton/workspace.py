@@ -35,14 +35,18 @@ from subspace_ref_triton.occupancy import full_wave_splits
 class DecodeWorkspace:
     """Preallocated, graph-capturable coefficient-space attention (spec A2, A3, A3.2) of queries
     (N, H_q, d) in ``dtype`` over ``layout`` (a torch :class:`~subspace_ref.layout.PackedLayout`
-    at its final capacity)."""
+    at its final capacity). ``num_tokens``: a one-element int64 device tensor the caller advances
+    (default: the workspace's own, see :meth:`advance`). ``fixed_tail``: the owner of an int4/int2
+    layout writes its ``key_tail`` in place (the graph cache, spec/models.md M11.8), so the
+    layout is taken; without it such layouts are refused."""
 
     def __init__(self, layout, query_heads: int, dtype, scale: float | None = None, num_splits: int | None = None, fused_merge: bool = False,
-                 num_tokens=None):
-        if any(layout.side_format(which).low_bits for which in ("key", "value")):
-            # an int4/int2 append writes the unfinished key group into a new key_tail tensor
+                 num_tokens=None, fixed_tail: bool = False):
+        if not fixed_tail and any(layout.side_format(which).low_bits for which in ("key", "value")):
+            # a state's int4/int2 append writes the unfinished key group into a new key_tail tensor
             # (spec/quantization.md Q2.1), whose address a captured graph would not follow
-            raise ValueError("DecodeWorkspace does not take int4/int2 layouts: every append replaces their key_tail tensor; use decode.decode_attention")
+            raise ValueError("DecodeWorkspace does not take int4/int2 layouts: every append replaces their key_tail tensor; use decode.decode_attention"
+                             " (or pass fixed_tail=True for a layout whose key_tail is written in place, as the graph cache's)")
         N, H, capacity = layout.key_coef.shape[:3]
         d, d_v = layout.key_bases.shape[4], layout.value_bases.shape[4]
         self.layout = layout

@@ -3,30 +3,29 @@ whole, so transformers' ``generate`` decodes through a captured CUDA graph (issu
 spec/models.md M11).
 
 A :class:`~subspace_ref.hf.SubspaceCache` appends and attends in Python between graph breaks.
-This cache holds what a static post-RoPE state with float or int8 coefficients holds, and
-nothing that needs Python at run time:
+This cache holds what a static post-RoPE state with float, int8 or int4/int2 coefficients holds,
+and nothing that needs Python at run time:
 
-* per layer, the coefficients ``C = K Bᵀ`` and ``D = V Eᵀ`` (int8 sides: their codes and
-  per-token scales, spec A10) in preallocated (batch, H, capacity, ·) tensors at fixed
-  addresses, written in place at the token count (a device tensor), as transformers'
-  ``StaticLayer`` writes keys and values;
+* per layer, the coefficients ``C = K Bᵀ`` and ``D = V Eᵀ`` in preallocated (batch, H,
+  capacity, ·) tensors at fixed addresses (quantised sides: the state's packed layout at that
+  capacity, :mod:`~subspace_ref.hf.graph_storage`), written in place at the token count (a
+  device tensor), as transformers' ``StaticLayer`` writes keys and values;
 * attention is spec A2 as exact attention over ``(γ B q, C, D)`` with head size r and scale
   1/√d: one ``scaled_dot_product_attention`` call over the written slots, then ``E`` maps the
   r_v-vector back to d_v (the vendor path of ``subspace_ref_triton.vendor``, on every device).
-  A layer with an int8 side decodes one token through the Triton decode kernel instead, as a
-  torch operator (``subspace_ref_triton.graph_op``; M11.6) where the kernel runs, so that the
+  A layer with a quantised side decodes one token through the Triton decode kernel instead, as
+  a torch operator (``subspace_ref_triton.graph_op``; M11.6) where the kernel runs, so that the
   step reads the codes and not a dequantised copy of the capacity.
 
 transformers compiles ``generate``'s decode step for caches whose ``is_compileable`` is True,
 on CUDA by default with ``mode="reduce-overhead"``, which captures CUDA graphs. Other state
-kinds (online bases, pre-RoPE keys, int4/int2 coefficients, exact windows, per-query-head
-bases) are refused with the reasons (:func:`graph_refusals`): they keep the SubspaceCache.
+kinds (online bases, pre-RoPE keys, exact windows, per-query-head bases) are refused with the
+reasons (:func:`graph_refusals`): they keep the SubspaceCache.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -40,8 +39,8 @@ from subspace_ref.byte_convention import Geometry
 from subspace_ref.capabilities import NotSupportedError, require
 from subspace_ref.formats import FLOAT
 from subspace_ref.hf import attention as _attn
+from subspace_ref.hf import graph_storage
 from subspace_ref.hf.state_factories import StateFactory, StateSpec
-from subspace_ref.quantization import dequantize_rows, quantize_rows
 from subspace_ref.state import SubspaceState
 
 
@@ -58,7 +57,7 @@ def kernel_backend(device, dtype):
 
 def graph_refusals(state, device=None) -> list[str]:
     """Why ``state`` cannot be held by a :class:`GraphSubspaceCache` ([] when it can; spec/models.md
-    M11.4); with ``device``, also what that device lacks (int8 coefficients on CUDA need the
+    M11.4); with ``device``, also what that device lacks (quantised coefficients on CUDA need the
     Triton kernel, M11.6)."""
     if not isinstance(state, SubspaceState):
         return [f"{type(state).__name__}: heads of different configurations are decoded by the SubspaceCache"]
@@ -70,10 +69,7 @@ def graph_refusals(state, device=None) -> list[str]:
     if getattr(state.policy, "query_group", None) is not None:
         reasons.append("bases per query head (spec/sharing.md A3)")
     lay = state.layout
-    formats = [lay.side_format(which) for which in ("key", "value")]
-    if not all(f.name == FLOAT or f.per_token_scale for f in formats):
-        reasons.append(f"{lay.coefficients} coefficients (float or int8 only: a low-bit append replaces the key group's tail, spec/quantization.md Q2.1)")
-    elif any(f.per_token_scale for f in formats) and device is not None and torch.device(device).type == "cuda" and kernel_backend(device, state.dtype) is None:
+    if (lay.key_format, lay.value_format) != (FLOAT, FLOAT) and device is not None and torch.device(device).type == "cuda" and kernel_backend(device, state.dtype) is None:
         reasons.append(f"{lay.coefficients} coefficients on CUDA without the triton decode kernel for {state.dtype} (the whole capacity would be dequantised every step)")
     if state.window is not None:
         reasons.append("exact windows, sinks or a compression threshold (spec/window.md) move tokens between parts while decoding")
@@ -106,10 +102,10 @@ def model_graph_refusals(config, states: StateFactory | Sequence[Any], device=No
 class GraphSubspaceLayer(StaticLayer):
     """One layer of a :class:`GraphSubspaceCache`: transformers' ``StaticLayer`` whose ``keys``
     and ``values`` hold the coefficients C (batch, H, capacity, r) and D (batch, H, capacity,
-    r_v) in the model's dtype, or, for an int8 side, its codes with ``key_scale`` /
-    ``value_scale`` (batch, H, capacity) float32 (spec A10), with the bases B (H, r, d),
-    E (H, r_v, d_v) and γ (H,) of a static state (spec A2). Built by the cache from its states
-    on the first ``update``."""
+    r_v) in the model's dtype, with the bases B (H, r, d), E (H, r_v, d_v) and γ (H,) of a
+    static state (spec A2). A layer with an int8 or int4/int2 side holds its coefficients in a
+    fixed packed layout instead (``layout``; ``keys`` and ``values`` are its code arrays; M11.8).
+    Built by the cache from its states on the first ``update``."""
 
     is_compileable = True
 
@@ -117,10 +113,11 @@ class GraphSubspaceLayer(StaticLayer):
         super().__init__(max_cache_len=max_cache_len)
         self.layer_idx = layer_idx
         self.cache = cache
-        self.key_scale = self.value_scale = None
-        self.kernel_layout = None  # the Triton kernel's view of the tensors above (M11.6), when the kernel runs here
+        self.layout = None  # the fixed packed layout of a quantised layer (graph_storage, M11.8)
+        self.kernel = False  # whether the Triton decode kernel reads that layout here (M11.6)
         self.workspace = self.workspace_handle = None
         self.all_visible = True  # no mask has hidden a written slot (M11.6: the kernel reads slots 0..T-1)
+        self.fresh_keys = None  # the float keys of the last eager block into low-bit keys (M11.8 step 3)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         N, H, _, d = key_states.shape
@@ -135,34 +132,26 @@ class GraphSubspaceLayer(StaticLayer):
         self.key_basis, self.value_basis = to_tensor(lay.key_bases[0, :, 0]), to_tensor(lay.value_bases[0, :, 0])
         self.gamma = to_tensor(lay.gamma)
         self.k_head_dim, self.v_head_dim = self.key_basis.shape[1], self.value_basis.shape[1]
-        self.keys, self.key_scale = self._side_tensors(lay.side_format("key"), self.k_head_dim)
-        self.values, self.value_scale = self._side_tensors(lay.side_format("value"), self.v_head_dim)
-        self.slots = torch.arange(self.max_cache_len, device=self.device)
-        self.cumulative_length = self.cumulative_length.to(self.device)
-        if self.key_scale is not None or self.value_scale is not None:
-            backend = kernel_backend(self.device, self.dtype)
-            if backend is None and self.device.type == "cuda":
+        if lay.key_format == FLOAT and lay.value_format == FLOAT:
+            self.keys = torch.zeros((N, H, self.max_cache_len, self.k_head_dim), dtype=self.dtype, device=self.device)
+            self.values = torch.zeros((N, H, self.max_cache_len, self.v_head_dim), dtype=self.dtype, device=self.device)
+        else:
+            self.kernel = kernel_backend(self.device, self.dtype) is not None
+            if not self.kernel and self.device.type == "cuda":
                 raise NotSupportedError(f"layer {self.layer_idx}: the graph cache does not hold",
                                         [f"{lay.coefficients} coefficients on CUDA without the triton decode kernel for {self.dtype} (M11.6)"])
-            if backend is not None:  # M11.6: the kernel reads these very tensors
-                half = self.dtype in (torch.float16, torch.bfloat16)  # states of half models in their dtype, as the SubspaceCache converts them
-                kernel_state = decoded_state(state.to("triton", device=self.device, dtype=self.dtype if half else self.compute_dtype))
-                self.kernel_layout = replace(kernel_state.layout, num_tokens=0, key_coef=self.keys, value_coef=self.values,
-                                             key_scale=self.key_scale, value_scale=self.value_scale)
+            # states of half models in their dtype, as the SubspaceCache converts them
+            layout_dtype = self.dtype if self.dtype in (torch.float16, torch.bfloat16) else self.compute_dtype
+            self.layout = graph_storage.fixed_layout(state, self.device, layout_dtype, self.max_cache_len)
+            self.keys, self.values = self.layout.key_coef, self.layout.value_coef
+        self.slots = torch.arange(self.max_cache_len, device=self.device)
+        self.cumulative_length = self.cumulative_length.to(self.device)
         self._fix_addresses()
         self.is_initialized = True
 
-    def _side_tensors(self, fmt, rank: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Zeroed (batch, H, capacity, rank) coefficients of a side in ``fmt``, and its
-        (batch, H, capacity) float32 scales for int8 (spec A10), else None."""
-        shape = (self.batch_size, self.num_heads, self.max_cache_len)
-        if fmt.per_token_scale:
-            return torch.zeros((*shape, rank), dtype=torch.int8, device=self.device), torch.zeros(shape, dtype=torch.float32, device=self.device)
-        return torch.zeros((*shape, rank), dtype=self.dtype, device=self.device), None
-
     def held(self) -> tuple[torch.Tensor, ...]:
-        """The per-sequence tensors of the layer: coefficients (or codes) and int8 scales."""
-        return tuple(t for t in (self.keys, self.values, self.key_scale, self.value_scale) if t is not None)
+        """The per-sequence tensors of the layer: C and D, or the fixed layout's arrays of tokens."""
+        return (self.keys, self.values) if self.layout is None else tuple(graph_storage.sequence_arrays(self.layout).values())
 
     def _fix_addresses(self) -> None:
         """Tag C with this layer (how the attention call finds it, traced by dynamo as a
@@ -174,8 +163,8 @@ class GraphSubspaceLayer(StaticLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Spec M11.1: write the coefficients of the new post-RoPE keys/values (batch, H, n, d) at
-        the token count (int8 sides: their spec A10 codes and scales) and return the whole C and
-        D (the attention reads the written slots only)."""
+        the token count (quantised sides: M11.8 step 1) and return the whole C and D, or code
+        arrays (the attention reads the written slots only)."""
         if not self.is_initialized:
             try:
                 self.lazy_initialization(key_states, value_states)
@@ -188,17 +177,21 @@ class GraphSubspaceLayer(StaticLayer):
         if not is_torchdynamo_compiling() and int(self.cumulative_length) + n > self.max_cache_len:  # a compiled step has no host read: M11.5
             self._take_back_and_raise(self.layer_idx - 1, n, ValueError(
                 f"layer {self.layer_idx}: {int(self.cumulative_length)} + {n} tokens exceed max_cache_len = {self.max_cache_len}"))
+        if n > 1 and self.low_bit_keys and is_torchdynamo_compiling():  # M11.8 steps 1 and 3 keep a block's float keys on the host
+            self._take_back_and_raise(self.layer_idx - 1, n, NotSupportedError(
+                f"layer {self.layer_idx}: the graph cache does not support", [f"a compiled forward of {n} tokens over low-bit keys (compile the one-token decode step, as generate does)"]))
         c = torch.einsum("bhnd,hrd->bhnr", key_states.to(self.compute_dtype), self.key_basis)
         dv = torch.einsum("bhnd,hrd->bhnr", value_states.to(self.compute_dtype), self.value_basis)
-        positions = torch.arange(n, device=self.device) + self.cumulative_length
+        count = self.cumulative_length.clone()
         self.cumulative_length.add_(n)
-        for coef, scale, new in ((self.keys, self.key_scale, c), (self.values, self.value_scale, dv)):
-            if scale is None:
-                coef.index_copy_(2, positions, new.to(coef.dtype))
-            else:  # spec A10, per token
-                codes, token_scale = quantize_rows(new)
-                coef.index_copy_(2, positions, codes)
-                scale.index_copy_(2, positions, token_scale)
+        if self.layout is None:
+            positions = torch.arange(n, device=self.device) + count
+            self.keys.index_copy_(2, positions, c.to(self.keys.dtype))
+            self.values.index_copy_(2, positions, dv.to(self.values.dtype))
+        else:
+            eager = not is_torchdynamo_compiling()
+            self.fresh_keys = graph_storage.write(self.layout, "key", count, c, eager)
+            graph_storage.write(self.layout, "value", count, dv, eager)
         return self.keys, self.values
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -209,13 +202,31 @@ class GraphSubspaceLayer(StaticLayer):
             for t in self.held():
                 t.copy_(t.index_select(0, idx))
 
+    def crop(self, tokens_to_remove: int) -> None:
+        """StaticLayer's crop (``tokens_to_remove`` < 0 takes that many back). Low-bit keys also
+        need the float rows of the unfinished group the cut falls in (M11.8 step 4): still in the
+        tail when every write since was one token into the same group, else put back from the
+        last block's rows; RuntimeError, the layer unchanged, when neither holds them."""
+        if self.low_bit_keys and tokens_to_remove < -1:  # one token back never leaves its group's earlier rows
+            T = int(self.cumulative_length)
+            k, G = max(T + tokens_to_remove, 0), self.layout.group
+            start = k // G * G
+            if self.fresh_keys is not None and self.fresh_keys[0] <= start:
+                first, rows = self.fresh_keys
+                self.layout.key_tail[:, :, : k - start] = rows[:, :, start - first : k - first]
+            elif k > start and (T - 1) // G != k // G:
+                raise RuntimeError(f"layer {self.layer_idx}: cropping {T} tokens to {k} needs the float keys of tokens {start}..{k - 1}, "
+                                   f"which later writes replaced; call cache.reset()")
+        super().crop(tokens_to_remove)
+
     def reset(self) -> None:
         """Empty the layer, keeping its tensors (and so a captured graph's addresses)."""
         super().reset()
-        for scale in (self.key_scale, self.value_scale):
-            if scale is not None:
-                scale.zero_()
+        if self.is_initialized:
+            for t in self.held():
+                t.zero_()
         self.all_visible = True
+        self.fresh_keys = None
 
     def attention_call(self, module, query: torch.Tensor, mask: torch.Tensor | None, scaling: float | None, dropout: float, kwargs: dict) -> torch.Tensor:
         """``subspace_attention`` for this layer: refuse what M11.2 does not compute, naming it,
@@ -230,7 +241,7 @@ class GraphSubspaceLayer(StaticLayer):
         if refused:
             self._take_back_and_raise(self.layer_idx, n, NotSupportedError(f"layer {self.layer_idx}: the graph cache does not support", refused))
         scaling = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
-        if self.kernel_layout is not None:
+        if self.kernel:
             self._prepare_kernel(query, mask, scaling)
         return self.attend(query, mask, scaling)
 
@@ -251,8 +262,8 @@ class GraphSubspaceLayer(StaticLayer):
             from subspace_ref_triton import graph_op
             from subspace_ref_triton.workspace import DecodeWorkspace
 
-            self.workspace = DecodeWorkspace(self.kernel_layout, query.shape[1], query.dtype, scale=scaling, num_tokens=self.cumulative_length)
-            self.workspace_handle, self.workspace_key = graph_op.register(self.workspace), key
+            self.workspace = DecodeWorkspace(self.layout, query.shape[1], query.dtype, scale=scaling, num_tokens=self.cumulative_length, fixed_tail=True)
+            self.workspace_handle, self.workspace_key = graph_op.register(self.workspace, list(graph_storage.sequence_arrays(self.layout))), key
             torch._dynamo.mark_static_address(self.workspace_handle)
             self.decode_op = torch.ops.subspace_ref_triton.workspace_decode
 
@@ -268,18 +279,23 @@ class GraphSubspaceLayer(StaticLayer):
         """Spec M11.2 (A2 through SDPA, M11.3) for the n queries (batch, H_q, n, d) of the last n
         tokens written, under transformers' mask over the capacity (True / 0 = attend; None:
         the written slots, causally): (batch, n, H_q, d_v) in the query's dtype. One query over
-        an int8 side whose kernel is prepared and sees every written slot: M11.6 instead."""
+        a quantised side whose kernel is prepared and sees every written slot: M11.6 instead;
+        several over low-bit keys: M11.8 step 3."""
         N, Hq, n, d = query.shape
         if n == 1 and self.workspace is not None and self.all_visible and self.workspace_key == (N, Hq, query.dtype, scaling):
-            out = self.decode_op(query[:, :, 0].contiguous(), self.keys, self.values, self.key_scale, self.value_scale, self.cumulative_length,
-                                 self.workspace_handle)
+            out = self.decode_op(query[:, :, 0].contiguous(), list(self.held()), self.cumulative_length, self.workspace_handle)
             return out[:, None]
         H = self.num_heads
         g = Hq // H
         q = query.to(self.compute_dtype).view(N, H, g, n, d)
         qt = torch.einsum("bhgnd,hrd->bhgnr", q, self.key_basis) * self.gamma[None, :, None, None, None]  # step 1, γ folded in
+        if n > 1 and self.low_bit_keys:
+            return self._attend_block_low_bit(qt, mask, scaling, query.dtype)
         qt = qt.to(self.dtype)
-        C, D = (coef if scale is None else dequantize_rows(coef, scale, self.dtype) for coef, scale in ((self.keys, self.key_scale), (self.values, self.value_scale)))
+        if self.layout is None:
+            C, D = self.keys, self.values
+        else:  # the read-back coefficients (M11.8 step 2)
+            C, D = (graph_storage.read(self.layout, which, self.cumulative_length, self.dtype, self.max_cache_len) for which in ("key", "value"))
         if n == 1:  # decode: the g query heads of a KV head as g query rows of it, so no GQA kernel is needed
             visible = (self.slots < self.cumulative_length).view(1, 1, 1, -1) if mask is None else mask  # (1 or N, 1, 1, L)
             y = F.scaled_dot_product_attention(qt.view(N, H, g, -1), C, D, attn_mask=visible, scale=scaling)  # steps 2-3
@@ -290,10 +306,42 @@ class GraphSubspaceLayer(StaticLayer):
         out = torch.einsum("bhgnr,hre->bhgne", y.to(self.compute_dtype).reshape(N, H, g, n, -1), self.value_basis)  # step 4: (α̂ᵀD) E
         return out.reshape(N, Hq, n, -1).transpose(1, 2).to(query.dtype).contiguous()
 
+    @property
+    def low_bit_keys(self) -> bool:
+        """Whether the keys are int4/int2 codes in groups (M11.8 steps 1, 3, 4 treat them apart)."""
+        return self.layout is not None and bool(self.layout.side_format("key").low_bits)
+
+    def _attend_block_low_bit(self, qt: torch.Tensor, mask: torch.Tensor | None, scaling: float, dtype: torch.dtype) -> torch.Tensor:
+        """M11.8 step 3: n > 1 queries (q̃: (N, H, g, n, r), compute dtype) of the last n tokens
+        written over low-bit keys, eager. Query ``p`` sees key ``t`` from its group's codes if
+        the group is complete by ``p`` (Q2.2), else as the float row the block's write kept;
+        logits of both read-backs, one chosen per (query, key), one softmax in the compute dtype."""
+        N, H, g, n, _ = qt.shape
+        L, G, T = self.max_cache_len, self.layout.group, int(self.cumulative_length)
+        first, rows = self.fresh_keys
+        work = self.compute_dtype
+        coded = graph_storage.read(self.layout, "key", self.cumulative_length, work, L)
+        plain = coded.clone()
+        plain[:, :, first:T] = rows.to(work)
+        D = graph_storage.read(self.layout, "value", self.cumulative_length, work, L)
+        positions = torch.arange(T - n, T, device=self.device)
+        slots = self.slots
+        from_codes = (slots // G * G + G)[None, :] <= positions[:, None] + 1  # (n, L)
+        logits = torch.where(from_codes, torch.einsum("bhgnr,bhlr->bhgnl", qt, coded), torch.einsum("bhgnr,bhlr->bhgnl", qt, plain)) * scaling
+        allowed = slots[None, :] <= positions[:, None] if mask is None else mask.view(mask.shape[0], 1, 1, n, L).expand(N, 1, 1, n, L)
+        if allowed.dtype == torch.bool:
+            logits = logits.masked_fill(~allowed, float("-inf"))
+        else:
+            logits = logits + allowed.to(work)
+        weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a query allowed no token gets zeros, as the oracle's
+        y = torch.einsum("bhgnl,bhlr->bhgnr", weights, D)
+        out = torch.einsum("bhgnr,hre->bhgne", y, self.value_basis)
+        return out.reshape(N, H * g, n, -1).transpose(1, 2).to(dtype).contiguous()
+
 
 class GraphSubspaceCache(Cache):
     """A transformers ``Cache`` of fixed capacity whose full-attention layers hold the
-    coefficients of static post-RoPE float or int8 states (:class:`GraphSubspaceLayer`), so that
+    coefficients of static post-RoPE float or quantised states (:class:`GraphSubspaceLayer`), so that
     ``torch.compile`` traces a decode step without graph breaks and transformers' ``generate``
     compiles it (CUDA graphs on CUDA, its default ``CompileConfig``). Other layers (sliding
     windows) are transformers' static layers, attended by the model's own SDPA.
@@ -377,19 +425,26 @@ class GraphSubspaceCache(Cache):
         for i, layer in enumerate(self.layers[: layer_idx + 1]):
             if not layer.is_initialized:
                 continue
-            if layer.is_croppable:
+            try:
+                if not layer.is_croppable:
+                    raise RuntimeError("a sliding window")
                 layer.crop(-tokens)
-            else:
+            except RuntimeError:
                 lost.append(i)
         if lost:
-            raise RuntimeError(f"layers {lost}: their sliding windows dropped tokens that cannot be restored; call cache.reset() before reusing the cache")
+            raise RuntimeError(f"layers {lost}: their sliding windows dropped tokens, or their low-bit key tails were rewritten, which cannot be restored; "
+                               "call cache.reset() before reusing the cache")
 
     @property
     def nbytes(self) -> int:
         """Bytes held: the allocated coefficients (the capacity, not the tokens written) and the
         bases, as :attr:`SubspaceCache.nbytes` counts bases."""
-        held = ("keys", "values", "key_scale", "value_scale", "key_basis", "value_basis", "gamma")
-        return sum(t.numel() * t.element_size() for layer in self.layers if layer.is_initialized for t in (getattr(layer, n, None) for n in held) if t is not None)
+        total = 0
+        for layer in self.layers:
+            if layer.is_initialized:
+                held = layer.held() + (layer.key_basis, layer.value_basis, layer.gamma) if isinstance(layer, GraphSubspaceLayer) else (layer.keys, layer.values)
+                total += sum(t.numel() * t.element_size() for t in held)
+        return total
 
 
 __all__ = ["GraphSubspaceCache", "GraphSubspaceLayer", "graph_refusals", "layer_spec", "model_graph_refusals"]

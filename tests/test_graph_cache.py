@@ -193,6 +193,25 @@ def test_int8_on_cuda_without_the_kernel_is_refused(monkeypatch):
     assert any("on CUDA without the triton decode kernel" in r for r in graph_refusals(state, "cuda"))
 
 
+def compiled_against_eager(model, factory, ids, steps: int):
+    """``generate`` over a fresh graph cache eagerly (top-2 margins checked first, so equal tokens
+    are a real comparison), then compiled as transformers compiles it with ``fullgraph=True`` (a
+    graph break raises; here on the CPU too): (eager tokens, compiled tokens, the compiled run's
+    cache, its CompileConfig)."""
+    with torch.no_grad():
+        cache = GraphSubspaceCache(model.config, factory, max_cache_len=ids.shape[1] + steps)
+        eager = model.generate(ids, cache=cache, max_new_tokens=steps, do_sample=False, disable_compile=True, output_scores=True, return_dict_in_generate=True)
+        margins = [float(torch.topk(s[0], 2).values.diff().abs()) for s in eager.scores]
+    assert min(margins) > 1e-4
+    compile_config = CompileConfig(fullgraph=True)
+    compile_config._compile_all_devices = True  # transformers compiles on CUDA by default
+    torch._dynamo.reset()
+    cache = GraphSubspaceCache(model.config, factory, max_cache_len=ids.shape[1] + steps)
+    compiled = model.generate(ids, cache=cache, max_new_tokens=steps, do_sample=False, compile_config=compile_config)
+    assert hasattr(model, "_compiled_call")
+    return eager.sequences, compiled, cache, compile_config
+
+
 @pytest.mark.parametrize("coefficients", ["float", "int4"])
 def test_compiled_decode_equals_eager_without_graph_breaks(coefficients):
     """generate compiles the decode step of a graph cache (fullgraph=True: a break would raise)
@@ -204,20 +223,9 @@ def test_compiled_decode_equals_eager_without_graph_breaks(coefficients):
     ids = ids_of(10, 1)
     steps = 8
     use_subspace_attention(model)
-    with torch.no_grad():  # top-2 margins of the eager run, so equal tokens are a real comparison
-        cache = GraphSubspaceCache(model.config, factory, max_cache_len=ids.shape[1] + steps)
-        eager = model.generate(ids, cache=cache, max_new_tokens=steps, do_sample=False, disable_compile=True, output_scores=True, return_dict_in_generate=True)
-        margins = [float(torch.topk(s[0], 2).values.diff().abs()) for s in eager.scores]
-    assert min(margins) > 1e-4
-    compile_config = CompileConfig(fullgraph=True)
-    compile_config._compile_all_devices = True  # transformers compiles on CUDA by default; here on the CPU too
-    torch._dynamo.reset()
-    cache = GraphSubspaceCache(model.config, factory, max_cache_len=ids.shape[1] + steps)
-    compiled = model.generate(ids, cache=cache, max_new_tokens=steps, do_sample=False, compile_config=compile_config)
-    assert hasattr(model, "_compiled_call")
-    assert torch.equal(compiled, eager.sequences)
+    eager, compiled, cache, _ = compiled_against_eager(model, factory, ids, steps)
+    assert torch.equal(compiled, eager)
     assert int(cache.get_seq_length()) == ids.shape[1] + steps - 1
-
 
 REFUSED = {
     "window": (dict(window=4), "exact windows"),

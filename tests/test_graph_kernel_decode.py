@@ -22,13 +22,12 @@ pytest.importorskip("transformers")
 _AVAILABLE, DEVICE, (workspace,) = load_kernels("workspace")
 
 from torch._dynamo.utils import counters  # noqa: E402
-from transformers import CompileConfig  # noqa: E402
 
 import subspace_ref as sr  # noqa: E402
 from subspace_ref.hf import GraphSubspaceCache, SubspaceCache, graph_storage, static_states, use_subspace_attention  # noqa: E402
 from subspace_ref.layout import BY_NAME, GROUP, TOKEN  # noqa: E402
 from tests.differential.tolerance import reference_error, tolerance  # noqa: E402
-from tests.test_graph_cache import ids_of, make_model, random_bases  # noqa: E402
+from tests.test_graph_cache import compiled_against_eager, ids_of, make_model, random_bases  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not _AVAILABLE, reason=f"triton backend unavailable: {_AVAILABLE.reason}")
 
@@ -104,28 +103,16 @@ def test_compiled_generate_runs_the_kernel_without_graph_breaks(coefficients, ke
     steps = 8
     use_subspace_attention(model)
     factory = static_states(bases, coefficients=coefficients, group_size=8)  # int4: key groups complete at 16 inside the compiled steps
-    with torch.no_grad():
-        cache = GraphSubspaceCache(model.config, factory, max_cache_len=ids.shape[1] + steps)
-        eager = model.generate(ids, cache=cache, max_new_tokens=steps, do_sample=False, disable_compile=True, output_scores=True, return_dict_in_generate=True)
-        margins = [float(torch.topk(s[0], 2).values.diff().abs()) for s in eager.scores]
-    assert min(margins) > 1e-4
+    eager, compiled, _, compile_config = compiled_against_eager(model, factory, ids, steps)
     layers = model.config.num_hidden_layers
-    assert len(kernel_calls) == layers * (steps - 1)  # the prefill attends by SDPA, each decode step through the kernel
-    kernel_calls.clear()
-    compile_config = CompileConfig(fullgraph=True)
-    compile_config._compile_all_devices = True  # transformers compiles on CUDA by default; here on the CPU too
-    torch._dynamo.reset()
-    cache = GraphSubspaceCache(model.config, factory, max_cache_len=ids.shape[1] + steps)
-    compiled = model.generate(ids, cache=cache, max_new_tokens=steps, do_sample=False, compile_config=compile_config)
-    assert hasattr(model, "_compiled_call")
-    assert torch.equal(compiled, eager.sequences)
-    assert len(kernel_calls) == layers * (steps - 1)
+    assert torch.equal(compiled, eager)
+    assert len(kernel_calls) == 2 * layers * (steps - 1)  # the prefills attend by SDPA, each decode step, eager or compiled, through the kernel
     # a new cache's workspace is a new input of the same graph (graph_op's handle), not a recompile
     graphs = counters["stats"]["unique_graphs"]
     again = model.generate(ids, cache=GraphSubspaceCache(model.config, factory, max_cache_len=ids.shape[1] + steps), max_new_tokens=steps,
                            do_sample=False, compile_config=compile_config)
-    assert torch.equal(again, eager.sequences) and counters["stats"]["unique_graphs"] == graphs
-    assert len(kernel_calls) == 2 * layers * (steps - 1) and kernel_calls[-1] is not kernel_calls[0]
+    assert torch.equal(again, eager) and counters["stats"]["unique_graphs"] == graphs
+    assert len(kernel_calls) == 3 * layers * (steps - 1) and kernel_calls[-1] is not kernel_calls[0]
 
 
 @pytest.mark.parametrize("coefficients", ["int8", "int4"])

@@ -289,13 +289,13 @@ class GraphSubspaceLayer(StaticLayer):
         g = Hq // H
         q = query.to(self.compute_dtype).view(N, H, g, n, d)
         qt = torch.einsum("bhgnd,hrd->bhgnr", q, self.key_basis) * self.gamma[None, :, None, None, None]  # step 1, γ folded in
-        if n > 1 and self.low_bit_keys:
-            return self._attend_block_low_bit(qt, mask, scaling, query.dtype)
         qt = qt.to(self.dtype)
         if self.layout is None:
             C, D = self.keys, self.values
         else:  # the read-back coefficients (M11.8 step 2)
             C, D = (graph_storage.read(self.layout, which, self.cumulative_length, self.dtype, self.max_cache_len) for which in ("key", "value"))
+        if n > 1 and self.low_bit_keys:
+            C, D, mask = self._block_keys(C, D, mask, n)
         if n == 1:  # decode: the g query heads of a KV head as g query rows of it, so no GQA kernel is needed
             visible = (self.slots < self.cumulative_length).view(1, 1, 1, -1) if mask is None else mask  # (1 or N, 1, 1, L)
             y = F.scaled_dot_product_attention(qt.view(N, H, g, -1), C, D, attn_mask=visible, scale=scaling)  # steps 2-3
@@ -311,32 +311,24 @@ class GraphSubspaceLayer(StaticLayer):
         """Whether the keys are int4/int2 codes in groups (M11.8 steps 1, 3, 4 treat them apart)."""
         return self.layout is not None and bool(self.layout.side_format("key").low_bits)
 
-    def _attend_block_low_bit(self, qt: torch.Tensor, mask: torch.Tensor | None, scaling: float, dtype: torch.dtype) -> torch.Tensor:
-        """M11.8 step 3: n > 1 queries (q̃: (N, H, g, n, r), compute dtype) of the last n tokens
-        written over low-bit keys, eager. Query ``p`` sees key ``t`` from its group's codes if
-        the group is complete by ``p`` (Q2.2), else as the float row the block's write kept;
-        logits of both read-backs, one chosen per (query, key), one softmax in the compute dtype."""
-        N, H, g, n, _ = qt.shape
-        L, G, T = self.max_cache_len, self.layout.group, int(self.cumulative_length)
+    def _block_keys(self, C: torch.Tensor, D: torch.Tensor, mask: torch.Tensor | None, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """M11.8 step 3, eager: for n > 1 queries at positions T-n..T-1 over low-bit keys, the
+        slots twice, read back (C) and with the float rows the block's write kept (its groups),
+        and a mask over both letting query ``p`` see key ``t`` in the first copy iff ``t``'s
+        group is complete by ``p`` (Q2.2), else in the second: one SDPA over the 2L slots."""
+        G, T = self.layout.group, int(self.cumulative_length)
         first, rows = self.fresh_keys
-        work = self.compute_dtype
-        coded = graph_storage.read(self.layout, "key", self.cumulative_length, work, L)
-        plain = coded.clone()
-        plain[:, :, first:T] = rows.to(work)
-        D = graph_storage.read(self.layout, "value", self.cumulative_length, work, L)
-        positions = torch.arange(T - n, T, device=self.device)
-        slots = self.slots
-        from_codes = (slots // G * G + G)[None, :] <= positions[:, None] + 1  # (n, L)
-        logits = torch.where(from_codes, torch.einsum("bhgnr,bhlr->bhgnl", qt, coded), torch.einsum("bhgnr,bhlr->bhgnl", qt, plain)) * scaling
-        allowed = slots[None, :] <= positions[:, None] if mask is None else mask.view(mask.shape[0], 1, 1, n, L).expand(N, 1, 1, n, L)
-        if allowed.dtype == torch.bool:
-            logits = logits.masked_fill(~allowed, float("-inf"))
-        else:
-            logits = logits + allowed.to(work)
-        weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a query allowed no token gets zeros, as the oracle's
-        y = torch.einsum("bhgnl,bhlr->bhgnr", weights, D)
-        out = torch.einsum("bhgnr,hre->bhgne", y, self.value_basis)
-        return out.reshape(N, H * g, n, -1).transpose(1, 2).to(dtype).contiguous()
+        plain = C.clone()
+        plain[:, :, first:T] = rows.to(plain.dtype)
+        positions = torch.arange(T - n, T, device=self.device)[:, None]
+        coded = (self.slots // G * G + G)[None, :] <= positions + 1  # (n, L)
+        if mask is None:
+            mask = self.slots[None, :] <= positions
+        if mask.dtype == torch.bool:
+            both = torch.cat([mask & coded, mask & ~coded], dim=-1)
+        else:  # an additive mask
+            both = torch.cat([mask.masked_fill(~coded, float("-inf")), mask.masked_fill(coded, float("-inf"))], dim=-1)
+        return torch.cat([C, plain], dim=2), torch.cat([D, D], dim=2), both
 
 
 class GraphSubspaceCache(Cache):

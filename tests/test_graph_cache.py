@@ -181,6 +181,25 @@ def test_low_bit_crop_puts_back_the_float_keys_of_its_group():
     assert int(cropped.get_seq_length()) == held
 
 
+def test_low_bit_crop_after_a_beam_reorder_puts_back_each_sequences_rows():
+    """A block's float keys are reordered with the sequences (beam search), so a crop after the
+    reorder puts each sequence's own rows back: the logits of a cache that held the reordered
+    prompts only."""
+    model = make_model("llama")
+    factory = static_states(random_bases(model), coefficients="int4", group_size=8)
+    use_subspace_attention(model)
+    prompts = torch.cat([ids_of(12, 8), ids_of(12, 9)])
+    with torch.no_grad():
+        cache, reference = (GraphSubspaceCache(model.config, factory, max_cache_len=24) for _ in range(2))
+        model(input_ids=prompts, cache=cache)
+        model(input_ids=torch.tensor([[1, 2, 3, 4, 5, 6]] * 2), attention_mask=torch.ones((2, 18), dtype=torch.long), cache=cache)
+        cache.reorder_cache(torch.tensor([1, 0]))
+        cache.crop(-6)
+        model(input_ids=prompts.flip(0), cache=reference)
+        got, want = (model(input_ids=torch.tensor([[7], [7]]), cache=c).logits for c in (cache, reference))
+    assert float((got - want).abs().max()) <= 1e-12 * float(want.abs().max())
+
+
 def test_int8_on_cuda_without_the_kernel_is_refused(monkeypatch):
     """On CUDA an int8 layer needs the Triton kernel (M11.6): without it, it is refused by name
     rather than dequantising the whole capacity every step; on the CPU it is held."""

@@ -201,6 +201,9 @@ class GraphSubspaceLayer(StaticLayer):
             idx = beam_idx.to(self.device)
             for t in self.held():
                 t.copy_(t.index_select(0, idx))
+            if self.fresh_keys is not None:  # a crop may still put them back (M11.8 step 4)
+                first, rows = self.fresh_keys
+                self.fresh_keys = first, rows.index_select(0, idx)
 
     def crop(self, tokens_to_remove: int) -> None:
         """StaticLayer's crop (``tokens_to_remove`` < 0 takes that many back). Low-bit keys also

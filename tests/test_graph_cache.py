@@ -246,6 +246,28 @@ def test_compiled_decode_equals_eager_without_graph_breaks(coefficients):
     assert torch.equal(compiled, eager)
     assert int(cache.get_seq_length()) == ids.shape[1] + steps - 1
 
+def test_shipped_model_generates_the_subspace_caches_tokens_through_the_compiled_int4_graph():
+    """The project's trained model (4 layers, 2 KV heads of 64), bases calibrated on the prompt
+    at rank 48, int4 coefficients: 40 greedy tokens through the compiled graph cache
+    (fullgraph=True; no kernel on the CPU) equal the torch backend's SubspaceCache, whose top-2
+    margins are checked first."""
+    from subspace_ref.hf import capture
+    from subspace_ref.models.default_model import load_model
+
+    model, _ = load_model("default")
+    ids = torch.tensor([list(b"def read_config(path):\n    with open(path) as f:\n        return json.load(f)\n\ndef write_config(path, config):\n")])
+    factory = static_states(capture(model, ids).calibrate(rank_k=48, rank_v=48), coefficients="int4")
+    with compress(model, factory, graph=False, backend="torch") as kv:
+        ref = kv.generate(ids, max_new_tokens=40, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    assert min(float(torch.topk(s[0], 2).values.diff().abs()) for s in ref.scores) > 1e-3
+    compile_config = CompileConfig(fullgraph=True)
+    compile_config._compile_all_devices = True
+    torch._dynamo.reset()
+    with compress(model, factory, graph=True) as kv:
+        assert torch.equal(kv.generate(ids, max_new_tokens=40, do_sample=False, compile_config=compile_config), ref.sequences)
+    assert hasattr(model, "_compiled_call")
+
+
 REFUSED = {
     "window": (dict(window=4), "exact windows"),
     "pre-RoPE": (dict(rope="rope"), "pre-RoPE keys"),

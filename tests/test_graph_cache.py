@@ -537,7 +537,7 @@ def test_cuda_generate_decodes_through_the_compiled_graph(coefficients):
     kernel operator, M11.6): the tokens of the eager SubspaceCache on the same device, at margins
     checked first."""
     model = make_model("llama", torch.float32).cuda()
-    bases = static_states(random_bases(model), coefficients=coefficients)
+    bases = static_states(random_bases(model), coefficients=coefficients, group_size=8)  # int4 key groups complete at 16, inside the graph
     ids = ids_of(10, 14).cuda()
     with compress(model, bases, graph=False) as kv:
         eager = kv.generate(ids, max_new_tokens=8, do_sample=False, output_scores=True, return_dict_in_generate=True)

@@ -201,7 +201,7 @@ def test_low_bit_crop_after_a_beam_reorder_puts_back_each_sequences_rows():
 
 
 def test_int8_on_cuda_without_the_kernel_is_refused(monkeypatch):
-    """On CUDA an int8 layer needs the Triton kernel (M11.6): without it, it is refused by name
+    """On CUDA a quantised (here int8) layer needs the Triton kernel (M11.6): without it, it is refused by name
     rather than dequantising the whole capacity every step; on the CPU it is held."""
     from subspace_ref.hf import graph_cache
 

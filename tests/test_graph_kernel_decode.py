@@ -1,15 +1,16 @@
-"""The graph cache's int8 decode through the Triton kernel as a torch operator (spec/models.md
-M11.6; ``subspace_ref_triton.graph_op``), on Triton's CPU interpreter as the kernel tests run.
+"""The graph cache's quantised decode (int8, int4, int2) through the Triton kernel as a torch
+operator (spec/models.md M11.6, M11.8; ``subspace_ref_triton.graph_op``), on Triton's CPU
+interpreter as the kernel tests run.
 
-* One layer's kernel decode against the float64 oracle over the same codes and scales, held to
-  the differential harness's one rule (tests/differential/tolerance.py), in float32, bfloat16
-  and float16, with unwritten slots in the capacity.
+* One layer's kernel decode against the float64 oracle over the layer's own stored arrays
+  (codes, scales, zero points, key tail), held to the differential harness's one rule
+  (tests/differential/tolerance.py), in float32, bfloat16 and float16, with unwritten slots.
 * ``torch.compile(fullgraph=True)`` traces generate's decode step through the operator (a graph
-  break fails the compile) and gives the eager tokens; the kernel ran in every compiled step.
+  break fails the compile) and gives the eager tokens; the kernel ran in every compiled step,
+  and a new cache reuses the compiled graph.
 * A left-padded batch hides written slots, which the kernel does not read: the layer decodes by
-  SDPA instead and matches the numpy oracle cache.
+  SDPA instead; both forms match the numpy oracle cache.
 """
-
 from __future__ import annotations
 
 import numpy as np

@@ -200,6 +200,23 @@ def test_low_bit_crop_after_a_beam_reorder_puts_back_each_sequences_rows():
     assert float((got - want).abs().max()) <= 1e-12 * float(want.abs().max())
 
 
+def test_a_low_bit_write_out_of_float16_range_changes_nothing():
+    """Q1 stores float16 scales: a key beyond float16's range is refused (eager) by the layer that
+    meets it, after the earlier layers gave the forward's tokens back; every count is unchanged."""
+    model = make_model("llama")
+    factory = static_states(random_bases(model), coefficients="int4", group_size=8)
+    use_subspace_attention(model)
+    cache = GraphSubspaceCache(model.config, factory, max_cache_len=24)
+    with torch.no_grad():
+        model(input_ids=ids_of(10, 2), cache=cache)
+        layer = cache.layers[1]
+        huge = torch.full((1, 2, 3, 16), 1e6, dtype=torch.float64)
+        cache.layers[0].update(huge / 1e6, huge / 1e6)  # what layer 0 writes of the same forward
+        with pytest.raises(ValueError, match="float16"):
+            layer.update(huge, huge)
+    assert [int(cache.layers[i].cumulative_length) for i in range(2)] == [10, 10]
+
+
 def test_int8_on_cuda_without_the_kernel_is_refused(monkeypatch):
     """On CUDA a quantised (here int8) layer needs the Triton kernel (M11.6): without it, it is refused by name
     rather than dequantising the whole capacity every step; on the CPU it is held."""

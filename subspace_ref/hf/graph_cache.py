@@ -182,16 +182,19 @@ class GraphSubspaceLayer(StaticLayer):
                 f"layer {self.layer_idx}: the graph cache does not support", [f"a compiled forward of {n} tokens over low-bit keys (compile the one-token decode step, as generate does)"]))
         c = torch.einsum("bhnd,hrd->bhnr", key_states.to(self.compute_dtype), self.key_basis)
         dv = torch.einsum("bhnd,hrd->bhnr", value_states.to(self.compute_dtype), self.value_basis)
-        count = self.cumulative_length.clone()
-        self.cumulative_length.add_(n)
+        count = self.cumulative_length  # advanced after the writes, which read it
         if self.layout is None:
             positions = torch.arange(n, device=self.device) + count
             self.keys.index_copy_(2, positions, c.to(self.keys.dtype))
             self.values.index_copy_(2, positions, dv.to(self.values.dtype))
         else:
             eager = not is_torchdynamo_compiling()
-            self.fresh_keys = graph_storage.write(self.layout, "key", count, c, eager)
-            graph_storage.write(self.layout, "value", count, dv, eager)
+            try:  # a coefficient beyond float16's range (Q1, checked in eager mode): this layer's count is unchanged, earlier layers give theirs back
+                self.fresh_keys = graph_storage.write(self.layout, "key", count, c, eager)
+                graph_storage.write(self.layout, "value", count, dv, eager)
+            except ValueError as refused:
+                self._take_back_and_raise(self.layer_idx - 1, n, refused)
+        self.cumulative_length.add_(n)
         return self.keys, self.values
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -256,9 +259,8 @@ class GraphSubspaceLayer(StaticLayer):
             if query.shape[2] > 1:
                 self.all_visible = False
             return
-        T = int(self.cumulative_length)
         if mask is not None and self.all_visible:
-            last = mask[..., -1, :T]
+            last = mask[..., -1, : int(self.cumulative_length)]
             self.all_visible = bool(last.all() if last.dtype == torch.bool else (last == 0).all())
         key = (query.shape[0], query.shape[1], query.dtype, scaling)
         if self.workspace is None or self.workspace_key != key:

@@ -132,6 +132,8 @@ def test_budget_kinds():
     assert sass.budget_kind("decode split", "bf16 int4 d=128 r=32 g=4 bt=32 w=4") == "int4"
     assert sass.budget_kind("decode split (graph)", "fp16 d=128 r=32 g=4 bt=32 w=4") == "float"
     assert sass.budget_kind("decode rope", "bf16 int8 d=128 r=32 g=4 bt=32 w=4") == "rope"
+    assert sass.budget_kind("decode rope (graph)", "bf16 int4 d=128 r=32 g=4 bt=64 w=4") == "rope"
+    assert sass.budget_kind("decode rope (graph)", "fp32 d=128 r=32 g=4 bt=32 w=4") is None
     assert sass.budget_kind("decode split", "fp32 int4 d=128 r=32 g=4 bt=64 w=8") is None
     assert sass.budget_kind("decode merge", "bf16 d_v=128") is None
 

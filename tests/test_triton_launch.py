@@ -17,7 +17,7 @@ import pytest
 from tests.triton_interpreter import _interpreter_environment, load_kernels  # noqa: F401  (an autouse fixture)
 
 torch = pytest.importorskip("torch")
-_AVAILABLE, DEVICE, (decode, project, workspace) = load_kernels("decode", "project", "workspace")
+_AVAILABLE, DEVICE, (decode, project, rope_decode, workspace) = load_kernels("decode", "project", "rope_decode", "workspace")
 
 from subspace_ref.layout import PackedLayout  # noqa: E402
 from subspace_ref_triton import occupancy  # noqa: E402
@@ -202,6 +202,127 @@ def test_device_token_count_needs_a_fixed_split_count(rng):
     lay = chunked_layout(rng, 1, 1, 10, 16, 2, [0])
     with pytest.raises(ValueError, match="num_splits"):
         decode.split_launch(torch.zeros(1, 1, 16), lay, 1.0, 0, None, num_tokens=torch.ones(1, dtype=torch.int64))
+
+
+# ------------------------------------------------------------------------------ graph-capturable pre-RoPE decode
+
+
+def pre_rope_stream(rng, coefficients, r, N=2, H=2, d=32, rotary=24, tokens=320):
+    """A batched pre-RoPE static state (spec/rope.md P2-P3; partial rotary: fixed dims beside the
+    planes), empty, its RopeParams and ``tokens`` post-RoPE keys near the basis span and values to
+    append, as tests/test_rope_decode.py builds them."""
+    import subspace_ref as sr
+    from subspace_ref.rope import RopeParams, rotate
+
+    rope = RopeParams(1.0 / 50.0 ** (np.arange(0, rotary, 2) / rotary), "half", 1.0)
+    orthonormal = lambda: np.swapaxes(np.linalg.qr(rng.standard_normal((H, d, r)))[0], -1, -2)  # noqa: E731
+    basis = sr.StaticBasis.from_bases(orthonormal(), orthonormal(), gamma=1.3)
+    state = sr.SubspaceState.static(basis, batch=N, rope=rope, coefficients=coefficients)
+    pre = np.einsum("nhtr,hrd->nhtd", rng.standard_normal((N, H, tokens, r)) * 3, basis.B) + 0.05 * rng.standard_normal((N, H, tokens, d))
+    return state, rope, rotate(pre, np.arange(tokens), rope), rng.standard_normal((N, H, tokens, d))
+
+
+def copy_live(dst, src):
+    """``src``'s live arrays written into the first rows of ``dst``'s (a layout at a larger capacity):
+    what a graph cache's in-place appends leave in the arrays a captured step reads."""
+    for name, x in src.live_arrays().items():
+        getattr(dst, name)[tuple(slice(0, n) for n in x.shape)].copy_(x)
+
+
+@needs_triton
+@pytest.mark.parametrize("floor", ["min-split", "one-tile"])
+@pytest.mark.parametrize("coefficients, dtype, r", [("float", "float32", 8), ("int4", "float32", 8), ("int4", "bfloat16", 16)])
+def test_pre_rope_workspace_follows_the_device_token_count(coefficients, dtype, r, floor, rng, monkeypatch):
+    """A pre-RoPE workspace (spec/rope.md P3, spec A3.2): grid and angle tables fixed by the capacity,
+    the layout's arrays written in place (the int4 key tail too, ``fixed_tail``), the token count set
+    on the device: at T inside one tile, across tiles, across the split boundary (256 tokens: the
+    device split length's floor) and at the capacity, every step equals the float64 oracle of the
+    stored state within the harness's tolerance in that dtype; with the floor lowered to one tile
+    (three splits), split lengths of whole tiles above it (splits starting inside the table). int4
+    (spec/quantization.md Q2): counts off the key groups (the tail read); bfloat16 int4: code words
+    with a row of scales per key group (``GROUP_ROWS``), under the GPU's 16-bit arithmetic
+    (tests/triton_numerics.py)."""
+    import subspace_ref as sr
+    from subspace_ref.arrays import to_numpy
+    from tests.differential.tolerance import reference_error, tolerance
+    from tests.triton_numerics import gpu_numerics
+
+    N, H, g, d, capacity = 2, 2, 2, 32, 320
+    state, rope, keys, values = pre_rope_stream(rng, coefficients, r, N, H, d, tokens=capacity)
+    state.append(keys[:, :, :3], values[:, :, :3])
+    lay = state.to("triton", device=DEVICE, dtype=dtype).layout.with_capacity(capacity, 1)
+    count = torch.full((1,), 3, dtype=torch.int64, device=DEVICE)
+    if floor == "one-tile":
+        monkeypatch.setattr(rope_decode, "MIN_SPLIT_TOKENS", 1)  # rounded up to the tile
+    ws = workspace.DecodeWorkspace(lay, H * g, getattr(torch, dtype), num_tokens=count, fixed_tail=coefficients != "float", rope=rope,
+                                   num_splits=3 if floor == "one-tile" else None)
+    assert ws.num_splits == (3 if floor == "one-tile" else 2) and ws.tables.split_len is None
+    qt = torch.as_tensor(rng.standard_normal((N, H * g, d)) * 2, dtype=getattr(torch, dtype), device=DEVICE)
+    q64 = to_numpy(qt.float()).astype(np.float64)
+    split = ws.launches(qt)[0]
+    assert split.constexprs["DEVICE_T"] and split.constexprs["GROUP_ROWS"] == (dtype == "bfloat16")
+    assert split.constexprs["MIN_SPLIT"] == (split.constexprs["BLOCK_T"] if floor == "one-tile" else 256)
+    done = 3
+    for T in (5, 40, 100, 270, capacity):
+        state.append(keys[:, :, done:T], values[:, :, done:T])
+        done = T
+        stored = state.to("triton", device=DEVICE, dtype=dtype)
+        copy_live(lay, stored.layout)
+        count.fill_(T)
+        with gpu_numerics(monkeypatch) if dtype == "bfloat16" else contextlib.nullcontext():
+            got = to_numpy(ws.attend(qt).float()).astype(np.float64)
+        state64 = stored.to("numpy", dtype=np.float64)
+        want = sr.attend(q64, state64)
+        err, tol = np.abs(got - want).max(), tolerance(reference_error(state64, q64, None, want, dtype), want, dtype)
+        assert err <= tol, (T, err, tol)
+
+
+@needs_triton
+@pytest.mark.parametrize("coefficients", ["float", "int4"])
+def test_pre_rope_workspace_step_has_no_sync_and_no_allocation(coefficients, rng, monkeypatch):
+    """The pre-RoPE step (bfloat16: the tensor-core kernel's constexprs; int4 code words) allocates
+    nothing and reads nothing on the host, also with the layout's arrays replaced (a compiled
+    graph's operator): one split launch with the device count (``DEVICE_T``), the workspace's
+    tables and partials, and the merge."""
+    N, H, g, d, capacity = 2, 2, 2, 32, 320
+    state, rope, keys, values = pre_rope_stream(rng, coefficients, 16, N, H, d, tokens=40)
+    state.append(keys, values)
+    lay = state.to("triton", device=DEVICE, dtype="bfloat16").layout.with_capacity(capacity, 1)
+    count = torch.full((1,), 40, dtype=torch.int64, device=DEVICE)
+    ws = workspace.DecodeWorkspace(lay, H * g, torch.bfloat16, num_tokens=count, fixed_tail=True, rope=rope)
+    q = torch.zeros(N, H * g, d, dtype=torch.bfloat16, device=DEVICE)
+    other = replace(lay, key_coef=lay.key_coef.clone(), value_coef=lay.value_coef.clone())
+    other_count = count.clone()
+    with no_sync_no_alloc(monkeypatch) as launches:
+        out = ws.attend(q)
+        ws.advance()
+        ws.attend(q, other, other_count)
+    assert out is ws.out and len(launches) == 4
+    for (split, merge), (kc, n_tok) in zip((launches[:2], launches[2:]), ((lay.key_coef, count), (other.key_coef, other_count))):
+        assert split.kernel is rope_decode._rope_mma_kernel and split.grid == (N * H, ws.num_splits) and merge.grid == (N * H * g,)
+        assert split.constexprs["DEVICE_T"] and split.constexprs["MIN_SPLIT"] % split.constexprs["BLOCK_T"] == 0
+        assert split.args[1] is kc and split.args[17] is n_tok
+        assert all(a is t for a, t in zip(split.args[11:14], (ws.tables.order, ws.tables.offsets, ws.tables.bases)))
+        assert all(a is p for a, p in zip(split.args[14:17], ws.partials)) and merge.args[3] is ws.out
+    assert bool(split.constexprs["K_WORDS"]) == (coefficients == "int4")
+
+
+@needs_triton
+def test_pre_rope_device_token_count_refusals(rng):
+    """A device count needs a fixed split count; the legacy kernel and the one-launch merge are not
+    built for it (ValueError, not a wrong launch)."""
+    state, rope, keys, values = pre_rope_stream(rng, "float", 8, 1, 1, 32, tokens=4)
+    state.append(keys, values)
+    lay = state.to("triton", device=DEVICE, dtype="float32").layout
+    q, count = torch.zeros(1, 2, 32, device=DEVICE), torch.full((1,), 4, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="num_splits"):
+        rope_decode.split_launch(q, lay, rope, 1.0, 0, num_tokens=count)
+    with pytest.raises(ValueError, match="legacy"):
+        rope_decode.split_launch(q, lay, rope, 1.0, 0, num_tokens=count, num_splits=2, legacy=True)
+    with pytest.raises(ValueError, match="do not fit"):  # a host launch's per-split tables
+        rope_decode.split_launch(q, lay, rope, 1.0, 0, num_tokens=count, num_splits=2, tables=rope_decode.rope_tables(rope, 32, rope_decode.FP32_BLOCK_T, DEVICE, num_splits=2, split_len=64))
+    with pytest.raises(ValueError, match="fused_merge"):
+        workspace.DecodeWorkspace(lay, 2, torch.float32, num_tokens=count, fused_merge=True, rope=rope)
 
 
 @needs_triton

@@ -124,8 +124,13 @@ def triton_launches(exhaustive: bool = False):
     rope = RopeParams(1.0 / 10000.0 ** (np.arange(D // 2) / (D // 2)))  # full rotary, Llama's layout
     for name, coef in (("bf16", "float"), ("bf16", "int8"), ("bf16", "int4"), ("bf16", "int2"), ("fp32", "float")):  # pre-RoPE (spec/rope.md P3)
         lay = _layout(torch, T, D, RANK, dtypes[name], coef)
-        launch, _ = rope_decode.split_launch(torch.zeros(1, H_KV * GROUP, D, dtype=dtypes[name]), lay, rope, 0.1, 1024)
-        out.append(("decode rope", f"{name}{'' if coef == 'float' else ' ' + coef} d={D} r={RANK} g={GROUP} bt={launch.constexprs['BLOCK_T']} w={launch.num_warps}", True, launch))
+        for graph in (False, True):
+            if graph and name != "bf16":
+                continue  # the graph-capturable variant (a device token count, one base-angle table over the capacity): 16-bit bases
+            kw = dict(num_tokens=torch.zeros(1, dtype=torch.int64), num_splits=8) if graph else {}
+            launch, _ = rope_decode.split_launch(torch.zeros(1, H_KV * GROUP, D, dtype=dtypes[name]), lay, rope, 0.1, 0 if graph else 1024, **kw)
+            label = f"{name}{'' if coef == 'float' else ' ' + coef} d={D} r={RANK} g={GROUP} bt={launch.constexprs['BLOCK_T']} w={launch.num_warps}"
+            out.append(("decode rope" + (" (graph)" if graph else ""), label, True, launch))
 
     for name in ("bf16", "fp32"):  # exact tokens (spec/window.md W3, W8): one partial per segment
         k = torch.zeros(1, H_KV, 512, D, dtype=dtypes[name])
@@ -148,15 +153,15 @@ def triton_launches(exhaustive: bool = False):
 
 
 def sass_rows() -> list[dict]:
-    """The main loop of every default decode configuration (split, graph-capturable split,
-    pre-RoPE) compiled for sm_90, measured from its SASS (:mod:`subspace_ref_triton.sass`), with
+    """The main loop of every default decode configuration (split and pre-RoPE, eager and
+    graph-capturable) compiled for sm_90, measured from its SASS (:mod:`subspace_ref_triton.sass`), with
     the budget it is held to (None: float32 bases, reported only)."""
     from subspace_ref_triton import sass
     from subspace_ref_triton.compile_report import launch_resources
 
     out = []
     for kernel, label, default, launch in triton_launches():
-        if not default or not (kernel.startswith("decode split") or kernel == "decode rope"):
+        if not default or not kernel.startswith(("decode split", "decode rope")):
             continue
         res = launch_resources(launch, 90)
         resident = resident_blocks(H100, res.registers, res.num_warps, res.shared).blocks_per_sm

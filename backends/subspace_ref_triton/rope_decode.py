@@ -43,6 +43,11 @@ Float32 bases (or ``native=False``) run the same loop with float32 (``ieee``) pr
 interpreter the 16-bit products are float32 products of the same 16-bit parts (``NATIVE16``
 False); ``tests/test_rope_decode.py`` also runs the GPU's constexprs and 16-bit arithmetic there.
 
+A device token count (``split_launch(num_tokens=...)``, ``DEVICE_T``) makes the launch graph-capturable
+(spec/rope.md P3 over spec A3.2's splits): the kernel derives the split length from it and reads the
+base angles from one row per tile of the capacity, so a CUDA graph replays it as the cache grows
+(:class:`~subspace_ref_triton.workspace.DecodeWorkspace` with ``rope``).
+
 ``legacy=True`` launches the kernel before this form (``_rope_split_kernel``: float32 logits and
 value sums on CUDA cores, per-element low-bit dequantisation, 32-token tiles on 4 warps that spill),
 kept to time against it. Rebuilding the key (not rotating the query per token) serves all g
@@ -52,6 +57,7 @@ query heads with one ``O(r d)`` product per token: spec/roofline.md R13.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -62,7 +68,7 @@ from subspace_ref_triton._tl import MAX_COMBINE as _MAX
 from subspace_ref_triton._tl import SUM_COMBINE as _SUM
 from subspace_ref_triton._tl import int4_word_order, low_bit_keys, low_bit_values, tile_codes, word_order
 from subspace_ref_triton._rope_tl import int8_words, joint_low_bit_codes, load_words, low_bit_keys16, low_bit_words, rotate_bf16
-from subspace_ref_triton.decode import DOT_ROWS, default_split_len, merge_partials, side_formats
+from subspace_ref_triton.decode import DOT_ROWS, MIN_SPLIT_TOKENS, default_split_len, merge_partials, side_formats
 
 # Tokens per tile and warps of the tensor-core form with 16-bit bases, from the compiled code (not
 # timed): at 64 tokens on 4 warps the rebuild is one warpgroup MMA and every warp owns 16 rows of
@@ -232,7 +238,7 @@ def _dot16(a, b, acc, NATIVE16: tl.constexpr):
 @triton.jit
 def _rope_mma_kernel(
     q_ptr, kc_ptr, vc_ptr, kb_ptr, vb_ptr, gamma_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr, tail_ptr, order_ptr, off_ptr, base_ptr,
-    pm_ptr, pz_ptr, po_ptr,
+    pm_ptr, pz_ptr, po_ptr, ntok_ptr,
     H, group, num_tokens, split_len, num_splits, scale, tiles_per_split,
     d, d_v, r, r_v, m, f,
     sq_n, sq_h,
@@ -247,6 +253,7 @@ def _rope_mma_kernel(
     BLOCK_T: tl.constexpr, K_INT8: tl.constexpr, V_INT8: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, HAS_FIXED: tl.constexpr,
     NATIVE16: tl.constexpr, SPLIT: tl.constexpr, KEY_PARTS: tl.constexpr, RANKS_FULL: tl.constexpr, INTERPRETED: tl.constexpr,
     K_WORDS: tl.constexpr, V_WORDS: tl.constexpr, KGROUP: tl.constexpr, JOINT: tl.constexpr, GROUP_ROWS: tl.constexpr,
+    DEVICE_T: tl.constexpr, MIN_SPLIT: tl.constexpr,
 ):
     """The tensor-core form (module docstring, "Main loop"): tokens on the MMAs' M dimension."""
     nh = tl.program_id(0).to(tl.int64)
@@ -315,7 +322,13 @@ def _rope_mma_kernel(
     kz_base = kz_ptr + n * sks_n + h * sks_h
     vz_base = vz_ptr + n * svs_n + h * svs_h
     tail_base = tail_ptr + n * stl_n + h * stl_h
-    complete = num_tokens // KGROUP * KGROUP  # a constexpr group: shifts, not divisions
+    if DEVICE_T:
+        # the token count read on the device and the split length derived from it (a multiple of the
+        # tile, at least MIN_SPLIT), so a captured CUDA graph replays as the cache grows (decode.py's DEVICE_T)
+        num_tokens = tl.load(ntok_ptr).to(tl.int32)
+        split_len = (num_tokens + num_splits - 1) // num_splits
+        split_len = tl.maximum((split_len + BLOCK_T - 1) // BLOCK_T * BLOCK_T, MIN_SPLIT)
+    complete = num_tokens // KGROUP * KGROUP  # a constexpr group: shifts, not divisions; after the count's read
     logit_scale = tl.load(gamma_ptr + h).to(tl.float32) * scale
 
     lo = s * split_len
@@ -326,7 +339,10 @@ def _rope_mma_kernel(
     # value-coefficient accumulator, transposed (tokens were on M); 16-bit bases: a column per weight part
     ACC_N: tl.constexpr = 2 * G if SPLIT else G
     acc2 = tl.full([ACC_N, RV], 0.0, tl.float32)
-    base_row = base_ptr + s * tiles_per_split * 2 * m
+    if DEVICE_T:  # one table over the capacity, a row per tile (lo a multiple of BLOCK_T): rope_tables
+        base_row = base_ptr + (lo // BLOCK_T) * 2 * m
+    else:  # a table per split
+        base_row = base_ptr + s * tiles_per_split * 2 * m
     # whole tiles of coded tokens without masks; the split's last partial tile and the unfinished key
     # group (key_tail, spec/quantization.md Q2.2) after them, masked
     coded_hi = tl.minimum(hi, complete) if K_BITS > 0 else hi
@@ -520,8 +536,51 @@ def _mma_tile(t0, hi, angle_row, m_i, z_i, zacc, acc2, qa, qb, qf, Ba, Bb, Bf, c
     return m_new, z_i, zacc, acc2
 
 
+@dataclass(frozen=True, eq=False)  # compared by identity: tensor fields
+class RopeTables:
+    """What the pre-RoPE kernels read besides the layout (:func:`rope_tables`): ``order`` (int32, the
+    planes' first dims, second dims, then the fixed dims), ``offsets`` (float32 :func:`offset_angles`;
+    the legacy kernel: the float64 frequencies), ``bases`` (float32 rows of :func:`base_angles`, ``a``
+    folded in), built for tiles of ``block_t`` tokens; ``split_len``: the split length of per-split rows,
+    None for one row per tile over a capacity (a device token count: split lengths are the kernel's)."""
+
+    order: torch.Tensor
+    offsets: torch.Tensor
+    bases: torch.Tensor
+    block_t: int
+    split_len: int | None
+
+
+def rope_tables(rope, d: int, block_t: int, device, *, capacity: int | None = None, num_splits: int | None = None, split_len: int | None = None,
+                first_position: int = 0, legacy: bool = False) -> RopeTables:
+    """The :class:`RopeTables` of ``rope`` for heads of ``d`` dims and tiles of ``block_t`` tokens on
+    ``device``; compressed token t at position ``first_position + t`` (spec/window.md W10). Either
+    ``num_splits`` splits of ``split_len`` tokens (a host token count: a base row per tile of each
+    split) or ``capacity`` tokens (a device token count: a base row per tile from token 0, every split
+    starting on a tile, the kernel's ``DEVICE_T``). :func:`split_launch` builds them per call when not
+    given; :class:`~subspace_ref_triton.workspace.DecodeWorkspace` once, so its step allocates nothing."""
+    if (capacity is None) == (split_len is None) or (split_len is not None and num_splits is None):
+        raise ValueError("rope_tables takes a capacity (a device token count) or split_len and num_splits (a host one)")
+    m = rope.inv_freq.size
+    pairs = rope.planes(d)
+    order = torch.as_tensor([*pairs[:m, 0], *pairs[:m, 1], *pairs[m:].reshape(-1)], dtype=torch.int32, device=device)
+    freq = torch.tensor(rope.inv_freq, dtype=torch.float64, device=device)
+    if capacity is not None:  # row k: position first_position + k block_t (splits of the kernel's, tile multiples)
+        bases = base_angles(freq, cdiv(int(capacity), block_t), block_t, block_t, first_position, rope.attention_scaling)
+    else:
+        bases = base_angles(freq, int(num_splits), int(split_len), block_t, first_position, rope.attention_scaling)
+    return RopeTables(order, freq if legacy else offset_angles(freq, block_t), bases, int(block_t), None if capacity is not None else int(split_len))
+
+
+def default_block_t(key_bases_dtype, legacy: bool = False) -> int:
+    """The launch's tile by default: LEGACY_BLOCK_T for the legacy kernel, FP32_BLOCK_T with float32
+    bases, BLOCK_T with 16-bit ones."""
+    return LEGACY_BLOCK_T if legacy else FP32_BLOCK_T if key_bases_dtype == torch.float32 else BLOCK_T
+
+
 def split_launch(q, layout, rope, scale: float, split_len: int, first_position: int = 0, *, block_t: int | None = None, num_warps: int | None = None,
-                 native: bool | None = None, legacy: bool = False, key_parts: int | None = None, group_rows: bool | None = None):
+                 native: bool | None = None, legacy: bool = False, key_parts: int | None = None, group_rows: bool | None = None,
+                 num_tokens=None, num_splits: int | None = None, outputs=None, tables: RopeTables | None = None):
     """The split kernel's launch (not run) and the partials (m, Z, N) it fills, float32, in the
     format of :func:`subspace_ref_triton.decode.split_launch` (m includes gamma * scale).
     ``layout``: a one-chunk layout of torch tensors (a static state's, bases decoded);
@@ -532,34 +591,51 @@ def split_launch(q, layout, rope, scale: float, split_len: int, first_position: 
     (default 1 with bfloat16 bases, 2 with float16: see the kernel's step 3); ``legacy``: the kernel before the tensor-core form (``_rope_split_kernel``,
     float32 logits and value sums, BLOCK_T/NUM_WARPS of before), kept for timing against it; ``group_rows``: int4/int2
     key scales and zero points read one row per key group wherever the tiles allow it (True), never
-    (False), or by default where a tile holds two key groups (None; ``GROUP_ROWS`` below)."""
+    (False), or by default where a tile holds two key groups (None; ``GROUP_ROWS`` below).
+
+    ``num_tokens``, ``num_splits``, ``outputs``: as :func:`subspace_ref_triton.decode.split_launch`'s
+    (a one-element integer tensor on q's device holding T, read by the kernel, which derives the split
+    length from it and ``num_splits``, required; the layout's ``num_tokens`` and ``split_len`` are then
+    not read; preallocated ``(m, Z, N)``): a launch a CUDA graph captures and replays as the cache
+    grows (:class:`~subspace_ref_triton.workspace.DecodeWorkspace`), the tensor-core kernel only.
+    ``tables``: the launch's :func:`rope_tables` (``first_position`` is theirs), built per call when
+    None; with them and ``outputs`` the launch allocates nothing."""
     N, Hq, d = q.shape
     H = layout.key_coef.shape[1]
     group = Hq // H
+    device_t = num_tokens is not None
+    if device_t and num_splits is None:
+        raise ValueError("a device-resident num_tokens needs num_splits (the grid does not depend on T)")
+    if device_t and legacy:
+        raise ValueError("the legacy kernel takes a host token count only (legacy=False for a device-resident num_tokens)")
     # ranks from the bases: int4/int2 coefficient rows are packed narrower (spec/quantization.md Q2)
     r, r_v, d_v = layout.key_bases.shape[3], layout.value_bases.shape[3], layout.value_bases.shape[4]
-    T = int(layout.num_tokens)
-    S = cdiv(T, split_len)
+    T = 0 if device_t else int(layout.num_tokens)
+    split_len = 0 if device_t else int(split_len)
+    S = cdiv(T, split_len) if num_splits is None else int(num_splits)
     dev = q.device
-    pm = torch.empty((N, Hq, S), dtype=torch.float32, device=dev)
-    pz = torch.empty((N, Hq, S), dtype=torch.float32, device=dev)
-    po = torch.empty((N, Hq, S, d_v), dtype=torch.float32, device=dev)
+    if outputs is None:
+        outputs = (torch.empty((N, Hq, S), dtype=torch.float32, device=dev), torch.empty((N, Hq, S), dtype=torch.float32, device=dev),
+                   torch.empty((N, Hq, S, d_v), dtype=torch.float32, device=dev))
+    pm, pz, po = outputs
     kc, vc = layout.key_coef, layout.value_coef
     kb, vb = layout.key_bases[:, :, 0], layout.value_bases[:, :, 0]
     sides = side_formats(layout)
     ks, vs, kz, vz, tail = sides.operands
     m = rope.inv_freq.size
-    pairs = rope.planes(d)
-    order = torch.as_tensor([*pairs[:m, 0], *pairs[:m, 1], *pairs[m:].reshape(-1)], dtype=torch.int32, device=dev)
-    freq = torch.tensor(rope.inv_freq, dtype=torch.float64, device=dev)
     f = d - 2 * m
-    bt = block_t or (LEGACY_BLOCK_T if legacy else FP32_BLOCK_T if kb.dtype == torch.float32 else BLOCK_T)
-    tiles = cdiv(int(split_len), bt)
+    bt = block_t or default_block_t(kb.dtype, legacy)
+    if tables is None:
+        tables = rope_tables(rope, d, bt, dev, capacity=kc.shape[2] if device_t else None, num_splits=None if device_t else S,
+                             split_len=None if device_t else split_len, first_position=first_position, legacy=legacy)
+    elif (tables.block_t != bt or tables.split_len != (None if device_t else split_len) or (tables.offsets.dtype == torch.float64) != legacy
+          or tables.bases.shape[0] * bt < (kc.shape[2] if device_t else S * split_len)):
+        raise ValueError(f"the rope tables (tiles of {tables.block_t}, split_len {tables.split_len}, {tables.bases.shape[0]} base rows) do not fit this launch "
+                         f"(tiles of {bt}, {'a device token count over a capacity of ' + str(kc.shape[2]) if device_t else f'{S} splits of {split_len}'})")
+    tiles = cdiv(split_len, bt)
+    pointers = (q, kc, vc, kb, vb, layout.gamma.contiguous(), ks, vs, kz, vz, tail, tables.order, tables.offsets, tables.bases, pm, pz, po)
     args = (
-        q, kc, vc, kb, vb, layout.gamma.contiguous(), ks, vs, kz, vz, tail, order, freq if legacy else offset_angles(freq, bt),
-        base_angles(freq, S, int(split_len), bt, first_position, rope.attention_scaling),
-        pm, pz, po,
-        H, group, T, int(split_len), S, float(scale), tiles,
+        H, group, T, split_len, S, float(scale), tiles,
         d, d_v, r, r_v, m, f,
         q.stride(0), q.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2),
@@ -574,7 +650,11 @@ def split_launch(q, layout, rope, scale: float, split_len: int, first_position: 
     }
     constexprs["NATIVE16"] = native16(kc, kb, constexprs) and native is not False
     if legacy:
-        return Launch(_rope_split_kernel, (N * H, S), args, constexprs, num_warps or LEGACY_NUM_WARPS), (pm, pz, po)
+        return Launch(_rope_split_kernel, (N * H, S), pointers + args, constexprs, num_warps or LEGACY_NUM_WARPS), outputs
+    # the device token count (a stand-in when on the host: never read)
+    args = pointers + (num_tokens if device_t else pm,) + args
+    constexprs["DEVICE_T"] = device_t
+    constexprs["MIN_SPLIT"] = cdiv(MIN_SPLIT_TOKENS, bt) * bt if device_t else 1  # a multiple of the tile: splits start on tiles
     # 16-bit bases: float32 operands of the products cut into 16-bit parts (also under the
     # interpreter, whose products of the parts are float32); float32 bases or native=False: float32
     constexprs["SPLIT"] = kb.dtype in (torch.float16, torch.bfloat16) and native is not False
@@ -605,9 +685,10 @@ def split_launch(q, layout, rope, scale: float, split_len: int, first_position: 
     # 32), chosen from the compiled loop's counts (docs/gpu.md, "Pre-RoPE kernel, scales folded per
     # group"); otherwise a row per token
     kg = constexprs["KGROUP"]
-    whole = bool(sides.k_bits and constexprs["K_WORDS"] and (bt % kg == 0 or kg % bt == 0) and int(split_len) % min(kg, bt) == 0)
+    # (a device token count: splits of whole tiles)
+    whole = bool(sides.k_bits and constexprs["K_WORDS"] and (bt % kg == 0 or kg % bt == 0) and (device_t or split_len % min(kg, bt) == 0))
     constexprs["GROUP_ROWS"] = whole and (bt == 2 * kg if group_rows is None else bool(group_rows))
-    return Launch(_rope_mma_kernel, (N * H, S), args, constexprs, num_warps or NUM_WARPS), (pm, pz, po)
+    return Launch(_rope_mma_kernel, (N * H, S), args, constexprs, num_warps or NUM_WARPS), outputs
 
 
 def offset_angles(freq, block_t: int):
@@ -663,4 +744,4 @@ def decode_attention(q, layout, rope, scale: float | None = None, split_len: int
     return merge_partials(pm, pz, po, q.dtype)
 
 
-__all__ = ["BLOCK_T", "attention_partials", "decode_attention", "native16", "split_launch"]
+__all__ = ["BLOCK_T", "RopeTables", "attention_partials", "decode_attention", "default_block_t", "native16", "rope_tables", "split_launch"]

@@ -198,9 +198,9 @@ def loop_stats(instrs: list[Instr], labels: dict[str, int], tokens: int, warps: 
 def budget_kind(kernel: str, config: str) -> str | None:
     """The budget of a report row (BUDGETS key), or None: budgets hold for the decode kernels with
     16-bit bases (the benchmark's); float32 bases are reported, not budgeted."""
-    if not (kernel.startswith("decode split") or kernel == "decode rope") or config.startswith("fp32"):
+    if not kernel.startswith(("decode split", "decode rope")) or config.startswith("fp32"):
         return None
-    if kernel == "decode rope":
+    if kernel.startswith("decode rope"):
         return "rope"
     words = config.split()
     return words[1] if len(words) > 1 and words[1] in BUDGETS else "float"

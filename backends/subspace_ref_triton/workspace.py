@@ -16,6 +16,10 @@ fixes everything that a graph bakes in, once, from the cache's *capacity*:
   :meth:`attend` allocates nothing, reads no device value on the host and synchronises nothing
   (``tests/test_triton_launch.py`` runs it under a guard that raises on any of these).
 
+With ``rope`` (a pre-RoPE static state, spec/rope.md P3) the step is the pre-RoPE kernel's
+(``rope_decode.split_launch`` with the device count, its angle tables built here once over the
+capacity) and the same merge (spec A3.2), so a graph captures a pre-RoPE cache's step too.
+
 The layout's tensors must stay the ones the workspace was built on (a graph replays their
 addresses): build the state with its final capacity (``layout.with_capacity``) first, and advance
 ``num_tokens`` on the device as tokens are appended (:meth:`advance`).
@@ -27,7 +31,7 @@ import math
 
 import torch
 
-from subspace_ref_triton import decode
+from subspace_ref_triton import decode, rope_decode
 from subspace_ref_triton._common import cdiv, interpreting
 from subspace_ref_triton.occupancy import full_wave_splits
 
@@ -38,10 +42,14 @@ class DecodeWorkspace:
     at its final capacity). ``num_tokens``: a one-element int64 device tensor the caller advances
     (default: the workspace's own, see :meth:`advance`). ``fixed_tail``: the owner of an int4/int2
     layout writes its ``key_tail`` in place (the graph cache, spec/models.md M11.8), so the
-    layout is taken; without it such layouts are refused."""
+    layout is taken; without it such layouts are refused. ``rope``: the
+    :class:`~subspace_ref.rope.RopeParams` of a pre-RoPE static state's layout (spec/rope.md P3,
+    compressed token 0 at position 0: no sinks), attended by the pre-RoPE kernel."""
 
     def __init__(self, layout, query_heads: int, dtype, scale: float | None = None, num_splits: int | None = None, fused_merge: bool = False,
-                 num_tokens=None, fixed_tail: bool = False):
+                 num_tokens=None, fixed_tail: bool = False, rope=None):
+        if rope is not None and fused_merge:
+            raise ValueError("fused_merge is not built for the pre-RoPE kernel (rope): it merges in a second launch")
         if not fixed_tail and any(layout.side_format(which).low_bits for which in ("key", "value")):
             # a state's int4/int2 append writes the unfinished key group into a new key_tail tensor
             # (spec/quantization.md Q2.1), whose address a captured graph would not follow
@@ -55,9 +63,16 @@ class DecodeWorkspace:
         # the count is the caller's when given (a cache's own device count, advanced by its appends)
         self.num_tokens = torch.full((1,), int(layout.num_tokens), dtype=torch.int64, device=self.device) if num_tokens is None else num_tokens
         q_shape = (N, query_heads, d)
+        self.rope = rope
+        # the pre-RoPE kernel's angle tables over the capacity, once (its step then allocates nothing)
+        self.tables = None if rope is None else rope_decode.rope_tables(rope, d, rope_decode.default_block_t(layout.key_bases.dtype), self.device,
+                                                                        capacity=capacity)
         if num_splits is None:
             probe = torch.empty(q_shape, dtype=dtype, device=self.device)
-            launch, _ = decode.split_launch(probe, layout, self.scale, 0, 1, num_tokens=self.num_tokens)
+            if rope is None:
+                launch, _ = decode.split_launch(probe, layout, self.scale, 0, 1, num_tokens=self.num_tokens)
+            else:
+                launch, _ = rope_decode.split_launch(probe, layout, rope, self.scale, 0, num_tokens=self.num_tokens, num_splits=1, tables=self.tables)
             if self.device.type == "cuda" and not interpreting():
                 sms = torch.cuda.get_device_properties(self.device).multi_processor_count
                 num_splits = full_wave_splits(N * H, capacity, decode.resident_programs(launch, self.device), sms, decode.MIN_SPLIT_TOKENS)
@@ -78,11 +93,15 @@ class DecodeWorkspace:
         a compiled graph hands an operator in place of the buffers it reads)."""
         layout = self.layout if layout is None else layout
         num_tokens = self.num_tokens if num_tokens is None else num_tokens
-        if self.counters is not None:
+        if self.rope is not None:
+            split, _ = rope_decode.split_launch(q, layout, self.rope, self.scale, 0, num_tokens=num_tokens, num_splits=self.num_splits, outputs=self.partials,
+                                                tables=self.tables)
+        elif self.counters is not None:
             split, _ = decode.split_launch(q, layout, self.scale, 0, self.num_splits, num_tokens=num_tokens, outputs=self.partials,
                                            fused=(self.out, self.counters))
             return (split,)
-        split, _ = decode.split_launch(q, layout, self.scale, 0, self.num_splits, num_tokens=num_tokens, outputs=self.partials)
+        else:
+            split, _ = decode.split_launch(q, layout, self.scale, 0, self.num_splits, num_tokens=num_tokens, outputs=self.partials)
         merge, _ = decode.merge_launch(*self.partials, self.out.dtype, out=self.out)
         return split, merge
 

@@ -128,22 +128,34 @@ def rotate(x: Any, positions: Any, rope: RopeParams, *, inverse: bool = False) -
         # the same operations in NumPy on a view of x, bit for bit: cheaper per operation on the
         # one token a decode step's append rotates (docs/benchmarks.md)
         return torch.from_numpy(rotate(x.numpy(), positions, rope, inverse=inverse))
-    a, b = _rotating_dims(rope, x.shape[-1])
     cos, sin = rope.cos_sin(positions)
     if inverse:
-        cos, sin = cos / rope.attention_scaling**2, -sin / rope.attention_scaling**2
+        cos, sin = inverse_angles(cos, sin, rope)
     if family == "torch":
         import torch
 
         cos = torch.as_tensor(cos, dtype=x.dtype, device=x.device)
         sin = torch.as_tensor(sin, dtype=x.dtype, device=x.device)
-        out = x.clone()
     else:
         from subspace_ref.arrays import namespace
 
         xp = namespace(x)
         cos, sin = xp.asarray(cos, dtype=x.dtype), xp.asarray(sin, dtype=x.dtype)
-        out = x.copy()
+    return rotate_by(x, cos, sin, rotating_dims(rope, x.shape[-1]))
+
+
+def inverse_angles(cos: Any, sin: Any, rope: RopeParams) -> tuple[Any, Any]:
+    """The angles of R_t^{-1} = Q_t^T / a from those of R_t (both holding a): (cos, -sin) / a^2."""
+    return cos / rope.attention_scaling**2, -sin / rope.attention_scaling**2
+
+
+def rotate_by(x: Any, cos: Any, sin: Any, dims: tuple[slice, slice]) -> Any:
+    """:func:`rotate` with the angles given: ``cos``, ``sin`` (n, m) of :meth:`RopeParams.cos_sin`
+    (or :func:`inverse_angles`) in x's array type and dtype, e.g. device tensors of positions
+    that only the device knows (the graph cache, spec/models.md M11.10), and ``dims`` of
+    :func:`rotating_dims` (taken once, outside a traced step). Returns a new array."""
+    a, b = dims
+    out = x.clone() if array_family(x) == "torch" else x.copy()
     xa, xb = x[..., a], x[..., b]
     out[..., a] = cos * xa - sin * xb
     out[..., b] = sin * xa + cos * xb
@@ -151,7 +163,7 @@ def rotate(x: Any, positions: Any, rope: RopeParams, *, inverse: bool = False) -
 
 
 @functools.lru_cache(maxsize=64)
-def _rotating_dims(rope: RopeParams, d: int) -> tuple[slice, slice]:
+def rotating_dims(rope: RopeParams, d: int) -> tuple[slice, slice]:
     """The first and the second dims of the rotating planes of :func:`plane_pairs` as slices
     (views, not gathers: a decode step rotates one token, where each indexing operation costs
     more than the arithmetic): (i, i + m) for "half", (2i, 2i + 1) for "interleaved"."""
@@ -219,4 +231,4 @@ def calibrate_rope_planes(
     return StaticBasis(B=B, E=E, gamma=resolve_gamma(gamma, ranks, K.shape[2], K.dtype), rank_k=ranks, rank_v=(int(rank_v),) * K.shape[0])
 
 
-__all__ = ["LAYOUTS", "RopeParams", "calibrate_rope_planes", "plane_basis", "plane_energy", "plane_pairs", "rotate"]
+__all__ = ["LAYOUTS", "RopeParams", "calibrate_rope_planes", "inverse_angles", "plane_basis", "plane_energy", "plane_pairs", "rotate", "rotate_by", "rotating_dims"]

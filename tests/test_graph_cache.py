@@ -32,9 +32,11 @@ RANK = 8
 
 def make_model(family: str, dtype=torch.float64, seed: int = 0):
     torch.manual_seed(seed)
-    if family == "llama":  # GQA: 4 query heads over 2 KV heads of 16
+    if family in ("llama", "llama-yarn"):  # GQA: 4 query heads over 2 KV heads of 16
+        # yarn: RoPE with attention scaling a != 1 (spec/rope.md §1: R_t = a Q_t)
+        yarn = dict(rope_scaling=dict(rope_type="yarn", factor=2.0, original_max_position_embeddings=64)) if family == "llama-yarn" else {}
         cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                          vocab_size=VOCAB, initializer_range=0.2, max_position_embeddings=128)
+                          vocab_size=VOCAB, initializer_range=0.2, max_position_embeddings=128, **yarn)
         model = LlamaForCausalLM(cfg)
     else:  # no RoPE, per-layer inverse scaling (the attention call's `scaling`)
         cfg = GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=VOCAB, n_positions=128, initializer_range=0.2,
@@ -118,6 +120,74 @@ def test_quantised_graph_cache_matches_the_oracle_cache(family, coefficients):
         beams = kv.generate(ids, max_new_tokens=5, num_beams=3, do_sample=False)
     with compress(model, factory, graph=False, backend="numpy") as kv:
         assert torch.equal(beams, kv.generate(ids, max_new_tokens=5, num_beams=3, do_sample=False))
+
+
+PRE_ROPE = {"float": "float", "int8": "int8", "int4": "int4", "int4-int8": ("int4", "int8")}
+
+
+@pytest.mark.parametrize("coefficients", list(PRE_ROPE))
+@pytest.mark.parametrize("family", ["llama", "llama-yarn"])
+def test_pre_rope_graph_cache_matches_the_oracle_cache(family, coefficients):
+    """Pre-RoPE states (spec/rope.md P2-P3) in the fixed layout (M11.10): keys un-rotated by
+    their slots as they are written, rebuilt and rotated back by their slots for SDPA (float64
+    models have no kernel). A 12-token prefill, one-token steps across key groups of 8, then a
+    5-token block, equal to the numpy cache of the same states at the float64 Llama tolerance of
+    test_graph_cache_matches_the_oracle_cache, with RoPE's attention scaling 1 and not (yarn);
+    and greedy and beam search give its sequences."""
+    model = make_model(family)
+    rope = sr.rope.RopeParams.from_config(model.config)
+    assert (rope.attention_scaling != 1.0) == (family == "llama-yarn")
+    factory = static_states(random_bases(model), coefficients=PRE_ROPE[coefficients], group_size=8, rope=rope)
+    ids = ids_of(12, 2)
+    use_subspace_attention(model)
+    with torch.no_grad():
+        cache = GraphSubspaceCache(model.config, factory, max_cache_len=ids.shape[1] + 9 + 5)
+        oracle_cache = SubspaceCache(model.config, factory, backend="numpy")
+        graph, oracle = (logits_through(model, c, ids, 9) for c in (cache, oracle_cache))
+        seen = torch.ones((1, ids.shape[1] + 9 + 5), dtype=torch.long)
+        for c, out in ((cache, graph), (oracle_cache, oracle)):
+            out.append(model(input_ids=ids_of(5, 3), attention_mask=seen, cache=c).logits)
+    assert cache.layers[0].rope is rope and cache.layers[0].layout is not None
+    for a, b in zip(graph, oracle):
+        assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max())
+    for search in (dict(), dict(num_beams=3)):
+        with compress(model, factory, graph=True) as kv:
+            tokens = kv.generate(ids, max_new_tokens=5, do_sample=False, **search)
+        with compress(model, factory, graph=False, backend="numpy") as kv:
+            assert torch.equal(tokens, kv.generate(ids, max_new_tokens=5, do_sample=False, **search))
+
+
+def test_pre_rope_keys_are_not_the_post_rope_form():
+    """The pre-RoPE layer is not a post-RoPE layer with other bases: the same bases held post-RoPE
+    give other logits (so the equality above tests the rotation)."""
+    model = make_model("llama")
+    bases = random_bases(model)
+    use_subspace_attention(model)
+    ids = ids_of(12, 2)
+    rope = sr.rope.RopeParams.from_config(model.config)
+    with torch.no_grad():
+        pre = model(input_ids=ids, cache=GraphSubspaceCache(model.config, static_states(bases, rope=rope), max_cache_len=16)).logits
+        post = model(input_ids=ids, cache=GraphSubspaceCache(model.config, static_states(bases), max_cache_len=16)).logits
+    assert float((pre - post).abs().max()) > 1e-2 * float(post.abs().max())
+
+
+def test_left_padding_over_pre_rope_keys_is_refused_and_changes_nothing():
+    """Pre-RoPE keys are un-rotated by their slot, which is not the position transformers rotated a
+    left-padded sequence's key by: refused by name (as the SubspaceCache refuses it), the forward's
+    tokens taken back from every layer."""
+    model = make_model("llama")
+    factory = static_states(random_bases(model), rope=sr.rope.RopeParams.from_config(model.config))
+    use_subspace_attention(model)
+    ids = torch.cat([ids_of(9, 5), ids_of(9, 6)])
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    cache = GraphSubspaceCache(model.config, factory, max_cache_len=12)
+    with torch.no_grad(), pytest.raises(NotSupportedError, match="left padding"):
+        model(input_ids=ids, attention_mask=mask, cache=cache)
+    assert [int(layer.cumulative_length) for layer in cache.layers] == [0, 0]
+    with torch.no_grad():  # the same cache then takes an unpadded batch
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache)
+    assert int(cache.get_seq_length()) == 9
 
 
 @pytest.mark.parametrize("coefficients", ["int4", "int2"])
@@ -217,16 +287,20 @@ def test_a_low_bit_write_out_of_float16_range_changes_nothing():
     assert [int(cache.layers[i].cumulative_length) for i in range(2)] == [10, 10]
 
 
-def test_int8_on_cuda_without_the_kernel_is_refused(monkeypatch):
-    """On CUDA a quantised (here int8) layer needs the Triton kernel (M11.6): without it, it is refused by name
-    rather than dequantising the whole capacity every step; on the CPU it is held."""
+@pytest.mark.parametrize("options, needs", [(dict(coefficients="int8"), "int8 coefficients"), (dict(rope="rope"), "pre-RoPE keys")])
+def test_quantised_or_pre_rope_on_cuda_without_the_kernel_is_refused(monkeypatch, options, needs):
+    """On CUDA a quantised (here int8) or pre-RoPE layer needs the Triton kernel (M11.6, M11.10):
+    without it, it is refused by name rather than dequantising, or rebuilding and rotating, the
+    whole capacity every step; on the CPU it is held."""
     from subspace_ref.hf import graph_cache
 
     monkeypatch.setattr(graph_cache, "kernel_backend", lambda device, dtype: None)
     spec = StateSpec(0, batch=1, heads=2, head_dim=16, value_dim=16, dtype=torch.float32, device=torch.device("cpu"))
-    state = static_states(random_static_bases(1, 2, 16, RANK), coefficients="int8")(spec)
+    if options.get("rope") == "rope":
+        options = dict(rope=sr.rope.RopeParams(1e4 ** -(np.arange(8) / 8)))
+    state = static_states(random_static_bases(1, 2, 16, RANK), **options)(spec)
     assert graph_refusals(state) == graph_refusals(state, "cpu") == []
-    assert any("on CUDA without the triton decode kernel" in r for r in graph_refusals(state, "cuda"))
+    assert [r for r in graph_refusals(state, "cuda") if "on CUDA without the triton decode kernel" in r and needs in r]
 
 
 def compiled_against_eager(model, factory, ids, steps: int):
@@ -248,14 +322,16 @@ def compiled_against_eager(model, factory, ids, steps: int):
     return eager.sequences, compiled, cache, compile_config
 
 
-@pytest.mark.parametrize("coefficients", ["float", "int4"])
+@pytest.mark.parametrize("coefficients", ["float", "int4", "pre-RoPE int4"])
 def test_compiled_decode_equals_eager_without_graph_breaks(coefficients):
     """generate compiles the decode step of a graph cache (fullgraph=True: a break would raise)
     and gives the eager tokens; the compiled call is the one transformers made for it. int4
     here: no kernel, so the compiled step writes each key token into its group and reads the
-    capacity back from the device count (M11.8), across key groups of 8."""
+    capacity back from the device count (M11.8), across key groups of 8; pre-RoPE: the keys
+    rotated by device slots too (M11.10)."""
     model = make_model("llama", torch.float32)
-    factory = static_states(random_bases(model), coefficients=coefficients, group_size=8)
+    rope = sr.rope.RopeParams.from_config(model.config) if coefficients.startswith("pre-RoPE") else None
+    factory = static_states(random_bases(model), coefficients=coefficients.removeprefix("pre-RoPE "), group_size=8, rope=rope)
     ids = ids_of(10, 1)
     steps = 8
     use_subspace_attention(model)
@@ -287,7 +363,6 @@ def test_shipped_model_generates_the_subspace_caches_tokens_through_the_compiled
 
 REFUSED = {
     "window": (dict(window=4), "exact windows"),
-    "pre-RoPE": (dict(rope="rope"), "pre-RoPE keys"),
 }
 
 
@@ -297,8 +372,6 @@ def test_refused_states_name_their_reason_before_anything(name):
     any forward writes."""
     model = make_model("llama")
     options, reason = REFUSED[name]
-    if options.get("rope") == "rope":
-        options = dict(rope=sr.rope.RopeParams.from_config(model.config))
     factory = static_states(random_bases(model), **options)
     assert any(reason in r for r in model_graph_refusals(model.config, factory))
     with pytest.raises(NotSupportedError, match=reason):
@@ -538,7 +611,9 @@ def test_graph_decode_benchmark_runs_on_the_cpu(tmp_path):
     names = [r["cache"] for r in rows]
     assert names == ["DynamicCache + SDPA (eager)", "StaticCache (compiled)", "GraphSubspaceCache r=8 float (compiled)", "GraphSubspaceCache r=8 float (eager)",
                      "SubspaceCache r=8 float (torch, eager)", "GraphSubspaceCache r=8 int8 (compiled)", "SubspaceCache r=8 int8 (torch, eager)",
-                     "GraphSubspaceCache r=8 int4 (compiled)", "SubspaceCache r=8 int4 (torch, eager)"]
+                     "GraphSubspaceCache r=8 int4 (compiled)", "SubspaceCache r=8 int4 (torch, eager)",
+                     "GraphSubspaceCache r=8 pre-rope-float (compiled)", "SubspaceCache r=8 pre-rope-float (torch, eager)",
+                     "GraphSubspaceCache r=8 pre-rope-int4 (compiled)", "SubspaceCache r=8 pre-rope-int4 (torch, eager)"]
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
     assert rows[2]["bytes"] < rows[1]["bytes"]  # r + r_v = 16 of d + d_v = 256 per token and head
     # per token and head: float 2 * 8 * 4 bytes, int8 2 (8 + 4), int4 4 + 4 and a 32-token float key tail, which dominates at 28 tokens
@@ -547,14 +622,16 @@ def test_graph_decode_benchmark_runs_on_the_cpu(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: generate compiles the graph cache's step with CUDA graphs there only")
-@pytest.mark.parametrize("coefficients", ["float", "int8", "int4"])
+@pytest.mark.parametrize("coefficients", ["float", "int8", "int4", "pre-RoPE float", "pre-RoPE int4"])
 def test_cuda_generate_decodes_through_the_compiled_graph(coefficients):
     """On CUDA, ``compress(...).generate`` picks the graph cache by default and transformers
-    compiles its decode step (mode="reduce-overhead": CUDA graphs; quantised sides through the
-    kernel operator, M11.6): the tokens of the eager SubspaceCache on the same device, at margins
+    compiles its decode step (mode="reduce-overhead": CUDA graphs; quantised sides and pre-RoPE keys
+    through the kernel operator, M11.6, M11.10): the tokens of the eager SubspaceCache on the same device, at margins
     checked first."""
     model = make_model("llama", torch.float32).cuda()
-    bases = static_states(random_bases(model), coefficients=coefficients, group_size=8)  # int4 key groups complete at 16, inside the graph
+    rope = sr.rope.RopeParams.from_config(model.config) if coefficients.startswith("pre-RoPE") else None
+    # int4 key groups complete at 16, inside the graph
+    bases = static_states(random_bases(model), coefficients=coefficients.removeprefix("pre-RoPE "), group_size=8, rope=rope)
     ids = ids_of(10, 14).cuda()
     with compress(model, bases, graph=False) as kv:
         eager = kv.generate(ids, max_new_tokens=8, do_sample=False, output_scores=True, return_dict_in_generate=True)

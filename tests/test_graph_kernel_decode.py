@@ -1,6 +1,6 @@
-"""The graph cache's quantised decode (int8, int4, int2) through the Triton kernel as a torch
-operator (spec/models.md M11.6, M11.8; ``subspace_ref_triton.graph_op``), on Triton's CPU
-interpreter as the kernel tests run.
+"""The graph cache's quantised (int8, int4, int2) and pre-RoPE decode through the Triton kernels
+as a torch operator (spec/models.md M11.6, M11.8, M11.10; ``subspace_ref_triton.graph_op``), on
+Triton's CPU interpreter as the kernel tests run.
 
 * One layer's kernel decode against the float64 oracle over the layer's own stored arrays
   (codes, scales, zero points, key tail), held to the differential harness's one rule
@@ -61,19 +61,24 @@ def adopt_written(state64, layout, T: int) -> None:
 FORMATS = {"int8": "int8", "float-int8": ("float", "int8"), "int8-float": ("int8", "float"), "int4": "int4", "int2": "int2", "int4-int8": ("int4", "int8")}
 
 
-@pytest.mark.parametrize("coefficients", list(FORMATS))
+PRE_ROPE = {"pre-RoPE float": "float", "pre-RoPE int8": "int8", "pre-RoPE int4": "int4"}
+
+
+@pytest.mark.parametrize("coefficients", list(FORMATS) + list(PRE_ROPE))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_kernel_decode_within_the_harness_tolerance(dtype, coefficients, kernel_calls):
     """One layer's decode through the operator against the float64 oracle over the layer's own
     stored arrays (the oracle state holds them as written), held to the differential harness's
     rule. The layer stores 30 tokens in one block, then 10 one at a time (a low-bit key group of
-    32 completes in the per-token writer), and holds unwritten slots."""
+    32 completes in the per-token writer), and holds unwritten slots. Pre-RoPE states (M11.10)
+    run the pre-RoPE kernel, its base angles from the capacity's table."""
     torch_dtype = getattr(torch, dtype)
     model = make_model("llama", torch_dtype).to(DEVICE)
     H, d, T, Hq, N = 2, 16, 40, 4, 2
     rng = np.random.default_rng(11)
     basis = random_bases(model)[0]
-    empty = sr.SubspaceState.static(basis, batch=N, dtype=np.float64, coefficients=FORMATS[coefficients])
+    rope = sr.rope.RopeParams.from_config(model.config) if coefficients in PRE_ROPE else None
+    empty = sr.SubspaceState.static(basis, batch=N, dtype=np.float64, coefficients=PRE_ROPE.get(coefficients, FORMATS.get(coefficients)), rope=rope)
     cache = GraphSubspaceCache(model.config, [empty, empty], max_cache_len=T + 9)  # unwritten slots the kernel must not read
     K, V, q = (torch.as_tensor(rng.standard_normal(shape)).to(torch_dtype).to(DEVICE) for shape in ((N, H, T, d), (N, H, T, d), (N, Hq, d)))
     layer = cache.layers[0]
@@ -93,17 +98,20 @@ def test_kernel_decode_within_the_harness_tolerance(dtype, coefficients, kernel_
     assert np.abs(out.double().cpu().numpy() - out64).max() <= tolerance(ref, out64, dtype)
 
 
-@pytest.mark.parametrize("coefficients", ["int8", "int4"])
+@pytest.mark.parametrize("coefficients", ["int8", "int4", "pre-RoPE float", "pre-RoPE int4"])
 def test_compiled_generate_runs_the_kernel_without_graph_breaks(coefficients, kernel_calls):
     """generate compiles the decode step with the operator in it (fullgraph=True) and gives the
     eager tokens, whose top-2 margins are checked first; every compiled step ran the kernel once
-    per layer, and a second generation on a new cache reuses the compiled graph."""
+    per layer, and a second generation on a new cache reuses the compiled graph. Pre-RoPE: the
+    update un-rotates by device slots inside the compiled step (M11.10)."""
     model = make_model("llama", torch.float32).to(DEVICE)
     bases = random_bases(model)
     ids = ids_of(10, 1).to(DEVICE)
     steps = 8
     use_subspace_attention(model)
-    factory = static_states(bases, coefficients=coefficients, group_size=8)  # int4: key groups complete at 16 inside the compiled steps
+    rope = sr.rope.RopeParams.from_config(model.config) if coefficients.startswith("pre-RoPE") else None
+    # int4: key groups complete at 16 inside the compiled steps
+    factory = static_states(bases, coefficients=coefficients.removeprefix("pre-RoPE "), group_size=8, rope=rope)
     eager, compiled, _, compile_config = compiled_against_eager(model, factory, ids, steps)
     layers = model.config.num_hidden_layers
     assert torch.equal(compiled, eager)

@@ -3,8 +3,8 @@ whole, so transformers' ``generate`` decodes through a captured CUDA graph (issu
 spec/models.md M11).
 
 A :class:`~subspace_ref.hf.SubspaceCache` appends and attends in Python between graph breaks.
-This cache holds what a static post-RoPE state with float, int8 or int4/int2 coefficients holds,
-and nothing that needs Python at run time:
+This cache holds what a static state with float, int8 or int4/int2 coefficients holds, post-RoPE
+or pre-RoPE (spec/rope.md P2-P3), and nothing that needs Python at run time:
 
 * per layer, the coefficients ``C = K Bᵀ`` and ``D = V Eᵀ`` in preallocated (batch, H,
   capacity, ·) tensors at fixed addresses (quantised sides: the state's packed layout at that
@@ -15,12 +15,15 @@ and nothing that needs Python at run time:
   r_v-vector back to d_v (the vendor path of ``subspace_ref_triton.vendor``, on every device).
   A layer with a quantised side decodes one token through the Triton decode kernel instead, as
   a torch operator (``subspace_ref_triton.graph_op``; M11.6) where the kernel runs, so that the
-  step reads the codes and not a dequantised copy of the capacity.
+  step reads the codes and not a dequantised copy of the capacity;
+* a pre-RoPE layer un-rotates the keys it writes by their slots and decodes through the
+  pre-RoPE kernel, which rotates each rebuilt key by its slot (M11.10); elsewhere it rebuilds
+  and rotates the keys of the capacity for SDPA.
 
 transformers compiles ``generate``'s decode step for caches whose ``is_compileable`` is True,
 on CUDA by default with ``mode="reduce-overhead"``, which captures CUDA graphs. Other state
-kinds (online bases, pre-RoPE keys, exact windows, per-query-head bases) are refused with the
-reasons (:func:`graph_refusals`): they keep the SubspaceCache.
+kinds (online bases, exact windows, per-query-head bases) are refused with the reasons
+(:func:`graph_refusals`): they keep the SubspaceCache.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from subspace_ref.formats import FLOAT
 from subspace_ref.hf import attention as _attn
 from subspace_ref.hf import graph_storage
 from subspace_ref.hf.state_factories import StateFactory, StateSpec
+from subspace_ref.rope import inverse_angles, rotate_by, rotating_dims
 from subspace_ref.state import SubspaceState
 
 
@@ -64,16 +68,25 @@ def graph_refusals(state, device=None) -> list[str]:
     reasons = []
     if state.kind != "static":
         reasons.append(f"{state.kind} states change their bases while decoding")
-    if getattr(state.policy, "rope", None) is not None:
-        reasons.append("pre-RoPE keys are rotated per token after the rebuild (spec/rope.md P3)")
     if getattr(state.policy, "query_group", None) is not None:
         reasons.append("bases per query head (spec/sharing.md A3)")
-    lay = state.layout
-    if (lay.key_format, lay.value_format) != (FLOAT, FLOAT) and device is not None and torch.device(device).type == "cuda" and kernel_backend(device, state.dtype) is None:
-        reasons.append(f"{lay.coefficients} coefficients on CUDA without the triton decode kernel for {state.dtype} (the whole capacity would be dequantised every step)")
+    needs = kernel_needs(state)
+    if needs and device is not None and torch.device(device).type == "cuda" and kernel_backend(device, state.dtype) is None:
+        reasons.append(f"{needs} on CUDA without the triton decode kernel for {state.dtype}")
     if state.window is not None:
         reasons.append("exact windows, sinks or a compression threshold (spec/window.md) move tokens between parts while decoding")
     return reasons
+
+
+def kernel_needs(state) -> str | None:
+    """What makes a graph layer of ``state`` decode through the Triton kernel where it runs
+    (M11.6, M11.10), and why SDPA will not do on CUDA; None for float post-RoPE coefficients."""
+    needs = []
+    if (state.layout.key_format, state.layout.value_format) != (FLOAT, FLOAT):
+        needs.append(f"{state.layout.coefficients} coefficients (the whole capacity would be dequantised every step)")
+    if getattr(state.policy, "rope", None) is not None:
+        needs.append("pre-RoPE keys (the whole capacity would be rebuilt and rotated every step)")
+    return " and ".join(needs) or None
 
 
 def layer_spec(config, layer_idx: int, batch: int = 1, dtype=torch.float32, device=None) -> StateSpec:
@@ -103,9 +116,9 @@ class GraphSubspaceLayer(StaticLayer):
     """One layer of a :class:`GraphSubspaceCache`: transformers' ``StaticLayer`` whose ``keys``
     and ``values`` hold the coefficients C (batch, H, capacity, r) and D (batch, H, capacity,
     r_v) in the model's dtype, with the bases B (H, r, d), E (H, r_v, d_v) and γ (H,) of a
-    static state (spec A2). A layer with an int8 or int4/int2 side holds its coefficients in a
-    fixed packed layout instead (``layout``; ``keys`` and ``values`` are its code arrays; M11.8).
-    Built by the cache from its states on the first ``update``."""
+    static state (spec A2). A layer with an int8 or int4/int2 side, or pre-RoPE keys (``rope``),
+    holds its coefficients in a fixed packed layout instead (``layout``; ``keys`` and ``values``
+    are its code arrays; M11.8, M11.10). Built by the cache from its states on the first ``update``."""
 
     is_compileable = True
 
@@ -113,7 +126,8 @@ class GraphSubspaceLayer(StaticLayer):
         super().__init__(max_cache_len=max_cache_len)
         self.layer_idx = layer_idx
         self.cache = cache
-        self.layout = None  # the fixed packed layout of a quantised layer (graph_storage, M11.8)
+        self.layout = None  # the fixed packed layout of a quantised or pre-RoPE layer (graph_storage, M11.8)
+        self.rope = None  # a pre-RoPE layer's RopeParams (M11.10)
         self.kernel = False  # whether the Triton decode kernel reads that layout here (M11.6)
         self.workspace = self.workspace_handle = None
         self.all_visible = True  # no mask has hidden a written slot (M11.6: the kernel reads slots 0..T-1)
@@ -132,14 +146,19 @@ class GraphSubspaceLayer(StaticLayer):
         self.key_basis, self.value_basis = to_tensor(lay.key_bases[0, :, 0]), to_tensor(lay.value_bases[0, :, 0])
         self.gamma = to_tensor(lay.gamma)
         self.k_head_dim, self.v_head_dim = self.key_basis.shape[1], self.value_basis.shape[1]
-        if lay.key_format == FLOAT and lay.value_format == FLOAT:
+        self.rope = getattr(state.policy, "rope", None)
+        if self.rope is not None:  # float64 frequencies: the angles of M11.10 are taken in float64, as the state's
+            self.inv_freq = torch.tensor(np.array(self.rope.inv_freq), dtype=torch.float64, device=self.device)
+            self.rope_dims = rotating_dims(self.rope, d)
+        needs = kernel_needs(state)
+        if needs is None:
             self.keys = torch.zeros((N, H, self.max_cache_len, self.k_head_dim), dtype=self.dtype, device=self.device)
             self.values = torch.zeros((N, H, self.max_cache_len, self.v_head_dim), dtype=self.dtype, device=self.device)
         else:
             self.kernel = kernel_backend(self.device, self.dtype) is not None
             if not self.kernel and self.device.type == "cuda":
                 raise NotSupportedError(f"layer {self.layer_idx}: the graph cache does not hold",
-                                        [f"{lay.coefficients} coefficients on CUDA without the triton decode kernel for {self.dtype} (M11.6)"])
+                                        [f"{needs} on CUDA without the triton decode kernel for {self.dtype} (M11.6)"])
             # states of half models in their dtype, as the SubspaceCache converts them
             layout_dtype = self.dtype if self.dtype in (torch.float16, torch.bfloat16) else self.compute_dtype
             self.layout = graph_storage.fixed_layout(state, self.device, layout_dtype, self.max_cache_len)
@@ -158,8 +177,20 @@ class GraphSubspaceLayer(StaticLayer):
         constant) and, outside a trace, mark the tensors a captured graph replays (as StaticLayer)."""
         setattr(self.keys, _attn.GRAPH_TAG, self)
         if not is_torchdynamo_compiling():
-            for t in (*self.held(), self.cumulative_length, self.key_basis, self.value_basis, self.gamma, self.slots):
+            for t in (*self.held(), self.cumulative_length, self.key_basis, self.value_basis, self.gamma, self.slots, *self._rope_tensors()):
                 torch._dynamo.mark_static_address(t)
+
+    def _rope_tensors(self) -> tuple[torch.Tensor, ...]:
+        return () if self.rope is None else (self.inv_freq,)
+
+    def _angles(self, positions: torch.Tensor, dtype: torch.dtype, inverse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's (a cos, a sin) at ``positions`` (device slots), taken in float64 as the state
+        takes them (spec/rope.md P2), or those of the inverse rotation; in ``dtype``."""
+        angles = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]
+        cos, sin = self.rope.attention_scaling * torch.cos(angles), self.rope.attention_scaling * torch.sin(angles)
+        if inverse:
+            cos, sin = inverse_angles(cos, sin, self.rope)
+        return cos.to(dtype), sin.to(dtype)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Spec M11.1: write the coefficients of the new post-RoPE keys/values (batch, H, n, d) at
@@ -180,9 +211,12 @@ class GraphSubspaceLayer(StaticLayer):
         if n > 1 and self.low_bit_keys and is_torchdynamo_compiling():  # M11.8 steps 1 and 3 keep a block's float keys on the host
             self._take_back_and_raise(self.layer_idx - 1, n, NotSupportedError(
                 f"layer {self.layer_idx}: the graph cache does not support", [f"a compiled forward of {n} tokens over low-bit keys (compile the one-token decode step, as generate does)"]))
-        c = torch.einsum("bhnd,hrd->bhnr", key_states.to(self.compute_dtype), self.key_basis)
-        dv = torch.einsum("bhnd,hrd->bhnr", value_states.to(self.compute_dtype), self.value_basis)
         count = self.cumulative_length  # advanced after the writes, which read it
+        keys = key_states.to(self.compute_dtype)
+        if self.rope is not None:  # M11.10 step 1: the keys back to pre-RoPE, each by its slot
+            keys = rotate_by(keys, *self._angles(torch.arange(n, device=self.device) + count, self.compute_dtype, inverse=True), self.rope_dims)
+        c = torch.einsum("bhnd,hrd->bhnr", keys, self.key_basis)
+        dv = torch.einsum("bhnd,hrd->bhnr", value_states.to(self.compute_dtype), self.value_basis)
         if self.layout is None:
             positions = torch.arange(n, device=self.device) + count
             self.keys.index_copy_(2, positions, c.to(self.keys.dtype))
@@ -244,6 +278,8 @@ class GraphSubspaceLayer(StaticLayer):
             refused.append(f"{query.shape[1]} query heads for {self.num_heads} KV heads")
         if mask is None and n > 1 and not is_torchdynamo_compiling() and int(self.cumulative_length) != n:  # attend's causal slice needs q_offset = 0
             refused.append(f"no attention mask for {n} queries after {int(self.cumulative_length) - n} earlier tokens")
+        if self.rope is not None and not is_torchdynamo_compiling() and self._hides_written(mask):  # M11.10 step 2
+            refused.append("a mask that hides written slots (left padding) over pre-RoPE keys, which are rotated by their slot, not the padded position")
         if refused:
             self._take_back_and_raise(self.layer_idx, n, NotSupportedError(f"layer {self.layer_idx}: the graph cache does not support", refused))
         scaling = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
@@ -259,18 +295,25 @@ class GraphSubspaceLayer(StaticLayer):
             if query.shape[2] > 1:
                 self.all_visible = False
             return
-        if mask is not None and self.all_visible:
-            last = mask[..., -1, : int(self.cumulative_length)]
-            self.all_visible = bool(last.all() if last.dtype == torch.bool else (last == 0).all())
+        if self.all_visible and self._hides_written(mask):
+            self.all_visible = False
         key = (query.shape[0], query.shape[1], query.dtype, scaling)
         if self.workspace is None or self.workspace_key != key:
             from subspace_ref_triton import graph_op
             from subspace_ref_triton.workspace import DecodeWorkspace
 
-            self.workspace = DecodeWorkspace(self.layout, query.shape[1], query.dtype, scale=scaling, num_tokens=self.cumulative_length, fixed_tail=True)
+            self.workspace = DecodeWorkspace(self.layout, query.shape[1], query.dtype, scale=scaling, num_tokens=self.cumulative_length, fixed_tail=True,
+                                             rope=self.rope)
             self.workspace_handle, self.workspace_key = graph_op.register(self.workspace, list(graph_storage.sequence_arrays(self.layout))), key
             torch._dynamo.mark_static_address(self.workspace_handle)
             self.decode_op = torch.ops.subspace_ref_triton.workspace_decode
+
+    def _hides_written(self, mask: torch.Tensor | None) -> bool:
+        """Whether ``mask``'s row for the last query hides a written slot (left padding; a host read)."""
+        if mask is None:
+            return False
+        last = mask[..., -1, : int(self.cumulative_length)]
+        return not bool(last.all() if last.dtype == torch.bool else (last == 0).all())
 
     def _take_back_and_raise(self, upto: int, tokens: int, error: Exception):
         """Raise ``error`` after :meth:`GraphSubspaceCache.rewind` of layers ``0..upto`` (M11.4)."""
@@ -285,7 +328,7 @@ class GraphSubspaceLayer(StaticLayer):
         tokens written, under transformers' mask over the capacity (True / 0 = attend; None:
         the written slots, causally): (batch, n, H_q, d_v) in the query's dtype. One query over
         a quantised side whose kernel is prepared and sees every written slot: M11.6 instead;
-        several over low-bit keys: M11.8 step 3."""
+        several over low-bit keys: M11.8 step 3; pre-RoPE keys: M11.10 step 3."""
         N, Hq, n, d = query.shape
         if n == 1 and self.workspace is not None and self.all_visible and self.workspace_key == (N, Hq, query.dtype, scaling):
             out = self.decode_op(query[:, :, 0].contiguous(), list(self.held()), self.cumulative_length, self.workspace_handle)
@@ -293,14 +336,20 @@ class GraphSubspaceLayer(StaticLayer):
         H = self.num_heads
         g = Hq // H
         q = query.to(self.compute_dtype).view(N, H, g, n, d)
-        qt = torch.einsum("bhgnd,hrd->bhgnr", q, self.key_basis) * self.gamma[None, :, None, None, None]  # step 1, γ folded in
-        qt = qt.to(self.dtype)
         if self.layout is None:
             C, D = self.keys, self.values
         else:  # the read-back coefficients (M11.8 step 2)
             C, D = (graph_storage.read(self.layout, which, self.cumulative_length, self.dtype, self.max_cache_len) for which in ("key", "value"))
+        slots = self.slots
         if n > 1 and self.low_bit_keys:
             C, D, mask = self._block_keys(C, D, mask, n)
+            slots = torch.cat([slots, slots])
+        if self.rope is None:
+            qt = torch.einsum("bhgnd,hrd->bhgnr", q, self.key_basis) * self.gamma[None, :, None, None, None]  # step 1, γ folded in
+        else:  # M11.10 step 3: the keys rebuilt and rotated by their slots, the query as it is
+            qt = q * self.gamma[None, :, None, None, None]
+            C = rotate_by(torch.einsum("bhlr,hrd->bhld", C.to(self.compute_dtype), self.key_basis), *self._angles(slots, self.compute_dtype), self.rope_dims).to(self.dtype)
+        qt = qt.to(self.dtype)
         if n == 1:  # decode: the g query heads of a KV head as g query rows of it, so no GQA kernel is needed
             visible = (self.slots < self.cumulative_length).view(1, 1, 1, -1) if mask is None else mask  # (1 or N, 1, 1, L)
             y = F.scaled_dot_product_attention(qt.view(N, H, g, -1), C, D, attn_mask=visible, scale=scaling)  # steps 2-3

@@ -41,7 +41,10 @@ Per (N, T), all in the same process:
   captured CUDA graph. The difference is the host overhead a graph removes. **step-eager
   fused-merge** / **step-graph fused-merge**: the same with split and merge in one launch
   (``DecodeWorkspace(..., fused_merge=True)``); **triton-static fused-merge**: the static state's
-  attention so (``decode_attention(..., fused_merge=True)``).
+  attention so (``decode_attention(..., fused_merge=True)``). **step-eager rope** / **step-graph
+  rope** (``--rope``): the same step over the pre-RoPE static float state, its workspace built
+  with ``rope=`` (the pre-RoPE kernel reading T on the device, spec/models.md M11.10; the new
+  token's un-rotation, a few hundred FLOPs, is left out of the step).
 
 Columns: median time (``triton.testing.do_bench``, L2 flushed between calls, after its warm-up),
 bytes each method reads (SDPA: K and V; coefficient attention: ``state.nbytes``, the
@@ -306,8 +309,10 @@ def main() -> None:
                     time_steps(here, static, q, K, V, scale)
                 del static, adaptive, states
                 if args.rope:
-                    rope_state, _ = build_states(N, T, K, V, args.chunk_tokens, False, gen, device, coef, rope=rope_params())
+                    rope_state, _ = build_states(N, T, K, V, args.chunk_tokens, False, gen, device, coef, spare=16 if coef == "float" else 0, rope=rope_params())
                     time_backends(here, names, usable, "rope" + suffix, rope_state, q, scale, sweep=args.rope_sweep)
+                    if coef == "float" and args.graph:
+                        time_step(here, rope_state, q, K, V, scale, fused=False)
                     del rope_state
             for r in here:
                 r.update(N=N, T=T)
@@ -471,8 +476,9 @@ def time_step(rows: list[dict], state, q, K, V, scale: float, fused: bool) -> No
     from subspace_ref_triton.workspace import DecodeWorkspace
 
     lay = state.layout
-    ws = DecodeWorkspace(lay, H_Q, q.dtype, scale, fused_merge=fused)
-    suffix = " fused-merge" if fused else ""
+    rope = state.policy.rope
+    ws = DecodeWorkspace(lay, H_Q, q.dtype, scale, fused_merge=fused, rope=rope)
+    suffix = (" fused-merge" if fused else "") + (" rope" if rope is not None else "")
     T0 = int(lay.num_tokens)
     k_new, v_new = K[:, :, -1:].clone(), V[:, :, -1:].clone()
     B, E = lay.key_bases[:, :, 0], lay.value_bases[:, :, 0]  # (N, H, r, d): the static basis

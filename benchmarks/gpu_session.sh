@@ -58,7 +58,7 @@ timeout 50 $PY benchmarks/decode_gpu.py --out "$OUT" --batch 1 --tokens 32768 --
   > "$OUT/decode_n1.log" 2>&1
 echo "decode N=1: rc=$?" >> "$OUT/session.txt"
 
-# 3b. transformers generate through the graph cache, float, int8 and int4 (the kernel operator), compiled
+# 3b. transformers generate through the graph cache, float, int8, int4 and pre-RoPE float and int4 (the kernel operator), compiled
 #     by generate's default (CUDA graphs), against DynamicCache + SDPA and the compiled StaticCache, at
 #     T = 32k (<= 180 s; rows print as they finish)
 timeout 180 $PY benchmarks/graph_decode.py --device cuda --contexts 32768 --steps 64 --json "$OUT/graph_decode.json" > "$OUT/graph_decode.log" 2>&1

@@ -6,8 +6,9 @@ transformers' own ``StaticCache`` compiled the same way, measured in the same ru
 Model: a random-init Llama with head size 128 (``--hidden``, ``--heads`` query heads over
 ``--kv-heads``, ``--layers``), in bfloat16 on CUDA and float32 on the CPU. Bases: random
 orthonormal, r = r_v = ``--rank`` (speed does not depend on which subspace), with float, int8
-and int4 coefficients (``--coefficients``; quantised ones decode through the Triton kernel
-operator where it runs, spec/models.md M11.6, and by SDPA over the read-back capacity on the CPU). Each row prefills
+and int4 coefficients, post-RoPE or pre-RoPE (``--coefficients``, ``pre-rope-`` prefixed; quantised
+and pre-RoPE ones decode through the Triton kernel operator where it runs, spec/models.md M11.6
+and M11.10, and by SDPA over the read-back capacity on the CPU). Each row prefills
 a random prompt of T tokens, then decodes ``--steps`` greedy tokens; a logits processor stamps
 the time of every step (after a device synchronisation), and the row reports the median step.
 Compiled rows run ``generate`` once untimed first (the compile and the graph capture), on the
@@ -96,13 +97,16 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--rank", type=int, default=32)
-    p.add_argument("--coefficients", nargs="+", default=["float", "int8", "int4"], choices=["float", "int8", "int4", "int2"])
+    formats = ["float", "int8", "int4", "int2"]
+    p.add_argument("--coefficients", nargs="+", default=["float", "int8", "int4", "pre-rope-float", "pre-rope-int4"],
+                   choices=formats + [f"pre-rope-{f}" for f in formats])
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
     from transformers import CompileConfig, DynamicCache, StaticCache
 
     from subspace_ref.hf import GraphSubspaceCache, SubspaceCache, static_states, use_subspace_attention
+    from subspace_ref.rope import RopeParams
     from subspace_ref.workloads import random_static_bases
 
     device = torch.device(args.device)
@@ -110,7 +114,9 @@ def main() -> None:
     torch.set_num_threads(1) if device.type == "cpu" else None
     model = make_model(args, device, dtype)
     bases = random_static_bases(args.layers, args.kv_heads, 128, args.rank)
-    factories = {coef: static_states(bases, coefficients=coef) for coef in args.coefficients}
+    rope = RopeParams.from_config(model.config)
+    factories = {coef: static_states(bases, coefficients=coef.removeprefix("pre-rope-"), rope=rope if coef.startswith("pre-rope-") else None)
+                 for coef in args.coefficients}
     compiled = CompileConfig()  # transformers' default: inductor, mode="reduce-overhead" (CUDA graphs on CUDA)
     compiled._compile_all_devices = device.type != "cuda"
     backend = "triton" if device.type == "cuda" else "torch"

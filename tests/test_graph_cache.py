@@ -112,7 +112,7 @@ def test_quantised_graph_cache_matches_the_oracle_cache(family, coefficients):
         seen = torch.ones((1, ids.shape[1] + 9 + 5), dtype=torch.long)
         graph.append(model(input_ids=block, attention_mask=seen, cache=cache).logits)
         oracle.append(model(input_ids=block, attention_mask=seen, cache=oracle_cache).logits)
-    assert cache.layers[0].layout is not None and not cache.layers[0].kernel
+    assert cache.layers[0].groups[0].layout is not None and not cache.layers[0].groups[0].kernel
     tol = 1e-5 if family == "llama" else 1e-10
     for a, b in zip(graph, oracle):
         assert float((a - b).abs().max()) <= tol * float(b.abs().max())
@@ -147,7 +147,7 @@ def test_pre_rope_graph_cache_matches_the_oracle_cache(family, coefficients):
         seen = torch.ones((1, ids.shape[1] + 9 + 5), dtype=torch.long)
         for c, out in ((cache, graph), (oracle_cache, oracle)):
             out.append(model(input_ids=ids_of(5, 3), attention_mask=seen, cache=c).logits)
-    assert cache.layers[0].rope is rope and cache.layers[0].layout is not None
+    assert cache.layers[0].groups[0].rope is rope and cache.layers[0].groups[0].layout is not None
     for a, b in zip(graph, oracle):
         assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max())
     for search in (dict(), dict(num_beams=3)):
@@ -188,6 +188,61 @@ def test_left_padding_over_pre_rope_keys_is_refused_and_changes_nothing():
     with torch.no_grad():  # the same cache then takes an unpadded batch
         model(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache)
     assert int(cache.get_seq_length()) == 9
+
+
+def mixed_layer_states(model, split: bool):
+    """A factory of layer states whose KV heads differ: ``split``, each head its own group of
+    float post-RoPE coefficients, the groups in reverse head order (heads stored apart, the
+    groups' query heads permuted back); else per layer a pre-RoPE int4 head of rank 5 beside an
+    identity head with int8 keys and float values (tests/test_hf_layer_state.py's allocation, key
+    groups of 4)."""
+    from subspace_ref.layer_state import LayerState
+    from tests.test_hf_layer_state import mixed_allocation, mixed_bases, split_states
+
+    if split:
+        forward = split_states(random_bases(model)[0], "float")
+        return lambda spec: LayerState(spec.heads, forward(spec).groups[::-1])
+    alloc = mixed_allocation(model.config.hidden_size // model.config.num_attention_heads, 0, 0)
+    return sr.hf.allocated_states(mixed_bases(model, alloc), alloc, rope=sr.rope.RopeParams.from_config(model.config))
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split-float", "pre-RoPE-int4-and-identity-int8"])
+def test_layer_states_decode_group_by_group_as_the_oracle_cache(split):
+    """M11.12: a LayerState's head groups held and attended group by group (each its own storage,
+    query heads put back in order) give the numpy cache's logits over a block prefill, one-token
+    steps across key groups and a second block, and its greedy and beam sequences."""
+    model = make_model("llama")
+    factory = mixed_layer_states(model, split)
+    ids = ids_of(12, 2)
+    use_subspace_attention(model)
+    with torch.no_grad():
+        cache = GraphSubspaceCache(model.config, factory, max_cache_len=ids.shape[1] + 9 + 5)
+        oracle_cache = SubspaceCache(model.config, factory, backend="numpy")
+        graph, oracle = (logits_through(model, c, ids, 9) for c in (cache, oracle_cache))
+        seen = torch.ones((1, ids.shape[1] + 9 + 5), dtype=torch.long)
+        for c, out in ((cache, graph), (oracle_cache, oracle)):
+            out.append(model(input_ids=ids_of(5, 3), attention_mask=seen, cache=c).logits)
+    assert all(len(layer.groups) == 2 for layer in cache.layers)
+    for a, b in zip(graph, oracle):
+        assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max())
+    for search in (dict(), dict(num_beams=3)):
+        with compress(model, factory, graph=True) as kv:
+            tokens = kv.generate(ids, max_new_tokens=5, do_sample=False, **search)
+        with compress(model, factory, graph=False, backend="numpy") as kv:
+            assert torch.equal(tokens, kv.generate(ids, max_new_tokens=5, do_sample=False, **search))
+
+
+def test_layer_states_with_windows_are_refused_by_head_group():
+    """A layer state's refusals are its head groups' (here the layer's sinks and window), named with the heads."""
+    from tests.test_hf_layer_state import mixed_allocation, mixed_bases
+
+    model = make_model("llama")
+    alloc = mixed_allocation(16, 2, 3)
+    factory = sr.hf.allocated_states(mixed_bases(model, alloc), alloc, rope=sr.rope.RopeParams.from_config(model.config))
+    reasons = model_graph_refusals(model.config, factory)
+    assert any(r.startswith("layer 0: heads [0]: exact windows") for r in reasons) and any(r.startswith("layer 1: heads [1]: exact windows") for r in reasons)
+    with pytest.raises(NotSupportedError, match="exact windows"):
+        GraphSubspaceCache(model.config, factory, max_cache_len=16)
 
 
 @pytest.mark.parametrize("coefficients", ["int4", "int2"])
@@ -285,6 +340,23 @@ def test_a_low_bit_write_out_of_float16_range_changes_nothing():
         with pytest.raises(ValueError, match="float16"):
             layer.update(huge, huge)
     assert [int(cache.layers[i].cumulative_length) for i in range(2)] == [10, 10]
+
+
+def test_a_value_out_of_range_leaves_the_low_bit_keys_as_they_were():
+    """Keys within float16's range, values beyond it: the refusal comes before any side or group
+    writes, so the block's keys do not overwrite the float rows of the begun key group (its tail)."""
+    model = make_model("llama")
+    factory = static_states(random_bases(model), coefficients="int4", group_size=8)
+    use_subspace_attention(model)
+    cache = GraphSubspaceCache(model.config, factory, max_cache_len=24)
+    with torch.no_grad():
+        model(input_ids=ids_of(10, 2), cache=cache)
+        layer = cache.layers[0]
+        before = [t.clone() for t in layer.held()]
+        keys = torch.randn((1, 2, 7, 16), dtype=torch.float64, generator=torch.Generator().manual_seed(0))  # completes key group 1 (tokens 8..15)
+        with pytest.raises(ValueError, match="float16"):
+            layer.update(keys, torch.full_like(keys, 1e6))
+    assert int(layer.cumulative_length) == 10 and all(torch.equal(a, b) for a, b in zip(before, layer.held()))
 
 
 @pytest.mark.parametrize("options, needs", [(dict(coefficients="int8"), "int8 coefficients"), (dict(rope="rope"), "pre-RoPE keys")])
@@ -387,7 +459,7 @@ def test_online_and_shared_states_are_refused():
         assert any(kind in r for r in graph_refusals(full_rank_states(kind)(spec)))
     per_query_head = static_states(random_static_bases(1, 4, 16, RANK), share="query_head")(spec)
     assert any("per query head" in r for r in graph_refusals(per_query_head))
-    assert graph_refusals(object()) and "SubspaceCache" in graph_refusals(object())[0]
+    assert graph_refusals(object()) and "not a SubspaceState or LayerState" in graph_refusals(object())[0]
 
 
 def test_overflow_is_refused_and_changes_nothing():
@@ -622,7 +694,7 @@ def test_graph_decode_benchmark_runs_on_the_cpu(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: generate compiles the graph cache's step with CUDA graphs there only")
-@pytest.mark.parametrize("coefficients", ["float", "int8", "int4", "pre-RoPE float", "pre-RoPE int4"])
+@pytest.mark.parametrize("coefficients", ["float", "int8", "int4", "pre-RoPE float", "pre-RoPE int4", "layer state"])
 def test_cuda_generate_decodes_through_the_compiled_graph(coefficients):
     """On CUDA, ``compress(...).generate`` picks the graph cache by default and transformers
     compiles its decode step (mode="reduce-overhead": CUDA graphs; quantised sides and pre-RoPE keys
@@ -630,8 +702,11 @@ def test_cuda_generate_decodes_through_the_compiled_graph(coefficients):
     checked first."""
     model = make_model("llama", torch.float32).cuda()
     rope = sr.rope.RopeParams.from_config(model.config) if coefficients.startswith("pre-RoPE") else None
-    # int4 key groups complete at 16, inside the graph
-    bases = static_states(random_bases(model), coefficients=coefficients.removeprefix("pre-RoPE "), group_size=8, rope=rope)
+    # int4 key groups complete at 16, inside the graph; layer state: a pre-RoPE int4 and an identity int8 head group (M11.12)
+    if coefficients == "layer state":
+        bases = mixed_layer_states(model, split=False)
+    else:
+        bases = static_states(random_bases(model), coefficients=coefficients.removeprefix("pre-RoPE "), group_size=8, rope=rope)
     ids = ids_of(10, 14).cuda()
     with compress(model, bases, graph=False) as kv:
         eager = kv.generate(ids, max_new_tokens=8, do_sample=False, output_scores=True, return_dict_in_generate=True)

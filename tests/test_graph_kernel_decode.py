@@ -28,7 +28,7 @@ import subspace_ref as sr  # noqa: E402
 from subspace_ref.hf import GraphSubspaceCache, SubspaceCache, graph_storage, static_states, use_subspace_attention  # noqa: E402
 from subspace_ref.layout import BY_NAME, GROUP, TOKEN  # noqa: E402
 from tests.differential.tolerance import reference_error, tolerance  # noqa: E402
-from tests.test_graph_cache import compiled_against_eager, ids_of, make_model, random_bases  # noqa: E402
+from tests.test_graph_cache import compiled_against_eager, ids_of, make_model, mixed_layer_states, random_bases  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not _AVAILABLE, reason=f"triton backend unavailable: {_AVAILABLE.reason}")
 
@@ -88,22 +88,23 @@ def test_kernel_decode_within_the_harness_tolerance(dtype, coefficients, kernel_
     scale = d**-0.5
     attention = model.model.layers[0].self_attn
     out = layer.attention_call(attention, q[:, :, None], None, scale, 0.0, {})[:, 0]
-    assert len(kernel_calls) == 1 and layer.workspace is not None
+    assert len(kernel_calls) == 1 and layer.groups[0].workspace is not None
 
     state64 = empty.append(K.double().cpu().numpy(), V.double().cpu().numpy())
-    adopt_written(state64, layer.layout, T)
+    adopt_written(state64, layer.groups[0].layout, T)
     q64 = q.double().cpu().numpy()
     out64 = np.asarray(sr.attend(q64, state64, backend="numpy", scale=scale))
     ref = reference_error(state64, q64, scale, out64, dtype)
     assert np.abs(out.double().cpu().numpy() - out64).max() <= tolerance(ref, out64, dtype)
 
 
-@pytest.mark.parametrize("coefficients", ["int8", "int4", "pre-RoPE float", "pre-RoPE int4"])
+@pytest.mark.parametrize("coefficients", ["int8", "int4", "pre-RoPE float", "pre-RoPE int4", "layer state"])
 def test_compiled_generate_runs_the_kernel_without_graph_breaks(coefficients, kernel_calls):
     """generate compiles the decode step with the operator in it (fullgraph=True) and gives the
     eager tokens, whose top-2 margins are checked first; every compiled step ran the kernel once
-    per layer, and a second generation on a new cache reuses the compiled graph. Pre-RoPE: the
-    update un-rotates by device slots inside the compiled step (M11.10)."""
+    per layer (per head group of a layer state: M11.12), and a second generation on a new cache
+    reuses the compiled graph. Pre-RoPE: the update un-rotates by device slots inside the
+    compiled step (M11.10). Layer state: a pre-RoPE int4 head beside an identity int8 head."""
     model = make_model("llama", torch.float32).to(DEVICE)
     bases = random_bases(model)
     ids = ids_of(10, 1).to(DEVICE)
@@ -111,9 +112,12 @@ def test_compiled_generate_runs_the_kernel_without_graph_breaks(coefficients, ke
     use_subspace_attention(model)
     rope = sr.rope.RopeParams.from_config(model.config) if coefficients.startswith("pre-RoPE") else None
     # int4: key groups complete at 16 inside the compiled steps
-    factory = static_states(bases, coefficients=coefficients.removeprefix("pre-RoPE "), group_size=8, rope=rope)
+    if coefficients == "layer state":
+        factory, groups = mixed_layer_states(model, split=False), 2
+    else:
+        factory, groups = static_states(bases, coefficients=coefficients.removeprefix("pre-RoPE "), group_size=8, rope=rope), 1
     eager, compiled, _, compile_config = compiled_against_eager(model, factory, ids, steps)
-    layers = model.config.num_hidden_layers
+    layers = model.config.num_hidden_layers * groups
     assert torch.equal(compiled, eager)
     assert len(kernel_calls) == 2 * layers * (steps - 1)  # the prefills attend by SDPA, each decode step, eager or compiled, through the kernel
     # a new cache's workspace is a new input of the same graph (graph_op's handle), not a recompile
@@ -148,6 +152,6 @@ def test_batch_decode_matches_the_oracle_cache(padded, coefficients, kernel_call
             step_mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             second = model(input_ids=ids[:, -1:], attention_mask=step_mask, cache=cache).logits[:, -1]
             logits.append(torch.stack([first, second]))
-    assert all(layer.workspace is not None and layer.all_visible != padded for layer in graph_cache.layers)
+    assert all(layer.groups[0].workspace is not None and layer.all_visible != padded for layer in graph_cache.layers)
     assert len(kernel_calls) == (0 if padded else model.config.num_hidden_layers)
     assert float((logits[0] - logits[1]).abs().max()) <= 1e-5 * float(logits[1].abs().max())

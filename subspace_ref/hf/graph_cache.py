@@ -6,9 +6,11 @@ A :class:`~subspace_ref.hf.SubspaceCache` appends and attends in Python between 
 This cache holds what a static state with float, int8 or int4/int2 coefficients holds, post-RoPE
 or pre-RoPE (spec/rope.md P2-P3), and nothing that needs Python at run time:
 
-* per layer, the coefficients ``C = K Bᵀ`` and ``D = V Eᵀ`` in preallocated (batch, H,
-  capacity, ·) tensors at fixed addresses (quantised sides: the state's packed layout at that
-  capacity, :mod:`~subspace_ref.hf.graph_storage`), written in place at the token count (a
+* per layer and head group (one for a uniform state, one per head group of a
+  :class:`~subspace_ref.LayerState`: :mod:`~subspace_ref.hf.graph_group`), the coefficients
+  ``C = K Bᵀ`` and ``D = V Eᵀ`` in preallocated (batch, h, capacity, ·) tensors at fixed
+  addresses (quantised sides: the state's packed layout at that capacity,
+  :mod:`~subspace_ref.hf.graph_storage`), written in place at the token count (a
   device tensor), as transformers' ``StaticLayer`` writes keys and values;
 * attention is spec A2 as exact attention over ``(γ B q, C, D)`` with head size r and scale
   1/√d: one ``scaled_dot_product_attention`` call over the written slots, then ``E`` maps the
@@ -22,8 +24,8 @@ or pre-RoPE (spec/rope.md P2-P3), and nothing that needs Python at run time:
 
 transformers compiles ``generate``'s decode step for caches whose ``is_compileable`` is True,
 on CUDA by default with ``mode="reduce-overhead"``, which captures CUDA graphs. Other state
-kinds (online bases, exact windows, per-query-head bases) are refused with the reasons
-(:func:`graph_refusals`): they keep the SubspaceCache.
+kinds (online bases, exact windows and sinks, per-query-head bases) are refused with the
+reasons (:func:`graph_refusals`): they keep the SubspaceCache.
 """
 
 from __future__ import annotations
@@ -31,40 +33,28 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 from transformers.cache_utils import STATIC_LAYER_TYPE_MAPPING, Cache, StaticLayer, get_layer_types_and_kwargs
 from transformers.utils import is_torchdynamo_compiling
 
-from subspace_ref.basis_storage import decoded_state
 from subspace_ref.byte_convention import Geometry
 from subspace_ref.capabilities import NotSupportedError, require
-from subspace_ref.formats import FLOAT
 from subspace_ref.hf import attention as _attn
-from subspace_ref.hf import graph_storage
+from subspace_ref.hf.graph_group import GraphHeadGroup, kernel_backend, kernel_needs
 from subspace_ref.hf.state_factories import StateFactory, StateSpec
-from subspace_ref.rope import inverse_angles, rotate_by, rotating_dims
+from subspace_ref.layer_state import LayerState
 from subspace_ref.state import SubspaceState
-
-
-def kernel_backend(device, dtype):
-    """The Triton backend when its decode kernel runs on ``device`` for a model in ``dtype``
-    (CUDA; the CPU under ``TRITON_INTERPRET=1``), else None (spec/models.md M11.6)."""
-    from subspace_ref.registry import backend_availability, get_backend
-
-    if not backend_availability("triton"):
-        return None
-    backend = get_backend("triton")
-    return backend if torch.device(device).type in backend.devices and str(dtype).removeprefix("torch.") in backend.dtypes else None
 
 
 def graph_refusals(state, device=None) -> list[str]:
     """Why ``state`` cannot be held by a :class:`GraphSubspaceCache` ([] when it can; spec/models.md
     M11.4); with ``device``, also what that device lacks (quantised coefficients on CUDA need the
     Triton kernel, M11.6)."""
+    if isinstance(state, LayerState):  # M11.12: each head group as a uniform state
+        reasons = [f"heads {list(g.heads)}: {r}" for g in state.groups for r in graph_refusals(g.state, device)]
+        return list(dict.fromkeys(reasons))
     if not isinstance(state, SubspaceState):
-        return [f"{type(state).__name__}: heads of different configurations are decoded by the SubspaceCache"]
+        return [f"{type(state).__name__}: not a SubspaceState or LayerState"]
     reasons = []
     if state.kind != "static":
         reasons.append(f"{state.kind} states change their bases while decoding")
@@ -76,17 +66,6 @@ def graph_refusals(state, device=None) -> list[str]:
     if state.window is not None:
         reasons.append("exact windows, sinks or a compression threshold (spec/window.md) move tokens between parts while decoding")
     return reasons
-
-
-def kernel_needs(state) -> str | None:
-    """What makes a graph layer of ``state`` decode through the Triton kernel where it runs
-    (M11.6, M11.10), and why SDPA will not do on CUDA; None for float post-RoPE coefficients."""
-    needs = []
-    if (state.layout.key_format, state.layout.value_format) != (FLOAT, FLOAT):
-        needs.append(f"{state.layout.coefficients} coefficients (the whole capacity would be dequantised every step)")
-    if getattr(state.policy, "rope", None) is not None:
-        needs.append("pre-RoPE keys (the whole capacity would be rebuilt and rotated every step)")
-    return " and ".join(needs) or None
 
 
 def layer_spec(config, layer_idx: int, batch: int = 1, dtype=torch.float32, device=None) -> StateSpec:
@@ -113,12 +92,12 @@ def model_graph_refusals(config, states: StateFactory | Sequence[Any], device=No
 
 
 class GraphSubspaceLayer(StaticLayer):
-    """One layer of a :class:`GraphSubspaceCache`: transformers' ``StaticLayer`` whose ``keys``
-    and ``values`` hold the coefficients C (batch, H, capacity, r) and D (batch, H, capacity,
-    r_v) in the model's dtype, with the bases B (H, r, d), E (H, r_v, d_v) and γ (H,) of a
-    static state (spec A2). A layer with an int8 or int4/int2 side, or pre-RoPE keys (``rope``),
-    holds its coefficients in a fixed packed layout instead (``layout``; ``keys`` and ``values``
-    are its code arrays; M11.8, M11.10). Built by the cache from its states on the first ``update``."""
+    """One layer of a :class:`GraphSubspaceCache`: transformers' ``StaticLayer`` whose KV heads
+    are held by head groups (:class:`~subspace_ref.hf.graph_group.GraphHeadGroup`, ``groups``):
+    one over every head for a uniform static state, one per head group of a
+    :class:`~subspace_ref.LayerState` (M11.12). ``keys`` and ``values`` are the first group's C
+    and D (batch, h, capacity, r), or its code arrays; ``keys`` carries the attribute by which
+    the attention call finds the layer. Built by the cache from its states on the first ``update``."""
 
     is_compileable = True
 
@@ -126,108 +105,69 @@ class GraphSubspaceLayer(StaticLayer):
         super().__init__(max_cache_len=max_cache_len)
         self.layer_idx = layer_idx
         self.cache = cache
-        self.layout = None  # the fixed packed layout of a quantised or pre-RoPE layer (graph_storage, M11.8)
-        self.rope = None  # a pre-RoPE layer's RopeParams (M11.10)
-        self.kernel = False  # whether the Triton decode kernel reads that layout here (M11.6)
-        self.workspace = self.workspace_handle = None
+        self.groups: list[GraphHeadGroup] = []
         self.all_visible = True  # no mask has hidden a written slot (M11.6: the kernel reads slots 0..T-1)
-        self.fresh_keys = None  # the float keys of the last eager block into low-bit keys (M11.8 step 3)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         N, H, _, d = key_states.shape
         spec = StateSpec(self.layer_idx, N, H, d, value_states.shape[-1], key_states.dtype, key_states.device)
         state = self.cache.state(spec)
-        lay = decoded_state(state).layout
         self.device, self.batch_size, self.num_heads, self.dtype = key_states.device, N, H, key_states.dtype
         # the state dtype (StateSpec.state_dtype): float64 for a float64 model, else float32 sums over 16-bit operands
         self.compute_dtype = torch.float64 if key_states.dtype == torch.float64 else torch.float32
-        exact = dict(dtype=self.compute_dtype, device=self.device)
-        to_tensor = lambda x: torch.as_tensor(np.asarray(x.detach().cpu() if isinstance(x, torch.Tensor) else x), **exact)  # noqa: E731
-        self.key_basis, self.value_basis = to_tensor(lay.key_bases[0, :, 0]), to_tensor(lay.value_bases[0, :, 0])
-        self.gamma = to_tensor(lay.gamma)
-        self.k_head_dim, self.v_head_dim = self.key_basis.shape[1], self.value_basis.shape[1]
-        self.rope = getattr(state.policy, "rope", None)
-        if self.rope is not None:  # float64 frequencies: the angles of M11.10 are taken in float64, as the state's
-            self.inv_freq = torch.tensor(np.array(self.rope.inv_freq), dtype=torch.float64, device=self.device)
-            self.rope_dims = rotating_dims(self.rope, d)
-        needs = kernel_needs(state)
-        if needs is None:
-            self.keys = torch.zeros((N, H, self.max_cache_len, self.k_head_dim), dtype=self.dtype, device=self.device)
-            self.values = torch.zeros((N, H, self.max_cache_len, self.v_head_dim), dtype=self.dtype, device=self.device)
-        else:
-            self.kernel = kernel_backend(self.device, self.dtype) is not None
-            if not self.kernel and self.device.type == "cuda":
-                raise NotSupportedError(f"layer {self.layer_idx}: the graph cache does not hold",
-                                        [f"{needs} on CUDA without the triton decode kernel for {self.dtype} (M11.6)"])
-            # states of half models in their dtype, as the SubspaceCache converts them
-            layout_dtype = self.dtype if self.dtype in (torch.float16, torch.bfloat16) else self.compute_dtype
-            self.layout = graph_storage.fixed_layout(state, self.device, layout_dtype, self.max_cache_len)
-            self.keys, self.values = self.layout.key_coef, self.layout.value_coef
         self.slots = torch.arange(self.max_cache_len, device=self.device)
+        parts = [(tuple(g.heads), g.state) for g in state.groups] if isinstance(state, LayerState) else [(tuple(range(H)), state)]
+        self.groups = [GraphHeadGroup(self, heads, part, d) for heads, part in parts]
+        self.keys, self.values = self.groups[0].keys, self.groups[0].values
+        self.k_head_dim, self.v_head_dim = d, value_states.shape[-1]
+        self.query_order = {}  # per GQA group size: the groups' query heads back in head order (_query_order)
         self.cumulative_length = self.cumulative_length.to(self.device)
         self._fix_addresses()
         self.is_initialized = True
 
     def held(self) -> tuple[torch.Tensor, ...]:
-        """The per-sequence tensors of the layer: C and D, or the fixed layout's arrays of tokens."""
-        return (self.keys, self.values) if self.layout is None else tuple(graph_storage.sequence_arrays(self.layout).values())
+        """The per-sequence tensors of the layer: every group's C and D, or fixed layout's arrays of tokens."""
+        return tuple(t for g in self.groups for t in g.held())
 
     def _fix_addresses(self) -> None:
         """Tag C with this layer (how the attention call finds it, traced by dynamo as a
         constant) and, outside a trace, mark the tensors a captured graph replays (as StaticLayer)."""
         setattr(self.keys, _attn.GRAPH_TAG, self)
         if not is_torchdynamo_compiling():
-            for t in (*self.held(), self.cumulative_length, self.key_basis, self.value_basis, self.gamma, self.slots, *self._rope_tensors()):
+            for t in (*self.held(), self.cumulative_length, self.slots, *(c for g in self.groups for c in g.constants())):
                 torch._dynamo.mark_static_address(t)
-
-    def _rope_tensors(self) -> tuple[torch.Tensor, ...]:
-        return () if self.rope is None else (self.inv_freq,)
-
-    def _angles(self, positions: torch.Tensor, dtype: torch.dtype, inverse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE's (a cos, a sin) at ``positions`` (device slots), taken in float64 as the state
-        takes them (spec/rope.md P2), or those of the inverse rotation; in ``dtype``."""
-        angles = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]
-        cos, sin = self.rope.attention_scaling * torch.cos(angles), self.rope.attention_scaling * torch.sin(angles)
-        if inverse:
-            cos, sin = inverse_angles(cos, sin, self.rope)
-        return cos.to(dtype), sin.to(dtype)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Spec M11.1: write the coefficients of the new post-RoPE keys/values (batch, H, n, d) at
-        the token count (quantised sides: M11.8 step 1) and return the whole C and D, or code
-        arrays (the attention reads the written slots only)."""
+        the token count, each group its heads' (quantised sides: M11.8 step 1; pre-RoPE keys:
+        M11.10 step 1), and return the first group's C and D, or code arrays (the attention
+        reads the written slots only)."""
         if not self.is_initialized:
             try:
                 self.lazy_initialization(key_states, value_states)
             except NotSupportedError as refused:
                 self._take_back_and_raise(self.layer_idx - 1, key_states.shape[-2], refused)
         n = key_states.shape[-2]
-        if key_states.shape[:2] != self.keys.shape[:2] or key_states.shape[-1] != self.key_basis.shape[2]:
+        if key_states.shape[:2] != (self.batch_size, self.num_heads) or key_states.shape[-1] != self.k_head_dim:
             self._take_back_and_raise(self.layer_idx - 1, n, ValueError(
-                f"layer {self.layer_idx}: keys of shape {tuple(key_states.shape)} do not fit the cache's {tuple(self.keys.shape[:2])} heads of size {self.key_basis.shape[2]}"))
-        if not is_torchdynamo_compiling() and int(self.cumulative_length) + n > self.max_cache_len:  # a compiled step has no host read: M11.5
+                f"layer {self.layer_idx}: keys of shape {tuple(key_states.shape)} do not fit the cache's {(self.batch_size, self.num_heads)} heads of size {self.k_head_dim}"))
+        eager = not is_torchdynamo_compiling()
+        if eager and int(self.cumulative_length) + n > self.max_cache_len:  # a compiled step has no host read: M11.5
             self._take_back_and_raise(self.layer_idx - 1, n, ValueError(
                 f"layer {self.layer_idx}: {int(self.cumulative_length)} + {n} tokens exceed max_cache_len = {self.max_cache_len}"))
-        if n > 1 and self.low_bit_keys and is_torchdynamo_compiling():  # M11.8 steps 1 and 3 keep a block's float keys on the host
+        if n > 1 and self.low_bit_keys and not eager:  # M11.8 steps 1 and 3 keep a block's float keys on the host
             self._take_back_and_raise(self.layer_idx - 1, n, NotSupportedError(
                 f"layer {self.layer_idx}: the graph cache does not support", [f"a compiled forward of {n} tokens over low-bit keys (compile the one-token decode step, as generate does)"]))
         count = self.cumulative_length  # advanced after the writes, which read it
-        keys = key_states.to(self.compute_dtype)
-        if self.rope is not None:  # M11.10 step 1: the keys back to pre-RoPE, each by its slot
-            keys = rotate_by(keys, *self._angles(torch.arange(n, device=self.device) + count, self.compute_dtype, inverse=True), self.rope_dims)
-        c = torch.einsum("bhnd,hrd->bhnr", keys, self.key_basis)
-        dv = torch.einsum("bhnd,hrd->bhnr", value_states.to(self.compute_dtype), self.value_basis)
-        if self.layout is None:
-            positions = torch.arange(n, device=self.device) + count
-            self.keys.index_copy_(2, positions, c.to(self.keys.dtype))
-            self.values.index_copy_(2, positions, dv.to(self.values.dtype))
-        else:
-            eager = not is_torchdynamo_compiling()
-            try:  # a coefficient beyond float16's range (Q1, checked in eager mode): this layer's count is unchanged, earlier layers give theirs back
-                self.fresh_keys = graph_storage.write(self.layout, "key", count, c, eager)
-                graph_storage.write(self.layout, "value", count, dv, eager)
+        new = [g.coefficients(key_states, value_states, count, self.compute_dtype) for g in self.groups]
+        if eager:  # a coefficient beyond float16's range (Q1): refused before any group writes; earlier layers give theirs back
+            try:
+                for g, (c, dv) in zip(self.groups, new):
+                    g.check_range(c, dv)
             except ValueError as refused:
                 self._take_back_and_raise(self.layer_idx - 1, n, refused)
+        for g, (c, dv) in zip(self.groups, new):
+            g.write(c, dv, count, eager)
         self.cumulative_length.add_(n)
         return self.keys, self.values
 
@@ -236,77 +176,68 @@ class GraphSubspaceLayer(StaticLayer):
         the tag and the address a captured graph replays)."""
         if self.is_initialized:
             idx = beam_idx.to(self.device)
-            for t in self.held():
-                t.copy_(t.index_select(0, idx))
-            if self.fresh_keys is not None:  # a crop may still put them back (M11.8 step 4)
-                first, rows = self.fresh_keys
-                self.fresh_keys = first, rows.index_select(0, idx)
+            for g in self.groups:
+                g.reorder(idx)
 
     def crop(self, tokens_to_remove: int) -> None:
         """StaticLayer's crop (``tokens_to_remove`` < 0 takes that many back). Low-bit keys also
         need the float rows of the unfinished group the cut falls in (M11.8 step 4): still in the
         tail when every write since was one token into the same group, else put back from the
         last block's rows; RuntimeError, the layer unchanged, when neither holds them."""
-        if self.low_bit_keys and tokens_to_remove < -1:  # one token back never leaves its group's earlier rows
+        if tokens_to_remove < -1 and self.low_bit_keys:
             T = int(self.cumulative_length)
-            k, G = max(T + tokens_to_remove, 0), self.layout.group
-            start = k // G * G
-            if self.fresh_keys is not None and self.fresh_keys[0] <= start:
-                first, rows = self.fresh_keys
-                self.layout.key_tail[:, :, : k - start] = rows[:, :, start - first : k - first]
-            elif k > start and (T - 1) // G != k // G:
-                raise RuntimeError(f"layer {self.layer_idx}: cropping {T} tokens to {k} needs the float keys of tokens {start}..{k - 1}, "
-                                   f"which later writes replaced; call cache.reset()")
+            put_back = [g.crop_rows(T, max(T + tokens_to_remove, 0), self.layer_idx) for g in self.groups]  # all checked before any changes
+            for step in put_back:
+                if step is not None:
+                    step()
         super().crop(tokens_to_remove)
 
     def reset(self) -> None:
         """Empty the layer, keeping its tensors (and so a captured graph's addresses)."""
         super().reset()
-        if self.is_initialized:
-            for t in self.held():
-                t.zero_()
+        for g in self.groups:
+            g.reset()
         self.all_visible = True
-        self.fresh_keys = None
+
+    @property
+    def low_bit_keys(self) -> bool:
+        """Whether a group's keys are int4/int2 codes in groups (M11.8 steps 1, 3, 4 treat them apart)."""
+        return any(g.low_bit_keys for g in self.groups)
 
     def attention_call(self, module, query: torch.Tensor, mask: torch.Tensor | None, scaling: float | None, dropout: float, kwargs: dict) -> torch.Tensor:
         """``subspace_attention`` for this layer: refuse what M11.2 does not compute, naming it,
         after taking this forward's tokens back from every layer it wrote (M11.4); else :meth:`attend`."""
         n = query.shape[2]
+        eager = not is_torchdynamo_compiling()
         refused = ["attention dropout in training mode (call model.eval())"] if dropout and module.training else []
         refused += [f"{name} (soft-capping and attention sinks are not in SDPA)" for name in ("softcap", "s_aux") if kwargs.get(name) is not None]
         if query.shape[1] % self.num_heads:
             refused.append(f"{query.shape[1]} query heads for {self.num_heads} KV heads")
-        if mask is None and n > 1 and not is_torchdynamo_compiling() and int(self.cumulative_length) != n:  # attend's causal slice needs q_offset = 0
+        if mask is None and n > 1 and eager and int(self.cumulative_length) != n:  # attend's causal slice needs q_offset = 0
             refused.append(f"no attention mask for {n} queries after {int(self.cumulative_length) - n} earlier tokens")
-        if self.rope is not None and not is_torchdynamo_compiling() and self._hides_written(mask):  # M11.10 step 2
+        if any(g.rope is not None for g in self.groups) and eager and self._hides_written(mask):  # M11.10 step 2
             refused.append("a mask that hides written slots (left padding) over pre-RoPE keys, which are rotated by their slot, not the padded position")
         if refused:
             self._take_back_and_raise(self.layer_idx, n, NotSupportedError(f"layer {self.layer_idx}: the graph cache does not support", refused))
         scaling = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
-        if self.kernel:
+        if any(g.kernel for g in self.groups):
             self._prepare_kernel(query, mask, scaling)
         return self.attend(query, mask, scaling)
 
     def _prepare_kernel(self, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> None:
         """M11.6 bookkeeping, on the host and so in eager mode only: note a mask that hides a
         written slot from the last query (left padding; a compiled forward of several tokens
-        counts as one, unchecked), and build the decode workspace for these queries."""
+        counts as one, unchecked), and build each kernel group's decode workspace for these queries."""
         if is_torchdynamo_compiling():
             if query.shape[2] > 1:
                 self.all_visible = False
             return
         if self.all_visible and self._hides_written(mask):
             self.all_visible = False
-        key = (query.shape[0], query.shape[1], query.dtype, scaling)
-        if self.workspace is None or self.workspace_key != key:
-            from subspace_ref_triton import graph_op
-            from subspace_ref_triton.workspace import DecodeWorkspace
-
-            self.workspace = DecodeWorkspace(self.layout, query.shape[1], query.dtype, scale=scaling, num_tokens=self.cumulative_length, fixed_tail=True,
-                                             rope=self.rope)
-            self.workspace_handle, self.workspace_key = graph_op.register(self.workspace, list(graph_storage.sequence_arrays(self.layout))), key
-            torch._dynamo.mark_static_address(self.workspace_handle)
-            self.decode_op = torch.ops.subspace_ref_triton.workspace_decode
+        g = query.shape[1] // self.num_heads
+        for group in self.groups:
+            if group.kernel:
+                group.prepare_kernel(len(group.heads) * g, query.dtype, scaling, self.cumulative_length)
 
     def _hides_written(self, mask: torch.Tensor | None) -> bool:
         """Whether ``mask``'s row for the last query hides a written slot (left padding; a host read)."""
@@ -324,65 +255,24 @@ class GraphSubspaceLayer(StaticLayer):
         raise error
 
     def attend(self, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
-        """Spec M11.2 (A2 through SDPA, M11.3) for the n queries (batch, H_q, n, d) of the last n
-        tokens written, under transformers' mask over the capacity (True / 0 = attend; None:
-        the written slots, causally): (batch, n, H_q, d_v) in the query's dtype. One query over
-        a quantised side whose kernel is prepared and sees every written slot: M11.6 instead;
-        several over low-bit keys: M11.8 step 3; pre-RoPE keys: M11.10 step 3."""
-        N, Hq, n, d = query.shape
-        if n == 1 and self.workspace is not None and self.all_visible and self.workspace_key == (N, Hq, query.dtype, scaling):
-            out = self.decode_op(query[:, :, 0].contiguous(), list(self.held()), self.cumulative_length, self.workspace_handle)
-            return out[:, None]
-        H = self.num_heads
-        g = Hq // H
-        q = query.to(self.compute_dtype).view(N, H, g, n, d)
-        if self.layout is None:
-            C, D = self.keys, self.values
-        else:  # the read-back coefficients (M11.8 step 2)
-            C, D = (graph_storage.read(self.layout, which, self.cumulative_length, self.dtype, self.max_cache_len) for which in ("key", "value"))
-        slots = self.slots
-        if n > 1 and self.low_bit_keys:
-            C, D, mask = self._block_keys(C, D, mask, n)
-            slots = torch.cat([slots, slots])
-        if self.rope is None:
-            qt = torch.einsum("bhgnd,hrd->bhgnr", q, self.key_basis) * self.gamma[None, :, None, None, None]  # step 1, γ folded in
-        else:  # M11.10 step 3: the keys rebuilt and rotated by their slots, the query as it is
-            qt = q * self.gamma[None, :, None, None, None]
-            C = rotate_by(torch.einsum("bhlr,hrd->bhld", C.to(self.compute_dtype), self.key_basis), *self._angles(slots, self.compute_dtype), self.rope_dims).to(self.dtype)
-        qt = qt.to(self.dtype)
-        if n == 1:  # decode: the g query heads of a KV head as g query rows of it, so no GQA kernel is needed
-            visible = (self.slots < self.cumulative_length).view(1, 1, 1, -1) if mask is None else mask  # (1 or N, 1, 1, L)
-            y = F.scaled_dot_product_attention(qt.view(N, H, g, -1), C, D, attn_mask=visible, scale=scaling)  # steps 2-3
-        elif mask is None:  # transformers drops the mask only for a first forward (q_offset = 0): causal over its n slots
-            y = F.scaled_dot_product_attention(qt.reshape(N, Hq, n, -1), C[:, :, :n], D[:, :, :n], is_causal=True, scale=scaling, enable_gqa=True)
-        else:
-            y = F.scaled_dot_product_attention(qt.reshape(N, Hq, n, -1), C, D, attn_mask=mask, scale=scaling, enable_gqa=True)
-        out = torch.einsum("bhgnr,hre->bhgne", y.to(self.compute_dtype).reshape(N, H, g, n, -1), self.value_basis)  # step 4: (α̂ᵀD) E
-        return out.reshape(N, Hq, n, -1).transpose(1, 2).to(query.dtype).contiguous()
+        """Spec M11.2 for the n queries (batch, H_q, n, d) of the last n tokens written, under
+        transformers' mask over the capacity (True / 0 = attend; None: the written slots,
+        causally): (batch, n, H_q, d_v) in the query's dtype. Each group attends its query heads
+        (:meth:`GraphHeadGroup.attend`) and the outputs go back in head order (M11.12)."""
+        g = query.shape[1] // self.num_heads
+        outs = [group.attend(group.own(query, g), mask, scaling, self, self.all_visible) for group in self.groups]
+        if len(outs) == 1:
+            return outs[0].contiguous()
+        return torch.cat(outs, dim=2).index_select(2, self._query_order(g)).contiguous()
 
-    @property
-    def low_bit_keys(self) -> bool:
-        """Whether the keys are int4/int2 codes in groups (M11.8 steps 1, 3, 4 treat them apart)."""
-        return self.layout is not None and bool(self.layout.side_format("key").low_bits)
-
-    def _block_keys(self, C: torch.Tensor, D: torch.Tensor, mask: torch.Tensor | None, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """M11.8 step 3, eager: for n > 1 queries at positions T-n..T-1 over low-bit keys, the
-        slots twice, read back (C) and with the float rows the block's write kept (its groups),
-        and a mask over both letting query ``p`` see key ``t`` in the first copy iff ``t``'s
-        group is complete by ``p`` (Q2.2), else in the second: one SDPA over the 2L slots."""
-        G, T = self.layout.group, int(self.cumulative_length)
-        first, rows = self.fresh_keys
-        plain = C.clone()
-        plain[:, :, first:T] = rows.to(plain.dtype)
-        positions = torch.arange(T - n, T, device=self.device)[:, None]
-        coded = (self.slots // G * G + G)[None, :] <= positions + 1  # (n, L)
-        if mask is None:
-            mask = self.slots[None, :] <= positions
-        if mask.dtype == torch.bool:
-            both = torch.cat([mask & coded, mask & ~coded], dim=-1)
-        else:  # an additive mask
-            both = torch.cat([mask.masked_fill(~coded, float("-inf")), mask.masked_fill(coded, float("-inf"))], dim=-1)
-        return torch.cat([C, plain], dim=2), torch.cat([D, D], dim=2), both
+    def _query_order(self, g: int) -> torch.Tensor:
+        """The permutation of the groups' concatenated query heads back to head order (L5.1), a
+        device tensor per GQA group size, made in eager mode (the prefill) before any compiled step."""
+        if g not in self.query_order:
+            heads = [h for group in self.groups for h in group.heads]
+            order = [h * g + i for h in heads for i in range(g)]
+            self.query_order[g] = torch.tensor(sorted(range(len(order)), key=order.__getitem__), device=self.device)
+        return self.query_order[g]
 
 
 class GraphSubspaceCache(Cache):
@@ -436,7 +326,7 @@ class GraphSubspaceCache(Cache):
             self.factory, self.given = None, list(states)
             if len(self.given) != text.num_hidden_layers:
                 raise ValueError(f"{len(self.given)} states given for a model of {text.num_hidden_layers} layers")
-            if any(isinstance(s, SubspaceState) and s.num_tokens for s in self.given):
+            if any(isinstance(s, (SubspaceState, LayerState)) and s.num_tokens for s in self.given):
                 raise ValueError("states: a GraphSubspaceCache takes empty states (its coefficients start at slot 0)")
         require(model_graph_refusals(config, states), "a GraphSubspaceCache does not hold")  # before any forward writes
         self.config = config
@@ -488,7 +378,8 @@ class GraphSubspaceCache(Cache):
         total = 0
         for layer in self.layers:
             if layer.is_initialized:
-                held = layer.held() + (layer.key_basis, layer.value_basis, layer.gamma) if isinstance(layer, GraphSubspaceLayer) else (layer.keys, layer.values)
+                held = (layer.held() + tuple(t for g in layer.groups for t in (g.key_basis, g.value_basis, g.gamma))
+                        if isinstance(layer, GraphSubspaceLayer) else (layer.keys, layer.values))
                 total += sum(t.numel() * t.element_size() for t in held)
         return total
 

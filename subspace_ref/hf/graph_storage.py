@@ -17,7 +17,7 @@ import torch
 
 from subspace_ref.basis_storage import decoded_state
 from subspace_ref.layout import BY_NAME, GROUP, TOKEN, PackedLayout
-from subspace_ref.quantization import dequantize_groups, dequantize_rows, pack, quantize_groups, quantize_rows, store_low_bit, unpack
+from subspace_ref.quantization import check_fp16_range, dequantize_groups, dequantize_rows, pack, quantize_groups, quantize_rows, store_low_bit, unpack
 
 
 def fixed_layout(state, device, dtype, capacity: int) -> PackedLayout:
@@ -41,6 +41,13 @@ def sequence_arrays(lay: PackedLayout) -> dict[str, torch.Tensor]:
     or codes and what its format adds (scales, zero points, the key tail)."""
     names = [name for which in ("key", "value") for name in (f"{which}_coef", *lay.side_format(which).arrays(which))]
     return {name: getattr(lay, name) for name in names}
+
+
+def check_range(lay: PackedLayout, which: str, new: torch.Tensor) -> None:
+    """The ValueError :func:`write` raises (Q1: low-bit coefficients within float16's range) for
+    ``new`` coefficients of side ``which``, raised before anything is written (a host read)."""
+    if lay.side_format(which).low_bits:
+        check_fp16_range(0.0, float(new.abs().max()) if new.numel() else 0.0)
 
 
 def write(lay: PackedLayout, which: str, count: torch.Tensor, new: torch.Tensor, eager: bool) -> tuple[int, torch.Tensor] | None:

@@ -102,24 +102,33 @@ def test_quantised_graph_cache_matches_the_oracle_cache(family, coefficients):
     and beam search, reordering every stored array in place, gives its sequences."""
     model = make_model(family)
     factory = static_states(random_bases(model), coefficients=QUANTISED[coefficients], group_size=8)
+    cache = matches_the_oracle_cache(model, factory, 1e-5 if family == "llama" else 1e-10)
+    assert cache.layers[0].groups[0].layout is not None and not cache.layers[0].groups[0].kernel
+
+
+def matches_the_oracle_cache(model, factory, tol: float) -> GraphSubspaceCache:
+    """Assert that a graph cache of ``factory``'s states gives the numpy cache's logits (within
+    ``tol`` of their scale) over a 12-token prefill stored as a block, 9 one-token steps (across
+    key groups of 8), then a 5-token block into a begun group, whose queries see its keys
+    unquantised until their group completes (Q2.2); and its greedy and beam sequences. Returns
+    the graph cache."""
     ids = ids_of(12, 2)
     use_subspace_attention(model)
-    block = ids_of(5, 3)  # then 5 tokens in one forward: its queries see its keys unquantised until their group completes (Q2.2)
     with torch.no_grad():
         cache = GraphSubspaceCache(model.config, factory, max_cache_len=ids.shape[1] + 9 + 5)
         oracle_cache = SubspaceCache(model.config, factory, backend="numpy")
         graph, oracle = (logits_through(model, c, ids, 9) for c in (cache, oracle_cache))
         seen = torch.ones((1, ids.shape[1] + 9 + 5), dtype=torch.long)
-        graph.append(model(input_ids=block, attention_mask=seen, cache=cache).logits)
-        oracle.append(model(input_ids=block, attention_mask=seen, cache=oracle_cache).logits)
-    assert cache.layers[0].groups[0].layout is not None and not cache.layers[0].groups[0].kernel
-    tol = 1e-5 if family == "llama" else 1e-10
+        for c, out in ((cache, graph), (oracle_cache, oracle)):
+            out.append(model(input_ids=ids_of(5, 3), attention_mask=seen, cache=c).logits)
     for a, b in zip(graph, oracle):
         assert float((a - b).abs().max()) <= tol * float(b.abs().max())
-    with compress(model, factory, graph=True) as kv:
-        beams = kv.generate(ids, max_new_tokens=5, num_beams=3, do_sample=False)
-    with compress(model, factory, graph=False, backend="numpy") as kv:
-        assert torch.equal(beams, kv.generate(ids, max_new_tokens=5, num_beams=3, do_sample=False))
+    for search in (dict(), dict(num_beams=3)):
+        with compress(model, factory, graph=True) as kv:
+            tokens = kv.generate(ids, max_new_tokens=5, do_sample=False, **search)
+        with compress(model, factory, graph=False, backend="numpy") as kv:
+            assert torch.equal(tokens, kv.generate(ids, max_new_tokens=5, do_sample=False, **search))
+    return cache
 
 
 PRE_ROPE = {"float": "float", "int8": "int8", "int4": "int4", "int4-int8": ("int4", "int8")}
@@ -138,23 +147,8 @@ def test_pre_rope_graph_cache_matches_the_oracle_cache(family, coefficients):
     rope = sr.rope.RopeParams.from_config(model.config)
     assert (rope.attention_scaling != 1.0) == (family == "llama-yarn")
     factory = static_states(random_bases(model), coefficients=PRE_ROPE[coefficients], group_size=8, rope=rope)
-    ids = ids_of(12, 2)
-    use_subspace_attention(model)
-    with torch.no_grad():
-        cache = GraphSubspaceCache(model.config, factory, max_cache_len=ids.shape[1] + 9 + 5)
-        oracle_cache = SubspaceCache(model.config, factory, backend="numpy")
-        graph, oracle = (logits_through(model, c, ids, 9) for c in (cache, oracle_cache))
-        seen = torch.ones((1, ids.shape[1] + 9 + 5), dtype=torch.long)
-        for c, out in ((cache, graph), (oracle_cache, oracle)):
-            out.append(model(input_ids=ids_of(5, 3), attention_mask=seen, cache=c).logits)
+    cache = matches_the_oracle_cache(model, factory, 1e-5)
     assert cache.layers[0].groups[0].rope is rope and cache.layers[0].groups[0].layout is not None
-    for a, b in zip(graph, oracle):
-        assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max())
-    for search in (dict(), dict(num_beams=3)):
-        with compress(model, factory, graph=True) as kv:
-            tokens = kv.generate(ids, max_new_tokens=5, do_sample=False, **search)
-        with compress(model, factory, graph=False, backend="numpy") as kv:
-            assert torch.equal(tokens, kv.generate(ids, max_new_tokens=5, do_sample=False, **search))
 
 
 def test_pre_rope_keys_are_not_the_post_rope_form():
@@ -190,18 +184,32 @@ def test_left_padding_over_pre_rope_keys_is_refused_and_changes_nothing():
     assert int(cache.get_seq_length()) == 9
 
 
+def per_head_groups(basis, **state_kw):
+    """A factory of layer states holding each KV head of ``basis`` in a head group of its own,
+    the groups in reverse head order (heads stored apart, the groups' query heads permuted
+    back), each a static state with ``state_kw``."""
+    from subspace_ref.layer_state import HeadGroup, LayerState
+
+    def factory(spec):
+        groups = []
+        for h in reversed(range(spec.heads)):
+            one = sr.StaticBasis(B=basis.B[h : h + 1], E=basis.E[h : h + 1], gamma=basis.gamma[h : h + 1], rank_k=basis.rank_k[h : h + 1],
+                                 rank_v=basis.rank_v[h : h + 1])
+            groups.append(HeadGroup((h,), sr.SubspaceState.static(one, batch=spec.batch, dtype=spec.state_dtype, **state_kw)))
+        return LayerState(spec.heads, groups)
+
+    return factory
+
+
 def mixed_layer_states(model, split: bool):
     """A factory of layer states whose KV heads differ: ``split``, each head its own group of
-    float post-RoPE coefficients, the groups in reverse head order (heads stored apart, the
-    groups' query heads permuted back); else per layer a pre-RoPE int4 head of rank 5 beside an
-    identity head with int8 keys and float values (tests/test_hf_layer_state.py's allocation, key
-    groups of 4)."""
-    from subspace_ref.layer_state import LayerState
-    from tests.test_hf_layer_state import mixed_allocation, mixed_bases, split_states
+    float post-RoPE coefficients (:func:`per_head_groups`); else per layer a pre-RoPE int4 head
+    of rank 5 beside an identity head with int8 keys and float values
+    (tests/test_hf_layer_state.py's allocation, key groups of 4)."""
+    from tests.test_hf_layer_state import mixed_allocation, mixed_bases
 
     if split:
-        forward = split_states(random_bases(model)[0], "float")
-        return lambda spec: LayerState(spec.heads, forward(spec).groups[::-1])
+        return per_head_groups(random_bases(model)[0])
     alloc = mixed_allocation(model.config.hidden_size // model.config.num_attention_heads, 0, 0)
     return sr.hf.allocated_states(mixed_bases(model, alloc), alloc, rope=sr.rope.RopeParams.from_config(model.config))
 
@@ -212,24 +220,8 @@ def test_layer_states_decode_group_by_group_as_the_oracle_cache(split):
     query heads put back in order) give the numpy cache's logits over a block prefill, one-token
     steps across key groups and a second block, and its greedy and beam sequences."""
     model = make_model("llama")
-    factory = mixed_layer_states(model, split)
-    ids = ids_of(12, 2)
-    use_subspace_attention(model)
-    with torch.no_grad():
-        cache = GraphSubspaceCache(model.config, factory, max_cache_len=ids.shape[1] + 9 + 5)
-        oracle_cache = SubspaceCache(model.config, factory, backend="numpy")
-        graph, oracle = (logits_through(model, c, ids, 9) for c in (cache, oracle_cache))
-        seen = torch.ones((1, ids.shape[1] + 9 + 5), dtype=torch.long)
-        for c, out in ((cache, graph), (oracle_cache, oracle)):
-            out.append(model(input_ids=ids_of(5, 3), attention_mask=seen, cache=c).logits)
+    cache = matches_the_oracle_cache(model, mixed_layer_states(model, split), 1e-5)
     assert all(len(layer.groups) == 2 for layer in cache.layers)
-    for a, b in zip(graph, oracle):
-        assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max())
-    for search in (dict(), dict(num_beams=3)):
-        with compress(model, factory, graph=True) as kv:
-            tokens = kv.generate(ids, max_new_tokens=5, do_sample=False, **search)
-        with compress(model, factory, graph=False, backend="numpy") as kv:
-            assert torch.equal(tokens, kv.generate(ids, max_new_tokens=5, do_sample=False, **search))
 
 
 def test_layer_states_with_windows_are_refused_by_head_group():
@@ -271,13 +263,17 @@ def test_low_bit_keys_stored_as_a_block_or_token_by_token_agree(coefficients):
     assert torch.equal(single.key_tail[:, :, :5], rest[:, :, 13:])
 
 
-def test_low_bit_crop_puts_back_the_float_keys_of_its_group():
+@pytest.mark.parametrize("groups", ["uniform", "per head"])
+def test_low_bit_crop_puts_back_the_float_keys_of_its_group(groups):
     """Cropping low-bit keys (M11.8 step 4) gives the logits of a cache that never held the
     cropped tokens: back over one-token writes within their group, and back over a block whose
     group completed (its rows put back from the block's float keys); a crop whose rows later
-    writes replaced is refused, the layers unchanged."""
+    writes replaced is refused, the layers unchanged. Per head: every head group of a layer
+    state crops (M11.12 step 3)."""
     model = make_model("llama")
-    factory = static_states(random_bases(model), coefficients="int4", group_size=8)
+    bases = random_bases(model)
+    kw = dict(coefficients="int4", group_size=8)
+    factory = static_states(bases, **kw) if groups == "uniform" else per_head_groups(bases[0], **kw)
     use_subspace_attention(model)
     ids = ids_of(12, 7)
     step = lambda cache, token: model(input_ids=torch.tensor([[token]]), cache=cache).logits  # noqa: E731
@@ -342,11 +338,15 @@ def test_a_low_bit_write_out_of_float16_range_changes_nothing():
     assert [int(cache.layers[i].cumulative_length) for i in range(2)] == [10, 10]
 
 
-def test_a_value_out_of_range_leaves_the_low_bit_keys_as_they_were():
-    """Keys within float16's range, values beyond it: the refusal comes before any side or group
-    writes, so the block's keys do not overwrite the float rows of the begun key group (its tail)."""
+@pytest.mark.parametrize("groups, bad", [("uniform", 1e6), ("per head", 1e6), ("per head", float("nan"))])
+def test_a_value_out_of_range_leaves_the_low_bit_keys_as_they_were(groups, bad):
+    """Keys within float16's range, values beyond it or NaN (of the last KV head only): the
+    refusal comes before any side or head group writes (M11.12 step 1), so the block's keys do
+    not overwrite the float rows of the begun key group (its tail), in any group."""
     model = make_model("llama")
-    factory = static_states(random_bases(model), coefficients="int4", group_size=8)
+    bases = random_bases(model)
+    kw = dict(coefficients="int4", group_size=8)
+    factory = static_states(bases, **kw) if groups == "uniform" else per_head_groups(bases[0], **kw)
     use_subspace_attention(model)
     cache = GraphSubspaceCache(model.config, factory, max_cache_len=24)
     with torch.no_grad():
@@ -354,9 +354,11 @@ def test_a_value_out_of_range_leaves_the_low_bit_keys_as_they_were():
         layer = cache.layers[0]
         before = [t.clone() for t in layer.held()]
         keys = torch.randn((1, 2, 7, 16), dtype=torch.float64, generator=torch.Generator().manual_seed(0))  # completes key group 1 (tokens 8..15)
+        values = keys.clone()
+        values[:, 1] = bad
         with pytest.raises(ValueError, match="float16"):
-            layer.update(keys, torch.full_like(keys, 1e6))
-    assert int(layer.cumulative_length) == 10 and all(torch.equal(a, b) for a, b in zip(before, layer.held()))
+            layer.update(keys, values)
+    assert int(layer.cumulative_length) == 10 and all(torch.equal(a, b) for a, b in zip(before, layer.held(), strict=True))
 
 
 @pytest.mark.parametrize("options, needs", [(dict(coefficients="int8"), "int8 coefficients"), (dict(rope="rope"), "pre-RoPE keys")])
@@ -643,7 +645,8 @@ def test_soft_capping_models_are_refused_up_front():
 def test_auto_uses_the_graph_cache_on_cuda_only(monkeypatch):
     """``graph="auto"`` (the default) picks the graph cache for a CUDA device when every state
     qualifies and no SubspaceCache option is given; never on the CPU. Decided without CUDA:
-    quantised states qualify on CUDA when the Triton kernel runs there (M11.6)."""
+    quantised states, pre-RoPE states and layer states of them qualify on CUDA when the Triton
+    kernel runs there for the model's dtype (M11.6, M11.10, M11.12)."""
     from subspace_ref.hf import graph_cache
 
     model = make_model("llama")
@@ -657,6 +660,13 @@ def test_auto_uses_the_graph_cache_on_cuda_only(monkeypatch):
         assert kv.uses_graph("cuda") and not kv.uses_graph("cpu")
     with compress(model, static_states(bases, coefficients="int4")) as kv:
         assert kv.uses_graph("cuda") and not kv.uses_graph("cpu")
+    # the kernel is asked about the model's dtype (float64 here), not the states' (float32)
+    monkeypatch.setattr(graph_cache, "kernel_backend", lambda device, dtype: None if "float64" in str(dtype) else object())
+    rope = sr.rope.RopeParams.from_config(model.config)
+    for kernel_states in (static_states(bases, rope=rope), mixed_layer_states(model, split=False)):
+        with compress(model, kernel_states) as kv:
+            assert not kv.uses_graph("cuda")
+        assert not model_graph_refusals(model.config, kernel_states, "cuda", torch.float32)
     monkeypatch.setattr(graph_cache, "kernel_backend", lambda device, dtype: None)
     with compress(model, static_states(bases, coefficients=("float", "int2"))) as kv:
         assert not kv.uses_graph("cuda")

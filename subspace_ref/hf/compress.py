@@ -74,7 +74,7 @@ class Compressed:
         if self.graph != "auto":
             return self.graph
         device = torch.device(device if device is not None else self.model.device)
-        return device.type == "cuda" and not self.cache_options and not model_graph_refusals(self.model.config, self.factory, device)
+        return device.type == "cuda" and not self.cache_options and not model_graph_refusals(self.model.config, self.factory, device, self.model.dtype)
 
     def generate(self, *args: Any, **kwargs: Any):
         """``model.generate`` with a fresh cache (unless ``cache`` is given): when
@@ -208,7 +208,7 @@ def compress(model, bases: Any, *, graph: bool | str = "auto", **cache_options: 
     if graph is True and cache_options:
         raise ValueError(f"graph=True: the options {sorted(cache_options)} are SubspaceCache options; a GraphSubspaceCache takes none")
     if graph is True:
-        require(model_graph_refusals(model.config, factory, model.device), "graph=True: a GraphSubspaceCache does not hold")
+        require(model_graph_refusals(model.config, factory, model.device, model.dtype), "graph=True: a GraphSubspaceCache does not hold")
     with subspace_attention_enabled(model):
         yield Compressed(model, factory, cache_options, graph)
 

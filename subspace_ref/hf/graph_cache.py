@@ -46,12 +46,13 @@ from subspace_ref.layer_state import LayerState
 from subspace_ref.state import SubspaceState
 
 
-def graph_refusals(state, device=None) -> list[str]:
-    """Why ``state`` cannot be held by a :class:`GraphSubspaceCache` ([] when it can; spec/models.md
-    M11.4); with ``device``, also what that device lacks (quantised coefficients on CUDA need the
-    Triton kernel, M11.6)."""
+def graph_refusals(state, device=None, dtype=None) -> list[str]:
+    """Why ``state`` (a :class:`~subspace_ref.SubspaceState` or :class:`~subspace_ref.LayerState`)
+    cannot be held by a :class:`GraphSubspaceCache` ([] when it can; spec/models.md M11.4); with
+    ``device``, also what that device lacks for a model in ``dtype`` (default: the state's):
+    quantised coefficients and pre-RoPE keys on CUDA need the Triton kernel (M11.6, M11.10)."""
     if isinstance(state, LayerState):  # M11.12: each head group as a uniform state
-        reasons = [f"heads {list(g.heads)}: {r}" for g in state.groups for r in graph_refusals(g.state, device)]
+        reasons = [f"heads {list(g.heads)}: {r}" for g in state.groups for r in graph_refusals(g.state, device, dtype)]
         return list(dict.fromkeys(reasons))
     if not isinstance(state, SubspaceState):
         return [f"{type(state).__name__}: not a SubspaceState or LayerState"]
@@ -61,8 +62,9 @@ def graph_refusals(state, device=None) -> list[str]:
     if getattr(state.policy, "query_group", None) is not None:
         reasons.append("bases per query head (spec/sharing.md A3)")
     needs = kernel_needs(state)
-    if needs and device is not None and torch.device(device).type == "cuda" and kernel_backend(device, state.dtype) is None:
-        reasons.append(f"{needs} on CUDA without the triton decode kernel for {state.dtype}")
+    dtype = state.dtype if dtype is None else dtype
+    if needs and device is not None and torch.device(device).type == "cuda" and kernel_backend(device, dtype) is None:
+        reasons.append(f"{needs} on CUDA without the triton decode kernel for {dtype}")
     if state.window is not None:
         reasons.append("exact windows, sinks or a compression threshold (spec/window.md) move tokens between parts while decoding")
     return reasons
@@ -75,10 +77,11 @@ def layer_spec(config, layer_idx: int, batch: int = 1, dtype=torch.float32, devi
     return StateSpec(layer_idx, batch, geom.kv_heads, geom.head_dim, geom.value_dim, dtype, torch.device(device or "cpu"))
 
 
-def model_graph_refusals(config, states: StateFactory | Sequence[Any], device=None) -> list[str]:
-    """:func:`graph_refusals` (on ``device`` when given) of the state each full-attention layer of
-    a model of ``config`` gets from ``states`` (a factory, called with :func:`layer_spec`, or one
-    state per layer), each prefixed with its layer, and the model's own (soft-capped attention, M11.4)."""
+def model_graph_refusals(config, states: StateFactory | Sequence[Any], device=None, dtype=None) -> list[str]:
+    """:func:`graph_refusals` (on ``device`` for a model in ``dtype``, when given) of the state
+    each full-attention layer of a model of ``config`` gets from ``states`` (a factory, called
+    with :func:`layer_spec`, or one state per layer), each prefixed with its layer, and the
+    model's own (soft-capped attention, M11.4)."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     reasons = []
     if getattr(text, "attn_logit_softcapping", None):  # Gemma2: its attention call passes softcap, which SDPA does not apply
@@ -87,7 +90,7 @@ def model_graph_refusals(config, states: StateFactory | Sequence[Any], device=No
     for i, kind in enumerate(types):
         if kind == "full_attention":
             state = states(layer_spec(config, i)) if callable(states) else states[i]
-            reasons += [f"layer {i}: {r}" for r in graph_refusals(state, device)]
+            reasons += [f"layer {i}: {r}" for r in graph_refusals(state, device, dtype)]
     return reasons
 
 
@@ -116,11 +119,16 @@ class GraphSubspaceLayer(StaticLayer):
         # the state dtype (StateSpec.state_dtype): float64 for a float64 model, else float32 sums over 16-bit operands
         self.compute_dtype = torch.float64 if key_states.dtype == torch.float64 else torch.float32
         self.slots = torch.arange(self.max_cache_len, device=self.device)
-        parts = [(tuple(g.heads), g.state) for g in state.groups] if isinstance(state, LayerState) else [(tuple(range(H)), state)]
-        self.groups = [GraphHeadGroup(self, heads, part, d) for heads, part in parts]
+        parts = [(g.heads, g.state, g.key_identity, g.value_identity) for g in state.groups] if isinstance(state, LayerState) else [(range(H), state, False, False)]
+        # query heads per KV head, from the config (the permutations below are made here, outside any trace)
+        text = self.cache.config.get_text_config(decoder=True) if hasattr(self.cache.config, "get_text_config") else self.cache.config
+        self.query_group = text.num_attention_heads // H
+        self.groups = [GraphHeadGroup(self, tuple(heads), part, d, self.query_group, identity) for heads, part, *identity in parts]
         self.keys, self.values = self.groups[0].keys, self.groups[0].values
         self.k_head_dim, self.v_head_dim = d, value_states.shape[-1]
-        self.query_order = {}  # per GQA group size: the groups' query heads back in head order (_query_order)
+        # the groups' query heads, concatenated, back in head order (spec/layer_state.md L5.1)
+        order = [h * self.query_group + i for grp in self.groups for h in grp.heads for i in range(self.query_group)]
+        self.query_order = None if len(self.groups) == 1 else torch.tensor(sorted(range(len(order)), key=order.__getitem__), device=self.device)
         self.cumulative_length = self.cumulative_length.to(self.device)
         self._fix_addresses()
         self.is_initialized = True
@@ -134,7 +142,8 @@ class GraphSubspaceLayer(StaticLayer):
         constant) and, outside a trace, mark the tensors a captured graph replays (as StaticLayer)."""
         setattr(self.keys, _attn.GRAPH_TAG, self)
         if not is_torchdynamo_compiling():
-            for t in (*self.held(), self.cumulative_length, self.slots, *(c for g in self.groups for c in g.constants())):
+            order = () if self.query_order is None else (self.query_order,)
+            for t in (*self.held(), self.cumulative_length, self.slots, *order, *(c for g in self.groups for c in g.constants())):
                 torch._dynamo.mark_static_address(t)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,8 +175,11 @@ class GraphSubspaceLayer(StaticLayer):
                     g.check_range(c, dv)
             except ValueError as refused:
                 self._take_back_and_raise(self.layer_idx - 1, n, refused)
-        for g, (c, dv) in zip(self.groups, new):
-            g.write(c, dv, count, eager)
+        try:  # the check above refuses what a write would (a backstop: earlier layers give their tokens back)
+            for g, (c, dv) in zip(self.groups, new):
+                g.write(c, dv, count, eager)
+        except ValueError as refused:
+            self._take_back_and_raise(self.layer_idx - 1, n, refused)
         self.cumulative_length.add_(n)
         return self.keys, self.values
 
@@ -211,8 +223,8 @@ class GraphSubspaceLayer(StaticLayer):
         eager = not is_torchdynamo_compiling()
         refused = ["attention dropout in training mode (call model.eval())"] if dropout and module.training else []
         refused += [f"{name} (soft-capping and attention sinks are not in SDPA)" for name in ("softcap", "s_aux") if kwargs.get(name) is not None]
-        if query.shape[1] % self.num_heads:
-            refused.append(f"{query.shape[1]} query heads for {self.num_heads} KV heads")
+        if query.shape[1] != self.num_heads * self.query_group:
+            refused.append(f"{query.shape[1]} query heads for {self.num_heads} KV heads (the config has {self.num_heads * self.query_group})")
         if mask is None and n > 1 and eager and int(self.cumulative_length) != n:  # attend's causal slice needs q_offset = 0
             refused.append(f"no attention mask for {n} queries after {int(self.cumulative_length) - n} earlier tokens")
         if any(g.rope is not None for g in self.groups) and eager and self._hides_written(mask):  # M11.10 step 2
@@ -234,10 +246,9 @@ class GraphSubspaceLayer(StaticLayer):
             return
         if self.all_visible and self._hides_written(mask):
             self.all_visible = False
-        g = query.shape[1] // self.num_heads
         for group in self.groups:
             if group.kernel:
-                group.prepare_kernel(len(group.heads) * g, query.dtype, scaling, self.cumulative_length)
+                group.prepare_kernel(len(group.heads) * self.query_group, query.dtype, scaling, self.cumulative_length)
 
     def _hides_written(self, mask: torch.Tensor | None) -> bool:
         """Whether ``mask``'s row for the last query hides a written slot (left padding; a host read)."""
@@ -259,25 +270,16 @@ class GraphSubspaceLayer(StaticLayer):
         transformers' mask over the capacity (True / 0 = attend; None: the written slots,
         causally): (batch, n, H_q, d_v) in the query's dtype. Each group attends its query heads
         (:meth:`GraphHeadGroup.attend`) and the outputs go back in head order (M11.12)."""
-        g = query.shape[1] // self.num_heads
-        outs = [group.attend(group.own(query, g), mask, scaling, self, self.all_visible) for group in self.groups]
+        outs = [group.attend(group.own(query, queries=True), mask, scaling, self, self.all_visible) for group in self.groups]
         if len(outs) == 1:
             return outs[0].contiguous()
-        return torch.cat(outs, dim=2).index_select(2, self._query_order(g)).contiguous()
-
-    def _query_order(self, g: int) -> torch.Tensor:
-        """The permutation of the groups' concatenated query heads back to head order (L5.1), a
-        device tensor per GQA group size, made in eager mode (the prefill) before any compiled step."""
-        if g not in self.query_order:
-            heads = [h for group in self.groups for h in group.heads]
-            order = [h * g + i for h in heads for i in range(g)]
-            self.query_order[g] = torch.tensor(sorted(range(len(order)), key=order.__getitem__), device=self.device)
-        return self.query_order[g]
+        return torch.cat(outs, dim=2).index_select(2, self.query_order).contiguous()
 
 
 class GraphSubspaceCache(Cache):
     """A transformers ``Cache`` of fixed capacity whose full-attention layers hold the
-    coefficients of static post-RoPE float or quantised states (:class:`GraphSubspaceLayer`), so that
+    coefficients of static states, float or quantised, post-RoPE or pre-RoPE, or layer states of
+    such head groups (:class:`GraphSubspaceLayer`), so that
     ``torch.compile`` traces a decode step without graph breaks and transformers' ``generate``
     compiles it (CUDA graphs on CUDA, its default ``CompileConfig``). Other layers (sliding
     windows) are transformers' static layers, attended by the model's own SDPA.
@@ -286,8 +288,9 @@ class GraphSubspaceCache(Cache):
     ----------
     config : transformers.PretrainedConfig
         The model's config.
-    states : StateFactory or sequence of SubspaceState
-        A factory (e.g. :class:`~subspace_ref.hf.static_states`) or one empty state per layer;
+    states : StateFactory or sequence of SubspaceState or LayerState
+        A factory (e.g. :class:`~subspace_ref.hf.static_states`, :class:`~subspace_ref.hf.allocated_states`)
+        or one empty state per layer;
         each full-attention layer's state must pass :func:`graph_refusals` (checked here).
     max_cache_len : int
         Tokens the cache holds (prompt and generated), allocated on the first update.
@@ -316,7 +319,7 @@ class GraphSubspaceCache(Cache):
             out = model.generate(ids, cache=cache, max_new_tokens=8, do_sample=False)
     """
 
-    def __init__(self, config, states: StateFactory | Sequence[SubspaceState], *, max_cache_len: int):
+    def __init__(self, config, states: StateFactory | Sequence[SubspaceState | LayerState], *, max_cache_len: int):
         if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
             raise ValueError(f"max_cache_len must be an int >= 1, got {max_cache_len!r}")
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
@@ -339,12 +342,12 @@ class GraphSubspaceCache(Cache):
         super().__init__(layers=layers)
 
     @classmethod
-    def for_model(cls, model, states: StateFactory | Sequence[SubspaceState], *, max_cache_len: int) -> "GraphSubspaceCache":
+    def for_model(cls, model, states: StateFactory | Sequence[SubspaceState | LayerState], *, max_cache_len: int) -> "GraphSubspaceCache":
         """Select the subspace attention for ``model`` (as :meth:`SubspaceCache.for_model`) and return a cache for it."""
         _attn.use_subspace_attention(model)
         return cls(model.config, states, max_cache_len=max_cache_len)
 
-    def state(self, spec: StateSpec) -> SubspaceState:
+    def state(self, spec: StateSpec) -> SubspaceState | LayerState:
         """The empty state of layer ``spec.layer_idx``, checked against the model's shapes (the
         constructor refused what the cache cannot hold)."""
         state = self.factory(spec) if self.factory is not None else self.given[spec.layer_idx]
@@ -378,8 +381,7 @@ class GraphSubspaceCache(Cache):
         total = 0
         for layer in self.layers:
             if layer.is_initialized:
-                held = (layer.held() + tuple(t for g in layer.groups for t in (g.key_basis, g.value_basis, g.gamma))
-                        if isinstance(layer, GraphSubspaceLayer) else (layer.keys, layer.values))
+                held = layer.held() + tuple(t for g in layer.groups for t in g.counted_bases()) if isinstance(layer, GraphSubspaceLayer) else (layer.keys, layer.values)
                 total += sum(t.numel() * t.element_size() for t in held)
         return total
 

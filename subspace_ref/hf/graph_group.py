@@ -49,14 +49,18 @@ class GraphHeadGroup:
     B (h, r, d), E (h, r_v, d_v) and γ (h,) in the compute dtype, and either the coefficients C, D
     (``keys``, ``values``: N, h, capacity, r / r_v) in the model's dtype, or, with an int8 or
     int4/int2 side or pre-RoPE keys, the state's packed layout at the capacity (``layout``; M11.8).
-    ``layer``: the :class:`~subspace_ref.hf.GraphSubspaceLayer` (its device, dtypes, capacity, count)."""
+    ``layer``: the :class:`~subspace_ref.hf.GraphSubspaceLayer` (its device, dtypes, capacity, count);
+    ``g``: query heads per KV head; ``identity``: whether the key and the value basis are the
+    identity (held as arrays for the kernels, not counted as bases, spec/layer_state.md L1)."""
 
-    def __init__(self, layer, heads: tuple[int, ...], state, d: int):
+    def __init__(self, layer, heads: tuple[int, ...], state, d: int, g: int, identity: tuple[bool, bool] = (False, False)):
         self.heads = tuple(heads)
-        self.all_heads = self.heads == tuple(range(layer.num_heads))
+        self.identity = tuple(identity)
+        all_heads = self.heads == tuple(range(layer.num_heads))
         dev, N, L = layer.device, layer.batch_size, layer.max_cache_len
-        # the KV heads' index (a constant of the graph) where the group is not the whole layer
-        self.head_index = None if self.all_heads else torch.tensor(self.heads, device=dev)
+        # the KV heads' rows and their query heads' rows (h g + i), constants of the graph, where the group is not the whole layer
+        self.head_index = None if all_heads else torch.tensor(self.heads, device=dev)
+        self.query_index = None if all_heads else torch.tensor([h * g + i for h in self.heads for i in range(g)], device=dev)
         lay = decoded_state(state).layout
         exact = dict(dtype=layer.compute_dtype, device=dev)
         to_tensor = lambda x: torch.as_tensor(np.asarray(x.detach().cpu() if isinstance(x, torch.Tensor) else x), **exact)  # noqa: E731
@@ -93,21 +97,23 @@ class GraphHeadGroup:
     def constants(self) -> tuple[torch.Tensor, ...]:
         """The tensors a captured graph reads besides :meth:`held` (static addresses)."""
         rope = () if self.rope is None else (self.inv_freq,)
-        heads = () if self.head_index is None else (self.head_index,)
+        heads = () if self.head_index is None else (self.head_index, self.query_index)
         return (self.key_basis, self.value_basis, self.gamma, *rope, *heads)
+
+    def counted_bases(self) -> tuple[torch.Tensor, ...]:
+        """The bases and γ that count as held bytes: not identity bases (as ``LayerState.nbytes``)."""
+        return tuple(t for t, identity in ((self.key_basis, self.identity[0]), (self.value_basis, self.identity[1]), (self.gamma, False)) if not identity)
 
     @property
     def low_bit_keys(self) -> bool:
         """Whether the keys are int4/int2 codes in groups (M11.8 steps 1, 3, 4 treat them apart)."""
         return self.layout is not None and bool(self.layout.side_format("key").low_bits)
 
-    def own(self, x: torch.Tensor, g: int = 1) -> torch.Tensor:
-        """The rows of ``x`` (batch, heads x g, ...) that belong to this group's KV heads (g query
-        heads per KV head, GQA)."""
-        if self.all_heads:
-            return x
-        rows = self.head_index if g == 1 else (self.head_index[:, None] * g + torch.arange(g, device=x.device)).reshape(-1)
-        return x.index_select(1, rows)
+    def own(self, x: torch.Tensor, queries: bool = False) -> torch.Tensor:
+        """The rows of ``x`` (batch, heads, ...) that belong to this group's KV heads, or with
+        ``queries`` those of their query heads (query head h g + i reads KV head h, GQA)."""
+        index = self.query_index if queries else self.head_index
+        return x if index is None else x.index_select(1, index)
 
     # ------------------------------------------------------------------ writes
     def angles(self, positions: torch.Tensor, dtype: torch.dtype, inverse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,6 +180,7 @@ class GraphHeadGroup:
         return None
 
     def reset(self) -> None:
+        """Empty the group, keeping its tensors (and so a captured graph's addresses)."""
         for t in self.held():
             t.zero_()
         self.fresh_keys = None

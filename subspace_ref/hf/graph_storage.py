@@ -44,10 +44,12 @@ def sequence_arrays(lay: PackedLayout) -> dict[str, torch.Tensor]:
 
 
 def check_range(lay: PackedLayout, which: str, new: torch.Tensor) -> None:
-    """The ValueError :func:`write` raises (Q1: low-bit coefficients within float16's range) for
-    ``new`` coefficients of side ``which``, raised before anything is written (a host read)."""
-    if lay.side_format(which).low_bits:
-        check_fp16_range(0.0, float(new.abs().max()) if new.numel() else 0.0)
+    """The ValueError :func:`write` raises (Q1: low-bit coefficients finite and within float16's
+    range, once rounded to the layout's dtype as :func:`write` rounds them) for ``new``
+    coefficients of side ``which``, raised before anything is written (a host read)."""
+    if lay.side_format(which).low_bits and new.numel():
+        largest = float(new.to(lay.key_bases.dtype).abs().max())  # NaN stays NaN, which the check refuses
+        check_fp16_range(largest, largest)
 
 
 def write(lay: PackedLayout, which: str, count: torch.Tensor, new: torch.Tensor, eager: bool) -> tuple[int, torch.Tensor] | None:

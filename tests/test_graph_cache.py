@@ -302,6 +302,26 @@ def test_low_bit_crop_puts_back_the_float_keys_of_its_group(groups):
     assert int(cropped.get_seq_length()) == held
 
 
+def test_reset_empties_every_head_group_at_the_same_addresses():
+    """``cache.reset()`` (M11.12 step 3) zeroes every head group's arrays and forgets a block's
+    float keys, keeping each tensor's address (what a captured graph replays); the cache then
+    gives a fresh cache's logits."""
+    model = make_model("llama")
+    factory = per_head_groups(random_bases(model)[0], coefficients="int4", group_size=8)
+    use_subspace_attention(model)
+    with torch.no_grad():
+        cache, fresh = (GraphSubspaceCache(model.config, factory, max_cache_len=24) for _ in range(2))
+        model(input_ids=ids_of(12, 7), cache=cache)
+        model(input_ids=torch.tensor([[3]]), cache=cache)
+        addresses = [t.data_ptr() for layer in cache.layers for t in layer.held()]
+        cache.reset()
+        assert [t.data_ptr() for layer in cache.layers for t in layer.held()] == addresses
+        assert all(not t.any() for layer in cache.layers for t in layer.held())
+        assert all(g.fresh_keys is None for layer in cache.layers for g in layer.groups) and int(cache.get_seq_length()) == 0
+        got, want = (model(input_ids=ids_of(9, 4), cache=c).logits for c in (cache, fresh))
+    assert float((got - want).abs().max()) <= 1e-12 * float(want.abs().max())
+
+
 def test_low_bit_crop_after_a_beam_reorder_puts_back_each_sequences_rows():
     """A block's float keys are reordered with the sequences (beam search), so a crop after the
     reorder puts each sequence's own rows back: the logits of a cache that held the reordered

@@ -8,7 +8,8 @@ Model: a random-init Llama with head size 128 (``--hidden``, ``--heads`` query h
 orthonormal, r = r_v = ``--rank`` (speed does not depend on which subspace), with float, int8
 and int4 coefficients, post-RoPE or pre-RoPE (``--coefficients``, ``pre-rope-`` prefixed; quantised
 and pre-RoPE ones decode through the Triton kernel operator where it runs, spec/models.md M11.6
-and M11.10, and by SDPA over the read-back capacity on the CPU). Each row prefills
+and M11.10, and by SDPA over the read-back capacity on the CPU), and ``BEST``, pre-RoPE int4 with
+4 sinks and 32 exact recent tokens (M11.14). Each row prefills
 a random prompt of T tokens, then decodes ``--steps`` greedy tokens; a logits processor stamps
 the time of every step (after a device synchronisation), and the row reports the median step.
 Compiled rows run ``generate`` once untimed first (the compile and the graph capture), on the
@@ -31,6 +32,10 @@ import time
 import numpy as np
 import torch
 from e2e_decode import cache_bytes
+
+
+# docs/baselines.md's best single state at 25% of the bytes: pre-RoPE int4 keys and values, 4 sinks, 32 exact recent tokens
+BEST = "pre-rope-int4-sinks4-window32"
 
 
 class StepClock:
@@ -98,8 +103,8 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--rank", type=int, default=32)
     formats = ["float", "int8", "int4", "int2"]
-    p.add_argument("--coefficients", nargs="+", default=["float", "int8", "int4", "pre-rope-float", "pre-rope-int4"],
-                   choices=formats + [f"pre-rope-{f}" for f in formats])
+    formats += [f"pre-rope-{f}" for f in formats] + [BEST]
+    p.add_argument("--coefficients", nargs="+", default=["float", "int8", "int4", "pre-rope-float", "pre-rope-int4", BEST], choices=formats)
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
@@ -115,8 +120,11 @@ def main() -> None:
     model = make_model(args, device, dtype)
     bases = random_static_bases(args.layers, args.kv_heads, 128, args.rank)
     rope = RopeParams.from_config(model.config)
-    factories = {coef: static_states(bases, coefficients=coef.removeprefix("pre-rope-"), rope=rope if coef.startswith("pre-rope-") else None)
-                 for coef in args.coefficients}
+    factories = {}
+    for coef in args.coefficients:
+        exact = dict(sinks=4, window=32) if coef == BEST else {}
+        factories[coef] = static_states(bases, coefficients=coef.removeprefix("pre-rope-").removesuffix("-sinks4-window32"),
+                                        rope=rope if coef.startswith("pre-rope-") else None, **exact)
     compiled = CompileConfig()  # transformers' default: inductor, mode="reduce-overhead" (CUDA graphs on CUDA)
     compiled._compile_all_devices = device.type != "cuda"
     backend = "triton" if device.type == "cuda" else "torch"

@@ -23,6 +23,7 @@ from subspace_ref.capabilities import NotSupportedError  # noqa: E402
 from subspace_ref.hf import GraphSubspaceCache, StateSpec, SubspaceCache, compress, full_rank_states, graph_refusals, static_states, use_subspace_attention  # noqa: E402
 from subspace_ref.hf.compress import CAPACITY_STEP, generation_capacity  # noqa: E402
 from subspace_ref.hf.graph_cache import model_graph_refusals  # noqa: E402
+from subspace_ref.hf.graph_window import compressed_count  # noqa: E402
 from subspace_ref.workloads import random_static_bases  # noqa: E402
 
 torch.set_num_threads(1)
@@ -106,13 +107,13 @@ def test_quantised_graph_cache_matches_the_oracle_cache(family, coefficients):
     assert cache.layers[0].groups[0].layout is not None and not cache.layers[0].groups[0].kernel
 
 
-def matches_the_oracle_cache(model, factory, tol: float) -> GraphSubspaceCache:
+def matches_the_oracle_cache(model, factory, tol: float, prompt: int = 12) -> GraphSubspaceCache:
     """Assert that a graph cache of ``factory``'s states gives the numpy cache's logits (within
-    ``tol`` of their scale) over a 12-token prefill stored as a block, 9 one-token steps (across
-    key groups of 8), then a 5-token block into a begun group, whose queries see its keys
+    ``tol`` of their scale) over a ``prompt``-token prefill stored as a block, 9 one-token steps
+    (across key groups of 8), then a 5-token block into a begun group, whose queries see its keys
     unquantised until their group completes (Q2.2); and its greedy and beam sequences. Returns
     the graph cache."""
-    ids = ids_of(12, 2)
+    ids = ids_of(prompt, 2)
     use_subspace_attention(model)
     with torch.no_grad():
         cache = GraphSubspaceCache(model.config, factory, max_cache_len=ids.shape[1] + 9 + 5)
@@ -201,16 +202,16 @@ def per_head_groups(basis, **state_kw):
     return factory
 
 
-def mixed_layer_states(model, split: bool):
+def mixed_layer_states(model, split: bool, sinks: int = 0, window: int = 0):
     """A factory of layer states whose KV heads differ: ``split``, each head its own group of
     float post-RoPE coefficients (:func:`per_head_groups`); else per layer a pre-RoPE int4 head
     of rank 5 beside an identity head with int8 keys and float values
-    (tests/test_hf_layer_state.py's allocation, key groups of 4)."""
+    (tests/test_hf_layer_state.py's allocation, key groups of 4), with the layer's ``sinks`` and ``window``."""
     from tests.test_hf_layer_state import mixed_allocation, mixed_bases
 
     if split:
         return per_head_groups(random_bases(model)[0])
-    alloc = mixed_allocation(model.config.hidden_size // model.config.num_attention_heads, 0, 0)
+    alloc = mixed_allocation(model.config.hidden_size // model.config.num_attention_heads, sinks, window)
     return sr.hf.allocated_states(mixed_bases(model, alloc), alloc, rope=sr.rope.RopeParams.from_config(model.config))
 
 
@@ -224,17 +225,73 @@ def test_layer_states_decode_group_by_group_as_the_oracle_cache(split):
     assert all(len(layer.groups) == 2 for layer in cache.layers)
 
 
-def test_layer_states_with_windows_are_refused_by_head_group():
-    """A layer state's refusals are its head groups' (here the layer's sinks and window), named with the heads."""
-    from tests.test_hf_layer_state import mixed_allocation, mixed_bases
-
+def test_layer_states_are_refused_by_head_group():
+    """A layer state's refusals are its head groups' (here a compression threshold beyond the
+    window, M11.14), named with the heads."""
     model = make_model("llama")
-    alloc = mixed_allocation(16, 2, 3)
-    factory = sr.hf.allocated_states(mixed_bases(model, alloc), alloc, rope=sr.rope.RopeParams.from_config(model.config))
+    factory = per_head_groups(random_bases(model)[0], window=2, min_tokens=10)
     reasons = model_graph_refusals(model.config, factory)
-    assert any(r.startswith("layer 0: heads [0]: exact windows") for r in reasons) and any(r.startswith("layer 1: heads [1]: exact windows") for r in reasons)
-    with pytest.raises(NotSupportedError, match="exact windows"):
+    assert any(r.startswith("layer 0: heads [1]: a compression threshold") for r in reasons) and any(r.startswith("layer 1: heads [0]: a compression") for r in reasons)
+    with pytest.raises(NotSupportedError, match="a compression threshold"):
         GraphSubspaceCache(model.config, factory, max_cache_len=16)
+
+
+def test_windowed_crop_takes_back_only_tokens_that_compressed_nothing():
+    """A windowed layer gives back tokens that moved nothing to the compressed part (the logits of
+    a cache that never held them); a crop that needs a token the ring has given up is refused,
+    the cache unchanged (M11.14 step 3)."""
+    model = make_model("llama")
+    factory = static_states(random_bases(model), sinks=2, window=3)
+    use_subspace_attention(model)
+    step = lambda cache, token: model(input_ids=torch.tensor([[token]]), cache=cache).logits  # noqa: E731
+    with torch.no_grad():
+        cache, reference = (GraphSubspaceCache(model.config, factory, max_cache_len=16) for _ in range(2))
+        for c in (cache, reference):
+            model(input_ids=ids_of(3, 1), cache=c)
+        step(cache, 7)
+        cache.crop(-1)  # 4 tokens: nothing compressed yet (sinks 2 + window 3)
+        got, want = step(cache, 9), step(reference, 9)
+        assert float((got - want).abs().max()) <= 1e-12 * float(want.abs().max())
+        for token in (1, 2, 3):
+            step(cache, token)  # 7 tokens: 2 compressed
+        with pytest.raises(RuntimeError, match="the window has compressed"):
+            cache.crop(-1)
+    assert int(cache.get_seq_length()) == 7 and int(cache.layers[0].compressed) == 2
+
+
+WINDOWED = {  # (sinks, window, min_tokens, coefficients, pre-RoPE)
+    "sinks2-window3-float": (2, 3, 0, "float", False),
+    "window4-int4": (0, 4, 0, "int4", False),
+    "sinks3-int8": (3, 0, 0, "int8", False),
+    "sinks2-window3-pre-RoPE-int4": (2, 3, 0, "int4", True),
+    "sinks4-window5-threshold9-pre-RoPE-float": (4, 5, 9, "float", True),
+}
+
+
+@pytest.mark.parametrize("prompt", [3, 12], ids=["ring-fills-while-decoding", "ring-full"])
+@pytest.mark.parametrize("name", list(WINDOWED))
+def test_windowed_graph_cache_matches_the_oracle_cache(name, prompt):
+    """Exact sinks and a recent window (spec/window.md W1-W10) at fixed addresses (M11.14): the
+    sinks and a ring of W slots written at the device count, the token the ring gives up
+    compressed, the compressed part merged with the exact one by log-sum-exps; equal to the numpy
+    cache of the same states (a block prefill whose queries each see their own split, one-token
+    steps, a second block), with pre-RoPE keys at positions offset by the sinks (W10), and its
+    greedy and beam sequences. A 3-token prompt leaves the sinks and the ring to fill during the
+    one-token steps."""
+    S, W, M, coefficients, pre_rope = WINDOWED[name]
+    model = make_model("llama")
+    rope = sr.rope.RopeParams.from_config(model.config) if pre_rope else None
+    factory = static_states(random_bases(model), coefficients=coefficients, group_size=4, rope=rope, sinks=S, window=W, min_tokens=M)
+    cache = matches_the_oracle_cache(model, factory, 1e-5, prompt)
+    assert cache.layers[0].exact is not None and int(cache.layers[0].compressed) == compressed_count(prompt + 9 + 5, S, W)
+
+
+def test_windowed_layer_states_match_the_oracle_cache():
+    """The allocator's layer shape with its sinks and window (M11.12 with M11.14): a pre-RoPE int4
+    head beside an identity int8 head, 2 sinks and 3 recent tokens."""
+    model = make_model("llama")
+    cache = matches_the_oracle_cache(model, mixed_layer_states(model, split=False, sinks=2, window=3), 1e-5)
+    assert all(len(layer.groups) == 2 and layer.exact is not None for layer in cache.layers)
 
 
 @pytest.mark.parametrize("coefficients", ["int4", "int2"])
@@ -456,7 +513,7 @@ def test_shipped_model_generates_the_subspace_caches_tokens_through_the_compiled
 
 
 REFUSED = {
-    "window": (dict(window=4), "exact windows"),
+    "threshold": (dict(window=2, min_tokens=10), "a compression threshold"),
 }
 
 
@@ -715,7 +772,8 @@ def test_graph_decode_benchmark_runs_on_the_cpu(tmp_path):
                      "SubspaceCache r=8 float (torch, eager)", "GraphSubspaceCache r=8 int8 (compiled)", "SubspaceCache r=8 int8 (torch, eager)",
                      "GraphSubspaceCache r=8 int4 (compiled)", "SubspaceCache r=8 int4 (torch, eager)",
                      "GraphSubspaceCache r=8 pre-rope-float (compiled)", "SubspaceCache r=8 pre-rope-float (torch, eager)",
-                     "GraphSubspaceCache r=8 pre-rope-int4 (compiled)", "SubspaceCache r=8 pre-rope-int4 (torch, eager)"]
+                     "GraphSubspaceCache r=8 pre-rope-int4 (compiled)", "SubspaceCache r=8 pre-rope-int4 (torch, eager)",
+                     "GraphSubspaceCache r=8 pre-rope-int4-sinks4-window32 (compiled)", "SubspaceCache r=8 pre-rope-int4-sinks4-window32 (torch, eager)"]
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
     assert rows[2]["bytes"] < rows[1]["bytes"]  # r + r_v = 16 of d + d_v = 256 per token and head
     # per token and head: float 2 * 8 * 4 bytes, int8 2 (8 + 4), int4 4 + 4 and a 32-token float key tail, which dominates at 28 tokens
@@ -724,7 +782,7 @@ def test_graph_decode_benchmark_runs_on_the_cpu(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: generate compiles the graph cache's step with CUDA graphs there only")
-@pytest.mark.parametrize("coefficients", ["float", "int8", "int4", "pre-RoPE float", "pre-RoPE int4", "layer state"])
+@pytest.mark.parametrize("coefficients", ["float", "int8", "int4", "pre-RoPE float", "pre-RoPE int4", "layer state", "windowed layer state"])
 def test_cuda_generate_decodes_through_the_compiled_graph(coefficients):
     """On CUDA, ``compress(...).generate`` picks the graph cache by default and transformers
     compiles its decode step (mode="reduce-overhead": CUDA graphs; quantised sides and pre-RoPE keys
@@ -733,8 +791,8 @@ def test_cuda_generate_decodes_through_the_compiled_graph(coefficients):
     model = make_model("llama", torch.float32).cuda()
     rope = sr.rope.RopeParams.from_config(model.config) if coefficients.startswith("pre-RoPE") else None
     # int4 key groups complete at 16, inside the graph; layer state: a pre-RoPE int4 and an identity int8 head group (M11.12)
-    if coefficients == "layer state":
-        bases = mixed_layer_states(model, split=False)
+    if coefficients.endswith("layer state"):  # windowed: 2 sinks and 3 recent tokens (M11.14)
+        bases = mixed_layer_states(model, split=False, sinks=2 if coefficients.startswith("windowed") else 0, window=3 if coefficients.startswith("windowed") else 0)
     else:
         bases = static_states(random_bases(model), coefficients=coefficients.removeprefix("pre-RoPE "), group_size=8, rope=rope)
     ids = ids_of(10, 14).cuda()

@@ -98,13 +98,15 @@ def test_kernel_decode_within_the_harness_tolerance(dtype, coefficients, kernel_
     assert np.abs(out.double().cpu().numpy() - out64).max() <= tolerance(ref, out64, dtype)
 
 
-@pytest.mark.parametrize("coefficients", ["int8", "int4", "pre-RoPE float", "pre-RoPE int4", "layer state"])
+@pytest.mark.parametrize("coefficients", ["int8", "int4", "pre-RoPE float", "pre-RoPE int4", "layer state", "windowed pre-RoPE int4", "windowed layer state"])
 def test_compiled_generate_runs_the_kernel_without_graph_breaks(coefficients, kernel_calls):
     """generate compiles the decode step with the operator in it (fullgraph=True) and gives the
     eager tokens, whose top-2 margins are checked first; every compiled step ran the kernel once
     per layer (per head group of a layer state: M11.12), and a second generation on a new cache
     reuses the compiled graph. Pre-RoPE: the update un-rotates by device slots inside the
-    compiled step (M11.10). Layer state: a pre-RoPE int4 head beside an identity int8 head."""
+    compiled step (M11.10). Layer state: a pre-RoPE int4 head beside an identity int8 head.
+    Windowed (M11.14): 4 sinks and 5 recent tokens written at device slots, the compressed part
+    through the kernel merged with them by its log-sum-exp."""
     model = make_model("llama", torch.float32).to(DEVICE)
     bases = random_bases(model)
     ids = ids_of(10, 1).to(DEVICE)
@@ -112,8 +114,12 @@ def test_compiled_generate_runs_the_kernel_without_graph_breaks(coefficients, ke
     use_subspace_attention(model)
     rope = sr.rope.RopeParams.from_config(model.config) if coefficients.startswith("pre-RoPE") else None
     # int4: key groups complete at 16 inside the compiled steps
-    if coefficients == "layer state":
-        factory, groups = mixed_layer_states(model, split=False), 2
+    if coefficients.endswith("layer state"):
+        factory, groups = mixed_layer_states(model, split=False, sinks=4 if coefficients.startswith("windowed") else 0,
+                                             window=5 if coefficients.startswith("windowed") else 0), 2
+    elif coefficients.startswith("windowed"):
+        rope = sr.rope.RopeParams.from_config(model.config)
+        factory, groups = static_states(bases, coefficients="int4", group_size=8, rope=rope, sinks=4, window=5), 1
     else:
         factory, groups = static_states(bases, coefficients=coefficients.removeprefix("pre-RoPE "), group_size=8, rope=rope), 1
     eager, compiled, _, compile_config = compiled_against_eager(model, factory, ids, steps)
@@ -154,4 +160,25 @@ def test_batch_decode_matches_the_oracle_cache(padded, coefficients, kernel_call
             logits.append(torch.stack([first, second]))
     assert all(layer.groups[0].workspace is not None and layer.all_visible != padded for layer in graph_cache.layers)
     assert len(kernel_calls) == (0 if padded else model.config.num_hidden_layers)
+    assert float((logits[0] - logits[1]).abs().max()) <= 1e-5 * float(logits[1].abs().max())
+
+
+@pytest.mark.parametrize("coefficients", ["float", "int4"])
+def test_windowed_kernel_decode_matches_the_oracle_cache(coefficients, kernel_calls):
+    """A windowed pre-RoPE layer (2 sinks, 3 recent tokens; M11.14) decodes its compressed part
+    through the kernel, whose log-sum-exp merges it with the exact part: a prefill and 4 decode
+    steps equal the numpy oracle cache's logits (1e-5 of their scale, test_batch_decode's rule)."""
+    model = make_model("llama", torch.float32).to(DEVICE)
+    rope = sr.rope.RopeParams.from_config(model.config)
+    factory = static_states(random_bases(model), coefficients=coefficients, group_size=4, rope=rope, sinks=2, window=3)
+    use_subspace_attention(model)
+    ids = ids_of(9, 5).to(DEVICE)
+    with torch.no_grad():
+        logits = []
+        for cache in (GraphSubspaceCache(model.config, factory, max_cache_len=16), SubspaceCache(model.config, factory, backend="numpy")):
+            out = [model(input_ids=ids, cache=cache).logits[:, -1]]
+            for token in (3, 17, 40, 5):
+                out.append(model(input_ids=torch.tensor([[token]], device=DEVICE), cache=cache).logits[:, -1])
+            logits.append(torch.stack(out))
+    assert len(kernel_calls) == 4 * model.config.num_hidden_layers
     assert float((logits[0] - logits[1]).abs().max()) <= 1e-5 * float(logits[1].abs().max())

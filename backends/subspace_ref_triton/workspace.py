@@ -43,11 +43,12 @@ class DecodeWorkspace:
     (default: the workspace's own, see :meth:`advance`). ``fixed_tail``: the owner of an int4/int2
     layout writes its ``key_tail`` in place (the graph cache, spec/models.md M11.8), so the
     layout is taken; without it such layouts are refused. ``rope``: the
-    :class:`~subspace_ref.rope.RopeParams` of a pre-RoPE static state's layout (spec/rope.md P3,
-    compressed token 0 at position 0: no sinks), attended by the pre-RoPE kernel."""
+    :class:`~subspace_ref.rope.RopeParams` of a pre-RoPE static state's layout (spec/rope.md P3),
+    attended by the pre-RoPE kernel, compressed token t at position ``first_position + t``
+    (spec/window.md W10: the sinks before it)."""
 
     def __init__(self, layout, query_heads: int, dtype, scale: float | None = None, num_splits: int | None = None, fused_merge: bool = False,
-                 num_tokens=None, fixed_tail: bool = False, rope=None):
+                 num_tokens=None, fixed_tail: bool = False, rope=None, first_position: int = 0):
         if rope is not None and fused_merge:
             raise ValueError("fused_merge is not built for the pre-RoPE kernel (rope): it merges in a second launch")
         if not fixed_tail and any(layout.side_format(which).low_bits for which in ("key", "value")):
@@ -66,7 +67,7 @@ class DecodeWorkspace:
         self.rope = rope
         # the pre-RoPE kernel's angle tables over the capacity, once (its step then allocates nothing)
         self.tables = None if rope is None else rope_decode.rope_tables(rope, d, rope_decode.default_block_t(layout.key_bases.dtype), self.device,
-                                                                        capacity=capacity)
+                                                                        capacity=capacity, first_position=first_position)
         if num_splits is None:
             probe = torch.empty(q_shape, dtype=dtype, device=self.device)
             if rope is None:

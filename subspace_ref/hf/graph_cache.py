@@ -20,12 +20,14 @@ or pre-RoPE (spec/rope.md P2-P3), and nothing that needs Python at run time:
   step reads the codes and not a dequantised copy of the capacity;
 * a pre-RoPE layer un-rotates the keys it writes by their slots and decodes through the
   pre-RoPE kernel, which rotates each rebuilt key by its slot (M11.10); elsewhere it rebuilds
-  and rotates the keys of the capacity for SDPA.
+  and rotates the keys of the capacity for SDPA;
+* a layer with exact sinks and a recent window holds them at fixed addresses and compresses the
+  token its window gives up in the same step (:mod:`~subspace_ref.hf.graph_window`, M11.14).
 
 transformers compiles ``generate``'s decode step for caches whose ``is_compileable`` is True,
 on CUDA by default with ``mode="reduce-overhead"``, which captures CUDA graphs. Other state
-kinds (online bases, exact windows and sinks, per-query-head bases) are refused with the
-reasons (:func:`graph_refusals`): they keep the SubspaceCache.
+kinds (online bases, per-query-head bases, compression thresholds beyond the window) are
+refused with the reasons (:func:`graph_refusals`): they keep the SubspaceCache.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from subspace_ref.byte_convention import Geometry
 from subspace_ref.capabilities import NotSupportedError, require
 from subspace_ref.hf import attention as _attn
 from subspace_ref.hf.graph_group import GraphHeadGroup, kernel_backend, kernel_needs
+from subspace_ref.hf.graph_window import ExactParts, compressed_count, exact_attention, merge
 from subspace_ref.hf.state_factories import StateFactory, StateSpec
 from subspace_ref.layer_state import LayerState
 from subspace_ref.state import SubspaceState
@@ -65,8 +68,10 @@ def graph_refusals(state, device=None, dtype=None) -> list[str]:
     dtype = state.dtype if dtype is None else dtype
     if needs and device is not None and torch.device(device).type == "cuda" and kernel_backend(device, dtype) is None:
         reasons.append(f"{needs} on CUDA without the triton decode kernel for {dtype}")
-    if state.window is not None:
-        reasons.append("exact windows, sinks or a compression threshold (spec/window.md) move tokens between parts while decoding")
+    win = state.window
+    if win is not None and max(win.min_tokens - win.sinks, 0) > win.size + 1:  # M11.14: one token moves per step
+        reasons.append(f"a compression threshold (min_tokens = {win.min_tokens}) beyond the sinks and the window (spec/window.md W1): "
+                       "a decode step would compress a block")
     return reasons
 
 
@@ -109,6 +114,7 @@ class GraphSubspaceLayer(StaticLayer):
         self.layer_idx = layer_idx
         self.cache = cache
         self.groups: list[GraphHeadGroup] = []
+        self.exact: ExactParts | None = None  # a windowed layer's sinks and recent ring (M11.14)
         self.all_visible = True  # no mask has hidden a written slot (M11.6: the kernel reads slots 0..T-1)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -123,7 +129,10 @@ class GraphSubspaceLayer(StaticLayer):
         # query heads per KV head, from the config (the permutations below are made here, outside any trace)
         text = self.cache.config.get_text_config(decoder=True) if hasattr(self.cache.config, "get_text_config") else self.cache.config
         self.query_group = text.num_attention_heads // H
-        self.groups = [GraphHeadGroup(self, tuple(heads), part, d, self.query_group, identity) for heads, part, *identity in parts]
+        win = state.window  # the layer's sinks and recent window (M11.14), one setting for every group
+        self.exact = None if win is None else ExactParts(win.sinks, win.size, N, H, d, value_states.shape[-1], self.dtype, self.device)
+        first = 0 if win is None else win.sinks
+        self.groups = [GraphHeadGroup(self, tuple(heads), part, d, self.query_group, identity, first) for heads, part, *identity in parts]
         self.keys, self.values = self.groups[0].keys, self.groups[0].values
         self.k_head_dim, self.v_head_dim = d, value_states.shape[-1]
         # the groups' query heads, concatenated, back in head order (spec/layer_state.md L5.1)
@@ -134,8 +143,15 @@ class GraphSubspaceLayer(StaticLayer):
         self.is_initialized = True
 
     def held(self) -> tuple[torch.Tensor, ...]:
-        """The per-sequence tensors of the layer: every group's C and D, or fixed layout's arrays of tokens."""
-        return tuple(t for g in self.groups for t in g.held())
+        """The per-sequence tensors of the layer: every group's C and D, or fixed layout's arrays
+        of tokens, and the exact sinks and recent ring of a windowed layer."""
+        return tuple(t for g in self.groups for t in g.held()) + (() if self.exact is None else self.exact.held())
+
+    @property
+    def compressed(self) -> torch.Tensor:
+        """The device count of compressed tokens, which the head groups store and read: T, or
+        T_c of a windowed layer (M11.14)."""
+        return self.cumulative_length if self.exact is None else self.exact.compressed
 
     def _fix_addresses(self) -> None:
         """Tag C with this layer (how the attention call finds it, traced by dynamo as a
@@ -143,7 +159,8 @@ class GraphSubspaceLayer(StaticLayer):
         setattr(self.keys, _attn.GRAPH_TAG, self)
         if not is_torchdynamo_compiling():
             order = () if self.query_order is None else (self.query_order,)
-            for t in (*self.held(), self.cumulative_length, self.slots, *order, *(c for g in self.groups for c in g.constants())):
+            exact = () if self.exact is None else (self.exact.compressed, self.exact.slots)
+            for t in (*self.held(), self.cumulative_length, self.slots, *order, *exact, *(c for g in self.groups for c in g.constants())):
                 torch._dynamo.mark_static_address(t)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,11 +181,22 @@ class GraphSubspaceLayer(StaticLayer):
         if eager and int(self.cumulative_length) + n > self.max_cache_len:  # a compiled step has no host read: M11.5
             self._take_back_and_raise(self.layer_idx - 1, n, ValueError(
                 f"layer {self.layer_idx}: {int(self.cumulative_length)} + {n} tokens exceed max_cache_len = {self.max_cache_len}"))
-        if n > 1 and self.low_bit_keys and not eager:  # M11.8 steps 1 and 3 keep a block's float keys on the host
+        if n > 1 and (self.low_bit_keys or self.exact is not None) and not eager:  # M11.8 steps 1 and 3, M11.14 step 2: host counts
+            what = "low-bit keys" if self.low_bit_keys else "an exact window or sinks"
             self._take_back_and_raise(self.layer_idx - 1, n, NotSupportedError(
-                f"layer {self.layer_idx}: the graph cache does not support", [f"a compiled forward of {n} tokens over low-bit keys (compile the one-token decode step, as generate does)"]))
+                f"layer {self.layer_idx}: the graph cache does not support", [f"a compiled forward of {n} tokens over {what} (compile the one-token decode step, as generate does)"]))
         count = self.cumulative_length  # advanced after the writes, which read it
-        new = [g.coefficients(key_states, value_states, count, self.compute_dtype) for g in self.groups]
+        store = None
+        if self.exact is None:
+            moving, index = (key_states, value_states), count
+        elif n == 1:  # M11.14 step 1: the token the ring gives up moves to the compressed part
+            *moving, index, store = self.exact.token(key_states, value_states, count)
+        else:  # M11.14 step 2 (eager)
+            *moving, c0, c1, store = self.exact.block(key_states, value_states, int(count))
+            index = torch.tensor(c0, device=self.device)
+            if c1 == c0:
+                moving = None
+        new = [] if moving is None else [g.coefficients(*moving, index, self.compute_dtype) for g in self.groups]
         if eager:  # a coefficient beyond float16's range (Q1): refused before any group writes; earlier layers give theirs back
             try:
                 for g, (c, dv) in zip(self.groups, new):
@@ -177,10 +205,17 @@ class GraphSubspaceLayer(StaticLayer):
                 self._take_back_and_raise(self.layer_idx - 1, n, refused)
         try:  # the check above refuses what a write would (a backstop: earlier layers give their tokens back)
             for g, (c, dv) in zip(self.groups, new):
-                g.write(c, dv, count, eager)
+                g.write(c, dv, index, eager)
         except ValueError as refused:
             self._take_back_and_raise(self.layer_idx - 1, n, refused)
+        if moving is None:  # a block that compressed nothing: its queries read the compressed part as stored
+            for g in self.groups:
+                g.fresh_keys = None
+        if store is not None:
+            store()
         self.cumulative_length.add_(n)
+        if self.exact is not None:
+            self.exact.advance(self.cumulative_length)
         return self.keys, self.values
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -190,13 +225,21 @@ class GraphSubspaceLayer(StaticLayer):
             idx = beam_idx.to(self.device)
             for g in self.groups:
                 g.reorder(idx)
+            if self.exact is not None:
+                self.exact.reorder(idx)
 
     def crop(self, tokens_to_remove: int) -> None:
         """StaticLayer's crop (``tokens_to_remove`` < 0 takes that many back). Low-bit keys also
         need the float rows of the unfinished group the cut falls in (M11.8 step 4): still in the
         tail when every write since was one token into the same group, else put back from the
         last block's rows; RuntimeError, the layer unchanged, when neither holds them."""
-        if tokens_to_remove < -1 and self.low_bit_keys:
+        if self.exact is not None and tokens_to_remove < 0:  # M11.14 step 2: only tokens that compressed nothing come back
+            T = int(self.cumulative_length)
+            S, W = self.exact.sinks, self.exact.window
+            if compressed_count(T + tokens_to_remove, S, W) != compressed_count(T, S, W):
+                raise RuntimeError(f"layer {self.layer_idx}: cropping {T} tokens to {T + tokens_to_remove} needs exact tokens the window has compressed; "
+                                   "call cache.reset()")
+        elif tokens_to_remove < -1 and self.low_bit_keys:
             T = int(self.cumulative_length)
             put_back = [g.crop_rows(T, max(T + tokens_to_remove, 0), self.layer_idx) for g in self.groups]  # all checked before any changes
             for step in put_back:
@@ -209,6 +252,8 @@ class GraphSubspaceLayer(StaticLayer):
         super().reset()
         for g in self.groups:
             g.reset()
+        if self.exact is not None:
+            self.exact.reset()
         self.all_visible = True
 
     @property
@@ -229,6 +274,8 @@ class GraphSubspaceLayer(StaticLayer):
             refused.append(f"no attention mask for {n} queries after {int(self.cumulative_length) - n} earlier tokens")
         if any(g.rope is not None for g in self.groups) and eager and self._hides_written(mask):  # M11.10 step 2
             refused.append("a mask that hides written slots (left padding) over pre-RoPE keys, which are rotated by their slot, not the padded position")
+        elif self.exact is not None and eager and self._hides_written(mask):  # M11.14 step 3
+            refused.append("a mask that hides written slots (left padding) over an exact window or sinks, which hold tokens by their slot")
         if refused:
             self._take_back_and_raise(self.layer_idx, n, NotSupportedError(f"layer {self.layer_idx}: the graph cache does not support", refused))
         scaling = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
@@ -248,7 +295,7 @@ class GraphSubspaceLayer(StaticLayer):
             self.all_visible = False
         for group in self.groups:
             if group.kernel:
-                group.prepare_kernel(len(group.heads) * self.query_group, query.dtype, scaling, self.cumulative_length)
+                group.prepare_kernel(len(group.heads) * self.query_group, query.dtype, scaling, self.compressed)
 
     def _hides_written(self, mask: torch.Tensor | None) -> bool:
         """Whether ``mask``'s row for the last query hides a written slot (left padding; a host read)."""
@@ -270,10 +317,26 @@ class GraphSubspaceLayer(StaticLayer):
         transformers' mask over the capacity (True / 0 = attend; None: the written slots,
         causally): (batch, n, H_q, d_v) in the query's dtype. Each group attends its query heads
         (:meth:`GraphHeadGroup.attend`) and the outputs go back in head order (M11.12)."""
-        outs = [group.attend(group.own(query, queries=True), mask, scaling, self, self.all_visible) for group in self.groups]
+        if self.exact is not None:
+            return self._attend_windowed(query, scaling)
+        outs = [group.attend(group.own(query, queries=True), mask, scaling, self, self.all_visible)[0] for group in self.groups]
         if len(outs) == 1:
             return outs[0].contiguous()
         return torch.cat(outs, dim=2).index_select(2, self.query_order).contiguous()
+
+    def _attend_windowed(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """M11.14 steps 3-5: the groups' compressed parts, each query seeing the compressed tokens
+        of its own T_c, merged with the exact sinks and recent tokens it sees by their log-sum-exps."""
+        n = query.shape[2]
+        T = None if n == 1 else int(self.cumulative_length)  # a block's queries: eager, host counts
+        counts = self.exact.compressed.view(1) if n == 1 else self.exact.query_counts(T, n, self.device)
+        parts = [group.attend(group.own(query, queries=True), None, scaling, self, self.all_visible, counts) for group in self.groups]
+        out_c, lse_c = torch.cat([p[0] for p in parts], dim=2), torch.cat([p[1] for p in parts], dim=1)
+        if self.query_order is not None:
+            out_c, lse_c = out_c.index_select(2, self.query_order), lse_c.index_select(1, self.query_order)
+        keys, values, visible = self.exact.visible(self.cumulative_length, n, T)
+        exact = exact_attention(query, keys, values, visible, scaling, self.compute_dtype)
+        return merge([(out_c, lse_c), exact]).to(query.dtype).contiguous()
 
 
 class GraphSubspaceCache(Cache):

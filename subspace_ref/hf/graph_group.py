@@ -19,6 +19,7 @@ from subspace_ref.basis_storage import decoded_state
 from subspace_ref.capabilities import NotSupportedError
 from subspace_ref.formats import FLOAT
 from subspace_ref.hf import graph_storage
+from subspace_ref.hf.graph_window import softmax_sum
 from subspace_ref.rope import inverse_angles, rotate_by, rotating_dims
 
 
@@ -51,10 +52,12 @@ class GraphHeadGroup:
     int4/int2 side or pre-RoPE keys, the state's packed layout at the capacity (``layout``; M11.8).
     ``layer``: the :class:`~subspace_ref.hf.GraphSubspaceLayer` (its device, dtypes, capacity, count);
     ``g``: query heads per KV head; ``identity``: whether the key and the value basis are the
-    identity (held as arrays for the kernels, not counted as bases, spec/layer_state.md L1)."""
+    identity (held as arrays for the kernels, not counted as bases, spec/layer_state.md L1);
+    ``first_position``: the position of compressed token 0 (the layer's sinks, M11.14)."""
 
-    def __init__(self, layer, heads: tuple[int, ...], state, d: int, g: int, identity: tuple[bool, bool] = (False, False)):
+    def __init__(self, layer, heads: tuple[int, ...], state, d: int, g: int, identity: tuple[bool, bool] = (False, False), first_position: int = 0):
         self.heads = tuple(heads)
+        self.first_position = int(first_position)  # of compressed token 0: the sinks before it (spec/window.md W10)
         self.identity = tuple(identity)
         all_heads = self.heads == tuple(range(layer.num_heads))
         dev, N, L = layer.device, layer.batch_size, layer.max_cache_len
@@ -125,12 +128,14 @@ class GraphHeadGroup:
             cos, sin = inverse_angles(cos, sin, self.rope)
         return cos.to(dtype), sin.to(dtype)
 
-    def coefficients(self, key_states: torch.Tensor, value_states: torch.Tensor, count: torch.Tensor, compute_dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """M11.1 step 2 (M11.10 step 1): the coefficients of this group's new keys and values."""
+    def coefficients(self, key_states: torch.Tensor, value_states: torch.Tensor, index, compute_dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """M11.1 step 2 (M11.10 step 1): the coefficients of this group's new keys and values,
+        compressed tokens ``index`` .. (a device scalar or an int)."""
         keys = self.own(key_states).to(compute_dtype)
         n = keys.shape[2]
-        if self.rope is not None:  # the keys back to pre-RoPE, each by its slot
-            keys = rotate_by(keys, *self.angles(torch.arange(n, device=keys.device) + count, compute_dtype, inverse=True), self.rope_dims)
+        if self.rope is not None:  # the keys back to pre-RoPE, each by its position
+            positions = torch.arange(n, device=keys.device) + index + self.first_position
+            keys = rotate_by(keys, *self.angles(positions, compute_dtype, inverse=True), self.rope_dims)
         c = torch.einsum("bhnd,hrd->bhnr", keys, self.key_basis)
         dv = torch.einsum("bhnd,hrd->bhnr", self.own(value_states).to(compute_dtype), self.value_basis)
         return c, dv
@@ -193,22 +198,26 @@ class GraphHeadGroup:
             from subspace_ref_triton import graph_op
             from subspace_ref_triton.workspace import DecodeWorkspace
 
-            self.workspace = DecodeWorkspace(self.layout, query_heads, dtype, scale=scaling, num_tokens=count, fixed_tail=True, rope=self.rope)
+            self.workspace = DecodeWorkspace(self.layout, query_heads, dtype, scale=scaling, num_tokens=count, fixed_tail=True, rope=self.rope,
+                                             first_position=self.first_position)
             self.workspace_handle, self.workspace_key = graph_op.register(self.workspace, list(graph_storage.sequence_arrays(self.layout))), key
             torch._dynamo.mark_static_address(self.workspace_handle)
             self.decode_op = torch.ops.subspace_ref_triton.workspace_decode
 
-    def attend(self, query: torch.Tensor, mask: torch.Tensor | None, scaling: float, layer, all_visible: bool) -> torch.Tensor:
+    def attend(self, query: torch.Tensor, mask: torch.Tensor | None, scaling: float, layer, all_visible: bool, counts: torch.Tensor | None = None):
         """Spec M11.2 (A2 through SDPA, M11.3) for this group's n queries (batch, h g, n, d) of
         the last n tokens written, under transformers' mask over the capacity (True / 0 =
-        attend; None: the written slots, causally): (batch, n, h g, d_v) in the query's dtype.
-        One query through the kernel when its workspace is prepared and every written slot is
-        visible: M11.6 instead; several over low-bit keys: M11.8 step 3; pre-RoPE keys: M11.10 step 3."""
+        attend; None: the written slots, causally): (batch, n, h g, d_v) in the query's dtype,
+        and None. One query through the kernel when its workspace is prepared and every written
+        slot is visible: M11.6 instead; several over low-bit keys: M11.8 step 3; pre-RoPE keys:
+        M11.10 step 3. With ``counts`` (a windowed layer, M11.14 step 3: the compressed tokens
+        each query sees; the mask is then the layer's) the output in the compute dtype and its
+        log-sum-exp (batch, h g, n), float32 or the compute dtype."""
         N, Hq, n, d = query.shape
-        count = layer.cumulative_length
+        count = layer.compressed
         if n == 1 and self.workspace is not None and all_visible and self.workspace_key == (N, Hq, query.dtype, scaling):
-            out = self.decode_op(query[:, :, 0].contiguous(), list(self.held()), count, self.workspace_handle)
-            return out[:, None]
+            out, lse = self.decode_op(query[:, :, 0].contiguous(), list(self.held()), count, self.workspace_handle)
+            return (out[:, None], None) if counts is None else (out[:, None].to(layer.compute_dtype), lse[..., None].to(layer.compute_dtype))
         H = len(self.heads)
         g = Hq // H
         q = query.to(layer.compute_dtype).view(N, H, g, n, d)
@@ -217,43 +226,53 @@ class GraphHeadGroup:
         else:  # the read-back coefficients (M11.8 step 2)
             C, D = (graph_storage.read(self.layout, which, count, layer.dtype, layer.max_cache_len) for which in ("key", "value"))
         slots = layer.slots
-        if n > 1 and self.low_bit_keys:
-            C, D, mask = self._block_keys(C, D, mask, n, layer)
+        visible = mask if counts is None else layer.slots[None, :] < counts[:, None]
+        if n > 1 and self.low_bit_keys and self.fresh_keys is not None:
+            T = int(count)  # eager: a block's queries
+            seen = torch.arange(T - n + 1, T + 1, device=C.device) if counts is None else counts
+            C, D, visible = self._block_keys(C, D, visible, seen, T)
             slots = torch.cat([slots, slots])
         if self.rope is None:
             qt = torch.einsum("bhgnd,hrd->bhgnr", q, self.key_basis) * self.gamma[None, :, None, None, None]  # step 1, γ folded in
-        else:  # M11.10 step 3: the keys rebuilt and rotated by their slots, the query as it is
+        else:  # M11.10 step 3: the keys rebuilt and rotated by their positions, the query as it is
             qt = q * self.gamma[None, :, None, None, None]
-            C = rotate_by(torch.einsum("bhlr,hrd->bhld", C.to(layer.compute_dtype), self.key_basis), *self.angles(slots, layer.compute_dtype),
-                          self.rope_dims).to(layer.dtype)
+            C = rotate_by(torch.einsum("bhlr,hrd->bhld", C.to(layer.compute_dtype), self.key_basis),
+                          *self.angles(slots + self.first_position, layer.compute_dtype), self.rope_dims).to(layer.dtype)
         qt = qt.to(layer.dtype)
+        if counts is not None:  # M11.14 step 3: with the log-sum-exp, which SDPA does not return
+            logits = torch.einsum("bhgnr,bhlr->bhgnl", qt.to(layer.compute_dtype), C.to(layer.compute_dtype)) * scaling
+            y, lse = softmax_sum(logits, visible, D.to(layer.compute_dtype))
+            out = torch.einsum("bnhr,hre->bnhe", y, self.value_basis.repeat_interleave(g, dim=0))
+            return out, lse
         if n == 1:  # decode: the g query heads of a KV head as g query rows of it, so no GQA kernel is needed
             visible = (layer.slots < count).view(1, 1, 1, -1) if mask is None else mask  # (1 or N, 1, 1, L)
             y = F.scaled_dot_product_attention(qt.view(N, H, g, -1), C, D, attn_mask=visible, scale=scaling)  # steps 2-3
-        elif mask is None:  # transformers drops the mask only for a first forward (q_offset = 0): causal over its n slots
+        elif visible is None:  # transformers drops the mask only for a first forward (q_offset = 0): causal over its n slots
             y = F.scaled_dot_product_attention(qt.reshape(N, Hq, n, -1), C[:, :, :n], D[:, :, :n], is_causal=True, scale=scaling, enable_gqa=True)
         else:
-            y = F.scaled_dot_product_attention(qt.reshape(N, Hq, n, -1), C, D, attn_mask=mask, scale=scaling, enable_gqa=True)
+            y = F.scaled_dot_product_attention(qt.reshape(N, Hq, n, -1), C, D, attn_mask=visible, scale=scaling, enable_gqa=True)
         out = torch.einsum("bhgnr,hre->bhgne", y.to(layer.compute_dtype).reshape(N, H, g, n, -1), self.value_basis)  # step 4: (α̂ᵀD) E
-        return out.reshape(N, Hq, n, -1).transpose(1, 2).to(query.dtype)
+        return out.reshape(N, Hq, n, -1).transpose(1, 2).to(query.dtype), None
 
-    def _block_keys(self, C: torch.Tensor, D: torch.Tensor, mask: torch.Tensor | None, n: int, layer) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """M11.8 step 3, eager: for n > 1 queries at positions T-n..T-1 over low-bit keys, the
-        slots twice, read back (C) and with the float rows the block's write kept (its groups),
-        and a mask over both letting query ``p`` see key ``t`` in the first copy iff ``t``'s
-        group is complete by ``p`` (Q2.2), else in the second: one SDPA over the 2L slots."""
-        G, T = self.layout.group, int(layer.cumulative_length)
+    def _block_keys(self, C: torch.Tensor, D: torch.Tensor, visible: torch.Tensor | None, seen: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """M11.8 step 3, eager: for n > 1 queries over low-bit keys, query ``i`` seeing the first
+        ``seen[i]`` of the T stored slots, the slots twice, read back (C) and with the float rows
+        the block's write kept (its groups), and a mask over both letting the query see key ``t``
+        in the first copy iff ``t``'s group is complete within ``seen[i]`` (Q2.2), else in the
+        second: one SDPA over the 2L slots. ``visible``: the mask over the L slots (None: ``t <
+        seen[i]``)."""
+        G = self.layout.group
         first, rows = self.fresh_keys
         plain = C.clone()
         plain[:, :, first:T] = rows.to(plain.dtype)
-        positions = torch.arange(T - n, T, device=C.device)[:, None]
-        coded = (layer.slots // G * G + G)[None, :] <= positions + 1  # (n, L)
-        if mask is None:
-            mask = layer.slots[None, :] <= positions
-        if mask.dtype == torch.bool:
-            both = torch.cat([mask & coded, mask & ~coded], dim=-1)
+        slots = torch.arange(C.shape[2], device=C.device)
+        coded = (slots // G * G + G)[None, :] <= seen[:, None]  # (n, L)
+        if visible is None:
+            visible = slots[None, :] < seen[:, None]
+        if visible.dtype == torch.bool:
+            both = torch.cat([visible & coded, visible & ~coded], dim=-1)
         else:  # an additive mask
-            both = torch.cat([mask.masked_fill(~coded, float("-inf")), mask.masked_fill(coded, float("-inf"))], dim=-1)
+            both = torch.cat([visible.masked_fill(~coded, float("-inf")), visible.masked_fill(coded, float("-inf"))], dim=-1)
         return torch.cat([C, plain], dim=2), torch.cat([D, D], dim=2), both
 
 

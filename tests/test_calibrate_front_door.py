@@ -57,6 +57,15 @@ def test_the_command_saves_an_allocation_that_compress_decodes(checkpoint, tmp_p
             assert group.state.layout.key_format == formats[head.bits_k] and group.state.layout.value_format == formats[head.bits_v]
             assert (getattr(group.state.policy, "rope", None) is not None) == (head.key_basis == "pre_rope")
             assert group.key_identity == (head.key_basis == "identity") and group.value_identity == (head.value_basis == "identity")
+    # the same allocation through the graph-capturable cache (spec/models.md M11.12, M11.14): its sinks, window and mixed heads
+    # give the SubspaceCache's greedy tokens, whose top-2 margins are checked first
+    with compress(model, bases) as kv:
+        eager = kv.generate(ids, max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    assert min(float(torch.topk(score[0], 2).values.diff().abs()) for score in eager.scores) > 1e-4
+    with compress(model, bases, graph=True) as kv:
+        graph_cache = kv.graph_cache(ids.shape[1] + 4)
+        assert torch.equal(kv.generate(ids, max_new_tokens=4, do_sample=False, cache=graph_cache), eager.sequences)
+    assert all(layer.exact is not None and len(layer.groups) == len(cache.layers[i].state.groups) for i, layer in enumerate(graph_cache.layers))
 
 
 def test_bad_input_is_refused_before_anything_is_written(checkpoint, tmp_path):

@@ -239,7 +239,7 @@ def test_layer_states_are_refused_by_head_group():
 def test_windowed_crop_takes_back_only_tokens_that_compressed_nothing():
     """A windowed layer gives back tokens that moved nothing to the compressed part (the logits of
     a cache that never held them); a crop that needs a token the ring has given up is refused,
-    the cache unchanged (M11.14 step 3)."""
+    the cache unchanged (M11.14 step 2)."""
     model = make_model("llama")
     factory = static_states(random_bases(model), sinks=2, window=3)
     use_subspace_attention(model)
@@ -268,7 +268,7 @@ WINDOWED = {  # (sinks, window, min_tokens, coefficients, pre-RoPE)
 }
 
 
-@pytest.mark.parametrize("prompt", [3, 12], ids=["ring-fills-while-decoding", "ring-full"])
+@pytest.mark.parametrize("prompt", [2, 12], ids=["sinks-and-ring-fill-while-decoding", "ring-full"])
 @pytest.mark.parametrize("name", list(WINDOWED))
 def test_windowed_graph_cache_matches_the_oracle_cache(name, prompt):
     """Exact sinks and a recent window (spec/window.md W1-W10) at fixed addresses (M11.14): the
@@ -276,7 +276,7 @@ def test_windowed_graph_cache_matches_the_oracle_cache(name, prompt):
     compressed, the compressed part merged with the exact one by log-sum-exps; equal to the numpy
     cache of the same states (a block prefill whose queries each see their own split, one-token
     steps, a second block), with pre-RoPE keys at positions offset by the sinks (W10), and its
-    greedy and beam sequences. A 3-token prompt leaves the sinks and the ring to fill during the
+    greedy and beam sequences. A 2-token prompt leaves the sinks and the ring to fill during the
     one-token steps."""
     S, W, M, coefficients, pre_rope = WINDOWED[name]
     model = make_model("llama")
@@ -284,6 +284,32 @@ def test_windowed_graph_cache_matches_the_oracle_cache(name, prompt):
     factory = static_states(random_bases(model), coefficients=coefficients, group_size=4, rope=rope, sinks=S, window=W, min_tokens=M)
     cache = matches_the_oracle_cache(model, factory, 1e-5, prompt)
     assert cache.layers[0].exact is not None and int(cache.layers[0].compressed) == compressed_count(prompt + 9 + 5, S, W)
+
+
+@pytest.mark.parametrize("coefficients", ["float", "int4"])
+def test_windowed_left_padded_batch_matches_the_oracle_cache(coefficients):
+    """Left padding over sinks and a window (post-RoPE keys): transformers' mask is read at each
+    slot's position (sinks, ring, compressed token i at S + i; M11.14 step 3), so a padded batch of
+    two prompts gives the numpy cache's logits at the real positions, prefill and three decode
+    steps, the window rolling over the padding."""
+    model = make_model("llama")
+    factory = static_states(random_bases(model), coefficients=coefficients, group_size=4, sinks=2, window=3)
+    use_subspace_attention(model)
+    ids = torch.cat([ids_of(9, 5), ids_of(9, 6)])
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    logits = []
+    with torch.no_grad():
+        for cache in (GraphSubspaceCache(model.config, factory, max_cache_len=12), SubspaceCache(model.config, factory, backend="numpy")):
+            m = mask
+            out = [model(input_ids=ids, attention_mask=m, cache=cache).logits]
+            for token in (4, 8, 15):
+                m = torch.cat([m, torch.ones_like(m[:, :1])], dim=1)
+                out.append(model(input_ids=torch.tensor([[token], [token]]), attention_mask=m, cache=cache).logits)
+            logits.append(out)
+    for graph, oracle in zip(*logits):
+        real = slice(None) if graph.shape[1] == 1 else mask.bool()
+        assert float((graph - oracle)[real].abs().max()) <= 1e-5 * float(oracle[real].abs().max())
 
 
 def test_windowed_layer_states_match_the_oracle_cache():

@@ -40,22 +40,22 @@ def register(workspace: DecodeWorkspace, arrays: list[str]) -> torch.Tensor:
 
 
 @torch.library.custom_op("subspace_ref_triton::workspace_decode", mutates_args=())
-def workspace_decode(q: torch.Tensor, arrays: list[torch.Tensor], num_tokens: torch.Tensor, handle: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def workspace_decode(q: torch.Tensor, arrays: list[torch.Tensor], num_tokens: torch.Tensor, handle: torch.Tensor, lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Spec A3 of q (N, H_q, d) over the first ``num_tokens`` tokens of the layout of the
     workspace registered as ``handle``, with ``arrays`` (its registered names, in order: the
     coefficients and what their formats add) in place of its own: the output (N, H_q, d_v) in
-    q's dtype, a copy, and the log-sum-exp of its logits (N, H_q), float32, from the split
-    partials (spec A3.2: ``m + log Z`` merged; -inf over no token), by which a caller merges
-    more tokens in (an exact window, spec/window.md W3)."""
+    q's dtype, a copy, and with ``lse`` the log-sum-exp of its logits (N, H_q), float32, from
+    the split partials (spec A3.2: ``m + log Z`` merged; -inf over no token), by which a caller
+    merges more tokens in (an exact window, spec/window.md W3); without, that tensor is unset."""
     ws = _WORKSPACES[handle.data_ptr()]
     layout = replace(ws.layout, **dict(zip(_ARRAYS[ws], arrays, strict=True)))
     out = ws.attend(q, layout, num_tokens).clone()
     m, z, _ = ws.partials
-    return out, torch.logsumexp(m + torch.log(z), dim=-1)
+    return out, (torch.logsumexp(m + torch.log(z), dim=-1) if lse else m.new_empty(m.shape[:2]))
 
 
 @workspace_decode.register_fake
-def _(q, arrays, num_tokens, handle):
+def _(q, arrays, num_tokens, handle, lse):
     return q.new_empty((q.shape[0], q.shape[1], handle.shape[-1])), q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
 
 

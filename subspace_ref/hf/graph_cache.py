@@ -274,8 +274,6 @@ class GraphSubspaceLayer(StaticLayer):
             refused.append(f"no attention mask for {n} queries after {int(self.cumulative_length) - n} earlier tokens")
         if any(g.rope is not None for g in self.groups) and eager and self._hides_written(mask):  # M11.10 step 2
             refused.append("a mask that hides written slots (left padding) over pre-RoPE keys, which are rotated by their slot, not the padded position")
-        elif self.exact is not None and eager and self._hides_written(mask):  # M11.14 step 3
-            refused.append("a mask that hides written slots (left padding) over an exact window or sinks, which hold tokens by their slot")
         if refused:
             self._take_back_and_raise(self.layer_idx, n, NotSupportedError(f"layer {self.layer_idx}: the graph cache does not support", refused))
         scaling = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
@@ -318,23 +316,29 @@ class GraphSubspaceLayer(StaticLayer):
         causally): (batch, n, H_q, d_v) in the query's dtype. Each group attends its query heads
         (:meth:`GraphHeadGroup.attend`) and the outputs go back in head order (M11.12)."""
         if self.exact is not None:
-            return self._attend_windowed(query, scaling)
+            return self._attend_windowed(query, mask, scaling)
         outs = [group.attend(group.own(query, queries=True), mask, scaling, self, self.all_visible)[0] for group in self.groups]
         if len(outs) == 1:
             return outs[0].contiguous()
         return torch.cat(outs, dim=2).index_select(2, self.query_order).contiguous()
 
-    def _attend_windowed(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    def _attend_windowed(self, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
         """M11.14 steps 3-5: the groups' compressed parts, each query seeing the compressed tokens
-        of its own T_c, merged with the exact sinks and recent tokens it sees by their log-sum-exps."""
+        of its own T_c, merged with the exact sinks and recent tokens it sees by their log-sum-exps;
+        transformers' mask (padding) read at each slot's position."""
         n = query.shape[2]
         T = None if n == 1 else int(self.cumulative_length)  # a block's queries: eager, host counts
         counts = self.exact.compressed.view(1) if n == 1 else self.exact.query_counts(T, n, self.device)
-        parts = [group.attend(group.own(query, queries=True), None, scaling, self, self.all_visible, counts) for group in self.groups]
+        keys, values, visible, positions = self.exact.visible(self.cumulative_length, n, T)
+        allowed = None
+        if mask is not None:  # (N or 1, 1, n, L) over positions: compressed token i is position S + i
+            allowed = mask if mask.dtype == torch.bool else mask == 0
+            visible = visible & allowed[..., positions.clamp(max=self.max_cache_len - 1)]
+            allowed = allowed[..., (self.slots + self.exact.sinks).clamp(max=self.max_cache_len - 1)]
+        parts = [group.attend(group.own(query, queries=True), allowed, scaling, self, self.all_visible, counts) for group in self.groups]
         out_c, lse_c = torch.cat([p[0] for p in parts], dim=2), torch.cat([p[1] for p in parts], dim=1)
         if self.query_order is not None:
             out_c, lse_c = out_c.index_select(2, self.query_order), lse_c.index_select(1, self.query_order)
-        keys, values, visible = self.exact.visible(self.cumulative_length, n, T)
         exact = exact_attention(query, keys, values, visible, scaling, self.compute_dtype)
         return merge([(out_c, lse_c), exact]).to(query.dtype).contiguous()
 
@@ -434,7 +438,8 @@ class GraphSubspaceCache(Cache):
             except RuntimeError:
                 lost.append(i)
         if lost:
-            raise RuntimeError(f"layers {lost}: their sliding windows dropped tokens, or their low-bit key tails were rewritten, which cannot be restored; "
+            raise RuntimeError(f"layers {lost}: their sliding windows dropped tokens, their low-bit key tails were rewritten, or their exact windows "
+                               "compressed tokens, which cannot be restored; "
                                "call cache.reset() before reusing the cache")
 
     @property

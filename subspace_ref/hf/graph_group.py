@@ -211,12 +211,12 @@ class GraphHeadGroup:
         and None. One query through the kernel when its workspace is prepared and every written
         slot is visible: M11.6 instead; several over low-bit keys: M11.8 step 3; pre-RoPE keys:
         M11.10 step 3. With ``counts`` (a windowed layer, M11.14 step 3: the compressed tokens
-        each query sees; the mask is then the layer's) the output in the compute dtype and its
-        log-sum-exp (batch, h g, n), float32 or the compute dtype."""
+        each query sees; ``mask`` then a boolean (N or 1, 1, n, L) over compressed slots, or None)
+        the output in the compute dtype and its log-sum-exp (batch, h g, n) in the compute dtype."""
         N, Hq, n, d = query.shape
         count = layer.compressed
         if n == 1 and self.workspace is not None and all_visible and self.workspace_key == (N, Hq, query.dtype, scaling):
-            out, lse = self.decode_op(query[:, :, 0].contiguous(), list(self.held()), count, self.workspace_handle)
+            out, lse = self.decode_op(query[:, :, 0].contiguous(), list(self.held()), count, self.workspace_handle, counts is not None)
             return (out[:, None], None) if counts is None else (out[:, None].to(layer.compute_dtype), lse[..., None].to(layer.compute_dtype))
         H = len(self.heads)
         g = Hq // H
@@ -227,6 +227,8 @@ class GraphHeadGroup:
             C, D = (graph_storage.read(self.layout, which, count, layer.dtype, layer.max_cache_len) for which in ("key", "value"))
         slots = layer.slots
         visible = mask if counts is None else layer.slots[None, :] < counts[:, None]
+        if counts is not None and mask is not None:
+            visible = visible & mask
         if n > 1 and self.low_bit_keys and self.fresh_keys is not None:
             T = int(count)  # eager: a block's queries
             seen = torch.arange(T - n + 1, T + 1, device=C.device) if counts is None else counts

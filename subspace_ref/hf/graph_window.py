@@ -106,20 +106,24 @@ class ExactParts:
 
     # ------------------------------------------------------------------ attention (M11.14 steps 3-5)
     def visible(self, T: torch.Tensor, n: int, eager_T: int | None):
-        """The exact keys, values (N, H, E, ·) and which each of the last n queries sees (n, E):
-        one query (a decode step), the sinks and the ring's filled slots; a block (eager, T its
-        host count), the candidates :meth:`block` kept, query p seeing position t iff t <= p and
-        t is a sink or t >= S + T_c(p + 1)."""
+        """The exact keys, values (N, H, E, ·), which each of the last n queries sees (n, E) and
+        the positions of the E slots: one query (a decode step), the sinks and the ring's filled
+        slots; a block (eager, T its host count), the candidates :meth:`block` kept (then
+        dropped), query p seeing position t iff t <= p and t is a sink or t >= S + T_c(p + 1)."""
         S, W = self.sinks, self.window
         if n == 1:
             keys = torch.cat([self.sink_keys, self.ring_keys], dim=2)
             values = torch.cat([self.sink_values, self.ring_values], dim=2)
-            filled = torch.where(self.slots < S, self.slots < T, self.slots - S < (T - S).clamp(min=0, max=W))
-            return keys, values, filled[None, :]
+            after = (T - S).clamp(min=0)
+            ring = self.slots - S  # slot j holds the last u = j (mod W) below T - S, position S + u
+            positions = torch.where(self.slots < S, self.slots, S + ring + W * ((after - 1 - ring).clamp(min=0) // max(W, 1)))
+            filled = torch.where(self.slots < S, self.slots < T, ring < after.clamp(max=W))
+            return keys, values, filled[None, :], positions
         keys, values, positions = self.candidates
+        self.candidates = None  # a prompt-sized copy: not kept past its forward
         p = torch.arange(eager_T - n, eager_T, device=keys.device)[:, None]
         first_recent = S + (p + 1 - S - W).clamp(min=0)
-        return keys, values, (positions[None, :] <= p) & ((positions[None, :] < S) | (positions[None, :] >= first_recent))
+        return keys, values, (positions[None, :] <= p) & ((positions[None, :] < S) | (positions[None, :] >= first_recent)), positions
 
     def query_counts(self, T: int, n: int, device) -> torch.Tensor:
         """T_c(p + 1) for the last n queries p = T - n .. T - 1 (eager): the compressed tokens each sees."""
@@ -138,8 +142,9 @@ class ExactParts:
 
 def exact_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, scaling: float, compute_dtype):
     """Spec W3's exact chunk for queries (N, H_q, n, d) over keys, values (N, H, E, ·) under
-    ``visible`` (n, E): the output (N, n, H_q, d_v) and the log-sum-exp (N, H_q, n), both in
-    ``compute_dtype`` (-inf and zeros where a query sees no exact token)."""
+    ``visible`` (n, E, or per sequence (N or 1, 1, n, E)): the output (N, n, H_q, d_v) and the
+    log-sum-exp (N, H_q, n), both in ``compute_dtype`` (-inf and zeros where a query sees no
+    exact token)."""
     N, Hq, n, d = query.shape
     H = keys.shape[1]
     q = query.to(compute_dtype).view(N, H, Hq // H, n, d)
@@ -149,9 +154,11 @@ def exact_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 
 def softmax_sum(logits: torch.Tensor, visible: torch.Tensor, values: torch.Tensor):
     """The weighted sum of ``values`` (N, H, E, v) under softmax(``logits`` (N, H, g, n, E)) over
-    the ``visible`` (n, E) slots, and the log-sum-exp: (N, n, H g, v), (N, H g, n); zeros and
-    -inf for a query that sees nothing."""
+    the ``visible`` (n, E), or per sequence (N or 1, 1, n, E), slots, and the log-sum-exp:
+    (N, n, H g, v), (N, H g, n); zeros and -inf for a query that sees nothing."""
     N, H, g, n, _ = logits.shape
+    if visible.dim() == 4:  # per sequence: the heads' axes
+        visible = visible[:, :, None]
     logits = logits.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)
     weights = torch.where(torch.isfinite(lse)[..., None], torch.exp(logits - lse[..., None]), torch.zeros_like(logits))
@@ -161,14 +168,17 @@ def softmax_sum(logits: torch.Tensor, visible: torch.Tensor, values: torch.Tenso
 
 def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """Spec A3.2 over whole parts: outputs (N, n, H_q, d_v), each normalised, and their log-sum-
-    exps (N, H_q, n) -> the output over all their tokens (a part of -inf carries no weight)."""
+    exps (N, H_q, n) -> the output over all their tokens (a part of -inf carries no weight; a
+    query with no token in any part gets zeros, so a padding row passes no NaN to later layers)."""
     lse = torch.stack([p[1] for p in parts])
     top = lse.max(dim=0).values
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     weights = torch.exp(lse - top)  # (P, N, H_q, n)
     total = weights.sum(dim=0)
-    out = sum(torch.nan_to_num(p[0]) * w.transpose(1, 2)[..., None] for p, w in zip(parts, weights))
-    return out / total.transpose(1, 2)[..., None]
+    # a part over no token (lse -inf) may hold NaN (the kernel's 0/0): weight 0 and no NaN
+    out = sum(torch.where(torch.isfinite(p[1]).transpose(1, 2)[..., None], p[0], 0.0) * w.transpose(1, 2)[..., None] for p, w in zip(parts, weights))
+    total = total.transpose(1, 2)[..., None]
+    return torch.where(total > 0, out / total, 0.0)  # a query that sees nothing (a padding row): zeros, not NaN
 
 
 __all__ = ["ExactParts", "compressed_count", "exact_attention", "merge", "softmax_sum"]

@@ -24,6 +24,7 @@ from dataclasses import replace
 
 import torch
 
+from subspace_ref_triton import decode
 from subspace_ref_triton.workspace import DecodeWorkspace
 
 _WORKSPACES: "weakref.WeakValueDictionary[int, DecodeWorkspace]" = weakref.WeakValueDictionary()  # by their output's address
@@ -44,19 +45,23 @@ def workspace_decode(q: torch.Tensor, arrays: list[torch.Tensor], num_tokens: to
     """Spec A3 of q (N, H_q, d) over the first ``num_tokens`` tokens of the layout of the
     workspace registered as ``handle``, with ``arrays`` (its registered names, in order: the
     coefficients and what their formats add) in place of its own: the output (N, H_q, d_v) in
-    q's dtype, a copy, and with ``lse`` the log-sum-exp of its logits (N, H_q), float32, from
-    the split partials (spec A3.2: ``m + log Z`` merged; -inf over no token), by which a caller
-    merges more tokens in (an exact window, spec/window.md W3); without, that tensor is unset."""
+    q's dtype, a copy; with ``lse``, the output merged from the split partials in float32 (not
+    rounded to q's dtype before the caller merges more tokens in: an exact window,
+    spec/window.md W3) and the log-sum-exp of its logits (N, H_q), float32 (spec A3.2:
+    ``m + log Z`` merged; -inf over no token); without, that tensor is unset."""
     ws = _WORKSPACES[handle.data_ptr()]
     layout = replace(ws.layout, **dict(zip(_ARRAYS[ws], arrays, strict=True)))
-    out = ws.attend(q, layout, num_tokens).clone()
-    m, z, _ = ws.partials
-    return out, (torch.logsumexp(m + torch.log(z), dim=-1) if lse else m.new_empty(m.shape[:2]))
+    if not lse:
+        out = ws.attend(q, layout, num_tokens).clone()
+        return out, out.new_empty(out.shape[:2], dtype=torch.float32)
+    m, z, o = ws.attend(q, layout, num_tokens, merge=False)
+    return decode.merge_partials_reference(m, z, o, torch.float32), torch.logsumexp(m + torch.log(z), dim=-1)
 
 
 @workspace_decode.register_fake
 def _(q, arrays, num_tokens, handle, lse):
-    return q.new_empty((q.shape[0], q.shape[1], handle.shape[-1])), q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
+    shape = (q.shape[0], q.shape[1])
+    return q.new_empty((*shape, handle.shape[-1]), dtype=torch.float32 if lse else q.dtype), q.new_empty(shape, dtype=torch.float32)
 
 
 __all__ = ["register", "workspace_decode"]

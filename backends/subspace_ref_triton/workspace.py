@@ -106,13 +106,15 @@ class DecodeWorkspace:
         merge, _ = decode.merge_launch(*self.partials, self.out.dtype, out=self.out)
         return split, merge
 
-    def attend(self, q, layout=None, num_tokens=None):
+    def attend(self, q, layout=None, num_tokens=None, merge: bool = True):
         """Spec A3 of q (N, H_q, d) over the first ``num_tokens`` tokens: ``self.out``, overwritten
         by every call. No allocation, no host sync; q must have the workspace's shape and dtype.
-        ``layout``, ``num_tokens``: as :meth:`launches`."""
-        for launch in self.launches(q, layout, num_tokens):
+        ``layout``, ``num_tokens``: as :meth:`launches`. ``merge=False``: the split launch only,
+        returning ``self.partials`` (m, Z, N) for the caller to merge (spec A3.2)."""
+        launches = self.launches(q, layout, num_tokens)
+        for launch in launches if merge else launches[:1]:
             launch.run()
-        return self.out
+        return self.out if merge else self.partials
 
     def advance(self, count: int = 1) -> None:
         """Count ``count`` more tokens, on the device (graph-capturable)."""

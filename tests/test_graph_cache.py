@@ -464,7 +464,8 @@ def test_a_value_out_of_range_leaves_the_low_bit_keys_as_they_were(groups, bad):
     assert int(layer.cumulative_length) == 10 and all(torch.equal(a, b) for a, b in zip(before, layer.held(), strict=True))
 
 
-@pytest.mark.parametrize("options, needs", [(dict(coefficients="int8"), "int8 coefficients"), (dict(rope="rope"), "pre-RoPE keys")])
+@pytest.mark.parametrize("options, needs", [(dict(coefficients="int8"), "int8 coefficients"), (dict(rope="rope"), "pre-RoPE keys"),
+                                            (dict(sinks=2, window=4), "sinks or an exact window")])
 def test_quantised_or_pre_rope_on_cuda_without_the_kernel_is_refused(monkeypatch, options, needs):
     """On CUDA a quantised (here int8) or pre-RoPE layer needs the Triton kernel (M11.6, M11.10):
     without it, it is refused by name rather than dequantising, or rebuilding and rotating, the

@@ -36,12 +36,15 @@ def kernel_backend(device, dtype):
 
 def kernel_needs(state) -> str | None:
     """What makes a graph group of the uniform ``state`` decode through the Triton kernel where it
-    runs (M11.6, M11.10), and why SDPA will not do on CUDA; None for float post-RoPE coefficients."""
+    runs (M11.6, M11.10, M11.14), and why SDPA will not do on CUDA; None for float post-RoPE
+    coefficients without sinks or a window."""
     needs = []
     if (state.layout.key_format, state.layout.value_format) != (FLOAT, FLOAT):
         needs.append(f"{state.layout.coefficients} coefficients (the whole capacity would be dequantised every step)")
     if getattr(state.policy, "rope", None) is not None:
         needs.append("pre-RoPE keys (the whole capacity would be rebuilt and rotated every step)")
+    if state.window is not None:
+        needs.append("sinks or an exact window (their merge needs the log-sum-exp, which SDPA does not return: explicit logits over the whole capacity every step)")
     return " and ".join(needs) or None
 
 
@@ -244,8 +247,8 @@ class GraphHeadGroup:
         if counts is not None:  # M11.14 step 3: with the log-sum-exp, which SDPA does not return
             logits = torch.einsum("bhgnr,bhlr->bhgnl", qt.to(layer.compute_dtype), C.to(layer.compute_dtype)) * scaling
             y, lse = softmax_sum(logits, visible, D.to(layer.compute_dtype))
-            out = torch.einsum("bnhr,hre->bnhe", y, self.value_basis.repeat_interleave(g, dim=0))
-            return out, lse
+            out = torch.einsum("bnhgr,hre->bnhge", y.view(N, n, H, g, -1), self.value_basis)
+            return out.reshape(N, n, Hq, -1), lse
         if n == 1:  # decode: the g query heads of a KV head as g query rows of it, so no GQA kernel is needed
             visible = (layer.slots < count).view(1, 1, 1, -1) if mask is None else mask  # (1 or N, 1, 1, L)
             y = F.scaled_dot_product_attention(qt.view(N, H, g, -1), C, D, attn_mask=visible, scale=scaling)  # steps 2-3

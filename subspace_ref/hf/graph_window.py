@@ -3,8 +3,8 @@ addresses (spec/models.md M11.14; spec/window.md W1-W3, W7-W10).
 
 A windowed state keeps its first ``S`` tokens (the sinks) and its last ``W`` tokens exact and
 compresses the tokens between. A :class:`~subspace_ref.hf.GraphSubspaceLayer` over such a state
-holds the sinks in an ``(N, H, S, ·)`` array and the recent tokens in a ring of ``W`` slots
-(token ``t >= S`` at slot ``(t - S) mod W``), so a decode step writes one row of each at slots
+holds the sinks and a ring of ``W`` recent slots in one ``(N, H, S + W, ·)`` array (token
+``t >= S`` at ring slot ``(t - S) mod W``, after the sinks), so a decode step writes one row of each at slots
 derived from the device token count, and compresses the row the ring gives up: no host value,
 no allocation, as a captured graph needs. The compressed part is the head groups' storage, with
 its own device count ``T_c``; attention merges the groups' log-sum-exp with the exact part's.
@@ -26,16 +26,19 @@ class ExactParts:
 
     def __init__(self, sinks: int, window: int, batch: int, heads: int, d: int, d_v: int, dtype, device):
         self.sinks, self.window = int(sinks), int(window)
-        new = lambda rows, width: torch.zeros((batch, heads, rows, width), dtype=dtype, device=device)  # noqa: E731
-        self.sink_keys, self.sink_values = new(self.sinks, d), new(self.sinks, d_v)
-        self.ring_keys, self.ring_values = new(self.window, d), new(self.window, d_v)
+        # sinks then ring in one array, so a decode step attends over it without a concatenation
+        self.keys = torch.zeros((batch, heads, self.sinks + self.window, d), dtype=dtype, device=device)
+        self.values = torch.zeros((batch, heads, self.sinks + self.window, d_v), dtype=dtype, device=device)
+        self.sink_keys, self.sink_values = self.keys[:, :, : self.sinks], self.values[:, :, : self.sinks]
+        self.ring_keys, self.ring_values = self.keys[:, :, self.sinks :], self.values[:, :, self.sinks :]
         self.slots = torch.arange(self.sinks + self.window, device=device)
         self.compressed = torch.zeros((), dtype=torch.int64, device=device)
         self.candidates = None  # the exact keys, values and positions of the last eager block, for its queries (step 4)
 
     def held(self) -> tuple[torch.Tensor, ...]:
-        """The per-sequence arrays (beam reorder, reset, bytes)."""
-        return (self.sink_keys, self.sink_values, self.ring_keys, self.ring_values)
+        """The per-sequence arrays (beam reorder, reset, bytes): the sinks and the ring's, whose views
+        the other attributes are."""
+        return (self.keys, self.values)
 
     # ------------------------------------------------------------------ writes (M11.14 steps 1-2)
     def token(self, keys: torch.Tensor, values: torch.Tensor, count: torch.Tensor):
@@ -112,8 +115,7 @@ class ExactParts:
         dropped), query p seeing position t iff t <= p and t is a sink or t >= S + T_c(p + 1)."""
         S, W = self.sinks, self.window
         if n == 1:
-            keys = torch.cat([self.sink_keys, self.ring_keys], dim=2)
-            values = torch.cat([self.sink_values, self.ring_values], dim=2)
+            keys, values = self.keys, self.values
             after = (T - S).clamp(min=0)
             ring = self.slots - S  # slot j holds the last u = j (mod W) below T - S, position S + u
             positions = torch.where(self.slots < S, self.slots, S + ring + W * ((after - 1 - ring).clamp(min=0) // max(W, 1)))

@@ -36,8 +36,9 @@ Per (N, T), all in the same process:
   building a 128k-token adaptive state by FD would take minutes and its boundaries depend on the
   data -- but it has exactly the layout and chunk count the kernel walks.
 * **step-eager** / **step-graph** -- one whole decode step of the static float state: project
-  one new token into the cache (c = B k, d = E v, written at the device-resident row T), advance
-  T, attend (``subspace_ref_triton.workspace.DecodeWorkspace``); eagerly, and replayed from a
+  one new token into the cache (c = B k, d = E v, written at the device-resident row T) and
+  advance T (``DecodeWorkspace.append``: one launch and one add), attend
+  (``subspace_ref_triton.workspace.DecodeWorkspace``); eagerly, and replayed from a
   captured CUDA graph. The difference is the host overhead a graph removes. **step-eager
   fused-merge** / **step-graph fused-merge**: the same with split and merge in one launch
   (``DecodeWorkspace(..., fused_merge=True)``); **triton-static fused-merge**: the static state's
@@ -484,10 +485,12 @@ def time_step(rows: list[dict], state, q, K, V, scale: float, fused: bool) -> No
     B, E = lay.key_bases[:, :, 0], lay.value_bases[:, :, 0]  # (N, H, r, d): the static basis
 
     def step():
-        # spec A6 for one token, written at row T on the device: graph-capturable
-        ws.layout.key_coef.index_copy_(2, ws.num_tokens, torch.matmul(k_new, B.mT).to(lay.key_coef.dtype))
-        ws.layout.value_coef.index_copy_(2, ws.num_tokens, torch.matmul(v_new, E.mT).to(lay.value_coef.dtype))
-        ws.advance(1)
+        if rope is None:  # spec A6 for one token, projected and written at row T on the device, T advanced: one launch and one add
+            ws.append(k_new, v_new)
+        else:  # the pre-RoPE key's un-rotation is left out (see the module docstring): the projection as torch ops
+            ws.layout.key_coef.index_copy_(2, ws.num_tokens, torch.matmul(k_new, B.mT).to(lay.key_coef.dtype))
+            ws.layout.value_coef.index_copy_(2, ws.num_tokens, torch.matmul(v_new, E.mT).to(lay.value_coef.dtype))
+            ws.advance(1)
         return ws.attend(q)
 
     def reset():

@@ -26,7 +26,7 @@ PY=${PYTHON:-python}
 XDIST=$($PY -c "import xdist" 2> /dev/null && echo "-n 14")
 PER_TEST=$($PY -c "import pytest_timeout" 2> /dev/null && echo "--timeout=60")
 timeout 150 $PY -m pytest -v $XDIST $PER_TEST tests/test_triton_vendor.py tests/test_triton_fused_merge.py tests/test_triton_launch.py tests/test_graph_cache.py tests/test_graph_kernel_decode.py \
-  tests/test_rope_decode.py tests/test_triton_kernels.py -k "Decode or LowBit or rope or Rope or graph or Workspace or vendor or refused or float32_states or fused or cuda" -p no:cacheprovider --junitxml="$OUT/tests.xml" > "$OUT/tests.log" 2>&1
+  tests/test_rope_decode.py tests/test_triton_kernels.py -k "Decode or LowBit or rope or Rope or graph or Workspace or vendor or refused or float32_states or fused or cuda or device_row" -p no:cacheprovider --junitxml="$OUT/tests.xml" > "$OUT/tests.log" 2>&1
 rc=$?
 grep -E "(FAILED|ERROR) " "$OUT/tests.log" | sed 's/^\[gw[0-9]*\] *\[ *[0-9]*%\] *//' | sort | uniq | head -40 >> "$OUT/session.txt"
 echo "tests: rc=$rc" >> "$OUT/session.txt"

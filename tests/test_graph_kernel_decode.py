@@ -163,16 +163,23 @@ def test_batch_decode_matches_the_oracle_cache(padded, coefficients, kernel_call
     assert float((logits[0] - logits[1]).abs().max()) <= 1e-5 * float(logits[1].abs().max())
 
 
-@pytest.mark.parametrize("coefficients", ["float", "int4"])
-def test_windowed_kernel_decode_matches_the_oracle_cache(coefficients, kernel_calls):
-    """A windowed pre-RoPE layer (2 sinks, 3 recent tokens; M11.14) decodes its compressed part
-    through the kernel, whose log-sum-exp merges it with the exact part: a prefill and 4 decode
-    steps equal the numpy oracle cache's logits (1e-5 of their scale, test_batch_decode's rule)."""
+@pytest.mark.parametrize("prompt", [2, 9])
+@pytest.mark.parametrize("coefficients", ["float", "int4", "layer state"])
+def test_windowed_kernel_decode_matches_the_oracle_cache(coefficients, prompt, kernel_calls):
+    """A windowed pre-RoPE layer (2 sinks, 3 recent tokens; M11.14) decodes through the kernel,
+    whose merge launch adds the exact sinks and ring to the compressed part: a prefill and 4
+    decode steps equal the numpy oracle cache's logits (1e-5 of their scale, test_batch_decode's
+    rule). A 2-token prompt decodes while the sinks and the ring fill (T_c = 0: the exact part
+    alone, a prefix of the slots), then compresses; a 9-token one compresses every step. Layer state:
+    two head groups of one KV head each, so the second reads exact row 1 for its head 0."""
     model = make_model("llama", torch.float32).to(DEVICE)
     rope = sr.rope.RopeParams.from_config(model.config)
-    factory = static_states(random_bases(model), coefficients=coefficients, group_size=4, rope=rope, sinks=2, window=3)
+    if coefficients == "layer state":
+        factory, groups = mixed_layer_states(model, split=False, sinks=2, window=3), 2
+    else:
+        factory, groups = static_states(random_bases(model), coefficients=coefficients, group_size=4, rope=rope, sinks=2, window=3), 1
     use_subspace_attention(model)
-    ids = ids_of(9, 5).to(DEVICE)
+    ids = ids_of(prompt, 5).to(DEVICE)
     with torch.no_grad():
         logits = []
         for cache in (GraphSubspaceCache(model.config, factory, max_cache_len=16), SubspaceCache(model.config, factory, backend="numpy")):
@@ -180,5 +187,5 @@ def test_windowed_kernel_decode_matches_the_oracle_cache(coefficients, kernel_ca
             for token in (3, 17, 40, 5):
                 out.append(model(input_ids=torch.tensor([[token]], device=DEVICE), cache=cache).logits[:, -1])
             logits.append(torch.stack(out))
-    assert len(kernel_calls) == 4 * model.config.num_hidden_layers
+    assert len(kernel_calls) == 4 * model.config.num_hidden_layers * groups
     assert float((logits[0] - logits[1]).abs().max()) <= 1e-5 * float(logits[1].abs().max())

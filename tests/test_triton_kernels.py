@@ -214,8 +214,8 @@ def gpu_attend(q, layout, scale=None, split_len=None, num_splits=None):
     return gpu_merge(*gpu_partials(q, layout, scale, split_len, num_splits), q.dtype)
 
 
-def gpu_project(keys, values, key_bases, value_bases, chunk, out_key, out_value, residuals=False, out_key_scale=None, out_value_scale=None):
-    launch, rho = project.project_launch(keys, values, key_bases, value_bases, chunk, out_key, out_value, residuals, out_key_scale, out_value_scale)
+def gpu_project(keys, values, key_bases, value_bases, chunk, out_key, out_value, residuals=False, out_key_scale=None, out_value_scale=None, out_row=None):
+    launch, rho = project.project_launch(keys, values, key_bases, value_bases, chunk, out_key, out_value, residuals, out_key_scale, out_value_scale, out_row)
     if launch is not None:
         _as_on_gpu(launch)
     return rho
@@ -650,6 +650,111 @@ class TestWindowDecode:
         assert np.abs(got - want).max() <= tolerance(ref, want, dtype), (np.abs(got - want).max(), ref)
 
     @pytest.mark.parametrize("block_d", [None, 32])
+    @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+    @pytest.mark.parametrize("case", [c for c in WINDOW_CASES if c[1] == "static"], ids=[c[0] for c in WINDOW_CASES if c[1] == "static"])
+    def test_workspace_step_with_the_exact_part_matches_oracle(self, rng, case, dtype, block_d):
+        """The graph-capturable step of a windowed layer (spec/models.md M11.14 step 3): the
+        workspace's split launch, then the merge launch with the exact part added
+        (window_decode.exact_merge_launch), against the float64 oracle on the same state within
+        the harness's tolerance. The exact tokens lie as a graph layer holds them: one array of
+        sinks then recent slots, read up to min(count, slots) with the count the layer's whole T
+        (beyond the slots when tokens were compressed; else slots past it hold garbage), and the
+        group's KV head h at row 2 h + 1 of twice the heads (``heads``). Nothing compressed: the
+        split partials are all empty."""
+        from subspace_ref_triton import window_decode, workspace
+
+        from subspace_ref.basis_storage import decoded_state
+        from tests.differential.tolerance import tolerance
+
+        name, kind, N, H, g, d, d_v, T, sinks, window, min_tokens, coefficients, logit = case
+        B = np.stack([np.linalg.qr(rng.standard_normal((d, 6)))[0].T for _ in range(H)])
+        E = np.stack([np.linalg.qr(rng.standard_normal((d_v, 5)))[0].T for _ in range(H)])
+        state = sr.SubspaceState.static(sr.StaticBasis.from_bases(B, E, rng.uniform(0.5, 1.5, H)), sinks=sinks, window=window,
+                                        min_tokens=min_tokens, batch=N)
+        state.append(rng.standard_normal((N, H, T, d)), rng.standard_normal((N, H, T, d_v)))
+        tstate = state.to("triton", device=DEVICE, dtype=dtype)
+        win = tstate.window
+        filled = win.sink_keys.shape[2] + win.keys.shape[2]
+        garbage = 0 if tstate.layout.num_tokens else 5
+        tdt = getattr(torch, dtype)
+
+        def exact_array(sink, recent, width):
+            rows = torch.full((N, 2 * H, filled + garbage, width), 1e4, dtype=tdt, device=DEVICE)  # what the count must hide
+            rows[:, 1::2, :filled] = torch.cat([sink, recent], dim=2)
+            return rows
+
+        keys, values = exact_array(win.sink_keys, win.keys, d), exact_array(win.sink_values, win.values, d_v)
+        q = _t(rng.standard_normal((N, H * g, d)), tdt)
+        layout = decoded_state(tstate).layout
+        ws = workspace.DecodeWorkspace(layout, H * g, tdt)
+        count = torch.tensor(T, dtype=torch.int64, device=DEVICE)
+        split, merge = ws.launches(q, exact=(keys, values, count, torch.arange(1, 2 * H, 2, device=DEVICE)))
+        assert merge.kernel is window_decode._exact_merge_kernel
+        if block_d is not None:
+            merge.constexprs["BLOCK_D"] = block_d
+        split.run()
+        merge.run()
+        got = _f64(ws.out)
+        q64 = _f64(q)
+        state64 = tstate.to("numpy", dtype=np.float64)
+        want = attend_reference(q64, state64, None)
+        ref = reference_error(state64, q64, None, want, dtype)
+        assert np.isfinite(got).all() and np.abs(got - want).max() <= tolerance(ref, want, dtype), (np.abs(got - want).max(), ref)
+
+    def test_exact_merge_is_the_merge_of_all_partials(self, rng):
+        """exact_merge_launch equals the two launches it replaces: exact_launch's partial of the
+        first ``count`` slots (garbage after them) of the group's KV heads (rows [2, 0] of 3) as
+        one more column, then merge_launch over all columns. The split partials' maxima lie
+        above and below the exact part's (one by 100: a reference taken from one part alone
+        overflows), one column is empty and one row's every column (nothing compressed). The
+        exact partials are bitwise the same (one helper); the merges differ in order only, each
+        within (S + 8) u of sum_s a_s |N_s| / sum_s a_s Z_s (S + 1 products and sums, two
+        exponentials rounded to a few ulp), so the two outputs within twice that."""
+        from subspace_ref_triton import window_decode
+
+        N, g, d, d_v, S, E, count = 2, 3, 40, 24, 5, 9, 7
+        heads = torch.tensor([2, 0], device=DEVICE)
+        H, Hq = heads.numel(), heads.numel() * g
+        q = _t(rng.standard_normal((N, Hq, d)), torch.float32)
+        keys = _t(rng.standard_normal((N, 3, E, d)), torch.float32)
+        values = _t(rng.standard_normal((N, 3, E, d_v)), torch.float32)
+        keys[:, :, count:], values[:, :, count:] = 1e4, 1e4  # what the count must hide
+        own_k, own_v = keys[:, heads, :count].contiguous(), values[:, heads, :count].contiguous()
+        top = (torch.einsum("nhgd,nhtd->nhgt", q.double().view(N, H, g, d), own_k.double()) * 0.3).amax(-1).reshape(N, Hq)  # the exact part's max
+        offsets = _t(rng.choice([-2.0, 2.0], size=(N, Hq, S)), torch.float32)
+        offsets[0, 0, 0] = 100.0
+        pm = (top.float()[..., None] + offsets).contiguous()
+        pz = _t(rng.uniform(0.5, 3.0, (N, Hq, S)), torch.float32)
+        po = _t(rng.standard_normal((N, Hq, S, d_v)), torch.float32)
+        pm[:, :, 1], pz[:, :, 1], po[:, :, 1] = float("-inf"), 0.0, 0.0  # an empty split
+        pm[1, 2], pz[1, 2], po[1, 2] = float("-inf"), 0.0, 0.0  # a row with no compressed token
+        out = torch.empty((N, Hq, d_v), device=DEVICE)
+        window_decode.exact_merge_launch(q, keys, values, 0.3, (pm, pz, po), out, torch.tensor(count, device=DEVICE), heads).run()
+        wide = tuple(torch.cat([x, torch.zeros_like(x[:, :, :1])], dim=2).contiguous() for x in (pm, pz, po))
+        window_decode.exact_launch(q, own_k, own_v, 0.3, wide, S).run()
+        want = decode.merge_partials(*wide, torch.float32)
+        m = wide[0].double()
+        a = torch.exp(m - m.amax(-1, keepdim=True))
+        scale = (a[..., None] * wide[2].double().abs()).sum(2) / (a * wide[1].double()).sum(2)[..., None]
+        bound = 2 * (S + 8) * 2.0**-24 * scale
+        assert torch.isfinite(out).all() and ((out.double() - want.double()).abs() <= bound).all(), float((out - want).abs().max())
+
+    def test_exact_merge_refuses_what_does_not_agree(self):
+        """exact_merge_launch names the argument that does not fit, before any launch."""
+        from subspace_ref_triton import window_decode
+
+        q = torch.zeros(1, 4, 8, device=DEVICE)
+        k = torch.zeros(1, 2, 3, 8, device=DEVICE)
+        parts = (torch.zeros(1, 4, 2, device=DEVICE), torch.zeros(1, 4, 2, device=DEVICE), torch.zeros(1, 4, 2, 8, device=DEVICE))
+        count = torch.tensor(3, device=DEVICE)
+        with pytest.raises(ValueError, match="count must be a one-element int64"):
+            window_decode.exact_merge_launch(q, k, k, 1.0, parts, torch.zeros(1, 4, 8, device=DEVICE), count.int())
+        with pytest.raises(ValueError, match="do not agree"):
+            window_decode.exact_merge_launch(q, k, k, 1.0, parts, torch.zeros(1, 4, 7, device=DEVICE), count)
+        with pytest.raises(ValueError, match="keys must have a unit stride"):
+            window_decode.exact_merge_launch(q, k.mT.contiguous().mT, k, 1.0, parts, torch.zeros(1, 4, 8, device=DEVICE), count)
+
+    @pytest.mark.parametrize("block_d", [None, 32])
     def test_exact_partial_is_a_softmax_partial(self, rng, block_d):
         """One exact segment's (m, Z, N) of spec A3.2: m the largest logit s q.k, Z and N the sums
         of exp(l - m) and exp(l - m) v, every query head of the GQA group (g = 3 of 16 rows);
@@ -796,6 +901,30 @@ class TestProjectAppend:
         assert (np.abs(q * s[..., None] - c64) <= s[..., None] * (0.5 + 1e-4) + 1e-30).all()
         torch.testing.assert_close(out_k, out_v)
         np.testing.assert_allclose(_f64(rho[0]) ** 2, relative_residual(_f64(keys), c64) ** 2, atol=2e-6)
+
+    @pytest.mark.parametrize("int8", [False, True])
+    def test_device_row(self, impl, rng, int8):
+        """``out_row``, the outputs' first row read on the device (a graph-captured append at the
+        token count, DecodeWorkspace.append), writes what a view at that row receives, bit for
+        bit, and no other row."""
+        N, H, n_new, d, r, row, cap = 2, 2, 3, 32, 5, 11, 20
+        keys = _t(rng.standard_normal((N, H, n_new, d)), torch.float32)
+        values = _t(rng.standard_normal((N, H, n_new, d)), torch.float32)
+        bases = _t(np.swapaxes(np.linalg.qr(rng.standard_normal((N, H, 1, d, r)))[0], -1, -2), torch.float32)
+        chunk = torch.zeros((N, H), dtype=torch.int64, device=DEVICE)
+
+        def buffers():
+            coef = torch.full((N, H, cap, r), 99 if int8 else -7.0, dtype=torch.int8 if int8 else torch.float32, device=DEVICE)
+            scale = torch.full((N, H, cap), -7.0, device=DEVICE)
+            return coef, coef.clone(), scale, scale.clone()
+
+        want, got = buffers(), buffers()
+        view = [x[:, :, row : row + n_new] for x in want]
+        impl["project"](keys, values, bases, bases, chunk, view[0], view[1], False, *(view[2:] if int8 else (None, None)))
+        impl["project"](keys, values, bases, bases, chunk, got[0], got[1], False, *(got[2:] if int8 else (None, None)),
+                        out_row=torch.tensor(row, device=DEVICE))
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert (want[0][:, :, row : row + n_new] != (99 if int8 else -7.0)).any()
 
     def test_without_residuals_returns_none(self, impl, rng):
         keys = _t(rng.standard_normal((1, 2, 3, 16)), torch.float32)

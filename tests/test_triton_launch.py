@@ -175,6 +175,110 @@ def test_workspace_step_has_no_sync_and_no_allocation(rng, monkeypatch):
 
 
 @needs_triton
+def test_windowed_workspace_step_has_no_sync_and_no_allocation(rng, monkeypatch):
+    """With a windowed layer's exact part (spec/models.md M11.14 step 4) the step is still two
+    launches, the second reading the exact arrays, the layer's count and the head rows on the
+    device, the split partials and writing the workspace's output."""
+    N, H, g, d, r, capacity = 2, 2, 2, 32, 4, 1000
+    lay = chunked_layout(rng, N, H, capacity, d, r, [0, 40])
+    ws = workspace.DecodeWorkspace(lay, H * g, torch.float32)
+    keys, values = torch.zeros(N, 2 * H, 36, d, device=DEVICE), torch.zeros(N, 2 * H, 36, d, device=DEVICE)
+    count, heads = torch.zeros((), dtype=torch.int64, device=DEVICE), torch.tensor([3, 0], device=DEVICE)
+    q = torch.zeros(N, H * g, d, device=DEVICE)
+    with no_sync_no_alloc(monkeypatch) as launches:
+        out = ws.attend(q, exact=(keys, values, count, heads))
+    assert out is ws.out
+    split, merge = launches
+    assert split.grid == (N * H, ws.num_splits) and merge.grid == (N * H,) and merge.kernel.fn.__name__ == "_exact_merge_kernel"
+    assert merge.args[1] is keys and merge.args[2] is values and merge.args[3] is heads and merge.args[4] is count
+    assert all(a is p for a, p in zip(merge.args[5:8], ws.partials)) and merge.args[8] is ws.out
+
+
+def static_stream(rng, coefficients, N=2, H=2, d=24, r=5, tokens=48):
+    """A static state (float or int8 coefficients) and ``tokens`` keys and values to append."""
+    import subspace_ref as sr
+
+    orthonormal = lambda: np.swapaxes(np.linalg.qr(rng.standard_normal((H, d, r)))[0], -1, -2)  # noqa: E731
+    state = sr.SubspaceState.static(sr.StaticBasis.from_bases(orthonormal(), orthonormal(), gamma=[0.7, 1.3][:H]), batch=N, coefficients=coefficients)
+    return state, rng.standard_normal((N, H, tokens, d)), rng.standard_normal((N, H, tokens, d))
+
+
+@needs_triton
+@pytest.mark.parametrize("coefficients", ["float", "int8"])
+def test_workspace_append_then_attend_is_the_state_step(coefficients, rng):
+    """DecodeWorkspace.append projects new tokens at the device count and advances it: after
+    appends of 1 and 3 tokens the layout's rows are project_append_reference's at those rows
+    (its own float32 products), the rows beyond are untouched, and attend equals the reference
+    decode over the grown layout."""
+    N, H, g, T0 = 2, 2, 2, 37
+    state, keys, values = static_stream(rng, coefficients)
+    state.append(keys[:, :, :T0], values[:, :, :T0])
+    lay = state.to("triton", device=DEVICE, dtype="float32").layout
+    lay = lay.with_capacity(64, 1)
+    ws = workspace.DecodeWorkspace(lay, H * g, torch.float32)
+    want = replace(lay, **{name: getattr(lay, name).clone() for name in ("key_coef", "value_coef", "key_scale", "value_scale") if getattr(lay, name) is not None})
+    q = torch.as_tensor(rng.standard_normal((N, H * g, keys.shape[3])), dtype=torch.float32, device=DEVICE)
+    T = T0
+    for n in (1, 3):
+        k, v = (torch.as_tensor(x[:, :, T : T + n], dtype=torch.float32, device=DEVICE) for x in (keys, values))
+        ws.append(k, v)
+        scales = dict(out_key_scale=want.key_scale, out_value_scale=want.value_scale) if coefficients == "int8" else {}
+        project.project_append_reference(k, v, want.key_bases, want.value_bases, ws.chunk, want.key_coef, want.value_coef,
+                                         out_row=torch.tensor(T, device=DEVICE), **scales)
+        T += n
+        assert int(ws.num_tokens) == T
+        for name in ("key_coef", "value_coef") + (("key_scale", "value_scale") if scales else ()):
+            got, ref = getattr(ws.layout, name), getattr(want, name)
+            if name.endswith("coef") and coefficients == "int8":  # codes: round(c / s) from float32 products in either order
+                assert (got[:, :, :T].int() - ref[:, :, :T].int()).abs().max() <= 1, name
+            else:
+                torch.testing.assert_close(got[:, :, :T], ref[:, :, :T], rtol=2e-6, atol=1e-6)
+            assert torch.equal(got[:, :, T:], ref[:, :, T:]), name  # nothing written past the count
+        reference = decode.decode_attention_reference(q, replace(ws.layout, num_tokens=T), ws.scale, split_len=64)
+        torch.testing.assert_close(ws.attend(q), reference, rtol=1e-5, atol=1e-6)
+
+
+@needs_triton
+def test_workspace_append_has_no_sync_and_no_allocation(rng, monkeypatch):
+    """append, then attend: three launches (projection, split, merge) and one add, the projection
+    writing at the workspace's device count into the layout's own arrays."""
+    state, keys, values = static_stream(rng, "int8")
+    state.append(keys[:, :, :10], values[:, :, :10])
+    lay = state.to("triton", device=DEVICE, dtype="float32").layout.with_capacity(64, 1)
+    ws = workspace.DecodeWorkspace(lay, 4, torch.float32)
+    k = torch.as_tensor(keys[:, :, 10:11], dtype=torch.float32, device=DEVICE)
+    q = torch.zeros(2, 4, keys.shape[3], device=DEVICE)
+    with no_sync_no_alloc(monkeypatch) as launches:
+        ws.append(k, k)
+        ws.attend(q)
+    proj, split, merge = launches
+    assert proj.constexprs["DEVICE_ROW"] and proj.args[11] is ws.num_tokens and proj.args[5] is lay.key_coef and proj.args[7] is lay.key_scale
+    assert int(ws.num_tokens) == 11
+
+
+@needs_triton
+def test_workspace_append_refusals(rng):
+    """append refuses what it does not write: int4/int2 keys (their groups), pre-RoPE keys
+    (un-rotated by position first)."""
+    import subspace_ref as sr
+
+    H, d, r = 2, 16, 4
+    B = np.stack([np.linalg.qr(rng.standard_normal((d, r)))[0].T for _ in range(H)])
+    state = sr.SubspaceState.static(sr.StaticBasis.from_bases(B, B, [0.7, 1.3]), batch=1, coefficients="int4", group_size=8)
+    state.append(rng.standard_normal((1, H, 9, d)), rng.standard_normal((1, H, 9, d)))
+    lay = state.to("triton", device=DEVICE, dtype="float32").layout
+    ws = workspace.DecodeWorkspace(lay, H, torch.float32, fixed_tail=True)
+    k = torch.zeros(1, H, 1, d, device=DEVICE)
+    with pytest.raises(ValueError, match="float or int8 coefficients"):
+        ws.append(k, k)
+    rope_state, rope, pre_keys, pre_values = pre_rope_stream(rng, "float", 4)
+    rope_state.append(pre_keys[:, :, :8], pre_values[:, :, :8])
+    rope_ws = workspace.DecodeWorkspace(rope_state.to("triton", device=DEVICE, dtype="float32").layout, 4, torch.float32, rope=rope)
+    with pytest.raises(ValueError, match="pre-RoPE keys are un-rotated first"):
+        rope_ws.append(torch.zeros(2, 2, 1, 32, device=DEVICE), torch.zeros(2, 2, 1, 32, device=DEVICE))
+
+
+@needs_triton
 def test_device_token_count_with_low_bit_coefficients(rng):
     """int4 (spec/quantization.md Q2) with the token count read on the device: the boundary
     between coded key groups and the float tail follows it (T inside a group, at a group's end),

@@ -979,6 +979,15 @@ def _merge_row(pm_ptr, pz_ptr, po_ptr, row, num_splits, d_v, DV: tl.constexpr, B
     N / Z in float32 (DV,); empty partials (-inf, 0, 0) are the identity. Shared by
     :func:`_merge_kernel` and the fused merge of :func:`_decode_split_kernel` (``CACHE``: the
     partials' load cache modifier)."""
+    _, z_run, o_run = _merge_state(pm_ptr, pz_ptr, po_ptr, row, num_splits, d_v, DV, BLOCK_S, CACHE)
+    # Z >= 1 whenever a token was attended (spec A3.1); callers refuse T = 0.
+    return o_run / z_run
+
+
+@triton.jit
+def _merge_state(pm_ptr, pz_ptr, po_ptr, row, num_splits, d_v, DV: tl.constexpr, BLOCK_S: tl.constexpr, CACHE: tl.constexpr):
+    """Spec A3.2: the ``num_splits`` partials (m, Z, N) of ``row`` merged into one partial
+    (m, Z, N): scalars and (DV,), float32; (-inf, 0, 0) when every partial is empty."""
     offs_s = tl.arange(0, BLOCK_S)
     offs_dv = tl.arange(0, DV)
     dv_mask = offs_dv < d_v
@@ -1001,8 +1010,7 @@ def _merge_row(pm_ptr, pz_ptr, po_ptr, row, num_splits, d_v, DV: tl.constexpr, B
         z_run = z_run * a_run + tl.reduce(z * a, 0, _SUM)
         o_run = o_run * a_run + tl.reduce(o * a[:, None], 0, _SUM)
         m_run = m_new
-    # Z >= 1 whenever a token was attended (spec A3.1); callers refuse T = 0.
-    return o_run / z_run
+    return m_run, z_run, o_run
 
 
 @triton.jit

@@ -137,6 +137,11 @@ def triton_launches(exhaustive: bool = False):
         q = torch.zeros(1, H_KV * GROUP, D, dtype=dtypes[name])
         parts = (torch.zeros(1, H_KV * GROUP, 2), torch.zeros(1, H_KV * GROUP, 2), torch.zeros(1, H_KV * GROUP, 2, D))
         out.append(("decode exact", f"{name} d={D} g={GROUP} bt={window_decode.BLOCK_T}", True, window_decode.exact_launch(q, k, k, 0.1, parts, 1)))
+        # a windowed graph layer's merge launch (spec/models.md M11.14 step 4): 4 sinks and 32 recent slots, 40 split partials
+        merge_parts = (torch.zeros(1, H_KV * GROUP, 40), torch.zeros(1, H_KV * GROUP, 40), torch.zeros(1, H_KV * GROUP, 40, D))
+        launch = window_decode.exact_merge_launch(q, k[:, :, :36], k[:, :, :36], 0.1, merge_parts, torch.zeros(1, H_KV * GROUP, D, dtype=dtypes[name]),
+                                                  torch.zeros((), dtype=torch.int64))
+        out.append(("decode exact merge (graph)", f"{name} d={D} g={GROUP} bt={window_decode.BLOCK_T} sinks+recent=36", True, launch))
     for name in ("bf16", "fp32"):
         m = torch.zeros(1, H_KV * GROUP, 40)
         launch, _ = decode.merge_launch(m, m, torch.zeros(1, H_KV * GROUP, 40, D), dtypes[name])
@@ -149,6 +154,10 @@ def triton_launches(exhaustive: bool = False):
         scales = dict(out_key_scale=torch.zeros(1, H_KV, 16), out_value_scale=torch.zeros(1, H_KV, 16)) if int8 else {}
         launch, _ = project.project_launch(keys, keys, bases, bases, torch.zeros(1, H_KV, dtype=torch.int64), coef, coef.clone(), True, **scales)
         out.append(("project", f"{name}{' int8' if int8 else ''} d={D} r={RANK} residuals", True, launch))
+        if name == "bf16":  # DecodeWorkspace.append: one token at the device count, no residuals
+            launch, _ = project.project_launch(keys[:, :, :1], keys[:, :, :1], bases, bases, torch.zeros(1, H_KV, dtype=torch.int64), coef, coef.clone(),
+                                               out_row=torch.zeros((), dtype=torch.int64), **scales)
+            out.append(("project", f"{name}{' int8' if int8 else ''} d={D} r={RANK} one token at the device count", True, launch))
     return out
 
 

@@ -24,7 +24,6 @@ from dataclasses import replace
 
 import torch
 
-from subspace_ref_triton import decode
 from subspace_ref_triton.workspace import DecodeWorkspace
 
 _WORKSPACES: "weakref.WeakValueDictionary[int, DecodeWorkspace]" = weakref.WeakValueDictionary()  # by their output's address
@@ -41,27 +40,21 @@ def register(workspace: DecodeWorkspace, arrays: list[str]) -> torch.Tensor:
 
 
 @torch.library.custom_op("subspace_ref_triton::workspace_decode", mutates_args=())
-def workspace_decode(q: torch.Tensor, arrays: list[torch.Tensor], num_tokens: torch.Tensor, handle: torch.Tensor, lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def workspace_decode(q: torch.Tensor, arrays: list[torch.Tensor], num_tokens: torch.Tensor, handle: torch.Tensor, exact: list[torch.Tensor]) -> torch.Tensor:
     """Spec A3 of q (N, H_q, d) over the first ``num_tokens`` tokens of the layout of the
     workspace registered as ``handle``, with ``arrays`` (its registered names, in order: the
     coefficients and what their formats add) in place of its own: the output (N, H_q, d_v) in
-    q's dtype, a copy; with ``lse``, the output merged from the split partials in float32 (not
-    rounded to q's dtype before the caller merges more tokens in: an exact window,
-    spec/window.md W3) and the log-sum-exp of its logits (N, H_q), float32 (spec A3.2:
-    ``m + log Z`` merged; -inf over no token); without, that tensor is unset."""
+    q's dtype, a copy. ``exact``: empty, or a windowed layer's exact sinks and ring ``[keys,
+    values, count]`` and, for a head group that is not the whole layer, its KV heads' rows in
+    them (spec/models.md M11.14 step 4: merged with the compressed part in one launch)."""
     ws = _WORKSPACES[handle.data_ptr()]
     layout = replace(ws.layout, **dict(zip(_ARRAYS[ws], arrays, strict=True)))
-    if not lse:
-        out = ws.attend(q, layout, num_tokens).clone()
-        return out, out.new_empty(out.shape[:2], dtype=torch.float32)
-    m, z, o = ws.attend(q, layout, num_tokens, merge=False)
-    return decode.merge_partials_reference(m, z, o, torch.float32), torch.logsumexp(m + torch.log(z), dim=-1)
+    return ws.attend(q, layout, num_tokens, exact or None).clone()
 
 
 @workspace_decode.register_fake
-def _(q, arrays, num_tokens, handle, lse):
-    shape = (q.shape[0], q.shape[1])
-    return q.new_empty((*shape, handle.shape[-1]), dtype=torch.float32 if lse else q.dtype), q.new_empty(shape, dtype=torch.float32)
+def _(q, arrays, num_tokens, handle, exact):
+    return q.new_empty((q.shape[0], q.shape[1], handle.shape[-1]))
 
 
 __all__ = ["register", "workspace_decode"]

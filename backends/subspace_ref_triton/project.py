@@ -86,7 +86,7 @@ def _project_one(x_base, sx_t, b_base, sb_r, out_base, so_t, scale_base, ss_t, r
 
 @triton.jit
 def _project_kernel(
-    k_ptr, v_ptr, kb_ptr, vb_ptr, chunk_ptr, ok_ptr, ov_ptr, oks_ptr, ovs_ptr, rk_ptr, rv_ptr,
+    k_ptr, v_ptr, kb_ptr, vb_ptr, chunk_ptr, ok_ptr, ov_ptr, oks_ptr, ovs_ptr, rk_ptr, rv_ptr, row_ptr,
     H, n_new, d, d_v, r, r_v,
     sk_n, sk_h, sk_t, sv_n, sv_h, sv_t,
     skb_n, skb_h, skb_j, skb_r, svb_n, svb_h, svb_j, svb_r,
@@ -95,21 +95,23 @@ def _project_kernel(
     soks_n, soks_h, soks_t, sovs_n, sovs_h, sovs_t,
     D: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, RV: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, WANT_RHO: tl.constexpr, NATIVE: tl.constexpr,
-    MANUAL_BF16_K: tl.constexpr, MANUAL_BF16_V: tl.constexpr, QUANT: tl.constexpr,
+    MANUAL_BF16_K: tl.constexpr, MANUAL_BF16_V: tl.constexpr, QUANT: tl.constexpr, DEVICE_ROW: tl.constexpr,
 ):
     nh = tl.program_id(0).to(tl.int64)
     n = nh // H
     h = nh % H
     j = tl.load(chunk_ptr + n * sc_n + h * sc_h)
+    # the outputs' first row: the token count on the device (a graph-captured append), else the caller's view
+    row0 = tl.load(row_ptr).to(tl.int64) if DEVICE_ROW else 0
     # Grid-stride over the token tiles: the second grid dimension is capped at MAX_GRID_Y.
     for t0 in range(tl.program_id(1) * BLOCK_N, n_new, tl.num_programs(1) * BLOCK_N):
         tok = t0 + tl.arange(0, BLOCK_N)
         t_mask = tok < n_new
         _project_one(k_ptr + n * sk_n + h * sk_h, sk_t, kb_ptr + n * skb_n + h * skb_h + j * skb_j, skb_r,
-                     ok_ptr + n * sok_n + h * sok_h, sok_t, oks_ptr + n * soks_n + h * soks_h, soks_t,
+                     ok_ptr + n * sok_n + h * sok_h + row0 * sok_t, sok_t, oks_ptr + n * soks_n + h * soks_h + row0 * soks_t, soks_t,
                      rk_ptr + nh * n_new, tok, t_mask, d, r, D, R, BLOCK_N, BLOCK_DK, WANT_RHO, NATIVE, MANUAL_BF16_K, QUANT)
         _project_one(v_ptr + n * sv_n + h * sv_h, sv_t, vb_ptr + n * svb_n + h * svb_h + j * svb_j, svb_r,
-                     ov_ptr + n * sov_n + h * sov_h, sov_t, ovs_ptr + n * sovs_n + h * sovs_h, sovs_t,
+                     ov_ptr + n * sov_n + h * sov_h + row0 * sov_t, sov_t, ovs_ptr + n * sovs_n + h * sovs_h + row0 * sovs_t, sovs_t,
                      rv_ptr + nh * n_new, tok, t_mask, d_v, r_v, DV, RV, BLOCK_N, BLOCK_DV, WANT_RHO, NATIVE, MANUAL_BF16_V, QUANT)
 
 
@@ -120,7 +122,7 @@ def _check_unit_stride(**arrays):
 
 
 def project_append(keys, values, key_bases, value_bases, chunk, out_key, out_value, residuals: bool = False,
-                   out_key_scale=None, out_value_scale=None):
+                   out_key_scale=None, out_value_scale=None, out_row=None):
     """Spec A6 step 1 / A7 steps 1-2 / A8 step 2 for a block of tokens, every head at once.
 
     keys (N, H, n, d), values (N, H, n, d_v); key_bases (N, H, J, r, d), value_bases
@@ -129,19 +131,21 @@ def project_append(keys, values, key_bases, value_bases, chunk, out_key, out_val
     ``E v`` into out_value (N, H, n, r_v), in their dtypes; both may be views into a state's
     coefficient buffers (any strides, unit stride in the last dimension). With
     ``out_key_scale``/``out_value_scale`` (N, H, n) float32 the outputs are int8 and the
-    coefficients are quantised per token (spec A10). Returns float32 ``(rho_k, rho_v)`` (N, H, n),
-    from the unquantised coefficients, when ``residuals``, else None.
+    coefficients are quantised per token (spec A10). ``out_row``: a one-element int64 tensor on
+    the device, the row of the outputs (and scales) where token 0 goes, read by the kernel (a
+    graph-captured append at the token count); None: row 0 of the views given. Returns float32
+    ``(rho_k, rho_v)`` (N, H, n), from the unquantised coefficients, when ``residuals``, else None.
     """
-    launch, rho = project_launch(keys, values, key_bases, value_bases, chunk, out_key, out_value, residuals, out_key_scale, out_value_scale)
+    launch, rho = project_launch(keys, values, key_bases, value_bases, chunk, out_key, out_value, residuals, out_key_scale, out_value_scale, out_row)
     if launch is not None:
         launch.run()
     return rho
 
 
 def project_launch(keys, values, key_bases, value_bases, chunk, out_key, out_value, residuals: bool = False,
-                   out_key_scale=None, out_value_scale=None):
+                   out_key_scale=None, out_value_scale=None, out_row=None):
     """The launch of :func:`project_append` (not run; None when there is no token) and what it
-    returns."""
+    returns; without ``residuals`` it allocates nothing."""
     N, H, n_new, d = keys.shape
     r, r_v, d_v = key_bases.shape[3], value_bases.shape[3], value_bases.shape[4]
     _check_unit_stride(keys=keys, values=values, key_bases=key_bases, value_bases=value_bases, out_key=out_key, out_value=out_value)
@@ -150,17 +154,19 @@ def project_launch(keys, values, key_bases, value_bases, chunk, out_key, out_val
         raise ValueError("int8 outputs need both out_key_scale and out_value_scale, and int8 out_key/out_value")
     ks, vs = (out_key_scale, out_value_scale) if quant else (out_key, out_value)  # never written unless quant
     dev = keys.device
+    if out_row is not None and (out_row.dtype != torch.int64 or out_row.numel() != 1 or out_row.device != dev):
+        raise ValueError("out_row must be a one-element int64 tensor on the keys' device")
     if residuals:
         rho_k = torch.empty((N, H, n_new), dtype=torch.float32, device=dev)
         rho_v = torch.empty((N, H, n_new), dtype=torch.float32, device=dev)
     else:  # never written: WANT_RHO is off
-        rho_k = rho_v = torch.empty((1,), dtype=torch.float32, device=dev)
+        rho_k = rho_v = keys
     rho = (rho_k, rho_v) if residuals else None
     if n_new == 0:
         return None, rho
     native = keys.dtype == key_bases.dtype and keys.dtype in (torch.float16, torch.bfloat16) and not interpreting()
     args = (
-        keys, values, key_bases, value_bases, chunk, out_key, out_value, ks, vs, rho_k, rho_v,
+        keys, values, key_bases, value_bases, chunk, out_key, out_value, ks, vs, rho_k, rho_v, chunk if out_row is None else out_row,
         H, n_new, d, d_v, r, r_v,
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
         key_bases.stride(0), key_bases.stride(1), key_bases.stride(2), key_bases.stride(3),
@@ -176,6 +182,7 @@ def project_launch(keys, values, key_bases, value_bases, chunk, out_key, out_val
         MANUAL_BF16_K=interpreting() and out_key.dtype == torch.bfloat16,
         MANUAL_BF16_V=interpreting() and out_value.dtype == torch.bfloat16,
         QUANT=quant,
+        DEVICE_ROW=out_row is not None,
     )
     return Launch(_project_kernel, project_grid(N, H, n_new), args, constexprs, 4), rho
 
@@ -198,9 +205,14 @@ def _relative_residual(x, coef):
 
 
 def project_append_reference(keys, values, key_bases, value_bases, chunk, out_key, out_value, residuals: bool = False,
-                             out_key_scale=None, out_value_scale=None):
-    """:func:`project_append` in plain torch (float32 products, gathered bases)."""
-    N, H = keys.shape[:2]
+                             out_key_scale=None, out_value_scale=None, out_row=None):
+    """:func:`project_append` in plain torch (float32 products, gathered bases; ``out_row`` read on the host)."""
+    N, H, n = keys.shape[:3]
+    if out_row is not None:
+        row = int(out_row)
+        out_key, out_value = out_key[:, :, row : row + n], out_value[:, :, row : row + n]
+        if out_key_scale is not None:
+            out_key_scale, out_value_scale = out_key_scale[:, :, row : row + n], out_value_scale[:, :, row : row + n]
     n_idx = torch.arange(N, device=keys.device)[:, None]
     h_idx = torch.arange(H, device=keys.device)[None, :]
     B = key_bases[n_idx, h_idx, chunk.long()].to(torch.float32)  # (N, H, r, d)

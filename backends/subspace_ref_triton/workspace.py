@@ -18,11 +18,15 @@ fixes everything that a graph bakes in, once, from the cache's *capacity*:
 
 With ``rope`` (a pre-RoPE static state, spec/rope.md P3) the step is the pre-RoPE kernel's
 (``rope_decode.split_launch`` with the device count, its angle tables built here once over the
-capacity) and the same merge (spec A3.2), so a graph captures a pre-RoPE cache's step too.
+capacity) and the same merge (spec A3.2), so a graph captures a pre-RoPE cache's step too. A
+windowed graph layer's exact sinks and ring join the merge launch (``exact``, spec/models.md
+M11.14 step 4), read up to a device count as well.
 
 The layout's tensors must stay the ones the workspace was built on (a graph replays their
 addresses): build the state with its final capacity (``layout.with_capacity``) first, and advance
-``num_tokens`` on the device as tokens are appended (:meth:`advance`).
+``num_tokens`` on the device as tokens are appended (:meth:`advance`), or let :meth:`append`
+project and write new tokens at the device count and advance it (a static float or int8 state),
+so that a whole decode step, ``append`` then :meth:`attend`, is three launches and one add.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import math
 
 import torch
 
-from subspace_ref_triton import decode, rope_decode
+from subspace_ref_triton import decode, project, rope_decode, window_decode
 from subspace_ref_triton._common import cdiv, interpreting
 from subspace_ref_triton.occupancy import full_wave_splits
 
@@ -86,35 +90,63 @@ class DecodeWorkspace:
         self.out = torch.empty((N, query_heads, d_v), dtype=dtype, device=self.device)
         # one launch for split + merge (decode.fused_launch), off by default: not yet timed
         self.counters = torch.zeros(N * H, dtype=torch.int32, device=self.device) if fused_merge else None
+        self.chunk = torch.zeros((N, H), dtype=torch.int64, device=self.device)  # the static basis of every head, for append
 
-    def launches(self, q, layout=None, num_tokens=None):
+    def launches(self, q, layout=None, num_tokens=None, exact=None):
         """The split and merge launches of one step over ``q`` (built, not run); with
         ``fused_merge`` the one split launch that also merges. ``layout`` and ``num_tokens``
         replace the workspace's own for this step: tensors of the same shapes and dtypes (what
-        a compiled graph hands an operator in place of the buffers it reads)."""
+        a compiled graph hands an operator in place of the buffers it reads). ``exact``: a
+        windowed graph layer's ``(keys, values, count[, heads])`` (spec/models.md M11.14 step 4),
+        whose exact part the merge launch adds (:func:`~subspace_ref_triton.window_decode.exact_merge_launch`)."""
         layout = self.layout if layout is None else layout
         num_tokens = self.num_tokens if num_tokens is None else num_tokens
         if self.rope is not None:
             split, _ = rope_decode.split_launch(q, layout, self.rope, self.scale, 0, num_tokens=num_tokens, num_splits=self.num_splits, outputs=self.partials,
                                                 tables=self.tables)
         elif self.counters is not None:
+            if exact is not None:
+                raise ValueError("fused_merge does not take an exact part: build the workspace without it")
             split, _ = decode.split_launch(q, layout, self.scale, 0, self.num_splits, num_tokens=num_tokens, outputs=self.partials,
                                            fused=(self.out, self.counters))
             return (split,)
         else:
             split, _ = decode.split_launch(q, layout, self.scale, 0, self.num_splits, num_tokens=num_tokens, outputs=self.partials)
-        merge, _ = decode.merge_launch(*self.partials, self.out.dtype, out=self.out)
+        if exact is None:
+            merge, _ = decode.merge_launch(*self.partials, self.out.dtype, out=self.out)
+        else:
+            keys, values, count, *heads = exact
+            merge = window_decode.exact_merge_launch(q, keys, values, self.scale, self.partials, self.out, count, *heads)
         return split, merge
 
-    def attend(self, q, layout=None, num_tokens=None, merge: bool = True):
+    def attend(self, q, layout=None, num_tokens=None, exact=None):
         """Spec A3 of q (N, H_q, d) over the first ``num_tokens`` tokens: ``self.out``, overwritten
         by every call. No allocation, no host sync; q must have the workspace's shape and dtype.
-        ``layout``, ``num_tokens``: as :meth:`launches`. ``merge=False``: the split launch only,
-        returning ``self.partials`` (m, Z, N) for the caller to merge (spec A3.2)."""
-        launches = self.launches(q, layout, num_tokens)
-        for launch in launches if merge else launches[:1]:
+        ``layout``, ``num_tokens``, ``exact``: as :meth:`launches` (with ``exact``, the exact
+        tokens too: spec A3.2 over both parts)."""
+        for launch in self.launches(q, layout, num_tokens, exact):
             launch.run()
-        return self.out if merge else self.partials
+        return self.out
+
+    def append(self, keys, values) -> None:
+        """Spec A6 step 1 for n new tokens, keys (N, H, n, d) and values (N, H, n, d_v), of a
+        static post-RoPE layout with float or int8 coefficients: ``c = B k`` and ``E v`` written
+        at rows T .. T + n - 1 (int8: quantised per token, spec A10), T read on the device, then
+        T advanced by n. One launch and one add, graph-capturable (no allocation, no host
+        read); the caller keeps T + n within the capacity, which a graph cannot check."""
+        lay = self.layout
+        if self.rope is not None or lay.key_bases.shape[2] != 1 or any(lay.side_format(w).low_bits for w in ("key", "value")):
+            raise ValueError("DecodeWorkspace.append writes a static post-RoPE layout with float or int8 coefficients "
+                             "(pre-RoPE keys are un-rotated first, spec/rope.md P3; int4/int2 keys complete their groups, spec/quantization.md Q2.1)")
+        int8 = lay.key_coef.dtype == torch.int8
+        if int8 != (lay.value_coef.dtype == torch.int8):
+            raise ValueError("DecodeWorkspace.append takes int8 coefficients on both sides or on neither")
+        scales = dict(out_key_scale=lay.key_scale, out_value_scale=lay.value_scale) if int8 else {}
+        launch, _ = project.project_launch(keys, values, lay.key_bases, lay.value_bases, self.chunk, lay.key_coef, lay.value_coef, out_row=self.num_tokens,
+                                           **scales)
+        if launch is not None:
+            launch.run()
+        self.advance(keys.shape[2])
 
     def advance(self, count: int = 1) -> None:
         """Count ``count`` more tokens, on the device (graph-capturable)."""

@@ -315,15 +315,23 @@ class GraphSubspaceLayer(StaticLayer):
         transformers' mask over the capacity (True / 0 = attend; None: the written slots,
         causally): (batch, n, H_q, d_v) in the query's dtype. Each group attends its query heads
         (:meth:`GraphHeadGroup.attend`) and the outputs go back in head order (M11.12)."""
+        queries = [group.own(query, queries=True) for group in self.groups]
+        if self.exact is not None and query.shape[2] == 1 and all(g.kernel_step(q, scaling, self.all_visible) for g, q in zip(self.groups, queries)):
+            # M11.14 step 4: each group's launches merge the exact part in too
+            exact = (self.exact.keys, self.exact.values, self.cumulative_length)
+            return self._in_head_order([group.decode(q, self.compressed, exact) for group, q in zip(self.groups, queries)])
         if self.exact is not None:
-            return self._attend_windowed(query, mask, scaling)
-        outs = [group.attend(group.own(query, queries=True), mask, scaling, self, self.all_visible)[0] for group in self.groups]
+            return self._attend_windowed(query, queries, mask, scaling)
+        return self._in_head_order([group.attend(q, mask, scaling, self, self.all_visible)[0] for group, q in zip(self.groups, queries)])
+
+    def _in_head_order(self, outs: list[torch.Tensor]) -> torch.Tensor:
+        """The groups' outputs (batch, n, h g, d_v) as one (batch, n, H_q, d_v) in query-head order (M11.12)."""
         if len(outs) == 1:
             return outs[0].contiguous()
         return torch.cat(outs, dim=2).index_select(2, self.query_order).contiguous()
 
-    def _attend_windowed(self, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
-        """M11.14 steps 3-5: the groups' compressed parts, each query seeing the compressed tokens
+    def _attend_windowed(self, query: torch.Tensor, queries: list[torch.Tensor], mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+        """M11.14 steps 3 and 5 outside the kernel (``queries``: each group's rows of ``query``): the groups' compressed parts, each query seeing the compressed tokens
         of its own T_c, merged with the exact sinks and recent tokens it sees by their log-sum-exps;
         transformers' mask (padding) read at each slot's position."""
         n = query.shape[2]
@@ -335,7 +343,7 @@ class GraphSubspaceLayer(StaticLayer):
             allowed = mask if mask.dtype == torch.bool else mask == 0
             visible = visible & allowed[..., positions.clamp(max=self.max_cache_len - 1)]
             allowed = allowed[..., (self.slots + self.exact.sinks).clamp(max=self.max_cache_len - 1)]
-        parts = [group.attend(group.own(query, queries=True), allowed, scaling, self, self.all_visible, counts) for group in self.groups]
+        parts = [group.attend(q, allowed, scaling, self, self.all_visible, counts) for group, q in zip(self.groups, queries)]
         out_c, lse_c = torch.cat([p[0] for p in parts], dim=2), torch.cat([p[1] for p in parts], dim=1)
         if self.query_order is not None:
             out_c, lse_c = out_c.index_select(2, self.query_order), lse_c.index_select(1, self.query_order)

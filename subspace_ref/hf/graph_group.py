@@ -207,20 +207,34 @@ class GraphHeadGroup:
             torch._dynamo.mark_static_address(self.workspace_handle)
             self.decode_op = torch.ops.subspace_ref_triton.workspace_decode
 
+    def kernel_step(self, query: torch.Tensor, scaling: float, all_visible: bool) -> bool:
+        """Whether this group's queries (batch, h g, n, d) decode through its prepared kernel
+        (M11.6): one query, every written slot visible, the workspace built for these shapes."""
+        N, Hq, n, _ = query.shape
+        return n == 1 and self.workspace is not None and all_visible and self.workspace_key == (N, Hq, query.dtype, scaling)
+
+    def decode(self, query: torch.Tensor, count: torch.Tensor, exact: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+        """M11.6 step 2 for a :meth:`kernel_step` query (batch, h g, 1, d) over ``count``
+        compressed tokens: (batch, 1, h g, d_v) in its dtype. ``exact``: a windowed layer's sinks
+        and ring, and its token count (M11.14 step 4), merged in the same launch."""
+        if exact and self.head_index is not None:
+            exact = (*exact, self.head_index)
+        return self.decode_op(query[:, :, 0].contiguous(), list(self.held()), count, self.workspace_handle, list(exact))[:, None]
+
     def attend(self, query: torch.Tensor, mask: torch.Tensor | None, scaling: float, layer, all_visible: bool, counts: torch.Tensor | None = None):
         """Spec M11.2 (A2 through SDPA, M11.3) for this group's n queries (batch, h g, n, d) of
         the last n tokens written, under transformers' mask over the capacity (True / 0 =
         attend; None: the written slots, causally): (batch, n, h g, d_v) in the query's dtype,
         and None. One query through the kernel when its workspace is prepared and every written
-        slot is visible: M11.6 instead; several over low-bit keys: M11.8 step 3; pre-RoPE keys:
-        M11.10 step 3. With ``counts`` (a windowed layer, M11.14 step 3: the compressed tokens
-        each query sees; ``mask`` then a boolean (N or 1, 1, n, L) over compressed slots, or None)
-        the output in the compute dtype and its log-sum-exp (batch, h g, n) in the compute dtype."""
+        slot is visible: M11.6 instead (:meth:`decode`); several over low-bit keys: M11.8 step 3;
+        pre-RoPE keys: M11.10 step 3. With ``counts`` (a windowed layer's step that does not go
+        through the kernel, M11.14 step 5: the compressed tokens each query sees; ``mask`` then a
+        boolean (N or 1, 1, n, L) over compressed slots, or None) the output in the compute dtype
+        and its log-sum-exp (batch, h g, n) in the compute dtype."""
         N, Hq, n, d = query.shape
         count = layer.compressed
-        if n == 1 and self.workspace is not None and all_visible and self.workspace_key == (N, Hq, query.dtype, scaling):
-            out, lse = self.decode_op(query[:, :, 0].contiguous(), list(self.held()), count, self.workspace_handle, counts is not None)
-            return (out[:, None], None) if counts is None else (out[:, None].to(layer.compute_dtype), lse[..., None].to(layer.compute_dtype))
+        if counts is None and self.kernel_step(query, scaling, all_visible):
+            return self.decode(query, count), None
         H = len(self.heads)
         g = Hq // H
         q = query.to(layer.compute_dtype).view(N, H, g, n, d)
@@ -244,7 +258,7 @@ class GraphHeadGroup:
             C = rotate_by(torch.einsum("bhlr,hrd->bhld", C.to(layer.compute_dtype), self.key_basis),
                           *self.angles(slots + self.first_position, layer.compute_dtype), self.rope_dims).to(layer.dtype)
         qt = qt.to(layer.dtype)
-        if counts is not None:  # M11.14 step 3: with the log-sum-exp, which SDPA does not return
+        if counts is not None:  # M11.14 step 5: with the log-sum-exp, which SDPA does not return
             logits = torch.einsum("bhgnr,bhlr->bhgnl", qt.to(layer.compute_dtype), C.to(layer.compute_dtype)) * scaling
             y, lse = softmax_sum(logits, visible, D.to(layer.compute_dtype))
             out = torch.einsum("bnhgr,hre->bnhge", y.view(N, n, H, g, -1), self.value_basis)

@@ -38,14 +38,19 @@ BLOCK_D = 32  # columns of q and the keys per step of the logits (the interprete
 
 
 @triton.jit
-def _exact_partial(q_rows, k_base, v_base, n_tok, scale, d, d_v, sk_t, sv_t, g_mask, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-                   BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Spec A3.2's partial (m, Z, N) of the ``G`` query rows ``q_rows`` (``g_mask``: the real
-    ones) over exact tokens ``0 .. n_tok - 1`` (n_tok >= 1) of one KV head: (G,), (G,), (G, DV),
-    float32."""
+def _exact_partial(q_ptr, k_ptr, v_ptr, n, h, kv, group, n_tok, scale, d, d_v, sq_n, sq_h, sk_n, sk_h, sk_t, sv_n, sv_h, sv_t,
+                   G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Spec A3.2's partial (m, Z, N) of sequence ``n``'s query rows ``h * group ..`` (``G`` of
+    them, the first ``group`` real) over exact tokens ``0 .. n_tok - 1`` (n_tok >= 1) of KV head
+    row ``kv``: (G,), (G,), (G, DV), float32."""
+    offs_g = tl.arange(0, G)
     offs_dv = tl.arange(0, DV)
     offs_t = tl.arange(0, BLOCK_T)
+    g_mask = offs_g < group
     dv_mask = offs_dv < d_v
+    q_rows = q_ptr + n * sq_n + (h * group + offs_g)[:, None] * sq_h
+    k_base = k_ptr + n * sk_n + kv * sk_h
+    v_base = v_ptr + n * sv_n + kv * sv_h
     m_i = tl.full([G], float("-inf"), tl.float32)
     z_i = tl.full([G], 0.0, tl.float32)
     acc = tl.full([G, DV], 0.0, tl.float32)
@@ -106,13 +111,12 @@ def _exact_kernel(
     nh = tl.program_id(0).to(tl.int64)
     n = nh // H
     h = nh % H
+    m_i, z_i, acc = _exact_partial(q_ptr, k_ptr, v_ptr, n, h, h, group, n_tok, scale, d, d_v, sq_n, sq_h, sk_n, sk_h, sk_t, sv_n, sv_h, sv_t,
+                                   G, D, DV, BLOCK_T, BLOCK_D)
     offs_g = tl.arange(0, G)
     offs_dv = tl.arange(0, DV)
     g_mask = offs_g < group
     dv_mask = offs_dv < d_v
-    q_rows = q_ptr + n * sq_n + (h * group + offs_g)[:, None] * sq_h
-    m_i, z_i, acc = _exact_partial(q_rows, k_ptr + n * sk_n + h * sk_h, v_ptr + n * sv_n + h * sv_h, n_tok, scale, d, d_v, sk_t, sv_t, g_mask,
-                                   G, D, DV, BLOCK_T, BLOCK_D)
     row = (n * H + h) * group + offs_g
     tl.store(pm_ptr + row * num_cols + col, m_i, mask=g_mask)
     tl.store(pz_ptr + row * num_cols + col, z_i, mask=g_mask)
@@ -160,54 +164,22 @@ def exact_launch(q, keys, values, scale: float, outputs, col: int):
 
 @triton.jit
 def _exact_merge_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    heads_ptr,
-    count_ptr,
-    pm_ptr,
-    pz_ptr,
-    po_ptr,
-    out_ptr,
-    H,
-    group,
-    capacity,
-    scale,
-    d,
-    d_v,
-    num_splits,
-    sq_n,
-    sq_h,
-    sk_n,
-    sk_h,
-    sk_t,
-    sv_n,
-    sv_h,
-    sv_t,
-    so_n,
-    so_h,
-    HAS_HEADS: tl.constexpr,
-    G: tl.constexpr,
-    D: tl.constexpr,
-    DV: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    MANUAL_BF16: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, heads_ptr, count_ptr, pm_ptr, pz_ptr, po_ptr, out_ptr,
+    H, group, capacity, scale, d, d_v, num_splits,
+    sq_n, sq_h, sk_n, sk_h, sk_t, sv_n, sv_h, sv_t, so_n, so_h,
+    HAS_HEADS: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, MANUAL_BF16: tl.constexpr,
 ):
     nh = tl.program_id(0).to(tl.int64)
     n = nh // H
     h = nh % H
-    offs_g = tl.arange(0, G)
-    offs_dv = tl.arange(0, DV)
-    g_mask = offs_g < group
-    dv_mask = offs_dv < d_v
     # the filled slots are a prefix (spec/models.md M11.14 step 3): T tokens fill the first min(T, S + W)
     n_tok = tl.minimum(tl.load(count_ptr), capacity)
     kv = tl.load(heads_ptr + h).to(tl.int64) if HAS_HEADS else h
-    q_rows = q_ptr + n * sq_n + (h * group + offs_g)[:, None] * sq_h
-    m_e, z_e, o_e = _exact_partial(q_rows, k_ptr + n * sk_n + kv * sk_h, v_ptr + n * sv_n + kv * sv_h, n_tok, scale, d, d_v, sk_t, sv_t, g_mask,
+    m_e, z_e, o_e = _exact_partial(q_ptr, k_ptr, v_ptr, n, h, kv, group, n_tok, scale, d, d_v, sq_n, sq_h, sk_n, sk_h, sk_t, sv_n, sv_h, sv_t,
                                    G, D, DV, BLOCK_T, BLOCK_D)
+    offs_g = tl.arange(0, G)
+    dv_mask = tl.arange(0, DV) < d_v
     for i in tl.static_range(G):
         if i < group:
             mine = offs_g == i
@@ -219,7 +191,7 @@ def _exact_merge_kernel(
             m = tl.maximum(m_s, m_x)
             a_s, a_x = tl.exp(m_s - m), tl.exp(m_x - m)
             o = (o_s * a_s + o_x * a_x) / (z_s * a_s + z_x * a_x)
-            tl.store(out_ptr + n * so_n + (h * group + i) * so_h + offs_dv, to_storage(o, out_ptr, MANUAL_BF16), mask=dv_mask)
+            tl.store(out_ptr + n * so_n + (h * group + i) * so_h + tl.arange(0, DV), to_storage(o, out_ptr, MANUAL_BF16), mask=dv_mask)
 
 
 def exact_merge_launch(q, keys, values, scale: float, partials, out, count, heads=None):

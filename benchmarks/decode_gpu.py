@@ -126,6 +126,8 @@ def orthonormal(gen, shape_lead: tuple[int, ...], r: int, d: int, device, dtype=
 
 
 SMOKE = False  # --smoke: CPU interpreter, tiny sizes, meaningless wall-clock timings
+PROFILE_DIR: Path | None = None  # --profile-step: where the captured steps' kernel traces go
+PROFILE_REPLAYS = 20
 
 
 def bench(fn) -> float:
@@ -231,13 +233,16 @@ def main() -> None:
     ap.add_argument("--no-sweep", dest="sweep", action="store_false", help="skip the triton tile/warp sweep")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="check the script on the CPU interpreter at tiny sizes (timings meaningless)")
+    ap.add_argument("--profile-step", metavar="DIR", default=None,
+                    help="trace replays of each captured step with torch.profiler into DIR: each kernel's duration and the step's span (the gaps between)")
     args = ap.parse_args()
     if args.plot:
         plot(args.plot, Path(args.out))
         return
 
-    global SMOKE
+    global SMOKE, PROFILE_DIR
     SMOKE = args.smoke
+    PROFILE_DIR = None if args.profile_step is None else Path(args.profile_step)
     if SMOKE:
         os.environ["TRITON_INTERPRET"] = "1"  # before anything imports the kernels
         args.batch, args.tokens, args.chunk_tokens = [1, 2], [300], 64
@@ -462,6 +467,40 @@ def sweep_label(block_t, num_warps, cap) -> str:
     return label if cap is None else label + f" cap={cap or 'none'}"
 
 
+def profile_step(graph, reset, label: str) -> None:
+    """PROFILE_REPLAYS replays of a captured step under torch.profiler: the chrome trace, and a
+    summary of each kernel's mean duration and the step's mean span from its first kernel's
+    start to its last one's end (the span minus the durations is the gaps between launches).
+    The reset's fill kernel, launched outside the graph, is left out."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    PROFILE_DIR.mkdir(parents=True, exist_ok=True)
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(PROFILE_REPLAYS):
+                reset()
+                graph.replay()
+                torch.cuda.synchronize()
+        prof.export_chrome_trace(str(PROFILE_DIR / f"{label}.json"))
+        kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA" and "Fill" not in e.name), key=lambda e: e.time_range.start)
+        per = len(kernels) // PROFILE_REPLAYS
+        lines = [f"{label}: {len(kernels)} kernels in {PROFILE_REPLAYS} replays"]
+        if per and len(kernels) == per * PROFILE_REPLAYS:
+            steps = [kernels[i * per : (i + 1) * per] for i in range(PROFILE_REPLAYS)]
+            span = sum(k[-1].time_range.end - k[0].time_range.start for k in steps) / PROFILE_REPLAYS
+            busy = sum(e.time_range.end - e.time_range.start for e in kernels) / PROFILE_REPLAYS
+            lines.append(f"step span {span:.1f} us, kernels busy {busy:.1f} us, gaps {span - busy:.1f} us")
+            for i, e in enumerate(steps[0]):
+                mean = sum(s[i].time_range.end - s[i].time_range.start for s in steps) / PROFILE_REPLAYS
+                lines.append(f"  {i}: {mean:8.1f} us  {e.name[:120]}")
+        text = "\n".join(lines) + "\n"
+        (PROFILE_DIR / f"{label}.txt").write_text(text)
+        print(text)
+    except Exception:  # noqa: BLE001 - the trace must not cost the timings
+        traceback.print_exc()
+
+
 def time_steps(rows: list[dict], state, q, K, V, scale: float) -> None:
     """One decode step of a static float state (append one token at the device-resident row T,
     advance T, attend), eager and replayed from a CUDA graph, with split and merge in two
@@ -519,6 +558,8 @@ def time_step(rows: list[dict], state, q, K, V, scale: float, fused: bool) -> No
         graph.replay()
         diff = float((ws.out.float() - want).abs().max())
         rows.append(dict(method="step-graph" + suffix, ms=bench(lambda: (reset(), graph.replay())), max_abs_diff_vs_torch=diff))
+        if PROFILE_DIR is not None:
+            profile_step(graph, reset, f"step-graph{suffix.replace(' ', '-')}_N{q.shape[0]}_T{T0}")
     except Exception as err:  # noqa: BLE001
         traceback.print_exc()
         rows.append(dict(method="step-graph" + suffix, skipped=f"error: {type(err).__name__}: {err}"))

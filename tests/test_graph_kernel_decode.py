@@ -106,7 +106,7 @@ def test_compiled_generate_runs_the_kernel_without_graph_breaks(coefficients, ke
     reuses the compiled graph. Pre-RoPE: the update un-rotates by device slots inside the
     compiled step (M11.10). Layer state: a pre-RoPE int4 head beside an identity int8 head.
     Windowed (M11.14): 4 sinks and 5 recent tokens written at device slots, the compressed part
-    through the kernel merged with them by its log-sum-exp."""
+    through the kernel, its merge launch adding them (M11.14 step 4)."""
     model = make_model("llama", torch.float32).to(DEVICE)
     bases = random_bases(model)
     ids = ids_of(10, 1).to(DEVICE)
@@ -163,21 +163,26 @@ def test_batch_decode_matches_the_oracle_cache(padded, coefficients, kernel_call
     assert float((logits[0] - logits[1]).abs().max()) <= 1e-5 * float(logits[1].abs().max())
 
 
+WINDOWED = [("float", 2, 3), ("float", 3, 0), ("float", 0, 3), ("float", 1, 1), ("int4", 2, 3), ("int4", 1, 1), ("layer state", 2, 3)]
+
+
 @pytest.mark.parametrize("prompt", [2, 9])
-@pytest.mark.parametrize("coefficients", ["float", "int4", "layer state"])
-def test_windowed_kernel_decode_matches_the_oracle_cache(coefficients, prompt, kernel_calls):
-    """A windowed pre-RoPE layer (2 sinks, 3 recent tokens; M11.14) decodes through the kernel,
+@pytest.mark.parametrize(("coefficients", "sinks", "window"), WINDOWED, ids=[f"{c}-S{s}-W{w}" for c, s, w in WINDOWED])
+def test_windowed_kernel_decode_matches_the_oracle_cache(coefficients, sinks, window, prompt, kernel_calls):
+    """A windowed pre-RoPE layer (S sinks, W recent tokens; M11.14) decodes through the kernel,
     whose merge launch adds the exact sinks and ring to the compressed part: a prefill and 4
     decode steps equal the numpy oracle cache's logits (1e-5 of their scale, test_batch_decode's
     rule). A 2-token prompt decodes while the sinks and the ring fill (T_c = 0: the exact part
-    alone, a prefix of the slots), then compresses; a 9-token one compresses every step. Layer state:
-    two head groups of one KV head each, so the second reads exact row 1 for its head 0."""
+    alone, a prefix of the slots), then compresses; a 9-token one compresses every step. Sinks
+    only (W = 0: the new token goes straight to the compressed part), a ring only, one of each.
+    Layer state: two head groups of one KV head each, so the second reads exact row 1 for its
+    head 0."""
     model = make_model("llama", torch.float32).to(DEVICE)
     rope = sr.rope.RopeParams.from_config(model.config)
     if coefficients == "layer state":
-        factory, groups = mixed_layer_states(model, split=False, sinks=2, window=3), 2
+        factory, groups = mixed_layer_states(model, split=False, sinks=sinks, window=window), 2
     else:
-        factory, groups = static_states(random_bases(model), coefficients=coefficients, group_size=4, rope=rope, sinks=2, window=3), 1
+        factory, groups = static_states(random_bases(model), coefficients=coefficients, group_size=4, rope=rope, sinks=sinks, window=window), 1
     use_subspace_attention(model)
     ids = ids_of(prompt, 5).to(DEVICE)
     with torch.no_grad():

@@ -653,7 +653,7 @@ class TestWindowDecode:
     @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
     @pytest.mark.parametrize("case", [c for c in WINDOW_CASES if c[1] == "static"], ids=[c[0] for c in WINDOW_CASES if c[1] == "static"])
     def test_workspace_step_with_the_exact_part_matches_oracle(self, rng, case, dtype, block_d):
-        """The graph-capturable step of a windowed layer (spec/models.md M11.14 step 3): the
+        """The graph-capturable step of a windowed layer (spec/models.md M11.14 step 4): the
         workspace's split launch, then the merge launch with the exact part added
         (window_decode.exact_merge_launch), against the float64 oracle on the same state within
         the harness's tolerance. The exact tokens lie as a graph layer holds them: one array of
@@ -753,6 +753,13 @@ class TestWindowDecode:
             window_decode.exact_merge_launch(q, k, k, 1.0, parts, torch.zeros(1, 4, 7, device=DEVICE), count)
         with pytest.raises(ValueError, match="keys must have a unit stride"):
             window_decode.exact_merge_launch(q, k.mT.contiguous().mT, k, 1.0, parts, torch.zeros(1, 4, 8, device=DEVICE), count)
+        with pytest.raises(ValueError, match="do not agree"):  # values of other slots than the keys
+            window_decode.exact_merge_launch(q, k, k[:, :, :2], 1.0, parts, torch.zeros(1, 4, 8, device=DEVICE), count)
+        with pytest.raises(ValueError, match="partials must be contiguous float32"):
+            wide = torch.zeros(1, 4, 3, device=DEVICE)[:, :, :2]
+            window_decode.exact_merge_launch(q, k, k, 1.0, (wide, parts[1], parts[2]), torch.zeros(1, 4, 8, device=DEVICE), count)
+        with pytest.raises(ValueError, match="heads must be a contiguous 1-D integer"):
+            window_decode.exact_merge_launch(q, k, k, 1.0, parts, torch.zeros(1, 4, 8, device=DEVICE), count, torch.zeros(2, device=DEVICE))
 
     @pytest.mark.parametrize("block_d", [None, 32])
     def test_exact_partial_is_a_softmax_partial(self, rng, block_d):

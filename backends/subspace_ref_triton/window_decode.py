@@ -173,25 +173,26 @@ def _exact_merge_kernel(
     nh = tl.program_id(0).to(tl.int64)
     n = nh // H
     h = nh % H
-    # the filled slots are a prefix (spec/models.md M11.14 step 3): T tokens fill the first min(T, S + W)
+    # the filled slots are a prefix (spec/models.md M11.14 step 3): T tokens fill the first min(T, S + W) (step 4)
     n_tok = tl.minimum(tl.load(count_ptr), capacity)
     kv = tl.load(heads_ptr + h).to(tl.int64) if HAS_HEADS else h
     m_e, z_e, o_e = _exact_partial(q_ptr, k_ptr, v_ptr, n, h, kv, group, n_tok, scale, d, d_v, sq_n, sq_h, sk_n, sk_h, sk_t, sv_n, sv_h, sv_t,
                                    G, D, DV, BLOCK_T, BLOCK_D)
-    offs_g = tl.arange(0, G)
-    dv_mask = tl.arange(0, DV) < d_v
-    for i in tl.static_range(G):
-        if i < group:
-            mine = offs_g == i
-            m_x = tl.max(tl.where(mine, m_e, float("-inf")), 0)
-            z_x = tl.sum(tl.where(mine, z_e, 0.0), 0)
-            o_x = tl.sum(tl.where(mine[:, None], o_e, 0.0), 0)
-            m_s, z_s, o_s = _merge_state(pm_ptr, pz_ptr, po_ptr, (n * H + h) * group + i, num_splits, d_v, DV, BLOCK_S, "")
-            # spec A3.2 over the two parts; the exact one holds a token, so m is finite
-            m = tl.maximum(m_s, m_x)
-            a_s, a_x = tl.exp(m_s - m), tl.exp(m_x - m)
-            o = (o_s * a_s + o_x * a_x) / (z_s * a_s + z_x * a_x)
-            tl.store(out_ptr + n * so_n + (h * group + i) * so_h + tl.arange(0, DV), to_storage(o, out_ptr, MANUAL_BF16), mask=dv_mask)
+    # one program per query row, as the merge launch it replaces: the G rows' exact partial is
+    # formed again by each of the group's programs (a few tiles of S + W tokens, L2-resident), so
+    # each merges one row's splits, not the group's one after another
+    i = tl.program_id(1)
+    mine = tl.arange(0, G) == i
+    m_x = tl.max(tl.where(mine, m_e, float("-inf")), 0)
+    z_x = tl.sum(tl.where(mine, z_e, 0.0), 0)
+    o_x = tl.sum(tl.where(mine[:, None], o_e, 0.0), 0)
+    m_s, z_s, o_s = _merge_state(pm_ptr, pz_ptr, po_ptr, (n * H + h) * group + i, num_splits, d_v, DV, BLOCK_S, "")
+    # spec A3.2 over the two parts; the exact part holds a token (M11.14 step 4), so m is finite
+    m = tl.maximum(m_s, m_x)
+    a_s, a_x = tl.exp(m_s - m), tl.exp(m_x - m)
+    o = (o_s * a_s + o_x * a_x) / (z_s * a_s + z_x * a_x)
+    offs_dv = tl.arange(0, DV)
+    tl.store(out_ptr + n * so_n + (h * group + i) * so_h + offs_dv, to_storage(o, out_ptr, MANUAL_BF16), mask=offs_dv < d_v)
 
 
 def exact_merge_launch(q, keys, values, scale: float, partials, out, count, heads=None):
@@ -201,19 +202,28 @@ def exact_merge_launch(q, keys, values, scale: float, partials, out, count, head
     layer's group (spec/models.md M11.14 step 4): the exact tokens are the first
     ``min(count, E)`` slots of ``keys`` (N, H_e, E, d) and ``values`` (N, H_e, E, d_v), ``count``
     the layer's token count T (a one-element int64 device tensor: nothing read on the host), and
-    the group's KV head ``h`` reads exact row ``heads[h]`` (None: row ``h``). T >= 1."""
+    the group's KV head ``h`` reads exact row ``heads[h]`` (None: row ``h``; a contiguous 1-D
+    integer tensor on q's device, each entry below H_e: not checked, that would read the
+    device). T >= 1. One program per (sequence, query head), as :func:`decode.merge_launch`."""
     N, Hq, d = q.shape
     pm, pz, po = partials
     H = keys.shape[1] if heads is None else heads.numel()
     d_v = values.shape[3]
-    if Hq % H or pm.shape != (N, Hq, pm.shape[2]) or po.shape != (N, Hq, pm.shape[2], d_v) or out.shape != (N, Hq, d_v):
-        raise ValueError(f"exact_merge_launch: q {tuple(q.shape)} over {H} KV heads, partials {tuple(pm.shape)} / {tuple(po.shape)} and out "
-                         f"{tuple(out.shape)} do not agree (expected (N, H_q, S), (N, H_q, S, {d_v}), (N, H_q, {d_v}))")
+    S = pm.shape[2]
+    if (Hq % H or keys.shape[3] != d or values.shape[:3] != keys.shape[:3] or keys.shape[0] != N or pm.shape != (N, Hq, S) or pz.shape != (N, Hq, S)
+            or po.shape != (N, Hq, S, d_v) or out.shape != (N, Hq, d_v)):
+        raise ValueError(f"exact_merge_launch: q {tuple(q.shape)} over {H} KV heads, keys {tuple(keys.shape)}, values {tuple(values.shape)}, "
+                         f"partials {tuple(pm.shape)} / {tuple(pz.shape)} / {tuple(po.shape)} and out {tuple(out.shape)} do not agree "
+                         f"(expected keys (N, H_e, E, d), values (N, H_e, E, d_v), (N, H_q, S) twice, (N, H_q, S, d_v), (N, H_q, d_v))")
     for name, x in (("q", q), ("keys", keys), ("values", values), ("out", out)):
         if x.stride(-1) != 1:
             raise ValueError(f"exact_merge_launch: {name} must have a unit stride in its last dimension")
+    if not all(x.is_contiguous() and x.dtype == torch.float32 for x in partials):
+        raise ValueError("exact_merge_launch: the partials must be contiguous float32 (the merge reads row s of row r at r * S + s)")
     if count.dtype != torch.int64 or count.numel() != 1 or count.device != q.device:
         raise ValueError("exact_merge_launch: count must be a one-element int64 tensor on q's device")
+    if heads is not None and (heads.dim() != 1 or not heads.is_contiguous() or heads.is_floating_point() or heads.device != q.device):
+        raise ValueError("exact_merge_launch: heads must be a contiguous 1-D integer tensor on q's device")
     args = (q, keys, values, keys if heads is None else heads, count, pm, pz, po, out,
             H, Hq // H, keys.shape[2], float(scale), d, d_v, pm.shape[2],
             q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
@@ -222,7 +232,7 @@ def exact_merge_launch(q, keys, values, scale: float, partials, out, count, head
     constexprs = dict(HAS_HEADS=heads is not None, G=pow2_at_least(Hq // H), D=D, DV=pow2_at_least(d_v), BLOCK_T=BLOCK_T,
                       BLOCK_D=D if interpreting() else min(BLOCK_D, D), BLOCK_S=min(MERGE_BLOCK_S, pow2_at_least(pm.shape[2], 1)),
                       MANUAL_BF16=interpreting() and out.dtype == torch.bfloat16)
-    return Launch(_exact_merge_kernel, (N * H,), args, constexprs, 4)
+    return Launch(_exact_merge_kernel, (N * H, Hq // H), args, constexprs, 4)
 
 
 def exact_segments(state) -> list:

@@ -7,7 +7,8 @@ holds the sinks and a ring of ``W`` recent slots in one ``(N, H, S + W, ·)`` ar
 ``t >= S`` at ring slot ``(t - S) mod W``, after the sinks), so a decode step writes one row of each at slots
 derived from the device token count, and compresses the row the ring gives up: no host value,
 no allocation, as a captured graph needs. The compressed part is the head groups' storage, with
-its own device count ``T_c``; attention merges the groups' log-sum-exp with the exact part's.
+its own device count ``T_c``; a decode step through the kernel merges the exact part into the
+groups' launches, any other attention merges the groups' log-sum-exps with the exact part's.
 """
 
 from __future__ import annotations

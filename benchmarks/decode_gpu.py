@@ -35,6 +35,9 @@ Per (N, T), all in the same process:
   with its own random orthonormal bases, coefficients those of the static state. Synthetic --
   building a 128k-token adaptive state by FD would take minutes and its boundaries depend on the
   data -- but it has exactly the layout and chunk count the kernel walks.
+* **attend-graph[ rope][-int8|-int4]** -- the attention alone (split and merge launches of a
+  ``DecodeWorkspace`` at the state's T) replayed from a CUDA graph, for every format: the
+  attention part of a step where the append has no one-launch form here (int4, pre-RoPE).
 * **step-eager** / **step-graph** -- one whole decode step of the static float state: project
   one new token into the cache (c = B k, d = E v, written at the device-resident row T) and
   advance T (``DecodeWorkspace.append``: one launch and one add), attend
@@ -311,12 +314,16 @@ def main() -> None:
                     time_backends(here, names, usable, kind, state, q, scale, sweep=args.sweep)
                 if coef == "float":
                     time_vendor(here, static, q, scale)
+                if args.graph:
+                    time_attend_graph(here, static, q, scale, suffix)
                 if coef == "float" and args.graph:
                     time_steps(here, static, q, K, V, scale)
                 del static, adaptive, states
                 if args.rope:
                     rope_state, _ = build_states(N, T, K, V, args.chunk_tokens, False, gen, device, coef, spare=16 if coef == "float" else 0, rope=rope_params())
                     time_backends(here, names, usable, "rope" + suffix, rope_state, q, scale, sweep=args.rope_sweep)
+                    if args.graph:
+                        time_attend_graph(here, rope_state, q, scale, " rope" + suffix)
                     if coef == "float" and args.graph:
                         time_step(here, rope_state, q, K, V, scale, fused=False)
                     del rope_state
@@ -543,17 +550,7 @@ def time_step(rows: list[dict], state, q, K, V, scale: float, fused: bool) -> No
         if SMOKE:
             rows.append(dict(method="step-graph" + suffix, skipped="no CUDA graphs on the CPU interpreter"))
             return
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up outside the capture: compiles, allocator pools
-                reset()
-                step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        reset()
-        with torch.cuda.graph(graph):
-            step()
+        graph = capture(step, reset)
         reset()
         graph.replay()
         diff = float((ws.out.float() - want).abs().max())
@@ -565,6 +562,51 @@ def time_step(rows: list[dict], state, q, K, V, scale: float, fused: bool) -> No
         rows.append(dict(method="step-graph" + suffix, skipped=f"error: {type(err).__name__}: {err}"))
     finally:
         reset()
+
+
+def capture(fn, reset=lambda: None):
+    """``fn`` captured in a CUDA graph, after two warm-up calls on a side stream (compiles,
+    allocator pools), each after ``reset``."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            reset()
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    reset()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def time_attend_graph(rows: list[dict], state, q, scale: float, label: str) -> None:
+    """The attention of a static state of any format, its split and merge launches
+    (``DecodeWorkspace.attend``), replayed from a CUDA graph at the state's T: the attention part
+    of a decode step, also for int4/int2 states, whose append has no one-launch form here, and
+    pre-RoPE ones (row ``attend-graph<label>``)."""
+    from subspace_ref_triton.workspace import DecodeWorkspace
+
+    method = "attend-graph" + label
+    lay = state.layout
+    try:
+        low_bit = any(lay.side_format(which).low_bits for which in ("key", "value"))
+        ws = DecodeWorkspace(lay, H_Q, q.dtype, scale, fixed_tail=low_bit, rope=state.policy.rope)  # nothing is appended: the tail stays put
+        want = get_torch_attend(state, lay, q, scale, int(lay.num_tokens))
+        if SMOKE:  # the workspace runs; its graph cannot
+            diff = float((ws.attend(q).float() - want).abs().max())
+            rows.append(dict(method=method, skipped=f"no CUDA graphs on the CPU interpreter (eager |diff| {diff:.2e})"))
+            return
+        graph = capture(lambda: ws.attend(q))
+        graph.replay()
+        diff = float((ws.out.float() - want).abs().max())
+        rows.append(dict(method=method, ms=bench(graph.replay), bytes=state.nbytes, max_abs_diff_vs_torch=diff))
+    except Exception as err:  # noqa: BLE001 - one failing row must not end the run
+        traceback.print_exc()
+        rows.append(dict(method=method, skipped=f"error: {type(err).__name__}: {err}"))
 
 
 def get_torch_attend(state, layout, q, scale, T):

@@ -336,11 +336,10 @@ def main() -> None:
                         r["bw_fraction"] = r["GBps"] * 1e9 / copy_bw
                 print(format_row(r))
             rows += here
+            write_results(Path(args.out), meta, rows)  # after every (N, T): a run cut by its time limit keeps what it measured
             K = V = None
             if not SMOKE:
                 torch.cuda.empty_cache()
-
-    write_results(Path(args.out), meta, rows)
 
 
 def baselines(rows: list[dict], q, K, V) -> float:

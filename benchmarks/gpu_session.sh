@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The prepared GPU session of issue 38 (docs/gpu.md, "Static budgets"): at most 8 minutes on one
-# H100/H200 under `timeout 480` (the steps' own timeouts add up to 926 s, 786 s without step 1b; the two calls of 2026-11-28 took 278
+# H100/H200 under `timeout 480` (the steps' own timeouts add up to 946 s, 806 s without step 1b; the two calls of 2026-11-28 took 278
 # and 326 s before step 3b was added), each writing under $OUT; a failing step does not
 # stop the next. Run from the repository root: OUT=gpu_results bash benchmarks/gpu_session.sh
+# A call cut by its limit is continued by a second one that skips the steps done: SKIP="1 1b 2 3" (step names as below).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_results}
@@ -10,6 +11,7 @@ mkdir -p "$OUT"
 unset TRITON_INTERPRET
 export TRITON_DEFAULT_FP_FUSION=1
 PY=${PYTHON:-python}
+want() { [[ " ${SKIP:-} " != *" $1 "* ]]; }  # step $1 is not in SKIP
 
 # device, date and commit, for docs/gpu.md
 {
@@ -17,8 +19,9 @@ PY=${PYTHON:-python}
   git rev-parse HEAD 2>/dev/null; git status --short backends 2>/dev/null | head -20
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
   $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
-} > "$OUT/session.txt" 2>&1
+} >> "$OUT/session.txt" 2>&1
 
+if want 1; then
 # 1. GPU differential tests of the changed kernels: the split kernel, the pre-RoPE kernel, the
 #    vendor path, the optional one-launch split + merge, and the graph cache's CUDA-graph generate (<= 150 s). -v names each result as it
 #    comes (the junit file is written only at the end), and a per-test limit fails a hung test
@@ -30,7 +33,9 @@ timeout 150 $PY -m pytest -v $XDIST $PER_TEST tests/test_triton_vendor.py tests/
 rc=$?
 grep -E "(FAILED|ERROR) " "$OUT/tests.log" | sed 's/^\[gw[0-9]*\] *\[ *[0-9]*%\] *//' | sort | uniq | head -40 >> "$OUT/session.txt"
 echo "tests: rc=$rc" >> "$OUT/session.txt"
+fi
 
+if want 1b; then
 # 1b. the kernels of the last landing, when carried in .gpu_before/ (an ignored copy of
 #     backends/subspace_ref_triton, first on PYTHONPATH): the same N = 8 run, for a before/after
 #     on the same machine (<= 70 s)
@@ -40,11 +45,35 @@ if [ -d .gpu_before/subspace_ref_triton ]; then
     --no-adaptive --no-sweep --no-graph --backend triton >> "$OUT/decode_n8_before.log" 2>&1
   echo "decode N=8 before: rc=$?" >> "$OUT/session.txt"
 fi
+fi
 
-# 2. decode_gpu.py at N = 8, T = 32k and 128k (float, int8, int4, pre-RoPE), with the graph step (<= 130 s)
-timeout 130 $PY benchmarks/decode_gpu.py --out "$OUT" --batch 8 --tokens 32768 131072 --coef float int8 int4 --rope --no-adaptive --no-sweep \
+if want 2; then
+# 2. decode_gpu.py at N = 8, T = 32k and 128k (float, int8, int4, pre-RoPE), with the graph step and attend-graph rows (<= 150 s;
+#    results are written after each T)
+timeout 150 $PY benchmarks/decode_gpu.py --out "$OUT" --batch 8 --tokens 32768 131072 --coef float int8 int4 --rope --no-adaptive --no-sweep \
   --backend triton > "$OUT/decode_n8.log" 2>&1
 echo "decode N=8: rc=$?" >> "$OUT/session.txt"
+fi
+
+if want 3; then
+# 3. ... and at N = 1, T = 32k, with the graph-captured step and a torch.profiler trace of its replays: each kernel's
+#    duration and the gaps between them, where the step's time goes against the goal of 20 us (<= 60 s)
+timeout 60 $PY benchmarks/decode_gpu.py --out "$OUT" --batch 1 --tokens 32768 --coef float int4 --no-adaptive --no-sweep --backend triton \
+  --profile-step "$OUT/step_profiles" > "$OUT/decode_n1.log" 2>&1
+echo "decode N=1: rc=$?" >> "$OUT/session.txt"
+fi
+
+if want 3b; then
+# 3b. transformers generate through the graph cache, float, int4 and docs/baselines.md's best state (pre-RoPE int4,
+#     4 sinks, 32 recent tokens; the kernel operator), compiled by generate's default (CUDA graphs), against
+#     DynamicCache + SDPA and the compiled StaticCache, at T = 32k (<= 180 s; rows print as they finish)
+timeout 180 $PY benchmarks/graph_decode.py --device cuda --contexts 32768 --steps 64 --coefficients float int4 pre-rope-int4-sinks4-window32 \
+  --json "$OUT/graph_decode.json" > "$OUT/graph_decode.log" 2>&1
+echo "graph decode: rc=$?" >> "$OUT/session.txt"
+fi
+
+if want 3c; then
+# 3c. the sweeps, after the goals' rows (a cut run loses exploration, not the goals):
 #    the int4 sweep at 128k: the centred kernel at 1 (default), 2 and 4 warps, the per-code path at 64-token tiles (<= 90 s)
 timeout 90 $PY benchmarks/decode_gpu.py --out "$OUT" --batch 8 --tokens 131072 --coef int4 --no-adaptive --no-graph --backend triton \
   > "$OUT/decode_n8_int4_sweep.log" 2>&1
@@ -53,19 +82,9 @@ echo "decode N=8 int4 sweep: rc=$?" >> "$OUT/session.txt"
 timeout 80 $PY benchmarks/decode_gpu.py --out "$OUT" --batch 8 --tokens 131072 --coef float int4 --rope --rope-sweep --no-sweep --no-adaptive --no-graph \
   --backend triton > "$OUT/decode_n8_rope_sweep.log" 2>&1
 echo "decode N=8 rope sweep: rc=$?" >> "$OUT/session.txt"
-# 3. ... and at N = 1, T = 32k, with the graph-captured step and a torch.profiler trace of its replays: each kernel's
-#    duration and the gaps between them, where the step's time goes against the goal of 20 us (<= 60 s)
-timeout 60 $PY benchmarks/decode_gpu.py --out "$OUT" --batch 1 --tokens 32768 --coef float int4 --no-adaptive --no-sweep --backend triton \
-  --profile-step "$OUT/step_profiles" > "$OUT/decode_n1.log" 2>&1
-echo "decode N=1: rc=$?" >> "$OUT/session.txt"
+fi
 
-# 3b. transformers generate through the graph cache, float, int4 and docs/baselines.md's best state (pre-RoPE int4,
-#     4 sinks, 32 recent tokens; the kernel operator), compiled by generate's default (CUDA graphs), against
-#     DynamicCache + SDPA and the compiled StaticCache, at T = 32k (<= 180 s; rows print as they finish)
-timeout 180 $PY benchmarks/graph_decode.py --device cuda --contexts 32768 --steps 64 --coefficients float int4 pre-rope-int4-sinks4-window32 \
-  --json "$OUT/graph_decode.json" > "$OUT/graph_decode.log" 2>&1
-echo "graph decode: rc=$?" >> "$OUT/session.txt"
-
+if want 4; then
 # 4. one profiler pass per changed kernel (ncu when installed: one launch each) (<= 3 x 32 s)
 if command -v ncu > /dev/null; then
   for coef in int4 float; do
@@ -83,5 +102,6 @@ if command -v ncu > /dev/null; then
   for rep in "$OUT"/ncu_*.ncu-rep; do ncu --import "$rep" --page details > "${rep%.ncu-rep}.txt" 2>&1; done
 else
   echo "ncu: not installed, no profiler pass" >> "$OUT/session.txt"
+fi
 fi
 cat "$OUT/session.txt"

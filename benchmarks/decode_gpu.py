@@ -259,6 +259,11 @@ def main() -> None:
         fail(f"needs torch and triton ({err}); pip install 'subspace_ref[triton]'")
     if not SMOKE and not torch.cuda.is_available():
         fail("no CUDA GPU: torch.cuda.is_available() is False. Run this on an H100/H200 machine (or --smoke to check the script on the CPU).")
+    if PROFILE_DIR is not None and not SMOKE:
+        import torch.profiler._utils as profiler_utils
+
+        if hasattr(profiler_utils, "_init_for_cuda_graphs"):
+            profiler_utils._init_for_cuda_graphs()  # CUPTI set up before any capture (pytorch#75504)
 
 
     from subspace_ref.backend import Availability
@@ -306,6 +311,22 @@ def main() -> None:
             q = torch.randn(N, H_Q, D, generator=gen, device=device, dtype=torch.bfloat16)
             here = []
             base_ms = baselines(here, q, K, V)
+            shown = 0
+
+            def flush_rows():
+                """Print and save the rows measured since the last call (a run cut by its limit keeps them)."""
+                nonlocal shown
+                for r in here[shown:]:
+                    r.update(N=N, T=T)
+                    if "ms" in r:
+                        r["speedup_vs_sdpa"] = base_ms / r["ms"]
+                        if r.get("bytes"):
+                            r["GBps"] = r["bytes"] / (r["ms"] * 1e-3) / 1e9
+                            r["bw_fraction"] = r["GBps"] * 1e9 / copy_bw
+                    print(format_row(r))
+                shown = len(here)
+                write_results(Path(args.out), meta, rows + here)
+
             for coef in args.coef:
                 static, adaptive = build_states(N, T, K, V, args.chunk_tokens, not args.no_adaptive, gen, device, coef, spare=16 if coef == "float" else 0)
                 suffix = "" if coef == "float" else f"-{coef}"
@@ -327,16 +348,9 @@ def main() -> None:
                     if coef == "float" and args.graph:
                         time_step(here, rope_state, q, K, V, scale, fused=False)
                     del rope_state
-            for r in here:
-                r.update(N=N, T=T)
-                if "ms" in r:
-                    r["speedup_vs_sdpa"] = base_ms / r["ms"]
-                    if r.get("bytes"):
-                        r["GBps"] = r["bytes"] / (r["ms"] * 1e-3) / 1e9
-                        r["bw_fraction"] = r["GBps"] * 1e9 / copy_bw
-                print(format_row(r))
+                flush_rows()
+            flush_rows()
             rows += here
-            write_results(Path(args.out), meta, rows)  # after every (N, T): a run cut by its time limit keeps what it measured
             K = V = None
             if not SMOKE:
                 torch.cuda.empty_cache()
@@ -474,31 +488,42 @@ def sweep_label(block_t, num_warps, cap) -> str:
 
 
 def profile_step(graph, reset, label: str) -> None:
-    """PROFILE_REPLAYS replays of a captured step under torch.profiler: the chrome trace, and a
-    summary of each kernel's mean duration and the step's mean span from its first kernel's
-    start to its last one's end (the span minus the durations is the gaps between launches).
-    The reset's fill kernel, launched outside the graph, is left out."""
+    """PROFILE_REPLAYS replays of a captured graph under torch.profiler, each after an L2 flush
+    (as ``bench``) and ``reset``: the chrome trace, and a summary of each kernel's mean duration
+    and the replay's mean span from its first kernel's start to its last one's end (the span
+    minus the durations is the gaps between launches). The flush and the reset are fill
+    kernels, launched outside the graph: they mark where each replay starts and are left out."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     PROFILE_DIR.mkdir(parents=True, exist_ok=True)
     try:
+        flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(PROFILE_REPLAYS):
+                flush.zero_()
                 reset()
                 graph.replay()
                 torch.cuda.synchronize()
         prof.export_chrome_trace(str(PROFILE_DIR / f"{label}.json"))
-        kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA" and "Fill" not in e.name), key=lambda e: e.time_range.start)
-        per = len(kernels) // PROFILE_REPLAYS
-        lines = [f"{label}: {len(kernels)} kernels in {PROFILE_REPLAYS} replays"]
-        if per and len(kernels) == per * PROFILE_REPLAYS:
-            steps = [kernels[i * per : (i + 1) * per] for i in range(PROFILE_REPLAYS)]
-            span = sum(k[-1].time_range.end - k[0].time_range.start for k in steps) / PROFILE_REPLAYS
-            busy = sum(e.time_range.end - e.time_range.start for e in kernels) / PROFILE_REPLAYS
-            lines.append(f"step span {span:.1f} us, kernels busy {busy:.1f} us, gaps {span - busy:.1f} us")
-            for i, e in enumerate(steps[0]):
-                mean = sum(s[i].time_range.end - s[i].time_range.start for s in steps) / PROFILE_REPLAYS
+        replays, current = [], []
+        for e in sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start):
+            if "Fill" in e.name:
+                if current:
+                    replays.append(current)
+                current = []
+            else:
+                current.append(e)
+        if current:
+            replays.append(current)
+        lines = [f"{label}: {len(replays)} replays traced of {PROFILE_REPLAYS}"]
+        if replays:
+            span = sum(k[-1].time_range.end - k[0].time_range.start for k in replays) / len(replays)
+            busy = sum(e.time_range.end - e.time_range.start for k in replays for e in k) / len(replays)
+            lines.append(f"replay span {span:.1f} us, kernels busy {busy:.1f} us, gaps {span - busy:.1f} us")
+            same = [k for k in replays if len(k) == len(replays[-1])]
+            for i, e in enumerate(replays[-1]):
+                mean = sum(k[i].time_range.end - k[i].time_range.start for k in same) / len(same)
                 lines.append(f"  {i}: {mean:8.1f} us  {e.name[:120]}")
         text = "\n".join(lines) + "\n"
         (PROFILE_DIR / f"{label}.txt").write_text(text)
@@ -603,6 +628,8 @@ def time_attend_graph(rows: list[dict], state, q, scale: float, label: str) -> N
         graph.replay()
         diff = float((ws.out.float() - want).abs().max())
         rows.append(dict(method=method, ms=bench(graph.replay), bytes=state.nbytes, max_abs_diff_vs_torch=diff))
+        if PROFILE_DIR is not None:
+            profile_step(graph, lambda: None, f"{method.replace(' ', '-')}_N{q.shape[0]}_T{int(lay.num_tokens)}")
     except Exception as err:  # noqa: BLE001 - one failing row must not end the run
         traceback.print_exc()
         rows.append(dict(method=method, skipped=f"error: {type(err).__name__}: {err}"))

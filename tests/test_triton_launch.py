@@ -294,6 +294,11 @@ def test_workspace_append_refusals(rng):
     rope_ws = workspace.DecodeWorkspace(rope_state.to("triton", device=DEVICE, dtype="float32").layout, 4, torch.float32, rope=rope)
     with pytest.raises(ValueError, match="pre-RoPE keys are un-rotated first"):
         rope_ws.append(torch.zeros(2, 2, 1, 32, device=DEVICE), torch.zeros(2, 2, 1, 32, device=DEVICE))
+    # int8 on one side without its scales (what append passes a float/int8 layout) is refused by the append kernel's launch
+    bases, chunk = torch.zeros(1, H, 1, r, d, device=DEVICE), torch.zeros(1, H, dtype=torch.int64, device=DEVICE)
+    codes, floats = torch.zeros(1, H, 1, r, dtype=torch.int8, device=DEVICE), torch.zeros(1, H, 1, r, device=DEVICE)
+    with pytest.raises(ValueError, match="int8 outputs need both"):
+        project.project_launch(k, k, bases, bases, chunk, floats, codes)
 
 
 @needs_triton

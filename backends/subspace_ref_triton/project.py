@@ -150,8 +150,8 @@ def project_launch(keys, values, key_bases, value_bases, chunk, out_key, out_val
     r, r_v, d_v = key_bases.shape[3], value_bases.shape[3], value_bases.shape[4]
     _check_unit_stride(keys=keys, values=values, key_bases=key_bases, value_bases=value_bases, out_key=out_key, out_value=out_value)
     quant = out_key_scale is not None
-    if quant != (out_value_scale is not None) or (quant and (out_key.dtype != torch.int8 or out_value.dtype != torch.int8)):
-        raise ValueError("int8 outputs need both out_key_scale and out_value_scale, and int8 out_key/out_value")
+    if quant != (out_value_scale is not None) or (out_key.dtype == torch.int8, out_value.dtype == torch.int8) != (quant, quant):
+        raise ValueError("int8 outputs need both out_key_scale and out_value_scale, and int8 out_key/out_value (and float outputs neither)")
     ks, vs = (out_key_scale, out_value_scale) if quant else (out_key, out_value)  # never written unless quant
     dev = keys.device
     if out_row is not None and (out_row.dtype != torch.int64 or out_row.numel() != 1 or out_row.device != dev):

@@ -138,10 +138,8 @@ class DecodeWorkspace:
         if self.rope is not None or lay.key_bases.shape[2] != 1 or any(lay.side_format(w).low_bits for w in ("key", "value")):
             raise ValueError("DecodeWorkspace.append writes a static post-RoPE layout with float or int8 coefficients "
                              "(pre-RoPE keys are un-rotated first, spec/rope.md P3; int4/int2 keys complete their groups, spec/quantization.md Q2.1)")
-        int8 = lay.key_coef.dtype == torch.int8
-        if int8 != (lay.value_coef.dtype == torch.int8):
-            raise ValueError("DecodeWorkspace.append takes int8 coefficients on both sides or on neither")
-        scales = dict(out_key_scale=lay.key_scale, out_value_scale=lay.value_scale) if int8 else {}
+        # int8 on one side only is refused by project_launch, which checks outputs against scales
+        scales = dict(out_key_scale=lay.key_scale, out_value_scale=lay.value_scale) if lay.key_coef.dtype == torch.int8 else {}
         launch, _ = project.project_launch(keys, values, lay.key_bases, lay.value_bases, self.chunk, lay.key_coef, lay.value_coef, out_row=self.num_tokens,
                                            **scales)
         if launch is not None:

@@ -79,20 +79,47 @@ def test_no_default_configuration_spills(default_rows):
 
 def test_spill_exemptions_cover_only_their_configurations():
     """An exemption names its kernel and configuration: the split defaults with 16-bit bases
-    (register-capped, eager and graph-capturable) and the pre-RoPE kernel, not the float32 split
-    defaults, which run uncapped."""
+    (register-capped, eager and graph-capturable), not the float32 split defaults, which run
+    uncapped, nor the pre-RoPE kernel, whose register cap (rope_decode.MAX_REGISTERS) was chosen
+    from the compiled code and must not spill."""
     from subspace_ref_triton import decode, gpu_report
 
     measured = gpu_report.measured_defaults()
     for config in ("bf16 int4 d=128 r=32 g=4 bt=64 w=4", "fp16 int2 d=128 r=32 g=4 bt=64 w=4", "bf16 d=128 r=32 g=4 bt=32 w=4"):
         assert gpu_report.measured_reason(measured, "decode split", config), config
         assert gpu_report.measured_reason(measured, "decode split (graph)", config), config
-    assert gpu_report.measured_reason(measured, "decode rope", "fp32 d=128 r=32 g=4 bt=32 w=4")
+    for config in ("fp32 d=128 r=32 g=4 bt=32 w=4", "bf16 int4 d=128 r=32 g=4 bt=64 w=4"):
+        assert not gpu_report.measured_reason(measured, "decode rope", config), config
+        assert not gpu_report.measured_reason(measured, "decode rope (graph)", config), config
     for config in ("bf16 int8 d=128 r=32 g=4 bt=64 w=1", "fp16 int4 d=128 r=32 g=4 bt=32 w=1", "bf16 int2 d=128 r=32 g=4 bt=32 w=1"):  # uncapped one-warp defaults: the static budgets' choice
         assert gpu_report.measured_reason(measured, "decode split", config) == decode.STATIC_BUDGET_CHOSEN, config
     for config in ("fp32 int4 d=128 r=32 g=4 bt=64 w=8", "fp32 d=128 r=32 g=4 bt=64 w=8"):
         assert not gpu_report.measured_reason(measured, "decode split", config), config
     assert decode.launch_config(128, 128, torch.float32, bits=4)["max_registers"] is None
+
+
+def test_pre_rope_register_cap_only_where_it_compiled_clean():
+    """rope_decode.MAX_REGISTERS caps the default launch with bfloat16 bases at head size 128 and
+    ranks up to 32 for float, int8 and int4 sides (docs/gpu.md, "Pre-RoPE kernel, three programs
+    per SM"), not int2, float16 bases, other shapes or other tiles, and max_registers=0 lifts it."""
+    import numpy as np
+
+    from subspace_ref.rope import RopeParams
+    from subspace_ref_triton import gpu_report, rope_decode
+
+    def cap(d=128, r=32, dtype=torch.bfloat16, coef="float", **kw):
+        rope = RopeParams(1.0 / 10000.0 ** (np.arange(d // 2) / (d // 2)))
+        lay = gpu_report._layout(torch, 512, d, r, dtype, coef)
+        return rope_decode.split_launch(torch.zeros(1, 32, d, dtype=dtype), lay, rope, 0.1, 256, **kw)[0].max_registers
+
+    for coef in ("float", "int8", "int4"):
+        assert cap(coef=coef) == rope_decode.MAX_REGISTERS, coef
+        assert cap(coef=coef, num_tokens=torch.zeros(1, dtype=torch.int64), num_splits=2) == rope_decode.MAX_REGISTERS, coef
+    assert cap(coef="int2") is None
+    assert cap(dtype=torch.float16) is None
+    assert cap(d=64) is None and cap(r=64) is None
+    assert cap(block_t=32) is None and cap(num_warps=8) is None and cap(key_parts=2) is None
+    assert cap(max_registers=0) is None and cap(coef="int2", max_registers=96) == 96
 
 
 def test_the_launch_is_specialised(default_rows):

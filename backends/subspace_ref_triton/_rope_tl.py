@@ -246,15 +246,20 @@ def low_bit_keys16(words, ks_base, kz_base, tail_base, tok, t_mask, offs_r, comp
 
 
 @triton.jit
-def rotate_bf16(a, x, b, y, INTERPRETED: tl.constexpr):
-    """bfloat16 ``a x + b y`` as the GPU's packed ``fma.rn.bf16x2`` gives it, two lanes an
-    instruction: ``b y`` rounded, then ``a x`` added and rounded once (the interpreter: in float32,
-    the products of bfloat16 numbers exact there)."""
+def rotate_bf16(a, x, b, y, SUBTRACT: tl.constexpr, INTERPRETED: tl.constexpr):
+    """bfloat16 ``a x + b y`` (``SUBTRACT``: ``a x - b y``) as the GPU's packed ``fma.rn.bf16x2``
+    gives it, two lanes an instruction: ``b y`` rounded, then ``a x`` added and rounded once (the
+    interpreter: in float32, the products of bfloat16 numbers exact there). Rounding to nearest is
+    odd in its argument, so ``a x - b y`` is ``a x + b (-y)`` bit for bit, without a negated table."""
     if INTERPRETED:
-        by = (b.to(tl.float32) * y.to(tl.float32)).to(tl.bfloat16)
-        out = (a.to(tl.float32) * x.to(tl.float32) + by.to(tl.float32)).to(tl.bfloat16)
-    else:
+        by = (b.to(tl.float32) * y.to(tl.float32)).to(tl.bfloat16).to(tl.float32)
+        out = (a.to(tl.float32) * x.to(tl.float32) + (-by if SUBTRACT else by)).to(tl.bfloat16)
+    elif SUBTRACT:
         # Triton's bfloat16 arithmetic is per lane (repacked around each op): one packed FMA each instead
+        out = tl.inline_asm_elementwise(
+            "{ .reg .b32 z, t; mov.b32 z, 0x80008000; fma.rn.bf16x2 t, $3, $4, z; neg.bf16x2 t, t; fma.rn.bf16x2 $0, $1, $2, t; }",
+            "=r,r,r,r,r", [a, x, b, y], dtype=tl.bfloat16, is_pure=True, pack=2)
+    else:
         out = tl.inline_asm_elementwise(
             "{ .reg .b32 z, t; mov.b32 z, 0x80008000; fma.rn.bf16x2 t, $3, $4, z; fma.rn.bf16x2 $0, $1, $2, t; }",
             "=r,r,r,r,r", [a, x, b, y], dtype=tl.bfloat16, is_pure=True, pack=2)

@@ -131,6 +131,9 @@ def triton_launches(exhaustive: bool = False):
             launch, _ = rope_decode.split_launch(torch.zeros(1, H_KV * GROUP, D, dtype=dtypes[name]), lay, rope, 0.1, 0 if graph else 1024, **kw)
             label = f"{name}{'' if coef == 'float' else ' ' + coef} d={D} r={RANK} g={GROUP} bt={launch.constexprs['BLOCK_T']} w={launch.num_warps}"
             out.append(("decode rope" + (" (graph)" if graph else ""), label, True, launch))
+            if not graph and launch.max_registers:  # what the register cap (rope_decode.MAX_REGISTERS) trades
+                uncapped, _ = rope_decode.split_launch(torch.zeros(1, H_KV * GROUP, D, dtype=dtypes[name]), lay, rope, 0.1, 1024, max_registers=0)
+                out.append(("decode rope", label + " uncapped", False, uncapped))
 
     for name in ("bf16", "fp32"):  # exact tokens (spec/window.md W3, W8): one partial per segment
         k = torch.zeros(1, H_KV, 512, D, dtype=dtypes[name])
@@ -183,10 +186,10 @@ def measured_defaults() -> dict[tuple[str, str], str]:
     """Default launches chosen by GPU timings (or, where said, by the static budgets) over the
     compile report's rule (no spill, then the most resident warps), with why: keyed by (kernel, configuration) prefixes ("decode split"
     covers its graph-capturable variant; "" every configuration)."""
-    from subspace_ref_triton import decode, rope_decode
+    from subspace_ref_triton import decode
 
     chosen = {("decode split", f"{name} {bits} "): decode.STATIC_BUDGET_CHOSEN for name in ("bf16", "fp16") for bits in ("int8", "int4", "int2")}  # before the caps: first match
-    return {("decode rope", ""): rope_decode.SPILLS_MEASURED, **chosen, **{("decode split", f"{name} "): decode.REGISTER_CAPS_MEASURED for name in ("bf16", "fp16")}}
+    return {**chosen, **{("decode split", f"{name} "): decode.REGISTER_CAPS_MEASURED for name in ("bf16", "fp16")}}
 
 
 def measured_reason(measured: dict[tuple[str, str], str], kernel: str, config: str) -> str:

@@ -24,7 +24,9 @@ unfinished key group, ``key_tail``, after them in masked tiles):
    ``q . a R_p R_k u = (a R_p^T q) . (R_k u)``. No float64 in the kernel. With bfloat16 bases
    (one key part, below) the keys are rotated in packed bfloat16, ``fma.rn.bf16x2``
    (:func:`subspace_ref_triton._rope_tl.rotate_bf16`): they are rounded to bfloat16 for the
-   logits anyway, and each instruction rotates two lanes;
+   logits anyway, and each instruction rotates two lanes. The rotation's minus sign is a packed
+   negation of one product, not a negated copy of the sine table: one instruction per two lanes
+   for 16 fewer registers a thread, which with :data:`MAX_REGISTERS` fits 3 programs per SM;
 3. takes the logits ``(BLOCK_T, g)`` on the tensor cores, float32 operands in bfloat16 parts:
    the rotated queries (once per tile) in two (hi, rounded; lo: the exact rest, rounded) side by
    side on the MMA's N (the g query heads pad it anyway: one product takes both); the rotated keys
@@ -68,7 +70,7 @@ from subspace_ref_triton._tl import MAX_COMBINE as _MAX
 from subspace_ref_triton._tl import SUM_COMBINE as _SUM
 from subspace_ref_triton._tl import int4_word_order, low_bit_keys, low_bit_values, tile_codes, word_order
 from subspace_ref_triton._rope_tl import int8_words, joint_low_bit_codes, load_words, low_bit_keys16, low_bit_words, rotate_bf16
-from subspace_ref_triton.decode import DOT_ROWS, MIN_SPLIT_TOKENS, default_split_len, merge_partials, side_formats
+from subspace_ref_triton.decode import DOT_ROWS, FALLBACK_RESIDENT, MIN_SPLIT_TOKENS, default_split_len, merge_partials, resident_programs, side_formats
 
 # Tokens per tile and warps of the tensor-core form with 16-bit bases, from the compiled code (not
 # timed): at 64 tokens on 4 warps the rebuild is one warpgroup MMA and every warp owns 16 rows of
@@ -78,8 +80,12 @@ NUM_WARPS = 4
 FP32_BLOCK_T = 32  # float32 bases: 155 registers, no spill on sm_90 (64-token tiles spill)
 LEGACY_BLOCK_T = 32  # the kernel before the tensor-core form (split_launch(legacy=True))
 LEGACY_NUM_WARPS = 4
-SPILLS_MEASURED = ("tensor-core form (64-token tiles, 4 warps): no spill on sm_90 or sm_80 under Triton 3.9, not timed; "
-                   "legacy kernel (legacy=True, not a default): spills, timings in docs/gpu.md")
+# ptxas's register cap (Triton's maxnreg) of the default launch with bfloat16 bases at head size 128
+# and ranks up to 32: 3 programs of 4 warps per SM instead of 2, for a loop that waits rather than
+# issues, with no spill on sm_90 or sm_80 for float, int8 and int4 coefficients (docs/gpu.md,
+# "Pre-RoPE kernel, three programs per SM"). Elsewhere it spills (int2, rank 64, head size 256) or
+# costs residency (head size 64). Chosen from the compiled code, not timed.
+MAX_REGISTERS = 168
 
 
 @triton.jit
@@ -440,8 +446,10 @@ def _mma_tile(t0, hi, angle_row, m_i, z_i, zacc, acc2, qa, qb, qf, Ba, Bb, Bf, c
     if SPLIT and KEY_PARTS == 1 and CDT == tl.bfloat16:  # rounded to bfloat16 for the logits anyway: the rotation in packed bfloat16
         ua16 = ua.to(PDT)
         ub16 = ub.to(PDT)
-        ra = rotate_bf16(ua16, ck.to(PDT), ub16, (-sk).to(PDT), INTERPRETED)
-        rb = rotate_bf16(ua16, sk.to(PDT), ub16, ck.to(PDT), INTERPRETED)
+        ck16 = ck.to(PDT)
+        sk16 = sk.to(PDT)
+        ra = rotate_bf16(ua16, ck16, ub16, sk16, True, INTERPRETED)
+        rb = rotate_bf16(ua16, sk16, ub16, ck16, False, INTERPRETED)
     else:
         ra = ua * ck - ub * sk
         rb = ua * sk + ub * ck
@@ -580,14 +588,15 @@ def default_block_t(key_bases_dtype, legacy: bool = False) -> int:
 
 def split_launch(q, layout, rope, scale: float, split_len: int, first_position: int = 0, *, block_t: int | None = None, num_warps: int | None = None,
                  native: bool | None = None, legacy: bool = False, key_parts: int | None = None, group_rows: bool | None = None,
-                 num_tokens=None, num_splits: int | None = None, outputs=None, tables: RopeTables | None = None):
+                 num_tokens=None, num_splits: int | None = None, outputs=None, tables: RopeTables | None = None, max_registers: int | None = None):
     """The split kernel's launch (not run) and the partials (m, Z, N) it fills, float32, in the
     format of :func:`subspace_ref_triton.decode.split_launch` (m includes gamma * scale).
     ``layout``: a one-chunk layout of torch tensors (a static state's, bases decoded);
     ``first_position``: the position of compressed token 0 (spec/window.md W10: the sinks).
-    ``block_t`` (a power of two >= 16), ``num_warps`` and ``native`` (False: float32 products
-    throughout, even where :func:`native16` allows the tensor cores) override the defaults, for the
-    benchmark's sweep; ``key_parts`` (1 or 2): bfloat16 parts of the rotated keys in the logits
+    ``block_t`` (a power of two >= 16), ``num_warps``, ``max_registers`` (0: no cap; by default
+    :data:`MAX_REGISTERS` where :func:`default_max_registers` says) and ``native`` (False: float32
+    products throughout, even where :func:`native16` allows the tensor cores) override the defaults,
+    for the benchmark's sweep; ``key_parts`` (1 or 2): bfloat16 parts of the rotated keys in the logits
     (default 1 with bfloat16 bases, 2 with float16: see the kernel's step 3); ``legacy``: the kernel before the tensor-core form (``_rope_split_kernel``,
     float32 logits and value sums, BLOCK_T/NUM_WARPS of before), kept for timing against it; ``group_rows``: int4/int2
     key scales and zero points read one row per key group wherever the tiles allow it (True), never
@@ -688,7 +697,18 @@ def split_launch(q, layout, rope, scale: float, split_len: int, first_position: 
     # (a device token count: splits of whole tiles)
     whole = bool(sides.k_bits and constexprs["K_WORDS"] and (bt % kg == 0 or kg % bt == 0) and (device_t or split_len % min(kg, bt) == 0))
     constexprs["GROUP_ROWS"] = whole and (bt == 2 * kg if group_rows is None else bool(group_rows))
-    return Launch(_rope_mma_kernel, (N * H, S), args, constexprs, num_warps or NUM_WARPS), outputs
+    if max_registers is None:
+        max_registers = default_max_registers(kb.dtype, key_parts, bt, nw, max(d, d_v), max(r, r_v), (sides.k_bits, sides.v_bits))
+    return Launch(_rope_mma_kernel, (N * H, S), args, constexprs, nw, max_registers or None), outputs
+
+
+def default_max_registers(key_bases_dtype, key_parts: int, block_t: int, num_warps: int, head_size: int, rank: int, bits: tuple[int, int]) -> int:
+    """The tensor-core form's register cap by default (0: none): :data:`MAX_REGISTERS` for bfloat16
+    bases with one key part (the packed rotation) on the default tile and warps, at head size 128
+    and ranks up to 32, unless a side holds int2 codes (``bits``: each side's low-bit width, 0 if
+    none)."""
+    default = key_bases_dtype == torch.bfloat16 and key_parts == 1 and block_t == BLOCK_T and num_warps == NUM_WARPS
+    return MAX_REGISTERS if default and head_size == 128 and rank <= 32 and 2 not in bits else 0
 
 
 def offset_angles(freq, block_t: int):
@@ -727,13 +747,46 @@ def attention_partials(q, layout, rope, scale: float, split_len: int | None = No
     tokens add theirs: :mod:`subspace_ref_triton.window_decode`); compressed token t sits at
     position ``first_position + t`` (spec/window.md W10)."""
     T = int(layout.num_tokens)
-    if split_len is None:
-        split_len = default_split_len(T, q.shape[0] * layout.key_coef.shape[1], q.device)
-        block_t = launch.get("block_t") or BLOCK_T  # a multiple of every default tile
-        split_len = cdiv(split_len, block_t) * block_t
-    split, partials = split_launch(q, layout, rope, scale, split_len, first_position, **launch)
+    if split_len is not None:
+        split, partials = split_launch(q, layout, rope, scale, split_len, first_position, **launch)
+    else:
+        # splits that fill the SMs' program slots once, from the compiled launch's occupancy; the
+        # launch is built from the occupancy last seen for this configuration, and again if it differs
+        sig = _configuration(q, layout, launch)
+        resident = _RESIDENT_SEEN.get(sig, FALLBACK_RESIDENT) if sig else FALLBACK_RESIDENT
+        split, partials = split_launch(q, layout, rope, scale, _default_split_len(q, layout, T, resident, launch.get("block_t")), first_position, **launch)
+        compiled = resident_programs(split, q.device)
+        if compiled != resident:
+            if sig:
+                _RESIDENT_SEEN[sig] = compiled
+            split, partials = split_launch(q, layout, rope, scale, _default_split_len(q, layout, T, compiled, launch.get("block_t")), first_position, **launch)
     split.run()
     return partials
+
+
+# programs per SM of the last launch of a configuration (_configuration): a hint for the next one
+_RESIDENT_SEEN: dict[tuple, int] = {}
+
+
+def _configuration(q, layout, launch: dict) -> tuple | None:
+    """What the compiled launch depends on, cheaply: dtypes, shapes, formats, the alignments that
+    choose word loads, the launch keywords (None: keywords that cannot be hashed)."""
+    kc, vc = layout.key_coef, layout.value_coef
+    sig = (q.device, q.dtype, tuple(q.shape[1:]), layout.key_bases.dtype, tuple(layout.key_bases.shape[3:]), tuple(layout.value_bases.shape[3:]),
+           *((c.dtype, c.data_ptr() % 16, *(x % 16 for x in c.stride())) for c in (kc, vc)), layout.key_format, layout.value_format, layout.group,
+           tuple(sorted(launch.items())))
+    try:
+        hash(sig)
+    except TypeError:
+        return None
+    return sig
+
+
+def _default_split_len(q, layout, T: int, resident: int, block_t: int | None) -> int:
+    """default_split_len for ``resident`` programs per SM, a multiple of the launch's tile."""
+    split_len = default_split_len(T, q.shape[0] * layout.key_coef.shape[1], q.device, resident)
+    block_t = block_t or BLOCK_T  # a multiple of every default tile
+    return cdiv(split_len, block_t) * block_t
 
 
 def decode_attention(q, layout, rope, scale: float | None = None, split_len: int | None = None, **launch):

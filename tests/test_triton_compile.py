@@ -107,19 +107,55 @@ def test_pre_rope_register_cap_only_where_it_compiled_clean():
     from subspace_ref.rope import RopeParams
     from subspace_ref_triton import gpu_report, rope_decode
 
-    def cap(d=128, r=32, dtype=torch.bfloat16, coef="float", **kw):
+    def cap(d=128, r=32, dtype=torch.bfloat16, coef="float", group=4, **kw):
         rope = RopeParams(1.0 / 10000.0 ** (np.arange(d // 2) / (d // 2)))
         lay = gpu_report._layout(torch, 512, d, r, dtype, coef)
-        return rope_decode.split_launch(torch.zeros(1, 32, d, dtype=dtype), lay, rope, 0.1, 256, **kw)[0].max_registers
+        return rope_decode.split_launch(torch.zeros(1, gpu_report.H_KV * group, d, dtype=dtype), lay, rope, 0.1, 256, **kw)[0].max_registers
 
     for coef in ("float", "int8", "int4"):
-        assert cap(coef=coef) == rope_decode.MAX_REGISTERS, coef
+        for r, group in ((32, 4), (16, 4), (32, 1), (32, 2)):
+            assert cap(r=r, group=group, coef=coef) == rope_decode.MAX_REGISTERS, (coef, r, group)
         assert cap(coef=coef, num_tokens=torch.zeros(1, dtype=torch.int64), num_splits=2) == rope_decode.MAX_REGISTERS, coef
+        assert cap(coef=coef, group=8) is None and cap(coef=coef, r=24) is None and cap(coef=coef, r=8) is None
     assert cap(coef="int2") is None
     assert cap(dtype=torch.float16) is None
     assert cap(d=64) is None and cap(r=64) is None
     assert cap(block_t=32) is None and cap(num_warps=8) is None and cap(key_parts=2) is None
     assert cap(max_registers=0) is None and cap(coef="int2", max_registers=96) == 96
+
+
+CAPPED_SCRIPT = r"""
+import json
+import numpy as np
+import torch
+from subspace_ref.rope import RopeParams
+from subspace_ref_triton import gpu_report, rope_decode
+from subspace_ref_triton.compile_report import launch_resources
+rope = RopeParams(1.0 / 10000.0 ** (np.arange(64) / 64))
+out = []
+for group, r, coef in ((1, 32, "float"), (2, 32, "int4"), (4, 16, "int4"), (4, 16, "int8")):
+    lay = gpu_report._layout(torch, 8192, 128, r, torch.bfloat16, coef)
+    launch, _ = rope_decode.split_launch(torch.zeros(1, gpu_report.H_KV * group, 128, dtype=torch.bfloat16), lay, rope, 0.1, 1024)
+    for arch in (90, 80):
+        res = launch_resources(launch, arch)
+        out.append(dict(case=f"g={group} r={r} {coef} sm_{arch}", cap=launch.max_registers, spills=res.spill_stores + res.spill_loads))
+print("RESULTS " + json.dumps(out))
+"""
+
+
+def test_pre_rope_register_cap_does_not_spill_beyond_the_report():
+    """The cap's rule admits shapes the report's defaults (g = 4, r = 32) do not compile: smaller
+    GQA groups and rank 16. Compiled capped for sm_90 and sm_80, none spills."""
+    reason = _ptxas_reason()
+    if reason:
+        pytest.skip(reason)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    out = subprocess.run([sys.executable, "-c", CAPPED_SCRIPT], capture_output=True, text=True, timeout=900, env=env)
+    assert out.returncode == 0, out.stderr[-6000:]
+    rows = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("RESULTS ")).removeprefix("RESULTS "))
+    assert len(rows) == 8 and all(r["cap"] for r in rows)
+    assert not [r for r in rows if r["spills"]], rows
 
 
 def test_the_launch_is_specialised(default_rows):

@@ -34,12 +34,13 @@ unfinished key group, ``key_tail``, after them in masked tiles):
    bases, whose own rounding the harness tolerance measures, well inside that tolerance on
    tests/test_rope_decode.py's states) or, with float16 bases (one part: a large share of it), two:
    hi + lo, ~2^-16 relative (``key_parts``); int8 key scales multiply the logits per token;
-4. runs the one-pass softmax of spec A3 and the value sums on the tensor cores, ``acc^T = W^T
-   D``: 16-bit value coefficients or int8 codes exact (words, as the keys'), int4/int2 codes in
-   Q6's centred form (``c - M`` exact in bfloat16 from words; the scales ``tau_t`` folded into the
-   weights, ``sum_t w_t (zeta_t + M tau_t)`` beside); the float32 weights in two 16-bit parts side
-   by side on N (one product; ~2^-17 relative), their columns summed once per split; ``E`` once
-   per split.
+4. runs the one-pass softmax of spec A3 (its normaliser ``Z``, and ``sum_t w_t zeta_t`` below,
+   kept per token slot of the tile and summed once per split: a tile's only reduction across
+   warps is its maximum) and the value sums on the tensor cores, ``acc^T = W^T D``: 16-bit value
+   coefficients or int8 codes exact (words, as the keys'), int4/int2 codes in Q6's centred form
+   (``c - M`` exact in bfloat16 from words; the scales ``tau_t`` folded into the weights,
+   ``sum_t w_t (zeta_t + M tau_t)`` beside); the float32 weights in two 16-bit parts side by side
+   on N (one product; ~2^-17 relative), their columns summed once per split; ``E`` once per split.
 
 Float32 bases (or ``native=False``) run the same loop with float32 (``ieee``) products. Under the
 interpreter the 16-bit products are float32 products of the same 16-bit parts (``NATIVE16``
@@ -80,11 +81,10 @@ NUM_WARPS = 4
 FP32_BLOCK_T = 32  # float32 bases: 155 registers, no spill on sm_90 (64-token tiles spill)
 LEGACY_BLOCK_T = 32  # the kernel before the tensor-core form (split_launch(legacy=True))
 LEGACY_NUM_WARPS = 4
-# ptxas's register cap (Triton's maxnreg) of the default launch with bfloat16 bases at head size 128
-# and ranks up to 32: 3 programs of 4 warps per SM instead of 2, for a loop that waits rather than
-# issues, with no spill on sm_90 or sm_80 for float, int8 and int4 coefficients (docs/gpu.md,
-# "Pre-RoPE kernel, three programs per SM"). Elsewhere it spills (int2, rank 64, head size 256) or
-# costs residency (head size 64). Chosen from the compiled code, not timed.
+# ptxas's register cap (Triton's maxnreg) of the default launch with bfloat16 bases where it compiles
+# clean (default_max_registers): 3 programs of 4 warps per SM instead of 2, for a loop that waits
+# rather than issues (docs/gpu.md, "Pre-RoPE kernel, three programs per SM"). Chosen from the
+# compiled code, not timed.
 MAX_REGISTERS = 168
 
 
@@ -340,8 +340,10 @@ def _rope_mma_kernel(
     lo = s * split_len
     hi = tl.minimum(lo + split_len, num_tokens)
     m_i = tl.full([G], float("-inf"), tl.float32)
-    z_i = tl.full([G], 0.0, tl.float32)
-    zacc = tl.full([G], 0.0, tl.float32)  # int4/int2 values: sum_t w_t zeta_t (spec/quantization.md Q6)
+    # Z and zacc (int4/int2 values: sum_t w_t zeta_t, spec/quantization.md Q6) per token slot of the
+    # tile (BLOCK_T x G, at scale m_i), summed once after the loop: no reduction across warps per tile
+    z_i = tl.full([BLOCK_T, G], 0.0, tl.float32)
+    zacc = tl.full([BLOCK_T, G], 0.0, tl.float32)
     # value-coefficient accumulator, transposed (tokens were on M); 16-bit bases: a column per weight part
     ACC_N: tl.constexpr = 2 * G if SPLIT else G
     acc2 = tl.full([ACC_N, RV], 0.0, tl.float32)
@@ -371,8 +373,8 @@ def _rope_mma_kernel(
         acc = a_hi + a_lo
     else:
         acc = acc2
-    acc = acc + zacc[:, None]  # (G, RV)
-    _write_partial(acc, m_i, z_i, vb_ptr + n * svb_n + h * svb_h + val_rv[:, None] * svb_r, rv_mask, offs_dv, d_v, (n * H + h) * group + offs_g, g_mask,
+    acc = acc + tl.reduce(zacc, 0, _SUM)[:, None]  # (G, RV)
+    _write_partial(acc, m_i, tl.reduce(z_i, 0, _SUM), vb_ptr + n * svb_n + h * svb_h + val_rv[:, None] * svb_r, rv_mask, offs_dv, d_v, (n * H + h) * group + offs_g, g_mask,
                    pm_ptr, pz_ptr, po_ptr, num_splits, s)
 
 
@@ -497,7 +499,7 @@ def _mma_tile(t0, hi, angle_row, m_i, z_i, zacc, acc2, qa, qb, qf, Ba, Bb, Bf, c
     m_new = tl.maximum(m_i, tl.reduce(logits, 0, _MAX))
     alpha = tl.exp(m_i - m_new)
     w = tl.exp(logits - m_new[None, :])  # (BLOCK_T, G)
-    z_i = z_i * alpha + tl.reduce(w, 0, _SUM)
+    z_i = z_i * alpha[None, :] + w
     # values in coefficient space: sum_t w_t d_t with 16-bit exact codes and the scales in the weights
     if V_BITS == 0:
         if V_INT8 and V_WORDS:
@@ -522,7 +524,7 @@ def _mma_tile(t0, hi, angle_row, m_i, z_i, zacc, acc2, qa, qb, qf, Ba, Bb, Bf, c
             dv = tile_codes(vc_base, tok, t_mask, offs_rv, r_v, svc_t, V_BITS, ROWS).to(tl.float32)
             if SPLIT:
                 dv = dv.to(CDT)
-        zacc = zacc * alpha + tl.reduce(w * zeta[:, None], 0, _SUM)
+        zacc = zacc * alpha[None, :] + w * zeta[:, None]
         w = w * tau[:, None]
     if SPLIT:
         # the weights in two 16-bit parts side by side on N (columns 2g + p: one product); float16
@@ -659,7 +661,7 @@ def split_launch(q, layout, rope, scale: float, split_len: int, first_position: 
     }
     constexprs["NATIVE16"] = native16(kc, kb, constexprs) and native is not False
     if legacy:
-        return Launch(_rope_split_kernel, (N * H, S), pointers + args, constexprs, num_warps or LEGACY_NUM_WARPS), outputs
+        return Launch(_rope_split_kernel, (N * H, S), pointers + args, constexprs, num_warps or LEGACY_NUM_WARPS, max_registers or None), outputs
     # the device token count (a stand-in when on the host: never read)
     args = pointers + (num_tokens if device_t else pm,) + args
     constexprs["DEVICE_T"] = device_t
@@ -698,17 +700,20 @@ def split_launch(q, layout, rope, scale: float, split_len: int, first_position: 
     whole = bool(sides.k_bits and constexprs["K_WORDS"] and (bt % kg == 0 or kg % bt == 0) and (device_t or split_len % min(kg, bt) == 0))
     constexprs["GROUP_ROWS"] = whole and (bt == 2 * kg if group_rows is None else bool(group_rows))
     if max_registers is None:
-        max_registers = default_max_registers(kb.dtype, key_parts, bt, nw, max(d, d_v), max(r, r_v), (sides.k_bits, sides.v_bits))
+        max_registers = default_max_registers(kb.dtype, max(d, d_v), nw, constexprs)
     return Launch(_rope_mma_kernel, (N * H, S), args, constexprs, nw, max_registers or None), outputs
 
 
-def default_max_registers(key_bases_dtype, key_parts: int, block_t: int, num_warps: int, head_size: int, rank: int, bits: tuple[int, int]) -> int:
-    """The tensor-core form's register cap by default (0: none): :data:`MAX_REGISTERS` for bfloat16
-    bases with one key part (the packed rotation) on the default tile and warps, at head size 128
-    and ranks up to 32, unless a side holds int2 codes (``bits``: each side's low-bit width, 0 if
-    none)."""
-    default = key_bases_dtype == torch.bfloat16 and key_parts == 1 and block_t == BLOCK_T and num_warps == NUM_WARPS
-    return MAX_REGISTERS if default and head_size == 128 and rank <= 32 and 2 not in bits else 0
+def default_max_registers(key_bases_dtype, head_size: int, num_warps: int, constexprs: dict) -> int:
+    """The tensor-core form's register cap by default (0: none): :data:`MAX_REGISTERS` where it was
+    compiled without a spill: bfloat16 bases with one key part (the packed rotation), the default
+    tile and warps, head size 128, the GQA group padded to 4 rows (g <= 4), both ranks 16 or both
+    32 (no rank mask), no int2 side. A group of 8, ranks of 8 or 24, int2, rank 64 or head size
+    256 spill under it (docs/gpu.md, "Pre-RoPE kernel, three programs per SM")."""
+    c = constexprs
+    default = key_bases_dtype == torch.bfloat16 and c["KEY_PARTS"] == 1 and c["BLOCK_T"] == BLOCK_T and num_warps == NUM_WARPS
+    shape = head_size == 128 and c["G"] == 4 and c["RANKS_FULL"] and c["R"] == c["RV"] and c["R"] in (16, 32)
+    return MAX_REGISTERS if default and shape and 2 not in (c["K_BITS"], c["V_BITS"]) else 0
 
 
 def offset_angles(freq, block_t: int):
@@ -752,7 +757,7 @@ def attention_partials(q, layout, rope, scale: float, split_len: int | None = No
     else:
         # splits that fill the SMs' program slots once, from the compiled launch's occupancy; the
         # launch is built from the occupancy last seen for this configuration, and again if it differs
-        sig = _configuration(q, layout, launch)
+        sig = _configuration(q, layout, rope, launch)
         resident = _RESIDENT_SEEN.get(sig, FALLBACK_RESIDENT) if sig else FALLBACK_RESIDENT
         split, partials = split_launch(q, layout, rope, scale, _default_split_len(q, layout, T, resident, launch.get("block_t")), first_position, **launch)
         compiled = resident_programs(split, q.device)
@@ -768,11 +773,13 @@ def attention_partials(q, layout, rope, scale: float, split_len: int | None = No
 _RESIDENT_SEEN: dict[tuple, int] = {}
 
 
-def _configuration(q, layout, launch: dict) -> tuple | None:
-    """What the compiled launch depends on, cheaply: dtypes, shapes, formats, the alignments that
-    choose word loads, the launch keywords (None: keywords that cannot be hashed)."""
+def _configuration(q, layout, rope, launch: dict) -> tuple | None:
+    """What the compiled launch depends on, cheaply: dtypes, shapes (the GQA group, the rotary
+    planes), formats, the alignments that choose word loads, the launch keywords (None: keywords
+    that cannot be hashed)."""
     kc, vc = layout.key_coef, layout.value_coef
-    sig = (q.device, q.dtype, tuple(q.shape[1:]), layout.key_bases.dtype, tuple(layout.key_bases.shape[3:]), tuple(layout.value_bases.shape[3:]),
+    sig = (q.device, q.dtype, tuple(q.shape[1:]), kc.shape[1], rope.inv_freq.size, layout.key_bases.dtype, tuple(layout.key_bases.shape[3:]),
+           tuple(layout.value_bases.shape[3:]),
            *((c.dtype, c.data_ptr() % 16, *(x % 16 for x in c.stride())) for c in (kc, vc)), layout.key_format, layout.value_format, layout.group,
            tuple(sorted(launch.items())))
     try:

@@ -99,24 +99,27 @@ def test_spill_exemptions_cover_only_their_configurations():
 
 
 def test_pre_rope_register_cap_only_where_it_compiled_clean():
-    """rope_decode.MAX_REGISTERS caps the default launch with bfloat16 bases at head size 128 and
-    ranks up to 32 for float, int8 and int4 sides (docs/gpu.md, "Pre-RoPE kernel, three programs
-    per SM"), not int2, float16 bases, other shapes or other tiles, and max_registers=0 lifts it."""
+    """rope_decode.MAX_REGISTERS caps the default launch with bfloat16 bases at head size 128,
+    rank 32 and GQA groups up to 4 for float, int8 and int4 sides (docs/gpu.md, "Pre-RoPE kernel,
+    three programs per SM"), not int2, float16 bases, partial rotary, other shapes or other
+    tiles, and max_registers=0 lifts it."""
     import numpy as np
 
     from subspace_ref.rope import RopeParams
     from subspace_ref_triton import gpu_report, rope_decode
 
-    def cap(d=128, r=32, dtype=torch.bfloat16, coef="float", group=4, **kw):
-        rope = RopeParams(1.0 / 10000.0 ** (np.arange(d // 2) / (d // 2)))
+    def cap(d=128, r=32, dtype=torch.bfloat16, coef="float", group=4, planes=None, **kw):
+        planes = planes or d // 2
+        rope = RopeParams(1.0 / 10000.0 ** (np.arange(planes) / planes))
         lay = gpu_report._layout(torch, 512, d, r, dtype, coef)
         return rope_decode.split_launch(torch.zeros(1, gpu_report.H_KV * group, d, dtype=dtype), lay, rope, 0.1, 256, **kw)[0].max_registers
 
     for coef in ("float", "int8", "int4"):
-        for r, group in ((32, 4), (16, 4), (32, 1), (32, 2)):
-            assert cap(r=r, group=group, coef=coef) == rope_decode.MAX_REGISTERS, (coef, r, group)
+        for group in (4, 1, 2):
+            assert cap(group=group, coef=coef) == rope_decode.MAX_REGISTERS, (coef, group)
         assert cap(coef=coef, num_tokens=torch.zeros(1, dtype=torch.int64), num_splits=2) == rope_decode.MAX_REGISTERS, coef
-        assert cap(coef=coef, group=8) is None and cap(coef=coef, r=24) is None and cap(coef=coef, r=8) is None
+        assert cap(coef=coef, group=8) is None and cap(coef=coef, planes=32) is None
+        assert all(cap(coef=coef, r=r) is None for r in (8, 16, 24)), coef
     assert cap(coef="int2") is None
     assert cap(dtype=torch.float16) is None
     assert cap(d=64) is None and cap(r=64) is None
@@ -125,6 +128,7 @@ def test_pre_rope_register_cap_only_where_it_compiled_clean():
 
 
 CAPPED_SCRIPT = r"""
+import dataclasses
 import json
 import numpy as np
 import torch
@@ -133,19 +137,26 @@ from subspace_ref_triton import gpu_report, rope_decode
 from subspace_ref_triton.compile_report import launch_resources
 rope = RopeParams(1.0 / 10000.0 ** (np.arange(64) / 64))
 out = []
-for group, r, coef in ((1, 32, "float"), (2, 32, "int4"), (4, 16, "int4"), (4, 16, "int8")):
-    lay = gpu_report._layout(torch, 8192, 128, r, torch.bfloat16, coef)
-    launch, _ = rope_decode.split_launch(torch.zeros(1, gpu_report.H_KV * group, 128, dtype=torch.bfloat16), lay, rope, 0.1, 1024)
-    for arch in (90, 80):
-        res = launch_resources(launch, arch)
-        out.append(dict(case=f"g={group} r={r} {coef} sm_{arch}", cap=launch.max_registers, spills=res.spill_stores + res.spill_loads))
+layouts = {c: gpu_report._layout(torch, 8192, 128, 32, torch.bfloat16, c) for c in ("float", "int8", "int4")}
+key, val = layouts["int4"], layouts["int8"]  # int4 keys beside int8 values: a format per side
+layouts["int4/int8"] = dataclasses.replace(key, value_coef=val.value_coef, value_format=val.value_format, value_scale=val.value_scale,
+                                           value_token_scale=None, value_token_zero=None)
+for group, coef in ((1, "float"), (2, "int4"), (1, "int8"), (4, "int4/int8")):
+    for graph in ({}, dict(num_tokens=torch.zeros(1, dtype=torch.int64), num_splits=8)):
+        q = torch.zeros(1, gpu_report.H_KV * group, 128, dtype=torch.bfloat16)
+        launch, _ = rope_decode.split_launch(q, layouts[coef], rope, 0.1, 0 if graph else 1024, **graph)
+        for arch in (90, 80):
+            res = launch_resources(launch, arch)
+            out.append(dict(case=f"g={group} {coef} {'graph' if graph else 'eager'} sm_{arch}", cap=launch.max_registers,
+                            spills=res.spill_stores + res.spill_loads))
 print("RESULTS " + json.dumps(out))
 """
 
 
 def test_pre_rope_register_cap_does_not_spill_beyond_the_report():
-    """The cap's rule admits shapes the report's defaults (g = 4, r = 32) do not compile: smaller
-    GQA groups and rank 16. Compiled capped for sm_90 and sm_80, none spills."""
+    """The cap's rule admits shapes the report's defaults (uniform formats, g = 4) do not compile:
+    smaller GQA groups and a format per side. Compiled capped for sm_90 and sm_80, eager and
+    graph-capturable, none spills."""
     reason = _ptxas_reason()
     if reason:
         pytest.skip(reason)
@@ -154,7 +165,7 @@ def test_pre_rope_register_cap_does_not_spill_beyond_the_report():
     out = subprocess.run([sys.executable, "-c", CAPPED_SCRIPT], capture_output=True, text=True, timeout=900, env=env)
     assert out.returncode == 0, out.stderr[-6000:]
     rows = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("RESULTS ")).removeprefix("RESULTS "))
-    assert len(rows) == 8 and all(r["cap"] for r in rows)
+    assert len(rows) == 16 and all(r["cap"] for r in rows)
     assert not [r for r in rows if r["spills"]], rows
 
 

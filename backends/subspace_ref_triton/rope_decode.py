@@ -35,8 +35,7 @@ unfinished key group, ``key_tail``, after them in masked tiles):
    tests/test_rope_decode.py's states) or, with float16 bases (one part: a large share of it), two:
    hi + lo, ~2^-16 relative (``key_parts``); int8 key scales multiply the logits per token;
 4. runs the one-pass softmax of spec A3 (its normaliser ``Z``, and ``sum_t w_t zeta_t`` below,
-   kept per token slot of the tile and summed once per split: a tile's only reduction across
-   warps is its maximum) and the value sums on the tensor cores, ``acc^T = W^T D``: 16-bit value
+   kept per token slot of the tile and summed once per split: no sum across warps per tile) and the value sums on the tensor cores, ``acc^T = W^T D``: 16-bit value
    coefficients or int8 codes exact (words, as the keys'), int4/int2 codes in Q6's centred form
    (``c - M`` exact in bfloat16 from words; the scales ``tau_t`` folded into the weights,
    ``sum_t w_t (zeta_t + M tau_t)`` beside); the float32 weights in two 16-bit parts side by side
@@ -706,13 +705,14 @@ def split_launch(q, layout, rope, scale: float, split_len: int, first_position: 
 
 def default_max_registers(key_bases_dtype, head_size: int, num_warps: int, constexprs: dict) -> int:
     """The tensor-core form's register cap by default (0: none): :data:`MAX_REGISTERS` where it was
-    compiled without a spill: bfloat16 bases with one key part (the packed rotation), the default
-    tile and warps, head size 128, the GQA group padded to 4 rows (g <= 4), both ranks 16 or both
-    32 (no rank mask), no int2 side. A group of 8, ranks of 8 or 24, int2, rank 64 or head size
-    256 spill under it (docs/gpu.md, "Pre-RoPE kernel, three programs per SM")."""
+    compiled without a spill, eager and graph-capturable: bfloat16 bases with one key part (the
+    packed rotation), the default tile and warps, head size 128 rotated whole, the GQA group padded
+    to 4 rows (g <= 4), both ranks 32, no int2 side. A group of 8, ranks of 8, 16 (int4, graph),
+    24 or 64, partial rotary (int4), int2 or head size 256 spill under it (docs/gpu.md, "Pre-RoPE
+    kernel, three programs per SM")."""
     c = constexprs
     default = key_bases_dtype == torch.bfloat16 and c["KEY_PARTS"] == 1 and c["BLOCK_T"] == BLOCK_T and num_warps == NUM_WARPS
-    shape = head_size == 128 and c["G"] == 4 and c["RANKS_FULL"] and c["R"] == c["RV"] and c["R"] in (16, 32)
+    shape = head_size == 128 and not c["HAS_FIXED"] and c["G"] == 4 and c["RANKS_FULL"] and c["R"] == c["RV"] == 32
     return MAX_REGISTERS if default and shape and 2 not in (c["K_BITS"], c["V_BITS"]) else 0
 
 

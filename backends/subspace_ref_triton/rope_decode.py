@@ -35,8 +35,9 @@ unfinished key group, ``key_tail``, after them in masked tiles):
    tests/test_rope_decode.py's states) or, with float16 bases (one part: a large share of it), two:
    hi + lo, ~2^-16 relative (``key_parts``); int8 key scales multiply the logits per token;
 4. runs the one-pass softmax of spec A3 (its normaliser ``Z``, and ``sum_t w_t zeta_t`` below,
-   kept per token slot of the tile and summed once per split: no sum across warps per tile) and the value sums on the tensor cores, ``acc^T = W^T D``: 16-bit value
-   coefficients or int8 codes exact (words, as the keys'), int4/int2 codes in Q6's centred form
+   kept per token slot of the tile and summed once per split: no sum across warps per tile) and
+   the value sums on the tensor cores, ``acc^T = W^T D``: 16-bit value coefficients or int8 codes
+   exact (words, as the keys'), int4/int2 codes in Q6's centred form
    (``c - M`` exact in bfloat16 from words; the scales ``tau_t`` folded into the weights,
    ``sum_t w_t (zeta_t + M tau_t)`` beside); the float32 weights in two 16-bit parts side by side
    on N (one product; ~2^-17 relative), their columns summed once per split; ``E`` once per split.

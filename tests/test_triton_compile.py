@@ -42,12 +42,17 @@ def _ptxas_reason() -> str | None:
         return f"Triton's NVIDIA backend is not usable here ({type(err).__name__}: {err})"
 
 
-def _report(exhaustive: bool) -> list[dict]:
+def _compiled(script: str, *args: str) -> list:
+    """What ``script`` prints after RESULTS, run where the kernels compile (TRITON_INTERPRET unset)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    out = subprocess.run([sys.executable, "-c", SCRIPT, "1" if exhaustive else "0"], capture_output=True, text=True, timeout=1800, env=env)
+    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=1800, env=env)
     assert out.returncode == 0, out.stderr[-6000:]
     return json.loads(next(x for x in out.stdout.splitlines() if x.startswith("RESULTS ")).removeprefix("RESULTS "))
+
+
+def _report(exhaustive: bool) -> list[dict]:
+    return _compiled(SCRIPT, "1" if exhaustive else "0")
 
 
 @pytest.fixture(scope="module")
@@ -160,11 +165,7 @@ def test_pre_rope_register_cap_does_not_spill_beyond_the_report():
     reason = _ptxas_reason()
     if reason:
         pytest.skip(reason)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    out = subprocess.run([sys.executable, "-c", CAPPED_SCRIPT], capture_output=True, text=True, timeout=900, env=env)
-    assert out.returncode == 0, out.stderr[-6000:]
-    rows = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("RESULTS ")).removeprefix("RESULTS "))
+    rows = _compiled(CAPPED_SCRIPT)
     assert len(rows) == 16 and all(r["cap"] for r in rows)
     assert not [r for r in rows if r["spills"]], rows
 

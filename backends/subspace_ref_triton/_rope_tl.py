@@ -254,13 +254,13 @@ def rotate_bf16(a, x, b, y, SUBTRACT: tl.constexpr, INTERPRETED: tl.constexpr):
     if INTERPRETED:
         by = (b.to(tl.float32) * y.to(tl.float32)).to(tl.bfloat16).to(tl.float32)
         out = (a.to(tl.float32) * x.to(tl.float32) + (-by if SUBTRACT else by)).to(tl.bfloat16)
-    elif SUBTRACT:
-        # Triton's bfloat16 arithmetic is per lane (repacked around each op): one packed FMA each instead
-        out = tl.inline_asm_elementwise(
-            "{ .reg .b32 z, t; mov.b32 z, 0x80008000; fma.rn.bf16x2 t, $3, $4, z; neg.bf16x2 t, t; fma.rn.bf16x2 $0, $1, $2, t; }",
-            "=r,r,r,r,r", [a, x, b, y], dtype=tl.bfloat16, is_pure=True, pack=2)
     else:
-        out = tl.inline_asm_elementwise(
-            "{ .reg .b32 z, t; mov.b32 z, 0x80008000; fma.rn.bf16x2 t, $3, $4, z; fma.rn.bf16x2 $0, $1, $2, t; }",
-            "=r,r,r,r,r", [a, x, b, y], dtype=tl.bfloat16, is_pure=True, pack=2)
+        # Triton's bfloat16 arithmetic is per lane (repacked around each op): one packed FMA each instead
+        out = tl.inline_asm_elementwise(_ROTATE_SUB if SUBTRACT else _ROTATE_ADD, "=r,r,r,r,r", [a, x, b, y], dtype=tl.bfloat16, is_pure=True, pack=2)
     return out
+
+
+# rotate_bf16's packed form: b y rounded (plus -0, which keeps the product's sign of zero), negated
+# for a x - b y, then a x added and rounded once
+_ROTATE_ADD = tl.constexpr("{ .reg .b32 z, t; mov.b32 z, 0x80008000; fma.rn.bf16x2 t, $3, $4, z; fma.rn.bf16x2 $0, $1, $2, t; }")
+_ROTATE_SUB = tl.constexpr("{ .reg .b32 z, t; mov.b32 z, 0x80008000; fma.rn.bf16x2 t, $3, $4, z; neg.bf16x2 t, t; fma.rn.bf16x2 $0, $1, $2, t; }")

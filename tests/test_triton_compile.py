@@ -83,9 +83,9 @@ def test_no_default_configuration_spills(default_rows):
 
 
 def test_spill_exemptions_cover_only_their_configurations():
-    """An exemption names its kernel and configuration: the split defaults with 16-bit bases
-    (register-capped, eager and graph-capturable), not the float32 split defaults, which run
-    uncapped, nor the pre-RoPE kernel, whose register cap (rope_decode.MAX_REGISTERS) was chosen
+    """An exemption names its kernel and configuration: the register-capped split defaults with
+    16-bit bases that spill (eager and graph-capturable), not those capped without a spill or
+    uncapped, nor the float32 split defaults, which run uncapped, nor the pre-RoPE kernel, whose register cap (rope_decode.MAX_REGISTERS) was chosen
     from the compiled code and must not spill."""
     from subspace_ref_triton import decode, gpu_report
 
@@ -96,8 +96,13 @@ def test_spill_exemptions_cover_only_their_configurations():
     for config in ("fp32 d=128 r=32 g=4 bt=32 w=4", "bf16 int4 d=128 r=32 g=4 bt=64 w=4"):
         assert not gpu_report.measured_reason(measured, "decode rope", config), config
         assert not gpu_report.measured_reason(measured, "decode rope (graph)", config), config
-    for config in ("bf16 int8 d=128 r=32 g=4 bt=64 w=1", "fp16 int4 d=128 r=32 g=4 bt=32 w=1", "bf16 int2 d=128 r=32 g=4 bt=32 w=1"):  # uncapped one-warp defaults: the static budgets' choice
-        assert gpu_report.measured_reason(measured, "decode split", config) == decode.STATIC_BUDGET_CHOSEN, config
+    for config in ("bf16 int8 d=128 r=32 g=4 bt=64 w=1", "fp16 int8 d=128 r=32 g=4 bt=64 w=1", "bf16 int4 d=128 r=32 g=4 bt=64 w=1",
+                   "bf16 int2 d=128 r=32 g=4 bt=64 w=1"):  # the capped one-warp defaults
+        assert gpu_report.measured_reason(measured, "decode split", config) == decode.ONE_WARP_CAP_CHOSEN, config
+    for config in ("fp16 int4 d=128 r=32 g=4 bt=64 w=1", "fp16 int2 d=128 r=32 g=4 bt=64 w=1", "bf16 d=128 r=32 g=4 bt=64 w=2", "fp16 d=128 r=32 g=4 bt=64 w=2"):
+        assert not gpu_report.measured_reason(measured, "decode split", config), config  # uncapped, or capped without a spill
+    for config in ("bf16 int4 d=128 r=32 g=4 bt=64 w=4", "bf16 int8 d=128 r=32 g=4 bt=64 w=4"):  # launch_config's timed cap, not the one-warp reason
+        assert gpu_report.measured_reason(measured, "decode split", config) == decode.REGISTER_CAPS_MEASURED, config
     for config in ("fp32 int4 d=128 r=32 g=4 bt=64 w=8", "fp32 d=128 r=32 g=4 bt=64 w=8"):
         assert not gpu_report.measured_reason(measured, "decode split", config), config
     assert decode.launch_config(128, 128, torch.float32, bits=4)["max_registers"] is None
@@ -130,6 +135,65 @@ def test_pre_rope_register_cap_only_where_it_compiled_clean():
     assert cap(d=64) is None and cap(r=64) is None
     assert cap(block_t=32) is None and cap(num_warps=8) is None and cap(key_parts=2) is None
     assert cap(max_registers=0) is None and cap(coef="int2", max_registers=96) == 96
+
+
+def test_split_register_cap_only_where_it_compiled_clean():
+    """decode.default_max_registers caps the default one-warp (int8; int4/int2 centred with bfloat16
+    bases) and two-warp (float) launches at ranks 32, head sizes up to 128 and GQA groups up to 4
+    (float: 2 to 4), not ranks 16 or 64, a group of 8, float16 bases in the centred form, other
+    tiles or warps, and max_registers=0 lifts it (docs/gpu.md, "N in the partial")."""
+    from subspace_ref_triton import decode, gpu_report
+
+    def cap(coef="float", d=128, r=32, group=4, dtype=torch.bfloat16, **kw):
+        lay = gpu_report._layout(torch, 512, d, r, dtype, coef)
+        return decode.split_launch(torch.zeros(1, gpu_report.H_KV * group, d, dtype=dtype), lay, 0.1, 256, **kw)[0].max_registers
+
+    one, two = decode.ONE_WARP_MAX_REGISTERS, decode.FLOAT16_WARPS_MAX_REGISTERS
+    for dtype in (torch.bfloat16, torch.float16):
+        assert cap(dtype=dtype) == two and cap(group=2, dtype=dtype) == two and cap(d=64, dtype=dtype) == two
+        assert cap("int8", dtype=dtype) == one and cap("int8", group=1, dtype=dtype) == one
+        assert cap(num_tokens=torch.zeros(1, dtype=torch.int64), num_splits=2, dtype=dtype) == two
+        for coef in ("float", "int8", "int4"):
+            assert cap(coef, r=16, dtype=dtype) is None and cap(coef, r=64, dtype=dtype) is None and cap(coef, group=8, dtype=dtype) is None
+    assert cap(group=1) is None and cap(dtype=torch.float32) is None and cap("int8", dtype=torch.float32) is None
+    for coef in ("int4", "int2"):
+        assert cap(coef) == one and cap(coef, group=1) == one and cap(coef, d=64) == one
+        assert cap(coef, dtype=torch.float16) is None and cap(coef, tokens_m=False) is None
+    assert cap(block_t=32) is None and cap(num_warps=4) is None and cap("int8", num_warps=2) is None
+    assert cap(max_registers=0) is None and cap("int8", max_registers=96) == 96
+    assert cap("int4", block_t=64, num_warps=4) == decode.QUANTISED_MAX_REGISTERS  # the per-code path keeps launch_config's
+
+
+SPLIT_CAPPED_SCRIPT = r"""
+import json
+import torch
+from subspace_ref_triton import decode, gpu_report, sass
+from subspace_ref_triton.compile_report import launch_resources
+out = []
+bf16, fp16 = torch.bfloat16, torch.float16
+for coef, d, group, dtype, graph in (("float", 128, 2, bf16, False), ("float", 64, 4, fp16, True), ("int8", 128, 1, bf16, True),
+                                     ("int8", 64, 2, fp16, False), ("int4", 128, 1, bf16, False), ("int2", 64, 2, bf16, True)):
+    lay = gpu_report._layout(torch, 8192, d, 32, dtype, coef)
+    q = torch.zeros(1, gpu_report.H_KV * group, d, dtype=dtype)
+    kw = dict(num_tokens=torch.zeros(1, dtype=torch.int64)) if graph else {}
+    launch, _ = decode.split_launch(q, lay, 0.1, 0 if graph else 1024, 8, **kw)
+    res = launch_resources(launch, 90)
+    out.append(dict(case=f"{coef} d={d} g={group} {dtype} {'graph' if graph else 'eager'}", coef=coef, cap=launch.max_registers,
+                    spills=res.spill_stores + res.spill_loads, local=sass.launch_stats(launch, 90).as_dict()["local"]))
+print("RESULTS " + json.dumps(out))
+"""
+
+
+def test_split_register_cap_keeps_local_memory_out_of_the_loop_beyond_the_report():
+    """The split kernel's cap admits shapes the report's defaults (d = 128, g = 4) do not compile:
+    smaller GQA groups, head size 64, float16 bases graph-capturable. Compiled capped for sm_90: no
+    local memory in the main loop, and no spill at all with float coefficients."""
+    reason = _ptxas_reason()
+    if reason:
+        pytest.skip(reason)
+    rows = _compiled(SPLIT_CAPPED_SCRIPT)
+    assert len(rows) == 6 and all(r["cap"] for r in rows), rows
+    assert not [r for r in rows if r["local"] or (r["coef"] == "float" and r["spills"])], rows
 
 
 CAPPED_SCRIPT = r"""

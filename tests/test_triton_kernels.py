@@ -821,6 +821,30 @@ class TestDecodePartials:
         if num_splits is not None:
             assert empty.any()
 
+    @pytest.mark.parametrize("dtype,int8", [("float32", False), ("bfloat16", False), ("bfloat16", True)], ids=["float32", "bfloat16", "bfloat16-int8"])
+    def test_every_partial_is_written(self, rng, dtype, int8):
+        """The partials do not depend on what their buffers held: every entry is written, an empty
+        split's as the identity (-inf, 0, 0), whether N is summed over a split's chunks in registers
+        (float32 bases) or in its own row of the partial (16-bit bases; docs/gpu.md, "N in the
+        partial"). Head 0's chunks hold 3 tokens, so its 16-token splits span six chunks."""
+        name, N, H, g, T, d, d_v, r, r_v, _, split_len, num_splits = DECODE_CASES[DECODE_IDS.index("empty-splits")]
+        starts = [list(range(0, T, 3)), chunked(T, 17)]
+        lay, _ = random_layout(rng, N, H, T, d, d_v, r, r_v, starts, dtype, int8=int8)
+        q = _t(rng.standard_normal((N, H * g, d)), getattr(torch, dtype))
+        runs = []
+        for fill in (float("nan"), 7.0):
+            outs = (torch.full((N, H * g, num_splits), fill, device=DEVICE), torch.full((N, H * g, num_splits), fill, device=DEVICE),
+                    torch.full((N, H * g, num_splits, d_v), fill, device=DEVICE))
+            launch, outs = decode.split_launch(q, lay, 0.2, split_len, num_splits, outputs=outs)
+            launch.run()
+            runs.append(outs)
+        for a, b in zip(*runs):
+            assert torch.equal(a, b)
+        m, z, o = runs[0]
+        empty = torch.isinf(m)
+        assert empty.any() and (~empty).any()
+        assert torch.all(m[empty] < 0) and torch.all(z[empty] == 0) and torch.all(o[empty] == 0)
+
     def test_merge_handles_empty_partials(self, impl, rng):
         """S = 70 partials (two merge tiles), with empty ones: first, last, all but one."""
         N, Hq, S, d_v = 2, 3, 70, 20

@@ -15,7 +15,9 @@ Flash-decoding in two launches:
      kernel reads ``B_j`` once per (chunk, split) either way, from L2 after the first split;
    * runs the one-pass softmax of spec A3 over tiles of ``BLOCK_T`` tokens with the running
      max ``m``, normaliser ``Z`` and a value-*coefficient* accumulator (``g x r_v``) in float32;
-   * maps the accumulator through ``E_j`` once per chunk (spec A2 step 4), not per token.
+   * maps the accumulator through ``E_j`` once per chunk (spec A2 step 4), not per token; with
+     16-bit bases the chunk's ``acc E_j`` is added to the split's own row of the partial ``N`` in
+     memory, so no ``g x d_v`` tile stays in registers through the loops.
 
    It writes the split's partial ``(m, Z, N)`` of spec A3.2 in float32; an empty split writes the
    identity ``(-inf, 0, 0)``.
@@ -100,8 +102,8 @@ QUANTISED_MAX_REGISTERS = 128
 # 647 instructions in the sm_90 main loop (bf16, r = 32, 2 warps), half the MMAs; not yet timed.
 # split_launch(..., tokens_m=False) keeps the query-heads-on-M form for timing against it.
 TOKENS_M_DEFAULT = True
-# Warps of the int4/int2 split kernel in the centred form (centred_int4), uncapped: fewest instructions
-# per token in the compiled loop (docs/gpu.md, "Static budgets"), not yet timed.
+# Warps of the int4/int2 split kernel in the centred form (centred_int4): fewest instructions per
+# token in the compiled loop (docs/gpu.md, "Static budgets"), not yet timed.
 CENTRED_WARPS = 1
 # Code widths read in the centred form (centred_int4): int2 joined int4 there, as its words took
 # fewer instructions in the compiled loop than the per-code c s + z reader (not yet timed).
@@ -112,19 +114,24 @@ CENTRED_BITS = (4, 2)
 # of whole key-group pairs (PAIRS) takes the weights with float16 bases as one float16 part instead
 # (_centred_pair_t: 11 bits rounded, about 8 bits better than one bfloat16 part truncated).
 CENTRED_PARTS = {torch.bfloat16: 1, torch.float16: 2}
-# Warps of the split kernel with int8 coefficients and 16-bit bases, on 64-token tiles, uncapped:
-# one warp runs a tile's softmax without reductions across warps (docs/gpu.md, "Static budgets").
+# Warps of the split kernel with int8 coefficients and 16-bit bases, on 64-token tiles: one warp
+# runs a tile's softmax without reductions across warps (docs/gpu.md, "Static budgets").
 INT8_WARPS = 1
-# Warps of the split kernel with float coefficients and 16-bit bases, on 64-token tiles, uncapped:
-# within the float budget with no spill on sm_80 or sm_90 (one warp takes fewer instructions per
-# token but spills at ptxas's 255-register limit); chosen from the compiled code alone, not timed.
+# Warps of the split kernel with float coefficients and 16-bit bases, on 64-token tiles: within
+# the float budget with no spill on sm_80 or sm_90 (one warp takes fewer instructions per token
+# but spills at ptxas's 255-register limit); chosen from the compiled code alone, not timed.
 FLOAT16_WARPS = 2
 # The cap of the float configuration GPU-timed before the static budgets (32-token tiles, 4
 # warps): for timing against FLOAT16_WARPS (split_launch(..., block_t=32, num_warps=4, max_registers=...)).
 FLOAT16_MAX_REGISTERS = 96
-STATIC_BUDGET_CHOSEN = (
-    "one warp, uncapped (INT8_WARPS, CENTRED_WARPS): the fewest instructions per token in the compiled loop, "
-    'its spills at ptxas\'s 255-register limit outside that loop; not timed, docs/gpu.md, "Static budgets, fourth pass"'
+# Register caps of the default one- and two-warp launches where they compiled with no local memory
+# in the sm_90 main loop (default_max_registers): 11 programs of one warp per SM instead of 8, 6 of
+# two warps instead of 4 (docs/gpu.md, "N in the partial"); chosen from the compiled code, not timed.
+ONE_WARP_MAX_REGISTERS = 176
+FLOAT16_WARPS_MAX_REGISTERS = 160
+ONE_WARP_CAP_CHOSEN = (
+    "one warp (INT8_WARPS, CENTRED_WARPS) capped at ONE_WARP_MAX_REGISTERS: 11 programs per SM instead of 8, its spills "
+    "outside the main loop (none in it on sm_90); chosen from the compiled code, not timed: docs/gpu.md, \"N in the partial\""
 )
 REGISTER_CAPS_MEASURED = (
     "register cap (QUANTISED_MAX_REGISTERS, FLOAT16_MAX_REGISTERS): timed faster on a GPU than the uncapped kernel "
@@ -250,6 +257,8 @@ def _decode_split_kernel(
 
     offs_g = tl.arange(0, G)
     offs_dv = tl.arange(0, DV)
+    # columns of E_j per step of the chunk's epilogue with 16-bit bases
+    DV_SLICE: tl.constexpr = 32 if DV > 32 else DV
     offs_r = tl.arange(0, R)
     offs_rv = tl.arange(0, RV)
     g_mask = offs_g < group
@@ -311,8 +320,9 @@ def _decode_split_kernel(
 
     m_i = tl.full([G], float("-inf"), tl.float32)  # running max of spec A3
     z_i = tl.full([G], 0.0, tl.float32)
-    o_i = tl.full([G, DV], 0.0, tl.float32)  # N of spec A3, kept at scale m_o
-    m_o = tl.full([G], float("-inf"), tl.float32)
+    m_o = tl.full([G], float("-inf"), tl.float32)  # the scale of N (spec A3)
+    o_i = tl.full([G, DV], 0.0, tl.float32)  # N with float32 bases; 16-bit bases keep it in po
+    row = (n * H + h) * group + offs_g  # (N, H_q) row of each query head
     if Z_SLOTS:
         z_t = tl.full([G, BLOCK_T], 0.0, tl.float32)  # _tile16's Z, per token slot
     else:
@@ -505,14 +515,15 @@ def _decode_split_kernel(
                                                 vs_base, kz_base, vz_base, tail_base, skc_t, svc_t, sks_t, svs_t, stl_t, complete, kgroup, r, r_v,
                                                 r_mask, rv_mask, BLOCK_T, PARTS, NATIVE16, K_INT8, V_INT8, K_BITS, V_BITS, MANUAL_BF16, ROWS, True)
 
-        # Once per chunk, not per token: N <- N exp(m_o - m) + acc E_j. N is rescaled here
-        # rather than per tile; m_o = -inf means N is still 0 (and avoids -inf - -inf).
-        E = tl.load(vb_base + j * svb_j + val_rv[:, None] * svb_r + offs_dv[None, :], mask=rv_mask[:, None] & (offs_dv < d_v)[None, :], other=0.0)
+        # Once per chunk, not per token: N <- N exp(m_o - m) + acc E_j (spec A2 step 4); m_o = -inf:
+        # N is still 0 (and no -inf - -inf).
         o_scale = tl.where(m_o == float("-inf"), 0.0, tl.exp2(m_o - m_i) if LOG2 else tl.exp(m_o - m_i))
-        o_i = o_i * o_scale[:, None]
         if PARTS > 1:
-            # acc cut into 16-bit parts as q~ above (after a power-of-two rescaling per row: a
-            # chunk's weighted sum may exceed float16's range), E_j exact: tensor cores.
+            # 16-bit bases: N kept in this split's own row of po, not in registers across the loops
+            # (a G x d_v float32 MMA tile held through the hot loop), and E_j taken DV_SLICE columns
+            # at a time (docs/gpu.md, "N in the partial"). acc is cut into 16-bit parts as q~ above
+            # (after a power-of-two rescaling per row: a chunk's weighted sum may exceed float16's
+            # range), E_j exact: tensor cores.
             a_abs = tl.reduce(tl.abs(acc), 1, _MAX)
             a_unit = tl.exp2(tl.ceil(tl.log2(tl.where(a_abs > 0, a_abs, 1.0))))
             acc = acc / a_unit[:, None]
@@ -520,20 +531,30 @@ def _decode_split_kernel(
             a_rest = acc - a_hi.to(tl.float32)
             a_mid = a_rest.to(COEF)
             a_lo = (a_rest - a_mid.to(tl.float32)).to(COEF)
-            if NATIVE16:
-                pe = tl.dot(a_mid, E)
-                if PARTS == 3:
-                    pe = tl.dot(a_lo, E, acc=pe)
-                pe = tl.dot(a_hi, E, acc=pe)
-            else:
-                ef = E.to(tl.float32)
-                pe = tl.dot(a_mid.to(tl.float32), ef, input_precision="ieee")
-                if PARTS == 3:
-                    pe = tl.dot(a_lo.to(tl.float32), ef, acc=pe, input_precision="ieee")
-                pe = tl.dot(a_hi.to(tl.float32), ef, acc=pe, input_precision="ieee")
-            o_i += pe * a_unit[:, None]
+            o_seen = m_o > float("-inf")
+            tl.debug_barrier()  # the previous chunk's stores to po precede the reads below, whichever thread made them
+            for v0 in tl.static_range(0, DV, DV_SLICE):
+                offs_v = v0 + tl.arange(0, DV_SLICE)
+                E = tl.load(vb_base + j * svb_j + val_rv[:, None] * svb_r + offs_v[None, :], mask=rv_mask[:, None] & (offs_v < d_v)[None, :], other=0.0)
+                if NATIVE16:
+                    pe = tl.dot(a_mid, E)
+                    if PARTS == 3:
+                        pe = tl.dot(a_lo, E, acc=pe)
+                    pe = tl.dot(a_hi, E, acc=pe)
+                else:
+                    ef = E.to(tl.float32)
+                    pe = tl.dot(a_mid.to(tl.float32), ef, input_precision="ieee")
+                    if PARTS == 3:
+                        pe = tl.dot(a_lo.to(tl.float32), ef, acc=pe, input_precision="ieee")
+                    pe = tl.dot(a_hi.to(tl.float32), ef, acc=pe, input_precision="ieee")
+                o_ptrs = po_ptr + (row * num_splits + s)[:, None] * d_v + offs_v[None, :]
+                o_mask = g_mask[:, None] & (offs_v < d_v)[None, :]
+                o_prev = tl.load(o_ptrs, mask=o_mask & o_seen[:, None], other=0.0)
+                tl.store(o_ptrs, o_prev * o_scale[:, None] + pe * a_unit[:, None], mask=o_mask)
         else:
-            o_i = tl.dot(acc, E.to(tl.float32), acc=o_i, input_precision="ieee")
+            # float32 bases: N in registers, E_j whole (the form above takes 255 registers here)
+            E = tl.load(vb_base + j * svb_j + val_rv[:, None] * svb_r + offs_dv[None, :], mask=rv_mask[:, None] & (offs_dv < d_v)[None, :], other=0.0)
+            o_i = tl.dot(acc, E.to(tl.float32), acc=o_i * o_scale[:, None], input_precision="ieee")
         m_o = m_i
 
         j += 1
@@ -541,12 +562,14 @@ def _decode_split_kernel(
 
     if K_BITS == 0 and V_BITS == 0 and PARTS > 1:
         z_i = tl.reduce(z_t, 1, _SUM) if Z_SLOTS else z_t
-    row = (n * H + h) * group + offs_g  # (N, H_q) row of each query head
     if LOG2:
         m_i = m_i * 0.6931471805599453
     tl.store(pm_ptr + row * num_splits + s, m_i, mask=g_mask)
     tl.store(pz_ptr + row * num_splits + s, z_i, mask=g_mask)
-    tl.store(po_ptr + (row * num_splits + s)[:, None] * d_v + offs_dv[None, :], o_i, mask=g_mask[:, None] & (offs_dv < d_v)[None, :])
+    o_mask = g_mask[:, None] & (offs_dv < d_v)[None, :]
+    if PARTS > 1:  # an empty split's N is the identity's 0 (the chunks' epilogues wrote the others)
+        o_mask = o_mask & (m_o == float("-inf"))[:, None]
+    tl.store(po_ptr + (row * num_splits + s)[:, None] * d_v + offs_dv[None, :], o_i, mask=o_mask)
     if FUSED:
         # One launch for split + merge (spec A3.2): the program that writes the last partial of its
         # (sequence, KV head) merges them all, by the merge kernel's arithmetic (_merge_row).
@@ -1084,22 +1107,22 @@ def launch_config(d: int, d_v: int, dtype=None, int8: bool = False, bits: int = 
     docs/gpu.md) as the configuration with no spills on sm_80 and sm_90 and the most resident
     warps per SM, at d = 128, r = 32; the caps by GPU timing:
 
-    * 16-bit float coefficients: 64-token tiles on FLOAT16_WARPS warps, uncapped (no spill on
-      sm_80 or sm_90), from the instructions per token in the compiled loop (docs/gpu.md, "Static
-      budgets"), not yet timed; the configuration timed before, 32-token tiles on 4 warps capped
-      at FLOAT16_MAX_REGISTERS, is one ``split_launch`` argument set away;
+    * 16-bit float coefficients: 64-token tiles on FLOAT16_WARPS warps, from the instructions per
+      token in the compiled loop (docs/gpu.md, "Static budgets"), not yet timed; the configuration
+      timed before, 32-token tiles on 4 warps capped at FLOAT16_MAX_REGISTERS, is one
+      ``split_launch`` argument set away;
     * int8 coefficients (spec A10) with 16-bit bases on both sides: 64-token tiles on INT8_WARPS
-      warps, uncapped, the fewest instructions per token in the compiled loop (docs/gpu.md,
-      "Static budgets"), not yet timed; a side in int4/int2 takes the low-bit configuration below;
+      warps, the fewest instructions per token in the compiled loop (docs/gpu.md, "Static
+      budgets"), not yet timed; a side in int4/int2 takes the low-bit configuration below;
     * int4/int2 coefficients (spec/quantization.md Q2) with 16-bit bases: 64-token tiles, 4 warps
       (179-240 registers uncapped, 2 per SM; the fastest of an H100's tile and warp sweep,
       docs/gpu.md), capped at QUANTISED_MAX_REGISTERS; int4 and int2 in the centred form
       (:func:`centred_int4`) take tiles of two key groups instead (``PAIRS``; the default group:
-      32 tokens, so 64-token tiles; one group with ``tokens_m=False``) on CENTRED_WARPS warps,
-      uncapped, a choice from the compiled code alone, not yet timed (docs/gpu.md, "Static
-      budgets", fifth pass);
-    * the caps trade spills for resident programs because a GPU timed them faster
-      (REGISTER_CAPS_MEASURED); no other configuration is capped;
+      32 tokens, so 64-token tiles; one group with ``tokens_m=False``) on CENTRED_WARPS warps, a
+      choice from the compiled code alone, not yet timed (docs/gpu.md, "Static budgets", fifth pass);
+    * the caps here trade spills for resident programs because a GPU timed them faster
+      (REGISTER_CAPS_MEASURED); the one- and two-warp launches above are capped by
+      :func:`default_max_registers` where their main loop compiled clean under a cap;
     * float32 bases: 64-token tiles, 8 warps (114 registers: 2 programs of 8 warps; 4 warps take
       194; with int8 coefficients 180, where 4 warps spill 28 bytes on sm_90; int4/int2: 180-182);
     * head sizes above 128: 32-token tiles and 8 warps, which spill least at 256.
@@ -1114,6 +1137,37 @@ def launch_config(d: int, d_v: int, dtype=None, int8: bool = False, bits: int = 
     if int8 or bits:
         return dict(block_t=64, num_warps=4, max_registers=QUANTISED_MAX_REGISTERS)
     return dict(block_t=64, num_warps=FLOAT16_WARPS, max_registers=None)
+
+
+def default_max_registers(bases_dtype, group: int, num_warps: int, constexprs: dict) -> int:
+    """The register cap of a one- or two-warp default launch (0: none; split_launch applies it where
+    launch_config gives none and no ``max_registers`` is passed), where it was compiled with no local
+    memory in the sm_90 main loop: 16-bit bases, both ranks 32, head sizes up to 128, GQA groups up
+    to 4 (padded to 4 rows), 64-token tiles, and
+
+    * float coefficients on FLOAT16_WARPS warps, groups of 2 to 4: FLOAT16_WARPS_MAX_REGISTERS, no
+      spill at all (with one query head a KV head it spills outside the loop);
+    * int8 on both sides on INT8_WARPS warps: ONE_WARP_MAX_REGISTERS, spills outside the loop;
+    * int4/int2 in the centred form with two key groups a tile on CENTRED_WARPS warps, bfloat16
+      bases: ONE_WARP_MAX_REGISTERS, spills outside the loop (float16 bases spill in it).
+
+    Left uncapped: ranks of 64 or more and int4 with a group of 8 (local memory in the loop under a
+    cap), float and int8 at rank 16 (fewer registers uncapped than the cap); int4/int2 at rank 16
+    and int8 with a group of 8 compiled clean under the cap but are not in the rule yet
+    (docs/gpu.md, "N in the partial")."""
+    c = constexprs
+    shape = c["R"] == c["RV"] == 32 and c["RANKS_FULL"] and group <= 4 and max(c["D"], c["DV"]) <= 128 and c["BLOCK_T"] == 64
+    if not shape or bases_dtype not in (torch.bfloat16, torch.float16):
+        return 0
+    if c["CENTRED"]:
+        return ONE_WARP_MAX_REGISTERS if c["PAIRS"] and num_warps == CENTRED_WARPS and bases_dtype == torch.bfloat16 else 0
+    if c["K_BITS"] or c["V_BITS"]:
+        return 0  # the per-code path: launch_config's cap
+    if c["K_INT8"] and c["V_INT8"]:
+        return ONE_WARP_MAX_REGISTERS if num_warps == INT8_WARPS else 0
+    if not (c["K_INT8"] or c["V_INT8"]):
+        return FLOAT16_WARPS_MAX_REGISTERS if num_warps == FLOAT16_WARPS and group >= 2 else 0
+    return 0
 
 
 def centred_int4(layout, parts: int) -> bool:
@@ -1277,7 +1331,7 @@ def split_launch(
     pairs = TOKENS_M_DEFAULT if tokens_m is None else bool(tokens_m)
     if centred and block_t is None:
         # one key group per tile (Q6's centred form, CENTRED below), two per hot-loop step with tokens on M
-        # (PAIRS), on CENTRED_WARPS warps, uncapped (docs/gpu.md, "Static budgets")
+        # (PAIRS), on CENTRED_WARPS warps (docs/gpu.md, "Static budgets"); the cap is default_max_registers's
         cfg.update(block_t=2 * kgroup if pairs else kgroup, num_warps=CENTRED_WARPS, max_registers=None)
     cfg.update({k: v for k, v in (("block_t", block_t), ("num_warps", num_warps), ("max_registers", max_registers)) if v is not None})
     args = (
@@ -1365,6 +1419,8 @@ def split_launch(
     )
     if fused is not None:  # merge_launch's tile and rounding, so the fused merge is the same arithmetic
         constexprs.update(FUSED=True, MERGE_S=min(MERGE_BLOCK_S, pow2_at_least(S, 1)), OUT_BF16=interpreting() and out.dtype == torch.bfloat16)
+    if cfg["max_registers"] is None:
+        cfg["max_registers"] = default_max_registers(kb.dtype, group, cfg["num_warps"], constexprs)
     return Launch(_decode_split_kernel, (N * H, S), args, constexprs, cfg["num_warps"], cfg["max_registers"] or None), outputs
 
 

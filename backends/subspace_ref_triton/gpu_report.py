@@ -24,6 +24,7 @@ r = 32, any dtype and coefficient storage); ``tests/test_triton_compile.py`` and
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 import os
@@ -183,18 +184,21 @@ def sass_rows() -> list[dict]:
 
 
 def measured_defaults() -> dict[tuple[str, str], str]:
-    """Default launches chosen by GPU timings (or, where said, by the static budgets) over the
-    compile report's rule (no spill, then the most resident warps), with why: keyed by (kernel, configuration) prefixes ("decode split"
-    covers its graph-capturable variant; "" every configuration)."""
+    """Default launches chosen by GPU timings (or, where said, from the compiled code) over the
+    compile report's rule (no spill, then the most resident warps), with why: keyed by (kernel prefix,
+    configuration pattern) ("decode split" covers its graph-capturable variant; patterns as fnmatch's,
+    the first match counts)."""
     from subspace_ref_triton import decode
 
-    chosen = {("decode split", f"{name} {bits} "): decode.STATIC_BUDGET_CHOSEN for name in ("bf16", "fp16") for bits in ("int8", "int4", "int2")}  # before the caps: first match
-    return {**chosen, **{("decode split", f"{name} "): decode.REGISTER_CAPS_MEASURED for name in ("bf16", "fp16")}}
+    # the capped one-warp defaults (decode.default_max_registers): int8 with 16-bit bases, int4/int2 with bfloat16 bases
+    capped = [("bf16", "int8", decode.INT8_WARPS), ("fp16", "int8", decode.INT8_WARPS), ("bf16", "int4", decode.CENTRED_WARPS), ("bf16", "int2", decode.CENTRED_WARPS)]
+    one_warp = {("decode split", f"{name} {bits} * w={warps}"): decode.ONE_WARP_CAP_CHOSEN for name, bits, warps in capped}
+    return {**one_warp, **{("decode split", f"{name} * w=4"): decode.REGISTER_CAPS_MEASURED for name in ("bf16", "fp16")}}
 
 
 def measured_reason(measured: dict[tuple[str, str], str], kernel: str, config: str) -> str:
     """Why the default ``config`` of ``kernel`` may spill ("" when it may not)."""
-    return next((why for (k, c), why in measured.items() if kernel.startswith(k) and config.startswith(c)), "")
+    return next((why for (k, c), why in measured.items() if kernel.startswith(k) and fnmatch.fnmatchcase(config, c)), "")
 
 
 def triton_rows(exhaustive: bool = False) -> list[Row]:
@@ -389,7 +393,7 @@ def markdown(report: dict) -> str:
     lines.append("\nDefault configurations that spill: " + ("none." if not spills else "\n- " + "\n- ".join(spills)))
     chosen = default_spills(report, measured=True)
     if chosen:
-        lines.append("\nDefault configurations that spill, chosen by GPU timings:\n- " + "\n- ".join(chosen))
+        lines.append("\nDefault configurations that spill by choice (GPU timings or the compiled code, as each says):\n- " + "\n- ".join(chosen))
     return "\n".join(lines) + "\n"
 
 

@@ -552,7 +552,7 @@ def _decode_split_kernel(
                 o_prev = tl.load(o_ptrs, mask=o_mask & o_seen[:, None], other=0.0)
                 tl.store(o_ptrs, o_prev * o_scale[:, None] + pe * a_unit[:, None], mask=o_mask)
         else:
-            # float32 bases: N in registers, E_j whole (the form above takes 255 registers here)
+            # float32 bases: N in registers, E_j whole (the form above took 204-255 registers here, not 112)
             E = tl.load(vb_base + j * svb_j + val_rv[:, None] * svb_r + offs_dv[None, :], mask=rv_mask[:, None] & (offs_dv < d_v)[None, :], other=0.0)
             o_i = tl.dot(acc, E.to(tl.float32), acc=o_i * o_scale[:, None], input_precision="ieee")
         m_o = m_i

@@ -85,8 +85,8 @@ def test_no_default_configuration_spills(default_rows):
 def test_spill_exemptions_cover_only_their_configurations():
     """An exemption names its kernel and configuration: the register-capped split defaults with
     16-bit bases that spill (eager and graph-capturable), not those capped without a spill or
-    uncapped, nor the float32 split defaults, which run uncapped, nor the pre-RoPE kernel, whose register cap (rope_decode.MAX_REGISTERS) was chosen
-    from the compiled code and must not spill."""
+    uncapped, nor the float32 split defaults, which run uncapped, nor the pre-RoPE kernel, whose
+    register cap (rope_decode.MAX_REGISTERS) was chosen from the compiled code and must not spill."""
     from subspace_ref_triton import decode, gpu_report
 
     measured = gpu_report.measured_defaults()

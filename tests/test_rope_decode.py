@@ -249,16 +249,16 @@ def test_triton_pre_rope_splits_follow_the_compiled_occupancy(rng, monkeypatch):
     builds the launch again with the compiled figure, later calls of that configuration build once,
     and the partials are those of the last launch built."""
     _triton_or_skip()
-    from subspace_ref_triton import rope_decode
+    from subspace_ref_triton import decode, rope_decode
 
     state, keys, values, q = build(("occupancy", "half", None, 1.0, 1, 4, 64, 16, 300, "int4", "native", 0), rng)
     state.append(keys, values)
     tst = state.to("triton", dtype="bfloat16")
     qt = torch.as_tensor(q, device=tst.layout.key_coef.device).to(torch.bfloat16)[None]
     built, real = [], rope_decode.split_launch
-    monkeypatch.setattr(rope_decode, "_RESIDENT_SEEN", {})
-    monkeypatch.setattr(rope_decode, "resident_programs", lambda launch, device: 3)
-    monkeypatch.setattr(rope_decode, "default_split_len", lambda T, programs, device, resident: 64 * resident)
+    monkeypatch.setattr(decode, "_RESIDENT_SEEN", {})
+    monkeypatch.setattr(decode, "resident_programs", lambda launch, device: 3)
+    monkeypatch.setattr(decode, "default_split_len", lambda T, programs, device, resident: 64 * resident)
     monkeypatch.setattr(rope_decode, "split_launch", lambda *a, **kw: built.append(a[4]) or real(*a, **kw))
     pm, _, _ = rope_decode.attention_partials(qt, tst.layout, tst.policy.rope, 0.125)
     assert built == [128, 192] and pm.shape[-1] == 2

@@ -138,10 +138,12 @@ def test_pre_rope_register_cap_only_where_it_compiled_clean():
 
 
 def test_split_register_cap_only_where_it_compiled_clean():
-    """decode.default_max_registers caps the default one-warp (int8; int4/int2 centred with bfloat16
-    bases) and two-warp (float) launches at ranks 32, head sizes up to 128 and GQA groups up to 4
-    (float: 2 to 4), not ranks 16 or 64, a group of 8, float16 bases in the centred form, other
-    tiles or warps, and max_registers=0 lifts it (docs/gpu.md, "N in the partial")."""
+    """decode.default_max_registers caps the default one-warp and two-warp launches at head sizes up
+    to 128: float on two warps at ranks 32 and GQA groups of 2 to 4; int8 on one warp at ranks 32 and
+    groups up to 8; int4/int2 centred with bfloat16 bases on one warp at ranks 16 or 32 and groups
+    up to 4. Not ranks 64, float or int8 at rank 16, int4 with a group of 8, float16 bases in the
+    centred form, other tiles or warps, and max_registers=0 lifts it (docs/gpu.md, "N in the
+    partial", "Rank 16 and groups of 8 under the one-warp cap")."""
     from subspace_ref_triton import decode, gpu_report
 
     def cap(coef="float", d=128, r=32, group=4, dtype=torch.bfloat16, **kw):
@@ -153,12 +155,16 @@ def test_split_register_cap_only_where_it_compiled_clean():
         assert cap(dtype=dtype) == two and cap(group=2, dtype=dtype) == two and cap(d=64, dtype=dtype) == two
         assert cap("int8", dtype=dtype) == one and cap("int8", group=1, dtype=dtype) == one
         assert cap(num_tokens=torch.zeros(1, dtype=torch.int64), num_splits=2, dtype=dtype) == two
+        assert cap("int8", group=8, dtype=dtype) == one and cap("int8", group=6, dtype=dtype) == one and cap("int8", group=16, dtype=dtype) is None
+        assert cap(r=16, dtype=dtype) is None and cap("int8", r=16, dtype=dtype) is None and cap(group=8, dtype=dtype) is None
         for coef in ("float", "int8", "int4"):
-            assert cap(coef, r=16, dtype=dtype) is None and cap(coef, r=64, dtype=dtype) is None and cap(coef, group=8, dtype=dtype) is None
+            assert cap(coef, r=64, dtype=dtype) is None
+        assert cap("int4", group=8, dtype=dtype) is None and cap("int4", r=16, group=8, dtype=dtype) is None
     assert cap(group=1) is None and cap(dtype=torch.float32) is None and cap("int8", dtype=torch.float32) is None
     for coef in ("int4", "int2"):
         assert cap(coef) == one and cap(coef, group=1) == one and cap(coef, d=64) == one
-        assert cap(coef, dtype=torch.float16) is None and cap(coef, tokens_m=False) is None
+        assert cap(coef, r=16) == one and cap(coef, r=16, group=2, d=64) == one
+        assert cap(coef, dtype=torch.float16) is None and cap(coef, r=16, dtype=torch.float16) is None and cap(coef, tokens_m=False) is None
     assert cap(block_t=32) is None and cap(num_warps=4) is None and cap("int8", num_warps=2) is None
     assert cap(max_registers=0) is None and cap("int8", max_registers=96) == 96
     assert cap("int4", block_t=64, num_warps=4) == decode.QUANTISED_MAX_REGISTERS  # the per-code path keeps launch_config's
@@ -171,28 +177,30 @@ from subspace_ref_triton import decode, gpu_report, sass
 from subspace_ref_triton.compile_report import launch_resources
 out = []
 bf16, fp16 = torch.bfloat16, torch.float16
-for coef, d, group, dtype, graph in (("float", 128, 2, bf16, False), ("float", 64, 4, fp16, True), ("int8", 128, 1, bf16, True),
-                                     ("int8", 64, 2, fp16, False), ("int4", 128, 1, bf16, False), ("int2", 64, 2, bf16, True)):
-    lay = gpu_report._layout(torch, 8192, d, 32, dtype, coef)
+for coef, d, r, group, dtype, graph in (("float", 128, 32, 2, bf16, False), ("float", 64, 32, 4, fp16, True), ("int8", 128, 32, 1, bf16, True),
+                                        ("int8", 64, 32, 2, fp16, False), ("int4", 128, 32, 1, bf16, False), ("int2", 64, 32, 2, bf16, True),
+                                        ("int8", 128, 32, 8, fp16, True), ("int4", 128, 16, 4, bf16, True), ("int2", 64, 16, 2, bf16, False)):
+    lay = gpu_report._layout(torch, 8192, d, r, dtype, coef)
     q = torch.zeros(1, gpu_report.H_KV * group, d, dtype=dtype)
     kw = dict(num_tokens=torch.zeros(1, dtype=torch.int64)) if graph else {}
     launch, _ = decode.split_launch(q, lay, 0.1, 0 if graph else 1024, 8, **kw)
     res = launch_resources(launch, 90)
-    out.append(dict(case=f"{coef} d={d} g={group} {dtype} {'graph' if graph else 'eager'}", coef=coef, cap=launch.max_registers,
+    out.append(dict(case=f"{coef} d={d} r={r} g={group} {dtype} {'graph' if graph else 'eager'}", coef=coef, cap=launch.max_registers,
                     spills=res.spill_stores + res.spill_loads, local=sass.launch_stats(launch, 90).as_dict()["local"]))
 print("RESULTS " + json.dumps(out))
 """
 
 
 def test_split_register_cap_keeps_local_memory_out_of_the_loop_beyond_the_report():
-    """The split kernel's cap admits shapes the report's defaults (d = 128, g = 4) do not compile:
-    smaller GQA groups, head size 64, float16 bases graph-capturable. Compiled capped for sm_90: no
-    local memory in the main loop, and no spill at all with float coefficients."""
+    """The split kernel's cap admits shapes the report's defaults (d = 128, r = 32, g = 4) do not
+    compile: smaller GQA groups, head size 64, float16 bases graph-capturable, int8 with a group of
+    8, int4/int2 at rank 16. Compiled capped for sm_90: no local memory in the main loop, and no
+    spill at all with float coefficients."""
     reason = _ptxas_reason()
     if reason:
         pytest.skip(reason)
     rows = _compiled(SPLIT_CAPPED_SCRIPT)
-    assert len(rows) == 6 and all(r["cap"] for r in rows), rows
+    assert len(rows) == 9 and all(r["cap"] for r in rows), rows
     assert not [r for r in rows if r["local"] or (r["coef"] == "float" and r["spills"])], rows
 
 

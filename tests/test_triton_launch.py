@@ -487,6 +487,37 @@ def test_resident_programs_reads_the_compiled_kernel(monkeypatch):
 
 
 @needs_triton
+@pytest.mark.parametrize("fused", [False, True])
+def test_split_kernel_splits_follow_the_compiled_occupancy(monkeypatch, fused):
+    """Without a split length the split kernel's eager call (two launches, or the fused merge) sizes
+    its splits for the programs per SM of its own launch as compiled (decode.sized_launch): the first
+    call of a configuration builds again when the compiled figure differs from the one assumed,
+    later calls build once, another configuration has its own figure, and a given split length is
+    built once as given."""
+    from subspace_ref_triton import gpu_report
+
+    lay = gpu_report._layout(torch, 300, 64, 16, torch.float32, "float")
+    q = torch.zeros(1, gpu_report.H_KV * 2, 64)
+    built, real = [], decode.split_launch
+    monkeypatch.setattr(decode, "_RESIDENT_SEEN", {})
+    monkeypatch.setattr(decode, "resident_programs", lambda launch, device: 3 if launch.constexprs["BLOCK_T"] == 64 else 5)
+    monkeypatch.setattr(decode, "default_split_len", lambda T, programs, device, resident: 64 * resident)
+    monkeypatch.setattr(decode, "split_launch", lambda *a, **kw: built.append((a[3], "fused" in kw)) or real(*a, **kw))
+    call = (lambda **kw: decode.decode_attention(q, lay, 0.1, fused_merge=True, **kw)) if fused else (lambda **kw: decode.attention_partials(q, lay, 0.1, **kw))
+    call()
+    assert built == [(128, fused), (192, fused)]
+    built.clear()
+    call()
+    assert built == [(192, fused)]
+    built.clear()
+    call(block_t=32)  # another configuration: its own figure, in whole tiles of 32
+    assert built == [(128, fused), (320, fused)]
+    built.clear()
+    call(split_len=96)
+    assert built == [(96, fused)]
+
+
+@needs_triton
 def test_centred_low_bit_tiles_take_two_key_groups_by_default():
     """int4/int2 in the centred form (docs/gpu.md, "Static budgets, fifth pass"): the default tile
     is two key groups (PAIRS; 8-byte int2 rows as 64-bit loads, WIDE_CODES); an explicit block_t

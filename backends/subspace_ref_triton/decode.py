@@ -1101,6 +1101,46 @@ def resident_programs(launch: Launch, device) -> int:
     return _RESIDENT[key]
 
 
+# programs per SM of the last launch of a configuration (launch_signature): the next launch's first guess
+_RESIDENT_SEEN: dict[tuple, int] = {}
+
+
+def sized_launch(build, q, layout, split_len: int | None, kind: tuple, block_t: int | None = None):
+    """``build(split_len)`` (a launch, not run, and its outputs) at ``split_len``, or when it is None
+    at the default split length (:func:`default_split_len`, a multiple of ``block_t`` or BLOCK_T) for
+    the programs per SM of the launch as compiled (:func:`resident_programs`). The launch is built
+    for the figure last seen for its configuration (:func:`launch_signature` of ``kind``, the
+    kernel and its launch keywords) and built again only where the compiled launch holds another,
+    so a repeated call builds once."""
+    if split_len is not None:
+        return build(split_len)
+    T, programs = int(layout.num_tokens), q.shape[0] * layout.key_coef.shape[1]
+    sized = lambda resident: cdiv(default_split_len(T, programs, q.device, resident), block_t or BLOCK_T) * (block_t or BLOCK_T)  # noqa: E731
+    sig = launch_signature(q, layout, kind)
+    seen = _RESIDENT_SEEN.get(sig, FALLBACK_RESIDENT) if sig else FALLBACK_RESIDENT
+    built = build(sized(seen))
+    compiled = resident_programs(built[0], q.device)
+    if compiled != seen:
+        if sig:
+            _RESIDENT_SEEN[sig] = compiled
+        built = build(sized(compiled))
+    return built
+
+
+def launch_signature(q, layout, kind: tuple) -> tuple | None:
+    """What a compiled decode launch depends on, cheaply: dtypes, shapes (the GQA group, the ranks),
+    formats, the alignments that choose word loads, and ``kind`` (the kernel, its launch keywords);
+    None when ``kind`` holds something that cannot be hashed."""
+    kc, vc = layout.key_coef, layout.value_coef
+    sig = (q.device, q.dtype, tuple(q.shape[1:]), kc.shape[1], layout.key_bases.dtype, tuple(layout.key_bases.shape[3:]), tuple(layout.value_bases.shape[3:]),
+           *((c.dtype, c.data_ptr() % 16, *(x % 16 for x in c.stride())) for c in (kc, vc)), layout.key_format, layout.value_format, layout.group, kind)
+    try:
+        hash(sig)
+    except TypeError:
+        return None
+    return sig
+
+
 def launch_config(d: int, d_v: int, dtype=None, int8: bool = False, bits: int = 0) -> dict:
     """Tile, warps and register cap of the split kernel for the bases' ``dtype`` and coefficient
     storage. Tile and warps are chosen from the compile report (``subspace-kv gpu-report``,
@@ -1142,31 +1182,34 @@ def launch_config(d: int, d_v: int, dtype=None, int8: bool = False, bits: int = 
 def default_max_registers(bases_dtype, group: int, num_warps: int, constexprs: dict) -> int:
     """The register cap of a one- or two-warp default launch (0: none; split_launch applies it where
     launch_config gives none and no ``max_registers`` is passed), where it was compiled with no local
-    memory in the sm_90 main loop: 16-bit bases, both ranks 32, head sizes up to 128, GQA groups up
-    to 4 (padded to 4 rows), 64-token tiles, and
+    memory in the sm_90 main loop (nor, where docs/gpu.md says so, sm_80's): 16-bit bases, equal ranks without masks, head sizes up
+    to 128, 64-token tiles, and
 
-    * float coefficients on FLOAT16_WARPS warps, groups of 2 to 4: FLOAT16_WARPS_MAX_REGISTERS, no
-      spill at all (with one query head a KV head it spills outside the loop);
-    * int8 on both sides on INT8_WARPS warps: ONE_WARP_MAX_REGISTERS, spills outside the loop;
+    * float coefficients on FLOAT16_WARPS warps, ranks 32, GQA groups of 2 to 4:
+      FLOAT16_WARPS_MAX_REGISTERS, no spill at all (with one query head a KV head it spills outside
+      the loop);
+    * int8 on both sides on INT8_WARPS warps, ranks 32, groups up to 8: ONE_WARP_MAX_REGISTERS,
+      spills outside the loop;
     * int4/int2 in the centred form with two key groups a tile on CENTRED_WARPS warps, bfloat16
-      bases: ONE_WARP_MAX_REGISTERS, spills outside the loop (float16 bases spill in it).
+      bases, ranks 16 or 32, groups up to 4: ONE_WARP_MAX_REGISTERS, spills outside the loop
+      (float16 bases spill in it).
 
     Left uncapped: ranks of 64 or more and int4 with a group of 8 (local memory in the loop under a
-    cap), float and int8 at rank 16 (fewer registers uncapped than the cap); int4/int2 at rank 16
-    and int8 with a group of 8 compiled clean under the cap but are not in the rule yet
-    (docs/gpu.md, "N in the partial")."""
+    cap), float and int8 at rank 16 (fewer registers uncapped than the cap) (docs/gpu.md, "N in the
+    partial", "Rank 16 and groups of 8 under the one-warp cap")."""
     c = constexprs
-    shape = c["R"] == c["RV"] == 32 and c["RANKS_FULL"] and group <= 4 and max(c["D"], c["DV"]) <= 128 and c["BLOCK_T"] == 64
-    if not shape or bases_dtype not in (torch.bfloat16, torch.float16):
+    ranks = c["R"] if c["R"] == c["RV"] and c["RANKS_FULL"] else 0
+    if not (max(c["D"], c["DV"]) <= 128 and c["BLOCK_T"] == 64) or bases_dtype not in (torch.bfloat16, torch.float16):
         return 0
     if c["CENTRED"]:
-        return ONE_WARP_MAX_REGISTERS if c["PAIRS"] and num_warps == CENTRED_WARPS and bases_dtype == torch.bfloat16 else 0
+        centred = c["PAIRS"] and num_warps == CENTRED_WARPS and bases_dtype == torch.bfloat16 and ranks in (16, 32) and group <= 4
+        return ONE_WARP_MAX_REGISTERS if centred else 0
     if c["K_BITS"] or c["V_BITS"]:
         return 0  # the per-code path: launch_config's cap
     if c["K_INT8"] and c["V_INT8"]:
-        return ONE_WARP_MAX_REGISTERS if num_warps == INT8_WARPS else 0
+        return ONE_WARP_MAX_REGISTERS if num_warps == INT8_WARPS and ranks == 32 and group <= 8 else 0
     if not (c["K_INT8"] or c["V_INT8"]):
-        return FLOAT16_WARPS_MAX_REGISTERS if num_warps == FLOAT16_WARPS and group >= 2 else 0
+        return FLOAT16_WARPS_MAX_REGISTERS if num_warps == FLOAT16_WARPS and ranks == 32 and 2 <= group <= 4 else 0
     return 0
 
 
@@ -1185,12 +1228,17 @@ def centred_int4(layout, parts: int) -> bool:
             and all(x % 4 == 0 for x in (kc.stride(2), vc.stride(2), kc.data_ptr(), vc.data_ptr())))
 
 
-def decode_partials(q, layout, scale: float, split_len: int, num_splits: int | None = None, *, block_t: int | None = None, num_warps: int | None = None,
-                    max_registers: int | None = None, tokens_m: bool | None = None):
-    launch, outputs = split_launch(q, layout, scale, split_len, num_splits, block_t=block_t, num_warps=num_warps, max_registers=max_registers,
-                                   tokens_m=tokens_m)
+def decode_partials(q, layout, scale: float, split_len: int, num_splits: int | None = None, **launch):
+    launch, outputs = partials_launch(q, layout, scale, split_len, num_splits, **launch)
     launch.run()
     return outputs
+
+
+def partials_launch(q, layout, scale: float, split_len: int, num_splits: int | None = None, *, block_t: int | None = None, num_warps: int | None = None,
+                    max_registers: int | None = None, tokens_m: bool | None = None):
+    """:func:`decode_partials`'s launch (not run) and outputs: :func:`split_launch` with the
+    keywords an eager call takes."""
+    return split_launch(q, layout, scale, split_len, num_splits, block_t=block_t, num_warps=num_warps, max_registers=max_registers, tokens_m=tokens_m)
 
 
 @dataclass(frozen=True)
@@ -1446,21 +1494,14 @@ def merge_launch(m, z, o, dtype, out=None):
     return Launch(_merge_kernel, (N * Hq,), args, constexprs, 4), out
 
 
-def _split_len(q, layout, scale: float, split_len: int | None, **launch) -> int:
-    """``split_len``, or the default split length when it is None."""
-    if split_len is None:
-        T, programs, resident = int(layout.num_tokens), q.shape[0] * layout.key_coef.shape[1], None
-        if q.device.type == "cuda" and not interpreting():  # the compiled kernel's occupancy (cached)
-            resident = resident_programs(split_launch(q, layout, scale, T, 1, **launch)[0], q.device)
-        split_len = default_split_len(T, programs, q.device, resident)
-    return split_len
-
-
 def attention_partials(q, layout, scale: float, split_len: int | None = None, num_splits: int | None = None, **launch):
     """The split partials (m, Z, N) of spec A3.2 that :func:`decode_attention` merges, with the
-    default split length when ``split_len`` is None (exact tokens, spec/window.md W3, add their
-    own partials to these: :mod:`subspace_ref_triton.window_decode`)."""
-    return decode_partials(q, layout, scale, _split_len(q, layout, scale, split_len, **launch), num_splits, **launch)
+    default split length when ``split_len`` is None (:func:`sized_launch`; exact tokens, spec/window.md
+    W3, add their own partials to these: :mod:`subspace_ref_triton.window_decode`)."""
+    split, partials = sized_launch(lambda s: partials_launch(q, layout, scale, s, num_splits, **launch), q, layout, split_len,
+                                   ("split", tuple(sorted(launch.items()))), launch.get("block_t"))
+    split.run()
+    return partials
 
 
 def new_counters(q, layout):
@@ -1490,7 +1531,8 @@ def decode_attention(q, layout, scale: float | None = None, split_len: int | Non
     may be passed to reuse. Off by default: the two-launch path, the fused one not yet timed."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if fused_merge:
-        split, (out, _, _) = fused_launch(q, layout, scale, _split_len(q, layout, scale, split_len, **launch), num_splits, counters=counters, **launch)
+        split, (out, _, _) = sized_launch(lambda s: fused_launch(q, layout, scale, s, num_splits, counters=counters, **launch), q, layout, split_len,
+                                          ("fused", tuple(sorted(launch.items()))), launch.get("block_t"))
         split.run()
         return out
     if counters is not None:

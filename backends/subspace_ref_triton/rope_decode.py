@@ -71,7 +71,7 @@ from subspace_ref_triton._tl import MAX_COMBINE as _MAX
 from subspace_ref_triton._tl import SUM_COMBINE as _SUM
 from subspace_ref_triton._tl import int4_word_order, low_bit_keys, low_bit_values, tile_codes, word_order
 from subspace_ref_triton._rope_tl import int8_words, joint_low_bit_codes, load_words, low_bit_keys16, low_bit_words, rotate_bf16
-from subspace_ref_triton.decode import DOT_ROWS, FALLBACK_RESIDENT, MIN_SPLIT_TOKENS, default_split_len, merge_partials, resident_programs, side_formats
+from subspace_ref_triton.decode import DOT_ROWS, MIN_SPLIT_TOKENS, merge_partials, side_formats, sized_launch
 
 # Tokens per tile and warps of the tensor-core form with 16-bit bases, from the compiled code (not
 # timed): at 64 tokens on 4 warps the rebuild is one warpgroup MMA and every warp owns 16 rows of
@@ -752,49 +752,10 @@ def attention_partials(q, layout, rope, scale: float, split_len: int | None = No
     """The split partials (m, Z, N) (spec A3.2) that :func:`decode_attention` merges (exact
     tokens add theirs: :mod:`subspace_ref_triton.window_decode`); compressed token t sits at
     position ``first_position + t`` (spec/window.md W10)."""
-    T = int(layout.num_tokens)
-    if split_len is not None:
-        split, partials = split_launch(q, layout, rope, scale, split_len, first_position, **launch)
-    else:
-        # splits that fill the SMs' program slots once, from the compiled launch's occupancy; the
-        # launch is built from the occupancy last seen for this configuration, and again if it differs
-        sig = _configuration(q, layout, rope, launch)
-        resident = _RESIDENT_SEEN.get(sig, FALLBACK_RESIDENT) if sig else FALLBACK_RESIDENT
-        split, partials = split_launch(q, layout, rope, scale, _default_split_len(q, layout, T, resident, launch.get("block_t")), first_position, **launch)
-        compiled = resident_programs(split, q.device)
-        if compiled != resident:
-            if sig:
-                _RESIDENT_SEEN[sig] = compiled
-            split, partials = split_launch(q, layout, rope, scale, _default_split_len(q, layout, T, compiled, launch.get("block_t")), first_position, **launch)
+    split, partials = sized_launch(lambda s: split_launch(q, layout, rope, scale, s, first_position, **launch), q, layout, split_len,
+                                   ("rope", rope.inv_freq.size, tuple(sorted(launch.items()))), launch.get("block_t"))
     split.run()
     return partials
-
-
-# programs per SM of the last launch of a configuration (_configuration): a hint for the next one
-_RESIDENT_SEEN: dict[tuple, int] = {}
-
-
-def _configuration(q, layout, rope, launch: dict) -> tuple | None:
-    """What the compiled launch depends on, cheaply: dtypes, shapes (the GQA group, the rotary
-    planes), formats, the alignments that choose word loads, the launch keywords (None: keywords
-    that cannot be hashed)."""
-    kc, vc = layout.key_coef, layout.value_coef
-    sig = (q.device, q.dtype, tuple(q.shape[1:]), kc.shape[1], rope.inv_freq.size, layout.key_bases.dtype, tuple(layout.key_bases.shape[3:]),
-           tuple(layout.value_bases.shape[3:]),
-           *((c.dtype, c.data_ptr() % 16, *(x % 16 for x in c.stride())) for c in (kc, vc)), layout.key_format, layout.value_format, layout.group,
-           tuple(sorted(launch.items())))
-    try:
-        hash(sig)
-    except TypeError:
-        return None
-    return sig
-
-
-def _default_split_len(q, layout, T: int, resident: int, block_t: int | None) -> int:
-    """default_split_len for ``resident`` programs per SM, a multiple of the launch's tile."""
-    split_len = default_split_len(T, q.shape[0] * layout.key_coef.shape[1], q.device, resident)
-    block_t = block_t or BLOCK_T  # a multiple of every default tile
-    return cdiv(split_len, block_t) * block_t
 
 
 def decode_attention(q, layout, rope, scale: float | None = None, split_len: int | None = None, **launch):

@@ -247,7 +247,7 @@ def test_triton_pre_rope_splits_follow_the_compiled_occupancy(rng, monkeypatch):
     """Without a split length the splits fill the programs per SM of the launch as compiled
     (rope_decode.MAX_REGISTERS fits 3 where the split kernel's fallback assumes 2): the first call
     builds the launch again with the compiled figure, later calls of that configuration build once,
-    and the partials are those of the last launch built."""
+    splits are whole tiles, and the partials are those of the last launch built."""
     _triton_or_skip()
     from subspace_ref_triton import decode, rope_decode
 
@@ -268,6 +268,9 @@ def test_triton_pre_rope_splits_follow_the_compiled_occupancy(rng, monkeypatch):
     built.clear()
     rope_decode.attention_partials(qt, tst.layout, tst.policy.rope, 0.125, block_t=32)  # another configuration: its own figure
     assert built == [128, 192]
+    built.clear()
+    rope_decode.attention_partials(qt, tst.layout, tst.policy.rope, 0.125, block_t=128)  # splits of whole tiles
+    assert built == [128, 256]
 
 
 def _gpu_numerics_error(case, dtype, split_len, rng, monkeypatch, native16=True, state_kw=None, **launch_kw):

@@ -157,13 +157,14 @@ def test_split_register_cap_only_where_it_compiled_clean():
         assert cap(num_tokens=torch.zeros(1, dtype=torch.int64), num_splits=2, dtype=dtype) == two
         assert cap("int8", group=8, dtype=dtype) == one and cap("int8", group=6, dtype=dtype) == one and cap("int8", group=16, dtype=dtype) is None
         assert cap(r=16, dtype=dtype) is None and cap("int8", r=16, dtype=dtype) is None and cap(group=8, dtype=dtype) is None
+        assert cap(r=24, dtype=dtype) is None and cap("int8", r=24, dtype=dtype) is None
         for coef in ("float", "int8", "int4"):
             assert cap(coef, r=64, dtype=dtype) is None
         assert cap("int4", group=8, dtype=dtype) is None and cap("int4", r=16, group=8, dtype=dtype) is None
     assert cap(group=1) is None and cap(dtype=torch.float32) is None and cap("int8", dtype=torch.float32) is None
     for coef in ("int4", "int2"):
         assert cap(coef) == one and cap(coef, group=1) == one and cap(coef, d=64) == one
-        assert cap(coef, r=16) == one and cap(coef, r=16, group=2, d=64) == one
+        assert cap(coef, r=16) == one and cap(coef, r=16, group=2, d=64) == one and cap(coef, group=8) is None
         assert cap(coef, dtype=torch.float16) is None and cap(coef, r=16, dtype=torch.float16) is None and cap(coef, tokens_m=False) is None
     assert cap(block_t=32) is None and cap(num_warps=4) is None and cap("int8", num_warps=2) is None
     assert cap(max_registers=0) is None and cap("int8", max_registers=96) == 96

@@ -487,13 +487,13 @@ def test_resident_programs_reads_the_compiled_kernel(monkeypatch):
 
 
 @needs_triton
-@pytest.mark.parametrize("fused", [False, True])
-def test_split_kernel_splits_follow_the_compiled_occupancy(monkeypatch, fused):
+def test_split_kernel_splits_follow_the_compiled_occupancy(monkeypatch):
     """Without a split length the split kernel's eager call (two launches, or the fused merge) sizes
     its splits for the programs per SM of its own launch as compiled (decode.sized_launch): the first
     call of a configuration builds again when the compiled figure differs from the one assumed,
-    later calls build once, another configuration has its own figure, and a given split length is
-    built once as given."""
+    later calls build once; the fused merge, other launch keywords and other tiles have figures of
+    their own (no rounding to the tile: the split kernel's splits need none); a tensor keyword keeps
+    no figure; a given split length is built once as given."""
     from subspace_ref_triton import gpu_report
 
     lay = gpu_report._layout(torch, 300, 64, 16, torch.float32, "float")
@@ -503,18 +503,26 @@ def test_split_kernel_splits_follow_the_compiled_occupancy(monkeypatch, fused):
     monkeypatch.setattr(decode, "resident_programs", lambda launch, device: 3 if launch.constexprs["BLOCK_T"] == 64 else 5)
     monkeypatch.setattr(decode, "default_split_len", lambda T, programs, device, resident: 64 * resident)
     monkeypatch.setattr(decode, "split_launch", lambda *a, **kw: built.append((a[3], "fused" in kw)) or real(*a, **kw))
-    call = (lambda **kw: decode.decode_attention(q, lay, 0.1, fused_merge=True, **kw)) if fused else (lambda **kw: decode.attention_partials(q, lay, 0.1, **kw))
-    call()
-    assert built == [(128, fused), (192, fused)]
-    built.clear()
-    call()
-    assert built == [(192, fused)]
-    built.clear()
-    call(block_t=32)  # another configuration: its own figure, in whole tiles of 32
-    assert built == [(128, fused), (320, fused)]
-    built.clear()
-    call(split_len=96)
-    assert built == [(96, fused)]
+
+    def calls(fused, **kw):
+        built.clear()
+        if fused:
+            decode.decode_attention(q, lay, 0.1, fused_merge=True, **kw)
+        else:
+            decode.attention_partials(q, lay, 0.1, **kw)
+        return [s for s, f in built if f == fused]
+
+    for fused in (False, True):  # the fused launch does not inherit the two-launch figure
+        assert calls(fused) == [128, 192] and len(built) == 2
+        assert calls(fused) == [192]
+        assert calls(fused, block_t=128) == [128, 320]  # another configuration: its own figure, not rounded to 128
+        assert calls(fused, split_len=96) == [96]
+    seen = dict(decode._RESIDENT_SEEN)
+    assert len(seen) == 4
+    out = torch.empty(1, q.shape[1], 64)
+    for _ in range(2):  # an output tensor: no figure kept (nor the tensor), two builds each call
+        assert calls(True, out=out) == [128, 192]
+    assert decode._RESIDENT_SEEN == seen
 
 
 @needs_triton

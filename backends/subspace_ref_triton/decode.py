@@ -1105,18 +1105,20 @@ def resident_programs(launch: Launch, device) -> int:
 _RESIDENT_SEEN: dict[tuple, int] = {}
 
 
-def sized_launch(build, q, layout, split_len: int | None, kind: tuple, block_t: int | None = None):
+def sized_launch(build, q, layout, split_len: int | None, kind: tuple, launch: dict, tile: int = 1):
     """``build(split_len)`` (a launch, not run, and its outputs) at ``split_len``, or when it is None
-    at the default split length (:func:`default_split_len`, a multiple of ``block_t`` or BLOCK_T) for
-    the programs per SM of the launch as compiled (:func:`resident_programs`). The launch is built
-    for the figure last seen for its configuration (:func:`launch_signature` of ``kind``, the
-    kernel and its launch keywords) and built again only where the compiled launch holds another,
-    so a repeated call builds once."""
+    at the default split length (:func:`default_split_len`, rounded up to a multiple of ``tile``)
+    for the programs per SM of the launch as compiled (:func:`resident_programs`). The launch is
+    built for the figure last seen for its configuration (:func:`launch_signature`: ``kind`` names
+    the kernel, ``launch`` holds its keywords) and built again only where the compiled launch holds
+    another. So a repeated call builds once, unless the launch sized for the compiled figure
+    compiles to yet another (the fused merge's tile of partials follows the split count), or a
+    keyword is not a plain value (a tensor: no figure is kept); then it builds twice."""
     if split_len is not None:
         return build(split_len)
     T, programs = int(layout.num_tokens), q.shape[0] * layout.key_coef.shape[1]
-    sized = lambda resident: cdiv(default_split_len(T, programs, q.device, resident), block_t or BLOCK_T) * (block_t or BLOCK_T)  # noqa: E731
-    sig = launch_signature(q, layout, kind)
+    sized = lambda resident: cdiv(default_split_len(T, programs, q.device, resident), tile) * tile  # noqa: E731
+    sig = launch_signature(q, layout, kind, launch)
     seen = _RESIDENT_SEEN.get(sig, FALLBACK_RESIDENT) if sig else FALLBACK_RESIDENT
     built = build(sized(seen))
     compiled = resident_programs(built[0], q.device)
@@ -1127,18 +1129,17 @@ def sized_launch(build, q, layout, split_len: int | None, kind: tuple, block_t: 
     return built
 
 
-def launch_signature(q, layout, kind: tuple) -> tuple | None:
+def launch_signature(q, layout, kind: tuple, launch: dict) -> tuple | None:
     """What a compiled decode launch depends on, cheaply: dtypes, shapes (the GQA group, the ranks),
-    formats, the alignments that choose word loads, and ``kind`` (the kernel, its launch keywords);
-    None when ``kind`` holds something that cannot be hashed."""
-    kc, vc = layout.key_coef, layout.value_coef
-    sig = (q.device, q.dtype, tuple(q.shape[1:]), kc.shape[1], layout.key_bases.dtype, tuple(layout.key_bases.shape[3:]), tuple(layout.value_bases.shape[3:]),
-           *((c.dtype, c.data_ptr() % 16, *(x % 16 for x in c.stride())) for c in (kc, vc)), layout.key_format, layout.value_format, layout.group, kind)
-    try:
-        hash(sig)
-    except TypeError:
+    formats, the alignments that choose word loads, ``kind`` (the kernel) and the ``launch``
+    keywords; None where a keyword is not a plain value (None, bool, int, float, str): a tensor
+    would be kept alive by the table and never seen again."""
+    if not all(v is None or isinstance(v, (bool, int, float, str)) for v in launch.values()):
         return None
-    return sig
+    kc, vc = layout.key_coef, layout.value_coef
+    return (q.device, q.dtype, tuple(q.shape[1:]), kc.shape[1], layout.key_bases.dtype, tuple(layout.key_bases.shape[3:]), tuple(layout.value_bases.shape[3:]),
+            *((c.dtype, c.data_ptr() % 16, *(x % 16 for x in c.stride())) for c in (kc, vc)), layout.key_format, layout.value_format, layout.group, kind,
+            tuple(sorted(launch.items())))
 
 
 def launch_config(d: int, d_v: int, dtype=None, int8: bool = False, bits: int = 0) -> dict:
@@ -1185,14 +1186,17 @@ def default_max_registers(bases_dtype, group: int, num_warps: int, constexprs: d
     memory in the sm_90 main loop (nor, where docs/gpu.md says so, sm_80's): 16-bit bases, equal ranks without masks, head sizes up
     to 128, 64-token tiles, and
 
-    * float coefficients on FLOAT16_WARPS warps, ranks 32, GQA groups of 2 to 4:
+    * float coefficients on FLOAT16_WARPS warps, ranks 32, GQA groups of 2 to 4 (4 rows, ``G``):
       FLOAT16_WARPS_MAX_REGISTERS, no spill at all (with one query head a KV head it spills outside
       the loop);
-    * int8 on both sides on INT8_WARPS warps, ranks 32, groups up to 8: ONE_WARP_MAX_REGISTERS,
-      spills outside the loop;
+    * int8 on both sides on INT8_WARPS warps, ranks 32, groups up to 8 (4 or 8 rows):
+      ONE_WARP_MAX_REGISTERS, spills outside the loop;
     * int4/int2 in the centred form with two key groups a tile on CENTRED_WARPS warps, bfloat16
-      bases, ranks 16 or 32, groups up to 4: ONE_WARP_MAX_REGISTERS, spills outside the loop
-      (float16 bases spill in it).
+      bases, ranks 16 or 32, groups up to 4 (4 rows): ONE_WARP_MAX_REGISTERS, spills outside the
+      loop (float16 bases spill in it).
+
+    The rows are the group padded to DOT_ROWS: a Triton that pads every group to 16 rows compiles
+    other kernels, never checked under a cap, so they stay uncapped.
 
     Left uncapped: ranks of 64 or more and int4 with a group of 8 (local memory in the loop under a
     cap), float and int8 at rank 16 (fewer registers uncapped than the cap) (docs/gpu.md, "N in the
@@ -1202,14 +1206,14 @@ def default_max_registers(bases_dtype, group: int, num_warps: int, constexprs: d
     if not (max(c["D"], c["DV"]) <= 128 and c["BLOCK_T"] == 64) or bases_dtype not in (torch.bfloat16, torch.float16):
         return 0
     if c["CENTRED"]:
-        centred = c["PAIRS"] and num_warps == CENTRED_WARPS and bases_dtype == torch.bfloat16 and ranks in (16, 32) and group <= 4
+        centred = c["PAIRS"] and num_warps == CENTRED_WARPS and bases_dtype == torch.bfloat16 and ranks in (16, 32) and c["G"] == 4
         return ONE_WARP_MAX_REGISTERS if centred else 0
     if c["K_BITS"] or c["V_BITS"]:
         return 0  # the per-code path: launch_config's cap
     if c["K_INT8"] and c["V_INT8"]:
-        return ONE_WARP_MAX_REGISTERS if num_warps == INT8_WARPS and ranks == 32 and group <= 8 else 0
+        return ONE_WARP_MAX_REGISTERS if num_warps == INT8_WARPS and ranks == 32 and c["G"] <= 8 else 0
     if not (c["K_INT8"] or c["V_INT8"]):
-        return FLOAT16_WARPS_MAX_REGISTERS if num_warps == FLOAT16_WARPS and ranks == 32 and 2 <= group <= 4 else 0
+        return FLOAT16_WARPS_MAX_REGISTERS if num_warps == FLOAT16_WARPS and ranks == 32 and group >= 2 and c["G"] == 4 else 0
     return 0
 
 
@@ -1498,8 +1502,7 @@ def attention_partials(q, layout, scale: float, split_len: int | None = None, nu
     """The split partials (m, Z, N) of spec A3.2 that :func:`decode_attention` merges, with the
     default split length when ``split_len`` is None (:func:`sized_launch`; exact tokens, spec/window.md
     W3, add their own partials to these: :mod:`subspace_ref_triton.window_decode`)."""
-    split, partials = sized_launch(lambda s: partials_launch(q, layout, scale, s, num_splits, **launch), q, layout, split_len,
-                                   ("split", tuple(sorted(launch.items()))), launch.get("block_t"))
+    split, partials = sized_launch(lambda s: partials_launch(q, layout, scale, s, num_splits, **launch), q, layout, split_len, ("split",), launch)
     split.run()
     return partials
 
@@ -1532,7 +1535,7 @@ def decode_attention(q, layout, scale: float | None = None, split_len: int | Non
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if fused_merge:
         split, (out, _, _) = sized_launch(lambda s: fused_launch(q, layout, scale, s, num_splits, counters=counters, **launch), q, layout, split_len,
-                                          ("fused", tuple(sorted(launch.items()))), launch.get("block_t"))
+                                          ("fused",), launch)
         split.run()
         return out
     if counters is not None:

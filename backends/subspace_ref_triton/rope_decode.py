@@ -752,8 +752,9 @@ def attention_partials(q, layout, rope, scale: float, split_len: int | None = No
     """The split partials (m, Z, N) (spec A3.2) that :func:`decode_attention` merges (exact
     tokens add theirs: :mod:`subspace_ref_triton.window_decode`); compressed token t sits at
     position ``first_position + t`` (spec/window.md W10)."""
+    # splits of whole tiles (BLOCK_T: a multiple of every default tile)
     split, partials = sized_launch(lambda s: split_launch(q, layout, rope, scale, s, first_position, **launch), q, layout, split_len,
-                                   ("rope", rope.inv_freq.size, tuple(sorted(launch.items()))), launch.get("block_t"))
+                                   ("rope", rope.inv_freq.size), launch, launch.get("block_t") or BLOCK_T)
     split.run()
     return partials
 

@@ -313,6 +313,38 @@ def test_triton_pre_rope_words_partial_rotary_unaligned_splits(dtype, coefficien
     assert err <= tol, (err, tol)
 
 
+@pytest.mark.parametrize("split_len", [100, 40])
+@pytest.mark.parametrize("dtype, coefficients", [("bfloat16", "float"), ("bfloat16", "int8"), ("bfloat16", "int4"), ("bfloat16", "int2"),
+                                                 ("float16", "int8"), ("float16", "int4")])
+def test_triton_pre_rope_warp_softmax(dtype, coefficients, split_len, rng, monkeypatch):
+    """``warp_softmax``: a softmax per warp's rows of the tile (WARPS = the warps), merged once per
+    split, under the GPU numerics emulation, against the float64 oracle within the harness's
+    tolerance: with partial rotary, float16 weight units per warp (int8/int4 values on float16
+    bases), and splits of 40 tokens, whose one masked tile leaves the last warp's rows without a
+    token (its max stays -inf: no NaN may reach the partial)."""
+    _triton_or_skip()
+    err, tol, launch = _gpu_numerics_error(("ws", "half", 32, 1.0, 2, 4, 64, 32, 300, coefficients, "native", 0), dtype, split_len, rng, monkeypatch,
+                                           warp_softmax=True)
+    assert launch.constexprs["WARPS"] == launch.num_warps == 4
+    assert err <= tol, (err, tol)
+
+
+def test_triton_pre_rope_warp_softmax_refused():
+    """``warp_softmax`` where it cannot run: float32 bases, fewer than 16 tokens a warp, the legacy
+    kernel; each a ValueError naming it."""
+    _triton_or_skip()
+    from subspace_ref_triton import rope_decode
+
+    rng = np.random.default_rng(5)
+    state, keys, values, q = build(("refused", "half", None, 1.0, 1, 4, 64, 16, 100, "float", "native", 0), rng)
+    state.append(keys, values)
+    for dtype, kw in (("float32", {}), ("bfloat16", dict(block_t=32, num_warps=4)), ("bfloat16", dict(legacy=True))):
+        tst = state.to("triton", dtype=dtype)
+        qt = torch.as_tensor(q, device=tst.layout.key_coef.device).to(getattr(torch, dtype))[None]
+        with pytest.raises(ValueError, match="warp_softmax"):
+            rope_decode.split_launch(qt, tst.layout, tst.policy.rope, 0.125, 64, warp_softmax=True, **kw)
+
+
 @pytest.mark.parametrize("coefficients", ["int8", "int4", "int2"])
 def test_triton_pre_rope_codes_per_code_when_rows_are_not_words(coefficients, rng, monkeypatch):
     """A rank that is no power of two (rank masks, rows of no whole 32-bit words): the per-code reads

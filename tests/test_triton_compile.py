@@ -243,6 +243,38 @@ def test_pre_rope_register_cap_does_not_spill_beyond_the_report():
     assert not [r for r in rows if r["spills"]], rows
 
 
+WARP_SOFTMAX_SCRIPT = r"""
+import json
+import numpy as np
+import torch
+from subspace_ref.rope import RopeParams
+from subspace_ref_triton import gpu_report, rope_decode, sass
+rope = RopeParams(1.0 / 10000.0 ** (np.arange(64) / 64))
+out = []
+for coef in ("float", "int4"):
+    lay = gpu_report._layout(torch, 8192, 128, 32, torch.bfloat16, coef)
+    q = torch.zeros(1, gpu_report.H_KV * 4, 128, dtype=torch.bfloat16)
+    for warp_softmax in (False, True):
+        stats = sass.launch_stats(rope_decode.split_launch(q, lay, rope, 0.1, 1024, warp_softmax=warp_softmax)[0], 90).as_dict()
+        out.append(dict(coef=coef, warp_softmax=warp_softmax, local=stats["local"], barriers=stats["barriers"], per_token=stats["per_token_head"]))
+print("RESULTS " + json.dumps(out))
+"""
+
+
+def test_pre_rope_warp_softmax_takes_fewer_barriers():
+    """The pre-RoPE kernel's softmax per warp (``warp_softmax``, timed by the benchmark's sweep)
+    compiled for sm_90 at the report's shape: fewer barriers in the main loop than the default's
+    one softmax a tile, no local memory there, within the instruction budget (docs/gpu.md, "A
+    softmax per warp in the pre-RoPE kernel")."""
+    reason = _ptxas_reason()
+    if reason:
+        pytest.skip(reason)
+    rows = {(r["coef"], r["warp_softmax"]): r for r in _compiled(WARP_SOFTMAX_SCRIPT)}
+    for coef in ("float", "int4"):
+        default, per_warp = rows[coef, False], rows[coef, True]
+        assert per_warp["barriers"] < default["barriers"] and not per_warp["local"] and per_warp["per_token"] <= 35, (default, per_warp)
+
+
 def test_the_launch_is_specialised(default_rows):
     """With the divisibility attributes of a real launch the bf16 split kernel at the benchmark's
     shape (float coefficients: 64-token tiles on decode.FLOAT16_WARPS warps, uncapped) needs well

@@ -41,6 +41,10 @@ unfinished key group, ``key_tail``, after them in masked tiles):
    (``c - M`` exact in bfloat16 from words; the scales ``tau_t`` folded into the weights,
    ``sum_t w_t (zeta_t + M tau_t)`` beside); the float32 weights in two 16-bit parts side by side
    on N (one product; ~2^-17 relative), their columns summed once per split; ``E`` once per split.
+   With ``warp_softmax`` (``WARPS``: the warps) each warp's rows of the tile keep a max and value
+   sums of their own, ``W^T D`` a product per warp, all merged once per split as spec A3.2 merges
+   splits: no max across warps and no transpose of ``W`` through shared memory per tile (3
+   barriers a tile instead of 7 in the float loop on sm_90; docs/gpu.md, "A softmax per warp in the pre-RoPE kernel").
 
 Float32 bases (or ``native=False``) run the same loop with float32 (``ieee``) products. Under the
 interpreter the 16-bit products are float32 products of the same 16-bit parts (``NATIVE16``
@@ -259,7 +263,7 @@ def _rope_mma_kernel(
     BLOCK_T: tl.constexpr, K_INT8: tl.constexpr, V_INT8: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, HAS_FIXED: tl.constexpr,
     NATIVE16: tl.constexpr, SPLIT: tl.constexpr, KEY_PARTS: tl.constexpr, RANKS_FULL: tl.constexpr, INTERPRETED: tl.constexpr,
     K_WORDS: tl.constexpr, V_WORDS: tl.constexpr, KGROUP: tl.constexpr, JOINT: tl.constexpr, GROUP_ROWS: tl.constexpr,
-    DEVICE_T: tl.constexpr, MIN_SPLIT: tl.constexpr,
+    DEVICE_T: tl.constexpr, MIN_SPLIT: tl.constexpr, WARPS: tl.constexpr,
 ):
     """The tensor-core form (module docstring, "Main loop"): tokens on the MMAs' M dimension."""
     nh = tl.program_id(0).to(tl.int64)
@@ -339,14 +343,16 @@ def _rope_mma_kernel(
 
     lo = s * split_len
     hi = tl.minimum(lo + split_len, num_tokens)
-    m_i = tl.full([G], float("-inf"), tl.float32)
-    # Z and zacc (int4/int2 values: sum_t w_t zeta_t, spec/quantization.md Q6) per token slot of the
-    # tile (BLOCK_T x G, at scale m_i), summed once after the loop: no reduction across warps per tile
-    z_i = tl.full([BLOCK_T, G], 0.0, tl.float32)
-    zacc = tl.full([BLOCK_T, G], 0.0, tl.float32)
+    # WARPS softmaxes a tile (_mma_tile: one, or one per warp), each over RW of its tokens with a max
+    # of its own; Z and zacc (int4/int2 values: sum_t w_t zeta_t, spec/quantization.md Q6) per token
+    # slot of the tile at their softmax's max; all merged once after the loop
+    RW: tl.constexpr = BLOCK_T // WARPS
+    m_i = tl.full([WARPS, G], float("-inf"), tl.float32)
+    z_i = tl.full([WARPS, RW, G], 0.0, tl.float32)
+    zacc = tl.full([WARPS, RW, G], 0.0, tl.float32)
     # value-coefficient accumulator, transposed (tokens were on M); 16-bit bases: a column per weight part
     ACC_N: tl.constexpr = 2 * G if SPLIT else G
-    acc2 = tl.full([ACC_N, RV], 0.0, tl.float32)
+    acc2 = tl.full([WARPS, ACC_N, RV], 0.0, tl.float32)
     if DEVICE_T:  # one table over the capacity, a row per tile (lo a multiple of BLOCK_T): rope_tables
         base_row = base_ptr + (lo // BLOCK_T) * 2 * m
     else:  # a table per split
@@ -360,21 +366,26 @@ def _rope_mma_kernel(
             t0, hi, base_row + ((t0 - lo) // BLOCK_T) * 2 * m, m_i, z_i, zacc, acc2, qa, qb, qf, Ba, Bb, Bf, ck, sk, logit_scale,
             kc_base, vc_base, ks_base, vs_base, kz_base, vz_base, tail_base, complete, KGROUP, skc_t, svc_t, sks_t, svs_t, stl_t,
             r, r_v, m, r_mask, rv_mask, m_mask,
-            G, BLOCK_T, K_INT8, V_INT8, K_BITS, V_BITS, HAS_FIXED, NATIVE16, SPLIT, KEY_PARTS, INTERPRETED, K_WORDS, V_WORDS, kb_ptr.dtype.element_ty, False, JOINT, GROUP_ROWS)
+            G, BLOCK_T, K_INT8, V_INT8, K_BITS, V_BITS, HAS_FIXED, NATIVE16, SPLIT, KEY_PARTS, INTERPRETED, K_WORDS, V_WORDS, kb_ptr.dtype.element_ty, False, JOINT, WARPS, GROUP_ROWS)
     for t0 in range(main_hi, hi, BLOCK_T):
         m_i, z_i, zacc, acc2 = _mma_tile(
             t0, hi, base_row + ((t0 - lo) // BLOCK_T) * 2 * m, m_i, z_i, zacc, acc2, qa, qb, qf, Ba, Bb, Bf, ck, sk, logit_scale,
             kc_base, vc_base, ks_base, vs_base, kz_base, vz_base, tail_base, complete, KGROUP, skc_t, svc_t, sks_t, svs_t, stl_t,
             r, r_v, m, r_mask, rv_mask, m_mask,
-            G, BLOCK_T, K_INT8, V_INT8, K_BITS, V_BITS, HAS_FIXED, NATIVE16, SPLIT, KEY_PARTS, INTERPRETED, K_WORDS, V_WORDS, kb_ptr.dtype.element_ty, True, JOINT, False)
+            G, BLOCK_T, K_INT8, V_INT8, K_BITS, V_BITS, HAS_FIXED, NATIVE16, SPLIT, KEY_PARTS, INTERPRETED, K_WORDS, V_WORDS, kb_ptr.dtype.element_ty, True, JOINT, WARPS, False)
 
+    # the softmaxes merged (spec A3.2 within the split): each at its max's distance from the split's
+    m_s = tl.reduce(m_i, 0, _MAX)  # (G,)
+    to_split = tl.where(m_i == float("-inf"), 0.0, tl.exp(m_i - tl.where(m_s == float("-inf"), 0.0, m_s)[None, :]))  # (WARPS, G)
     if SPLIT:  # the weight parts' columns summed
-        a_hi, a_lo = tl.split(tl.permute(tl.reshape(acc2, (G, 2, RV)), (0, 2, 1)))
-        acc = a_hi + a_lo
+        a_hi, a_lo = tl.split(tl.permute(tl.reshape(acc2, (WARPS, G, 2, RV)), (0, 1, 3, 2)))
+        acc3 = a_hi + a_lo
     else:
-        acc = acc2
-    acc = acc + tl.reduce(zacc, 0, _SUM)[:, None]  # (G, RV)
-    _write_partial(acc, m_i, tl.reduce(z_i, 0, _SUM), vb_ptr + n * svb_n + h * svb_h + val_rv[:, None] * svb_r, rv_mask, offs_dv, d_v, (n * H + h) * group + offs_g, g_mask,
+        acc3 = acc2
+    acc3 = (acc3 + tl.reduce(zacc, 1, _SUM)[:, :, None]) * to_split[:, :, None]  # (WARPS, G, RV)
+    acc = tl.reduce(acc3, 0, _SUM)
+    z_s = tl.reduce(tl.reduce(z_i, 1, _SUM) * to_split, 0, _SUM)
+    _write_partial(acc, m_s, z_s, vb_ptr + n * svb_n + h * svb_h + val_rv[:, None] * svb_r, rv_mask, offs_dv, d_v, (n * H + h) * group + offs_g, g_mask,
                    pm_ptr, pz_ptr, po_ptr, num_splits, s)
 
 
@@ -401,7 +412,7 @@ def _mma_tile(t0, hi, angle_row, m_i, z_i, zacc, acc2, qa, qb, qf, Ba, Bb, Bf, c
               G: tl.constexpr, BLOCK_T: tl.constexpr, K_INT8: tl.constexpr, V_INT8: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
               HAS_FIXED: tl.constexpr, NATIVE16: tl.constexpr, SPLIT: tl.constexpr, KEY_PARTS: tl.constexpr, INTERPRETED: tl.constexpr,
               K_WORDS: tl.constexpr, V_WORDS: tl.constexpr, CDT: tl.constexpr, MASKED: tl.constexpr, JOINT: tl.constexpr,
-              GROUP_ROWS: tl.constexpr = False):
+              WARPS: tl.constexpr, GROUP_ROWS: tl.constexpr = False):
     """One tile of ``BLOCK_T`` tokens from ``t0`` (module docstring, "Main loop"): returns the updated
     ``(m, Z, zacc, acc)``. ``MASKED``: tokens >= ``hi`` masked and keys past the coded groups read from
     ``key_tail``; otherwise every token counts and is coded."""
@@ -496,20 +507,34 @@ def _mma_tile(t0, hi, angle_row, m_i, z_i, zacc, acc2, qa, qb, qf, Ba, Bb, Bf, c
         logits = logits * logit_scale
     if MASKED:
         logits = tl.where(t_mask[:, None], logits, float("-inf"))
-    m_new = tl.maximum(m_i, tl.reduce(logits, 0, _MAX))
-    alpha = tl.exp(m_i - m_new)
-    w = tl.exp(logits - m_new[None, :])  # (BLOCK_T, G)
-    z_i = z_i * alpha[None, :] + w
+    # WARPS softmaxes (one, or one per warp: warp_softmax), each over RW rows of the tile with its own
+    # max and value sums, merged once per split (per warp: no max or transpose across warps per tile)
+    RW: tl.constexpr = BLOCK_T // WARPS
+    l3 = tl.reshape(logits, (WARPS, RW, G))
+    m_new = tl.maximum(m_i, tl.reduce(l3, 1, _MAX))  # (WARPS, G)
+    if MASKED:  # a softmax whose rows are all masked so far: -inf, exp's reference 0 (no NaN)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    alpha = tl.exp(m_i - m_ref)
+    w = tl.exp(l3 - m_ref[:, None, :])  # (WARPS, RW, G)
+    z_i = z_i * alpha[:, None, :] + w
     # values in coefficient space: sum_t w_t d_t with 16-bit exact codes and the scales in the weights
     if V_BITS == 0:
         if V_INT8 and V_WORDS:
             dv = int8_words(vc_base, tok, t_mask, svc_t, offs_rv.shape[0], V_WORDS, INTERPRETED).to(CDT)
         else:
-            dv = tl.load(vc_base + tok[:, None] * svc_t + offs_rv[None, :], mask=t_mask[:, None] & rv_mask[None, :], other=0)  # sass: codes
+            # read in the value product's shape (WARPS, RW, RV): a reshape would pass through shared memory
+            tok3 = t0 + tl.arange(0, WARPS)[:, None, None] * RW + tl.arange(0, RW)[None, :, None]
+            if MASKED:
+                v_mask = (tok3 < hi) & rv_mask[None, None, :]
+            else:
+                v_mask = tl.full([WARPS, RW, 1], 1, tl.int1) & rv_mask[None, None, :]
+            dv = tl.load(vc_base + tok3 * svc_t + offs_rv[None, None, :], mask=v_mask, other=0)  # sass: codes
             if V_INT8:
                 dv = dv.to(tl.float32).to(CDT)
         if V_INT8:
-            w = w * tl.load(vs_base + tok * svs_t, mask=t_mask, other=0.0)[:, None]
+            w = w * tl.reshape(tl.load(vs_base + tok * svs_t, mask=t_mask, other=0.0), (WARPS, RW))[:, :, None]
     else:
         # spec/quantization.md Q6: x = code tau_t + zeta_t; sum_t (w_t tau_t) code_t + sum_t w_t zeta_t
         # (words: the centred codes c - M, exact in bfloat16, and zeta_t + M tau_t beside)
@@ -524,25 +549,29 @@ def _mma_tile(t0, hi, angle_row, m_i, z_i, zacc, acc2, qa, qb, qf, Ba, Bb, Bf, c
             dv = tile_codes(vc_base, tok, t_mask, offs_rv, r_v, svc_t, V_BITS, ROWS).to(tl.float32)
             if SPLIT:
                 dv = dv.to(CDT)
-        zacc = zacc * alpha[None, :] + w * zeta[:, None]
-        w = w * tau[:, None]
+        zacc = zacc * alpha[:, None, :] + w * tl.reshape(zeta, (WARPS, RW))[:, :, None]
+        w = w * tl.reshape(tau, (WARPS, RW))[:, :, None]
+    if len(dv.shape) == 3:
+        dv3 = dv
+    else:
+        dv3 = tl.reshape(dv, (WARPS, RW, dv.shape[1]))
     if SPLIT:
         # the weights in two 16-bit parts side by side on N (columns 2g + p: one product); float16
-        # parts only: a power-of-two unit keeps the scaled weights <= 1 inside float16's range
-        # (exact, undone below); bfloat16 parts have float32's range
+        # parts only: a power-of-two unit per warp keeps the scaled weights <= 1 inside float16's
+        # range (exact, undone below); bfloat16 parts have float32's range
         SCALED: tl.constexpr = (V_INT8 or V_BITS > 0) and CDT == tl.float16
         if SCALED:
-            w_max = tl.reduce(tl.reduce(w, 0, _MAX), 0, _MAX)
+            w_max = tl.reduce(tl.reduce(w, 2, _MAX), 1, _MAX)  # (WARPS,)
             w_unit = tl.exp2(tl.ceil(tl.log2(tl.where(w_max > 0, w_max, 1.0))))
-            w = w / w_unit
+            w = w / w_unit[:, None, None]
         w_hi = w.to(CDT)
         w_lo = (w - w_hi.to(tl.float32)).to(CDT)
-        pv = _dot16(tl.trans(tl.reshape(tl.join(w_hi, w_lo), (BLOCK_T, 2 * G))), dv, None, NATIVE16)  # (2G, RV)
+        pv = _dot16(tl.permute(tl.reshape(tl.join(w_hi, w_lo), (WARPS, RW, 2 * G)), (0, 2, 1)), dv3, None, NATIVE16)  # (WARPS, 2G, RV)
         if SCALED:
-            pv = pv * w_unit
-        acc2 = acc2 * tl.reshape(tl.join(alpha, alpha), (2 * G,))[:, None] + pv
+            pv = pv * w_unit[:, None, None]
+        acc2 = acc2 * tl.reshape(tl.join(alpha, alpha), (WARPS, 2 * G))[:, :, None] + pv
     else:
-        acc2 = acc2 * alpha[:, None] + tl.dot(tl.trans(w), dv.to(tl.float32), input_precision="ieee")
+        acc2 = acc2 * alpha[:, :, None] + tl.dot(tl.permute(w, (0, 2, 1)), dv3.to(tl.float32), input_precision="ieee")
     return m_new, z_i, zacc, acc2
 
 
@@ -590,7 +619,8 @@ def default_block_t(key_bases_dtype, legacy: bool = False) -> int:
 
 def split_launch(q, layout, rope, scale: float, split_len: int, first_position: int = 0, *, block_t: int | None = None, num_warps: int | None = None,
                  native: bool | None = None, legacy: bool = False, key_parts: int | None = None, group_rows: bool | None = None,
-                 num_tokens=None, num_splits: int | None = None, outputs=None, tables: RopeTables | None = None, max_registers: int | None = None):
+                 num_tokens=None, num_splits: int | None = None, outputs=None, tables: RopeTables | None = None, max_registers: int | None = None,
+                 warp_softmax: bool = False):
     """The split kernel's launch (not run) and the partials (m, Z, N) it fills, float32, in the
     format of :func:`subspace_ref_triton.decode.split_launch` (m includes gamma * scale).
     ``layout``: a one-chunk layout of torch tensors (a static state's, bases decoded);
@@ -602,7 +632,10 @@ def split_launch(q, layout, rope, scale: float, split_len: int, first_position: 
     (default 1 with bfloat16 bases, 2 with float16: see the kernel's step 3); ``legacy``: the kernel before the tensor-core form (``_rope_split_kernel``,
     float32 logits and value sums, BLOCK_T/NUM_WARPS of before), kept for timing against it; ``group_rows``: int4/int2
     key scales and zero points read one row per key group wherever the tiles allow it (True), never
-    (False), or by default where a tile holds two key groups (None; ``GROUP_ROWS`` below).
+    (False), or by default where a tile holds two key groups (None; ``GROUP_ROWS`` below);
+    ``warp_softmax``: each warp's rows of a tile keep a softmax of their own, merged once per split
+    (``WARPS``; the module docstring's step 4), for the benchmark's sweep: 16-bit bases and at least
+    16 tokens a warp, ValueError otherwise.
 
     ``num_tokens``, ``num_splits``, ``outputs``: as :func:`subspace_ref_triton.decode.split_launch`'s
     (a one-element integer tensor on q's device holding T, read by the kernel, which derives the split
@@ -619,6 +652,8 @@ def split_launch(q, layout, rope, scale: float, split_len: int, first_position: 
         raise ValueError("a device-resident num_tokens needs num_splits (the grid does not depend on T)")
     if device_t and legacy:
         raise ValueError("the legacy kernel takes a host token count only (legacy=False for a device-resident num_tokens)")
+    if warp_softmax and legacy:
+        raise ValueError("warp_softmax is the tensor-core kernel's (legacy=False)")
     # ranks from the bases: int4/int2 coefficient rows are packed narrower (spec/quantization.md Q2)
     r, r_v, d_v = layout.key_bases.shape[3], layout.value_bases.shape[3], layout.value_bases.shape[4]
     T = 0 if device_t else int(layout.num_tokens)
@@ -685,6 +720,11 @@ def split_launch(q, layout, rope, scale: float, split_len: int, first_position: 
     nw = num_warps or NUM_WARPS
     constexprs["JOINT"] = bool(sides.k_bits and sides.k_bits == sides.v_bits and r == r_v and constexprs["K_WORDS"] and constexprs["V_WORDS"]
                                and bt * r * sides.k_bits // 32 < 2 * 32 * nw)
+    # the softmax per warp (warp_softmax): each warp's rows a softmax of their own, at least the 16
+    # tokens a warp's value product takes
+    if warp_softmax and not (constexprs["SPLIT"] and bt % nw == 0 and bt // nw >= 16):
+        raise ValueError(f"warp_softmax needs 16-bit bases and at least 16 tokens a warp (block_t {bt} on {nw} warps, bases {kb.dtype})")
+    constexprs["WARPS"] = nw if warp_softmax else 1
     if key_parts is None:  # bfloat16 bases: one key part (well inside the harness tolerance; float16 bases: a large share of it)
         key_parts = 1 if kb.dtype == torch.bfloat16 else 2
     if key_parts not in (1, 2):

@@ -307,25 +307,31 @@ def test_triton_pre_rope_words_partial_rotary_unaligned_splits(dtype, coefficien
     unmasked tiles start off the groups' boundaries and partial tiles mix coded tokens and the tail."""
     _triton_or_skip()
     err, tol, launch = _gpu_numerics_error(("w", "half", 32, 1.0, 2, 4, 64, 32, 300, coefficients, "native", 0), dtype, 100, rng, monkeypatch)
-    assert launch.constexprs["HAS_FIXED"] and launch.constexprs["RANKS_FULL"]
+    assert launch.constexprs["HAS_FIXED"] and launch.constexprs["RANKS_FULL"] and launch.constexprs["WARPS"] == 1  # one softmax a tile by default
     quantised = {side: fmt != "float" for side, fmt in zip("KV", (coefficients.split("/") * 2)[:2])}
     assert all(bool(launch.constexprs[side + "_WORDS"]) == q for side, q in quantised.items()), launch.constexprs
     assert err <= tol, (err, tol)
 
 
-@pytest.mark.parametrize("split_len", [100, 40])
-@pytest.mark.parametrize("dtype, coefficients", [("bfloat16", "float"), ("bfloat16", "int8"), ("bfloat16", "int4"), ("bfloat16", "int2"),
-                                                 ("float16", "int8"), ("float16", "int4")])
-def test_triton_pre_rope_warp_softmax(dtype, coefficients, split_len, rng, monkeypatch):
+@pytest.mark.parametrize("split_len", [100, 40, "device"])
+@pytest.mark.parametrize("dtype, coefficients, rank, launch_kw", [
+    ("bfloat16", "float", 32, {}), ("bfloat16", "int8", 32, {}), ("bfloat16", "int4", 32, {}), ("bfloat16", "int2", 32, {}),
+    ("float16", "int8", 32, {}), ("float16", "int4", 32, {}), ("bfloat16", "int8", 24, {}), ("float16", "float", 32, dict(block_t=128, num_warps=8)),
+], ids=["bf16-float", "bf16-int8", "bf16-int4", "bf16-int2", "fp16-int8", "fp16-int4", "bf16-int8-r24", "fp16-float-8warps"])
+def test_triton_pre_rope_warp_softmax(dtype, coefficients, rank, launch_kw, split_len, rng, monkeypatch):
     """``warp_softmax``: a softmax per warp's rows of the tile (WARPS = the warps), merged once per
     split, under the GPU numerics emulation, against the float64 oracle within the harness's
     tolerance: with partial rotary, float16 weight units per warp (int8/int4 values on float16
-    bases), and splits of 40 tokens, whose one masked tile leaves the last warp's rows without a
-    token (its max stays -inf: no NaN may reach the partial)."""
+    bases), int8 codes read per code (rank 24) and 8 warps. Splits of 40 tokens leave the last
+    warp's rows of their one masked tile without a token (its max stays -inf: no NaN may reach the
+    partial); a device token count over 8 splits leaves splits empty."""
     _triton_or_skip()
-    err, tol, launch = _gpu_numerics_error(("ws", "half", 32, 1.0, 2, 4, 64, 32, 300, coefficients, "native", 0), dtype, split_len, rng, monkeypatch,
-                                           warp_softmax=True)
-    assert launch.constexprs["WARPS"] == launch.num_warps == 4
+    if split_len == "device":  # 300 tokens: splits of MIN_SPLIT_TOKENS, the last ones empty
+        launch_kw = dict(launch_kw, num_tokens=torch.full((1,), 300, dtype=torch.int64), num_splits=8)
+        split_len = 0
+    err, tol, launch = _gpu_numerics_error(("ws", "half", 32, 1.0, 2, 4, 64, rank, 300, coefficients, "native", 0), dtype, split_len, rng, monkeypatch,
+                                           warp_softmax=True, **launch_kw)
+    assert launch.constexprs["WARPS"] == launch.num_warps > 1
     assert err <= tol, (err, tol)
 
 

@@ -723,7 +723,8 @@ def split_launch(q, layout, rope, scale: float, split_len: int, first_position: 
     # the softmax per warp (warp_softmax): each warp's rows a softmax of their own, at least the 16
     # tokens a warp's value product takes
     if warp_softmax and not (constexprs["SPLIT"] and bt % nw == 0 and bt // nw >= 16):
-        raise ValueError(f"warp_softmax needs 16-bit bases and at least 16 tokens a warp (block_t {bt} on {nw} warps, bases {kb.dtype})")
+        raise ValueError(f"warp_softmax needs 16-bit bases with 16-bit products (native not False) and at least 16 tokens a warp "
+                         f"(block_t {bt} on {nw} warps, bases {kb.dtype}, native {native})")
     constexprs["WARPS"] = nw if warp_softmax else 1
     if key_parts is None:  # bfloat16 bases: one key part (well inside the harness tolerance; float16 bases: a large share of it)
         key_parts = 1 if kb.dtype == torch.bfloat16 else 2

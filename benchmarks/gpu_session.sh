@@ -96,8 +96,8 @@ if want 3c; then
 timeout $(lim 90) $PY benchmarks/decode_gpu.py --out "$OUT" --batch 8 --tokens 131072 --coef int4 --no-adaptive --no-graph --backend triton \
   > "$OUT/decode_n8_int4_sweep.log" 2>&1
 echo "decode N=8 int4 sweep: rc=$?" >> "$OUT/session.txt"
-#    the pre-RoPE kernel's sweep at 128k: the default launch (register-capped) and ROPE_SWEEP's (the same uncapped; 32 tokens on
-#    2 and 4 warps, 16 on 4, 128 on 8) (<= 80 s)
+#    the pre-RoPE kernel's sweep at 128k: the default launch (register-capped) and ROPE_SWEEP's (the same uncapped; a softmax per
+#    warp; 32 tokens on 2 and 4 warps, 16 on 4, 128 on 8) (<= 80 s)
 timeout $(lim 80) $PY benchmarks/decode_gpu.py --out "$OUT" --batch 8 --tokens 131072 --coef float int4 --rope --rope-sweep --no-sweep --no-adaptive --no-graph \
   --backend triton > "$OUT/decode_n8_rope_sweep.log" 2>&1
 echo "decode N=8 rope sweep: rc=$?" >> "$OUT/session.txt"

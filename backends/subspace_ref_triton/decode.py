@@ -1183,8 +1183,8 @@ def launch_config(d: int, d_v: int, dtype=None, int8: bool = False, bits: int = 
 def default_max_registers(bases_dtype, group: int, num_warps: int, constexprs: dict) -> int:
     """The register cap of a one- or two-warp default launch (0: none; split_launch applies it where
     launch_config gives none and no ``max_registers`` is passed), where it was compiled with no local
-    memory in the sm_90 main loop (nor, where docs/gpu.md says so, sm_80's): 16-bit bases, equal ranks without masks, head sizes up
-    to 128, 64-token tiles, and
+    memory in the sm_90 main loop (nor, where docs/gpu.md says so, sm_80's): 16-bit bases, equal
+    ranks without masks, head sizes up to 128, 64-token tiles, and
 
     * float coefficients on FLOAT16_WARPS warps, ranks 32, GQA groups of 2 to 4 (4 rows, ``G``):
       FLOAT16_WARPS_MAX_REGISTERS, no spill at all (with one query head a KV head it spills outside
@@ -1233,8 +1233,8 @@ def centred_int4(layout, parts: int) -> bool:
 
 
 def decode_partials(q, layout, scale: float, split_len: int, num_splits: int | None = None, **launch):
-    launch, outputs = partials_launch(q, layout, scale, split_len, num_splits, **launch)
-    launch.run()
+    split, outputs = partials_launch(q, layout, scale, split_len, num_splits, **launch)
+    split.run()
     return outputs
 
 

@@ -44,7 +44,8 @@ unfinished key group, ``key_tail``, after them in masked tiles):
    With ``warp_softmax`` (``WARPS``: the warps) each warp's rows of the tile keep a max and value
    sums of their own, ``W^T D`` a product per warp, all merged once per split as spec A3.2 merges
    splits: no max across warps and no transpose of ``W`` through shared memory per tile (3
-   barriers a tile instead of 7 in the float loop on sm_90; docs/gpu.md, "A softmax per warp in the pre-RoPE kernel").
+   barriers a tile instead of 7 in the float loop on sm_90; docs/gpu.md, "A softmax per warp in
+   the pre-RoPE kernel").
 
 Float32 bases (or ``native=False``) run the same loop with float32 (``ieee``) products. Under the
 interpreter the 16-bit products are float32 products of the same 16-bit parts (``NATIVE16``

@@ -74,37 +74,51 @@ def test_every_default_configuration_compiles_for_sm80_and_sm90(default_rows):
 
 
 def test_no_default_configuration_spills(default_rows):
-    """Unless GPU timings chose the spilling configuration (gpu_report.measured_defaults, each
-    with the measurement it rests on in docs/gpu.md)."""
+    """Unless its register cap was chosen to trade spills for resident programs
+    (gpu_report.chosen_reason, each reason citing the measurement or compile in docs/gpu.md)."""
     spills = [f"{r['kernel']} [{r['config']}] sm_{r['arch']}: {r['spill_stores']}/{r['spill_loads']} B"
               for r in default_rows if r["default"] and (r["spill_stores"] or r["spill_loads"]) and not r["measured"]]
     assert not spills, "default launch configurations spill registers:\n" + "\n".join(spills)
     assert all("docs/gpu.md" in r["measured"] for r in default_rows if r["measured"])
 
 
-def test_spill_exemptions_cover_only_their_configurations():
-    """An exemption names its kernel and configuration: the register-capped split defaults with
-    16-bit bases that spill (eager and graph-capturable), not those capped without a spill or
-    uncapped, nor the float32 split defaults, which run uncapped, nor the pre-RoPE kernel, whose
-    register cap (rope_decode.MAX_REGISTERS) was chosen from the compiled code and must not spill."""
-    from subspace_ref_triton import decode, gpu_report
+def test_spill_exemptions_follow_the_launchers_caps():
+    """An exemption is the register cap the split kernel's launcher gave a launch: the one-warp cap
+    (int8 with 16-bit bases, int4/int2 centred with bfloat16 bases; eager and graph-capturable) and
+    launch_config's GPU-timed caps. Not the two-warp float cap, which must not spill, nor uncapped
+    launches (float16 bases in the centred form, float32 bases), nor the pre-RoPE kernel, whose cap
+    (rope_decode.MAX_REGISTERS) was chosen from the compiled code and must not spill."""
+    import numpy as np
 
-    measured = gpu_report.measured_defaults()
-    for config in ("bf16 int4 d=128 r=32 g=4 bt=64 w=4", "fp16 int2 d=128 r=32 g=4 bt=64 w=4", "bf16 d=128 r=32 g=4 bt=32 w=4"):
-        assert gpu_report.measured_reason(measured, "decode split", config), config
-        assert gpu_report.measured_reason(measured, "decode split (graph)", config), config
-    for config in ("fp32 d=128 r=32 g=4 bt=32 w=4", "bf16 int4 d=128 r=32 g=4 bt=64 w=4"):
-        assert not gpu_report.measured_reason(measured, "decode rope", config), config
-        assert not gpu_report.measured_reason(measured, "decode rope (graph)", config), config
-    for config in ("bf16 int8 d=128 r=32 g=4 bt=64 w=1", "fp16 int8 d=128 r=32 g=4 bt=64 w=1", "bf16 int4 d=128 r=32 g=4 bt=64 w=1",
-                   "bf16 int2 d=128 r=32 g=4 bt=64 w=1"):  # the capped one-warp defaults
-        assert gpu_report.measured_reason(measured, "decode split", config) == decode.ONE_WARP_CAP_CHOSEN, config
-    for config in ("fp16 int4 d=128 r=32 g=4 bt=64 w=1", "fp16 int2 d=128 r=32 g=4 bt=64 w=1", "bf16 d=128 r=32 g=4 bt=64 w=2", "fp16 d=128 r=32 g=4 bt=64 w=2"):
-        assert not gpu_report.measured_reason(measured, "decode split", config), config  # uncapped, or capped without a spill
-    for config in ("bf16 int4 d=128 r=32 g=4 bt=64 w=4", "bf16 int8 d=128 r=32 g=4 bt=64 w=4"):  # launch_config's timed cap, not the one-warp reason
-        assert gpu_report.measured_reason(measured, "decode split", config) == decode.REGISTER_CAPS_MEASURED, config
-    for config in ("fp32 int4 d=128 r=32 g=4 bt=64 w=8", "fp32 d=128 r=32 g=4 bt=64 w=8"):
-        assert not gpu_report.measured_reason(measured, "decode split", config), config
+    from subspace_ref.rope import RopeParams
+    from subspace_ref_triton import decode, gpu_report, rope_decode
+
+    rope = RopeParams(1.0 / 10000.0 ** (np.arange(64) / 64))
+
+    def reason(kernel, coef, dtype=torch.bfloat16, **kw):
+        lay = gpu_report._layout(torch, 512, 128, 32, dtype, coef)
+        q = torch.zeros(1, gpu_report.H_KV * 4, 128, dtype=dtype)
+        if kernel.endswith("(graph)"):
+            kw.update(num_tokens=torch.zeros(1, dtype=torch.int64))
+        if kernel.startswith("decode rope"):
+            launch = rope_decode.split_launch(q, lay, rope, 0.1, 256, num_splits=2, **kw)[0]
+        else:
+            launch = decode.split_launch(q, lay, 0.1, 256, 2, **kw)[0]
+        return gpu_report.chosen_reason(kernel, launch)
+
+    for kernel in ("decode split", "decode split (graph)"):
+        for dtype in (torch.bfloat16, torch.float16):
+            assert reason(kernel, "int8", dtype) == decode.ONE_WARP_CAP_CHOSEN
+            assert not reason(kernel, "float", dtype)  # capped at FLOAT16_WARPS_MAX_REGISTERS without a spill
+        for coef in ("int4", "int2"):
+            assert reason(kernel, coef) == decode.ONE_WARP_CAP_CHOSEN and not reason(kernel, coef, torch.float16)
+        for coef in ("float", "int8", "int4"):
+            assert not reason(kernel, coef, torch.float32)
+    assert reason("decode split", "int4", block_t=64, num_warps=4) == decode.REGISTER_CAPS_MEASURED  # the per-code path: launch_config's cap
+    assert reason("decode split", "float", block_t=32, num_warps=4, max_registers=decode.FLOAT16_MAX_REGISTERS) == decode.REGISTER_CAPS_MEASURED
+    for kernel in ("decode rope", "decode rope (graph)"):
+        for coef in ("float", "int8", "int4"):
+            assert not reason(kernel, coef)
     assert decode.launch_config(128, 128, torch.float32, bits=4)["max_registers"] is None
 
 

@@ -24,7 +24,6 @@ r = 32, any dtype and coefficient storage); ``tests/test_triton_compile.py`` and
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import math
 import os
@@ -183,34 +182,31 @@ def sass_rows() -> list[dict]:
     return out
 
 
-def measured_defaults() -> dict[tuple[str, str], str]:
-    """Default launches chosen by GPU timings (or, where said, from the compiled code) over the
-    compile report's rule (no spill, then the most resident warps), with why: keyed by (kernel prefix,
-    configuration pattern) ("decode split" covers its graph-capturable variant; patterns as fnmatch's,
-    the first match counts)."""
+def chosen_reason(kernel: str, launch) -> str:
+    """Why a default ``launch`` of ``kernel`` may spill ("" when it may not): the register cap the
+    split kernel's launcher gave it, where that cap trades spills for resident programs by choice
+    (launch_config's caps, timed faster on a GPU: decode.REGISTER_CAPS_MEASURED; the one-warp cap
+    of decode.default_max_registers, from the compiled code: decode.ONE_WARP_CAP_CHOSEN). Read from
+    the launch, so the exemption cannot drift from the rule that caps it. No other kernel or cap
+    may spill (the pre-RoPE cap and the two-warp float cap were chosen as spill-free)."""
     from subspace_ref_triton import decode
 
-    # the capped one-warp defaults (decode.default_max_registers): int8 with 16-bit bases, int4/int2 with bfloat16 bases
-    capped = [("bf16", "int8", decode.INT8_WARPS), ("fp16", "int8", decode.INT8_WARPS), ("bf16", "int4", decode.CENTRED_WARPS), ("bf16", "int2", decode.CENTRED_WARPS)]
-    one_warp = {("decode split", f"{name} {bits} * w={warps}"): decode.ONE_WARP_CAP_CHOSEN for name, bits, warps in capped}
-    return {**one_warp, **{("decode split", f"{name} * w=4"): decode.REGISTER_CAPS_MEASURED for name in ("bf16", "fp16")}}
-
-
-def measured_reason(measured: dict[tuple[str, str], str], kernel: str, config: str) -> str:
-    """Why the default ``config`` of ``kernel`` may spill ("" when it may not)."""
-    return next((why for (k, c), why in measured.items() if kernel.startswith(k) and fnmatch.fnmatchcase(config, c)), "")
+    if not kernel.startswith("decode split"):
+        return ""
+    reasons = {decode.QUANTISED_MAX_REGISTERS: decode.REGISTER_CAPS_MEASURED, decode.FLOAT16_MAX_REGISTERS: decode.REGISTER_CAPS_MEASURED,
+               decode.ONE_WARP_MAX_REGISTERS: decode.ONE_WARP_CAP_CHOSEN}
+    return reasons.get(launch.max_registers, "")
 
 
 def triton_rows(exhaustive: bool = False) -> list[Row]:
     from subspace_ref_triton.compile_report import launch_resources
 
     rows = []
-    measured = measured_defaults()
     for kernel, label, default, launch in triton_launches(exhaustive):
         for arch in ARCHS:
             res = launch_resources(launch, arch)
             rows.append(Row("triton", kernel, label, default, arch, res.registers, res.spill_stores, res.spill_loads, res.stack, res.shared, res.num_warps,
-                            measured=measured_reason(measured, kernel, label) if default else ""))
+                            measured=chosen_reason(kernel, launch) if default else ""))
     return rows
 
 

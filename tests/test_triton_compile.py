@@ -278,8 +278,8 @@ print("RESULTS " + json.dumps(out))
 def test_pre_rope_warp_softmax_takes_fewer_barriers():
     """The pre-RoPE kernel's softmax per warp (``warp_softmax``, timed by the benchmark's sweep)
     compiled for sm_90 at the report's shape: fewer barriers in the main loop than the default's
-    one softmax a tile (float: no max or transpose across warps, 4 fewer; int8: also its keys'
-    codes decoded in the product's operand layout, _rope_tl.int8_exact, 4 fewer; int4: 2 fewer),
+    one softmax a tile (float: no max or transpose across warps, 4 fewer; int8: its keys read per
+    code, not decoded from words as a tile that passes through shared memory, 4 fewer; int4: 2 fewer),
     no local memory there, within the instruction budget (docs/gpu.md, "A softmax per warp in the
     pre-RoPE kernel")."""
     reason = _ptxas_reason()

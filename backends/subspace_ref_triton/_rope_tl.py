@@ -37,24 +37,6 @@ def _int8_pair(words, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def int8_exact(codes, DT: tl.constexpr, INTERPRETED: tl.constexpr):
-    """int8 ``codes`` (spec A10) as ``DT`` (bfloat16 or float16; exact: |q| <= 128) by bit operations
-    on each element's 16 bits, as :func:`_int8_pair` on words: the low 7 bits ORed into the mantissa of
-    2^7 (float16: 2^10) less the sign bit ORed into it is q. Elementwise only, so the compiler reads the
-    codes from shared memory straight into the product's operand layout (no pass through shared memory
-    of the decoded tile, and no barrier for it: docs/gpu.md, "int8 keys decoded in the operand layout")."""
-    MAGIC: tl.constexpr = 0x4300 if DT == tl.bfloat16 else 0x6400
-    h = codes.to(tl.int16)
-    a = ((h & 0x7F) | MAGIC).to(DT, bitcast=True)
-    b = ((h & 0x80) | MAGIC).to(DT, bitcast=True)
-    if INTERPRETED:  # the interpreter's 16-bit arithmetic works on the bits: subtract in float32
-        out = (a.to(tl.float32) - b.to(tl.float32)).to(DT)
-    else:
-        out = a - b
-    return out
-
-
-@triton.jit
 def int8_words(base, tok, rows, stride, WIDTH: tl.constexpr, ALIGN: tl.constexpr, INTERPRETED: tl.constexpr):
     """The WIDTH int8 codes (spec A10) of the tokens ``tok`` whose ``rows`` are set, as bfloat16
     (exact: |q| <= 128), read as words (:func:`load_words`, rows ``stride`` bytes apart), channels

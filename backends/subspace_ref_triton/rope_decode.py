@@ -9,8 +9,8 @@ unfinished key group, ``key_tail``, after them in masked tiles):
 1. rebuilds the keys from their coefficients, ``u_t = B^T c_t``, on the tensor cores, float32
    accumulation: 16-bit coefficients as stored; int8 codes (spec A10) read as 32-bit words and made
    exact bfloat16 numbers by bit operations (:func:`subspace_ref_triton._rope_tl.int8_words`; with
-   ``warp_softmax`` per code, the same operations elementwise, which the compiler applies in the
-   product's operand layout: :func:`subspace_ref_triton._rope_tl.int8_exact`);
+   ``warp_softmax`` read per code and converted, which the compiler does in the product's operand
+   layout: no decoded tile through shared memory);
    int4/int2 keys (spec/quantization.md Q1-Q2) read as words, ``c s + z`` in one fused float16
    multiply-add against float16 bases (:func:`subspace_ref_triton._rope_tl.low_bit_keys16`; rows
    not so aligned: float32 in two 16-bit parts; rows of both sides too short for 8-byte loads of
@@ -77,7 +77,7 @@ from subspace_ref_triton._common import Launch, cdiv, interpreting, pow2_at_leas
 from subspace_ref_triton._tl import MAX_COMBINE as _MAX
 from subspace_ref_triton._tl import SUM_COMBINE as _SUM
 from subspace_ref_triton._tl import int4_word_order, low_bit_keys, low_bit_values, tile_codes, word_order
-from subspace_ref_triton._rope_tl import int8_exact, int8_words, joint_low_bit_codes, load_words, low_bit_keys16, low_bit_words, rotate_bf16
+from subspace_ref_triton._rope_tl import int8_words, joint_low_bit_codes, load_words, low_bit_keys16, low_bit_words, rotate_bf16
 from subspace_ref_triton.decode import DOT_ROWS, MIN_SPLIT_TOKENS, merge_partials, side_formats, sized_launch
 
 # Tokens per tile and warps of the tensor-core form with 16-bit bases, from the compiled code (not
@@ -432,17 +432,15 @@ def _mma_tile(t0, hi, angle_row, m_i, z_i, zacc, acc2, qa, qb, qf, Ba, Bb, Bf, c
     else:
         t_mask = tl.full([BLOCK_T], 1, tl.int1)
     # step 1: rebuild u_t = B^T c_t, tokens on M: 16-bit coefficients as stored; int8 codes exact in
-    # 16 bits (read as words: _rope_tl.int8_words; with a softmax per warp per code, _rope_tl.int8_exact);
-    # int4/int2 keys read as words float16 (c s + z, _rope_tl.low_bit_keys16), otherwise float32 after
-    # Q1-Q2 in two 16-bit parts side by side on K
+    # 16 bits (read as words: _rope_tl.int8_words; with a softmax per warp per code); int4/int2 keys
+    # read as words float16 (c s + z, _rope_tl.low_bit_keys16), otherwise float32 after Q1-Q2 in two
+    # 16-bit parts side by side on K
     if K_BITS == 0:
-        if K_INT8 and K_WORDS and WARPS == 1:
+        if K_INT8 and K_WORDS and WARPS == 1:  # (a softmax per warp: per code, converted in the product's operand layout)
             a = int8_words(kc_base, tok, t_mask, skc_t, offs_r.shape[0], K_WORDS, INTERPRETED).to(CDT)
         else:
             a = tl.load(kc_base + tok[:, None] * skc_t + offs_r[None, :], mask=t_mask[:, None] & r_mask[None, :], other=0)  # sass: codes
-            if K_INT8 and WARPS > 1:  # a softmax per warp (16-bit products): decoded in the operand's layout
-                a = int8_exact(a, CDT, INTERPRETED)
-            elif K_INT8:
+            if K_INT8:
                 a = a.to(tl.float32).to(CDT)
     elif K_WORDS:
         k_rows = t_mask & (tok < complete) if MASKED else t_mask

@@ -322,8 +322,8 @@ def test_triton_pre_rope_warp_softmax(dtype, coefficients, rank, launch_kw, spli
     """``warp_softmax``: a softmax per warp's rows of the tile (WARPS = the warps), merged once per
     split, under the GPU numerics emulation, against the float64 oracle within the harness's
     tolerance: with partial rotary, float16 weight units per warp (int8/int4 values on float16
-    bases), int8 keys read per code (the per-warp form's; on bfloat16 and float16 bases), int8
-    values per code too at rank 24 (no words) and 8 warps. Splits of 40 tokens leave the last
+    bases), int8 keys read per code as the per-warp form reads them (bfloat16 and float16 bases),
+    int8 values per code too at rank 24 (no words) and 8 warps. Splits of 40 tokens leave the last
     warp's rows of their one masked tile without a token (its max stays -inf: no NaN may reach the
     partial); a device token count over 8 splits leaves splits empty."""
     _triton_or_skip()

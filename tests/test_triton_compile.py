@@ -281,7 +281,7 @@ def test_pre_rope_warp_softmax_takes_fewer_barriers():
     one softmax a tile (float: no max or transpose across warps, 4 fewer; int8: its keys read per
     code, not decoded from words as a tile that passes through shared memory, 4 fewer; int4: 2 fewer),
     no local memory there, within the instruction budget (docs/gpu.md, "A softmax per warp in the
-    pre-RoPE kernel")."""
+    pre-RoPE kernel" and "int8 keys read per code with a softmax per warp")."""
     reason = _ptxas_reason()
     if reason:
         pytest.skip(reason)

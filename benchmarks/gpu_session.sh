@@ -97,8 +97,9 @@ timeout $(lim 90) $PY benchmarks/decode_gpu.py --out "$OUT" --batch 8 --tokens 1
   > "$OUT/decode_n8_int4_sweep.log" 2>&1
 echo "decode N=8 int4 sweep: rc=$?" >> "$OUT/session.txt"
 #    the pre-RoPE kernel's sweep at 128k: the default launch (register-capped) and ROPE_SWEEP's (the same uncapped; a softmax per
-#    warp; 32 tokens on 2 and 4 warps, 16 on 4, 128 on 8) (<= 80 s)
-timeout $(lim 80) $PY benchmarks/decode_gpu.py --out "$OUT" --batch 8 --tokens 131072 --coef float int4 --rope --rope-sweep --no-sweep --no-adaptive --no-graph \
+#    warp; 32 tokens on 2 and 4 warps, 16 on 4, 128 on 8) for float and int4, then int8 (its keys per code with a softmax per warp;
+#    last, as rows are written as they come, so a cut loses only int8's) (<= 80 s)
+timeout $(lim 80) $PY benchmarks/decode_gpu.py --out "$OUT" --batch 8 --tokens 131072 --coef float int4 int8 --rope --rope-sweep --no-sweep --no-adaptive --no-graph \
   --backend triton > "$OUT/decode_n8_rope_sweep.log" 2>&1
 echo "decode N=8 rope sweep: rc=$?" >> "$OUT/session.txt"
 fi

@@ -30,7 +30,8 @@ Per (N, T), all in the same process:
   each token's position inside the kernel), full rotary (64 planes, base 10000).
   **triton-rope[-...] <keywords>** (``--rope-sweep``): the pre-RoPE kernel with other launch
   keywords (``ROPE_SWEEP``: the default uncapped, ``max_registers=0``, as timed before the cap;
-  a softmax per warp, ``warp_softmax=True``; other tiles and warps, chosen from the compiled code).
+  one softmax a tile, ``warp_softmax=False``, the default until timed slower; other tiles and
+  warps, chosen from the compiled code).
 * **<backend>-adaptive[-int8]** -- the same on an adaptive-layout state (spec A7/A9) with
   J = T / 256 chunks per head (``--chunk-tokens``): chunk j covers tokens [256 j, 256 (j + 1))
   with its own random orthonormal bases, coefficients those of the static state. Synthetic --
@@ -92,13 +93,13 @@ H_Q, H_KV, D, RANK = 32, 8, 128, 32
 DTYPE = "bfloat16"
 # (tokens per tile, warps, register cap) of the triton split kernel timed besides its default
 # (launch_config; None: the default's, 0: no cap)
-SWEEP = ((32, 4, None), (64, 4, None), (128, 4, None), (32, 8, None), (64, 8, None), (None, None, 0), (None, None, 168), (None, None, 128), (None, None, 96),
+SWEEP = ((32, 4, None), (64, 4, None), (128, 4, None), (32, 8, None), (64, 8, None), (None, None, 0), (None, None, 176), (None, None, 128), (None, None, 96),
          (32, 1, 0), (32, 2, 0))  # 1-2 warps: fewer instructions per token in the compiled loop (docs/gpu.md, "Static budgets")
 # launch keywords of the pre-RoPE kernel timed besides its default (64-token tiles, one warpgroup: 8
 # resident warps per SM): the configurations without spills that hold more warps or fewer barriers
 # per SM, from the compiled code (docs/gpu.md, "Pre-RoPE launch sweep"): 32-token tiles on two warps
 # (mma.sync instead of wgmma, 5 barriers instead of 9), 32 or 16 on four (12-16 warps per SM), 128 on eight
-ROPE_SWEEP = (dict(max_registers=0), dict(warp_softmax=True), dict(block_t=32, num_warps=2), dict(block_t=32, num_warps=4), dict(block_t=16, num_warps=4),
+ROPE_SWEEP = (dict(max_registers=0), dict(warp_softmax=False), dict(block_t=32, num_warps=2), dict(block_t=32, num_warps=4), dict(block_t=16, num_warps=4),
               dict(block_t=128, num_warps=8))
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -107,6 +108,13 @@ def main() -> None:
     p.add_argument("--coefficients", nargs="+", default=["float", "int8", "int4", "pre-rope-float", "pre-rope-int4", BEST], choices=formats)
     p.add_argument("--json", default=None)
     args = p.parse_args()
+
+    from subspace_ref.hf_requirements import require_cache_api
+
+    try:  # every row passes generate's cache=: one message, not one failure per row
+        require_cache_api("benchmarks/graph_decode.py")
+    except ImportError as err:
+        sys.exit(str(err))
 
     from transformers import CompileConfig, DynamicCache, StaticCache
 

@@ -7,12 +7,19 @@ derived from everything that shapes the binary, and loaded with ctypes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: builds are not serialised (the rename below still keeps them whole)
+    fcntl = None
 
 
 def cache_dir() -> Path:
@@ -40,12 +47,41 @@ def _cpu() -> str:
         return platform.processor()
 
 
+@contextlib.contextmanager
+def _exclusive(path: Path):
+    """An exclusive lock on ``path`` (created if missing) held inside the block, across processes."""
+    if fcntl is None:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _compile(cmd: list[str]) -> subprocess.CompletedProcess:
+    """Run the compiler in a process group of its own and kill the whole group when the wait is
+    interrupted (a test's time limit, Ctrl-C): its children (cc1) must not outlive the call."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate()
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def build_shared_library(source: str, compiler: str, flags: list[str], stem: str, suffix: str = ".c", depends: list[Path] = ()) -> Path:
     """The shared library of ``source`` (text) built with ``compiler`` and ``flags``, built only if
     no library of the same source, headers it includes (``depends``), compiler, flags and machine
-    is cached. Raises RuntimeError with the compiler's message when the build fails. The file is
-    written under a temporary name and renamed, so concurrent processes never load a half-written
-    library."""
+    is cached. Raises RuntimeError with the compiler's message when the build fails. Processes
+    building the same library take turns (a lock per library): one builds, the others load its
+    result. The file is written under a temporary name and renamed, so no process loads a
+    half-written library; an interrupted build kills its compiler and leaves nothing."""
     key = "\0".join([source, *(Path(p).read_text() for p in depends), compiler, *flags, platform.machine(), _cpu()])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     build = cache_dir() / "build"
@@ -53,16 +89,19 @@ def build_shared_library(source: str, compiler: str, flags: list[str], stem: str
     lib = build / f"{stem}_{digest}.so"
     if lib.exists():
         return lib
-    src = build / f"{stem}_{digest}.{os.getpid()}{suffix}"
-    tmp = build / f"{stem}_{digest}.{os.getpid()}.so"
-    src.write_text(source)
-    cmd = [compiler, *flags, "-shared", "-fPIC", str(src), "-o", str(tmp)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"building {stem} failed:\n{' '.join(cmd)}\n{proc.stderr[-6000:]}")
-        os.replace(tmp, lib)
-    finally:
-        src.unlink(missing_ok=True)
-        tmp.unlink(missing_ok=True)
+    with _exclusive(build / f"{stem}_{digest}.lock"):
+        if lib.exists():  # built by another process while this one waited
+            return lib
+        src = build / f"{stem}_{digest}.{os.getpid()}{suffix}"
+        tmp = build / f"{stem}_{digest}.{os.getpid()}.so"
+        src.write_text(source)
+        cmd = [compiler, *flags, "-shared", "-fPIC", str(src), "-o", str(tmp)]
+        try:
+            proc = _compile(cmd)
+            if proc.returncode != 0:
+                raise RuntimeError(f"building {stem} failed:\n{' '.join(cmd)}\n{proc.stderr[-6000:]}")
+            os.replace(tmp, lib)
+        finally:
+            src.unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
     return lib

@@ -39,6 +39,47 @@ def pytest_report_header(config):
     return ["subspace_ref backends: " + "; ".join(str(b) for b in backends())]
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (``-n``) or a per-test limit (pytest-timeout's ``--timeout``), build the
+    torch backend's C kernels once here, before any test runs: they are built at first use
+    (``subspace_ref_torch.kernel_library.library``, ``-O3 -march=native``, about 90 s on a 2-core
+    machine, cached per source and CPU), so otherwise every worker builds them at once in its first
+    float32 torch attend, and a per-test limit fails that test and kills the build, which the next
+    such test starts again. Nothing to do in the workers (the cache holds the build), when the
+    kernels are cached or switched off (SUBSPACE_REF_CPU_KERNELS=0), or without torch."""
+    if hasattr(config, "workerinput") or not (config.getoption("numprocesses", None) or config.getoption("timeout", None)):
+        return
+    try:
+        from subspace_ref_torch import kernel_library
+    except ImportError:
+        return
+    kernel_library.library()  # a build that fails is recorded there (library_status), as at first use
+
+
+#: the most characters of one failure's traceback written to SUBSPACE_FAILURE_LOG (its end: the assertion)
+FAILURE_LOG_CHARS = 4000
+
+
+def pytest_runtest_logreport(report):
+    """With SUBSPACE_FAILURE_LOG naming a file, append each failed test phase's node id and the end
+    of its traceback to it as soon as the phase ends: pytest prints tracebacks only at the end of
+    the run, which a time limit (benchmarks/gpu_session.sh) cuts off. One unbuffered ``write`` in
+    append mode per failure, so pytest-xdist workers can share the file; under xdist the controller
+    skips the reports its workers already wrote (they carry ``node``)."""
+    path = os.environ.get("SUBSPACE_FAILURE_LOG")
+    if not path or not report.failed or getattr(report, "node", None) is not None:
+        return
+    text = report.longreprtext
+    if len(text) > FAILURE_LOG_CHARS:
+        text = f"[... {len(text) - FAILURE_LOG_CHARS} characters cut ...]\n" + text[-FAILURE_LOG_CHARS:]
+    entry = f"=== FAILED {report.nodeid} ({report.when}, {report.duration:.1f} s)\n{text}\n\n"
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, entry.encode("utf-8", "replace"))
+    finally:
+        os.close(fd)
+
+
 @pytest.fixture
 def rng(request):
     # a fresh generator per test, reproducible across runs (str hash() is salted per process)
@@ -97,7 +138,9 @@ def tiny_calibration(tmp_path_factory):
     """``(ctx, record, svd)`` of the ``calibrate`` subcommand on the tiny random Llama (tiny
     profile), computed once per session for every test of the variant rows."""
     pytest.importorskip("torch")
-    pytest.importorskip("transformers")
+    from subspace_ref.hf_requirements import MIN_TRANSFORMERS
+
+    pytest.importorskip("transformers", minversion=MIN_TRANSFORMERS)  # the variant rows run SubspaceCache
     from subspace_ref.lab.experiments import _common as C, calibrate
 
     p = argparse.ArgumentParser()

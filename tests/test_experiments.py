@@ -11,8 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from subspace_ref.hf_requirements import MIN_TRANSFORMERS
+
 pytest.importorskip("torch")
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", minversion=MIN_TRANSFORMERS)  # older: generate has no cache= (skipped, both versions named)
 pytest.importorskip("matplotlib")
 
 from subspace_ref.lab.experiments import SUBCOMMANDS  # noqa: E402

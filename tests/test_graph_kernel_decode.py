@@ -18,8 +18,10 @@ import pytest
 
 from tests.triton_interpreter import _interpreter_environment, load_kernels  # noqa: F401  (an autouse fixture)
 
+from subspace_ref.hf_requirements import MIN_TRANSFORMERS
+
 torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", minversion=MIN_TRANSFORMERS)  # older: generate has no cache= (skipped, both versions named)
 _AVAILABLE, DEVICE, (workspace,) = load_kernels("workspace")
 
 from torch._dynamo.utils import counters  # noqa: E402

@@ -28,7 +28,9 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+from subspace_ref.hf_requirements import MIN_TRANSFORMERS
+
+pytest.importorskip("transformers", minversion=MIN_TRANSFORMERS)  # older: generate has no cache= (skipped, both versions named)
 
 from transformers import (  # noqa: E402
     DynamicCache,

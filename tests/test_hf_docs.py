@@ -13,8 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from subspace_ref.hf_requirements import MIN_TRANSFORMERS
+
 torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", minversion=MIN_TRANSFORMERS)  # older: generate has no cache= (skipped, both versions named)
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "hf.md"

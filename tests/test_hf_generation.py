@@ -32,7 +32,9 @@ import copy
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+from subspace_ref.hf_requirements import MIN_TRANSFORMERS
+
+pytest.importorskip("transformers", minversion=MIN_TRANSFORMERS)  # older: generate has no cache= (skipped, both versions named)
 
 import transformers  # noqa: E402
 from transformers import DynamicCache  # noqa: E402

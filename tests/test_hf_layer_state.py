@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+from subspace_ref.hf_requirements import MIN_TRANSFORMERS
+
+pytest.importorskip("transformers", minversion=MIN_TRANSFORMERS)  # older: generate has no cache= (skipped, both versions named)
 
 from subspace_ref import SubspaceState  # noqa: E402
 from subspace_ref.allocation import Allocation, HeadAllocation  # noqa: E402

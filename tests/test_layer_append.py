@@ -11,6 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from subspace_ref.hf_requirements import MIN_TRANSFORMERS  # noqa: E402
 from subspace_ref.layer_state import HeadConfig, LayerState  # noqa: E402
 from subspace_ref.layout import held_arrays  # noqa: E402
 from subspace_ref_torch import kernel_library as lib  # noqa: E402
@@ -137,7 +138,7 @@ def test_served_only_where_the_kernels_serve_for_the_states_life(rng=None):
 def test_generation_with_one_append_per_layer_is_the_childrens_bit_for_bit(monkeypatch, beams):
     """In the transformers cache: tokens and logits of ``generate`` (beams included) with the
     one-call append equal those of each child appending on its own, and the call is made."""
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", minversion=MIN_TRANSFORMERS)  # older: generate has no cache=
     from subspace_ref.hf import allocated_states, compress
     from subspace_ref.hf.grouped_layer import GroupedLayer
     from subspace_ref.rope import RopeParams

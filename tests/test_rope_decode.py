@@ -273,10 +273,12 @@ def test_triton_pre_rope_splits_follow_the_compiled_occupancy(rng, monkeypatch):
     assert built == [128, 256]
 
 
-def _gpu_numerics_error(case, dtype, split_len, rng, monkeypatch, native16=True, state_kw=None, **launch_kw):
+def _gpu_numerics_error(case, dtype, split_len, rng, monkeypatch, native16=True, state_kw=None, device_tokens=None, **launch_kw):
     """(error, tolerance, launch) of the kernel ``launch_kw`` select with a GPU launch's
     ``NATIVE16`` (``native16``) and, under the interpreter, the GPU numerics emulation
-    (:func:`gpu_numerics`), against the float64 oracle of the stored state."""
+    (:func:`gpu_numerics`), against the float64 oracle of the stored state. ``device_tokens``: a
+    device token count (``num_tokens``, a one-element int64 tensor on the state's device, which the
+    kernel reads: a CPU tensor is no pointer a GPU launch can take)."""
     from subspace_ref_triton import decode, rope_decode
     from subspace_ref_triton._common import interpreting
 
@@ -289,6 +291,8 @@ def _gpu_numerics_error(case, dtype, split_len, rng, monkeypatch, native16=True,
     want = sr.attend(q64, state64)
     ref = reference_error(state64, q64[None], None, want[None], dtype)
     scale = 1.0 / np.sqrt(q.shape[-1])
+    if device_tokens is not None:
+        launch_kw["num_tokens"] = torch.full((1,), device_tokens, dtype=torch.int64, device=qt.device)
     launch, (pm, pz, po) = rope_decode.split_launch(qt[None], tst.layout, tst.policy.rope, scale, split_len, **launch_kw)
     launch.constexprs["NATIVE16"] = native16
     with gpu_numerics(monkeypatch) if interpreting() else contextlib.nullcontext():
@@ -304,10 +308,12 @@ def test_triton_pre_rope_words_partial_rotary_unaligned_splits(dtype, coefficien
     ``K_WORDS``/``V_WORDS``) with fixed dims beside the planes (partial rotary: the fixed dims'
     query parts and rebuild), under the GPU numerics emulation, against the float64 oracle within the
     harness's tolerance; a split length that is no multiple of the tile or the key group, so whole
-    unmasked tiles start off the groups' boundaries and partial tiles mix coded tokens and the tail."""
+    unmasked tiles start off the groups' boundaries and partial tiles mix coded tokens and the tail.
+    One softmax a tile (``warp_softmax=False``; the per-warp default: test_triton_pre_rope_warp_softmax)."""
     _triton_or_skip()
-    err, tol, launch = _gpu_numerics_error(("w", "half", 32, 1.0, 2, 4, 64, 32, 300, coefficients, "native", 0), dtype, 100, rng, monkeypatch)
-    assert launch.constexprs["HAS_FIXED"] and launch.constexprs["RANKS_FULL"] and launch.constexprs["WARPS"] == 1  # one softmax a tile by default
+    err, tol, launch = _gpu_numerics_error(("w", "half", 32, 1.0, 2, 4, 64, 32, 300, coefficients, "native", 0), dtype, 100, rng, monkeypatch,
+                                           warp_softmax=False)
+    assert launch.constexprs["HAS_FIXED"] and launch.constexprs["RANKS_FULL"] and launch.constexprs["WARPS"] == 1
     quantised = {side: fmt != "float" for side, fmt in zip("KV", (coefficients.split("/") * 2)[:2])}
     assert all(bool(launch.constexprs[side + "_WORDS"]) == q for side, q in quantised.items()), launch.constexprs
     assert err <= tol, (err, tol)
@@ -328,7 +334,7 @@ def test_triton_pre_rope_warp_softmax(dtype, coefficients, rank, launch_kw, spli
     partial); a device token count over 8 splits leaves splits empty."""
     _triton_or_skip()
     if split_len == "device":  # 300 tokens: splits of MIN_SPLIT_TOKENS, the last ones empty
-        launch_kw = dict(launch_kw, num_tokens=torch.full((1,), 300, dtype=torch.int64), num_splits=8)
+        launch_kw = dict(launch_kw, device_tokens=300, num_splits=8)
         split_len = 0
     err, tol, launch = _gpu_numerics_error(("ws", "half", 32, 1.0, 2, 4, 64, rank, 300, coefficients, "native", 0), dtype, split_len, rng, monkeypatch,
                                            warp_softmax=True, **launch_kw)

@@ -7,8 +7,10 @@ import json
 import numpy as np
 import pytest
 
+from subspace_ref.hf_requirements import MIN_TRANSFORMERS
+
 torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", minversion=MIN_TRANSFORMERS)  # older: generate has no cache= (skipped, both versions named)
 
 from subspace_ref.lab.experiments import _common as C  # noqa: E402
 from subspace_ref.lab.experiments.statistics import bootstrap_ci  # noqa: E402

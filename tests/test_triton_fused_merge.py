@@ -4,9 +4,13 @@ fused_merge=True)``, ``decode.fused_launch`` and ``DecodeWorkspace(..., fused_me
 Each split program writes its partial (m, Z, N), counts it on a per-(sequence, KV head) counter,
 and the one that writes the last merges every partial of its rows by the merge kernel's own
 arithmetic (``decode._merge_row``, shared by both), then resets its counter to 0. Under the
-interpreter the fused output is therefore the two-launch output bit for bit; the counters are
-zero after every call and reused by the next. The compile test builds the fused kernel for sm_90
-and sm_80 as it launches (``compile_report``) and measures its main loop (``sass``).
+interpreter the fused output is therefore the two-launch output bit for bit. On a GPU the two
+merges sum the same float32 terms in orders of their own (the reductions over a tile of splits
+follow each kernel's layout, set by its warps: 4 in the merge kernel, the split kernel's in the
+fused one), so there they agree within the rounding bound of those sums (:func:`_merge_bound`),
+and a fused launch repeated equals the first bit for bit. The counters are zero after every call
+and reused by the next. The compile test builds the fused kernel for sm_90 and sm_80 as it
+launches (``compile_report``) and measures its main loop (``sass``).
 
 The fused path is not the default and is not yet timed; its memory ordering (the release/acquire
 count and the L2 reads of the partials) is only exercised on a GPU.
@@ -15,11 +19,13 @@ count and the L2 reads of the partials) is only exercised on a GPU.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -39,6 +45,8 @@ from tests.test_triton_kernels import (  # noqa: E402
 )
 
 from subspace_ref_triton import decode, workspace  # noqa: E402
+from subspace_ref_triton._common import cdiv, pow2_at_least  # noqa: E402
+from tests.differential.tolerance import EPS  # noqa: E402
 
 # (name, N, H, g, T, d, r, r_v, starts per (n, h), split_len, num_splits): one split; a partial last
 # split; empty splits past T; more splits than one merge tile (decode.MERGE_BLOCK_S)
@@ -51,21 +59,86 @@ FLOAT_CASES = [
 FLOAT_IDS = [c[0] for c in FLOAT_CASES]
 
 
-def _check(q, lay, split_len, num_splits):
-    """The fused output equals the two-launch one bit for bit, leaves the counters at zero, and a
-    second call on the same counters gives the same output."""
-    want = decode.decode_attention(q, lay, None, split_len, num_splits)
-    counters = decode.new_counters(q, lay)
-    got = decode.decode_attention(q, lay, None, split_len, num_splits, fused_merge=True, counters=counters)
+def _merge_bound(partials, dtype) -> np.ndarray:
+    """How far apart two merges of the same partials (m, Z, N) (spec A3.2) by ``decode._merge_state``
+    may land when they sum in different orders (module docstring), per output element, in float64:
+    each term of Z = sum z_s a_s and N = sum N_s a_s (a_s = e^(m_s - max m)) takes at most n =
+    BLOCK_S - 1 additions in its merge tile, its product (an FMA or not) and a rescale and an addition
+    per later tile, so each merge is within gamma_n = n u / (1 - n u) (u = 2^-24) of the exact sums
+    relative to sum |terms|; the two then differ by at most 2 gamma_n (sum |N_s| a_s / Z + |N / Z|),
+    plus the division's 2 ulps in each, plus one ulp of the output dtype where it is not float32
+    (two float32 values on either side of a rounding boundary)."""
+    m, z, o = (x.detach().to("cpu", torch.float64).numpy() for x in partials)
+    S = m.shape[-1]
+    top = m.max(-1, keepdims=True)
+    a = np.exp(m - np.where(np.isneginf(top), 0.0, top))  # empty partials: e^-inf = 0
+    Z = (z * a).sum(-1)[..., None]
+    magnitude = (np.abs(o) * a[..., None]).sum(-2) / Z
+    out = np.abs((o * a[..., None]).sum(-2)) / Z
+    tile = min(decode.MERGE_BLOCK_S, pow2_at_least(S, 1))
+    n = tile + 2 * (cdiv(S, tile) - 1)
+    u = 2.0**-24
+    gamma = n * u / (1 - n * u)
+    cast = 0.0 if dtype == torch.float32 else EPS[str(dtype).removeprefix("torch.")]
+    return 2 * gamma / (1 - 2 * gamma) * (magnitude + out) + 8 * u * out + cast * out
+
+
+def _same_merge(got, want, partials):
+    """``got`` (a fused merge) and ``want`` (the merge kernel's, both of ``partials``) bit for bit
+    under the interpreter, within :func:`_merge_bound` on a GPU."""
     assert got.dtype == want.dtype and got.shape == want.shape
+    if DEVICE == "cpu":
+        assert torch.equal(got, want), (got - want).abs().max()
+        return
+    diff = (got.double() - want.double()).abs().cpu().numpy()
+    bound = _merge_bound(partials, want.dtype)
+    assert (diff <= bound).all(), (diff.max(), bound[diff > bound].min(), (diff / np.maximum(bound, 1e-300)).max())
+
+
+def _check(q, lay, split_len, num_splits):
+    """The fused output equals the two-launch one (:func:`_same_merge`), leaves the counters at
+    zero, and a second call on the same counters gives the same output bit for bit."""
+    scale = 1.0 / math.sqrt(q.shape[-1])  # decode_attention's default
+    want = decode.decode_attention(q, lay, scale, split_len, num_splits)
+    counters = decode.new_counters(q, lay)
+    got = decode.decode_attention(q, lay, scale, split_len, num_splits, fused_merge=True, counters=counters)
     assert torch.isfinite(want).all()
-    assert torch.equal(got, want), (got - want).abs().max()
+    # on a GPU, the bound of the merge of the two-launch partials (the interpreter: bit for bit, none needed)
+    _same_merge(got, want, None if DEVICE == "cpu" else decode.attention_partials(q, lay, scale, split_len, num_splits))
     assert counters.shape == (q.shape[0] * lay.key_coef.shape[1],) and (counters == 0).all(), counters
     # again on the same counters, into partials and an output poisoned with NaN: all written afresh
-    launch, (again, _, _) = decode.fused_launch(q, lay, 1.0 / q.shape[-1] ** 0.5, split_len, num_splits, counters=counters,
+    launch, (again, _, _) = decode.fused_launch(q, lay, scale, split_len, num_splits, counters=counters,
                                                 out=torch.full_like(want, float("nan")), outputs=_poisoned(q, lay, split_len, num_splits))
     launch.run()
-    assert torch.equal(again, want) and (counters == 0).all(), counters
+    assert torch.equal(again, got) and (counters == 0).all(), counters
+
+
+def _merge_in_order(partials, order):
+    """Spec A3.2's merge in float32 with the splits summed one by one in ``order``."""
+    m, z, o = (x.numpy() for x in partials)
+    top = m.max(-1, keepdims=True)
+    a = np.exp(m - top).astype(np.float32)
+    Z, N = np.zeros(m.shape[:-1], np.float32), np.zeros(o.shape[:2] + o.shape[3:], np.float32)
+    for s in order:
+        Z, N = Z + z[..., s] * a[..., s], N + o[..., s, :] * a[..., s, None]
+    return torch.from_numpy(N / Z[..., None])
+
+
+def test_merge_bound_holds_reordered_sums_and_not_a_lost_split():
+    """:func:`_merge_bound` (the GPU's criterion) on the CPU: float32 merges of the same partials
+    summed in two orders stay within it, and one that drops a split (a lost partial) does not."""
+    gen = torch.Generator().manual_seed(0)
+    for S in (3, 16, 19, 40):
+        m = torch.randn(2, 4, S, generator=gen) * 3
+        m[..., -1] = m.max()  # the split dropped below weighs as much as any
+        z = torch.rand(2, 4, S, generator=gen) * 20 + 1
+        o = torch.randn(2, 4, S, 64, generator=gen) * z[..., None]
+        partials = (m, z, o)
+        forward, backward = _merge_in_order(partials, range(S)), _merge_in_order(partials, reversed(range(S)))
+        bound = _merge_bound(partials, torch.float32)
+        assert not torch.equal(forward, backward) and ((forward - backward).double().abs().numpy() <= bound).all(), S
+        lost = _merge_in_order(partials, range(S - 1))
+        assert ((lost - forward).double().abs().numpy() > bound).mean() > 0.9, S
 
 
 def _poisoned(q, lay, split_len, num_splits):
@@ -121,7 +194,8 @@ def test_only_the_last_arrival_merges(rng, case):
         replace(launch, grid=(launch.grid[0], S - 1)).run()
         assert torch.isfinite(partials[1]).all() if arrived else torch.isnan(partials[1][:, :, S - 1]).all()
         if arrived:
-            assert (counters == 0).all() and torch.equal(out, decode.merge_partials(*partials, torch.float32))
+            assert (counters == 0).all()
+            _same_merge(out, decode.merge_partials(*partials, torch.float32), partials)
         else:
             assert (counters == S - 1).all() and torch.isnan(out).all()  # not merged
 
@@ -152,7 +226,7 @@ def test_workspace_fused_merge_is_one_launch_and_reusable(rng):
         for ws in (one, two):
             ws.num_tokens.fill_(T)
         want = two.attend(q).clone()
-        assert torch.equal(one.attend(q), want), T
+        _same_merge(one.attend(q), want, two.partials)
         assert (one.counters == 0).all(), (T, one.counters)
     want = decode.decode_attention_reference(q, replace(lay, num_tokens=290), one.scale, split_len=64)
     torch.testing.assert_close(one.out, want, rtol=1e-5, atol=1e-6)  # test_triton_launch's tolerance for this step
@@ -190,9 +264,11 @@ print("RESULTS " + json.dumps(rows))
 def test_fused_kernel_compiles_without_local_memory_in_its_main_loop():
     """The fused split kernel at the benchmark's shape (bf16: float, int8, int4 eager and float
     graph-capturable; fp32 bases) compiled for sm_90 and sm_80 as it launches: no local loads or
-    stores in its main loop, and no spill where the two-launch split kernel has none; the count is
-    a GPU-scope acquire-release atomic and the partials are read past L1 (``ld.global.cg``), the
-    two-launch kernel has no atomic."""
+    stores in its main loop beyond the two-launch split kernel's (none where it has none: the
+    register cap of the centred int4 launch, chosen by GPU timing, leaves the two-launch loop one on
+    sm_80 under Triton 3.9, none under the GPU image's 3.6), and no spill where the two-launch split
+    kernel has none; the count is a GPU-scope acquire-release atomic and the partials are read past
+    L1 (``ld.global.cg``), the two-launch kernel has no atomic."""
     try:
         from subspace_ref_triton.compile_report import triton_ptxas
         from subspace_ref_triton.sass import nvdisasm
@@ -213,7 +289,7 @@ def test_fused_kernel_compiles_without_local_memory_in_its_main_loop():
         fused, plain = r["loop"]["fused"], r["loop"]["plain"]
         print(f"  {r['config']} sm_{r['arch']}: registers/spill stores/loads {r['res']['plain']} -> {r['res']['fused']}, "
               f"main loop {plain['instructions']} -> {fused['instructions']} instructions, local {fused['local']}")
-        assert fused["instructions"] > 0 and fused["local"] == 0, r
+        assert fused["instructions"] > 0 and fused["local"] <= plain["local"], r
         assert r["acq_rel"] and r["cg_loads"] and not r["plain_atomics"], r
         if not any(r["res"]["plain"][1:]):
             assert not any(r["res"]["fused"][1:]), r

@@ -331,6 +331,30 @@ def test_device_token_count_needs_a_fixed_split_count(rng):
         decode.split_launch(torch.zeros(1, 1, 16), lay, 1.0, 0, None, num_tokens=torch.ones(1, dtype=torch.int64))
 
 
+BAD_DEVICE_COUNTS = {  # a count the kernel cannot read through its pointer (a host tensor on a GPU: Triton refuses it at launch)
+    "another device": lambda: torch.ones(1, dtype=torch.int64, device="meta"),
+    "float": lambda: torch.ones(1),
+    "two elements": lambda: torch.ones(2, dtype=torch.int64),
+    "bool": lambda: torch.ones(1, dtype=torch.bool),
+    "an int": lambda: 10,
+}
+
+
+@needs_triton
+@pytest.mark.parametrize("count", BAD_DEVICE_COUNTS.values(), ids=BAD_DEVICE_COUNTS.keys())
+def test_device_token_count_must_be_one_integer_on_qs_device(count, rng):
+    """Both split kernels' launchers refuse a device count that is not a one-element integer tensor
+    on q's device, naming it (ValueError, not a failed or wrong launch)."""
+    lay = chunked_layout(rng, 1, 1, 10, 16, 2, [0])
+    with pytest.raises(ValueError, match="num_tokens must be a one-element integer tensor on q's device"):
+        decode.split_launch(torch.zeros(1, 1, 16), lay, 1.0, 0, 2, num_tokens=count())
+    state, rope, keys, values = pre_rope_stream(rng, "float", 8, 1, 1, 32, tokens=4)
+    state.append(keys, values)
+    rlay = state.to("triton", device=DEVICE, dtype="float32").layout
+    with pytest.raises(ValueError, match="num_tokens must be a one-element integer tensor on q's device"):
+        rope_decode.split_launch(torch.zeros(1, 2, 32, device=DEVICE), rlay, rope, 1.0, 0, num_tokens=count(), num_splits=2)
+
+
 # ------------------------------------------------------------------------------ graph-capturable pre-RoPE decode
 
 
@@ -432,6 +456,25 @@ def test_pre_rope_workspace_step_has_no_sync_and_no_allocation(coefficients, rng
         assert all(a is t for a, t in zip(split.args[11:14], (ws.tables.order, ws.tables.offsets, ws.tables.bases)))
         assert all(a is p for a, p in zip(split.args[14:17], ws.partials)) and merge.args[3] is ws.out
     assert bool(split.constexprs["K_WORDS"]) == (coefficients == "int4")
+
+
+@needs_triton
+def test_pre_rope_eager_launches_reuse_their_tables(rng):
+    """A host-count launch takes its RoPE tables from rope_decode.cached_rope_tables: the same
+    tensors again for the same split (no host array copied per call), others for another split or
+    first position, at most TABLES_KEPT per rope."""
+    state, rope, keys, values = pre_rope_stream(rng, "float", 8, 1, 1, 32, tokens=100)
+    state.append(keys, values)
+    lay = state.to("triton", device=DEVICE, dtype="bfloat16").layout
+    q = torch.zeros(1, 2, 32, dtype=torch.bfloat16, device=DEVICE)
+    tables = lambda split_len, first=0: rope_decode.split_launch(q, lay, rope, 1.0, split_len, first)[0].args[11:14]  # noqa: E731
+    first = tables(64)
+    assert all(a is b for a, b in zip(first, tables(64)))
+    assert tables(32)[2] is not first[2] and tables(64, first=4)[2] is not first[2]
+    for split_len in range(128, 128 + 16 * rope_decode.TABLES_KEPT, 16):  # TABLES_KEPT others after 64
+        tables(split_len)
+    assert len(rope_decode._TABLES[rope]) == rope_decode.TABLES_KEPT
+    assert tables(64)[2] is not first[2]  # dropped as least recent, built again
 
 
 @needs_triton

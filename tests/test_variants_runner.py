@@ -7,8 +7,10 @@ import argparse
 
 import pytest
 
+from subspace_ref.hf_requirements import MIN_TRANSFORMERS
+
 pytest.importorskip("torch")
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", minversion=MIN_TRANSFORMERS)  # older: generate has no cache= (skipped, both versions named)
 
 from subspace_ref.lab.experiments import variants as V  # noqa: E402
 from subspace_ref.lab.experiments.variant_rows import Variant, plain_rank, static_bases  # noqa: E402

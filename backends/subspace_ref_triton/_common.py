@@ -41,6 +41,16 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def check_device_count(num_tokens, q) -> None:
+    """ValueError unless ``num_tokens`` (a launch's device token count) is a one-element integer
+    tensor on q's device: the kernel reads it through a pointer, which a host tensor is not."""
+    dtype, device = getattr(num_tokens, "dtype", None), getattr(num_tokens, "device", None)
+    integer = dtype is not None and not (dtype.is_floating_point or dtype.is_complex) and str(dtype) != "torch.bool"
+    if not (integer and num_tokens.numel() == 1 and device == q.device):
+        got = f"a {str(dtype).removeprefix('torch.')} tensor of shape {tuple(num_tokens.shape)} on {device}" if device is not None else repr(num_tokens)
+        raise ValueError(f"num_tokens must be a one-element integer tensor on q's device ({q.device}), got {got}")
+
+
 def dtype_name(dtype) -> str:
     """"float32", "bfloat16", ... for a torch dtype (``str(torch.float32)`` is "torch.float32")."""
     return str(dtype).replace("torch.", "")

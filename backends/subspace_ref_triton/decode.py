@@ -26,7 +26,10 @@ Flash-decoding in two launches:
 
 Optionally one launch (``decode_attention(..., fused_merge=True)``, :func:`fused_launch`; off by
 default, not yet timed): each split program counts its written partial on a per-(sequence, KV
-head) counter, and the one that writes the last merges them by the same arithmetic (``_merge_row``).
+head) counter, and the one that writes the last merges them by the same formula (``_merge_row``):
+equal to the two launches bit for bit under the interpreter; compiled, its sum over a tile of
+splits runs on the split kernel's warps, not the merge's, so float32 outputs may differ in the
+order of that sum (tests/test_triton_fused_merge.py bounds it).
 
 Precision. Everything the softmax sees is float32. For a float32 state the products are float32
 FMAs (``input_precision="ieee"``, never TF32). For a 16-bit state the two per-token products
@@ -64,7 +67,7 @@ import torch
 import triton
 import triton.language as tl
 
-from subspace_ref_triton._common import Launch, cdiv, interpreting, pow2_at_least
+from subspace_ref_triton._common import check_device_count, Launch, cdiv, interpreting, pow2_at_least
 from subspace_ref_triton.occupancy import GPU, full_wave_splits, resident_blocks
 from subspace_ref_triton._tl import MAX_COMBINE as _MAX
 from subspace_ref_triton._tl import SUM_COMBINE as _SUM
@@ -103,7 +106,7 @@ QUANTISED_MAX_REGISTERS = 128
 # split_launch(..., tokens_m=False) keeps the query-heads-on-M form for timing against it.
 TOKENS_M_DEFAULT = True
 # Warps of the int4/int2 split kernel in the centred form (centred_int4): fewest instructions per
-# token in the compiled loop (docs/gpu.md, "Static budgets"), not yet timed.
+# token in the compiled loop (docs/gpu.md, "Static budgets"); timed on one warp only, under caps.
 CENTRED_WARPS = 1
 # Code widths read in the centred form (centred_int4): int2 joined int4 there, as its words took
 # fewer instructions in the compiled loop than the per-code c s + z reader (not yet timed).
@@ -115,7 +118,8 @@ CENTRED_BITS = (4, 2)
 # (_centred_pair_t: 11 bits rounded, about 8 bits better than one bfloat16 part truncated).
 CENTRED_PARTS = {torch.bfloat16: 1, torch.float16: 2}
 # Warps of the split kernel with int8 coefficients and 16-bit bases, on 64-token tiles: one warp
-# runs a tile's softmax without reductions across warps (docs/gpu.md, "Static budgets").
+# runs a tile's softmax without reductions across warps (docs/gpu.md, "Static budgets"); uncapped,
+# timed faster than 4 warps capped at QUANTISED_MAX_REGISTERS (docs/gpu.md, "Caps timed, and a softmax per warp by default").
 INT8_WARPS = 1
 # Warps of the split kernel with float coefficients and 16-bit bases, on 64-token tiles: within
 # the float budget with no spill on sm_80 or sm_90 (one warp takes fewer instructions per token
@@ -124,18 +128,20 @@ FLOAT16_WARPS = 2
 # The cap of the float configuration GPU-timed before the static budgets (32-token tiles, 4
 # warps): for timing against FLOAT16_WARPS (split_launch(..., block_t=32, num_warps=4, max_registers=...)).
 FLOAT16_MAX_REGISTERS = 96
-# Register caps of the default one- and two-warp launches where they compiled with no local memory
-# in the sm_90 main loop (default_max_registers): 11 programs of one warp per SM instead of 8, 6 of
-# two warps instead of 4 (docs/gpu.md, "N in the partial"); chosen from the compiled code, not timed.
-ONE_WARP_MAX_REGISTERS = 176
+# Register cap of the default two-warp float launch where it compiled with no spill (default_max_registers):
+# 6 programs per SM instead of 4 (docs/gpu.md, "N in the partial"); chosen from the compiled code.
 FLOAT16_WARPS_MAX_REGISTERS = 160
-ONE_WARP_CAP_CHOSEN = (
-    "one warp (INT8_WARPS, CENTRED_WARPS) capped at ONE_WARP_MAX_REGISTERS: 11 programs per SM instead of 8, its spills "
-    "outside the main loop (none in it on sm_90); chosen from the compiled code, not timed: docs/gpu.md, \"N in the partial\""
+# Register cap of the default one-warp int4/int2 launch in the centred form (default_max_registers):
+# timed fastest on an H200, against 176 (the cap chosen before from the compiled code) and no cap;
+# the int8 one-warp launch timed fastest uncapped (docs/gpu.md, "Caps timed, and a softmax per warp by default").
+CENTRED_MAX_REGISTERS = 168
+INT8_UNCAPPED_MEASURED = (
+    "int8 on one warp (INT8_WARPS) left uncapped: timed faster on a GPU than capped at 168 or 176; the spills are ptxas's own "
+    "at its 255-register limit, outside the main loop: docs/gpu.md, \"Caps timed, and a softmax per warp by default\""
 )
 REGISTER_CAPS_MEASURED = (
-    "register cap (QUANTISED_MAX_REGISTERS, FLOAT16_MAX_REGISTERS): timed faster on a GPU than the uncapped kernel "
-    "(no spill there), the figures in docs/gpu.md, \"Register caps\""
+    "register cap (QUANTISED_MAX_REGISTERS, FLOAT16_MAX_REGISTERS, CENTRED_MAX_REGISTERS): timed faster on a GPU than the "
+    "uncapped kernel, the figures in docs/gpu.md, \"Register caps\" and \"Caps timed, and a softmax per warp by default\""
 )
 # 16-bit pieces a float32 operand is cut into for a tensor-core product with exact 16-bit
 # coefficients: 2 x 11 bits for float16, 3 x 8 bits for bfloat16 (float32 has 24).
@@ -1182,39 +1188,33 @@ def launch_config(d: int, d_v: int, dtype=None, int8: bool = False, bits: int = 
 
 def default_max_registers(bases_dtype, group: int, num_warps: int, constexprs: dict) -> int:
     """The register cap of a one- or two-warp default launch (0: none; split_launch applies it where
-    launch_config gives none and no ``max_registers`` is passed), where it was compiled with no local
-    memory in the sm_90 main loop (nor, where docs/gpu.md says so, sm_80's): 16-bit bases, equal
-    ranks without masks, head sizes up to 128, 64-token tiles, and
+    launch_config gives none and no ``max_registers`` is passed): 16-bit bases, equal ranks without
+    masks, head sizes up to 128, 64-token tiles, and
 
     * float coefficients on FLOAT16_WARPS warps, ranks 32, GQA groups of 2 to 4 (4 rows, ``G``):
-      FLOAT16_WARPS_MAX_REGISTERS, no spill at all (with one query head a KV head it spills outside
-      the loop);
-    * int8 on both sides on INT8_WARPS warps, ranks 32, groups up to 8 (4 or 8 rows):
-      ONE_WARP_MAX_REGISTERS, spills outside the loop;
+      FLOAT16_WARPS_MAX_REGISTERS, compiled with no spill (with one query head a KV head it spills
+      outside the loop);
     * int4/int2 in the centred form with two key groups a tile on CENTRED_WARPS warps, bfloat16
-      bases, ranks 16 or 32, groups up to 4 (4 rows): ONE_WARP_MAX_REGISTERS, spills outside the
-      loop (float16 bases spill in it).
+      bases, ranks 16 or 32, groups up to 4 (4 rows): CENTRED_MAX_REGISTERS, timed fastest on a GPU
+      (spills outside the sm_90 loop; float16 bases spill in it).
 
-    The rows are the group padded to DOT_ROWS: a Triton that pads every group to 16 rows compiles
-    other kernels, never checked under a cap, so they stay uncapped.
+    int8 on both sides on INT8_WARPS warps stays uncapped: timed faster than under any cap
+    (INT8_UNCAPPED_MEASURED). The rows are the group padded to DOT_ROWS: a Triton that pads every
+    group to 16 rows compiles other kernels, never checked under a cap, so they stay uncapped.
 
     Left uncapped: ranks of 64 or more and int4 with a group of 8 (local memory in the loop under a
-    cap), float and int8 at rank 16 (fewer registers uncapped than the cap) (docs/gpu.md, "N in the
-    partial", "Rank 16 and groups of 8 under the one-warp cap")."""
+    cap), float at rank 16 (fewer registers uncapped than the cap) (docs/gpu.md, "N in the
+    partial", "Rank 16 and groups of 8 under the one-warp cap", "Caps timed, and a softmax per warp by default")."""
     c = constexprs
     ranks = c["R"] if c["R"] == c["RV"] and c["RANKS_FULL"] else 0
     if not (max(c["D"], c["DV"]) <= 128 and c["BLOCK_T"] == 64) or bases_dtype not in (torch.bfloat16, torch.float16):
         return 0
     if c["CENTRED"]:
         centred = c["PAIRS"] and num_warps == CENTRED_WARPS and bases_dtype == torch.bfloat16 and ranks in (16, 32) and c["G"] == 4
-        return ONE_WARP_MAX_REGISTERS if centred else 0
-    if c["K_BITS"] or c["V_BITS"]:
-        return 0  # the per-code path: launch_config's cap
-    if c["K_INT8"] and c["V_INT8"]:
-        return ONE_WARP_MAX_REGISTERS if num_warps == INT8_WARPS and ranks == 32 and c["G"] <= 8 else 0
-    if not (c["K_INT8"] or c["V_INT8"]):
-        return FLOAT16_WARPS_MAX_REGISTERS if num_warps == FLOAT16_WARPS and ranks == 32 and group >= 2 and c["G"] == 4 else 0
-    return 0
+        return CENTRED_MAX_REGISTERS if centred else 0
+    if c["K_BITS"] or c["V_BITS"] or c["K_INT8"] or c["V_INT8"]:
+        return 0  # the per-code path: launch_config's cap; int8: INT8_UNCAPPED_MEASURED
+    return FLOAT16_WARPS_MAX_REGISTERS if num_warps == FLOAT16_WARPS and ranks == 32 and group >= 2 and c["G"] == 4 else 0
 
 
 def centred_int4(layout, parts: int) -> bool:
@@ -1341,6 +1341,8 @@ def split_launch(
     """
     N, Hq, d, H, group, r, r_v, d_v = _shapes(q, layout)
     device_t = num_tokens is not None
+    if device_t:
+        check_device_count(num_tokens, q)
     if device_t and num_splits is None:
         raise ValueError("a device-resident num_tokens needs num_splits (the grid does not depend on T)")
     T = 0 if device_t else int(layout.num_tokens)
@@ -1469,7 +1471,7 @@ def split_launch(
         Z_SLOTS=cfg["num_warps"] > 1 and parts > 1 and not bits,  # _tile16 only
         INTERPRETED=interpreting(),
     )
-    if fused is not None:  # merge_launch's tile and rounding, so the fused merge is the same arithmetic
+    if fused is not None:  # merge_launch's tile and rounding: the same formula (its sum's order follows the warps)
         constexprs.update(FUSED=True, MERGE_S=min(MERGE_BLOCK_S, pow2_at_least(S, 1)), OUT_BF16=interpreting() and out.dtype == torch.bfloat16)
     if cfg["max_registers"] is None:
         cfg["max_registers"] = default_max_registers(kb.dtype, group, cfg["num_warps"], constexprs)

@@ -183,19 +183,26 @@ def sass_rows() -> list[dict]:
 
 
 def chosen_reason(kernel: str, launch) -> str:
-    """Why a default ``launch`` of ``kernel`` may spill ("" when it may not): the register cap the
-    split kernel's launcher gave it, where that cap trades spills for resident programs by choice
-    (launch_config's caps, timed faster on a GPU: decode.REGISTER_CAPS_MEASURED; the one-warp cap
-    of decode.default_max_registers, from the compiled code: decode.ONE_WARP_CAP_CHOSEN). Read from
-    the launch, so the exemption cannot drift from the rule that caps it. No other kernel or cap
-    may spill (the pre-RoPE cap and the two-warp float cap were chosen as spill-free)."""
-    from subspace_ref_triton import decode
+    """Why a default ``launch`` of ``kernel`` may spill ("" when it may not): a register cap the
+    split kernel's launcher gave it because a GPU timed it faster (launch_config's caps and the
+    centred form's: decode.REGISTER_CAPS_MEASURED), the int8 one-warp launch that a GPU timed
+    fastest uncapped, spilling at ptxas's own limit (decode.INT8_UNCAPPED_MEASURED), or the
+    pre-RoPE kernel's softmax per warp under its cap, timed faster (rope_decode.WARP_SOFTMAX_MEASURED).
+    Read from the launch, so the exemption cannot drift from the rule that sets it. No other kernel
+    or cap may spill (the two-warp float cap and the pre-RoPE cap with one softmax a tile were
+    chosen as spill-free)."""
+    from subspace_ref_triton import decode, rope_decode
 
+    c = launch.constexprs
+    if kernel.startswith("decode rope"):
+        per_warp = c.get("WARPS", 1) > 1 and launch.max_registers == rope_decode.MAX_REGISTERS
+        return rope_decode.WARP_SOFTMAX_MEASURED if per_warp else ""
     if not kernel.startswith("decode split"):
         return ""
-    reasons = {decode.QUANTISED_MAX_REGISTERS: decode.REGISTER_CAPS_MEASURED, decode.FLOAT16_MAX_REGISTERS: decode.REGISTER_CAPS_MEASURED,
-               decode.ONE_WARP_MAX_REGISTERS: decode.ONE_WARP_CAP_CHOSEN}
-    return reasons.get(launch.max_registers, "")
+    if launch.max_registers is None and c["K_INT8"] and c["V_INT8"] and launch.num_warps == decode.INT8_WARPS:
+        return decode.INT8_UNCAPPED_MEASURED
+    measured = (decode.QUANTISED_MAX_REGISTERS, decode.FLOAT16_MAX_REGISTERS, decode.CENTRED_MAX_REGISTERS)
+    return decode.REGISTER_CAPS_MEASURED if launch.max_registers in measured else ""
 
 
 def triton_rows(exhaustive: bool = False) -> list[Row]:

@@ -67,13 +67,15 @@ query heads with one ``O(r d)`` product per token: spec/roofline.md R13.
 from __future__ import annotations
 
 import math
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from subspace_ref_triton._common import Launch, cdiv, interpreting, pow2_at_least
+from subspace_ref_triton._common import check_device_count, Launch, cdiv, interpreting, pow2_at_least
 from subspace_ref_triton._tl import MAX_COMBINE as _MAX
 from subspace_ref_triton._tl import SUM_COMBINE as _SUM
 from subspace_ref_triton._tl import int4_word_order, low_bit_keys, low_bit_values, tile_codes, word_order
@@ -93,6 +95,14 @@ LEGACY_NUM_WARPS = 4
 # rather than issues (docs/gpu.md, "Pre-RoPE kernel, three programs per SM"). Chosen from the
 # compiled code, not timed.
 MAX_REGISTERS = 168
+# A softmax per warp (split_launch's ``warp_softmax``) by default wherever it can run: an H200 timed
+# it under MAX_REGISTERS faster than one softmax a tile, capped or not, for float, int8 and int4 sides
+# (docs/gpu.md, "Caps timed, and a softmax per warp by default").
+WARP_SOFTMAX_DEFAULT = True
+WARP_SOFTMAX_MEASURED = (
+    "a softmax per warp under the pre-RoPE cap (WARP_SOFTMAX_DEFAULT, MAX_REGISTERS): timed faster on a GPU than one softmax "
+    "a tile, capped or not; its spills stay outside the sm_90 main loop: docs/gpu.md, \"Caps timed, and a softmax per warp by default\""
+)
 
 
 @triton.jit
@@ -601,8 +611,9 @@ def rope_tables(rope, d: int, block_t: int, device, *, capacity: int | None = No
     ``device``; compressed token t at position ``first_position + t`` (spec/window.md W10). Either
     ``num_splits`` splits of ``split_len`` tokens (a host token count: a base row per tile of each
     split) or ``capacity`` tokens (a device token count: a base row per tile from token 0, every split
-    starting on a tile, the kernel's ``DEVICE_T``). :func:`split_launch` builds them per call when not
-    given; :class:`~subspace_ref_triton.workspace.DecodeWorkspace` once, so its step allocates nothing."""
+    starting on a tile, the kernel's ``DEVICE_T``). :func:`split_launch` takes them from
+    :func:`cached_rope_tables` when not given; :class:`~subspace_ref_triton.workspace.DecodeWorkspace`
+    builds its own once, so its step allocates nothing."""
     if (capacity is None) == (split_len is None) or (split_len is not None and num_splits is None):
         raise ValueError("rope_tables takes a capacity (a device token count) or split_len and num_splits (a host one)")
     m = rope.inv_freq.size
@@ -616,6 +627,27 @@ def rope_tables(rope, d: int, block_t: int, device, *, capacity: int | None = No
     return RopeTables(order, freq if legacy else offset_angles(freq, block_t), bases, int(block_t), None if capacity is not None else int(split_len))
 
 
+# Tables of recent launches per RopeParams (compared by identity): an eager decode step reuses its
+# tables instead of copying them from the host each call (TABLES_KEPT per rope, least recent dropped).
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+TABLES_KEPT = 8
+
+
+def cached_rope_tables(rope, d: int, block_t: int, device, **kw) -> RopeTables:
+    """:func:`rope_tables` of these arguments, built once and kept (TABLES_KEPT per ``rope``):
+    what :func:`split_launch` takes when not given tables, so that a repeated launch reads no host
+    array (a pageable copy per call, which also keeps a CUDA graph from capturing the launch)."""
+    key = (d, block_t, torch.device(device), *sorted(kw.items()))
+    kept = _TABLES.setdefault(rope, OrderedDict())
+    if key in kept:
+        kept.move_to_end(key)
+        return kept[key]
+    tables = kept[key] = rope_tables(rope, d, block_t, device, **kw)
+    while len(kept) > TABLES_KEPT:
+        kept.popitem(last=False)
+    return tables
+
+
 def default_block_t(key_bases_dtype, legacy: bool = False) -> int:
     """The launch's tile by default: LEGACY_BLOCK_T for the legacy kernel, FP32_BLOCK_T with float32
     bases, BLOCK_T with 16-bit ones."""
@@ -625,7 +657,7 @@ def default_block_t(key_bases_dtype, legacy: bool = False) -> int:
 def split_launch(q, layout, rope, scale: float, split_len: int, first_position: int = 0, *, block_t: int | None = None, num_warps: int | None = None,
                  native: bool | None = None, legacy: bool = False, key_parts: int | None = None, group_rows: bool | None = None,
                  num_tokens=None, num_splits: int | None = None, outputs=None, tables: RopeTables | None = None, max_registers: int | None = None,
-                 warp_softmax: bool = False):
+                 warp_softmax: bool | None = None):
     """The split kernel's launch (not run) and the partials (m, Z, N) it fills, float32, in the
     format of :func:`subspace_ref_triton.decode.split_launch` (m includes gamma * scale).
     ``layout``: a one-chunk layout of torch tensors (a static state's, bases decoded);
@@ -639,26 +671,31 @@ def split_launch(q, layout, rope, scale: float, split_len: int, first_position: 
     key scales and zero points read one row per key group wherever the tiles allow it (True), never
     (False), or by default where a tile holds two key groups (None; ``GROUP_ROWS`` below);
     ``warp_softmax``: each warp's rows of a tile keep a softmax of their own, merged once per split
-    (``WARPS``; the module docstring's step 4), for the benchmark's sweep: 16-bit bases and at least
-    16 tokens a warp, ValueError otherwise.
+    (``WARPS``; the module docstring's step 4): True needs 16-bit bases and at least 16 tokens a
+    warp (ValueError otherwise), False takes one softmax a tile, None (default) the first wherever
+    it can run (WARP_SOFTMAX_DEFAULT).
 
     ``num_tokens``, ``num_splits``, ``outputs``: as :func:`subspace_ref_triton.decode.split_launch`'s
     (a one-element integer tensor on q's device holding T, read by the kernel, which derives the split
     length from it and ``num_splits``, required; the layout's ``num_tokens`` and ``split_len`` are then
     not read; preallocated ``(m, Z, N)``): a launch a CUDA graph captures and replays as the cache
     grows (:class:`~subspace_ref_triton.workspace.DecodeWorkspace`), the tensor-core kernel only.
-    ``tables``: the launch's :func:`rope_tables` (``first_position`` is theirs), built per call when
-    None; with them and ``outputs`` the launch allocates nothing."""
+    ``tables``: the launch's :func:`rope_tables` (``first_position`` is theirs), by default those
+    :func:`cached_rope_tables` keeps; with them and ``outputs`` the launch allocates nothing."""
     N, Hq, d = q.shape
     H = layout.key_coef.shape[1]
     group = Hq // H
     device_t = num_tokens is not None
+    if device_t:
+        check_device_count(num_tokens, q)
     if device_t and num_splits is None:
         raise ValueError("a device-resident num_tokens needs num_splits (the grid does not depend on T)")
     if device_t and legacy:
         raise ValueError("the legacy kernel takes a host token count only (legacy=False for a device-resident num_tokens)")
     if warp_softmax and legacy:
         raise ValueError("warp_softmax is the tensor-core kernel's (legacy=False)")
+    if warp_softmax is not None and not isinstance(warp_softmax, bool):
+        raise ValueError(f"warp_softmax must be True, False or None, not {warp_softmax!r}")
     # ranks from the bases: int4/int2 coefficient rows are packed narrower (spec/quantization.md Q2)
     r, r_v, d_v = layout.key_bases.shape[3], layout.value_bases.shape[3], layout.value_bases.shape[4]
     T = 0 if device_t else int(layout.num_tokens)
@@ -677,8 +714,8 @@ def split_launch(q, layout, rope, scale: float, split_len: int, first_position: 
     f = d - 2 * m
     bt = block_t or default_block_t(kb.dtype, legacy)
     if tables is None:
-        tables = rope_tables(rope, d, bt, dev, capacity=kc.shape[2] if device_t else None, num_splits=None if device_t else S,
-                             split_len=None if device_t else split_len, first_position=first_position, legacy=legacy)
+        tables = cached_rope_tables(rope, d, bt, dev, capacity=kc.shape[2] if device_t else None, num_splits=None if device_t else S,
+                                    split_len=None if device_t else split_len, first_position=first_position, legacy=legacy)
     elif (tables.block_t != bt or tables.split_len != (None if device_t else split_len) or (tables.offsets.dtype == torch.float64) != legacy
           or tables.bases.shape[0] * bt < (kc.shape[2] if device_t else S * split_len)):
         raise ValueError(f"the rope tables (tiles of {tables.block_t}, split_len {tables.split_len}, {tables.bases.shape[0]} base rows) do not fit this launch "
@@ -727,7 +764,10 @@ def split_launch(q, layout, rope, scale: float, split_len: int, first_position: 
                                and bt * r * sides.k_bits // 32 < 2 * 32 * nw)
     # the softmax per warp (warp_softmax): each warp's rows a softmax of their own, at least the 16
     # tokens a warp's value product takes
-    if warp_softmax and not (constexprs["SPLIT"] and bt % nw == 0 and bt // nw >= 16):
+    per_warp = constexprs["SPLIT"] and bt % nw == 0 and bt // nw >= 16
+    if warp_softmax is None:
+        warp_softmax = WARP_SOFTMAX_DEFAULT and per_warp
+    if warp_softmax and not per_warp:
         raise ValueError(f"warp_softmax needs 16-bit bases with 16-bit products (native not False) and at least 16 tokens a warp "
                          f"(block_t {bt} on {nw} warps, bases {kb.dtype}, native {native})")
     constexprs["WARPS"] = nw if warp_softmax else 1
@@ -813,4 +853,4 @@ def decode_attention(q, layout, rope, scale: float | None = None, split_len: int
     return merge_partials(pm, pz, po, q.dtype)
 
 
-__all__ = ["BLOCK_T", "RopeTables", "attention_partials", "decode_attention", "default_block_t", "native16", "rope_tables", "split_launch"]
+__all__ = ["BLOCK_T", "RopeTables", "attention_partials", "cached_rope_tables", "decode_attention", "default_block_t", "native16", "rope_tables", "split_launch"]

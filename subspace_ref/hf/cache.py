@@ -31,6 +31,7 @@ from subspace_ref.hf import attention as _attn
 from subspace_ref.hf.cache_layer import SubspaceLayer
 from subspace_ref.hf.grouped_layer import GroupedLayer
 from subspace_ref.hf.state_factories import StateFactory, StateSpec
+from subspace_ref.hf_requirements import require_cache_api
 from subspace_ref.layer_state import HeadGroup, LayerState
 from subspace_ref.registry import get_backend
 from subspace_ref.state import SubspaceState
@@ -75,6 +76,9 @@ class SubspaceCache(Cache):
 
     Raises
     ------
+    ImportError
+        On a transformers older than :data:`~subspace_ref.hf_requirements.MIN_TRANSFORMERS`
+        (both versions named).
     ValueError
         On a bad option, an unknown backend, or a state count other than the layer count.
     RuntimeError
@@ -107,6 +111,7 @@ class SubspaceCache(Cache):
         sliding: str = "stock",
         max_crop_block: int = 64,
     ):
+        require_cache_api(type(self).__name__)
         from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, get_layer_types_and_kwargs
 
         if prefill not in ("coefficient", "attend"):
@@ -164,8 +169,9 @@ class SubspaceCache(Cache):
         SubspaceCache
             Example: the class's.
         """
+        cache = cls(model.config, states, **kwargs)  # a refused cache leaves the model as it was
         _attn.use_subspace_attention(model)
-        return cls(model.config, states, **kwargs)
+        return cache
 
     def check_model_attention(self) -> None:
         """Raise RuntimeError unless the model selected the subspace attention: any other

@@ -176,6 +176,9 @@ def compress(model, bases: Any, *, graph: bool | str = "auto", **cache_options: 
 
     Raises
     ------
+    ImportError
+        On a transformers older than :data:`~subspace_ref.hf_requirements.MIN_TRANSFORMERS`
+        (:class:`SubspaceCache`'s check, before anything changes).
     ValueError
         If :class:`CalibratedBases` were calibrated for another configuration, or an option is bad.
     subspace_ref.capabilities.NotSupportedError

@@ -45,6 +45,7 @@ from subspace_ref.hf import attention as _attn
 from subspace_ref.hf.graph_group import GraphHeadGroup, kernel_backend, kernel_needs
 from subspace_ref.hf.graph_window import ExactParts, compressed_count, exact_attention, merge
 from subspace_ref.hf.state_factories import StateFactory, StateSpec
+from subspace_ref.hf_requirements import require_cache_api
 from subspace_ref.layer_state import LayerState
 from subspace_ref.state import SubspaceState
 
@@ -372,6 +373,9 @@ class GraphSubspaceCache(Cache):
 
     Raises
     ------
+    ImportError
+        On a transformers older than :data:`~subspace_ref.hf_requirements.MIN_TRANSFORMERS`
+        (both versions named).
     ValueError
         On a bad ``max_cache_len``, a state count other than the layer count, or a state that
         already holds tokens.
@@ -395,6 +399,7 @@ class GraphSubspaceCache(Cache):
     """
 
     def __init__(self, config, states: StateFactory | Sequence[SubspaceState | LayerState], *, max_cache_len: int):
+        require_cache_api(type(self).__name__)
         if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
             raise ValueError(f"max_cache_len must be an int >= 1, got {max_cache_len!r}")
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
@@ -419,8 +424,9 @@ class GraphSubspaceCache(Cache):
     @classmethod
     def for_model(cls, model, states: StateFactory | Sequence[SubspaceState | LayerState], *, max_cache_len: int) -> "GraphSubspaceCache":
         """Select the subspace attention for ``model`` (as :meth:`SubspaceCache.for_model`) and return a cache for it."""
+        cache = cls(model.config, states, max_cache_len=max_cache_len)  # a refused cache leaves the model as it was
         _attn.use_subspace_attention(model)
-        return cls(model.config, states, max_cache_len=max_cache_len)
+        return cache
 
     def state(self, spec: StateSpec) -> SubspaceState | LayerState:
         """The empty state of layer ``spec.layer_idx``, checked against the model's shapes (the

@@ -23,6 +23,7 @@ import torch
 from subspace_ref.hf.attention import subspace_attention_enabled
 from subspace_ref.hf.cache import SubspaceCache
 from subspace_ref.hf.state_factories import StateFactory
+from subspace_ref.hf_requirements import require_cache_api
 
 
 @dataclass
@@ -89,7 +90,9 @@ def _blocks(T: int, block_size: int | None) -> list[tuple[int, int]]:
 
 
 def _forward_logits(model, ids: torch.Tensor, cache, block_size: int | None) -> torch.Tensor:
-    """Logits (B, T, V) of one pass over ``ids`` with ``cache``, fed in blocks."""
+    """Logits (B, T, V) of one pass over ``ids`` with ``cache``, fed in blocks (the model's
+    ``cache=`` keyword: ImportError on a transformers without it, as the caches raise)."""
+    require_cache_api("teacher_forced")
     out = []
     for a, b in _blocks(ids.shape[1], block_size):
         res = model(input_ids=ids[:, a:b], cache=cache, use_cache=True)

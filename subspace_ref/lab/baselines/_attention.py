@@ -97,6 +97,9 @@ def token_logprobs(model, ids: torch.Tensor, method=None, block_size: int | None
     ``block_size`` tokens (1: token-by-token decoding) with one ``DynamicCache``."""
     from transformers import DynamicCache
 
+    from subspace_ref.hf_requirements import require_cache_api
+
+    require_cache_api("token_logprobs")  # the model's cache= keyword
     model.eval()
     ctx = applied(model, method) if method is not None else contextlib.nullcontext()
     T = ids.shape[1]

@@ -29,9 +29,9 @@ Per (N, T), all in the same process:
   (spec/rope.md P2-P3: keys stored as coefficients before the rotation, rebuilt and rotated to
   each token's position inside the kernel), full rotary (64 planes, base 10000).
   **triton-rope[-...] <keywords>** (``--rope-sweep``): the pre-RoPE kernel with other launch
-  keywords (``ROPE_SWEEP``: the default uncapped, ``max_registers=0``, as timed before the cap;
-  one softmax a tile, ``warp_softmax=False``, the default until timed slower; other tiles and
-  warps, chosen from the compiled code).
+  keywords (``ROPE_SWEEP``: the default, a softmax per warp, uncapped, ``max_registers=0``; one
+  softmax a tile, ``warp_softmax=False``, the default until timed slower; other tiles and warps,
+  chosen from the compiled code).
 * **<backend>-adaptive[-int8]** -- the same on an adaptive-layout state (spec A7/A9) with
   J = T / 256 chunks per head (``--chunk-tokens``): chunk j covers tokens [256 j, 256 (j + 1))
   with its own random orthonormal bases, coefficients those of the static state. Synthetic --

@@ -54,7 +54,11 @@ def _exclusive(path: Path):
         yield
         return
     with open(path, "a") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        except OSError:  # a file system without locks (some NFS homes): unserialised, as without fcntl
+            yield
+            return
         try:
             yield
         finally:
@@ -69,7 +73,10 @@ def _compile(cmd: list[str]) -> subprocess.CompletedProcess:
         out, err = proc.communicate()
     except BaseException:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+            if hasattr(os, "killpg"):
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:  # no process groups (Windows): the compiler alone
+                proc.kill()
         proc.wait()
         raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

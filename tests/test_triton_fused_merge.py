@@ -114,13 +114,20 @@ def _check(q, lay, split_len, num_splits):
 
 
 def _merge_in_order(partials, order):
-    """Spec A3.2's merge in float32 with the splits summed one by one in ``order``."""
+    """Spec A3.2's merge in float32 as the merge kernels tile it (the model :func:`_merge_bound`
+    counts): the splits of ``order`` in tiles of decode's merge tile, each tile summed one by one in
+    that order, the tiles' sums added in turn."""
     m, z, o = (x.numpy() for x in partials)
     top = m.max(-1, keepdims=True)
     a = np.exp(m - top).astype(np.float32)
     Z, N = np.zeros(m.shape[:-1], np.float32), np.zeros(o.shape[:2] + o.shape[3:], np.float32)
-    for s in order:
-        Z, N = Z + z[..., s] * a[..., s], N + o[..., s, :] * a[..., s, None]
+    order = list(order)
+    tile = min(decode.MERGE_BLOCK_S, pow2_at_least(len(order), 1))
+    for start in range(0, len(order), tile):
+        Zt, Nt = np.zeros_like(Z), np.zeros_like(N)
+        for s in order[start:start + tile]:
+            Zt, Nt = Zt + z[..., s] * a[..., s], Nt + o[..., s, :] * a[..., s, None]
+        Z, N = Z + Zt, N + Nt
     return torch.from_numpy(N / Z[..., None])
 
 

@@ -336,7 +336,9 @@ BAD_DEVICE_COUNTS = {  # a count the kernel cannot read through its pointer (a h
     "float": lambda: torch.ones(1),
     "two elements": lambda: torch.ones(2, dtype=torch.int64),
     "bool": lambda: torch.ones(1, dtype=torch.bool),
+    "int16": lambda: torch.ones(1, dtype=torch.int16),
     "an int": lambda: 10,
+    "a numpy array": lambda: np.ones(1, dtype=np.int64),
 }
 
 
@@ -346,12 +348,12 @@ def test_device_token_count_must_be_one_integer_on_qs_device(count, rng):
     """Both split kernels' launchers refuse a device count that is not a one-element integer tensor
     on q's device, naming it (ValueError, not a failed or wrong launch)."""
     lay = chunked_layout(rng, 1, 1, 10, 16, 2, [0])
-    with pytest.raises(ValueError, match="num_tokens must be a one-element integer tensor on q's device"):
+    with pytest.raises(ValueError, match="num_tokens must be a one-element int32 or int64 torch tensor on q's device"):
         decode.split_launch(torch.zeros(1, 1, 16), lay, 1.0, 0, 2, num_tokens=count())
     state, rope, keys, values = pre_rope_stream(rng, "float", 8, 1, 1, 32, tokens=4)
     state.append(keys, values)
     rlay = state.to("triton", device=DEVICE, dtype="float32").layout
-    with pytest.raises(ValueError, match="num_tokens must be a one-element integer tensor on q's device"):
+    with pytest.raises(ValueError, match="num_tokens must be a one-element int32 or int64 torch tensor on q's device"):
         rope_decode.split_launch(torch.zeros(1, 2, 32, device=DEVICE), rlay, rope, 1.0, 0, num_tokens=count(), num_splits=2)
 
 
@@ -462,7 +464,7 @@ def test_pre_rope_workspace_step_has_no_sync_and_no_allocation(coefficients, rng
 def test_pre_rope_eager_launches_reuse_their_tables(rng):
     """A host-count launch takes its RoPE tables from rope_decode.cached_rope_tables: the same
     tensors again for the same split (no host array copied per call), others for another split or
-    first position, at most TABLES_KEPT per rope."""
+    first position, at most TABLES_KEPT per rope; a refused launch leaves them as they were."""
     state, rope, keys, values = pre_rope_stream(rng, "float", 8, 1, 1, 32, tokens=100)
     state.append(keys, values)
     lay = state.to("triton", device=DEVICE, dtype="bfloat16").layout
@@ -475,6 +477,23 @@ def test_pre_rope_eager_launches_reuse_their_tables(rng):
         tables(split_len)
     assert len(rope_decode._TABLES[rope]) == rope_decode.TABLES_KEPT
     assert tables(64)[2] is not first[2]  # dropped as least recent, built again
+    kept = list(rope_decode._TABLES[rope].items())
+    for bad in (dict(warp_softmax="yes"), dict(block_t=32, num_warps=4, warp_softmax=True), dict(key_parts=3)):  # refused: the cache as it was
+        with pytest.raises(ValueError, match="warp_softmax|key_parts"):
+            rope_decode.split_launch(q, lay, rope, 1.0, 48, **bad)
+        assert list(rope_decode._TABLES[rope].items()) == kept
+
+
+@needs_triton
+def test_cached_rope_tables_are_refused_under_graph_capture(rng, monkeypatch):
+    """A launch being captured in a CUDA graph gets no kept tables (one the cache drops later would
+    be freed under the graph): a ValueError pointing to tables of its own."""
+    rope = pre_rope_stream(rng, "float", 8, 1, 1, 32, tokens=4)[1]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(ValueError, match="tables of its own"):
+        rope_decode.cached_rope_tables(rope, 32, 64, "cuda", capacity=128)
+    assert rope not in rope_decode._TABLES
 
 
 @needs_triton

@@ -42,13 +42,15 @@ def cdiv(a: int, b: int) -> int:
 
 
 def check_device_count(num_tokens, q) -> None:
-    """ValueError unless ``num_tokens`` (a launch's device token count) is a one-element integer
-    tensor on q's device: the kernel reads it through a pointer, which a host tensor is not."""
-    dtype, device = getattr(num_tokens, "dtype", None), getattr(num_tokens, "device", None)
-    integer = dtype is not None and not (dtype.is_floating_point or dtype.is_complex) and str(dtype) != "torch.bool"
-    if not (integer and num_tokens.numel() == 1 and device == q.device):
-        got = f"a {str(dtype).removeprefix('torch.')} tensor of shape {tuple(num_tokens.shape)} on {device}" if device is not None else repr(num_tokens)
-        raise ValueError(f"num_tokens must be a one-element integer tensor on q's device ({q.device}), got {got}")
+    """ValueError unless ``num_tokens`` (a launch's device token count) is a one-element int32 or
+    int64 tensor on q's device: the kernel reads it through a pointer, which a host tensor is not."""
+    import torch  # only launchers call this: torch is there
+
+    if not isinstance(num_tokens, torch.Tensor):
+        raise ValueError(f"num_tokens must be a one-element int32 or int64 torch tensor on q's device ({q.device}), got {type(num_tokens).__name__}")
+    if num_tokens.dtype not in (torch.int32, torch.int64) or num_tokens.numel() != 1 or num_tokens.device != q.device:
+        raise ValueError(f"num_tokens must be a one-element int32 or int64 torch tensor on q's device ({q.device}), "
+                         f"got a {str(num_tokens.dtype).removeprefix('torch.')} tensor of shape {tuple(num_tokens.shape)} on {num_tokens.device}")
 
 
 def dtype_name(dtype) -> str:

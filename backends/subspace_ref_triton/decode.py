@@ -136,12 +136,14 @@ FLOAT16_WARPS_MAX_REGISTERS = 160
 # the int8 one-warp launch timed fastest uncapped (docs/gpu.md, "Caps timed, and a softmax per warp by default").
 CENTRED_MAX_REGISTERS = 168
 INT8_UNCAPPED_MEASURED = (
-    "int8 on one warp (INT8_WARPS) left uncapped: timed faster on a GPU than capped at 168 or 176; the spills are ptxas's own "
-    "at its 255-register limit, outside the main loop: docs/gpu.md, \"Caps timed, and a softmax per warp by default\""
+    "int8 on one warp (INT8_WARPS) left uncapped: timed faster on a GPU than capped at 168 or 176 (d = 128, r = 32, g = 4 on an "
+    "H200; other shapes untimed); the spills are ptxas's own at its 255-register limit, outside the main loop: docs/gpu.md, "
+    "\"Caps timed, and a softmax per warp by default\""
 )
 REGISTER_CAPS_MEASURED = (
     "register cap (QUANTISED_MAX_REGISTERS, FLOAT16_MAX_REGISTERS, CENTRED_MAX_REGISTERS): timed faster on a GPU than the "
-    "uncapped kernel, the figures in docs/gpu.md, \"Register caps\" and \"Caps timed, and a softmax per warp by default\""
+    "uncapped kernel (the centred cap for int4 at d = 128, r = 32, g = 4 on an H200; int2, rank 16 and sm_80 take it untimed), "
+    "the figures in docs/gpu.md, \"Register caps\" and \"Caps timed, and a softmax per warp by default\""
 )
 # 16-bit pieces a float32 operand is cut into for a tensor-core product with exact 16-bit
 # coefficients: 2 x 11 bits for float16, 3 x 8 bits for bfloat16 (float32 has 24).
@@ -1195,8 +1197,9 @@ def default_max_registers(bases_dtype, group: int, num_warps: int, constexprs: d
       FLOAT16_WARPS_MAX_REGISTERS, compiled with no spill (with one query head a KV head it spills
       outside the loop);
     * int4/int2 in the centred form with two key groups a tile on CENTRED_WARPS warps, bfloat16
-      bases, ranks 16 or 32, groups up to 4 (4 rows): CENTRED_MAX_REGISTERS, timed fastest on a GPU
-      (spills outside the sm_90 loop; float16 bases spill in it).
+      bases, ranks 16 or 32, groups up to 4 (4 rows): CENTRED_MAX_REGISTERS, timed fastest on an
+      H200 for int4 at r = 32, g = 4 (int2 and rank 16 untimed); spills outside the sm_90 loop,
+      one local access in the sm_80 loop (Triton 3.9; untimed on sm_80); float16 bases spill in it.
 
     int8 on both sides on INT8_WARPS warps stays uncapped: timed faster than under any cap
     (INT8_UNCAPPED_MEASURED). The rows are the group padded to DOT_ROWS: a Triton that pads every
@@ -1319,7 +1322,7 @@ def split_launch(
     ``block_t`` (a power of two >= 16), ``num_warps`` and ``max_registers`` (0: no cap) override
     :func:`launch_config`.
 
-    ``num_tokens``: a one-element integer tensor on q's device holding T (the layout's
+    ``num_tokens``: a one-element int32 or int64 tensor on q's device holding T (the layout's
     ``num_tokens`` is then not read); the kernel reads it and derives the split length from it
     and ``num_splits`` (required), so the launch can be captured in a CUDA graph and replayed as
     the cache grows (:class:`~subspace_ref_triton.workspace.DecodeWorkspace`). ``outputs``:

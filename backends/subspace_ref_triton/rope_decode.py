@@ -101,7 +101,8 @@ MAX_REGISTERS = 168
 WARP_SOFTMAX_DEFAULT = True
 WARP_SOFTMAX_MEASURED = (
     "a softmax per warp under the pre-RoPE cap (WARP_SOFTMAX_DEFAULT, MAX_REGISTERS): timed faster on a GPU than one softmax "
-    "a tile, capped or not; its spills stay outside the sm_90 main loop: docs/gpu.md, \"Caps timed, and a softmax per warp by default\""
+    "a tile, capped or not (eager, d = 128, r = 32, g = 4, bfloat16 bases on an H200; other shapes untimed); its spills stay "
+    "outside the sm_90 main loop: docs/gpu.md, \"Caps timed, and a softmax per warp by default\""
 )
 
 
@@ -635,14 +636,21 @@ TABLES_KEPT = 8
 
 def cached_rope_tables(rope, d: int, block_t: int, device, **kw) -> RopeTables:
     """:func:`rope_tables` of these arguments, built once and kept (TABLES_KEPT per ``rope``):
-    what :func:`split_launch` takes when not given tables, so that a repeated launch reads no host
-    array (a pageable copy per call, which also keeps a CUDA graph from capturing the launch)."""
-    key = (d, block_t, torch.device(device), *sorted(kw.items()))
+    what :func:`split_launch` takes when not given tables, so that a repeated eager launch reads no
+    host array (a pageable copy per call). Refused (ValueError) while a CUDA graph is being
+    captured: a kept table may be dropped later while the graph still reads it; a captured launch
+    passes tables of its own (``tables=``, as :class:`~subspace_ref_triton.workspace.DecodeWorkspace` does)."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise ValueError("a launch captured in a CUDA graph needs tables of its own (split_launch(tables=rope_tables(...)), or DecodeWorkspace)")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (d, block_t, device, *sorted(kw.items()))
     kept = _TABLES.setdefault(rope, OrderedDict())
-    if key in kept:
-        kept.move_to_end(key)
-        return kept[key]
-    tables = kept[key] = rope_tables(rope, d, block_t, device, **kw)
+    tables = kept.pop(key, None)  # re-inserted last: the most recent
+    if tables is None:
+        tables = rope_tables(rope, d, block_t, device, **kw)
+    kept[key] = tables
     while len(kept) > TABLES_KEPT:
         kept.popitem(last=False)
     return tables
@@ -676,7 +684,7 @@ def split_launch(q, layout, rope, scale: float, split_len: int, first_position: 
     it can run (WARP_SOFTMAX_DEFAULT).
 
     ``num_tokens``, ``num_splits``, ``outputs``: as :func:`subspace_ref_triton.decode.split_launch`'s
-    (a one-element integer tensor on q's device holding T, read by the kernel, which derives the split
+    (a one-element int32 or int64 tensor on q's device holding T, read by the kernel, which derives the split
     length from it and ``num_splits``, required; the layout's ``num_tokens`` and ``split_len`` are then
     not read; preallocated ``(m, Z, N)``): a launch a CUDA graph captures and replays as the cache
     grows (:class:`~subspace_ref_triton.workspace.DecodeWorkspace`), the tensor-core kernel only.
@@ -713,6 +721,20 @@ def split_launch(q, layout, rope, scale: float, split_len: int, first_position: 
     m = rope.inv_freq.size
     f = d - 2 * m
     bt = block_t or default_block_t(kb.dtype, legacy)
+    # checked before the tables are looked up, so a refused launch leaves their cache as it was:
+    # the softmax per warp (warp_softmax): each warp's rows a softmax of their own, at least the 16
+    # tokens a warp's value product takes (16-bit products: SPLIT below)
+    nw = num_warps or NUM_WARPS
+    per_warp = not legacy and kb.dtype in (torch.float16, torch.bfloat16) and native is not False and bt % nw == 0 and bt // nw >= 16
+    if warp_softmax is None:
+        warp_softmax = WARP_SOFTMAX_DEFAULT and per_warp
+    if warp_softmax and not per_warp:
+        raise ValueError(f"warp_softmax needs 16-bit bases with 16-bit products (native not False) and at least 16 tokens a warp "
+                         f"(block_t {bt} on {nw} warps, bases {kb.dtype}, native {native})")
+    if key_parts is None:  # bfloat16 bases: one key part (well inside the harness tolerance; float16 bases: a large share of it)
+        key_parts = 1 if kb.dtype == torch.bfloat16 else 2
+    if key_parts not in (1, 2):
+        raise ValueError(f"key_parts must be 1 or 2, not {key_parts!r}")
     if tables is None:
         tables = cached_rope_tables(rope, d, bt, dev, capacity=kc.shape[2] if device_t else None, num_splits=None if device_t else S,
                                     split_len=None if device_t else split_len, first_position=first_position, legacy=legacy)
@@ -759,22 +781,9 @@ def split_launch(q, layout, rope, scale: float, split_len: int, first_position: 
                                             and all(x % w == 0 for x in (row_bytes, *coef.stride()[:3], coef.data_ptr()))), 0)
     # int4/int2 rows of both sides so short that a side's tile gives each thread under 8 bytes: both
     # sides in one load (_rope_tl.joint_low_bit_codes)
-    nw = num_warps or NUM_WARPS
     constexprs["JOINT"] = bool(sides.k_bits and sides.k_bits == sides.v_bits and r == r_v and constexprs["K_WORDS"] and constexprs["V_WORDS"]
                                and bt * r * sides.k_bits // 32 < 2 * 32 * nw)
-    # the softmax per warp (warp_softmax): each warp's rows a softmax of their own, at least the 16
-    # tokens a warp's value product takes
-    per_warp = constexprs["SPLIT"] and bt % nw == 0 and bt // nw >= 16
-    if warp_softmax is None:
-        warp_softmax = WARP_SOFTMAX_DEFAULT and per_warp
-    if warp_softmax and not per_warp:
-        raise ValueError(f"warp_softmax needs 16-bit bases with 16-bit products (native not False) and at least 16 tokens a warp "
-                         f"(block_t {bt} on {nw} warps, bases {kb.dtype}, native {native})")
     constexprs["WARPS"] = nw if warp_softmax else 1
-    if key_parts is None:  # bfloat16 bases: one key part (well inside the harness tolerance; float16 bases: a large share of it)
-        key_parts = 1 if kb.dtype == torch.bfloat16 else 2
-    if key_parts not in (1, 2):
-        raise ValueError(f"key_parts must be 1 or 2, not {key_parts!r}")
     constexprs["KEY_PARTS"] = key_parts
     # int4/int2 keys read as words: the whole tiles' key scales and zero points one row per key group
     # (_rope_tl.group_rows), possible where every tile starts on a group boundary and holds whole groups

@@ -1,5 +1,6 @@
 """The transformers release the caches need (subspace_ref/hf_requirements.py, spec/models.md M9):
-on an older one every way to make a cache raises ImportError naming the cache, the version
+on an older one every way to make a cache, or to run the stock model with ``cache=``
+(``teacher_forced``, the lab's ``token_logprobs``), raises ImportError naming it, the version
 found and the one required, before the model or a state factory is touched; the minimum is
 the ``models`` extra's, and reading it imports neither torch nor transformers (the tests'
 skips read it first)."""
@@ -55,6 +56,16 @@ def test_caches_refuse_an_older_transformers_before_anything_changes(monkeypatch
     with pytest.raises(ImportError, match="^SubspaceCache needs transformers"):
         with compress(model, bases):
             pass
+    # the stock model's forward with cache= (no subspace cache made): the same refusal by name
+    import torch
+
+    from subspace_ref.hf import teacher_forced
+    from subspace_ref.lab.baselines._attention import token_logprobs
+
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    for name, run in (("teacher_forced", lambda: teacher_forced(model, ids)), ("token_logprobs", lambda: token_logprobs(model, ids))):
+        with pytest.raises(ImportError, match=rf"^{name} needs transformers >= {re.escape(MIN_TRANSFORMERS)}"):
+            run()
     assert model.config._attn_implementation == before and built == []
 
 

@@ -271,7 +271,7 @@ print("RESULTS " + json.dumps(rows))
 def test_fused_kernel_compiles_without_local_memory_in_its_main_loop():
     """The fused split kernel at the benchmark's shape (bf16: float, int8, int4 eager and float
     graph-capturable; fp32 bases) compiled for sm_90 and sm_80 as it launches: no local loads or
-    stores in its main loop beyond the two-launch split kernel's (none where it has none: the
+    stores in its main loop beyond the two-launch split kernel's (none on sm_90, and none where it has none: the
     register cap of the centred int4 launch, chosen by GPU timing, leaves the two-launch loop one on
     sm_80 under Triton 3.9, none under the GPU image's 3.6), and no spill where the two-launch split
     kernel has none; the count is a GPU-scope acquire-release atomic and the partials are read past
@@ -296,7 +296,7 @@ def test_fused_kernel_compiles_without_local_memory_in_its_main_loop():
         fused, plain = r["loop"]["fused"], r["loop"]["plain"]
         print(f"  {r['config']} sm_{r['arch']}: registers/spill stores/loads {r['res']['plain']} -> {r['res']['fused']}, "
               f"main loop {plain['instructions']} -> {fused['instructions']} instructions, local {fused['local']}")
-        assert fused["instructions"] > 0 and fused["local"] <= plain["local"], r
+        assert fused["instructions"] > 0 and fused["local"] <= plain["local"] and (fused["local"] == 0 or r["arch"] == 80), r
         assert r["acq_rel"] and r["cg_loads"] and not r["plain_atomics"], r
         if not any(r["res"]["plain"][1:]):
             assert not any(r["res"]["fused"][1:]), r

@@ -35,7 +35,7 @@ want() {  # step $1 is not in SKIP and there is time for it
 
 if want 1; then
 # 1. GPU differential tests of the changed kernels: the split kernel, the pre-RoPE kernel, the
-#    vendor path, the optional one-launch split + merge, and the graph cache's CUDA-graph generate (<= 150 s). -v names each result as it
+#    vendor path, the merge launch's shapes, the optional one-launch split + merge, and the graph cache's CUDA-graph generate (<= 150 s). -v names each result as it
 #    comes (the junit file is written only at the end), and a per-test limit fails a hung test
 #    instead of killing the run (docs/gpu.md, "Fifth-pass kernels timed"); each failure's traceback is appended to
 #    failures.log as it happens (tests/conftest.py: pytest prints them only at the end, which a limit cuts off).
@@ -43,8 +43,8 @@ XDIST=$($PY -c "import xdist" 2> /dev/null && echo "-n 14")
 PER_TEST=$($PY -c "import pytest_timeout" 2> /dev/null && echo "--timeout=60")
 #    The torch backend's C kernels are left off (SUBSPACE_REF_CPU_KERNELS=0: their first build took 90 s, past the per-test
 #    limit, in 2026-11-29's run) and the fused kernel's compile check is CI's, not this step's (70 s of compiling).
-SUBSPACE_FAILURE_LOG="$OUT/failures.log" SUBSPACE_REF_CPU_KERNELS=0 timeout $(lim 150) $PY -m pytest -v $XDIST $PER_TEST tests/test_triton_vendor.py tests/test_triton_fused_merge.py tests/test_triton_launch.py tests/test_graph_cache.py tests/test_graph_kernel_decode.py \
-  tests/test_rope_decode.py tests/test_triton_kernels.py -k "(Decode or LowBit or rope or Rope or graph or Workspace or vendor or refused or float32_states or fused or cuda or device_row) and not compiles_without_local_memory" \
+SUBSPACE_FAILURE_LOG="$OUT/failures.log" SUBSPACE_REF_CPU_KERNELS=0 timeout $(lim 150) $PY -m pytest -v $XDIST $PER_TEST tests/test_triton_vendor.py tests/test_triton_fused_merge.py tests/test_triton_merge_launch.py tests/test_triton_launch.py tests/test_graph_cache.py tests/test_graph_kernel_decode.py \
+  tests/test_rope_decode.py tests/test_triton_kernels.py -k "(Decode or LowBit or rope or Rope or graph or Workspace or vendor or refused or float32_states or fused or merge or cuda or device_row) and not compiles_without_local_memory" \
   -p no:cacheprovider --junitxml="$OUT/tests.xml" > "$OUT/tests.log" 2>&1
 rc=$?
 grep -E "(FAILED|ERROR) " "$OUT/tests.log" | sed 's/^\[gw[0-9]*\] *\[ *[0-9]*%\] *//' | sort | uniq | head -40 >> "$OUT/session.txt"

@@ -169,7 +169,7 @@ def test_workspace_step_has_no_sync_and_no_allocation(rng, monkeypatch):
         ws.advance()
     assert out is ws.out
     split, merge = launches
-    assert split.grid == (N * H, ws.num_splits) and merge.grid == (N * H * g,)
+    assert split.grid == (N * H, ws.num_splits) and merge.grid == (N * H * g, -(-d // decode.MERGE_COLUMNS))
     assert split.constexprs["DEVICE_T"] and split.args[16] is ws.num_tokens
     assert all(a is p for a, p in zip(split.args[13:16], ws.partials)) and merge.args[3] is ws.out
 
@@ -452,7 +452,7 @@ def test_pre_rope_workspace_step_has_no_sync_and_no_allocation(coefficients, rng
         ws.attend(q, other, other_count)
     assert out is ws.out and len(launches) == 4
     for (split, merge), (kc, n_tok) in zip((launches[:2], launches[2:]), ((lay.key_coef, count), (other.key_coef, other_count))):
-        assert split.kernel is rope_decode._rope_mma_kernel and split.grid == (N * H, ws.num_splits) and merge.grid == (N * H * g,)
+        assert split.kernel is rope_decode._rope_mma_kernel and split.grid == (N * H, ws.num_splits) and merge.grid == (N * H * g, -(-d // decode.MERGE_COLUMNS))
         assert split.constexprs["DEVICE_T"] and split.constexprs["MIN_SPLIT"] % split.constexprs["BLOCK_T"] == 0
         assert split.args[1] is kc and split.args[17] is n_tok
         assert all(a is t for a, t in zip(split.args[11:14], (ws.tables.order, ws.tables.offsets, ws.tables.bases)))

@@ -21,15 +21,17 @@ Flash-decoding in two launches:
 
    It writes the split's partial ``(m, Z, N)`` of spec A3.2 in float32; an empty split writes the
    identity ``(-inf, 0, 0)``.
-2. :func:`merge_partials` — one program per (sequence, query head) merges the ``S`` partials by
-   log-sum-exp (spec A3.2) and writes ``N / Z`` in the output dtype.
+2. :func:`merge_partials` — one program per (sequence, query head) and block of MERGE_COLUMNS
+   output columns merges the ``S`` partials by log-sum-exp (spec A3.2) and writes ``N / Z`` in
+   the output dtype.
 
 Optionally one launch (``decode_attention(..., fused_merge=True)``, :func:`fused_launch`; off by
-default, not yet timed): each split program counts its written partial on a per-(sequence, KV
-head) counter, and the one that writes the last merges them by the same formula (``_merge_row``):
-equal to the two launches bit for bit under the interpreter; compiled, its sum over a tile of
-splits runs on the split kernel's warps, not the merge's, so float32 outputs may differ in the
-order of that sum (tests/test_triton_fused_merge.py bounds it).
+default, timed slower than the two launches: docs/gpu.md, "The merge at N = 1"): each split
+program counts its written partial on a per-(sequence, KV head) counter, and the one that writes
+the last merges them by the same formula (``_merge_row``) over whole rows in steps of
+MERGE_BLOCK_S splits; the merge launch's steps differ, and compiled, the fused sum runs on the
+split kernel's warps, so float32 outputs may differ in the order of that sum
+(tests/test_triton_fused_merge.py bounds it).
 
 Precision. Everything the softmax sees is float32. For a float32 state the products are float32
 FMAs (``input_precision="ieee"``, never TF32). For a 16-bit state the two per-token products
@@ -89,7 +91,13 @@ BLOCK_D = 32  # columns of q and B_j per step of the query projection (the inter
 # pads an MMA's M and N itself where its NVIDIA backend says so (min_dot_size): the softmax then
 # runs on the group's rows, not 16 (docs/gpu.md, "Static budgets").
 DOT_ROWS = 4 if _small_dots() else 16
-MERGE_BLOCK_S = 16  # splits per merge step: a (16 x d_v) float32 tile stays in registers
+MERGE_BLOCK_S = 16  # splits per step of the fused and exact merges, over whole rows: a (16 x d_v) float32 tile stays in registers
+# The merge launch: MERGE_COLUMNS of d_v's columns per program, as many splits per step as fill a
+# tile of MERGE_TILE float32 elements (128 at 32 columns), so a row's partials are read in one
+# step and its columns by d_v / 32 programs: timed 3.2x faster than whole rows of 16-split steps
+# at N = 1 (docs/gpu.md, "The merge at N = 1").
+MERGE_COLUMNS = 32
+MERGE_TILE = 4096
 # No split shorter than this: below, the per-split cost (query projection, partial write, merge)
 # starts to dominate.
 MIN_SPLIT_TOKENS = 256
@@ -586,7 +594,7 @@ def _decode_split_kernel(
         if done == num_splits - 1:
             for i in range(0, group):
                 # .cg: the other programs' partials are read from L2, never from a stale L1 line
-                merged = _merge_row(pm_ptr, pz_ptr, po_ptr, (n * H + h) * group + i, num_splits, d_v, DV, MERGE_S, ".cg")
+                merged = _merge_row(pm_ptr, pz_ptr, po_ptr, (n * H + h) * group + i, num_splits, d_v, 0, DV, MERGE_S, ".cg")
                 tl.store(out_ptr + n * so_n + (h * group + i) * so_h + offs_dv, to_storage(merged, out_ptr, OUT_BF16), mask=offs_dv < d_v)
             tl.store(cnt_ptr + nh, 0)  # back to zero, so the next launch (or graph replay) reuses the counters
 
@@ -1005,22 +1013,23 @@ def _centred_values_t(lt, tok, t_mask, m_i, z_i, acc_t, zacc, vc_base, vs_base, 
 
 
 @triton.jit
-def _merge_row(pm_ptr, pz_ptr, po_ptr, row, num_splits, d_v, DV: tl.constexpr, BLOCK_S: tl.constexpr, CACHE: tl.constexpr):
+def _merge_row(pm_ptr, pz_ptr, po_ptr, row, num_splits, d_v, col0, DV: tl.constexpr, BLOCK_S: tl.constexpr, CACHE: tl.constexpr):
     """Spec A3.2: the ``num_splits`` partials (m, Z, N) of (sequence, query head) ``row`` merged,
-    N / Z in float32 (DV,); empty partials (-inf, 0, 0) are the identity. Shared by
-    :func:`_merge_kernel` and the fused merge of :func:`_decode_split_kernel` (``CACHE``: the
-    partials' load cache modifier)."""
-    _, z_run, o_run = _merge_state(pm_ptr, pz_ptr, po_ptr, row, num_splits, d_v, DV, BLOCK_S, CACHE)
+    N / Z in float32 over the DV columns from ``col0``; empty partials (-inf, 0, 0) are the
+    identity. Shared by :func:`_merge_kernel` and the fused merge of :func:`_decode_split_kernel`
+    (``CACHE``: the partials' load cache modifier)."""
+    _, z_run, o_run = _merge_state(pm_ptr, pz_ptr, po_ptr, row, num_splits, d_v, col0, DV, BLOCK_S, CACHE)
     # Z >= 1 whenever a token was attended (spec A3.1); callers refuse T = 0.
     return o_run / z_run
 
 
 @triton.jit
-def _merge_state(pm_ptr, pz_ptr, po_ptr, row, num_splits, d_v, DV: tl.constexpr, BLOCK_S: tl.constexpr, CACHE: tl.constexpr):
+def _merge_state(pm_ptr, pz_ptr, po_ptr, row, num_splits, d_v, col0, DV: tl.constexpr, BLOCK_S: tl.constexpr, CACHE: tl.constexpr):
     """Spec A3.2: the ``num_splits`` partials (m, Z, N) of ``row`` merged into one partial
-    (m, Z, N): scalars and (DV,), float32; (-inf, 0, 0) when every partial is empty."""
+    (m, Z, N): scalars and N's DV columns from ``col0``, float32; (-inf, 0, 0) when every
+    partial is empty."""
     offs_s = tl.arange(0, BLOCK_S)
-    offs_dv = tl.arange(0, DV)
+    offs_dv = col0 + tl.arange(0, DV)
     dv_mask = offs_dv < d_v
 
     m_run = tl.reduce(tl.full([BLOCK_S], float("-inf"), tl.float32), 0, _MAX)
@@ -1046,11 +1055,13 @@ def _merge_state(pm_ptr, pz_ptr, po_ptr, row, num_splits, d_v, DV: tl.constexpr,
 
 @triton.jit
 def _merge_kernel(pm_ptr, pz_ptr, po_ptr, out_ptr, num_splits, d_v, Hq, so_n, so_h, DV: tl.constexpr, BLOCK_S: tl.constexpr, MANUAL_BF16: tl.constexpr):
+    # grid (rows, column blocks): a program merges DV of the row's d_v columns
     row = tl.program_id(0).to(tl.int64)
+    col0 = tl.program_id(1) * DV
     n = row // Hq
     hq = row % Hq
-    offs_dv = tl.arange(0, DV)
-    out = _merge_row(pm_ptr, pz_ptr, po_ptr, row, num_splits, d_v, DV, BLOCK_S, "")  # no default: Triton 3.6 passes an omitted str default unwrapped
+    offs_dv = col0 + tl.arange(0, DV)
+    out = _merge_row(pm_ptr, pz_ptr, po_ptr, row, num_splits, d_v, col0, DV, BLOCK_S, "")  # no default: Triton 3.6 passes an omitted str default unwrapped
     tl.store(out_ptr + n * so_n + hq * so_h + offs_dv, to_storage(out, out_ptr, MANUAL_BF16), mask=offs_dv < d_v)
 
 
@@ -1337,7 +1348,7 @@ def split_launch(
     ``fused``: ``(out, counters)`` to merge in the same launch (spec A3.2; :func:`fused_launch`):
     ``out`` (N, H_q, d_v) takes N / Z, ``counters`` (int32 zeros, one per (sequence, KV head))
     count the written partials, and the program that writes the last one merges them all and
-    resets its counter to 0. Off by default (the two-launch path; the fused one is not yet timed).
+    resets its counter to 0. Off by default (the two-launch path; the fused one timed slower).
 
     :func:`split_launch` returns the launch (not run) and the outputs it would fill, for
     ahead-of-time compile checks (``subspace_ref_triton.gpu_report``).
@@ -1489,18 +1500,29 @@ def merge_partials(m, z, o, dtype):
     return out
 
 
-def merge_launch(m, z, o, dtype, out=None):
-    """The launch of :func:`merge_partials` (not run) and its output (``out`` when given)."""
+def merge_launch(m, z, o, dtype, out=None, *, columns: int | None = None, block_s: int | None = None):
+    """The launch of :func:`merge_partials` (not run) and its output (``out`` when given).
+
+    ``columns``: d_v columns merged per program (a power of two; None: MERGE_COLUMNS, 0 for all
+    of them), so a row's columns are spread over ``d_v / columns`` programs; ``block_s``: splits
+    per step of each program's loop over the partials (a power of two; None: MERGE_TILE divided
+    by the columns). Every shape merges by the same formula; the order of the float32 sums over
+    splits follows ``block_s``."""
+    for name, value, least in (("columns", columns, 0), ("block_s", block_s, 1)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least or value & (value - 1)):
+            raise ValueError(f"{name} must be None, {'0 or ' if least == 0 else ''}a power of two, got {value!r}")
     N, Hq, S = m.shape
     d_v = o.shape[-1]
+    columns = MERGE_COLUMNS if columns is None else columns
+    DV = pow2_at_least(d_v) if columns == 0 else min(columns, pow2_at_least(d_v))
     out = torch.empty((N, Hq, d_v), dtype=dtype, device=m.device) if out is None else out
     args = (m.contiguous(), z.contiguous(), o.contiguous(), out, S, d_v, Hq, out.stride(0), out.stride(1))
     constexprs = dict(
-        DV=pow2_at_least(d_v),
-        BLOCK_S=min(MERGE_BLOCK_S, pow2_at_least(S, 1)),
+        DV=DV,
+        BLOCK_S=min(max(1, MERGE_TILE // DV) if block_s is None else block_s, pow2_at_least(S, 1)),
         MANUAL_BF16=interpreting() and dtype == torch.bfloat16,
     )
-    return Launch(_merge_kernel, (N * Hq,), args, constexprs, 4), out
+    return Launch(_merge_kernel, (N * Hq, cdiv(d_v, DV)), args, constexprs, 4), out
 
 
 def attention_partials(q, layout, scale: float, split_len: int | None = None, num_splits: int | None = None, **launch):
@@ -1536,7 +1558,8 @@ def decode_attention(q, layout, scale: float | None = None, split_len: int | Non
 
     ``fused_merge``: split and merge (spec A3.2) in one launch (:func:`fused_launch`), the merge by
     the last program of each (sequence, KV head); ``counters`` (:func:`new_counters`, left at zero)
-    may be passed to reuse. Off by default: the two-launch path, the fused one not yet timed."""
+    may be passed to reuse. Off by default: the two-launch path, the fused one timed slower
+    (docs/gpu.md, "The merge at N = 1")."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if fused_merge:
         split, (out, _, _) = sized_launch(lambda s: fused_launch(q, layout, scale, s, num_splits, counters=counters, **launch), q, layout, split_len,

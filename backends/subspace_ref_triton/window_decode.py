@@ -186,7 +186,7 @@ def _exact_merge_kernel(
     m_x = tl.max(tl.where(mine, m_e, float("-inf")), 0)
     z_x = tl.sum(tl.where(mine, z_e, 0.0), 0)
     o_x = tl.sum(tl.where(mine[:, None], o_e, 0.0), 0)
-    m_s, z_s, o_s = _merge_state(pm_ptr, pz_ptr, po_ptr, (n * H + h) * group + i, num_splits, d_v, DV, BLOCK_S, "")
+    m_s, z_s, o_s = _merge_state(pm_ptr, pz_ptr, po_ptr, (n * H + h) * group + i, num_splits, d_v, 0, DV, BLOCK_S, "")
     # spec A3.2 over the two parts; the exact part holds a token (M11.14 step 4), so m is finite
     m = tl.maximum(m_s, m_x)
     a_s, a_x = tl.exp(m_s - m), tl.exp(m_x - m)

@@ -99,6 +99,9 @@ SWEEP = ((32, 4, None), (64, 4, None), (128, 4, None), (32, 8, None), (64, 8, No
 # resident warps per SM): the configurations without spills that hold more warps or fewer barriers
 # per SM, from the compiled code (docs/gpu.md, "Pre-RoPE launch sweep"): 32-token tiles on two warps
 # (mma.sync instead of wgmma, 5 barriers instead of 9), 32 or 16 on four (12-16 warps per SM), 128 on eight
+# merge launch shapes (columns, splits a step; None: the default): whole rows in steps of 16 (the merge before
+# 2026-11-29's second H200 session), 32 columns in steps of 16, the default, 16 and 128 columns with 128 a step
+MERGE_SWEEP = ((0, 16), (32, 16), (None, None), (16, 128), (128, 128))
 ROPE_SWEEP = (dict(max_registers=0), dict(warp_softmax=False), dict(block_t=32, num_warps=2), dict(block_t=32, num_warps=4), dict(block_t=16, num_warps=4),
               dict(block_t=128, num_warps=8))
 
@@ -233,6 +236,7 @@ def main() -> None:
     ap.add_argument("--rope", action="store_true", help="also time pre-RoPE static states (spec/rope.md P3) for every --coef")
     ap.add_argument("--rope-sweep", action="store_true", help="time the pre-RoPE kernel's other tiles, warps and rebuilds too (ROPE_SWEEP)")
     ap.add_argument("--no-graph", dest="graph", action="store_false", help="skip the eager / CUDA-graph decode step")
+    ap.add_argument("--merge-sweep", action="store_true", help="time the merge launch's other shapes under a graph too (MERGE_SWEEP)")
     ap.add_argument("--plot", nargs="+", default=None, metavar="JSON", help="only draw the plots of these result files into --out")
     ap.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk of the adaptive layout (J = T / this)")
     ap.add_argument("--no-adaptive", action="store_true")
@@ -340,6 +344,8 @@ def main() -> None:
                     time_vendor(here, static, q, scale)
                 if args.graph:
                     time_attend_graph(here, static, q, scale, suffix)
+                if args.graph and args.merge_sweep:
+                    time_merge_shapes(here, static, q, scale, suffix)
                 if coef == "float" and args.graph:
                     time_steps(here, static, q, K, V, scale)
                 del static, adaptive, states
@@ -636,6 +642,41 @@ def time_attend_graph(rows: list[dict], state, q, scale: float, label: str) -> N
     except Exception as err:  # noqa: BLE001 - one failing row must not end the run
         traceback.print_exc()
         rows.append(dict(method=method, skipped=f"error: {type(err).__name__}: {err}"))
+
+
+def time_merge_shapes(rows: list[dict], state, q, scale: float, label: str) -> None:
+    """The merge launch alone and the attention (``DecodeWorkspace``'s split, then the merge), each
+    replayed from a CUDA graph, per merge shape of MERGE_SWEEP (``decode.merge_launch``'s
+    ``columns`` and ``block_s``; None: the default) (rows ``merge-graph<label> ...`` and
+    ``attend-graph<label> ...``; docs/gpu.md, "The merge at N = 1")."""
+    from subspace_ref_triton import decode
+    from subspace_ref_triton.workspace import DecodeWorkspace
+
+    lay = state.layout
+    low_bit = any(lay.side_format(which).low_bits for which in ("key", "value"))
+    ws = DecodeWorkspace(lay, H_Q, q.dtype, scale, fixed_tail=low_bit)
+    want = get_torch_attend(state, lay, q, scale, int(lay.num_tokens))
+    split, _ = ws.launches(q)
+    for columns, block_s in MERGE_SWEEP:
+        merge, _ = decode.merge_launch(*ws.partials, ws.out.dtype, out=ws.out, columns=columns, block_s=block_s)
+        shape = f" cols={merge.constexprs['DV']} splits/step={merge.constexprs['BLOCK_S']} S={ws.num_splits}"
+        try:
+            if SMOKE:
+                split.run()
+                merge.run()
+                rows.append(dict(method="attend-graph" + label + shape, skipped="no CUDA graphs on the CPU interpreter",
+                                 max_abs_diff_vs_torch=float((ws.out.float() - want).abs().max())))
+                continue
+            split.run()
+            merge_ms = bench(capture(merge.run).replay)
+            graph = capture(lambda: (split.run(), merge.run()))
+            graph.replay()
+            diff = float((ws.out.float() - want).abs().max())
+            rows.append(dict(method="merge-graph" + label + shape, ms=merge_ms))
+            rows.append(dict(method="attend-graph" + label + shape, ms=bench(graph.replay), bytes=state.nbytes, max_abs_diff_vs_torch=diff))
+        except Exception as err:  # noqa: BLE001 - one failing row must not end the run
+            traceback.print_exc()
+            rows.append(dict(method="attend-graph" + label + shape, skipped=f"error: {type(err).__name__}: {err}"))
 
 
 def get_torch_attend(state, layout, q, scale, T):

@@ -22,6 +22,10 @@ Per (N, T), all in the same process:
   exact attention over (B q, C, D) with head size r through torch SDPA: the backend's
   ``vendor.attention`` (GQA), C and D expanded to 32 heads beforehand, or the 4 query heads of a KV
   head as 4 query rows; the query projection and the value basis included in the time.
+* **attend-graph[-int8|-int4] cols=<c> splits/step=<b> S=<splits>** and **merge-graph...**
+  (``--merge-sweep``) -- the attention and the merge launch alone, replayed from CUDA graphs, with
+  the merge launch's other shapes (MERGE_SWEEP: ``decode.merge_launch``'s ``columns`` and
+  ``block_s``; the merge rows take no ratio to SDPA).
 * **triton-<kind> bt=<tile> w=<warps> [cap=<registers>]** -- the triton kernel with other
   tiles / warp counts and register caps (cap=none: uncapped; ``--no-sweep`` skips them), to
   check ``launch_config`` (tiles from the compile report, caps from GPU timing) by measurement.
@@ -325,7 +329,7 @@ def main() -> None:
                 nonlocal shown
                 for r in here[shown:]:
                     r.update(N=N, T=T)
-                    if "ms" in r:
+                    if "ms" in r and not r.get("part"):  # a part of the attention (the merge alone) takes no ratio to SDPA
                         r["speedup_vs_sdpa"] = base_ms / r["ms"]
                         if r.get("bytes"):
                             r["GBps"] = r["bytes"] / (r["ms"] * 1e-3) / 1e9
@@ -672,7 +676,7 @@ def time_merge_shapes(rows: list[dict], state, q, scale: float, label: str) -> N
             graph = capture(lambda: (split.run(), merge.run()))
             graph.replay()
             diff = float((ws.out.float() - want).abs().max())
-            rows.append(dict(method="merge-graph" + label + shape, ms=merge_ms))
+            rows.append(dict(method="merge-graph" + label + shape, ms=merge_ms, part=True))
             rows.append(dict(method="attend-graph" + label + shape, ms=bench(graph.replay), bytes=state.nbytes, max_abs_diff_vs_torch=diff))
         except Exception as err:  # noqa: BLE001 - one failing row must not end the run
             traceback.print_exc()
@@ -700,7 +704,7 @@ def plot(files: list[str], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for f in files:
         data = json.loads(Path(f).read_text())
-        rows = [r for r in data["rows"] if "ms" in r and " bt=" not in r["method"]]
+        rows = [r for r in data["rows"] if "ms" in r and not r.get("part") and " bt=" not in r["method"] and " cols=" not in r["method"]]  # defaults only
         batches = sorted({r["N"] for r in rows})
         fig, axes = plt.subplots(2, len(batches), figsize=(6 * len(batches), 8), squeeze=False)
         for col, N in enumerate(batches):
@@ -727,7 +731,8 @@ def format_row(r: dict) -> str:
         return f"{r['method']:22s} skipped: {r['skipped']}"
     diff = r.get("max_abs_diff_vs_torch")
     bw = f"  {r['bytes'] / 2**20:9.1f} MiB  {r['GBps']:7.0f} GB/s  {100 * r['bw_fraction']:5.1f}% of copy" if "GBps" in r else ""
-    return f"{r['method']:22s} {r['ms'] * 1e3:9.1f} us{bw}  x{r['speedup_vs_sdpa']:6.2f} vs SDPA" + (f"  |diff| {diff:.2e}" if diff is not None else "")
+    ratio = f"  x{r['speedup_vs_sdpa']:6.2f} vs SDPA" if "speedup_vs_sdpa" in r else ""
+    return f"{r['method']:22s} {r['ms'] * 1e3:9.1f} us{bw}{ratio}" + (f"  |diff| {diff:.2e}" if diff is not None else "")
 
 
 def write_results(out: Path, meta: dict, rows: list[dict]) -> None:
@@ -750,9 +755,10 @@ def write_results(out: Path, meta: dict, rows: list[dict]) -> None:
             continue
         diff = r.get("max_abs_diff_vs_torch")
         mib, gbps, frac = (f"{r['bytes'] / 2**20:.1f}", f"{r['GBps']:.0f}", f"{100 * r['bw_fraction']:.1f}") if "GBps" in r else ("", "", "")
+        ratio = f"{r['speedup_vs_sdpa']:.2f}" if "speedup_vs_sdpa" in r else ""  # none for a part of the attention
         lines.append(
             f"| {r['N']} | {r['T']} | {r['method']} | {r.get('chunks', '')} | {r['ms'] * 1e3:.1f} | {mib} | "
-            f"{gbps} | {frac} | {r['speedup_vs_sdpa']:.2f} | {'' if diff is None else f'{diff:.2e}'} |"
+            f"{gbps} | {frac} | {ratio} | {'' if diff is None else f'{diff:.2e}'} |"
         )
     (out / f"decode_gpu_{stamp}.md").write_text("\n".join(lines) + "\n")
     print(f"\nwrote {out / f'decode_gpu_{stamp}.json'} and {out / f'decode_gpu_{stamp}.md'}")

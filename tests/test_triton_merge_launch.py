@@ -45,17 +45,29 @@ LAUNCHES = [(32, None), (16, 128), (0, 128), (64, 4), (8, 32)]
 def test_merge_shapes_agree_with_the_default_launch(columns, block_s, S, d_v, dtype):
     gen = torch.Generator().manual_seed(S * 1000 + d_v)
     partials = _partials(gen, 2, 3, S, d_v)
-    want = decode.merge_partials(*partials, dtype)
+    default, want = decode.merge_launch(*partials, dtype)
+    default.run()
     launch, got = decode.merge_launch(*partials, dtype, columns=columns, block_s=block_s)
-    assert launch.grid == (6, -(-d_v // launch.constexprs["DV"]))
-    assert launch.constexprs["DV"] == (pow2_at_least(d_v) if columns == 0 else min(columns, pow2_at_least(d_v)))
+    DV = pow2_at_least(d_v) if columns == 0 else min(columns, pow2_at_least(d_v))
+    assert launch.constexprs["DV"] == DV and launch.grid == (6, -(-d_v // DV))
+    assert launch.constexprs["BLOCK_S"] == min(block_s or max(1, decode.MERGE_TILE // DV), pow2_at_least(S, 1))
     launch.run()
     assert got.dtype == dtype and got.shape == want.shape and torch.isfinite(got).all()
-    bound = _merge_bound(partials, dtype, tiles=(decode.MERGE_BLOCK_S, block_s or decode.MERGE_BLOCK_S))
+    # n of _merge_bound from the splits a step of both merges compared
+    bound = _merge_bound(partials, dtype, tiles=(default.constexprs["BLOCK_S"], launch.constexprs["BLOCK_S"]))
     diff = (got.double() - want.double()).abs().cpu().numpy()
     assert (diff <= bound).all(), (diff.max(), (diff / np.maximum(bound, 1e-300)).max())
     exact = decode.merge_partials_reference(*(x.double() for x in partials), torch.float64).cpu().numpy()
     assert (np.abs(got.double().cpu().numpy() - exact) <= bound).all()
+
+
+def test_the_default_launch_is_the_timed_shape():
+    """merge_launch's defaults are the shape timed fastest at N = 1 (docs/gpu.md, "The merge at
+    N = 1"): at d_v = 128 four programs of 32 columns a row, all of 99 splits in one step of 128."""
+    m = torch.zeros(1, 32, 99, device=DEVICE)
+    launch, _ = decode.merge_launch(m, m, torch.zeros(1, 32, 99, 128, device=DEVICE), torch.bfloat16)
+    assert (decode.MERGE_COLUMNS, decode.MERGE_TILE) == (32, 4096)
+    assert launch.grid == (32, 4) and launch.constexprs["DV"] == 32 and launch.constexprs["BLOCK_S"] == 128
 
 
 def test_columns_cover_every_column_once():
@@ -68,12 +80,19 @@ def test_columns_cover_every_column_once():
     assert got is out and launch.grid == (2, 5)
     launch.run()
     exact = decode.merge_partials_reference(*(x.double() for x in partials), torch.float64).cpu().numpy()
-    assert (np.abs(out.double().cpu().numpy() - exact) <= _merge_bound(partials, torch.float32)).all()
+    assert (np.abs(out.double().cpu().numpy() - exact) <= _merge_bound(partials, torch.float32, tiles=(launch.constexprs["BLOCK_S"],))).all()
 
 
 @pytest.mark.parametrize("name,value", [("columns", 3), ("columns", -16), ("columns", True), ("columns", 16.0),
                                         ("block_s", 0), ("block_s", 24), ("block_s", False), ("block_s", "16")])
 def test_merge_launch_names_a_bad_shape(name, value):
     m = torch.zeros(1, 2, 4, device=DEVICE)
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(ValueError, match=f"merge_launch: {name}"):
         decode.merge_launch(m, m, torch.zeros(1, 2, 4, 8, device=DEVICE), torch.float32, **{name: value})
+
+
+def test_merge_launch_takes_integer_types():
+    """numpy integers are integers (operator.index), as torch's own arguments take them."""
+    m = torch.zeros(1, 2, 4, device=DEVICE)
+    launch, _ = decode.merge_launch(m, m, torch.zeros(1, 2, 4, 64, device=DEVICE), torch.float32, columns=np.int64(16), block_s=np.int32(2))
+    assert launch.constexprs["DV"] == 16 and launch.constexprs["BLOCK_S"] == 2

@@ -26,7 +26,8 @@ Flash-decoding in two launches:
    the output dtype.
 
 Optionally one launch (``decode_attention(..., fused_merge=True)``, :func:`fused_launch`; off by
-default, timed slower than the two launches: docs/gpu.md, "The merge at N = 1"): each split
+default: timed slower than the two launches under a CUDA graph, faster eager; docs/gpu.md, "The
+merge at N = 1"): each split
 program counts its written partial on a per-(sequence, KV head) counter, and the one that writes
 the last merges them by the same formula (``_merge_row``) over whole rows in steps of
 MERGE_BLOCK_S splits; the merge launch's steps differ, and compiled, the fused sum runs on the
@@ -63,6 +64,7 @@ float32, so the two agree up to summation order).
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -93,9 +95,9 @@ BLOCK_D = 32  # columns of q and B_j per step of the query projection (the inter
 DOT_ROWS = 4 if _small_dots() else 16
 MERGE_BLOCK_S = 16  # splits per step of the fused and exact merges, over whole rows: a (16 x d_v) float32 tile stays in registers
 # The merge launch: MERGE_COLUMNS of d_v's columns per program, as many splits per step as fill a
-# tile of MERGE_TILE float32 elements (128 at 32 columns), so a row's partials are read in one
-# step and its columns by d_v / 32 programs: timed 3.2x faster than whole rows of 16-split steps
-# at N = 1 (docs/gpu.md, "The merge at N = 1").
+# tile of MERGE_TILE float32 elements (128 at 32 columns), so up to 128 partials of a row are read
+# in one step and its columns by d_v / 32 programs: timed 3.2x faster than whole rows of 16-split
+# steps at N = 1 (docs/gpu.md, "The merge at N = 1").
 MERGE_COLUMNS = 32
 MERGE_TILE = 4096
 # No split shorter than this: below, the per-split cost (query projection, partial write, merge)
@@ -1348,7 +1350,7 @@ def split_launch(
     ``fused``: ``(out, counters)`` to merge in the same launch (spec A3.2; :func:`fused_launch`):
     ``out`` (N, H_q, d_v) takes N / Z, ``counters`` (int32 zeros, one per (sequence, KV head))
     count the written partials, and the program that writes the last one merges them all and
-    resets its counter to 0. Off by default (the two-launch path; the fused one timed slower).
+    resets its counter to 0. Off by default (the two-launch path; the fused one timed slower under a CUDA graph).
 
     :func:`split_launch` returns the launch (not run) and the outputs it would fill, for
     ahead-of-time compile checks (``subspace_ref_triton.gpu_report``).
@@ -1485,7 +1487,7 @@ def split_launch(
         Z_SLOTS=cfg["num_warps"] > 1 and parts > 1 and not bits,  # _tile16 only
         INTERPRETED=interpreting(),
     )
-    if fused is not None:  # merge_launch's tile and rounding: the same formula (its sum's order follows the warps)
+    if fused is not None:  # the merge's formula over whole rows, MERGE_BLOCK_S splits a step (merge_launch(columns=0, block_s=MERGE_BLOCK_S))
         constexprs.update(FUSED=True, MERGE_S=min(MERGE_BLOCK_S, pow2_at_least(S, 1)), OUT_BF16=interpreting() and out.dtype == torch.bfloat16)
     if cfg["max_registers"] is None:
         cfg["max_registers"] = default_max_registers(kb.dtype, group, cfg["num_warps"], constexprs)
@@ -1500,6 +1502,19 @@ def merge_partials(m, z, o, dtype):
     return out
 
 
+def _power_of_two_or_none(name: str, value, least: int) -> int | None:
+    """``value`` as an int: None, a power of two, or 0 where ``least`` is 0 (ValueError naming ``name`` otherwise)."""
+    if value is None:
+        return None
+    try:
+        number = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or number < least or (number and number & (number - 1)):
+        raise ValueError(f"merge_launch: {name} must be None, {'0 or ' if least == 0 else ''}a power of two, got {value!r}")
+    return number
+
+
 def merge_launch(m, z, o, dtype, out=None, *, columns: int | None = None, block_s: int | None = None):
     """The launch of :func:`merge_partials` (not run) and its output (``out`` when given).
 
@@ -1508,9 +1523,7 @@ def merge_launch(m, z, o, dtype, out=None, *, columns: int | None = None, block_
     per step of each program's loop over the partials (a power of two; None: MERGE_TILE divided
     by the columns). Every shape merges by the same formula; the order of the float32 sums over
     splits follows ``block_s``."""
-    for name, value, least in (("columns", columns, 0), ("block_s", block_s, 1)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least or value & (value - 1)):
-            raise ValueError(f"{name} must be None, {'0 or ' if least == 0 else ''}a power of two, got {value!r}")
+    columns, block_s = (_power_of_two_or_none("columns", columns, 0), _power_of_two_or_none("block_s", block_s, 1))
     N, Hq, S = m.shape
     d_v = o.shape[-1]
     columns = MERGE_COLUMNS if columns is None else columns
@@ -1558,8 +1571,8 @@ def decode_attention(q, layout, scale: float | None = None, split_len: int | Non
 
     ``fused_merge``: split and merge (spec A3.2) in one launch (:func:`fused_launch`), the merge by
     the last program of each (sequence, KV head); ``counters`` (:func:`new_counters`, left at zero)
-    may be passed to reuse. Off by default: the two-launch path, the fused one timed slower
-    (docs/gpu.md, "The merge at N = 1")."""
+    may be passed to reuse. Off by default: the two-launch path; the fused one timed slower
+    under a CUDA graph, faster eager (docs/gpu.md, "The merge at N = 1")."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if fused_merge:
         split, (out, _, _) = sized_launch(lambda s: fused_launch(q, layout, scale, s, num_splits, counters=counters, **launch), q, layout, split_len,

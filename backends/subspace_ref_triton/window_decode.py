@@ -204,7 +204,9 @@ def exact_merge_launch(q, keys, values, scale: float, partials, out, count, head
     the layer's token count T (a one-element int64 device tensor: nothing read on the host), and
     the group's KV head ``h`` reads exact row ``heads[h]`` (None: row ``h``; a contiguous 1-D
     integer tensor on q's device, each entry below H_e: not checked, that would read the
-    device). T >= 1. One program per (sequence, query head), as :func:`decode.merge_launch`."""
+    device). T >= 1. One program per (sequence, query head), over all d_v columns (the merge
+    launch, :func:`decode.merge_launch`, splits a row's columns over programs; each of these would
+    form the exact partial again)."""
     N, Hq, d = q.shape
     pm, pz, po = partials
     H = keys.shape[1] if heads is None else heads.numel()

@@ -88,7 +88,7 @@ class DecodeWorkspace:
         self.partials = (torch.empty((N, query_heads, self.num_splits), **f32), torch.empty((N, query_heads, self.num_splits), **f32),
                          torch.empty((N, query_heads, self.num_splits, d_v), **f32))
         self.out = torch.empty((N, query_heads, d_v), dtype=dtype, device=self.device)
-        # one launch for split + merge (decode.fused_launch), off by default: timed slower (docs/gpu.md)
+        # one launch for split + merge (decode.fused_launch), off by default: timed slower under a CUDA graph (docs/gpu.md)
         self.counters = torch.zeros(N * H, dtype=torch.int32, device=self.device) if fused_merge else None
         self.chunk = torch.zeros((N, H), dtype=torch.int64, device=self.device)  # the static basis of every head, for append
 

@@ -22,10 +22,11 @@ Per (N, T), all in the same process:
   exact attention over (B q, C, D) with head size r through torch SDPA: the backend's
   ``vendor.attention`` (GQA), C and D expanded to 32 heads beforehand, or the 4 query heads of a KV
   head as 4 query rows; the query projection and the value basis included in the time.
-* **attend-graph[-int8|-int4] cols=<c> splits/step=<b> S=<splits>** and **merge-graph...**
-  (``--merge-sweep``) -- the attention and the merge launch alone, replayed from CUDA graphs, with
-  the merge launch's other shapes (MERGE_SWEEP: ``decode.merge_launch``'s ``columns`` and
-  ``block_s``; the merge rows take no ratio to SDPA).
+* **attend-graph[-int8|-int4] cols=<c> splits/step=<b> S=<splits>**, **merge-graph...** and
+  **split-graph... S=<splits>** (``--merge-sweep``, ``--merge-splits``) -- the attention, the merge
+  launch alone and the split launch alone, replayed from CUDA graphs, with the merge launch's other
+  shapes (MERGE_SWEEP: ``decode.merge_launch``'s ``columns`` and ``block_s``) at the default split
+  count and those given (the parts take no ratio to SDPA).
 * **triton-<kind> bt=<tile> w=<warps> [cap=<registers>]** -- the triton kernel with other
   tiles / warp counts and register caps (cap=none: uncapped; ``--no-sweep`` skips them), to
   check ``launch_config`` (tiles from the compile report, caps from GPU timing) by measurement.
@@ -241,6 +242,8 @@ def main() -> None:
     ap.add_argument("--rope-sweep", action="store_true", help="time the pre-RoPE kernel's other tiles, warps and rebuilds too (ROPE_SWEEP)")
     ap.add_argument("--no-graph", dest="graph", action="store_false", help="skip the eager / CUDA-graph decode step")
     ap.add_argument("--merge-sweep", action="store_true", help="time the merge launch's other shapes under a graph too (MERGE_SWEEP)")
+    ap.add_argument("--merge-splits", type=int, nargs="+", default=[], metavar="S",
+                    help="with --merge-sweep: also at these split counts (DecodeWorkspace's num_splits), beside the default")
     ap.add_argument("--plot", nargs="+", default=None, metavar="JSON", help="only draw the plots of these result files into --out")
     ap.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk of the adaptive layout (J = T / this)")
     ap.add_argument("--no-adaptive", action="store_true")
@@ -349,7 +352,7 @@ def main() -> None:
                 if args.graph:
                     time_attend_graph(here, static, q, scale, suffix)
                 if args.graph and args.merge_sweep:
-                    time_merge_shapes(here, static, q, scale, suffix)
+                    time_merge_shapes(here, static, q, scale, suffix, args.merge_splits)
                 if coef == "float" and args.graph:
                     time_steps(here, static, q, K, V, scale)
                 del static, adaptive, states
@@ -648,19 +651,32 @@ def time_attend_graph(rows: list[dict], state, q, scale: float, label: str) -> N
         rows.append(dict(method=method, skipped=f"error: {type(err).__name__}: {err}"))
 
 
-def time_merge_shapes(rows: list[dict], state, q, scale: float, label: str) -> None:
+def time_merge_shapes(rows: list[dict], state, q, scale: float, label: str, split_counts=()) -> None:
     """The merge launch alone and the attention (``DecodeWorkspace``'s split, then the merge), each
     replayed from a CUDA graph, per merge shape of MERGE_SWEEP (``decode.merge_launch``'s
-    ``columns`` and ``block_s``; None: the default) (rows ``merge-graph<label> ...`` and
-    ``attend-graph<label> ...``; docs/gpu.md, "The merge at N = 1")."""
-    from subspace_ref_triton import decode
+    ``columns`` and ``block_s``; None: the default), at the workspace's default split count and at
+    ``split_counts`` (rows ``merge-graph<label> ...`` and ``attend-graph<label> ...``; docs/gpu.md,
+    "The merge at N = 1")."""
     from subspace_ref_triton.workspace import DecodeWorkspace
 
     lay = state.layout
     low_bit = any(lay.side_format(which).low_bits for which in ("key", "value"))
-    ws = DecodeWorkspace(lay, H_Q, q.dtype, scale, fixed_tail=low_bit)
     want = get_torch_attend(state, lay, q, scale, int(lay.num_tokens))
+    timed = set()
+    for num_splits in [None, *split_counts]:
+        ws = DecodeWorkspace(lay, H_Q, q.dtype, scale, num_splits=num_splits, fixed_tail=low_bit)
+        if ws.num_splits not in timed:  # a count given that is the default's is timed once
+            timed.add(ws.num_splits)
+            _time_merge_shapes(rows, state, q, label, ws, want)
+
+
+def _time_merge_shapes(rows: list[dict], state, q, label: str, ws, want) -> None:
+    """:func:`time_merge_shapes` on one workspace."""
+    from subspace_ref_triton import decode
+
     split, _ = ws.launches(q)
+    if not SMOKE:
+        rows.append(dict(method="split-graph" + label + f" S={ws.num_splits}", ms=bench(capture(split.run).replay), part=True))
     for columns, block_s in MERGE_SWEEP:
         merge, _ = decode.merge_launch(*ws.partials, ws.out.dtype, out=ws.out, columns=columns, block_s=block_s)
         shape = f" cols={merge.constexprs['DV']} splits/step={merge.constexprs['BLOCK_S']} S={ws.num_splits}"

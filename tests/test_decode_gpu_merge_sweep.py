@@ -38,8 +38,10 @@ def test_merge_sweep_rows_run_on_the_interpreter(monkeypatch, tmp_path, coef):
     state, _ = dg.build_states(N, T, K, V, 64, False, gen, torch.device("cpu"), coef)
     rows = []
     scale = 1.0 / math.sqrt(dg.D)
-    dg.time_merge_shapes(rows, state, q, scale, "" if coef == "float" else f"-{coef}")
-    assert len(rows) == len(dg.MERGE_SWEEP), rows
+    dg.time_merge_shapes(rows, state, q, scale, "" if coef == "float" else f"-{coef}", split_counts=[2, 1, 2])
+    # --merge-splits: the same shapes again at 2 splits, after those at the default (1 split at 96 tokens here); each count once
+    assert len(rows) == 2 * len(dg.MERGE_SWEEP) and {r["method"].rsplit("S=", 1)[1] for r in rows[len(dg.MERGE_SWEEP):]} == {"2"}, rows
+    rows = rows[: len(dg.MERGE_SWEEP)]
     label = "attend-graph" + ("" if coef == "float" else f"-{coef}")
     assert all(r["method"].startswith(label + " cols=") and "error" not in r["skipped"] for r in rows), rows
     from subspace_ref_triton import decode

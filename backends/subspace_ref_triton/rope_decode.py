@@ -725,7 +725,10 @@ def split_launch(q, layout, rope, scale: float, split_len: int, first_position: 
     # the softmax per warp (warp_softmax): each warp's rows a softmax of their own, at least the 16
     # tokens a warp's value product takes (16-bit products: SPLIT below)
     nw = num_warps or NUM_WARPS
-    per_warp = not legacy and kb.dtype in (torch.float16, torch.bfloat16) and native is not False and bt % nw == 0 and bt // nw >= 16
+    # 16-bit bases: float32 operands of the products cut into 16-bit parts (also under the
+    # interpreter, whose products of the parts are float32); float32 bases or native=False: float32
+    split16 = kb.dtype in (torch.float16, torch.bfloat16) and native is not False
+    per_warp = not legacy and split16 and bt % nw == 0 and bt // nw >= 16
     if warp_softmax is None:
         warp_softmax = WARP_SOFTMAX_DEFAULT and per_warp
     if warp_softmax and not per_warp:
@@ -765,9 +768,7 @@ def split_launch(q, layout, rope, scale: float, split_len: int, first_position: 
     args = pointers + (num_tokens if device_t else pm,) + args
     constexprs["DEVICE_T"] = device_t
     constexprs["MIN_SPLIT"] = cdiv(MIN_SPLIT_TOKENS, bt) * bt if device_t else 1  # a multiple of the tile: splits start on tiles
-    # 16-bit bases: float32 operands of the products cut into 16-bit parts (also under the
-    # interpreter, whose products of the parts are float32); float32 bases or native=False: float32
-    constexprs["SPLIT"] = kb.dtype in (torch.float16, torch.bfloat16) and native is not False
+    constexprs["SPLIT"] = split16
     # low-bit keys enter the rebuild as 16-bit parts too: the coefficients' storage does not matter here
     constexprs["NATIVE16"] = constexprs["SPLIT"] and native16(kb, kb, constexprs)
     constexprs["RANKS_FULL"] = r == constexprs["R"] and r_v == constexprs["RV"]
